@@ -1,0 +1,146 @@
+"""Load official safetensors checkpoints (sharded or single file) for one branch, plus LoRA merge.
+
+Tensors are read memory-mapped and go straight to the target dtype/device (and TP shard); the model is
+built on the meta device first, so nothing is allocated twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from .config import NeoConfig, load_config
+from .model import NeoModel
+from .parallel import TPContext, shard, shard_dim
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class LoadError(ValueError):
+    """The checkpoint does not match the model; the message names the file or key."""
+
+
+def weight_map(model_dir: str) -> dict[str, str]:
+    """key -> shard file path."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
+        for shard_file in set(wm.values()):
+            if not os.path.exists(os.path.join(model_dir, shard_file)):
+                raise LoadError(f"shard {shard_file} named in {INDEX_FILE} is missing")
+        return {k: os.path.join(model_dir, v) for k, v in wm.items()}
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise LoadError(f"no {INDEX_FILE} or {SINGLE_FILE} in {model_dir}")
+    with _open(single) as f:
+        return {k: single for k in f.keys()}
+
+
+def _open(path: str):
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise LoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None
+
+
+def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
+    """Architecture + weight files identity; handles carry it so KV from another model is rejected."""
+    cfg = cfg or load_config(model_dir)
+    h = hashlib.sha256(cfg.fingerprint.encode())
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            h.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
+    return h.hexdigest()[:16]
+
+
+def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        full = NeoModel(cfg, "both")
+    return {k: p.shape for k, p in full.named_parameters()}
+
+
+def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
+               lora: str | None = None, lora_strength: float = 1.0, tp: TPContext | None = None) -> NeoModel:
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = NeoModel(cfg, branch, tp)
+    wm = weight_map(model_dir)
+    full_shapes = _expected_shapes(cfg)
+    unexpected = sorted(set(wm) - set(full_shapes))
+    if unexpected:
+        raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
+                        + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    needed = dict(model.named_parameters())
+    missing = sorted(k for k in needed if k not in wm)
+    if missing:
+        raise LoadError(f"missing tensor {missing[0]!r} in the checkpoint"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    handles: dict[str, object] = {}
+    state = {}
+    for key in needed:
+        path = wm[key]
+        if path not in handles:
+            handles[path] = _open(path)
+        f = handles[path]
+        try:
+            sl = f.get_slice(key)
+            shape = torch.Size(sl.get_shape())
+        except Exception as e:
+            raise LoadError(f"cannot read tensor {key!r} from {path}: {e}") from None
+        if shape != full_shapes[key]:
+            raise LoadError(f"tensor {key!r} has shape {tuple(shape)}, expected {tuple(full_shapes[key])}")
+        dim = shard_dim(key)
+        if tp is not None and tp.world_size > 1 and dim is not None:
+            n = shape[dim] // tp.world_size
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+            t = sl[tuple(index)]
+        else:
+            t = f.get_tensor(key)
+        state[key] = t.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    if lora:
+        merge_lora(model, lora, strength=lora_strength, tp=tp)
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.exists(tok_path):
+        from .tokenizer import NeoTokenizer
+        model.set_image_context_id(NeoTokenizer.from_dir(model_dir).img_context_id)
+    model.fingerprint = model_fingerprint(model_dir, cfg)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
+    """Official LoRA format: W += strength * (alpha / r) * up @ down, in fp32. Returns modules merged."""
+    with _open(path) as f:
+        keys = set(f.keys())
+        prefix = "diffusion_model." if any("diffusion_model." in k for k in keys) else ""
+        merged = 0
+        for name, param in model.named_parameters():
+            if not name.endswith(".weight"):
+                continue
+            base = prefix + name[: -len(".weight")]
+            down_k, up_k, alpha_k = base + ".lora_down.weight", base + ".lora_up.weight", base + ".alpha"
+            if down_k not in keys or up_k not in keys:
+                continue
+            down = f.get_tensor(down_k).float()
+            up = f.get_tensor(up_k).float()
+            rank = down.shape[0]
+            alpha = f.get_tensor(alpha_k).float().item() if alpha_k in keys else float(rank)
+            delta = (alpha / rank) * strength * (up @ down)
+            delta = shard(delta, shard_dim(name), tp)
+            if delta.shape != param.shape:
+                raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is {tuple(param.shape)}")
+            param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
+            merged += 1
+    if merged == 0:
+        raise LoadError(f"LoRA file {path} matched no weight of this model (branch {model.branch!r})")
+    return merged

@@ -1,0 +1,156 @@
+"""NeoModel: the NEO-unify MoT model over packed tokens, with attention supplied by the caller.
+
+The module tree mirrors the checkpoint keys (`language_model.model.layers.{i}...`, `vision_model...`,
+`fm_modules...`), and is built only for the branch a process needs: "und" (text + input images,
+lm_head), "gen" (denoising: `*_mot_gen` + `fm_modules`) or "both" (the reference pipeline).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .config import NeoConfig
+from .modules import (BRANCH_SUFFIX, ConvDecoder, MoTDecoderLayer, RMSNorm, Rope, TimestepEmbedder,
+                      VisionModel, token_mlp_head)
+from .parallel import TPContext
+
+# attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+BRANCHES = {"und": ("und",), "gen": ("gen",), "both": ("und", "gen")}
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: NeoConfig, branches, tp):
+        super().__init__()
+        llm = cfg.llm
+        sfx = [BRANCH_SUFFIX[b] for b in branches]
+        if "und" in branches:
+            self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_size)
+            self.norm = RMSNorm(llm.hidden_size, llm.rms_norm_eps)
+        if "gen" in branches:
+            self.norm_mot_gen = RMSNorm(llm.hidden_size, llm.rms_norm_eps)
+        self.layers = nn.ModuleList(MoTDecoderLayer(cfg, sfx, tp) for _ in range(llm.num_hidden_layers))
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: NeoConfig, branches, tp):
+        super().__init__()
+        self.model = DecoderStack(cfg, branches, tp)
+        if "und" in branches:
+            self.lm_head = nn.Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
+
+
+class NeoModel(nn.Module):
+    def __init__(self, cfg: NeoConfig, branch: str = "both", tp: TPContext | None = None):
+        super().__init__()
+        if branch not in BRANCHES:
+            raise ValueError(f"branch must be one of {sorted(BRANCHES)}, got {branch!r}")
+        self.cfg = cfg
+        self.branch = branch
+        self.tp = tp
+        branches = BRANCHES[branch]
+        h = cfg.llm.hidden_size
+        self.language_model = LanguageModel(cfg, branches, tp)
+        if "und" in branches:
+            self.vision_model = VisionModel(cfg.vision, h)
+        if "gen" in branches:
+            fm = {
+                "vision_model_mot_gen": VisionModel(cfg.vision, h),
+                "timestep_embedder": TimestepEmbedder(h),
+                "fm_head": ConvDecoder(h) if cfg.use_pixel_head else token_mlp_head(h, 3 * cfg.token_pixels ** 2),
+            }
+            if cfg.add_noise_scale_embedding:
+                fm["noise_scale_embedder"] = TimestepEmbedder(h)
+            self.fm_modules = nn.ModuleDict(fm)
+        self._img_context_id: int | None = None  # set by the loader from the checkpoint's tokenizer
+        attn = self.language_model.model.layers[0].self_attn
+        self.num_layers = cfg.llm.num_hidden_layers
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+
+    # ------------------------------------------------------------------ shared pieces
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def rope(self, positions: torch.Tensor) -> Rope:
+        llm = self.cfg.llm
+        return Rope(positions.to(self.device), self.head_dim, llm.rope_theta, llm.rope_theta_hw)
+
+    def _run_layers(self, x, rope, attend: Attend, branch: str):
+        for i, layer in enumerate(self.language_model.model.layers):
+            x = layer(x, rope, attend, i, branch)
+        return x
+
+    # ------------------------------------------------------------------ understanding branch
+    def embed(self, input_ids: torch.Tensor, images=()) -> torch.Tensor:
+        """[T] ids -> [T, H]; <IMG_CONTEXT> rows are replaced, in order, by the und vision embedder."""
+        ids = torch.as_tensor(input_ids, device=self.device).flatten()
+        x = self.language_model.model.embed_tokens(ids)
+        if images:
+            pv = torch.cat([im.pixel_values for im in images]).to(self.device)
+            vis = self.vision_model(pv, [im.grid_hw for im in images]).to(x.dtype)
+            ctx = self._img_context_id
+            if ctx is None:
+                raise ValueError("image context token id unknown: call set_image_context_id()")
+            sel = (ids == ctx).nonzero().flatten()
+            if sel.numel() != vis.shape[0]:
+                raise ValueError(f"{sel.numel()} <IMG_CONTEXT> tokens but {vis.shape[0]} image tokens")
+            x = x.clone()
+            x[sel] = vis
+        return x
+
+    def set_image_context_id(self, token_id: int) -> None:
+        self._img_context_id = token_id
+
+    def embed_image(self, image) -> torch.Tensor:
+        """One input image -> its [gh*gw/4, H] token embeddings (und vision embedder)."""
+        return self.vision_model(image.pixel_values.to(self.device), [image.grid_hw])
+
+    def und_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+        return self.language_model.model.norm(self._run_layers(x, rope, attend, "und"))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.lm_head(hidden).float()
+
+    # ------------------------------------------------------------------ generation branch
+    def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+        return self.language_model.model.norm_mot_gen(self._run_layers(x, rope, attend, "gen"))
+
+    def time_embeddings(self, t: torch.Tensor, noise_scale: float) -> torch.Tensor:
+        """TE(t) + TE'(s / cap): one [H] vector per step, broadcast over every image token."""
+        fm = self.fm_modules
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).reshape(1)
+        emb = fm["timestep_embedder"](t)
+        if self.cfg.add_noise_scale_embedding:
+            s = torch.full_like(t, noise_scale / self.cfg.noise_scale_max_value)
+            emb = emb + fm["noise_scale_embedder"](s)
+        return emb[0]
+
+    def gen_embed(self, x_t: torch.Tensor, t, noise_scale: float) -> torch.Tensor:
+        """x_t [B, 3, H, W] (the Euler state as an image) -> [B, N, hidden] gen input tokens."""
+        B, _, H, W = x_t.shape
+        p = self.cfg.patch_size
+        gh, gw = H // p, W // p
+        patches = x_t.reshape(B, 3, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B * gh * gw, 3 * p * p)
+        tok = self.fm_modules["vision_model_mot_gen"](patches, [(gh, gw)] * B)
+        tok = tok.view(B, -1, tok.shape[-1])
+        return tok + self.time_embeddings(t, noise_scale).to(tok.dtype)
+
+    def gen_head(self, hidden: torch.Tensor, th: int, tw: int) -> torch.Tensor:
+        """[B, N, hidden] -> x_hat [B, N, 3072] in (row, col, channel) order per 32-px block."""
+        head = self.fm_modules["fm_head"]
+        B, N, C = hidden.shape
+        if not self.cfg.use_pixel_head:
+            return head(hidden)
+        p = self.cfg.token_pixels
+        img = head(hidden.view(B, th, tw, C).permute(0, 3, 1, 2).contiguous())  # [B, 3, H, W]
+        return img.view(B, 3, th, p, tw, p).permute(0, 2, 4, 3, 5, 1).reshape(B, N, 3 * p * p)

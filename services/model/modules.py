@@ -1,0 +1,283 @@
+"""Building blocks of NEO-unify: norms, 3-D RoPE, vision embedder, time embedders, MLP/MoE, heads.
+
+Module and parameter names follow the official checkpoint keys exactly, so a state dict loads 1:1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel import TPContext
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in fp32, cast back, then multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+# ----------------------------------------------------------------------------- 3-D RoPE
+def rope_inv_freq(rotary_dim: int, base: float, device=None) -> torch.Tensor:
+    # Upstream builds the table for twice the dim and keeps every other entry: same values.
+    dim = 2 * rotary_dim
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    return inv[::2]
+
+
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor):
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class Rope:
+    """cos/sin tables (fp32) for the t / h / w parts of a head, for one set of positions [3, T]."""
+
+    def __init__(self, positions: torch.Tensor, head_dim: int, theta_t: float, theta_hw: float):
+        self.positions = positions
+        dev = positions.device
+        self.t = _cos_sin(positions[0], rope_inv_freq(head_dim // 2, theta_t, dev))
+        inv_hw = rope_inv_freq(head_dim // 4, theta_hw, dev)
+        self.h = _cos_sin(positions[1], inv_hw)
+        self.w = _cos_sin(positions[2], inv_hw)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos_sin) -> torch.Tensor:
+    cos, sin = cos_sin
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def qk_norm_rope(x: torch.Tensor, norm_t: RMSNorm, norm_hw: RMSNorm, rope: Rope) -> torch.Tensor:
+    """x [T, H, D]: RMSNorm the t-half and the hw-half separately, then rotate t, h and w parts."""
+    xt, xhw = x.chunk(2, dim=-1)
+    xt = norm_t(xt)
+    xhw = norm_hw(xhw)
+    xh, xw = xhw.chunk(2, dim=-1)
+    return torch.cat([_rotate(xt, rope.t), _rotate(xh, rope.h), _rotate(xw, rope.w)], dim=-1)
+
+
+# ----------------------------------------------------------------------------- MLPs
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE block: fp32 softmax router, top-k, renormalise, weighted sum of SwiGLU experts."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(hidden, inter) for _ in range(num_experts)])
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out
+
+
+# ----------------------------------------------------------------------------- attention + layer
+class MoTAttention(nn.Module):
+    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`)."""
+
+    def __init__(self, cfg, branches, tp: TPContext | None):
+        super().__init__()
+        llm = cfg.llm
+        ws = tp.world_size if tp else 1
+        if llm.num_attention_heads % ws or llm.num_key_value_heads % ws:
+            raise ValueError(f"TP {ws} must divide q heads {llm.num_attention_heads} and kv heads "
+                             f"{llm.num_key_value_heads}")
+        self.num_heads = llm.num_attention_heads // ws
+        self.num_kv_heads = llm.num_key_value_heads // ws
+        self.head_dim = d = llm.head_dim
+        h = llm.hidden_size
+        for sfx in branches:
+            setattr(self, "q_proj" + sfx, nn.Linear(h, self.num_heads * d, bias=False))
+            setattr(self, "k_proj" + sfx, nn.Linear(h, self.num_kv_heads * d, bias=False))
+            setattr(self, "v_proj" + sfx, nn.Linear(h, self.num_kv_heads * d, bias=False))
+            setattr(self, "o_proj" + sfx, nn.Linear(self.num_heads * d, h, bias=False))
+            for n in ("q_norm", "q_norm_hw", "k_norm", "k_norm_hw"):
+                setattr(self, n + sfx, RMSNorm(d // 2, llm.rms_norm_eps))
+
+    def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
+        T = x.shape[0]
+        d = self.head_dim
+        q = getattr(self, "q_proj" + sfx)(x).view(T, self.num_heads, d)
+        k = getattr(self, "k_proj" + sfx)(x).view(T, self.num_kv_heads, d)
+        v = getattr(self, "v_proj" + sfx)(x).view(T, self.num_kv_heads, d)
+        q = qk_norm_rope(q, getattr(self, "q_norm" + sfx), getattr(self, "q_norm_hw" + sfx), rope)
+        k = qk_norm_rope(k, getattr(self, "k_norm" + sfx), getattr(self, "k_norm_hw" + sfx), rope)
+        return q, k, v
+
+
+BRANCH_SUFFIX = {"und": "", "gen": "_mot_gen"}
+
+
+class MoTDecoderLayer(nn.Module):
+    def __init__(self, cfg, branches, tp: TPContext | None):
+        super().__init__()
+        llm = cfg.llm
+        ws = tp.world_size if tp else 1
+        self.tp = tp
+        self.self_attn = MoTAttention(cfg, branches, tp)
+        for sfx in branches:
+            setattr(self, "input_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
+            setattr(self, "post_attention_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
+            if llm.is_moe:
+                gen = sfx == "_mot_gen"
+                n_exp = llm.gen_num_experts if gen else llm.num_experts
+                k = llm.gen_num_experts_per_tok if gen else llm.num_experts_per_tok
+                inter = llm.gen_moe_intermediate_size if gen else llm.moe_intermediate_size
+                if inter % ws:
+                    raise ValueError(f"TP {ws} must divide the expert width {inter}")
+                mlp = SparseMoE(llm.hidden_size, inter // ws, n_exp, k, llm.norm_topk_prob)
+            else:
+                if llm.intermediate_size % ws:
+                    raise ValueError(f"TP {ws} must divide intermediate_size {llm.intermediate_size}")
+                mlp = SwiGLU(llm.hidden_size, llm.intermediate_size // ws)
+            setattr(self, "mlp" + sfx, mlp)
+
+    def _reduce(self, x):
+        if self.tp is not None and self.tp.world_size > 1:
+            self.tp.all_reduce(x)
+        return x
+
+    def forward(self, x: torch.Tensor, rope: Rope, attend, layer_idx: int, branch: str) -> torch.Tensor:
+        sfx = BRANCH_SUFFIX[branch]
+        h = getattr(self, "input_layernorm" + sfx)(x)
+        q, k, v = self.self_attn.qkv(h, rope, sfx)
+        o = attend(layer_idx, q, k, v)
+        o = getattr(self.self_attn, "o_proj" + sfx)(o.reshape(x.shape[0], -1))
+        x = x + self._reduce(o)
+        h = getattr(self, "post_attention_layernorm" + sfx)(x)
+        return x + self._reduce(getattr(self, "mlp" + sfx)(h))
+
+
+# ----------------------------------------------------------------------------- vision embedder
+class VisionEmbeddings(nn.Module):
+    """16-px patch conv -> GELU -> interleaved 2-D RoPE (fp32) -> 2x2 stride-2 conv into LLM width."""
+
+    def __init__(self, vcfg, llm_hidden: int):
+        super().__init__()
+        self.patch_size = vcfg.patch_size
+        self.embed_dim = vcfg.hidden_size
+        self.merge = int(round(1 / vcfg.downsample_ratio))
+        self.rope_theta = vcfg.rope_theta
+        self.patch_embedding = nn.Conv2d(vcfg.num_channels, vcfg.hidden_size, self.patch_size, self.patch_size)
+        self.dense_embedding = nn.Conv2d(vcfg.hidden_size, llm_hidden, self.merge, self.merge)
+
+    def _rope_2d(self, x: torch.Tensor, grids) -> torch.Tensor:
+        xs, ys = [], []
+        for gh, gw in grids:
+            idx = torch.arange(gh * gw, device=x.device)
+            xs.append(idx % gw)
+            ys.append(idx // gw)
+        px, py = torch.cat(xs), torch.cat(ys)
+        half = self.embed_dim // 2
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, half, 2, device=x.device).float() / half))
+        xf = x.float()
+
+        def rot(part, pos):
+            ang = torch.outer(pos.float(), inv)
+            cos, sin = ang.cos(), ang.sin()
+            a, b = part[..., 0::2], part[..., 1::2]
+            out = torch.empty_like(part)
+            out[..., 0::2] = a * cos - b * sin
+            out[..., 1::2] = a * sin + b * cos
+            return out
+
+        out = torch.cat([rot(xf[:, :half], px), rot(xf[:, half:], py)], dim=-1)
+        return out.to(self.patch_embedding.weight.dtype)
+
+    def forward(self, pixel_values: torch.Tensor, grids) -> torch.Tensor:
+        p = self.patch_size
+        x = pixel_values.to(self.patch_embedding.weight.dtype).view(-1, 3, p, p)
+        x = F.gelu(self.patch_embedding(x)).view(-1, self.embed_dim)
+        x = self._rope_2d(x, grids)
+        outs, pos = [], 0
+        for gh, gw in grids:
+            img = x[pos:pos + gh * gw].view(1, gh, gw, -1).permute(0, 3, 1, 2)
+            y = self.dense_embedding(img).permute(0, 2, 3, 1)
+            outs.append(y.reshape(-1, y.shape[-1]))
+            pos += gh * gw
+        return torch.cat(outs, dim=0)
+
+
+class VisionModel(nn.Module):
+    def __init__(self, vcfg, llm_hidden: int):
+        super().__init__()
+        self.embeddings = VisionEmbeddings(vcfg, llm_hidden)
+
+    def forward(self, pixel_values, grids):
+        return self.embeddings(pixel_values, grids)
+
+
+# ----------------------------------------------------------------------------- generation heads
+class TimestepEmbedder(nn.Module):
+    """Sinusoid of the raw value (256 wide, [cos | sin], fp32) -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, hidden: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half).to(values.device)
+        args = values[:, None].float() * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+def token_mlp_head(hidden: int, out_dim: int) -> nn.Sequential:
+    """U1 head: Linear(H -> 4096) -> GELU -> Linear(4096 -> 3072) per token (width is a literal 4096)."""
+    return nn.Sequential(nn.Linear(hidden, 4096), nn.GELU(), nn.Linear(4096, out_dim))
+
+
+class ConvDecoder(nn.Module):
+    """U1.5 pixel head on the token map: PixelShuffle 2 -> conv3x3 -> GELU -> PixelShuffle 2 -> conv3x3
+    -> PixelShuffle 8. Mixes neighbouring tokens (removes U1's grid artifacts)."""
+
+    def __init__(self, hidden: int, width: int = 1024):
+        super().__init__()
+        self.conv1 = nn.Conv2d(hidden // 4, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width // 4, 192, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv1(F.pixel_shuffle(x, 2)))
+        return F.pixel_shuffle(self.conv2(F.pixel_shuffle(x, 2)), 8)

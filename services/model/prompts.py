@@ -1,0 +1,140 @@
+"""Prompt construction: the neo1_0 chat template and the CFG-branch prefixes for T2I and editing."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+
+from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
+                     preprocess)
+from .sampler import SamplerParams, branches_needed
+from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START, NeoTokenizer
+
+IMAGE_PLACEHOLDER = "<image>"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+THINK_OPEN = "<think>\n"
+THINK_TAIL = "\n\n" + IMG_START  # appended after a think block, as a causal block
+GEN_SYSTEM_MESSAGE_FILE = "gen_system_message.txt"
+
+
+@dataclass
+class PromptInput:
+    input_ids: list[int]
+    images: list[ImageTensor] = field(default_factory=list)
+
+    @property
+    def grids(self):
+        return [im.grid_hw for im in self.images]
+
+
+def default_gen_system_message() -> str:
+    return resources.files("services.model").joinpath("data", GEN_SYSTEM_MESSAGE_FILE).read_text()
+
+
+def gen_system_message(model_dir: str | None = None, override: str | None = None) -> str:
+    """The generation system message the checkpoint was trained with: option > checkpoint file > data file."""
+    if override is not None:
+        return override
+    if model_dir:
+        path = os.path.join(model_dir, GEN_SYSTEM_MESSAGE_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    return default_gen_system_message()
+
+
+def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
+    """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`."""
+    out = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    for role, content in turns:
+        out += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    if generation_prompt:
+        out += "<|im_start|>assistant\n"
+    return out
+
+
+def expand_images(tok: NeoTokenizer, text: str, images: list[ImageTensor]) -> PromptInput:
+    """Replace each <image> by <img> + <IMG_CONTEXT> x tokens + </img> and tokenise."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    if len(parts) - 1 != len(images):
+        raise ValueError(f"{len(parts) - 1} <image> placeholders for {len(images)} images")
+    out = parts[0]
+    for img, rest in zip(images, parts[1:]):
+        out += IMG_START + IMG_CONTEXT * img.num_tokens + IMG_END + rest
+    return PromptInput(tok.encode(out), list(images))
+
+
+def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | None = None,
+               min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS) -> PromptInput:
+    """OpenAI-like messages -> PromptInput. Content is a string or a list of text / image parts
+    ({"type": "image", "image": PIL}). A user turn whose images have no placeholder gets `<image>\\n`
+    prefixes (as upstream's chat)."""
+    system = ""
+    turns: list[tuple[str, str]] = []
+    images: list[ImageTensor] = []
+    for m in messages:
+        role = m.get("role")
+        content = m.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"unknown role {role!r}")
+        if isinstance(content, str) or content is None:
+            text, pics = content or "", []
+        else:
+            text, pics = "", []
+            for part in content:
+                if part.get("type") == "text":
+                    text += part.get("text", "")
+                elif part.get("type") == "image":
+                    pics.append(part["image"])
+                else:
+                    raise ValueError(f"unknown content part type {part.get('type')!r}")
+        if pics:
+            missing = len(pics) - text.count(IMAGE_PLACEHOLDER)
+            text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + text
+            images.extend(preprocess(p, min_pixels, max_pixels) for p in pics)
+        if role == "system":
+            system = text
+        else:
+            turns.append((role, text))
+    prompt = neo1_0(turns, system)
+    if enable_thinking is True:
+        prompt += THINK_OPEN
+    elif enable_thinking is False:
+        prompt += EMPTY_THINK
+    return expand_images(tok, prompt, images)
+
+
+UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no system, no think)
+
+
+def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: bool = False,
+               system_message: str | None = None) -> dict[str, PromptInput]:
+    system = default_gen_system_message() if system_message is None else system_message
+    head = neo1_0([("user", prompt)], system)
+    out = {"cond": PromptInput(tok.encode(head + (THINK_OPEN if think else EMPTY_THINK + IMG_START)))}
+    if "uncond" in branches_needed(params):
+        out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
+    return out
+
+
+def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerParams, think: bool = False,
+                system_message: str | None = None) -> dict[str, PromptInput]:
+    """Editing prefixes: cond (system + images + instruction), img_cond (images only), uncond."""
+    if not 1 <= len(images) <= 4:
+        raise ValueError("editing takes 1 to 4 input images")
+    tensors = [preprocess(im, EDIT_MIN_PIXELS, edit_max_pixels(len(images))) for im in images]
+    n = len(images)
+    if IMAGE_PLACEHOLDER not in prompt and n > 1:
+        text = "".join(f"Image-{i + 1}:{IMAGE_PLACEHOLDER}\n" for i in range(n)) + prompt
+    else:
+        missing = n - prompt.count(IMAGE_PLACEHOLDER)
+        text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + prompt
+    system = default_gen_system_message() if system_message is None else system_message
+    tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
+    out = {"cond": expand_images(tok, neo1_0([("user", text)], system) + tail, tensors)}
+    needed = branches_needed(params)
+    if "img_cond" in needed:
+        out["img_cond"] = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * n)]) + IMG_START, tensors)
+    if "uncond" in needed:
+        out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
+    return out

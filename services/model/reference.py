@@ -1,0 +1,249 @@
+"""The single-process reference pipeline: eager torch attention with explicit masks.
+
+Serving tests use it as the oracle. It is built from two halves the engines mirror:
+  prefix:  prompt (+ images) -> per-branch PrefixKV [L, 2, P, Hkv, D] (+ think text)
+  denoise: prefix KVs + size + sampler params + seed -> image in [-1, 1]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from . import prompts as P
+from . import sampler as S
+from .model import NeoModel
+from .positions import image_token_positions, prefill_mask, thw_indexes
+from .tokenizer import NeoTokenizer
+
+
+@dataclass
+class PrefixKV:
+    kv: torch.Tensor  # [L, 2, P, Hkv, D]; K after Q/K norm and RoPE
+    t_offset: int  # t of the generated image tokens = max prefix t + 1
+    think_text: str | None = None
+    input_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[2]
+
+
+class _Cache:
+    """Per-layer K/V lists the reference appends to (prefill, decode, appended blocks)."""
+
+    def __init__(self, num_layers: int):
+        self.k = [None] * num_layers
+        self.v = [None] * num_layers
+
+    def append(self, i, k, v):
+        self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k])
+        self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v])
+        return self.k[i], self.v[i]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[0]
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([torch.stack([k, v]) for k, v in zip(self.k, self.v)])
+
+
+def masked_attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Eager attention as upstream's und path: fp32 softmax, additive -inf mask. q [Tq,Hq,D], k/v [Tk,Hkv,D]."""
+    rep = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)
+    kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+    vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    w = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    if mask is not None:
+        w = w + torch.where(mask, 0.0, float("-inf")).to(w.dtype)[None]
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, vh).transpose(0, 1)
+
+
+def _forward_und(model: NeoModel, cache: _Cache, x, positions, mask):
+    """Append a block of und tokens to the cache; row i of the block sees the whole cache + mask[i]."""
+    past = cache.length
+    scale = model.head_dim ** -0.5
+
+    def attend(i, q, k, v):
+        kk, vv = cache.append(i, k, v)
+        full = None
+        if mask is not None:
+            full = torch.cat([torch.ones(mask.shape[0], past, dtype=torch.bool, device=mask.device), mask], 1)
+        return masked_attention(q, kk, vv, full, scale)
+
+    return model.und_forward(x, model.rope(positions), attend)
+
+
+def prefill(model: NeoModel, inp: P.PromptInput):
+    """Prefix forward -> (cache, positions, last hidden [P, H])."""
+    ids = torch.tensor(inp.input_ids, dtype=torch.long)
+    positions = thw_indexes(ids, model._img_context_id, inp.grids).to(model.device)
+    x = model.embed(ids, inp.images)
+    cache = _Cache(model.num_layers)
+    hidden = _forward_und(model, cache, x, positions, prefill_mask(positions))
+    return cache, positions, hidden
+
+
+def _append_text(model, cache, ids: list[int], t_last: int):
+    """Append text tokens causally after the cache (t continues from t_last)."""
+    n = len(ids)
+    t = torch.arange(t_last + 1, t_last + 1 + n)
+    positions = torch.stack([t, torch.zeros_like(t), torch.zeros_like(t)]).to(model.device)
+    x = model.embed(torch.tensor(ids))
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=model.device))
+    hidden = _forward_und(model, cache, x, positions, mask)
+    return hidden, t_last + n
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = torch.where(logits < kth, float("-inf"), logits)
+    probs = torch.softmax(logits, -1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        keep = (torch.cumsum(sp, 0) - sp) < top_p
+        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate_text(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, max_new_tokens: int = 64,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  stop_ids: tuple[int, ...] | None = None) -> list[int]:
+    """Autoregressive decode (greedy when temperature == 0). Returns the new token ids (stop token excluded)."""
+    stop = set(stop_ids if stop_ids is not None else (tok.im_end_id,))
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    cache, positions, hidden = prefill(model, inp)
+    t_last = int(positions[0].max())
+    out: list[int] = []
+    logits = model.lm_logits(hidden[-1:])[0]
+    for _ in range(max_new_tokens):
+        nxt = _sample(logits, temperature, top_p, top_k, gen)
+        if nxt in stop:
+            break
+        out.append(nxt)
+        hidden, t_last = _append_text(model, cache, [nxt], t_last)
+        logits = model.lm_logits(hidden[-1:])[0]
+    return out
+
+
+@torch.no_grad()
+def think_decode(model, tok, cache, hidden, t_last: int, max_think_tokens: int):
+    """Greedy think block: stop on </think> (fed) or <|im_end|> (not fed); then append "\\n\\n<img>"."""
+    ids: list[int] = []
+    logits = model.lm_logits(hidden[-1:])[0]
+    for _ in range(max_think_tokens):
+        nxt = int(torch.argmax(logits))
+        if nxt == tok.im_end_id:
+            break
+        ids.append(nxt)
+        hidden, t_last = _append_text(model, cache, [nxt], t_last)
+        if nxt == tok.end_think_id:
+            break
+        logits = model.lm_logits(hidden[-1:])[0]
+    _, t_last = _append_text(model, cache, tok.encode(P.THINK_TAIL), t_last)
+    return tok.decode(ids), t_last
+
+
+@torch.no_grad()
+def build_prefix(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, think: bool = False,
+                 max_think_tokens: int = 1024) -> PrefixKV:
+    cache, positions, hidden = prefill(model, inp)
+    t_last = int(positions[0].max())
+    think_text = None
+    if think:
+        think_text, t_last = think_decode(model, tok, cache, hidden, t_last, max_think_tokens)
+    return PrefixKV(cache.stacked(), t_last + 1, think_text, list(inp.input_ids))
+
+
+@torch.no_grad()
+def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, images, params: S.SamplerParams,
+                   think: bool = False, max_think_tokens: int = 1024,
+                   system_message: str | None = None) -> dict[str, PrefixKV]:
+    """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request. Think only on cond."""
+    if kind == "t2i":
+        inputs = P.t2i_inputs(tok, prompt, params, think, system_message)
+    elif kind == "edit":
+        inputs = P.edit_inputs(tok, prompt, images, params, think, system_message)
+    else:
+        raise ValueError(f"kind must be t2i or edit, got {kind!r}")
+    return {b: build_prefix(model, tok, inp, think and b == "cond", max_think_tokens) for b, inp in inputs.items()}
+
+
+def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: torch.Tensor, z: torch.Tensor,
+                 t: torch.Tensor, th: int, tw: int, t_eps: float) -> torch.Tensor:
+    """One gen-branch forward for B images against one prefix: x_in [B, N, H] -> v [B, N, 3072]."""
+    B, N, _ = x_in.shape
+    positions = image_token_positions(th, tw, t_offset, device=model.device).repeat(1, B)
+    scale = model.head_dim ** -0.5
+    rep = model.num_heads // model.num_kv_heads
+
+    def attend(i, q, k, v):
+        pk = prefix_kv[i, 0].unsqueeze(0).expand(B, -1, -1, -1)
+        pv = prefix_kv[i, 1].unsqueeze(0).expand(B, -1, -1, -1)
+        kk = torch.cat([pk, k.view(B, N, *k.shape[1:])], 1).transpose(1, 2).repeat_interleave(rep, 1)
+        vv = torch.cat([pv, v.view(B, N, *v.shape[1:])], 1).transpose(1, 2).repeat_interleave(rep, 1)
+        qq = q.view(B, N, *q.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
+        return o.transpose(1, 2).reshape(B * N, *q.shape[1:])
+
+    hidden = model.gen_forward(x_in.reshape(B * N, -1), model.rope(positions), attend)
+    x_hat = model.gen_head(hidden.view(B, N, -1), th, tw)
+    return S.velocity(x_hat, z, t, t_eps)
+
+
+@torch.no_grad()
+def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
+            seed: int = 0, n: int = 1, on_step=None) -> torch.Tensor:
+    """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1]."""
+    params.validate()
+    if width % S.BLOCK or height % S.BLOCK:
+        raise ValueError(f"width and height must be multiples of {S.BLOCK}")
+    th, tw = height // S.BLOCK, width // S.BLOCK
+    s = S.noise_scale(model.cfg, th * tw)
+    x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s)
+    grid = S.timesteps(params.num_steps, params.timestep_shift, device=model.device)
+    needed = S.branches_needed(params)
+    kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
+    for i in range(params.num_steps):
+        t, t_next = grid[i], grid[i + 1]
+        z = S.patchify(x)
+        x_in = model.gen_embed(x, t, s)
+        active = needed if S.uses_cfg(params, float(t)) else ["cond"]
+        v = {b: gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps) for b in active}
+        z = S.euler(z, S.combine(v, params, i, float(t)), t, t_next)
+        x = S.unpatchify(z, th, tw)
+        if on_step is not None:
+            on_step(i + 1, params.num_steps)
+    return x
+
+
+def to_pil(x: torch.Tensor) -> list[Image.Image]:
+    return [Image.fromarray(a.numpy()) for a in S.to_uint8(x)]
+
+
+@torch.no_grad()
+def text_to_image(model, tok, prompt: str, width: int, height: int, params: S.SamplerParams | None = None,
+                  seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024):
+    """One-call T2I: returns (images [n, 3, H, W] in [-1, 1], think_text)."""
+    params = params or S.SamplerParams()
+    pre = image_prefixes(model, tok, "t2i", prompt, [], params, think, max_think_tokens)
+    return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text
+
+
+@torch.no_grad()
+def edit(model, tok, prompt: str, images: list, width: int, height: int, params: S.SamplerParams | None = None,
+         seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024):
+    params = params or S.SamplerParams(mode="edit")
+    pre = image_prefixes(model, tok, "edit", prompt, images, params, think, max_think_tokens)
+    return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text

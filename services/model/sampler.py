@@ -1,0 +1,148 @@
+"""Flow-matching sampler: timestep grid, noise, CFG rules, Euler step (model_spec.md section 6)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+CFG_NORMS = ("none", "global", "channel", "cfg_zero_star")
+BLOCK = 32  # pixels per token side
+
+
+@dataclass
+class SamplerParams:
+    num_steps: int = 50
+    timestep_shift: float = 3.0
+    t_eps: float = 0.02
+    cfg_scale: float = 4.0
+    img_cfg_scale: float = 1.0
+    cfg_norm: str = "none"
+    cfg_interval: tuple = field(default=(0.0, 1.0))
+    mode: str = "t2i"  # "t2i" (cond/uncond) or "edit" (cond/img_cond/uncond)
+
+    def validate(self) -> None:
+        if self.mode not in ("t2i", "edit"):
+            raise ValueError(f"mode must be t2i or edit, got {self.mode!r}")
+        if self.cfg_norm not in CFG_NORMS:
+            raise ValueError(f"cfg_norm must be one of {CFG_NORMS}, got {self.cfg_norm!r}")
+        if self.mode == "edit" and self.cfg_norm == "cfg_zero_star":
+            raise ValueError("cfg_zero_star is only defined for text-to-image")
+        if self.num_steps < 1:
+            raise ValueError("num_steps must be >= 1")
+        lo, hi = self.cfg_interval
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"cfg_interval must satisfy 0 <= lo <= hi <= 1, got {self.cfg_interval}")
+
+
+def branches_needed(p: SamplerParams) -> list[str]:
+    """Which CFG prefixes a request needs, cond first (the 1/2/3-branch rule)."""
+    if p.mode == "t2i":
+        return ["cond", "uncond"] if p.cfg_scale > 1 else ["cond"]
+    g, gi = p.cfg_scale, p.img_cfg_scale
+    if g == 1 and gi == 1:
+        return ["cond"]
+    if gi == 1:
+        return ["cond", "img_cond"]
+    if g == gi:
+        return ["cond", "uncond"]
+    return ["cond", "img_cond", "uncond"]
+
+
+def timesteps(num_steps: int, shift: float, device=None) -> torch.Tensor:
+    """fp32 grid from 0 (noise) to 1 (clean), shifted: sigma' = S*sigma / (1 + (S-1)*sigma)."""
+    t = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
+    sigma = 1 - t
+    sigma = shift * sigma / (1 + (shift - 1) * sigma)
+    return 1 - sigma
+
+
+def noise_scale(cfg, num_tokens: int) -> float:
+    s = float(cfg.noise_scale)
+    if cfg.noise_scale_mode in ("resolution", "dynamic", "dynamic_sqrt"):
+        s = math.sqrt(num_tokens / float(cfg.noise_scale_base_image_seq_len)) * float(cfg.noise_scale)
+        if cfg.noise_scale_mode == "dynamic_sqrt":
+            s = math.sqrt(s)
+    return min(s, float(cfg.noise_scale_max_value))
+
+
+def initial_noise(n: int, height: int, width: int, seed: int, device, dtype, scale: float) -> torch.Tensor:
+    """One draw for the whole batch from a fresh generator on the model's device (as upstream)."""
+    g = torch.Generator(device=device).manual_seed(int(seed))
+    return scale * torch.randn((n, 3, height, width), device=device, dtype=dtype, generator=g)
+
+
+def patchify(x: torch.Tensor, p: int = BLOCK) -> torch.Tensor:
+    """[B, 3, H, W] -> [B, N, p*p*3], blocks row-major, (row, col, channel) inside a block."""
+    B, C, H, W = x.shape
+    h, w = H // p, W // p
+    return x.reshape(B, C, h, p, w, p).permute(0, 2, 4, 3, 5, 1).reshape(B, h * w, p * p * C)
+
+
+def unpatchify(z: torch.Tensor, th: int, tw: int, p: int = BLOCK) -> torch.Tensor:
+    B = z.shape[0]
+    return z.reshape(B, th, tw, p, p, 3).permute(0, 5, 1, 3, 2, 4).reshape(B, 3, th * p, tw * p)
+
+
+def velocity(x_hat: torch.Tensor, z: torch.Tensor, t: torch.Tensor, t_eps: float) -> torch.Tensor:
+    return (x_hat - z) / (1 - t).clamp_min(t_eps)
+
+
+def _optimized_scale(pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    pos = pos.reshape(pos.shape[0], -1).float()
+    neg = neg.reshape(neg.shape[0], -1).float()
+    return (pos * neg).sum(1, keepdim=True) / ((neg ** 2).sum(1, keepdim=True) + 1e-8)
+
+
+def _renorm(v: torch.Tensor, v_cond: torch.Tensor, how: str) -> torch.Tensor:
+    dims = (1, 2) if how == "global" else -1
+    n_c = torch.norm(v_cond, dim=dims, keepdim=True)
+    n_v = torch.norm(v, dim=dims, keepdim=True)
+    return v * (n_c / (n_v + 1e-8)).clamp(min=0, max=1.0)
+
+
+def uses_cfg(p: SamplerParams, t: float) -> bool:
+    lo, hi = p.cfg_interval
+    if p.mode == "t2i":
+        return p.cfg_scale > 1 and lo <= t <= hi  # inclusive (T2I)
+    return (lo < t < hi) or lo == 0  # editing rule
+
+
+def combine(v: dict, p: SamplerParams, step_index: int, t: float) -> torch.Tensor:
+    """CFG combination of the per-branch velocities {branch: [B, N, 3072]}."""
+    vc = v["cond"]
+    if not uses_cfg(p, t) or len(v) == 1:
+        return vc
+    g, gi = p.cfg_scale, p.img_cfg_scale
+    if p.mode == "t2i":
+        vu = v["uncond"]
+        if p.cfg_norm == "cfg_zero_star":
+            if step_index <= 0:
+                return vc * 0.0
+            alpha = _optimized_scale(vc, vu).view(vc.shape[0], 1, 1).to(vc.dtype)
+            return vu * alpha + g * (vc - vu * alpha)
+        out = vu + g * (vc - vu)
+    else:
+        if g == 1 and gi == 1:
+            return vc
+        if gi == 1:
+            out = v["img_cond"] + g * (vc - v["img_cond"])
+        elif g == gi:
+            out = v["uncond"] + g * (vc - v["uncond"])
+        else:
+            out = v["uncond"] + g * (vc - v["img_cond"]) + gi * (v["img_cond"] - v["uncond"])
+        if not (g > 1 or gi > 1):
+            return out
+    if p.cfg_norm in ("global", "channel"):
+        out = _renorm(out, vc, p.cfg_norm)
+    return out
+
+
+def euler(z: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+    return z + (t_next - t) * v
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] image tensor -> uint8 [B, H, W, 3] (x*0.5+0.5, clamp, *255, round)."""
+    y = (x.float() * 0.5 + 0.5).clamp(0, 1) * 255
+    return y.round().to(torch.uint8).permute(0, 2, 3, 1).cpu()

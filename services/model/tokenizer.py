@@ -1,0 +1,74 @@
+"""Tokenizer from the checkpoint's tokenizer.json (HF `tokenizers`, no transformers dependency)."""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK, END_THINK = "<think>", "</think>"
+IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
+ENDOFTEXT = "<|endoftext|>"
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class NeoTokenizer:
+    def __init__(self, tokenizer: Tokenizer, tokenizer_config: dict | None = None):
+        self._tok = tokenizer
+        self.config = tokenizer_config or {}
+
+        def lookup(token: str) -> int:
+            tid = self._tok.token_to_id(token)
+            if tid is None:
+                raise TokenizerError(f"tokenizer lacks the special token {token!r}")
+            return tid
+
+        # Every id is looked up by its string (upstream hard-codes <img> = 151670; we do not).
+        self.im_start_id = lookup(IM_START)
+        self.im_end_id = lookup(IM_END)
+        self.think_id = lookup(THINK)
+        self.end_think_id = lookup(END_THINK)
+        self.img_start_id = lookup(IMG_START)
+        self.img_end_id = lookup(IMG_END)
+        self.img_context_id = lookup(IMG_CONTEXT)
+        eos = self.config.get("eos_token") or IM_END
+        if isinstance(eos, dict):
+            eos = eos.get("content", IM_END)
+        self.eos_id = lookup(eos)
+        pad = self.config.get("pad_token") or ENDOFTEXT
+        if isinstance(pad, dict):
+            pad = pad.get("content", ENDOFTEXT)
+        self.pad_id = self._tok.token_to_id(pad)
+        self.special_ids = {t.id if hasattr(t, "id") else i for i, t in self._tok.get_added_tokens_decoder().items()
+                            if t.special} if hasattr(self._tok, "get_added_tokens_decoder") else set()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "NeoTokenizer":
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.exists(path):
+            raise TokenizerError(f"no tokenizer.json in {model_dir}")
+        tok = Tokenizer.from_file(path)
+        cfg = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        return cls(tok, cfg)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        # Qwen adds no BOS; special-token strings inside the text map to their ids.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
