@@ -1,0 +1,190 @@
+"""Moving KV between an engine's tensors and pool pages.
+
+export: engine paged KV [L, 2, S, Hkv, D] + token slots [T]  -> the handle's pages
+import: the handle's pages -> a preallocated contiguous [L, 2, cap, Hkv, D] buffer (cap >= T)
+
+The copies go through kernels.kv_export / kernels.kv_import (Triton on CUDA, torch reference on CPU). On
+CUDA the pages are passed as a CUDA tensor aliasing the pinned, mapped pool, so the kernels read/write host
+memory directly; on CPU they are the plain shared-memory view. Same code on both.
+
+With stream=None a copy is synchronous: on return an exported handle may be published and an imported
+handle may be released. With a side stream the call returns at once and the returned CopyDone must be
+waited on (wait(), or wait_stream() to order a compute stream after it) before that.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .errors import HandleError
+from .handle import KVHandle
+from .pool import ShmKVPool
+
+# A copy must finish within this many seconds of starting; the pages' lease is held at least that long so
+# an allocation elsewhere cannot reclaim them mid-copy.
+COPY_GUARD_S = 30.0
+
+
+def _copy_fns():
+    try:
+        import kernels
+    except ImportError:
+        kernels = None
+    export = getattr(kernels, "kv_export", None) or reference_kv_export
+    import_ = getattr(kernels, "kv_import", None) or reference_kv_import
+    return export, import_
+
+
+def _token_coords(page_ids: torch.Tensor, num_tokens: int, page_tokens: int):
+    t = torch.arange(num_tokens, device=page_ids.device)
+    return page_ids.long()[t // page_tokens], t % page_tokens
+
+
+def reference_kv_export(kv_pool: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                        page_ids: torch.Tensor) -> None:
+    """Torch reference (used only if kernels lacks kv_export): pages[p, :, :, o] = kv_pool[:, :, slot]."""
+    page_idx, offset = _token_coords(page_ids, slots.numel(), pages.shape[3])
+    src = kv_pool.index_select(2, slots.long())  # [L, 2, T, Hkv, D]
+    pages[page_idx, :, :, offset] = src.permute(2, 0, 1, 3, 4).to(pages.dtype)
+
+
+def reference_kv_import(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int,
+                        dst: torch.Tensor) -> None:
+    """Torch reference (used only if kernels lacks kv_import): dst[:, :, :T] = the handle's tokens."""
+    page_idx, offset = _token_coords(page_ids, num_tokens, pages.shape[3])
+    dst[:, :, :num_tokens] = pages[page_idx, :, :, offset].permute(1, 2, 0, 3, 4).to(dst.dtype)
+
+
+class CopyDone:
+    """Completion of one export/import. wait() is idempotent; it records metrics and re-checks that the
+    pages still belonged to the handle at the end of the copy (a concurrent release would corrupt it)."""
+
+    def __init__(self, pool: ShmKVPool, handle: KVHandle, kind: str, nbytes: int, *, t0: float, guard,
+                 device: torch.device | None = None, start: "torch.cuda.Event | None" = None,
+                 end: "torch.cuda.Event | None" = None):
+        self._pool, self._handle, self.kind, self.nbytes = pool, handle, kind, nbytes
+        self._device, self._start, self._end, self._guard = device, start, end, guard
+        self.seconds: float | None = None
+        if end is None:
+            self._finish(time.perf_counter() - t0)
+
+    def query(self) -> bool:
+        if self.seconds is not None:
+            return True
+        if self._end.query():
+            self.wait()
+            return True
+        return False
+
+    def wait(self) -> "CopyDone":
+        if self.seconds is None:
+            self._end.synchronize()
+            self._finish(self._start.elapsed_time(self._end) / 1000.0)
+        return self
+
+    def wait_stream(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Order `stream` (default: current) after the copy without blocking the host. Still call wait()
+        before releasing an imported handle or publishing an exported one."""
+        if self._end is not None:
+            (stream or torch.cuda.current_stream(self._device)).wait_event(self._end)
+
+    def _finish(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._pool.add_bytes_moved(self.kind, self.nbytes, seconds)
+        self._pool.end_copy(self._handle, self._guard)  # HandleError if released while copying
+
+
+def _check_kv(name: str, t: torch.Tensor, pool: ShmKVPool, min_tokens: int, *, exact: bool) -> None:
+    lay = pool.layout
+    if not isinstance(t, torch.Tensor) or t.dim() != 5:
+        raise ValueError(f"{name} must be a 5-D tensor [L, 2, T, Hkv, D]")
+    L, two, T, H, D = t.shape
+    if (L, two, H, D) != (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim):
+        raise ValueError(f"{name} shape {tuple(t.shape)} does not match the pool layout "
+                         f"[{lay.num_layers}, 2, T, {lay.num_kv_heads}, {lay.head_dim}]")
+    if (T != min_tokens) if exact else (T < min_tokens):
+        raise ValueError(f"{name} has {T} tokens, needs {'exactly' if exact else 'at least'} {min_tokens}")
+    if t.dtype != lay.torch_dtype:
+        raise ValueError(f"{name} dtype {t.dtype} differs from the pool dtype {lay.torch_dtype}")
+
+
+def _run(pool: ShmKVPool, handle: KVHandle, kind: str, guard, device: torch.device, stream, fn,
+         *tensors) -> CopyDone:
+    """Run fn(pages_on_device, page_ids) either now (CPU or stream=None) or on `stream`."""
+    nbytes = handle.num_tokens * pool.layout.bytes_per_token
+    try:
+        t0 = time.perf_counter()
+        if device.type == "cpu":
+            fn(pool.pages, torch.tensor(handle.page_ids, dtype=torch.int32))
+            return CopyDone(pool, handle, kind, nbytes, t0=t0, guard=guard)
+        return _run_cuda(pool, handle, kind, guard, nbytes, t0, device, stream, fn, tensors)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            pool.end_copy(handle, guard)
+        raise
+
+
+def _run_cuda(pool, handle, kind, guard, nbytes, t0, device, stream, fn, tensors) -> CopyDone:
+    pages = pool.pages_on(device)
+    side = stream if stream is not None else torch.cuda.current_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))  # the KV / buffer were produced on the compute stream
+    with torch.cuda.stream(side):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(side)
+        page_ids = torch.tensor(handle.page_ids, dtype=torch.int32).to(device, non_blocking=True)
+        fn(pages, page_ids)
+        end.record(side)
+    for t in tensors:
+        t.record_stream(side)  # keep the caching allocator from reusing them before the copy ends
+    done = CopyDone(pool, handle, kind, nbytes, t0=t0, guard=guard, device=device, start=start, end=end)
+    return done.wait() if stream is None else done
+
+
+def export_kv(pool: ShmKVPool, handle: KVHandle, kv_pool: torch.Tensor, slots: torch.Tensor,
+              stream=None) -> CopyDone:
+    """Copy the request's tokens kv_pool[:, :, slots] into the handle's pages (producer side)."""
+    _check_kv("kv_pool", kv_pool, pool, 1, exact=False)
+    if slots.dim() != 1 or slots.numel() != handle.num_tokens:
+        raise ValueError(f"slots must be 1-D with {handle.num_tokens} entries, got {tuple(slots.shape)}")
+    if slots.device != kv_pool.device:
+        raise ValueError(f"slots on {slots.device} but kv_pool on {kv_pool.device}")
+    guard = pool.guard_copy(handle, COPY_GUARD_S, None)
+    export, _ = _copy_fns()
+    slots = slots.to(torch.int32)
+    return _run(pool, handle, "export", guard, kv_pool.device, stream,
+                lambda pages, page_ids: export(kv_pool, slots, pages, page_ids), kv_pool, slots)
+
+
+def write_kv(pool: ShmKVPool, handle: KVHandle, kv: torch.Tensor, stream=None) -> CopyDone:
+    """Copy a contiguous [L, 2, T, Hkv, D] tensor into the handle's pages (T = handle.num_tokens)."""
+    _check_kv("kv", kv, pool, handle.num_tokens, exact=True)
+    slots = torch.arange(handle.num_tokens, dtype=torch.int32, device=kv.device)
+    return export_kv(pool, handle, kv, slots, stream)
+
+
+def import_kv(pool: ShmKVPool, handle: KVHandle, dst: torch.Tensor, stream=None,
+              expected_fingerprint: str | None = None) -> CopyDone:
+    """Copy the handle's tokens into dst[:, :, :num_tokens] (consumer side). Checks pool, generation,
+    fingerprint (against expected_fingerprint when given, else the pool's) and layout first."""
+    pool.validate(handle, expected_fingerprint)  # handle errors before buffer errors: they say more
+    _check_kv("dst", dst, pool, handle.num_tokens, exact=False)
+    if not dst.is_contiguous():
+        raise ValueError("dst must be contiguous")
+    guard = pool.guard_copy(handle, COPY_GUARD_S, expected_fingerprint)
+    _, import_ = _copy_fns()
+    return _run(pool, handle, "import", guard, dst.device, stream,
+                lambda pages, page_ids: import_(pages, page_ids, handle.num_tokens, dst), dst)
+
+
+def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",
+            expected_fingerprint: str | None = None) -> torch.Tensor:
+    """Convenience: a new [L, 2, T, Hkv, D] tensor holding the handle's KV."""
+    dst = torch.empty(pool.layout.kv_shape(handle.num_tokens), dtype=pool.layout.torch_dtype, device=device)
+    import_kv(pool, handle, dst, expected_fingerprint=expected_fingerprint)
+    return dst
+
+
+__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "CopyDone", "HandleError",
+           "reference_kv_export", "reference_kv_import"]

@@ -1,0 +1,378 @@
+"""ShmKVPool: a page pool of prefix KV in one named POSIX shared-memory segment.
+
+Segment layout (all little-endian):
+  [0, 256)        header words (int64[32]): magic, version, state, counters, generation ...
+  [256, 4096)     JSON: layout, model fingerprint, generation, creator pid
+  [4096, ...)     page table: owner handle id int64[P] (0 = free), lease deadline float64[P] (epoch s)
+  [data_off, end) pages [P, L, 2, page_tokens, Hkv, D] in the layout dtype (data_off 64 KiB aligned)
+
+Both the producer (understanding, creator) and the consumer (generation, attacher) allocate/release; every
+page-table operation holds an flock on the segment's fd (released by the kernel if a holder dies, so a
+killed process cannot wedge the pool) plus a thread lock (flock does not exclude threads of one process).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import threading
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from . import pinning
+from .errors import HandleError, PoolError, PoolFull
+from .handle import KVHandle, check_static
+from .layout import LAYOUT_VERSION, KVLayout
+from .metrics import CopyMetrics
+from .segment import Segment
+
+MAGIC = int.from_bytes(b"U1KVPOOL", "little")
+_STATE_READY = 0x5EAD1
+_HEADER_WORDS = 32
+_JSON_OFF = 256
+_TABLE_OFF = 4096
+_DATA_ALIGN = 1 << 16
+
+# header word indices
+_W_MAGIC, _W_VERSION, _W_STATE, _W_JSON_LEN = 0, 1, 2, 3
+_W_DATA_OFF, _W_NUM_PAGES, _W_NEXT_HANDLE, _W_GENERATION = 4, 5, 6, 7
+_W_BYTES_EXPORTED, _W_BYTES_IMPORTED, _W_ALLOCS, _W_ALLOC_FULL = 8, 9, 10, 11
+_W_PAGES_RECLAIMED, _W_PAGES_RELEASED = 12, 13
+
+
+def _data_offset(num_pages: int) -> int:
+    table_end = _TABLE_OFF + 16 * num_pages
+    return -(-table_end // _DATA_ALIGN) * _DATA_ALIGN
+
+
+class ShmKVPool:
+    """Use `ShmKVPool.create` (producer) or `ShmKVPool.attach` (consumer); close() when done."""
+
+    def __init__(self, segment: Segment, *, pin: bool | None):
+        self._seg = segment
+        self._tlock = threading.RLock()
+        self.metrics = CopyMetrics()
+        mm = segment.mm
+        self._hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS, offset=0)
+        if int(self._hdr[_W_MAGIC]) != MAGIC or int(self._hdr[_W_STATE]) != _STATE_READY:
+            self._drop_views()
+            raise PoolError(f"segment {segment.name!r} is not a ready u1serve KV pool")
+        if int(self._hdr[_W_VERSION]) != LAYOUT_VERSION:
+            version = int(self._hdr[_W_VERSION])
+            self._drop_views()
+            raise PoolError(f"KV pool {segment.name!r} has layout version {version}, "
+                            f"this build understands {LAYOUT_VERSION}")
+        meta = json.loads(bytes(mm[_JSON_OFF:_JSON_OFF + int(self._hdr[_W_JSON_LEN])]))
+        self.name = segment.name
+        self.layout = KVLayout.from_dict(meta["layout"])
+        self.fingerprint: str = meta["model_fingerprint"]
+        self.generation: str = meta["generation"]
+        self.creator_pid: int = meta["creator_pid"]
+        self.num_pages = int(self._hdr[_W_NUM_PAGES])
+        data_off = int(self._hdr[_W_DATA_OFF])
+        self._owner = np.frombuffer(mm, dtype=np.int64, count=self.num_pages, offset=_TABLE_OFF)
+        self._deadline = np.frombuffer(mm, dtype=np.float64, count=self.num_pages,
+                                       offset=_TABLE_OFF + 8 * self.num_pages)
+        self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
+        self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
+        self._cuda_pages: dict[torch.device, torch.Tensor] = {}
+        self._pin_box: list = [None]  # shared with the finalizer: the registered pointer, if any
+        self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, segment.created)
+        if pin is None:
+            pin = pinning.cuda_usable()
+        if pin:
+            self.pin()
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
+               pin: bool | None = None) -> "ShmKVPool":
+        """Create (replacing any stale segment of that name) a pool of size_bytes // page_bytes pages."""
+        if not isinstance(model_fingerprint, str) or not model_fingerprint:
+            raise ValueError("model_fingerprint must be a non-empty string")
+        num_pages = int(size_bytes) // layout.page_bytes
+        if num_pages < 1:
+            raise PoolError(f"KV pool size {size_bytes} B is smaller than one page ({layout.page_bytes} B)")
+        meta = json.dumps({
+            "layout": layout.to_dict(), "model_fingerprint": model_fingerprint,
+            "generation": secrets.token_hex(8), "creator_pid": os.getpid(), "created_at": time.time(),
+        }).encode()
+        if len(meta) > _TABLE_OFF - _JSON_OFF:
+            raise ValueError("model_fingerprint too long for the pool header")
+        data_off = _data_offset(num_pages)
+        seg = Segment.create(name, data_off + num_pages * layout.page_bytes)
+        try:
+            mm = seg.mm
+            mm[_JSON_OFF:_JSON_OFF + len(meta)] = meta
+            hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS, offset=0)
+            hdr[_W_VERSION] = LAYOUT_VERSION
+            hdr[_W_JSON_LEN] = len(meta)
+            hdr[_W_DATA_OFF] = data_off
+            hdr[_W_NUM_PAGES] = num_pages
+            hdr[_W_NEXT_HANDLE] = 1
+            hdr[_W_MAGIC] = MAGIC
+            hdr[_W_STATE] = _STATE_READY  # last: attachers wait for it
+            del hdr
+            pool = cls(seg, pin=pin)
+        except BaseException:
+            seg.unlink()
+            seg.close()
+            raise
+        return pool
+
+    @classmethod
+    def attach(cls, name: str, *, expected_fingerprint: str | None = None, pin: bool | None = None,
+               timeout_s: float = 5.0) -> "ShmKVPool":
+        """Attach to an existing pool (waits up to timeout_s for a pool being created)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                seg = Segment.attach(name)
+                try:
+                    pool = cls(seg, pin=pin)
+                except BaseException:
+                    seg.close()
+                    raise
+                break
+            except PoolError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+        if expected_fingerprint is not None and pool.fingerprint != expected_fingerprint:
+            fp = pool.fingerprint
+            pool.close()
+            raise PoolError(f"KV pool {name!r} was created for model {fp!r}, this engine runs "
+                            f"{expected_fingerprint!r}")
+        return pool
+
+    @property
+    def is_creator(self) -> bool:
+        return self._seg.created
+
+    @property
+    def closed(self) -> bool:
+        return self._seg.mm is None
+
+    def is_stale(self) -> bool:
+        """True when the name now refers to another segment (producer restarted) or to none."""
+        return not self._seg.is_current()
+
+    def close(self) -> None:
+        """Unmap. The creator also unlinks (a consumer never does)."""
+        self._drop_views()
+        self._finalizer()
+
+    def unlink(self) -> None:
+        """Remove the segment's name now (only if it is still ours); the mapping stays usable until close()."""
+        self._seg.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _drop_views(self) -> None:
+        self._hdr = self._owner = self._deadline = None
+        self._bytes = self.pages = None
+        self._cuda_pages = {}
+
+    # ------------------------------------------------------------------ CUDA
+    def pin(self) -> None:
+        """Register the whole mapping as pinned, mapped memory in this process (idempotent)."""
+        if self._pin_box[0] is None:
+            ptr = self._bytes.data_ptr()
+            pinning.register(ptr, self._bytes.numel())
+            self._pin_box[0] = ptr
+
+    @property
+    def pinned(self) -> bool:
+        return self._pin_box[0] is not None
+
+    def pages_on(self, device: torch.device | str) -> torch.Tensor:
+        """The pages as a tensor addressable from `device`: the CPU view, or a CUDA alias of the pinned map."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.pages
+        if device.type != "cuda":
+            raise ValueError(f"unsupported device {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        alias = self._cuda_pages.get(device)
+        if alias is None:
+            self.pin()
+            start = self.pages.data_ptr()
+            nbytes = self.num_pages * self.layout.page_bytes
+            raw = pinning.cuda_alias(start, nbytes, device)
+            alias = raw.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
+            self._cuda_pages[device] = alias
+        return alias
+
+    # ------------------------------------------------------------------ allocator
+    @contextlib.contextmanager
+    def _locked(self):
+        if self.closed:
+            raise PoolError(f"KV pool {self.name!r} is closed")
+        with self._tlock:
+            fcntl.flock(self._seg.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._seg.fd, fcntl.LOCK_UN)
+
+    def allocate(self, num_tokens: int, lease_s: float, *, branch: str = "cond", t_offset: int = 0) -> KVHandle:
+        """Reserve pages for num_tokens tokens until now + lease_s. Never blocks: raises PoolFull."""
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
+        need = self.layout.pages_for(num_tokens)
+        with self._locked():
+            now = time.time()
+            expired = (self._owner != 0) & (self._deadline < now)
+            n_expired = int(expired.sum())
+            if n_expired:  # reclaim pages of consumers/producers that died or forgot to release
+                self._owner[expired] = 0
+                self._hdr[_W_PAGES_RECLAIMED] += n_expired
+            free = np.flatnonzero(self._owner == 0)
+            if len(free) < need:
+                self._hdr[_W_ALLOC_FULL] += 1
+                why = ("the request is larger than the whole pool" if need > self.num_pages
+                       else "pages are in use; retry later")
+                raise PoolFull(
+                    f"KV pool {self.name!r} full: need {need} pages of {self.layout.page_tokens} tokens for "
+                    f"{num_tokens} tokens, {len(free)} of {self.num_pages} free ({why})",
+                    pages_needed=need, pages_free=len(free), pages_total=self.num_pages)
+            pids = free[:need]
+            handle_id = int(self._hdr[_W_NEXT_HANDLE])
+            self._hdr[_W_NEXT_HANDLE] = handle_id + 1
+            deadline = now + float(lease_s)
+            self._owner[pids] = handle_id
+            self._deadline[pids] = deadline
+            self._hdr[_W_ALLOCS] += 1
+        return KVHandle(
+            handle_id=handle_id, pool_name=self.name, pool_generation=self.generation,
+            page_ids=tuple(int(p) for p in pids), num_tokens=num_tokens, t_offset=int(t_offset),
+            model_fingerprint=self.fingerprint, layout_version=LAYOUT_VERSION, layout=self.layout.to_dict(),
+            branch=branch, lease_deadline=deadline)
+
+    def release(self, handle: KVHandle) -> int:
+        """Free the handle's pages that it still owns. Idempotent; handles of other generations are ignored.
+        Returns the number of pages freed."""
+        if handle.pool_name != self.name or handle.pool_generation != self.generation:
+            return 0  # its pages died with the pool it came from
+        pids = self._valid_page_ids(handle)
+        if not len(pids):
+            return 0
+        with self._locked():
+            mine = pids[self._owner[pids] == handle.handle_id]
+            self._owner[mine] = 0
+            self._hdr[_W_PAGES_RELEASED] += len(mine)
+        return len(mine)
+
+    def extend_lease(self, handle: KVHandle, seconds: float) -> KVHandle:
+        """Move the lease deadline to now + seconds. HandleError if the pages are no longer the handle's."""
+        self._check_static(handle, None)
+        pids = np.asarray(handle.page_ids, dtype=np.int64)
+        with self._locked():
+            self._check_owned(handle, pids, time.time())
+            deadline = time.time() + float(seconds)
+            self._deadline[pids] = deadline
+        return handle.replace(lease_deadline=deadline)
+
+    def validate(self, handle: KVHandle, expected_fingerprint: str | None = None) -> None:
+        """Raise HandleError unless the handle's pages are live in this pool with the expected model/layout."""
+        self._check_static(handle, expected_fingerprint)
+        pids = np.asarray(handle.page_ids, dtype=np.int64)
+        with self._locked():
+            self._check_owned(handle, pids, time.time())
+
+    def guard_copy(self, handle: KVHandle, guard_s: float, expected_fingerprint: str | None):
+        """validate() and, atomically, hold the lease for at least guard_s more seconds so a concurrent
+        allocation cannot reclaim the pages mid-copy. Returns a token for end_copy()."""
+        self._check_static(handle, expected_fingerprint)
+        pids = np.asarray(handle.page_ids, dtype=np.int64)
+        with self._locked():
+            now = time.time()
+            self._check_owned(handle, pids, now)
+            original = self._deadline[pids].copy()
+            guard = now + guard_s
+            self._deadline[pids] = np.maximum(original, guard)
+        return original, guard
+
+    def end_copy(self, handle: KVHandle, token) -> None:
+        """Give back the copy guard (the lease returns to what it was) and check the pages are still the
+        handle's: a release during the copy means the data may be torn -> HandleError."""
+        original, guard = token
+        pids = np.asarray(handle.page_ids, dtype=np.int64)
+        with self._locked():
+            if not np.all(self._owner[pids] == handle.handle_id):
+                raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}) was released during the copy",
+                                  "pages_freed")
+            untouched = self._deadline[pids] == guard
+            restore = np.where(untouched & (original < guard), original, self._deadline[pids])
+            self._deadline[pids] = restore
+
+    def _check_static(self, handle: KVHandle, expected_fingerprint: str | None) -> None:
+        if not isinstance(handle, KVHandle):
+            raise HandleError(f"expected a KVHandle, got {type(handle).__name__}", "malformed_handle")
+        check_static(handle, pool_name=self.name, generation=self.generation, fingerprint=self.fingerprint,
+                     layout=self.layout, num_pages=self.num_pages, expected_fingerprint=expected_fingerprint)
+
+    def _check_owned(self, handle: KVHandle, pids: np.ndarray, now: float) -> None:
+        if not np.all(self._owner[pids] == handle.handle_id):
+            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): its pages were released or "
+                              "reclaimed after its lease expired", "pages_freed")
+        if np.any(self._deadline[pids] < now):
+            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): lease expired "
+                              f"{now - float(self._deadline[pids].min()):.3f} s ago", "lease_expired")
+
+    def _valid_page_ids(self, handle: KVHandle) -> np.ndarray:
+        pids = np.asarray([p for p in handle.page_ids if 0 <= p < self.num_pages], dtype=np.int64)
+        return pids
+
+    # ------------------------------------------------------------------ metrics
+    def add_bytes_moved(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.metrics.observe(kind, nbytes, seconds)
+        word = _W_BYTES_EXPORTED if kind == "export" else _W_BYTES_IMPORTED
+        with self._locked():
+            self._hdr[word] += int(nbytes)
+
+    def stats(self) -> dict:
+        """Pool-wide page and byte counters (shared by all processes) plus this process's copy metrics."""
+        with self._locked():
+            now = time.time()
+            held = self._owner != 0
+            expired = held & (self._deadline < now)
+            hdr = [int(x) for x in self._hdr]
+            handles_live = len(np.unique(self._owner[held & ~expired]))
+        used = int(held.sum()) - int(expired.sum())
+        return {
+            "pool_name": self.name, "generation": self.generation, "model_fingerprint": self.fingerprint,
+            "layout": self.layout.to_dict(), "page_bytes": self.layout.page_bytes,
+            "pages_total": self.num_pages, "pages_used": used, "pages_expired": int(expired.sum()),
+            "pages_free": self.num_pages - used - int(expired.sum()), "handles_live": handles_live,
+            "bytes_total": self.num_pages * self.layout.page_bytes, "bytes_used": used * self.layout.page_bytes,
+            "allocations": hdr[_W_ALLOCS], "allocation_failures": hdr[_W_ALLOC_FULL],
+            "pages_released": hdr[_W_PAGES_RELEASED], "pages_reclaimed": hdr[_W_PAGES_RECLAIMED],
+            "bytes_exported_total": hdr[_W_BYTES_EXPORTED], "bytes_imported_total": hdr[_W_BYTES_IMPORTED],
+            "pinned": self.pinned, "process": self.metrics.snapshot(),
+        }
+
+
+def _finalize(seg: Segment, pin_box: list, unlink: bool) -> None:
+    """Runs once: at close(), garbage collection or interpreter exit. Only the creator unlinks."""
+    ptr = pin_box[0]
+    if ptr is not None:
+        pin_box[0] = None
+        with contextlib.suppress(Exception):
+            pinning.unregister(ptr)
+    if unlink:
+        seg.unlink()
+    seg.close()
