@@ -1,0 +1,171 @@
+"""A second real process for the shm_transfer tests: a small command server over a multiprocessing Pipe.
+
+The parent sends (function name, args); the peer runs that function of this module with its own state
+(attached pools by name) and sends back ("ok", result) or ("err", class name, message, code).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+
+import torch
+
+from shm_transfer import (HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, import_kv, read_kv,
+                          write_kv)
+from shm_transfer.transport import LocalShmTransport
+
+_CTX = mp.get_context("spawn")
+_pools: dict[str, ShmKVPool] = {}
+
+
+# ---------------------------------------------------------------- commands (run inside the peer)
+def attach(name, expected_fingerprint=None, transport=False):
+    if transport:
+        _pools[name] = LocalShmTransport.attach(name, expected_fingerprint=expected_fingerprint)
+    else:
+        _pools[name] = ShmKVPool.attach(name, expected_fingerprint=expected_fingerprint)
+    return os.getpid()
+
+
+def create(name, layout, size_bytes, fingerprint):
+    _pools[name] = ShmKVPool.create(name, KVLayout.from_dict(layout), size_bytes, fingerprint)
+    return _pools[name].generation
+
+
+def close(name):
+    _pools.pop(name).close()
+
+
+def import_and_release(name, handle_dicts, cap_extra=3, expected_fingerprint=None):
+    """The generation side's job: import each handle into a buffer with room for image tokens, release."""
+    pool = _pools[name]
+    out = []
+    for d in handle_dicts:
+        h = KVHandle.from_dict(d)
+        lay = pool.layout
+        dst = torch.full(lay.kv_shape(h.num_tokens + cap_extra), float("nan"), dtype=lay.torch_dtype)
+        import_kv(pool, h, dst, expected_fingerprint=expected_fingerprint)
+        out.append(dst)
+        assert pool.release(h) == len(h.page_ids)
+    return out
+
+
+def import_via_transport(name, handle_dict):
+    t = _pools[name]
+    h = KVHandle.from_dict(handle_dict)
+    kv = t.read_kv(h)
+    t.release(h)
+    return kv, t.pool.generation
+
+
+def read(name, handle_dict, expected_fingerprint=None):
+    return read_kv(_pools[name], KVHandle.from_dict(handle_dict), expected_fingerprint=expected_fingerprint)
+
+
+def allocate(name, num_tokens, lease_s):
+    return _pools[name].allocate(num_tokens, lease_s).to_dict()
+
+
+def allocate_until_full(name, num_tokens, lease_s):
+    got = []
+    try:
+        while True:
+            got.append(_pools[name].allocate(num_tokens, lease_s).to_dict())
+    except PoolFull:
+        return got
+
+
+def write(name, handle_dict, kv):
+    write_kv(_pools[name], KVHandle.from_dict(handle_dict), kv)
+
+
+def release(name, handle_dict):
+    return _pools[name].release(KVHandle.from_dict(handle_dict))
+
+
+def extend_lease(name, handle_dict, seconds):
+    return _pools[name].extend_lease(KVHandle.from_dict(handle_dict), seconds).to_dict()
+
+
+def stats(name):
+    return _pools[name].stats()
+
+
+def validate(name, handle_dict, expected_fingerprint=None):
+    _pools[name].validate(KVHandle.from_dict(handle_dict), expected_fingerprint)
+
+
+# ---------------------------------------------------------------- plumbing
+def _serve(conn):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", globals()[fn](*args, **kwargs)))
+        except BaseException as e:  # report everything to the test
+            conn.send(("err", type(e).__name__, str(e), getattr(e, "code", None), traceback.format_exc()))
+
+
+class PeerError(Exception):
+    def __init__(self, cls_name, message, code, tb):
+        super().__init__(f"{cls_name}: {message}\n{tb}")
+        self.cls_name, self.message, self.code = cls_name, message, code
+
+
+class Peer:
+    """A spawned process running _serve; call(fn, ...) runs fn there."""
+
+    def __init__(self):
+        self._conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def call(self, fn, *args, timeout=30, **kwargs):
+        self._conn.send((fn, args, kwargs))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {fn} within {timeout}s")
+        reply = self._conn.recv()
+        if reply[0] == "err":
+            raise PeerError(*reply[1:])
+        return reply[1]
+
+    def kill(self):
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self):
+        if self.proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+        self._conn.close()
+
+
+def wait_until(pred, timeout=10.0, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+__all__ = ["Peer", "PeerError", "wait_until", "HandleError"]

@@ -1,0 +1,239 @@
+"""KV handoff between two real processes: producer (this process) and a spawned consumer peer."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import torch
+
+from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, export_kv,
+                          import_kv, read_kv, write_kv)
+from shm_peer import Peer, PeerError, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+FP = "tiny-u1:test-fingerprint"
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = Peer()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def shm_name():
+    name = f"u1kv-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+    for f in leftovers:  # clean up before failing so one failure does not leak into the machine
+        os.unlink(os.path.join("/dev/shm", f))
+    assert not leftovers, f"leaked shared-memory segments: {leftovers}"
+
+
+def layout(dtype=torch.float32, page_tokens=4):
+    return KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, page_tokens=page_tokens)
+
+
+def wire(handle: KVHandle) -> dict:
+    return json.loads(json.dumps(handle.to_dict()))  # what really crosses HTTP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_roundtrip_exact_across_processes(peer, shm_name, dtype):
+    lay = layout(dtype)
+    with ShmKVPool.create(shm_name, lay, 40 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name, expected_fingerprint=FP)
+        g = torch.Generator().manual_seed(0)
+        S = 64  # the understanding engine's paged pool: tokens scattered over slots
+        kv_pool = torch.randn(lay.kv_shape(S), generator=g).to(dtype)
+        expected, handles = [], []
+        for n in (1, 3, 4, 5, 13):  # below, at and across page boundaries
+            slots = torch.randperm(S, generator=g)[:n].to(torch.int32)
+            h = pool.allocate(n, lease_s=30, branch="cond", t_offset=n + 1)
+            export_kv(pool, h, kv_pool, slots)
+            expected.append(kv_pool[:, :, slots.long()])
+            handles.append(h)
+        kv = torch.randn(lay.kv_shape(9), generator=g).to(dtype)  # contiguous path
+        h = pool.allocate(9, lease_s=30, branch="uncond")
+        write_kv(pool, h, kv)
+        expected.append(kv)
+        handles.append(h)
+
+        got = peer.call("import_and_release", shm_name, [wire(h) for h in handles], cap_extra=3,
+                        expected_fingerprint=FP)
+        for want, dst, h in zip(expected, got, handles):
+            assert dst.dtype == dtype
+            assert torch.equal(dst[:, :, :h.num_tokens], want)  # bit-exact
+            assert torch.isnan(dst[:, :, h.num_tokens:].float()).all()  # room for image tokens untouched
+        assert pool.stats()["pages_used"] == 0  # consumer released everything
+        st = pool.stats()
+        total = sum(h.num_tokens for h in handles) * lay.bytes_per_token
+        assert st["bytes_exported_total"] == total and st["bytes_imported_total"] == total
+        assert st["process"]["export"]["count"] == len(handles)
+        peer.call("close", shm_name)
+
+
+def test_pool_full_then_success_after_release(peer, shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name)
+        a = pool.allocate(9, lease_s=30)  # 3 pages
+        with pytest.raises(PoolFull) as e:
+            pool.allocate(5, lease_s=30)  # needs 2, 1 free
+        assert (e.value.pages_needed, e.value.pages_free, e.value.pages_total) == (2, 1, 4)
+        with pytest.raises(PeerError) as pe:  # the other process sees the same state
+            peer.call("allocate", shm_name, 5, 30)
+        assert pe.value.cls_name == "PoolFull"
+        with pytest.raises(PoolFull, match="larger than the whole pool"):
+            pool.allocate(17, lease_s=30)
+        assert peer.call("release", shm_name, wire(a)) == 3
+        b = pool.allocate(5, lease_s=30)
+        assert len(b.page_ids) == 2
+        assert pool.stats()["allocation_failures"] == 3
+        peer.call("close", shm_name)
+
+
+def test_allocations_from_two_processes_never_overlap(peer, shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 64 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name)
+        theirs = peer.call("allocate_until_full", shm_name, 4, 30)
+        mine = []
+        try:
+            while True:
+                mine.append(pool.allocate(4, 30))
+        except PoolFull:
+            pass
+        ids = [p for d in theirs for p in d["page_ids"]] + [p for h in mine for p in h.page_ids]
+        assert sorted(ids) == list(range(64))
+        handle_ids = [d["handle_id"] for d in theirs] + [h.handle_id for h in mine]
+        assert len(set(handle_ids)) == len(handle_ids)
+        peer.call("close", shm_name)
+
+
+def test_release_is_idempotent_and_never_frees_another_handles_pages(peer, shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name)
+        a = pool.allocate(8, lease_s=30)
+        assert peer.call("release", shm_name, wire(a)) == 2
+        assert pool.release(a) == 0
+        assert peer.call("release", shm_name, wire(a)) == 0
+        b = pool.allocate(8, lease_s=30)  # same pages, new owner
+        assert set(b.page_ids) == set(a.page_ids)
+        assert pool.release(a) == 0  # a stale release must not free b's pages
+        assert pool.stats()["pages_used"] == 2
+        with pytest.raises(HandleError) as e:
+            pool.validate(a)
+        assert e.value.code == "pages_freed"
+        assert pool.release(b) == 2
+        peer.call("close", shm_name)
+
+
+def test_lease_expiry_reclaims_pages_of_killed_consumer(shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 3 * lay.page_bytes, FP) as pool:
+        h = pool.allocate(12, lease_s=30)
+        write_kv(pool, h, torch.randn(lay.kv_shape(12)))
+        consumer = Peer()
+        try:
+            consumer.call("attach", shm_name)
+            consumer.call("extend_lease", shm_name, wire(h), 0.5)  # the consumer took it over ...
+            consumer.kill()  # ... and died before importing and releasing
+        finally:
+            consumer.stop()
+        assert pool.stats()["pages_used"] == 3
+        with pytest.raises(PoolFull):
+            pool.allocate(1, lease_s=30)
+        assert wait_until(lambda: pool.stats()["pages_expired"] == 3)
+        with pytest.raises(HandleError) as e:
+            read_kv(pool, h)
+        assert e.value.code == "lease_expired"
+        fresh = pool.allocate(12, lease_s=30)  # reclaims the dead consumer's pages
+        st = pool.stats()
+        assert st["pages_reclaimed"] == 3 and st["pages_used"] == 3
+        with pytest.raises(HandleError) as e:
+            pool.validate(h)
+        assert e.value.code == "pages_freed"
+        pool.release(fresh)
+
+
+def test_handle_errors_are_clear(peer, shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name)
+        h = pool.allocate(5, lease_s=30)
+        write_kv(pool, h, torch.randn(lay.kv_shape(5)))
+
+        def rejected(d, **kw):
+            with pytest.raises(PeerError) as e:
+                peer.call("read", shm_name, d, **kw)
+            assert e.value.cls_name == "HandleError"
+            return e.value
+
+        e = rejected(wire(h), expected_fingerprint="another-model")
+        assert e.code == "fingerprint_mismatch" and "another-model" in e.message and FP in e.message
+        e = rejected({**wire(h), "model_fingerprint": "another-model"})
+        assert e.code == "fingerprint_mismatch"
+        e = rejected({**wire(h), "layout_version": LAYOUT_VERSION + 1})
+        assert e.code == "layout_version_mismatch" and "layout_version" in e.message
+        e = rejected({**wire(h), "pool_generation": "0123456789abcdef"})
+        assert e.code == "stale_generation" and "restarted" in e.message
+        e = rejected({**wire(h), "pool_name": "elsewhere"})
+        assert e.code == "wrong_pool"
+        e = rejected({**wire(h), "layout": {**h.layout, "head_dim": 16}})
+        assert e.code == "layout_mismatch"
+        e = rejected({**wire(h), "num_tokens": 9})
+        assert e.code == "malformed_handle"
+        e = rejected({k: v for k, v in wire(h).items() if k != "page_ids"})
+        assert e.code == "malformed_handle" and "page_ids" in e.message
+        with pytest.raises(HandleError, match="must be a JSON object"):
+            KVHandle.from_dict([1, 2])
+
+        # bad destination buffers are ValueErrors (caller bug), checked after the handle
+        with pytest.raises(ValueError, match="at least 5"):
+            import_kv(pool, h, torch.empty(lay.kv_shape(4)))
+        with pytest.raises(ValueError, match="dtype"):
+            import_kv(pool, h, torch.empty(lay.kv_shape(8), dtype=torch.float64))
+        assert torch.equal(peer.call("read", shm_name, wire(h), expected_fingerprint=FP), read_kv(pool, h))
+        pool.release(h)
+        e = rejected(wire(h))
+        assert e.code == "pages_freed"
+        peer.call("close", shm_name)
+
+
+def test_attach_rejects_pool_of_another_model(peer, shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP):
+        with pytest.raises(PeerError) as e:
+            peer.call("attach", shm_name, expected_fingerprint="another-model")
+        assert e.value.cls_name == "PoolError" and "another-model" in e.value.message
+    with pytest.raises(PeerError) as e:
+        peer.call("attach", shm_name + "-missing", timeout=30)
+    assert e.value.cls_name == "PoolError" and "does not exist" in e.value.message
+
+
+def test_release_during_import_is_detected(shm_name):
+    """A handle released (e.g. by the gateway) while the consumer copies must not yield torn KV silently."""
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+        h = pool.allocate(6, lease_s=30)
+        write_kv(pool, h, torch.randn(lay.kv_shape(6)))
+        token = pool.guard_copy(h, 30.0, FP)
+        pool.release(h)
+        with pytest.raises(HandleError, match="released during the copy"):
+            pool.end_copy(h, token)
+
+
+def test_copy_guard_does_not_extend_the_lease(shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+        h = pool.allocate(6, lease_s=5)
+        write_kv(pool, h, torch.randn(lay.kv_shape(6)))
+        read_kv(pool, h)
+        deadlines = pool._deadline[list(h.page_ids)]
+        assert (deadlines == h.lease_deadline).all()
