@@ -1,0 +1,304 @@
+"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`.
+
+Imports stay light at module level so `u1serve --help` is instant; subcommands import what they
+need. To add a subcommand, write `cmd_x(args)` and `add_x(subparsers)` and list it in COMMANDS.
+To add a service to the stack, add a builder to SERVICE_BUILDERS (started in that order).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import sys
+import time
+from typing import Callable
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "u1serve")
+TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
+
+
+# ------------------------------------------------------------------------------------- helpers
+def cache_dir() -> str:
+    return os.environ.get("U1SERVE_CACHE", DEFAULT_CACHE)
+
+
+def tiny_variant(alias: str) -> str:
+    return "u1" if alias == "tiny" else alias[len("tiny-"):]
+
+
+def ensure_tiny_checkpoint(variant: str = "u1", seed: int = 0, out=sys.stdout) -> str:
+    """The cached tiny checkpoint directory, written on first use."""
+    path = os.path.join(cache_dir(), f"tiny-{variant}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        out.write(f"[u1serve] writing tiny {variant} checkpoint to {path}\n")
+        from services.model import tiny  # lazy: pulls in torch
+        tmp = path + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tiny.write_tiny_checkpoint(tmp, variant=variant, seed=seed)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    return path
+
+
+def has_cuda() -> bool:
+    """Cheap check (no torch import): an NVIDIA driver node exists."""
+    return os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_list(text: str | None) -> list[str]:
+    return [g.strip() for g in (text or "").split(",") if g.strip()]
+
+
+# ------------------------------------------------------------------------------------- stack
+class Placement:
+    """Resolved placement of one stack: device, GPUs and memory fractions per engine."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
+        self.dtype = args.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        self.und_gpus: list[str] = []
+        self.gen_gpus: list[str] = []
+        self.und_fraction = self.gen_fraction = None
+        if self.device != "cuda":
+            return
+        und = gpu_list(args.und_gpus) or [str(i) for i in range(args.und_tp)]
+        if args.mode == "colocate":
+            gen = gpu_list(args.gen_gpus) or und
+            self.und_fraction, self.gen_fraction = args.und_memory_fraction, args.gen_memory_fraction
+        else:
+            gen = gpu_list(args.gen_gpus) or [str(len(und) + i) for i in range(args.gen_cfg_parallel)]
+            if set(und) & set(gen):
+                raise SystemExit(f"--mode separate needs disjoint GPUs: und {und}, gen {gen}")
+        if len(und) < args.und_tp:
+            raise SystemExit(f"--und-tp {args.und_tp} needs {args.und_tp} GPUs, got {und}")
+        if len(gen) < args.gen_cfg_parallel:
+            raise SystemExit(f"--gen-cfg-parallel {args.gen_cfg_parallel} needs that many GPUs, "
+                             f"got {gen}")
+        self.und_gpus, self.gen_gpus = und, gen
+
+    def env(self, gpus: list[str], fraction: float | None) -> dict[str, str]:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+        if fraction is not None:
+            env["U1SERVE_GPU_MEMORY_FRACTION"] = f"{fraction:.3f}"
+        return env
+
+
+def build_und(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    pl: Placement = ctx["placement"]
+    argv = [sys.executable, "-m", "services.understanding.server", "--model", ctx["model"],
+            "--host", "127.0.0.1", "--port", str(args.und_port), "--device", pl.device,
+            "--dtype", pl.dtype, "--tp", str(args.und_tp), "--kv-pool-name", ctx["pool"],
+            "--kv-pool-gb", str(ctx["pool_gb"])] + shlex.split(args.und_args or "")
+    return ServiceSpec("und", argv, f"http://127.0.0.1:{args.und_port}/health",
+                       {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)})
+
+
+def build_gen(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    pl: Placement = ctx["placement"]
+    argv = [sys.executable, "-m", "services.generation.server", "--model", ctx["model"],
+            "--host", "127.0.0.1", "--port", str(args.gen_port), "--device", pl.device,
+            "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel),
+            "--kv-pool-name", ctx["pool"]] + shlex.split(args.gen_args or "")
+    return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
+                       {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
+
+
+def build_gateway(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    argv = [sys.executable, "-m", "services.gateway.server", "--host", args.host,
+            "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
+            "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
+            "--default-size", ctx["default_size"]] + shlex.split(args.gateway_args or "")
+    if args.default_steps:
+        argv += ["--default-steps", str(args.default_steps)]
+    env = dict(ctx["env"])
+    if args.api_key:
+        env["U1SERVE_API_KEY"] = args.api_key
+    return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
+
+
+SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
+
+
+def build_stack(args: argparse.Namespace, out=sys.stdout):
+    from .launcher import Stack
+    model = args.model
+    tiny = model in TINY_ALIASES
+    if tiny:
+        model = ensure_tiny_checkpoint(tiny_variant(model), out=out)
+    elif not os.path.isdir(model):
+        raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
+    placement = Placement(args)
+    pool = args.kv_pool_name or f"u1serve-kv-{os.getpid()}-{args.port}"
+    pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else 16.0)
+    token = args.internal_token or os.environ.get("U1SERVE_INTERNAL_TOKEN") or secrets.token_hex(16)
+    ctx = {
+        "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
+        "env": {"U1SERVE_INTERNAL_TOKEN": token},
+        "model_name": args.model_name or ("sensenova-u1-tiny" if tiny else
+                                          os.path.basename(os.path.abspath(model))),
+        "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
+    }
+    specs = [b(args, ctx) for b in SERVICE_BUILDERS]
+    run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
+    return Stack(specs, out=out, log_dir=os.path.join(run_dir, "logs"), shm_names=[pool],
+                 grace_s=args.grace, startup_timeout_s=args.startup_timeout,
+                 state_file=args.state_file or os.path.join(run_dir, "stack.json"))
+
+
+def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
+    p.add_argument("--model", default=model_default, required=model_default is None,
+                   help="checkpoint directory, or 'tiny' (a small random checkpoint, CPU friendly)")
+    p.add_argument("--mode", choices=["colocate", "separate"], default="colocate",
+                   help="colocate: both engines on the same GPUs; separate: disjoint GPU groups")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--und-gpus", default=None, help="GPU ids for understanding, e.g. 0,1")
+    p.add_argument("--gen-gpus", default=None, help="GPU ids for generation, e.g. 2,3")
+    p.add_argument("--und-tp", type=int, default=1, help="understanding tensor parallel size")
+    p.add_argument("--gen-cfg-parallel", type=int, default=1, help="generation CFG-parallel ranks")
+    p.add_argument("--und-memory-fraction", type=float, default=0.35,
+                   help="colocate: GPU memory share of understanding")
+    p.add_argument("--gen-memory-fraction", type=float, default=0.55,
+                   help="colocate: GPU memory share of generation")
+    p.add_argument("--host", default="0.0.0.0", help="gateway bind address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--und-port", type=int, default=8100)
+    p.add_argument("--gen-port", type=int, default=8200)
+    p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
+    p.add_argument("--kv-pool-gb", type=float, default=None,
+                   help="KV pool size (default 0.25 on cpu, 16 on cuda)")
+    p.add_argument("--internal-token", default=None, help="default: a random token per stack")
+    p.add_argument("--api-key", default=os.environ.get("U1SERVE_API_KEY"),
+                   help="require this Bearer key on the public API")
+    p.add_argument("--model-name", default=None, help="name served in /v1/models")
+    p.add_argument("--default-size", default=None, help="default image size WxH")
+    p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
+    p.add_argument("--und-args", default="", help="extra flags for the understanding server")
+    p.add_argument("--gen-args", default="", help="extra flags for the generation server")
+    p.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    p.add_argument("--run-dir", default=None, help="logs and stack.json (default ~/.cache/u1serve/run-PORT)")
+    p.add_argument("--state-file", default=None, help="where to write pids/ports as JSON")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+
+
+# ------------------------------------------------------------------------------------- commands
+def add_up(sub) -> None:
+    p = sub.add_parser("up", help="start understanding, generation and the gateway")
+    add_stack_flags(p, model_default=None)
+    p.add_argument("--no-restart", action="store_true",
+                   help="shut everything down when a service dies instead of restarting it")
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args) -> int:
+    from .launcher import run_until_signal
+    stack = build_stack(args)
+    host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
+    return run_until_signal(stack, restart=not args.no_restart, on_ready=lambda: stack.say(
+        f"ready: http://{host}:{args.port}/v1 (mode {args.mode})"))
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="tiny checkpoint + whole stack on CPU + one chat and one image")
+    p.add_argument("--out", default="u1serve-demo.png", help="where to save the image")
+    p.add_argument("--prompt", default="a red fox in the snow, watercolor")
+    p.add_argument("--steps", type=int, default=8)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    import base64
+    try:
+        from openai import OpenAI
+    except ImportError:
+        raise SystemExit("u1serve demo uses the openai SDK: pip install openai")
+    ns = argparse.ArgumentParser()
+    add_stack_flags(ns, model_default="tiny")
+    stack_args = ns.parse_args(["--device", "cpu", "--host", "127.0.0.1",
+                                "--port", str(free_port()), "--und-port", str(free_port()),
+                                "--gen-port", str(free_port()), "--grace", "5"])
+    stack_args.run_dir = os.path.join(cache_dir(), "run-demo")
+    t0 = time.monotonic()
+    stack = build_stack(stack_args)
+    from .launcher import StartupError
+    try:
+        stack.start()
+    except StartupError as exc:
+        print(f"[demo] the stack did not start: {exc}")
+        return 1
+    try:
+        t_up = time.monotonic() - t0
+        client = OpenAI(base_url=f"http://127.0.0.1:{stack_args.port}/v1", api_key="unused",
+                        timeout=300)
+        model = client.models.list().data[0].id
+        t1 = time.monotonic()
+        chat = client.chat.completions.create(
+            model=model, max_tokens=24,
+            messages=[{"role": "user", "content": "Describe a red fox in one sentence."}])
+        t_chat = time.monotonic() - t1
+        t2 = time.monotonic()
+        img = client.images.generate(model=model, prompt=args.prompt, size="64x64",
+                                     response_format="b64_json",
+                                     extra_body={"num_inference_steps": args.steps, "seed": 42})
+        t_img = time.monotonic() - t2
+        with open(args.out, "wb") as f:
+            f.write(base64.b64decode(img.data[0].b64_json))
+        print("\n[demo] chat reply (random tiny weights, so the text is noise):")
+        print("       " + repr(chat.choices[0].message.content))
+        print(f"[demo] image saved to {os.path.abspath(args.out)} (64x64, {args.steps} steps)")
+        print(f"[demo] timings: stack up {t_up:.1f}s, chat {t_chat:.2f}s, image {t_img:.2f}s")
+        return 0
+    finally:
+        stack.stop()
+
+
+def add_tiny(sub) -> None:
+    p = sub.add_parser("tiny-checkpoint", help="write a small random checkpoint (tests, demo)")
+    p.add_argument("dir")
+    p.add_argument("--variant", choices=["u1", "u1.5", "a3b"], default="u1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true",
+                   help="write only the full-size config.json of the variant (no weights)")
+    p.set_defaults(func=cmd_tiny)
+
+
+def cmd_tiny(args) -> int:
+    from services.model import tiny  # lazy: pulls in torch
+    if args.config_only:
+        full = {"u1": "u1-8b", "a3b": "a3b-full"}.get(args.variant, args.variant)
+        tiny.write_full_config(args.dir, variant=full)
+    else:
+        tiny.write_tiny_checkpoint(args.dir, variant=args.variant, seed=args.seed)
+    print(args.dir)
+    return 0
+
+
+COMMANDS = [add_up, add_demo, add_tiny]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="u1serve", description="Serve SenseNova-U1: "
+                                     "understanding + image generation behind one OpenAI API")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    args = parser.parse_args(argv)
+    sys.exit(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    main()
