@@ -279,7 +279,7 @@ def add_tiny(sub) -> None:
 def cmd_tiny(args) -> int:
     from services.model import tiny  # lazy: pulls in torch
     if args.config_only:
-        full = {"u1": "u1-8b", "a3b": "a3b-full"}.get(args.variant, args.variant)
+        full = {"u1": "u1-8b", "u1.5": "u1.5-8b", "a3b": "a3b-full"}[args.variant]
         tiny.write_full_config(args.dir, variant=full)
     else:
         tiny.write_tiny_checkpoint(args.dir, variant=args.variant, seed=args.seed)
