@@ -1,0 +1,60 @@
+import math
+
+import pytest
+import torch
+
+from kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_attention_triton
+
+from kernel_testutil import Seq, assert_close, build_prefill, poisoned, rel_err
+
+# interpreter tiles are 16x16, so spans below cross block edges at 16/32/48
+CASES = {
+    "image_crosses_block": [Seq(0, 40, ((10, 30),))],
+    "several_images": [Seq(0, 53, ((3, 10), (20, 37), (40, 45)))],
+    "image_at_start_and_end": [Seq(0, 29, ((0, 12), (20, 29)))],
+    "prefix_cache_offsets": [Seq(21, 19, ((25, 33),)), Seq(7, 1), Seq(33, 30, ((30, 50),))],
+    "length_one": [Seq(0, 1), Seq(0, 1, ((0, 1),)), Seq(5, 1)],
+    "mixed_batch": [Seq(0, 17, ((1, 16),)), Seq(3, 33), Seq(0, 5, ((0, 5),))],
+}
+
+
+def _run_both(case, hq, hkv, d, dtype, with_images=True):
+    inp = build_prefill(case, hq, hkv, d, dtype, with_images)
+    scale = 1.0 / math.sqrt(d)
+    ref = prefill_attention_ref(**inp, scale=scale)
+    out = prefill_attention_triton(**inp, scale=scale, out=poisoned(inp["q"]))
+    return out, ref
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (8, 1, 128)])
+def test_triton_matches_reference(rng, name, hq, hkv, d):
+    out, ref = _run_both(CASES[name], hq, hkv, d, torch.float32)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_text_only_batch(rng, dtype):
+    case = [Seq(0, 37), Seq(11, 20), Seq(0, 1)]
+    out, ref = _run_both(case, 8, 2, 16, dtype, with_images=False)
+    assert_close(out, ref, dtype)
+
+
+def test_half_precision_with_images(rng):
+    out, ref = _run_both(CASES["several_images"] + CASES["prefix_cache_offsets"], 8, 2, 128, torch.float16)
+    assert_close(out, ref, torch.float16)
+
+
+def test_image_rows_that_are_text_only_equal_causal(rng):
+    """A zero image_end tensor must give exactly the causal result."""
+    inp = build_prefill([Seq(4, 30), Seq(0, 9)], 4, 1, 16, torch.float32)
+    a = prefill_attention_triton(**{**inp, "image_end": torch.zeros_like(inp["image_end"])}, scale=0.3)
+    b = prefill_attention_triton(**{**inp, "image_end": None}, scale=0.3)
+    assert torch.equal(a, b)
+
+
+def test_dispatch_forced_triton(rng, monkeypatch):
+    inp = build_prefill(CASES["several_images"], 8, 2, 16, torch.float32)
+    ref = prefill_attention_ref(**inp, scale=0.25)
+    monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    assert_close(prefill_attention(**inp, scale=0.25), ref)

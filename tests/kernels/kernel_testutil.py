@@ -1,0 +1,59 @@
+"""Shared helpers for the kernel tests: tolerances, poisoned outputs, paged-pool scenarios."""
+from dataclasses import dataclass
+
+import torch
+
+# relative Frobenius error allowed per dtype (device METHOD.md)
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out, ref, dtype=None):
+    dtype = dtype or ref.dtype
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or bad math)"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.1e}"
+
+
+def poisoned(like):
+    return torch.full_like(like, float("nan"))
+
+
+@dataclass
+class Seq:
+    cached: int                 # tokens already in the KV cache (prefix-cache hit)
+    new: int                    # tokens in this prefill
+    images: tuple = ()          # absolute (start, end) spans of image tokens
+
+
+def build_prefill(seqs, hq, hkv, d, dtype, with_images=True, pool_extra=17):
+    """Random q, paged K/V pool and metadata for `seqs`; pool slots are shuffled."""
+    totals = [s.cached + s.new for s in seqs]
+    S = sum(totals) + pool_extra
+    perm = torch.randperm(S)
+    max_len = max(totals) + 3
+    req_to_token = torch.randint(0, S, (len(seqs), max_len), dtype=torch.int32)
+    used = 0
+    for b, L in enumerate(totals):
+        req_to_token[b, :L] = perm[used:used + L].int()
+        used += L
+    k_pool = torch.randn(S, hkv, d).to(dtype)
+    v_pool = torch.randn(S, hkv, d).to(dtype)
+    Tq = sum(s.new for s in seqs)
+    q = torch.randn(Tq, hq, d).to(dtype)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor([s.new for s in seqs]).cumsum(0)
+    image_end = torch.zeros(Tq, dtype=torch.int32)
+    for b, s in enumerate(seqs):
+        for (a, e) in s.images:
+            for p in range(max(a, s.cached), min(e, s.cached + s.new)):
+                image_end[int(cu[b]) + p - s.cached] = e
+    b_start = torch.tensor([s.cached for s in seqs], dtype=torch.int32)
+    b_seq_len = torch.tensor(totals, dtype=torch.int32)
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=req_to_token, b_start=b_start,
+                b_seq_len=b_seq_len, cu_seqlens_q=cu,
+                image_end=image_end if with_images else None)
