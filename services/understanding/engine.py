@@ -1,0 +1,225 @@
+"""The engine process(es): rank 0 receives requests over ZMQ, schedules every iteration, broadcasts the
+step plan to the other TP ranks, samples, exports prefix KV and streams token ids back to the HTTP process.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
+from .sampling import sample
+from .scheduler import Scheduler
+
+log = logging.getLogger("u1serve.understanding.engine")
+_HEARTBEAT_S = 2.0
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp: int = 1
+    dist_port: int = 29500
+    kv_cache_tokens: int = 16384
+    max_running: int = 256
+    max_model_len: int = 8192
+    chunked_prefill_size: int = 2048
+    enable_prefix_cache: bool = True
+    kv_pool_name: str | None = None
+    in_addr: str = ""       # HTTP -> engine (PULL here)
+    out_addr: str = ""      # engine -> HTTP (PUSH here)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _setup_tp(cfg: EngineConfig, rank: int):
+    from services.model.parallel import TPContext
+    if cfg.tp <= 1:
+        return None
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg.dist_port}", rank=rank,
+                            world_size=cfg.tp, timeout=datetime.timedelta(hours=24))
+    return TPContext(rank, cfg.tp, None)
+
+
+def _device(cfg: EngineConfig, rank: int) -> str:
+    if cfg.device.startswith("cuda") and cfg.tp > 1:
+        return f"cuda:{rank}"
+    return cfg.device
+
+
+def run_engine(rank: int, cfg: EngineConfig) -> None:
+    """Process entry point (multiprocessing spawn)."""
+    logging.basicConfig(level=os.environ.get("U1SERVE_LOG_LEVEL", "INFO"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.tp)))
+    out_sock = None
+    try:
+        if rank == 0:
+            ctx = zmq.Context()
+            out_sock = ctx.socket(zmq.PUSH)
+            out_sock.connect(cfg.out_addr)
+        tp = _setup_tp(cfg, rank)
+        Engine(rank, cfg, tp, out_sock).run()
+    except Exception as e:  # report a load/runtime failure to the HTTP process, then die
+        traceback.print_exc()
+        if out_sock is not None:
+            out_sock.send_pyobj({"type": "fatal", "error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+class Engine:
+    def __init__(self, rank: int, cfg: EngineConfig, tp, out_sock):
+        from services.model.loader import load_model
+        from services.model.tokenizer import NeoTokenizer
+        from .model_runner import ModelRunner
+        self.rank, self.cfg, self.tp = rank, cfg, tp
+        self.device = _device(cfg, rank)
+        self.dtype = _dtype(cfg.dtype)
+        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
+        tok = NeoTokenizer.from_dir(cfg.model_dir)
+        self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+                                  self.device, self.dtype)
+        self.out = out_sock
+        self.pool = None
+        if rank == 0:
+            self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache)
+            ctx = zmq.Context.instance()
+            self.inp = ctx.socket(zmq.PULL)
+            self.inp.bind(cfg.in_addr)
+            if cfg.kv_pool_name:
+                from shm_transfer import ShmKVPool
+                self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+            self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
+                                 "kv_cache_tokens": cfg.kv_cache_tokens})
+
+    # ---- rank 0 --------------------------------------------------------------------------------
+    def _recv(self, block: bool) -> bool:
+        """Drain the request socket. Returns False on shutdown."""
+        timeout = int(_HEARTBEAT_S * 1000) if block else 0
+        while self.inp.poll(timeout):
+            timeout = 0
+            msg = self.inp.recv_pyobj()
+            if isinstance(msg, SubmitRequest):
+                self.sched.add(msg)
+            elif isinstance(msg, Abort):
+                self.sched.abort(msg.rid)
+            elif isinstance(msg, Shutdown):
+                return False
+        return True
+
+    def _send(self, outs: list[RequestOutput]) -> None:
+        self.out.send_pyobj({"type": "step", "outs": outs, "stats": self.sched.snapshot()})
+
+    def run(self) -> None:
+        if self.rank != 0:
+            return self._follow()
+        was_busy = False
+        while True:
+            if not self._recv(block=not self.sched.has_work):
+                self._broadcast("stop")
+                return
+            scheduled = self.sched.schedule()
+            if scheduled is None:
+                outs = self.sched.take_outputs()
+                if outs or was_busy:
+                    self._send(outs)
+                was_busy = False
+                if self.tp is not None:
+                    self._broadcast(None)  # heartbeat keeps followers' collectives alive
+                continue
+            was_busy = True
+            plan, entries = scheduled
+            self._broadcast(plan)
+            logits = self.runner.forward(plan)
+            exported = self._export(plan)
+            sampled = self._sample(logits, entries)
+            self.sched.process(entries, sampled, exported)
+            self._send(self.sched.take_outputs())
+
+    def _broadcast(self, obj) -> None:
+        if self.tp is not None:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+
+    def _sample(self, logits, entries) -> dict:
+        reqs = self.sched.sampling_requests(entries)
+        if not reqs:
+            return {}
+        for r in reqs:
+            if r.generator is None and not r.params.greedy:
+                r.generator = r.params.make_generator(logits.device)
+        params = [r.params if r.kind == "text" else _GREEDY for r in reqs]
+        toks = sample(logits, params, [r.generator for r in reqs], [r.tokens[:r.prompt_len] for r in reqs],
+                      [r.output_ids for r in reqs])
+        return {r.rid: t for r, t in zip(reqs, toks)}
+
+    def _export(self, plan) -> dict:
+        """Write each finished prefix into its shm pages (trimmed to the real token count)."""
+        if not plan.exports:
+            return {}
+        from shm_transfer import KVHandle, export_kv, write_kv
+        results = {}
+        for rid, slots, handle_dict, t_offset in plan.exports:
+            kv = None
+            if self.tp is not None:   # gather the head shards onto rank 0 (docs/kv_contract.md, TP note)
+                kv = self.tp.all_gather_heads(self.runner.gather_kv(slots), dim=3)
+            if self.rank != 0:
+                continue
+            try:
+                if self.pool is None or handle_dict is None:
+                    raise RuntimeError("no KV pool configured (--kv-pool-name)")
+                handle = KVHandle.from_dict(handle_dict)
+                n = int(slots.numel())
+                keep = self.pool.layout.pages_for(n)
+                if n > handle.num_tokens:
+                    raise RuntimeError(f"prefix of {n} tokens exceeds its {handle.num_tokens}-token allocation")
+                if keep < len(handle.page_ids):   # think ended early: give back the unused pages
+                    extra = handle.page_ids[keep:]
+                    self.pool.release(handle.replace(page_ids=extra))
+                handle = handle.replace(page_ids=handle.page_ids[:keep], num_tokens=n, t_offset=int(t_offset))
+                if kv is None:
+                    export_kv(self.pool, handle, self.runner.kv_pool, slots.to(self.runner.device))
+                else:
+                    write_kv(self.pool, handle, kv.contiguous())
+                results[rid] = handle.to_dict()
+            except Exception as e:
+                log.exception("export of %s failed", rid)
+                results[rid] = f"{type(e).__name__}: {e}"
+        return results
+
+    # ---- ranks > 0 -----------------------------------------------------------------------------
+    def _follow(self) -> None:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            plan = box[0]
+            if plan == "stop":
+                return
+            if plan is None:
+                continue
+            self.runner.forward(plan)
+            self._export(plan)
+
+
+class _Greedy:
+    greedy = True
+    repetition_penalty = 1.0
+    presence_penalty = 0.0
+    frequency_penalty = 0.0
+
+
+_GREEDY = _Greedy()

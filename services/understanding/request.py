@@ -1,0 +1,101 @@
+"""Engine-side state of one request: its tokens, cache keys, positions and KV slots."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from services.model import positions as P
+
+from .protocol import SubmitRequest
+from .radix_cache import image_digest, image_keys
+
+
+class Req:
+    def __init__(self, msg: SubmitRequest, img_context_id: int, arrival: int, device="cpu"):
+        self.msg = msg
+        self.rid = msg.rid
+        self.kind = msg.kind
+        self.params = msg.params
+        self.arrival = arrival
+        ids = list(msg.input_ids)
+        self.prompt_len = len(ids)
+        grids = [tuple(im.grid_hw) for im in msg.images]
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        pos = P.thw_indexes(ids_t, img_context_id, grids)
+        iend = P.image_end(ids_t, img_context_id)
+        if msg.kind == "text":
+            extra = msg.params.max_tokens + 1
+        else:
+            extra = (msg.max_think_tokens + 1 if msg.think else 0) + len(msg.think_tail_ids) + 1
+        cap = len(ids) + extra
+        self.positions = torch.zeros(3, cap, dtype=torch.long)
+        self.positions[:, :len(ids)] = pos
+        self.image_end = torch.zeros(cap, dtype=torch.int32)
+        self.image_end[:len(ids)] = iend
+        self.next_t = int(pos[0].max()) + 1 if len(ids) else 0
+        # Cache keys: token ids, with image-context tokens replaced by content-hash keys.
+        self.keys = list(ids)
+        self.spans: list[tuple[int, int, int]] = []  # (start, end, image index)
+        starts, ends = P._runs(ids_t == img_context_id)
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            im = msg.images[i]
+            self.keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)
+            self.spans.append((s, e, i))
+        self.tokens = ids                       # every token whose id is known (fed or to be fed)
+        self.output_ids: list[int] = []         # generated tokens (text) / think tokens (prefix)
+        self.num_computed = 0                   # tokens whose KV is in the pool
+        self.slots = torch.zeros(cap, dtype=torch.int64)
+        self.cached_len = 0                     # leading tokens owned by the prefix cache
+        self.node = None                        # locked radix node covering cached_len tokens
+        self.table_row: Optional[int] = None    # row in the engine's req_to_token table
+        self.prompt_cached = False              # prompt inserted into the prefix cache
+        self.hit_tokens = 0                     # prefix-cache hit at first admission
+        self.admitted_once = False
+        self.think_done = not msg.think
+        self.finished: Optional[str] = None
+        self.error: Optional[str] = None
+        self.error_code: Optional[str] = None
+        self.new_ids: list[int] = []            # produced this step, not yet reported
+        self.generator = None
+        if msg.kind == "prefix" and msg.think and msg.max_think_tokens <= 0:
+            self.think_done = True
+            self.append_tokens(list(msg.think_tail_ids))
+
+    # ---- token bookkeeping -------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def append_tokens(self, ids: list[int]) -> None:
+        """Append fed tokens (decode / think tail): t counts up, h = w = 0, causal rows."""
+        n0 = len(self.tokens)
+        n = len(ids)
+        self.positions[0, n0:n0 + n] = torch.arange(self.next_t, self.next_t + n)
+        self.positions[1:, n0:n0 + n] = 0
+        self.image_end[n0:n0 + n] = 0
+        self.next_t += n
+        self.tokens.extend(ids)
+        self.keys.extend(ids)
+
+    def chunk_end(self, budget: int) -> int:
+        """End of the next chunk of at most `budget` tokens that never splits an image span (a span that
+        starts the chunk is taken whole even if it exceeds the budget)."""
+        start = self.num_computed
+        end = min(len(self.tokens), start + max(1, budget))
+        for s, e, _ in self.spans:
+            if s < end < e:
+                end = s if s > start else e
+                break
+        return end
+
+    def images_in(self, start: int, end: int) -> list:
+        return [self.msg.images[i] for s, e, i in self.spans if s >= start and e <= end]
+
+    def safe_prefix_len(self, n: int) -> int:
+        """Largest length <= n that does not end inside an image span and leaves >= 1 token to compute."""
+        n = min(n, len(self.tokens) - 1)
+        for s, e, _ in self.spans:
+            if s < n < e:
+                n = s
+        return max(n, 0)

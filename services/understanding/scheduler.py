@@ -1,0 +1,346 @@
+"""Continuous-batching scheduler (rank 0): admission by free KV, chunked prefill that never splits an
+image span, decodes every iteration, preemption by recompute, clean aborts — and never a hang.
+
+Every iteration builds one StepPlan holding the decode rows of all running requests plus prefill chunks
+(continuing ones first, then newly admitted ones) up to the chunked-prefill budget.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+
+from .kv_allocator import KVSlotAllocator
+from .protocol import EngineStats, RequestOutput, SubmitRequest
+from .radix_cache import RadixCache
+from .request import Req
+from .step_plan import StepPlan
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_running: int, max_model_len: int, chunk_size: int,
+                 img_context_id: int, enable_prefix_cache: bool = True):
+        self.alloc = KVSlotAllocator(num_slots)
+        self.cache = RadixCache(self.alloc.free, enabled=enable_prefix_cache)
+        self.max_model_len = max_model_len
+        self.chunk_size = chunk_size if chunk_size > 0 else 1 << 62
+        self.img_context_id = img_context_id
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.free_rows = list(range(max_running - 1, -1, -1))
+        self.reqs: dict[str, Req] = {}
+        self._aborts: set[str] = set()
+        self._arrivals = 0
+        self._table_writes: list = []
+        self.outputs: list[RequestOutput] = []
+        self.stats = EngineStats(kv_total=num_slots)
+
+    # ---- intake ------------------------------------------------------------------------------
+    def add(self, msg: SubmitRequest) -> None:
+        try:
+            req = Req(msg, self.img_context_id, self._arrivals)
+        except Exception as e:  # malformed prompt (the HTTP side validates; this is the last guard)
+            self.outputs.append(RequestOutput(msg.rid, [], "error", error=f"bad request: {e}",
+                                              error_code="invalid_request"))
+            return
+        self._arrivals += 1
+        if len(req.tokens) + 1 > self.alloc.num_slots:
+            self.outputs.append(RequestOutput(msg.rid, [], "error", error=(
+                f"prompt of {len(req.tokens)} tokens does not fit the KV cache ({self.alloc.num_slots} tokens)"),
+                error_code="kv_cache_too_small"))
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.reqs:
+            self._aborts.add(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    # ---- KV helpers --------------------------------------------------------------------------
+    def available(self) -> int:
+        return self.alloc.num_free + self.cache.evictable_tokens
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        if self.alloc.num_free < n:
+            self.cache.evict(n - self.alloc.num_free)
+        return self.alloc.alloc(n)
+
+    def _release(self, req: Req) -> None:
+        """Give back a request's KV: computed tokens go into the prefix cache (so a preempted or repeated
+        request finds them again), duplicates and the rest are freed."""
+        n = req.num_computed
+        if n > 0:
+            if self.cache.enabled:
+                already = self.cache.insert(req.keys[:n], req.slots[:n])
+                if already > req.cached_len:
+                    self.alloc.free(req.slots[req.cached_len:already])
+            else:
+                self.alloc.free(req.slots[:n])
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        req.node, req.cached_len, req.num_computed, req.prompt_cached = None, 0, 0, False
+        if req.table_row is not None:
+            self.free_rows.append(req.table_row)
+            req.table_row = None
+
+    def _cache_prompt(self, req: Req) -> None:
+        """Insert the computed prompt into the prefix cache now, so concurrent requests share it."""
+        req.prompt_cached = True
+        if not self.cache.enabled:
+            return
+        n = req.num_computed
+        already = self.cache.insert(req.keys[:n], req.slots[:n])
+        if already > req.cached_len:
+            self.alloc.free(req.slots[req.cached_len:already])
+        slots, node = self.cache.match_prefix(req.keys[:n])
+        assert slots.numel() == n, "prefix cache lost a just-inserted prompt"
+        if already > req.cached_len:
+            req.slots[req.cached_len:already] = slots[req.cached_len:already]
+            self._table_writes.append((req.table_row, req.cached_len, slots[req.cached_len:already].clone()))
+        self.cache.lock(node)
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        req.node, req.cached_len = node, n
+
+    # ---- finishing ---------------------------------------------------------------------------
+    def _finish(self, req: Req, reason: str, error: Optional[str] = None, code: Optional[str] = None,
+                handle: Optional[dict] = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.reqs.pop(req.rid, None)
+        req.finished = reason
+        out = RequestOutput(req.rid, req.new_ids, reason, error=error, error_code=code,
+                            prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle)
+        if req.kind == "prefix":
+            out.think_ids = list(req.output_ids)
+        req.new_ids = []
+        self.outputs.append(out)
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        self.stats.preemptions += 1
+        # back to the front of the queue, in arrival order
+        idx = 0
+        while idx < len(self.waiting) and self.waiting[idx].arrival < req.arrival:
+            idx += 1
+        self.waiting.insert(idx, req)
+
+    def _reap_aborts(self) -> None:
+        for rid in list(self._aborts):
+            req = self.reqs.get(rid)
+            if req is not None:
+                self._finish(req, "abort")
+        self._aborts.clear()
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _try_admit(self, req: Req, decode_reserve: int) -> bool:
+        if not self.free_rows:
+            return False
+        slots, _ = self.cache.match_prefix(req.keys)
+        m = req.safe_prefix_len(int(slots.numel()))
+        slots, node = self.cache.match_prefix(req.keys[:m]) if m > 0 else (_EMPTY, None)
+        if node is not None:
+            self.cache.lock(node)
+        remaining = len(req.tokens) - m
+        if remaining + 1 + decode_reserve > self.available():
+            if node is not None:
+                self.cache.unlock(node)
+            return False
+        req.node = node if m > 0 else None
+        req.slots[:m] = slots
+        req.cached_len = req.num_computed = m
+        req.table_row = self.free_rows.pop()
+        if m:
+            self._table_writes.append((req.table_row, 0, slots.clone()))
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.hit_tokens = m
+            self.stats.prompt_tokens += req.prompt_len
+            self.stats.cached_prompt_tokens += m
+        self.waiting.remove(req)
+        self.running.append(req)
+        return True
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def _is_decode(self, req: Req) -> bool:
+        return req.pending == 1 and int(req.image_end[req.num_computed]) == 0
+
+    def schedule(self) -> Optional[tuple[StepPlan, list]]:
+        """Returns (plan, entries) or None when there is nothing to run. entries: (req, start, end)."""
+        self._reap_aborts()
+        for _ in range(len(self.running) + len(self.waiting) + 2):
+            result = self._schedule_once()
+            if result is not None or not self.running:
+                return result
+            # Running requests exist but none could progress: free memory by preempting the newest one,
+            # or fail the last one standing — never spin.
+            if len(self.running) > 1:
+                self._preempt(max(self.running, key=lambda r: r.arrival))
+            else:
+                self._finish(self.running[0], "error", "KV cache exhausted: the request does not fit",
+                             "kv_cache_exhausted")
+        return None
+
+    def _schedule_once(self):
+        decodes = [r for r in self.running if self._is_decode(r)]
+        while decodes and self.available() < len(decodes):
+            victim = max(self.running, key=lambda r: r.arrival)
+            if len(self.running) == 1:
+                self._finish(victim, "error", "KV cache exhausted while decoding", "kv_cache_exhausted")
+            else:
+                self._preempt(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+        entries = []   # prefill (req, start, end)
+        budget = self.chunk_size
+        for r in sorted((r for r in self.running if r not in decodes and r.pending > 0),
+                        key=lambda r: r.arrival):
+            if budget <= 0:
+                break
+            end = r.chunk_end(budget)
+            n = end - r.num_computed
+            if (n > budget and entries) or n + len(decodes) > self.available():
+                continue
+            entries.append((r, r.num_computed, end))
+            budget -= n
+        while self.waiting and budget > 0:
+            r = self.waiting[0]
+            if not self._try_admit(r, len(decodes)):
+                break
+            end = r.chunk_end(budget)
+            n = end - r.num_computed
+            if (n > budget and entries) or n + len(decodes) > self.available():
+                break
+            entries.append((r, r.num_computed, end))
+            budget -= n
+        if not entries and not decodes:
+            return None
+        for r, start, end in entries:
+            self._assign_slots(r, start, end)
+        for r in decodes:
+            self._assign_slots(r, r.num_computed, r.num_computed + 1)
+        return self._build_plan(entries, decodes)
+
+    def _assign_slots(self, r: Req, start: int, end: int) -> None:
+        slots = self._alloc(end - start)
+        r.slots[start:end] = slots
+        self._table_writes.append((r.table_row, start, slots))
+
+    def _needs_logits(self, r: Req) -> bool:
+        return r.kind == "text" or not r.think_done
+
+    def _build_plan(self, entries, decodes):
+        all_entries = list(entries) + [(r, r.num_computed, r.num_computed + 1) for r in decodes]
+        ids, pos, iend, slots, images, logit_rows = [], [], [], [], [], []
+        row = 0
+        for r, s, e in all_entries:
+            ids.append(torch.tensor(r.tokens[s:e], dtype=torch.int64))
+            pos.append(r.positions[:, s:e])
+            iend.append(r.image_end[s:e])
+            slots.append(r.slots[s:e])
+            images.extend(r.images_in(s, e))
+            row += e - s
+            if e == len(r.tokens) and self._needs_logits(r):
+                logit_rows.append(row - 1)
+        n_p = sum(e - s for _, s, e in entries)
+        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
+        cu = [0]
+        for _, s, e in entries:
+            cu.append(cu[-1] + e - s)
+        exports = []
+        for r, s, e in all_entries:
+            if r.kind == "prefix" and r.think_done and e == len(r.tokens):
+                exports.append((r.rid, r.slots[:e].clone(), r.msg.handle, r.next_t))
+        plan = StepPlan(
+            input_ids=torch.cat(ids), positions=torch.cat(pos, dim=1), image_end=torch.cat(iend),
+            images=images, out_slots=torch.cat(slots), num_prefill_rows=n_p,
+            p_rows=i64([r.table_row for r, _, _ in entries]), p_start=i64([s for _, s, _ in entries]),
+            p_seq_len=i64([e for _, _, e in entries]), p_cu_q=i64(cu),
+            d_rows=i64([r.table_row for r in decodes]), d_seq_len=i64([r.num_computed + 1 for r in decodes]),
+            logit_rows=i64(logit_rows), table_writes=self._table_writes, exports=exports)
+        self._table_writes = []
+        return plan, all_entries
+
+    # ---- results -----------------------------------------------------------------------------
+    def sampling_requests(self, entries) -> list[Req]:
+        """Requests owning plan.logit_rows, in row order."""
+        return [r for r, _, e in entries if e == len(r.tokens) and self._needs_logits(r)]
+
+    def process(self, entries, sampled: dict, exported: dict) -> None:
+        """Advance requests after the forward. sampled: rid -> token; exported: rid -> (handle | error)."""
+        self.stats.steps += 1
+        for r, s, e in entries:
+            r.num_computed = e
+            if not r.prompt_cached and r.num_computed >= r.prompt_len:
+                self._cache_prompt(r)
+            if e != len(r.tokens):
+                continue
+            if r.kind == "text":
+                self._advance_text(r, sampled[r.rid])
+            elif not r.think_done:
+                self._advance_think(r, sampled[r.rid])
+            else:
+                res = exported.get(r.rid)
+                if isinstance(res, dict):
+                    self._finish(r, "exported", handle=res)
+                else:
+                    self._finish(r, "error", f"KV export failed: {res}", "kv_export_failed")
+
+    def _advance_text(self, r: Req, tok: int) -> None:
+        self.stats.generated_tokens += 1
+        r.output_ids.append(tok)
+        r.new_ids.append(tok)
+        p = r.params
+        if tok in r.msg.stop_token_ids:
+            self._finish(r, "stop")
+        elif len(r.output_ids) >= p.max_tokens or len(r.tokens) + 1 > self.max_model_len:
+            self._finish(r, "length")
+        else:
+            r.append_tokens([tok])
+
+    def _advance_think(self, r: Req, tok: int) -> None:
+        """Greedy think decode of an image prefix: </think> is fed and ends the block, <|im_end|> ends it
+        unfed, the budget ends it too; then the tail ("\n\n<img>") follows as one causal block."""
+        self.stats.generated_tokens += 1
+        m = r.msg
+        if tok == m.think_stop_id:
+            r.think_done = True
+            r.append_tokens(list(m.think_tail_ids))
+            return
+        r.output_ids.append(tok)
+        r.new_ids.append(tok)
+        if tok == m.think_end_id or len(r.output_ids) >= m.max_think_tokens:
+            r.think_done = True
+            r.append_tokens([tok] + list(m.think_tail_ids))
+        else:
+            r.append_tokens([tok])
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def take_outputs(self) -> list[RequestOutput]:
+        outs = self.outputs
+        for r in self.running:
+            if r.new_ids:
+                outs.append(RequestOutput(r.rid, r.new_ids, prompt_tokens=r.prompt_len,
+                                          cached_tokens=r.hit_tokens))
+                r.new_ids = []
+        self.outputs = []
+        return outs
+
+    def snapshot(self) -> EngineStats:
+        s = self.stats
+        s.running, s.waiting = len(self.running), len(self.waiting)
+        s.kv_free = self.alloc.num_free
+        s.kv_cached = self.cache.evictable_tokens
+        s.kv_in_use = self.alloc.num_used - self.cache.evictable_tokens
+        return s
