@@ -3,9 +3,9 @@
 export: engine paged KV [L, 2, S, Hkv, D] + token slots [T]  -> the handle's pages
 import: the handle's pages -> a preallocated contiguous [L, 2, cap, Hkv, D] buffer (cap >= T)
 
-The copies go through kernels.kv_export / kernels.kv_import (Triton on CUDA, torch reference on CPU). On
-CUDA the pages are passed as a CUDA tensor aliasing the pinned, mapped pool, so the kernels read/write host
-memory directly; on CPU they are the plain shared-memory view. Same code on both.
+The copies go through kernels.kv_export / kernels.kv_import (Triton on CUDA, torch reference on CPU). The
+pages are always the CPU tensor over the shared memory; in a CUDA process it is registered (pinned, mapped)
+so the kernels read/write it directly from the GPU. Same code on both.
 
 With stream=None a copy is synchronous: on return an exported handle may be published and an imported
 handle may be released. With a side stream the call returns at once and the returned CopyDone must be
@@ -17,6 +17,8 @@ import contextlib
 import time
 
 import torch
+from kernels import kv_export as _kernel_export
+from kernels import kv_import as _kernel_import
 
 from .errors import HandleError
 from .handle import KVHandle
@@ -25,36 +27,6 @@ from .pool import ShmKVPool
 # A copy must finish within this many seconds of starting; the pages' lease is held at least that long so
 # an allocation elsewhere cannot reclaim them mid-copy.
 COPY_GUARD_S = 30.0
-
-
-def _copy_fns():
-    try:
-        import kernels
-    except ImportError:
-        kernels = None
-    export = getattr(kernels, "kv_export", None) or reference_kv_export
-    import_ = getattr(kernels, "kv_import", None) or reference_kv_import
-    return export, import_
-
-
-def _token_coords(page_ids: torch.Tensor, num_tokens: int, page_tokens: int):
-    t = torch.arange(num_tokens, device=page_ids.device)
-    return page_ids.long()[t // page_tokens], t % page_tokens
-
-
-def reference_kv_export(kv_pool: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                        page_ids: torch.Tensor) -> None:
-    """Torch reference (used only if kernels lacks kv_export): pages[p, :, :, o] = kv_pool[:, :, slot]."""
-    page_idx, offset = _token_coords(page_ids, slots.numel(), pages.shape[3])
-    src = kv_pool.index_select(2, slots.long())  # [L, 2, T, Hkv, D]
-    pages[page_idx, :, :, offset] = src.permute(2, 0, 1, 3, 4).to(pages.dtype)
-
-
-def reference_kv_import(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int,
-                        dst: torch.Tensor) -> None:
-    """Torch reference (used only if kernels lacks kv_import): dst[:, :, :T] = the handle's tokens."""
-    page_idx, offset = _token_coords(page_ids, num_tokens, pages.shape[3])
-    dst[:, :, :num_tokens] = pages[page_idx, :, :, offset].permute(1, 2, 0, 3, 4).to(dst.dtype)
 
 
 class CopyDone:
@@ -112,12 +84,12 @@ def _check_kv(name: str, t: torch.Tensor, pool: ShmKVPool, min_tokens: int, *, e
 
 def _run(pool: ShmKVPool, handle: KVHandle, kind: str, guard, device: torch.device, stream, fn,
          *tensors) -> CopyDone:
-    """Run fn(pages_on_device, page_ids) either now (CPU or stream=None) or on `stream`."""
+    """Run fn(page_ids) either now (CPU, or CUDA with stream=None) or on `stream`."""
     nbytes = handle.num_tokens * pool.layout.bytes_per_token
     try:
         t0 = time.perf_counter()
         if device.type == "cpu":
-            fn(pool.pages, torch.tensor(handle.page_ids, dtype=torch.int32))
+            fn(torch.tensor(handle.page_ids, dtype=torch.int32))
             return CopyDone(pool, handle, kind, nbytes, t0=t0, guard=guard)
         return _run_cuda(pool, handle, kind, guard, nbytes, t0, device, stream, fn, tensors)
     except BaseException:
@@ -127,14 +99,14 @@ def _run(pool: ShmKVPool, handle: KVHandle, kind: str, guard, device: torch.devi
 
 
 def _run_cuda(pool, handle, kind, guard, nbytes, t0, device, stream, fn, tensors) -> CopyDone:
-    pages = pool.pages_on(device)
+    pool.pin()  # the kernels address the pages from the GPU only when they are registered here
     side = stream if stream is not None else torch.cuda.current_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))  # the KV / buffer were produced on the compute stream
     with torch.cuda.stream(side):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(side)
         page_ids = torch.tensor(handle.page_ids, dtype=torch.int32).to(device, non_blocking=True)
-        fn(pages, page_ids)
+        fn(page_ids)
         end.record(side)
     for t in tensors:
         t.record_stream(side)  # keep the caching allocator from reusing them before the copy ends
@@ -151,10 +123,9 @@ def export_kv(pool: ShmKVPool, handle: KVHandle, kv_pool: torch.Tensor, slots: t
     if slots.device != kv_pool.device:
         raise ValueError(f"slots on {slots.device} but kv_pool on {kv_pool.device}")
     guard = pool.guard_copy(handle, COPY_GUARD_S, None)
-    export, _ = _copy_fns()
     slots = slots.to(torch.int32)
     return _run(pool, handle, "export", guard, kv_pool.device, stream,
-                lambda pages, page_ids: export(kv_pool, slots, pages, page_ids), kv_pool, slots)
+                lambda page_ids: _kernel_export(kv_pool, slots, pool.pages, page_ids), kv_pool, slots)
 
 
 def write_kv(pool: ShmKVPool, handle: KVHandle, kv: torch.Tensor, stream=None) -> CopyDone:
@@ -173,9 +144,8 @@ def import_kv(pool: ShmKVPool, handle: KVHandle, dst: torch.Tensor, stream=None,
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous")
     guard = pool.guard_copy(handle, COPY_GUARD_S, expected_fingerprint)
-    _, import_ = _copy_fns()
     return _run(pool, handle, "import", guard, dst.device, stream,
-                lambda pages, page_ids: import_(pages, page_ids, handle.num_tokens, dst), dst)
+                lambda page_ids: _kernel_import(pool.pages, page_ids, handle.num_tokens, dst), dst)
 
 
 def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",
@@ -186,5 +156,4 @@ def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu
     return dst
 
 
-__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "CopyDone", "HandleError",
-           "reference_kv_export", "reference_kv_import"]
+__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "CopyDone", "HandleError"]

@@ -81,8 +81,7 @@ class ShmKVPool:
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
         self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
-        self._cuda_pages: dict[torch.device, torch.Tensor] = {}
-        self._pin_box: list = [None]  # shared with the finalizer: the registered pointer, if any
+        self._pin_box: list = [None]  # shared with the finalizer: the registered mapping, if any
         self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, segment.created)
         if pin is None:
             pin = pinning.cuda_usable()
@@ -181,38 +180,16 @@ class ShmKVPool:
     def _drop_views(self) -> None:
         self._hdr = self._owner = self._deadline = None
         self._bytes = self.pages = None
-        self._cuda_pages = {}
 
     # ------------------------------------------------------------------ CUDA
     def pin(self) -> None:
         """Register the whole mapping as pinned, mapped memory in this process (idempotent)."""
-        if self._pin_box[0] is None:
-            ptr = self._bytes.data_ptr()
-            pinning.register(ptr, self._bytes.numel())
-            self._pin_box[0] = ptr
+        if self._pin_box[0] is None and pinning.register(self._bytes):
+            self._pin_box[0] = self._bytes
 
     @property
     def pinned(self) -> bool:
         return self._pin_box[0] is not None
-
-    def pages_on(self, device: torch.device | str) -> torch.Tensor:
-        """The pages as a tensor addressable from `device`: the CPU view, or a CUDA alias of the pinned map."""
-        device = torch.device(device)
-        if device.type == "cpu":
-            return self.pages
-        if device.type != "cuda":
-            raise ValueError(f"unsupported device {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        alias = self._cuda_pages.get(device)
-        if alias is None:
-            self.pin()
-            start = self.pages.data_ptr()
-            nbytes = self.num_pages * self.layout.page_bytes
-            raw = pinning.cuda_alias(start, nbytes, device)
-            alias = raw.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
-            self._cuda_pages[device] = alias
-        return alias
 
     # ------------------------------------------------------------------ allocator
     @contextlib.contextmanager
@@ -368,11 +345,11 @@ class ShmKVPool:
 
 def _finalize(seg: Segment, pin_box: list, unlink: bool) -> None:
     """Runs once: at close(), garbage collection or interpreter exit. Only the creator unlinks."""
-    ptr = pin_box[0]
-    if ptr is not None:
-        pin_box[0] = None
+    mapping, pin_box[0] = pin_box[0], None  # drop the reference before unmapping
+    if mapping is not None:
         with contextlib.suppress(Exception):
-            pinning.unregister(ptr)
+            pinning.unregister(mapping)
+        del mapping
     if unlink:
         seg.unlink()
     seg.close()

@@ -237,3 +237,21 @@ def test_copy_guard_does_not_extend_the_lease(shm_name):
         read_kv(pool, h)
         deadlines = pool._deadline[list(h.page_ids)]
         assert (deadlines == h.lease_deadline).all()
+
+
+def test_roundtrip_through_triton_kernels_interpreted(shm_name, monkeypatch):
+    """The GPU code path (Triton copy kernels) on CPU via TRITON_INTERPRET, same pool and handles."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    lay = layout(torch.bfloat16)
+    with ShmKVPool.create(shm_name, lay, 8 * lay.page_bytes, FP) as pool:
+        g = torch.Generator().manual_seed(1)
+        kv_pool = torch.randn(lay.kv_shape(32), generator=g).to(torch.bfloat16)
+        slots = torch.randperm(32, generator=g)[:7].to(torch.int32)
+        h = pool.allocate(7, lease_s=30)
+        export_kv(pool, h, kv_pool, slots)
+        dst = torch.zeros(lay.kv_shape(10), dtype=torch.bfloat16)
+        import_kv(pool, h, dst, expected_fingerprint=FP)
+        assert torch.equal(dst[:, :, :7], kv_pool[:, :, slots.long()])
+        assert not dst[:, :, 7:].any()
