@@ -25,6 +25,7 @@ class PrefixKV:
     t_offset: int  # t of the generated image tokens = max prefix t + 1
     think_text: str | None = None
     input_ids: list[int] = field(default_factory=list)
+    think_ids: list[int] = field(default_factory=list)  # decoded think tokens (cond branch, think mode)
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +153,7 @@ def think_decode(model, tok, cache, hidden, t_last: int, max_think_tokens: int):
             break
         logits = model.lm_logits(hidden[-1:])[0]
     _, t_last = _append_text(model, cache, tok.encode(P.THINK_TAIL), t_last)
-    return tok.decode(ids), t_last
+    return ids, t_last
 
 
 @torch.no_grad()
@@ -160,10 +161,11 @@ def build_prefix(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, think: 
                  max_think_tokens: int = 1024) -> PrefixKV:
     cache, positions, hidden = prefill(model, inp)
     t_last = int(positions[0].max())
-    think_text = None
+    think_text, think_ids = None, []
     if think:
-        think_text, t_last = think_decode(model, tok, cache, hidden, t_last, max_think_tokens)
-    return PrefixKV(cache.stacked(), t_last + 1, think_text, list(inp.input_ids))
+        think_ids, t_last = think_decode(model, tok, cache, hidden, t_last, max_think_tokens)
+        think_text = tok.decode(think_ids)
+    return PrefixKV(cache.stacked(), t_last + 1, think_text, list(inp.input_ids), think_ids)
 
 
 @torch.no_grad()

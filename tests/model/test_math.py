@@ -1,0 +1,143 @@
+"""RoPE, positions and masks, CFG rules, the timestep grid, noise scale, patchify."""
+import math
+
+import pytest
+import torch
+
+from services.model import sampler as S
+from services.model.config import parse_config
+from services.model.modules import Rope, rope_inv_freq, rotate_half
+from services.model.positions import image_end, prefill_mask, thw_indexes
+from services.model.tiny import tiny_config
+
+CTX = 7  # a stand-in <IMG_CONTEXT> id
+
+
+def test_inv_freq_matches_plain_formula():
+    for dim, base in ((64, 5e6), (32, 1e4), (8, 1e4)):
+        plain = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        torch.testing.assert_close(rope_inv_freq(dim, base), plain, rtol=0, atol=0)
+
+
+def test_rope_rotates_each_axis_on_its_own_dims():
+    D = 16
+    pos = torch.tensor([[5, 5, 0], [0, 3, 0], [0, 0, 2]])  # token0: t only; token1: +h; token2: w only
+    r = Rope(pos, D, 5e6, 1e4)
+    cos_t, sin_t = r.t
+    # text tokens (h = w = 0): the h and w parts are not rotated
+    assert torch.equal(r.h[0][0], torch.ones(D // 4)) and torch.equal(r.h[1][0], torch.zeros(D // 4))
+    # rotate_half pairs element i with i + d/2
+    x = torch.arange(8.0)
+    assert torch.equal(rotate_half(x), torch.tensor([-4.0, -5, -6, -7, 0, 1, 2, 3]))
+    ang = 5 * rope_inv_freq(D // 2, 5e6)
+    torch.testing.assert_close(cos_t[0], torch.cat([ang.cos(), ang.cos()]))
+    torch.testing.assert_close(sin_t[0], torch.cat([ang.sin(), ang.sin()]))
+
+
+def test_positions_and_hybrid_mask_with_two_images():
+    # text(3) <img> ctx x4 (grid 4x4 -> 2x2) </img> text(2) <img> ctx x2 (grid 2x4 -> 1x2) </img>
+    ids = torch.tensor([1, 2, 3, 8] + [CTX] * 4 + [9, 4, 5, 8] + [CTX] * 2 + [9])
+    pos = thw_indexes(ids, CTX, [(4, 4), (2, 4)])
+    assert pos[0].tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 5, 6, 7, 8, 9, 9, 10]
+    assert pos[1].tolist() == [0] * 4 + [0, 0, 1, 1] + [0] * 4 + [0, 0] + [0]
+    assert pos[2].tolist() == [0] * 4 + [0, 1, 0, 1] + [0] * 4 + [0, 1] + [0]
+    mask = prefill_mask(pos)
+    ie = image_end(ids, CTX)
+    n = ids.numel()
+    rule = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            rule[i, j] = j <= i or (ie[i] > 0 and j < ie[i])
+    assert torch.equal(mask, rule)
+    assert mask[4, 7] and not mask[3, 4] and mask[8, 7] and not mask[7, 8]  # image sees its span, not </img>
+    with pytest.raises(ValueError):
+        thw_indexes(ids, CTX, [(4, 4)])
+
+
+def test_timestep_grid_8_steps_shift_3():
+    expected = [0, 0.0455, 0.1, 0.1667, 0.25, 0.357, 0.5, 0.7, 1.0]
+    got = S.timesteps(8, 3.0).tolist()
+    assert all(abs(a - b) < 6e-4 for a, b in zip(got, expected)), got
+    assert S.timesteps(4, 1.0).tolist() == [0, 0.25, 0.5, 0.75, 1.0]
+
+
+def test_noise_scale_and_cap():
+    cfg = parse_config(tiny_config("u1"))
+    assert S.noise_scale(cfg, 64) == 1.0
+    assert S.noise_scale(cfg, 1024) == 4.0
+    assert S.noise_scale(cfg, 4096) == 8.0
+    assert S.noise_scale(cfg, 16384) == 8.0  # cap 8 (U1)
+    cfg15 = parse_config(tiny_config("u1.5"))
+    assert S.noise_scale(cfg15, 16384) == 16.0
+    a = S.initial_noise(2, 64, 32, 3, "cpu", torch.float32, 2.0)
+    b = S.initial_noise(2, 64, 32, 3, "cpu", torch.float32, 2.0)
+    assert torch.equal(a, b) and a.shape == (2, 3, 64, 32)
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(a, 2.0 * torch.randn((2, 3, 64, 32), generator=g))
+
+
+def test_patchify_layout_and_roundtrip():
+    x = torch.randn(2, 3, 64, 96)
+    z = S.patchify(x)
+    assert z.shape == (2, 6, 3072)
+    # token 1 is row 0, col 1; inside it (row, col, channel) order
+    assert torch.equal(z[0, 1].view(32, 32, 3), x[0, :, 0:32, 32:64].permute(1, 2, 0))
+    assert torch.equal(S.unpatchify(z, 2, 3), x)
+
+
+def _v(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 4, 3072, generator=g)
+
+
+def test_t2i_cfg_rows():
+    vc, vu = _v(1), _v(2)
+    p = S.SamplerParams(cfg_scale=4.0)
+    torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, p, 1, 0.5), vu + 4 * (vc - vu))
+    g = S.combine({"cond": vc, "uncond": vu}, S.SamplerParams(cfg_norm="global"), 1, 0.5)
+    raw = vu + 4 * (vc - vu)
+    f = (vc.flatten(1).norm(dim=1) / (raw.flatten(1).norm(dim=1) + 1e-8)).clamp(0, 1)
+    torch.testing.assert_close(g, raw * f.view(2, 1, 1))
+    c = S.combine({"cond": vc, "uncond": vu}, S.SamplerParams(cfg_norm="channel"), 1, 0.5)
+    fc = (vc.norm(dim=-1, keepdim=True) / (raw.norm(dim=-1, keepdim=True) + 1e-8)).clamp(0, 1)
+    torch.testing.assert_close(c, raw * fc)
+    zs = S.SamplerParams(cfg_norm="cfg_zero_star")
+    assert torch.equal(S.combine({"cond": vc, "uncond": vu}, zs, 0, 0.0), torch.zeros_like(vc))
+    alpha = ((vc * vu).flatten(1).sum(1) / ((vu ** 2).flatten(1).sum(1) + 1e-8)).view(2, 1, 1)
+    torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, zs, 1, 0.5), alpha * vu + 4 * (vc - alpha * vu))
+    # interval is inclusive for T2I; cfg_scale 1 -> cond only (and no uncond branch)
+    p2 = S.SamplerParams(cfg_interval=(0.2, 0.5))
+    assert S.uses_cfg(p2, 0.5) and S.uses_cfg(p2, 0.2) and not S.uses_cfg(p2, 0.6)
+    assert torch.equal(S.combine({"cond": vc, "uncond": vu}, p2, 3, 0.6), vc)
+    assert S.branches_needed(S.SamplerParams(cfg_scale=1.0)) == ["cond"]
+
+
+def test_edit_cfg_rows():
+    vc, vi, vu = _v(1), _v(2), _v(3)
+    v = {"cond": vc, "img_cond": vi, "uncond": vu}
+
+    def run(g, gi):
+        p = S.SamplerParams(mode="edit", cfg_scale=g, img_cfg_scale=gi)
+        need = S.branches_needed(p)
+        return need, S.combine({b: v[b] for b in need}, p, 1, 0.5)
+
+    assert run(1, 1) == (["cond"], vc)
+    need, out = run(4, 1)
+    assert need == ["cond", "img_cond"] and torch.allclose(out, vi + 4 * (vc - vi))
+    need, out = run(3, 3)
+    assert need == ["cond", "uncond"] and torch.allclose(out, vu + 3 * (vc - vu))
+    need, out = run(4, 2)
+    assert need == ["cond", "img_cond", "uncond"]
+    assert torch.allclose(out, vu + 4 * (vc - vi) + 2 * (vi - vu))
+    # editing interval rule: (lo < t < hi) or lo == 0
+    p = S.SamplerParams(mode="edit", cfg_interval=(0.2, 0.5))
+    assert not S.uses_cfg(p, 0.2) and S.uses_cfg(p, 0.3)
+    with pytest.raises(ValueError):
+        S.SamplerParams(mode="edit", cfg_norm="cfg_zero_star").validate()
+
+
+def test_velocity_clamp():
+    z, x = torch.zeros(1, 1, 3), torch.ones(1, 1, 3)
+    assert torch.allclose(S.velocity(x, z, torch.tensor(0.5), 0.02), 2 * x)
+    assert torch.allclose(S.velocity(x, z, torch.tensor(1.0), 0.02), x / 0.02)
+    assert math.isclose(float(S.euler(z, x, torch.tensor(0.25), torch.tensor(0.5))[0, 0, 0]), 0.25)
