@@ -68,24 +68,42 @@ class CopyDone:
         self._pool.end_copy(self._handle, self._guard)  # HandleError if released while copying
 
 
-def _check_kv(name: str, t: torch.Tensor, pool: ShmKVPool, min_tokens: int, *, exact: bool) -> None:
+def _head_slice(pool: ShmKVPool, heads) -> tuple[int, int]:
+    n = pool.layout.num_kv_heads
+    if heads is None:
+        return 0, n
+    h0, h1 = (int(h) for h in heads)
+    if not 0 <= h0 < h1 <= n:
+        raise ValueError(f"heads {heads!r} must be a (start, stop) range within the pool's {n} KV heads")
+    return h0, h1
+
+
+def _pages_for_heads(pool: ShmKVPool, h0: int, h1: int) -> torch.Tensor:
+    """The pages, or the view of one tensor-parallel rank's KV heads (token rows stay contiguous)."""
+    if (h0, h1) == (0, pool.layout.num_kv_heads):
+        return pool.pages
+    return pool.pages[:, :, :, :, h0:h1]
+
+
+def _check_kv(name: str, t: torch.Tensor, pool: ShmKVPool, min_tokens: int, *, exact: bool,
+              num_heads: int | None = None) -> None:
     lay = pool.layout
+    num_heads = lay.num_kv_heads if num_heads is None else num_heads
     if not isinstance(t, torch.Tensor) or t.dim() != 5:
         raise ValueError(f"{name} must be a 5-D tensor [L, 2, T, Hkv, D]")
     L, two, T, H, D = t.shape
-    if (L, two, H, D) != (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim):
+    if (L, two, H, D) != (lay.num_layers, 2, num_heads, lay.head_dim):
         raise ValueError(f"{name} shape {tuple(t.shape)} does not match the pool layout "
-                         f"[{lay.num_layers}, 2, T, {lay.num_kv_heads}, {lay.head_dim}]")
+                         f"[{lay.num_layers}, 2, T, {num_heads}, {lay.head_dim}]")
     if (T != min_tokens) if exact else (T < min_tokens):
         raise ValueError(f"{name} has {T} tokens, needs {'exactly' if exact else 'at least'} {min_tokens}")
     if t.dtype != lay.torch_dtype:
         raise ValueError(f"{name} dtype {t.dtype} differs from the pool dtype {lay.torch_dtype}")
 
 
-def _run(pool: ShmKVPool, handle: KVHandle, kind: str, guard, device: torch.device, stream, fn,
+def _run(pool: ShmKVPool, handle: KVHandle, kind: str, guard, nbytes: int, device: torch.device, stream, fn,
          *tensors) -> CopyDone:
     """Run fn(page_ids) either now (CPU, or CUDA with stream=None) or on `stream`."""
-    nbytes = handle.num_tokens * pool.layout.bytes_per_token
     try:
         t0 = time.perf_counter()
         if device.type == "cpu":
@@ -115,37 +133,50 @@ def _run_cuda(pool, handle, kind, guard, nbytes, t0, device, stream, fn, tensors
 
 
 def export_kv(pool: ShmKVPool, handle: KVHandle, kv_pool: torch.Tensor, slots: torch.Tensor,
-              stream=None) -> CopyDone:
-    """Copy the request's tokens kv_pool[:, :, slots] into the handle's pages (producer side)."""
-    _check_kv("kv_pool", kv_pool, pool, 1, exact=False)
+              stream=None, *, heads: tuple[int, int] | None = None) -> CopyDone:
+    """Copy the request's tokens kv_pool[:, :, slots] into the handle's pages (producer side).
+
+    heads=(start, stop): kv_pool holds only those global KV heads (one tensor-parallel rank); each rank
+    exports its own slice into the same pages. With KV heads replicated over ranks, only one rank of each
+    replica group exports. The handle is complete when every slice's copy is done."""
+    h0, h1 = _head_slice(pool, heads)
+    _check_kv("kv_pool", kv_pool, pool, 1, exact=False, num_heads=h1 - h0)
     if slots.dim() != 1 or slots.numel() != handle.num_tokens:
         raise ValueError(f"slots must be 1-D with {handle.num_tokens} entries, got {tuple(slots.shape)}")
     if slots.device != kv_pool.device:
         raise ValueError(f"slots on {slots.device} but kv_pool on {kv_pool.device}")
     guard = pool.guard_copy(handle, COPY_GUARD_S, None)
     slots = slots.to(torch.int32)
-    return _run(pool, handle, "export", guard, kv_pool.device, stream,
-                lambda page_ids: _kernel_export(kv_pool, slots, pool.pages, page_ids), kv_pool, slots)
+    pages = _pages_for_heads(pool, h0, h1)
+    nbytes = handle.num_tokens * pool.layout.bytes_per_token * (h1 - h0) // pool.layout.num_kv_heads
+    return _run(pool, handle, "export", guard, nbytes, kv_pool.device, stream,
+                lambda page_ids: _kernel_export(kv_pool, slots, pages, page_ids), kv_pool, slots)
 
 
-def write_kv(pool: ShmKVPool, handle: KVHandle, kv: torch.Tensor, stream=None) -> CopyDone:
+def write_kv(pool: ShmKVPool, handle: KVHandle, kv: torch.Tensor, stream=None, *,
+             heads: tuple[int, int] | None = None) -> CopyDone:
     """Copy a contiguous [L, 2, T, Hkv, D] tensor into the handle's pages (T = handle.num_tokens)."""
-    _check_kv("kv", kv, pool, handle.num_tokens, exact=True)
+    h0, h1 = _head_slice(pool, heads)
+    _check_kv("kv", kv, pool, handle.num_tokens, exact=True, num_heads=h1 - h0)
     slots = torch.arange(handle.num_tokens, dtype=torch.int32, device=kv.device)
-    return export_kv(pool, handle, kv, slots, stream)
+    return export_kv(pool, handle, kv, slots, stream, heads=heads)
 
 
 def import_kv(pool: ShmKVPool, handle: KVHandle, dst: torch.Tensor, stream=None,
-              expected_fingerprint: str | None = None) -> CopyDone:
+              expected_fingerprint: str | None = None, *, heads: tuple[int, int] | None = None) -> CopyDone:
     """Copy the handle's tokens into dst[:, :, :num_tokens] (consumer side). Checks pool, generation,
-    fingerprint (against expected_fingerprint when given, else the pool's) and layout first."""
+    fingerprint (against expected_fingerprint when given, else the pool's) and layout first.
+    heads=(start, stop) imports only those KV heads (a tensor-parallel consumer rank)."""
     pool.validate(handle, expected_fingerprint)  # handle errors before buffer errors: they say more
-    _check_kv("dst", dst, pool, handle.num_tokens, exact=False)
+    h0, h1 = _head_slice(pool, heads)
+    _check_kv("dst", dst, pool, handle.num_tokens, exact=False, num_heads=h1 - h0)
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous")
     guard = pool.guard_copy(handle, COPY_GUARD_S, expected_fingerprint)
-    return _run(pool, handle, "import", guard, dst.device, stream,
-                lambda page_ids: _kernel_import(pool.pages, page_ids, handle.num_tokens, dst), dst)
+    pages = _pages_for_heads(pool, h0, h1)
+    nbytes = handle.num_tokens * pool.layout.bytes_per_token * (h1 - h0) // pool.layout.num_kv_heads
+    return _run(pool, handle, "import", guard, nbytes, dst.device, stream,
+                lambda page_ids: _kernel_import(pages, page_ids, handle.num_tokens, dst), dst)
 
 
 def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",

@@ -82,7 +82,9 @@ class ShmKVPool:
         data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
         self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
         self._pin_box: list = [None]  # shared with the finalizer: the registered mapping, if any
-        self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, segment.created)
+        # Only the creating process unlinks (a forked child that exits normally must not).
+        unlink_in = os.getpid() if segment.created else None
+        self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, unlink_in)
         if pin is None:
             pin = pinning.cuda_usable()
         if pin:
@@ -343,13 +345,13 @@ class ShmKVPool:
         }
 
 
-def _finalize(seg: Segment, pin_box: list, unlink: bool) -> None:
+def _finalize(seg: Segment, pin_box: list, unlink_in: int | None) -> None:
     """Runs once: at close(), garbage collection or interpreter exit. Only the creator unlinks."""
     mapping, pin_box[0] = pin_box[0], None  # drop the reference before unmapping
     if mapping is not None:
         with contextlib.suppress(Exception):
             pinning.unregister(mapping)
         del mapping
-    if unlink:
+    if unlink_in == os.getpid():
         seg.unlink()
     seg.close()

@@ -23,16 +23,18 @@ class Transport(abc.ABC):
         """Reserve room; raises PoolFull at once when there is none."""
 
     @abc.abstractmethod
-    def export_kv(self, handle: KVHandle, kv_pool: torch.Tensor, slots: torch.Tensor,
-                  stream=None) -> kvcopy.CopyDone:
-        """Copy the engine's paged KV of `slots` into the handle."""
+    def export_kv(self, handle: KVHandle, kv_pool: torch.Tensor, slots: torch.Tensor, stream=None, *,
+                  heads: tuple[int, int] | None = None) -> kvcopy.CopyDone:
+        """Copy the engine's paged KV of `slots` (optionally only KV heads [start, stop)) into the handle."""
 
     @abc.abstractmethod
-    def write_kv(self, handle: KVHandle, kv: torch.Tensor, stream=None) -> kvcopy.CopyDone:
+    def write_kv(self, handle: KVHandle, kv: torch.Tensor, stream=None, *,
+                 heads: tuple[int, int] | None = None) -> kvcopy.CopyDone:
         """Copy a contiguous [L, 2, T, Hkv, D] tensor into the handle."""
 
     @abc.abstractmethod
-    def import_kv(self, handle: KVHandle, dst: torch.Tensor, stream=None) -> kvcopy.CopyDone:
+    def import_kv(self, handle: KVHandle, dst: torch.Tensor, stream=None, *,
+                  heads: tuple[int, int] | None = None) -> kvcopy.CopyDone:
         """Copy the handle's KV into dst[:, :, :num_tokens]; checks fingerprint and layout first."""
 
     @abc.abstractmethod
@@ -104,14 +106,14 @@ class LocalShmTransport(Transport):
     def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
         return self._pool.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
 
-    def export_kv(self, handle, kv_pool, slots, stream=None):
-        return kvcopy.export_kv(self._pool_for(handle), handle, kv_pool, slots, stream)
+    def export_kv(self, handle, kv_pool, slots, stream=None, *, heads=None):
+        return kvcopy.export_kv(self._pool_for(handle), handle, kv_pool, slots, stream, heads=heads)
 
-    def write_kv(self, handle, kv, stream=None):
-        return kvcopy.write_kv(self._pool_for(handle), handle, kv, stream)
+    def write_kv(self, handle, kv, stream=None, *, heads=None):
+        return kvcopy.write_kv(self._pool_for(handle), handle, kv, stream, heads=heads)
 
-    def import_kv(self, handle, dst, stream=None):
-        return kvcopy.import_kv(self._pool_for(handle), handle, dst, stream, self._expected)
+    def import_kv(self, handle, dst, stream=None, *, heads=None):
+        return kvcopy.import_kv(self._pool_for(handle), handle, dst, stream, self._expected, heads=heads)
 
     def read_kv(self, handle, device="cpu"):
         return kvcopy.read_kv(self._pool_for(handle), handle, device, self._expected)

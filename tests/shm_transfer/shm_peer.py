@@ -22,11 +22,9 @@ _pools: dict[str, ShmKVPool] = {}
 
 
 # ---------------------------------------------------------------- commands (run inside the peer)
-def attach(name, expected_fingerprint=None, transport=False):
-    if transport:
-        _pools[name] = LocalShmTransport.attach(name, expected_fingerprint=expected_fingerprint)
-    else:
-        _pools[name] = ShmKVPool.attach(name, expected_fingerprint=expected_fingerprint)
+def attach(name, expected_fingerprint=None, transport=False, timeout_s=5.0):
+    cls = LocalShmTransport if transport else ShmKVPool
+    _pools[name] = cls.attach(name, expected_fingerprint=expected_fingerprint, timeout_s=timeout_s)
     return os.getpid()
 
 
@@ -78,8 +76,8 @@ def allocate_until_full(name, num_tokens, lease_s):
         return got
 
 
-def write(name, handle_dict, kv):
-    write_kv(_pools[name], KVHandle.from_dict(handle_dict), kv)
+def write(name, handle_dict, kv, heads=None):
+    write_kv(_pools[name], KVHandle.from_dict(handle_dict), kv, heads=heads)
 
 
 def release(name, handle_dict):

@@ -213,7 +213,7 @@ def test_attach_rejects_pool_of_another_model(peer, shm_name):
             peer.call("attach", shm_name, expected_fingerprint="another-model")
         assert e.value.cls_name == "PoolError" and "another-model" in e.value.message
     with pytest.raises(PeerError) as e:
-        peer.call("attach", shm_name + "-missing", timeout=30)
+        peer.call("attach", shm_name + "-missing", timeout_s=0.2)
     assert e.value.cls_name == "PoolError" and "does not exist" in e.value.message
 
 
@@ -255,3 +255,29 @@ def test_roundtrip_through_triton_kernels_interpreted(shm_name, monkeypatch):
         import_kv(pool, h, dst, expected_fingerprint=FP)
         assert torch.equal(dst[:, :, :7], kv_pool[:, :, slots.long()])
         assert not dst[:, :, 7:].any()
+
+
+@pytest.mark.parametrize("mode", ["ref", "triton-interpret"])
+def test_tensor_parallel_ranks_export_their_head_slices(peer, shm_name, monkeypatch, mode):
+    """Two producer ranks (this process and the peer) each write their KV heads into the same pages."""
+    if mode == "triton-interpret":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
+    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+        peer.call("attach", shm_name)
+        full = torch.randn(lay.kv_shape(6))
+        h = pool.allocate(6, lease_s=30)
+        peer.call("write", shm_name, wire(h), full[:, :, :, 2:4].contiguous(), heads=(2, 4))  # rank 1
+        kv_pool = torch.zeros(lay.kv_shape(16)[:3] + (2, 8))  # rank 0's paged pool: heads 0..1
+        slots = torch.tensor([9, 3, 15, 0, 7, 11], dtype=torch.int32)
+        kv_pool[:, :, slots.long()] = full[:, :, :, 0:2]
+        export_kv(pool, h, kv_pool, slots, heads=(0, 2))
+        assert torch.equal(read_kv(pool, h), full)
+        half = torch.zeros(lay.kv_shape(8)[:3] + (2, 8))
+        import_kv(pool, h, half, heads=(2, 4))  # a consumer rank that holds heads 2..3
+        assert torch.equal(half[:, :, :6], full[:, :, :, 2:4])
+        with pytest.raises(ValueError, match="heads"):
+            export_kv(pool, h, kv_pool, slots, heads=(1, 5))
+        peer.call("close", shm_name)
