@@ -102,6 +102,16 @@ class ManagedProcess:
             return False
 
 
+def port_in_use(url: str) -> bool:
+    """Something already answers on the host:port of `url` (a stale server would fake health)."""
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((u.hostname or "127.0.0.1", u.port or 80)) == 0
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -158,6 +168,10 @@ class Stack:
 
     def start(self) -> None:
         try:
+            for mp in self.procs:
+                if port_in_use(mp.spec.health_url):
+                    raise StartupError(f"cannot start {mp.spec.name}: the port of "
+                                       f"{mp.spec.health_url} is already in use")
             for mp in self.procs:
                 t0 = time.monotonic()
                 self.say(f"starting {mp.spec.name}: {' '.join(mp.spec.argv)}")
