@@ -1,0 +1,167 @@
+"""The denoising engine of one rank: admit jobs (import prefix KV once), run batched steps.
+
+One step = one `gen_forward` over the image tokens of every active (job, local branch, image) row,
+packed varlen; attention per job over its own KV buffer; then per job: head, velocity, (all-gather of
+velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave between steps.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from services.model import sampler
+
+from .cfg_parallel import CfgComm, local_branches
+from .job_state import JobState
+from .kv_source import PrefixSource
+from .request import ApiError, GenerateJob
+
+
+def _denoise_attention(device: torch.device):
+    """kernels' dispatching denoise attention; on CPU its per-sequence SDPA backend (unless a backend
+    is forced by U1SERVE_DENOISE_BACKEND), which is also what the reference pipeline computes, so
+    fp32 results match it bit for bit."""
+    import os
+    if device.type == "cpu" and not os.environ.get("U1SERVE_DENOISE_BACKEND"):
+        from kernels.denoise_attention import denoise_attention_sdpa
+        return denoise_attention_sdpa
+    from kernels import denoise_attention
+    return denoise_attention
+
+
+class Engine:
+    def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None):
+        self.model = model
+        self.device = model.device
+        self.dtype = model.dtype
+        self.source = prefix_source
+        self.comm = comm or CfgComm.single()
+        self.running: list[JobState] = []
+        self.scale = 1.0 / math.sqrt(model.head_dim)
+        self._attn = _denoise_attention(self.device)
+
+    # -- admission -----------------------------------------------------------------------------
+    def admit(self, spec: GenerateJob) -> tuple[JobState, list[dict]]:
+        """Build the job and import this rank's prefixes. Returns (job, stats). Raises ApiError."""
+        mine = local_branches(spec.branches, self.comm.rank, self.comm.world)
+        job = JobState(spec, mine, self.model, self.device, self.dtype)
+        handles = {b: self.source.parse(spec.handles[b]) for b in spec.branches}
+        for b, h in handles.items():
+            if h.branch not in (b, "") and h.branch in ("cond", "uncond", "img_cond"):
+                raise ApiError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
+                               param=f"handles.{b}", code="kv_branch_mismatch")
+        job.allocate_kv({b: handles[b].num_tokens for b in job.local},
+                        {b: handles[b].t_offset for b in spec.branches})
+        stats = []
+        try:
+            for b in job.local:
+                # The pool import wants a contiguous [L, 2, P, Hkv, D] destination; our buffer packs
+                # every segment of a layer together (one attention call per layer and job), so the
+                # prefix lands in a device-local staging tensor first: one extra on-device copy per
+                # job and branch, never per step.
+                staging = torch.empty((self.model.num_layers, 2, handles[b].num_tokens,
+                                       self.model.num_kv_heads, self.model.head_dim),
+                                      device=self.device, dtype=self.dtype)
+                nbytes, seconds = self.source.import_into(handles[b], staging)
+                for seg in job.segments:
+                    if seg.branch == b:
+                        job.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(staging)
+                del staging
+                stats.append({"stat": "kv_import", "bytes": nbytes, "seconds": seconds})
+        except BaseException:
+            job.free()
+            raise
+        return job, stats
+
+    def add(self, job: JobState) -> None:
+        self.running.append(job)
+
+    def drop(self, request_id: str) -> JobState | None:
+        for i, job in enumerate(self.running):
+            if job.request_id == request_id:
+                del self.running[i]
+                job.free()
+                return job
+        return None
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> tuple[list[JobState], int]:
+        """Advance every running job by one step. Returns (finished jobs, rows in the forward)."""
+        jobs = list(self.running)
+        plan = []                     # (job, active_local, row_start, row_end, z)
+        rows, positions = [], []
+        r = 0
+        for job in jobs:
+            act = job.active_local()
+            z = sampler.patchify(job.x)
+            if act:
+                # Embeddings once per job and step, shared by its branches (rows branch-major).
+                x_in = self.model.gen_embed(job.x, job.t, job.noise_scale)
+                meta = job.meta(act)
+                rows.append(x_in.reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
+                positions.append(meta.positions)
+                plan.append((job, act, r, r + meta.write_idx.numel(), z))
+                r += meta.write_idx.numel()
+            else:
+                plan.append((job, act, r, r, z))
+
+        local_v: list[torch.Tensor] = []
+        if r:
+            packed = torch.cat(rows) if len(rows) > 1 else rows[0]
+            rope = self.model.rope(torch.cat(positions, dim=1))
+            spans = [(job, act, a, b) for job, act, a, b, _ in plan if act]
+            hidden = self.model.gen_forward(packed, rope, self._make_attend(spans))
+            for job, act, a, b, z in plan:
+                if not act:
+                    continue
+                h = hidden[a:b].view(len(act), job.n, job.N, -1)
+                for i in range(len(act)):
+                    # Head per branch, [n, N, H] as the reference: same GEMM shapes, same bits.
+                    x_hat = self.model.gen_head(h[i], job.th, job.tw)
+                    local_v.append(sampler.velocity(x_hat, z, job.t, job.spec.t_eps))
+
+        v_all = self.comm.gather_velocities(jobs, local_v)
+        finished = []
+        for (job, _, _, _, z) in plan:
+            v = sampler.combine(v_all[job.request_id], job.params, job.step, job.t)
+            z = sampler.euler(z, v, job.t, job.t_next)
+            job.x = sampler.unpatchify(z, job.th, job.tw)
+            job.step += 1
+            if job.done:
+                finished.append(job)
+        for job in finished:
+            self.running.remove(job)
+        return finished, r
+
+    def _make_attend(self, spans):
+        attn, scale = self._attn, self.scale
+
+        def attend(layer: int, q, k, v):
+            outs = []
+            for job, act, a, b in spans:
+                m = job.meta(act)
+                kv = job.kv[layer]
+                kv[0].index_copy_(0, m.write_idx, k[a:b])
+                kv[1].index_copy_(0, m.write_idx, v[a:b])
+                outs.append(attn(q[a:b], kv[0, :m.k_end], kv[1, :m.k_end], m.cu_q, m.cu_k,
+                                 m.max_q, m.max_k, scale))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return attend
+
+    # -- outputs -----------------------------------------------------------------------------------
+    @staticmethod
+    def pixels(job: JobState):
+        """uint8 [n, H, W, 3] numpy, decoded exactly as the reference's to_pil."""
+        return sampler.to_uint8(job.x).numpy()
+
+    def peak_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,130 @@
+"""Per-job state inside the engine: sampler state, the job's KV buffer and its attention metadata.
+
+KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
+branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
+each step writes the new image K/V into the N slots of every active segment (no per-step copies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.model import sampler
+from services.model.positions import image_token_positions
+
+from .request import GenerateJob
+from .sampling import sampler_params
+
+
+@dataclass
+class _Segment:
+    branch: str
+    image: int
+    start: int        # first slot of this segment in the job's KV buffer
+    prefix_len: int
+
+
+@dataclass
+class StepMeta:
+    """Attention/positions metadata of one job for one set of active local branches."""
+    positions: torch.Tensor      # [3, rows]
+    write_idx: torch.Tensor      # [rows] KV slot of each row's K/V
+    cu_q: torch.Tensor           # int32 [segments + 1]
+    cu_k: torch.Tensor           # int32 [segments + 1]
+    max_q: int
+    max_k: int
+    k_end: int                   # keys live in kv[:, :, :k_end]
+
+
+class JobState:
+    def __init__(self, spec: GenerateJob, local_branches: list[str], model, device, dtype):
+        self.spec = spec
+        self.request_id = spec.request_id
+        self.params = sampler_params(spec)
+        self.params.validate()
+        self.branches = spec.branches                 # all branches (every rank knows them)
+        self.local = [b for b in self.branches if b in local_branches]
+        self.th, self.tw = spec.height // 32, spec.width // 32
+        self.N = self.th * self.tw
+        self.n = spec.n
+        self.num_steps = spec.num_steps
+        self.timesteps = sampler.timesteps(spec.num_steps, spec.timestep_shift, device=device)
+        self.noise_scale = sampler.noise_scale(model.cfg, self.N)
+        self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
+                                       self.noise_scale)
+        self.step = 0
+        self.device = device
+        self.dtype = dtype
+        self._model_geom = (model.num_layers, model.num_kv_heads, model.head_dim)
+        self.kv: torch.Tensor | None = None
+        self.segments: list[_Segment] = []
+        self.t_offsets: dict[str, int] = {}
+        self._meta: dict[tuple, StepMeta] = {}
+
+    # -- KV --------------------------------------------------------------------------------------
+    def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
+        L, Hkv, D = self._model_geom
+        start = 0
+        for b in self.local:
+            for i in range(self.n):
+                self.segments.append(_Segment(b, i, start, prefix_lens[b]))
+                start += prefix_lens[b] + self.N
+        self.t_offsets = dict(t_offsets)
+        self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
+
+    def free(self) -> None:
+        self.kv = None
+        self._meta.clear()
+
+    # -- steps -----------------------------------------------------------------------------------
+    @property
+    def t(self) -> torch.Tensor:
+        return self.timesteps[self.step]
+
+    @property
+    def t_next(self) -> torch.Tensor:
+        return self.timesteps[self.step + 1]
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    def active_branches(self) -> list[str]:
+        """Branches whose velocity this step's CFG rule reads (outside the interval: cond only)."""
+        if sampler.uses_cfg(self.params, float(self.t)):
+            return self.branches
+        return ["cond"]
+
+    def active_local(self) -> list[str]:
+        active = self.active_branches()
+        return [b for b in self.local if b in active]
+
+    def meta(self, active_local: list[str]) -> StepMeta:
+        """Cached metadata; active segments are always a prefix of the buffer (cond is first)."""
+        key = tuple(active_local)
+        m = self._meta.get(key)
+        if m is not None:
+            return m
+        segs = [s for s in self.segments if s.branch in active_local]
+        assert all(a is b for a, b in zip(segs, self.segments)), "active segments must lead"
+        pos, idx, cu_q, cu_k = [], [], [0], [0]
+        ar = torch.arange(self.N, device=self.device)
+        for s in segs:
+            pos.append(image_token_positions(self.th, self.tw, self.t_offsets[s.branch],
+                                             device=self.device))
+            idx.append(ar + s.start + s.prefix_len)
+            cu_q.append(cu_q[-1] + self.N)
+            cu_k.append(cu_k[-1] + s.prefix_len + self.N)
+        m = StepMeta(positions=torch.cat(pos, dim=1), write_idx=torch.cat(idx),
+                     cu_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
+                     cu_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
+                     max_q=self.N, max_k=max(s.prefix_len for s in segs) + self.N,
+                     k_end=cu_k[-1])
+        self._meta[key] = m
+        return m
+
+    @property
+    def local_tokens(self) -> int:
+        """Rows this job adds to a forward on this rank when CFG is on."""
+        return self.N * self.n * len(self.local)

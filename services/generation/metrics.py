@@ -1,0 +1,75 @@
+"""Prometheus metrics of the generation service.
+
+The engine process measures; it ships small stats messages to the HTTP process, which owns the registry
+(one registry, one process: no prometheus multiprocess directory to manage).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+                               CONTENT_TYPE_LATEST)
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
+_IMPORT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class GenerationMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("u1_gen_queue_depth", "jobs waiting for admission", registry=r)
+        self.running_jobs = Gauge("u1_gen_running_jobs", "jobs in the running batch", registry=r)
+        self.steps = Counter("u1_gen_steps", "denoising steps (batched forwards) run", registry=r)
+        self.job_steps = Counter("u1_gen_job_steps", "per-job denoising steps completed",
+                                 registry=r)
+        self.steps_per_second = Gauge("u1_gen_steps_per_second",
+                                      "batched steps per second over the last 10 s", registry=r)
+        self.step_seconds = Histogram("u1_gen_step_seconds", "latency of one batched step",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.batch_rows = Gauge("u1_gen_batch_tokens", "image tokens in the last forward",
+                                registry=r)
+        self.kv_import_seconds = Histogram("u1_gen_kv_import_seconds",
+                                           "prefix KV import (pool -> per-request buffer)",
+                                           buckets=_IMPORT_BUCKETS, registry=r)
+        self.kv_import_bytes = Counter("u1_gen_kv_import_bytes", "prefix KV bytes imported",
+                                       registry=r)
+        self.peak_gpu_memory = Gauge("u1_gen_peak_gpu_memory_bytes",
+                                     "peak allocated device memory of the engine (rank 0)",
+                                     registry=r)
+        self.requests = Counter("u1_gen_requests", "finished requests by outcome", ["outcome"],
+                                registry=r)
+        self.engine_restarts = Counter("u1_gen_engine_restarts", "engine process restarts",
+                                       registry=r)
+        self._recent = collections.deque()
+        self._lock = threading.Lock()
+
+    def on_stats(self, msg: dict) -> None:
+        """Apply one stats message from the engine."""
+        kind = msg.get("stat")
+        if kind == "step":
+            self.steps.inc()
+            self.job_steps.inc(msg.get("jobs", 0))
+            self.step_seconds.observe(msg["seconds"])
+            self.batch_rows.set(msg.get("tokens", 0))
+            self.running_jobs.set(msg.get("running", 0))
+            self.queue_depth.set(msg.get("queued", 0))
+            if msg.get("peak_memory") is not None:
+                self.peak_gpu_memory.set(msg["peak_memory"])
+            now = time.monotonic()
+            with self._lock:
+                self._recent.append(now)
+                while self._recent and now - self._recent[0] > 10.0:
+                    self._recent.popleft()
+                span = now - self._recent[0] if len(self._recent) > 1 else 0.0
+                self.steps_per_second.set((len(self._recent) - 1) / span if span else 0.0)
+        elif kind == "kv_import":
+            self.kv_import_seconds.observe(msg["seconds"])
+            self.kv_import_bytes.inc(msg["bytes"])
+        elif kind == "idle":
+            self.running_jobs.set(msg.get("running", 0))
+            self.queue_depth.set(msg.get("queued", 0))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

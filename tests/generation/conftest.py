@@ -1,0 +1,48 @@
+"""Shared fixtures: one tiny checkpoint, one reference model, one pool, one generation server."""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from genhelp import GenServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from services.model.tiny import write_tiny_checkpoint
+    d = tmp_path_factory.mktemp("gen-tiny-u1")
+    write_tiny_checkpoint(str(d), "u1", seed=0)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def ref_model(tiny_dir):
+    from services.model.loader import load_model
+    from services.model.tokenizer import NeoTokenizer
+    return load_model(tiny_dir, "both"), NeoTokenizer.from_dir(tiny_dir)
+
+
+def make_pool(model, size_mb: int = 16, name: str | None = None, page_tokens: int = 16):
+    from shm_transfer import KVLayout, ShmKVPool
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, "float32", page_tokens)
+    return ShmKVPool.create(name or f"u1gen-test-{uuid.uuid4().hex[:8]}", layout, size_mb << 20,
+                            model.fingerprint, pin=False)
+
+
+@pytest.fixture(scope="session")
+def pool(ref_model):
+    p = make_pool(ref_model[0])
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def gen_server(tiny_dir, pool):
+    s = GenServer(tiny_dir, pool.name).start()
+    yield s
+    s.stop()

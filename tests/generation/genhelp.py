@@ -1,0 +1,164 @@
+"""Helpers for the generation tests: a real server process, a test KV producer, SSE parsing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "gen-test-token"
+HEADERS = {"X-U1-Internal-Token": TOKEN}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GenServer:
+    """`python -m services.generation.server` on loopback, in its own process group."""
+
+    def __init__(self, model_dir: str, pool_name: str, *extra: str, cfg_parallel: int = 1):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "services.generation.server", "--model", model_dir,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+                     "--dtype", "float32", "--cfg-parallel", str(cfg_parallel),
+                     "--kv-pool-name", pool_name, "--internal-token", TOKEN,
+                     "--max-batch-tokens", "4096", "--log-level", "warning", *extra]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> "GenServer":
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=env, start_new_session=True)
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"generation server exited with {self.proc.returncode}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("generation server did not become healthy")
+
+    def health(self) -> tuple[int, dict]:
+        r = httpx.get(self.url + "/health", timeout=5)
+        return r.status_code, r.json()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def generate(url: str, body: dict, on_event=None, timeout: float = 120.0):
+    """POST /internal/generate. Returns (status, events) where events ends with "[DONE]" for a
+    stream; a non-200 answer returns (status, json body). on_event(ev) returning True disconnects."""
+    events = []
+    with httpx.stream("POST", url + "/internal/generate", json=body, headers=HEADERS,
+                      timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, r.json()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                events.append("[DONE]")
+                break
+            ev = json.loads(payload)
+            events.append(ev)
+            if on_event is not None and on_event(ev):
+                break
+    return 200, events
+
+
+def images_of(events) -> list[np.ndarray]:
+    from services.generation.encode import decode_image
+    imgs = sorted((e for e in events if isinstance(e, dict) and e.get("type") == "image"),
+                  key=lambda e: e["index"])
+    return [decode_image(e["b64"]) for e in imgs]
+
+
+def errors_of(events) -> list[dict]:
+    return [e for e in events if isinstance(e, dict) and e.get("type") == "error"]
+
+
+def publish(pool, prefixes: dict, lease_s: float = 60.0) -> dict:
+    """Test producer: write reference prefix KVs into the pool, as the understanding service does."""
+    from shm_transfer import write_kv
+    handles = {}
+    for branch, p in prefixes.items():
+        h = pool.allocate(p.num_tokens, lease_s, branch=branch, t_offset=p.t_offset)
+        write_kv(pool, h, p.kv.to(pool.layout.torch_dtype).contiguous())
+        handles[branch] = h.to_dict()
+    return handles
+
+
+def reference_pixels(model, prefixes, body: dict) -> np.ndarray:
+    """uint8 [n, H, W, 3] of the reference pipeline for a generate body."""
+    from services.model import reference as R
+    from services.model import sampler as S
+    params = S.SamplerParams(num_steps=body["num_inference_steps"],
+                             timestep_shift=body.get("timestep_shift", 3.0),
+                             t_eps=body.get("t_eps", 0.02), cfg_scale=body["guidance_scale"],
+                             img_cfg_scale=body.get("image_guidance_scale", 1.0),
+                             cfg_norm=body.get("cfg_norm", "none"),
+                             cfg_interval=tuple(body.get("cfg_interval", (0.0, 1.0))),
+                             mode=body.get("mode", "t2i"))
+    x = R.denoise(model, prefixes, body["width"], body["height"], params, seed=body["seed"],
+                  n=body.get("n", 1))
+    return S.to_uint8(x).numpy()
+
+
+def body(request_id: str, handles: dict, **kw) -> dict:
+    b = {"request_id": request_id, "handles": handles, "mode": "t2i", "width": 128, "height": 128,
+         "n": 1, "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 11,
+         "output_format": "png"}
+    b.update(kw)
+    return b
+
+
+def wait_until(cond, timeout: float = 30.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError("condition not met")
+
+
+def seeded(seed: int = 0):
+    torch.manual_seed(seed)
