@@ -74,6 +74,7 @@ def test_roundtrip_exact_across_processes(peer, shm_name, dtype):
         total = sum(h.num_tokens for h in handles) * lay.bytes_per_token
         assert st["bytes_exported_total"] == total and st["bytes_imported_total"] == total
         assert st["process"]["export"]["count"] == len(handles)
+        assert sum(st["process"]["export"]["bucket_counts"]) == len(handles)
         peer.call("close", shm_name)
 
 
@@ -193,6 +194,9 @@ def test_handle_errors_are_clear(peer, shm_name):
         assert e.code == "malformed_handle" and "page_ids" in e.message
         with pytest.raises(HandleError, match="must be a JSON object"):
             KVHandle.from_dict([1, 2])
+        h.validate(pool, FP)
+        with pytest.raises(HandleError, match="another-model"):
+            h.validate(pool, "another-model")
 
         # bad destination buffers are ValueErrors (caller bug), checked after the handle
         with pytest.raises(ValueError, match="at least 5"):

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from shm_transfer import HandleError, KVHandle, KVLayout, LocalShmTransport, ShmKVPool, read_kv, write_kv
+from shm_transfer import HandleError, KVHandle, KVLayout, ShmKVPool, read_kv, write_kv
 from shm_peer import Peer, PeerError
 
 pytestmark = pytest.mark.timeout(120)
