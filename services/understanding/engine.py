@@ -105,6 +105,7 @@ class Engine:
                 self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
             self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
                                  "kv_cache_tokens": cfg.kv_cache_tokens})
+            self._send([])
 
     # ---- rank 0 --------------------------------------------------------------------------------
     def _recv(self, block: bool) -> bool:

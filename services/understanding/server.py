@@ -264,6 +264,7 @@ def create_app(args) -> FastAPI:
         created = int(time.time())
         model = svc.model_name
         stream = bool(body.get("stream", False))
+        want_ids = bool(body.get("return_token_ids", False))   # extension: output token ids per choice
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
 
         if stream:
@@ -289,8 +290,11 @@ def create_app(args) -> FastAPI:
                             delta["reasoning_content"] = ev["reasoning"]
                         if ev["content"]:
                             delta["content"] = ev["content"]
-                        if delta:
-                            yield sse(chunk(delta))
+                        if delta or (want_ids and ev["ids"]):
+                            c = chunk(delta)
+                            if want_ids:
+                                c["choices"][0]["token_ids"] = ev["ids"]
+                            yield sse(c)
                         if "finish_reason" in ev:
                             usage = ev["usage"]
                             svc.metrics.requests.labels("chat", ev["finish_reason"]).inc()
@@ -309,25 +313,29 @@ def create_app(args) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect():
-            reasoning, content, final = [], [], None
+            reasoning, content, ids, final = [], [], [], None
             async for ev in svc.generate(rid, inp, params, think):
                 reasoning.append(ev["reasoning"])
                 content.append(ev["content"])
+                ids.extend(ev["ids"])
                 if "finish_reason" in ev:
                     final = ev
-            return "".join(reasoning), "".join(content), final
+            return "".join(reasoning), "".join(content), ids, final
 
         res = await _until_disconnect(request, collect())
         if res is None:
             return Response(status_code=499)
-        reasoning, content, final = res
+        reasoning, content, ids, final = res
         svc.metrics.requests.labels("chat", final["finish_reason"]).inc()
         message = {"role": "assistant", "content": content}
         if think is not False:
             message["reasoning_content"] = reasoning or None
+        choice = {"index": 0, "message": message, "finish_reason": final["finish_reason"], "logprobs": None}
+        if want_ids:
+            stop_ids = set(svc.stop_ids(params))
+            choice["token_ids"] = [t for t in ids if t not in stop_ids]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": final["finish_reason"],
-                             "logprobs": None}], "usage": final["usage"]}
+                "choices": [choice], "usage": final["usage"]}
 
     # ---- LightLLM-style native API ----------------------------------------------------------------
     async def native_inputs(body: dict):
