@@ -58,12 +58,12 @@ def _decode_stage1(
     offs_d = tl.arange(0, HEAD_DIM)
     g_ok = offs_g < GROUP
     heads = kv_h * GROUP + offs_g
-    q = tl.load(Q + pid_b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None],
+    q = tl.load(Q + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_ok[:, None],
                 other=0.0)
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    rt = ReqToToken + pid_b * stride_rb
+    rt = ReqToToken + pid_b.to(tl.int64) * stride_rb
     for start_n in range(lo, hi, BLOCK_N):
         k_idx = start_n + offs_n
         k_ok = k_idx < hi

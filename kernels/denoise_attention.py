@@ -92,7 +92,8 @@ def _denoise_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :],
+    rows64 = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,7 +123,7 @@ def _denoise_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
+    tl.store(Out + rows64[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 

@@ -134,8 +134,8 @@ def _copy_rows_kernel(
     # one program: BLOCK_T tokens x one (layer, k/v) plane; each token row is ROW contiguous elems
     pid_t = tl.program_id(0)
     lk = tl.program_id(1)
-    layer = lk // 2
-    kv = lk % 2
+    layer = (lk // 2).to(tl.int64)
+    kv = (lk % 2).to(tl.int64)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = tok < n_tok
     page = tl.load(PageIds + tok // page_tokens, mask=ok, other=0).to(tl.int64)

@@ -83,14 +83,15 @@ def _prefill_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :],
+    rows64 = (q_start + offs_m).to(tl.int64)  # packed offsets can pass 2^31 elements
+    q = tl.load(Q + rows64[:, None] * stride_qt + pid_h * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     q_pos = pos0 + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    rt = ReqToToken + pid_b * stride_rb
+    rt = ReqToToken + pid_b.to(tl.int64) * stride_rb
 
     # keys before the block's first row are visible to every row: no mask
     full_end = (pos0 + m0) // BLOCK_N * BLOCK_N
@@ -147,7 +148,7 @@ def _prefill_kernel(
         m_i = m_new
 
     acc = acc / l_i[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
+    tl.store(Out + rows64[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 

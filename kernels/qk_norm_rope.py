@@ -95,20 +95,18 @@ def _norm_rope_kernel(
             X = Q
             stride_t = stride_qt
             stride_h = stride_qh
-            NROWS: tl.constexpr = 2 * HQ
-            ROWS: tl.constexpr = ROWS_Q
+            rows = tl.arange(0, ROWS_Q)
+            row_ok = rows < 2 * HQ
             Wt = QWt
             Whw = QWhw
         else:
             X = K
             stride_t = stride_kt
             stride_h = stride_kh
-            NROWS: tl.constexpr = 2 * HKV
-            ROWS: tl.constexpr = ROWS_K
+            rows = tl.arange(0, ROWS_K)
+            row_ok = rows < 2 * HKV
             Wt = KWt
             Whw = KWhw
-        rows = tl.arange(0, ROWS)
-        row_ok = rows < NROWS
         is_hw = (rows % 2) == 1
         row_off = (rows // 2) * stride_h + (rows % 2) * HALF
         partner = tl.where(is_hw[:, None], hw_partner[None, :], t_partner[None, :])
