@@ -83,7 +83,7 @@ class NeoModel(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> Rope:
         llm = self.cfg.llm
-        return Rope(positions.to(self.device), self.head_dim, llm.rope_theta, llm.rope_theta_hw)
+        return Rope(positions.to(self.device, torch.long), self.head_dim, llm.rope_theta, llm.rope_theta_hw)
 
     def _run_layers(self, x, rope, attend: Attend, branch: str):
         for i, layer in enumerate(self.language_model.model.layers):

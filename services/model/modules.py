@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from .parallel import TPContext
 
 
@@ -29,50 +31,15 @@ class RMSNorm(nn.Module):
 
 
 # ----------------------------------------------------------------------------- 3-D RoPE
-def rope_inv_freq(rotary_dim: int, base: float, device=None) -> torch.Tensor:
-    # Upstream builds the table for twice the dim and keeps every other entry: same values.
-    dim = 2 * rotary_dim
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    return inv[::2]
-
-
-def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor):
-    freqs = pos.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
 class Rope:
-    """cos/sin tables (fp32) for the t / h / w parts of a head, for one set of positions [3, T]."""
+    """Positions [3, T] (t, h, w) and the two bases; the fused Q/K norm + RoPE op reads them.
+    Head layout: t-part = first D/2 dims (base theta_t), h and w = D/4 each (base theta_hw)."""
 
     def __init__(self, positions: torch.Tensor, head_dim: int, theta_t: float, theta_hw: float):
         self.positions = positions
-        dev = positions.device
-        self.t = _cos_sin(positions[0], rope_inv_freq(head_dim // 2, theta_t, dev))
-        inv_hw = rope_inv_freq(head_dim // 4, theta_hw, dev)
-        self.h = _cos_sin(positions[1], inv_hw)
-        self.w = _cos_sin(positions[2], inv_hw)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos_sin) -> torch.Tensor:
-    cos, sin = cos_sin
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
-    return x * cos + rotate_half(x) * sin
-
-
-def qk_norm_rope(x: torch.Tensor, norm_t: RMSNorm, norm_hw: RMSNorm, rope: Rope) -> torch.Tensor:
-    """x [T, H, D]: RMSNorm the t-half and the hw-half separately, then rotate t, h and w parts."""
-    xt, xhw = x.chunk(2, dim=-1)
-    xt = norm_t(xt)
-    xhw = norm_hw(xhw)
-    xh, xw = xhw.chunk(2, dim=-1)
-    return torch.cat([_rotate(xt, rope.t), _rotate(xh, rope.h), _rotate(xw, rope.w)], dim=-1)
+        self.head_dim = head_dim
+        self.theta_t = theta_t
+        self.theta_hw = theta_hw
 
 
 # ----------------------------------------------------------------------------- MLPs
@@ -140,8 +107,11 @@ class MoTAttention(nn.Module):
         q = getattr(self, "q_proj" + sfx)(x).view(T, self.num_heads, d)
         k = getattr(self, "k_proj" + sfx)(x).view(T, self.num_kv_heads, d)
         v = getattr(self, "v_proj" + sfx)(x).view(T, self.num_kv_heads, d)
-        q = qk_norm_rope(q, getattr(self, "q_norm" + sfx), getattr(self, "q_norm_hw" + sfx), rope)
-        k = qk_norm_rope(k, getattr(self, "k_norm" + sfx), getattr(self, "k_norm_hw" + sfx), rope)
+        norm = lambda n: getattr(self, n + sfx)  # noqa: E731
+        # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU)
+        kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight, norm("k_norm").weight,
+                              norm("k_norm_hw").weight, rope.positions, rope.theta_t, rope.theta_hw,
+                              norm("q_norm").eps)
         return q, k, v
 
 

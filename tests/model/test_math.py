@@ -6,32 +6,50 @@ import torch
 
 from services.model import sampler as S
 from services.model.config import parse_config
-from services.model.modules import Rope, rope_inv_freq, rotate_half
+from kernels import qk_norm_rope_ref_
 from services.model.positions import image_end, prefill_mask, thw_indexes
 from services.model.tiny import tiny_config
 
 CTX = 7  # a stand-in <IMG_CONTEXT> id
 
 
-def test_inv_freq_matches_plain_formula():
-    for dim, base in ((64, 5e6), (32, 1e4), (8, 1e4)):
-        plain = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
-        torch.testing.assert_close(rope_inv_freq(dim, base), plain, rtol=0, atol=0)
+def _spec_rope(x, pos, base):
+    """Spec 3.1, element by element: upstream's doubled-then-strided inv_freq, rotate-half pairs."""
+    d = x.shape[-1]
+    inv = (1.0 / (base ** (torch.arange(0, 2 * d, 2).float() / (2 * d))))[::2]
+    out = torch.empty_like(x)
+    for i in range(d):
+        j = i % (d // 2)
+        ang = pos.float() * inv[j]
+        partner = x[..., (i + d // 2) % d] * (-1 if i < d // 2 else 1)
+        out[..., i] = x[..., i] * ang.cos()[:, None] + partner * ang.sin()[:, None]
+    return out
 
 
-def test_rope_rotates_each_axis_on_its_own_dims():
-    D = 16
-    pos = torch.tensor([[5, 5, 0], [0, 3, 0], [0, 0, 2]])  # token0: t only; token1: +h; token2: w only
-    r = Rope(pos, D, 5e6, 1e4)
-    cos_t, sin_t = r.t
-    # text tokens (h = w = 0): the h and w parts are not rotated
-    assert torch.equal(r.h[0][0], torch.ones(D // 4)) and torch.equal(r.h[1][0], torch.zeros(D // 4))
-    # rotate_half pairs element i with i + d/2
-    x = torch.arange(8.0)
-    assert torch.equal(rotate_half(x), torch.tensor([-4.0, -5, -6, -7, 0, 1, 2, 3]))
-    ang = 5 * rope_inv_freq(D // 2, 5e6)
-    torch.testing.assert_close(cos_t[0], torch.cat([ang.cos(), ang.cos()]))
-    torch.testing.assert_close(sin_t[0], torch.cat([ang.sin(), ang.sin()]))
+def test_norm_rope_follows_the_spec():
+    D, T = 16, 3
+    pos = torch.tensor([[5, 9, 2], [0, 3, 1], [0, 0, 2]])  # token0 is text: h = w = 0
+    q, k = torch.randn(T, 4, D, dtype=torch.float64), torch.randn(T, 2, D, dtype=torch.float64)
+    w = [torch.rand(D // 2, dtype=torch.float64) + 0.5 for _ in range(4)]
+
+    def spec(x, wt, whw):
+        def rms(a, wt_):
+            return wt_ * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
+        xt, xhw = rms(x[..., :D // 2], wt), rms(x[..., D // 2:], whw)
+        return torch.cat([_spec_rope(xt, pos[0], 5e6), _spec_rope(xhw[..., :D // 4], pos[1], 1e4),
+                          _spec_rope(xhw[..., D // 4:], pos[2], 1e4)], -1)
+
+    eq, ek = spec(q, w[0], w[1]), spec(k, w[2], w[3])
+    qk_norm_rope_ref_(q, k, *w, pos, 5e6, 1e4, 1e-6)
+    torch.testing.assert_close(q, eq, rtol=1e-6, atol=1e-6)  # cos/sin are fp32, as upstream
+    torch.testing.assert_close(k, ek, rtol=1e-6, atol=1e-6)
+    # a text token's hw part is normalised but not rotated
+    x = torch.randn(1, 1, D, dtype=torch.float64)
+    y = x.clone()
+    qk_norm_rope_ref_(y, y.clone(), *[torch.ones(D // 2, dtype=torch.float64)] * 4,
+                      torch.tensor([[0], [0], [0]]), 5e6, 1e4, 1e-6)
+    hw = x[..., D // 2:]
+    torch.testing.assert_close(y[..., D // 2:], hw * torch.rsqrt(hw.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 def test_positions_and_hybrid_mask_with_two_images():
