@@ -67,9 +67,24 @@ def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     return {k: p.shape for k, p in full.named_parameters()}
 
 
+RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
+
+
+def random_weights_requested() -> bool:
+    """Benchmarks of full-size geometries (no checkpoint can be downloaded) set U1SERVE_RANDOM_WEIGHTS=1."""
+    return os.environ.get(RANDOM_WEIGHTS_ENV, "") == "1"
+
+
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
-               lora: str | None = None, lora_strength: float = 1.0, tp: TPContext | None = None) -> NeoModel:
+               lora: str | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
+               random_weights: bool | None = None) -> NeoModel:
     cfg = load_config(model_dir)
+    if random_weights if random_weights is not None else random_weights_requested():
+        from .tiny import build_random_model
+        model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
+        _attach_tokenizer(model, model_dir)
+        model.fingerprint = model_fingerprint(model_dir, cfg)
+        return model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
     wm = weight_map(model_dir)
@@ -109,13 +124,16 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     model.load_state_dict(state, strict=True, assign=True)
     if lora:
         merge_lora(model, lora, strength=lora_strength, tp=tp)
-    tok_path = os.path.join(model_dir, "tokenizer.json")
-    if os.path.exists(tok_path):
-        from .tokenizer import NeoTokenizer
-        model.set_image_context_id(NeoTokenizer.from_dir(model_dir).img_context_id)
+    _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        from .tokenizer import NeoTokenizer
+        model.set_image_context_id(NeoTokenizer.from_dir(model_dir).img_context_id)
 
 
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:

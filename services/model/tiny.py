@@ -152,10 +152,16 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
                        tp=None) -> NeoModel:
     """A model of any geometry with random weights, built directly on `device` (for benchmarks)."""
     cfg = parse_config(config)
-    with torch.device(device):
-        model = NeoModel(cfg, branch, tp).to(dtype)
-    for p in model.parameters():  # fast on-device init; values are irrelevant for timing
-        p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
+    with torch.device("meta"):
+        model = NeoModel(cfg, branch, tp)
+    model = model.to_empty(device=device).to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # fast on-device init; values are irrelevant for timing
+            if p.dim() > 1:
+                p.normal_(0, 0.02, generator=g)
+            else:
+                p.fill_(1.0)
     model.fingerprint = cfg.fingerprint
     model.requires_grad_(False)
     return model.eval()
@@ -184,7 +190,10 @@ def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_
 
 
 def write_full_config(out_dir: str, variant: str = "u1-8b") -> str:
+    """Full-size config + the byte-level tokenizer (its ids fit any vocab), no weights: serve it with
+    U1SERVE_RANDOM_WEIGHTS=1 to benchmark the real geometry."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(full_config(variant), f, indent=2)
+    write_tokenizer(out_dir)
     return out_dir

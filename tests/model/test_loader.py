@@ -170,3 +170,21 @@ def test_lora_merge(tiny_checkpoint, tmp_path, prefix):
     und = load_model(d, "und")  # gen-only LoRA matches nothing in the und branch
     with pytest.raises(LoadError, match="matched no weight"):
         merge_lora(und, str(tmp_path / "l.safetensors"))
+
+
+def test_config_only_dir_serves_random_weights(tmp_path, monkeypatch):
+    """Full-size geometries are benchmarked from a config-only dir with U1SERVE_RANDOM_WEIGHTS=1."""
+    from services.model.tiny import write_full_config, write_tokenizer
+
+    d = str(tmp_path / "cfg")
+    write_full_config(d, "u1-8b")
+    assert sorted(os.listdir(d)) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    small = str(tmp_path / "small")
+    os.makedirs(small)
+    json.dump(tiny_config("u1.5"), open(os.path.join(small, "config.json"), "w"))
+    write_tokenizer(small)
+    with pytest.raises(LoadError, match="no model.safetensors"):
+        load_model(small, "gen")
+    monkeypatch.setenv("U1SERVE_RANDOM_WEIGHTS", "1")
+    m = load_model(small, "gen")
+    assert m.branch == "gen" and m.fingerprint and all(torch.isfinite(p).all() for p in m.parameters())
