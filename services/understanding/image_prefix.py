@@ -111,12 +111,19 @@ class ImagePrefixService:
         run = self._run(rid, queues, handles, time.monotonic(), think)
         if stream:
             async def events():
+                given, complete = None, False
                 try:
                     async for ev in run:
+                        if ev["type"] == "handles":
+                            given = ev["handles"]
                         yield _sse(ev)
+                    yield _sse("[DONE]")
+                    complete = True
                 finally:
                     await run.aclose()
-                yield _sse("[DONE]")
+                    if given and not complete:   # the client left before the stream ended: free the pages
+                        from shm_transfer import KVHandle
+                        self._release_all({b: KVHandle.from_dict(h) for b, h in given.items()})
             return StreamingResponse(events(), media_type="text/event-stream")
         think_text = None
         try:

@@ -1,0 +1,124 @@
+"""POST /internal/image_prefix: the KV read back from the shm pool equals the reference pipeline's prefix KV
+for every branch (T2I, 2- and 3-branch editing, think mode, TP=2); pool full -> fast 503; release frees."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from services.model import reference as R
+from services.model import sampler as S
+
+from .conftest import TOKEN
+from .helpers import make_image
+
+H = {"X-U1-Internal-Token": TOKEN}
+
+
+def _post(server, path, body, timeout=300):
+    return httpx.post(server.url + path, json=body, headers=H, timeout=timeout)
+
+
+def _stream_prefix(server, body):
+    events = []
+    with httpx.stream("POST", server.url + "/internal/image_prefix", json={**body, "stream": True}, headers=H,
+                      timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _read_back(server, handle: dict) -> torch.Tensor:
+    from shm_transfer import KVHandle, ShmKVPool, read_kv
+    pool = ShmKVPool.attach(server.pool_name)
+    try:
+        return read_kv(pool, KVHandle.from_dict(handle))
+    finally:
+        pool.close()
+
+
+def _check_against_reference(server, ref, body, handles, think_text, pils=()):
+    model, tok = ref
+    params = S.SamplerParams(cfg_scale=body.get("cfg_scale", 4.0), img_cfg_scale=body.get("img_cfg_scale", 1.0),
+                             mode=body["kind"])
+    expected = R.image_prefixes(model, tok, body["kind"], body["prompt"], list(pils), params,
+                                body.get("think", False), body.get("max_think_tokens", 1024))
+    assert set(handles) == set(expected) == set(S.branches_needed(params))
+    for branch, pre in expected.items():
+        h = handles[branch]
+        assert h["branch"] == branch
+        assert h["num_tokens"] == pre.num_tokens, branch
+        assert h["t_offset"] == pre.t_offset, branch
+        kv = _read_back(server, h)
+        torch.testing.assert_close(kv, pre.kv.to(kv.dtype), atol=2e-5, rtol=1e-4, msg=branch)
+    assert think_text == expected["cond"].think_text
+    released = _post(server, "/internal/release", {"handles": list(handles.values())}).json()
+    assert released["released_pages"] == sum(len(h["page_ids"]) for h in handles.values())
+    again = _post(server, "/internal/release", {"handles": list(handles.values())}).json()
+    assert again["released_pages"] == 0   # idempotent
+
+
+def test_t2i_prefix_matches_reference(server, ref):
+    body = {"request_id": "t2i-1", "kind": "t2i", "prompt": "a red cube on a table", "cfg_scale": 4.0}
+    r = _post(server, "/internal/image_prefix", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["request_id"] == "t2i-1" and out["think_text"] is None
+    _check_against_reference(server, ref, body, out["handles"], None)
+
+
+@pytest.mark.parametrize("n_images,img_cfg", [(1, 1.0), (2, 2.0)])
+def test_edit_prefix_matches_reference(server, ref, n_images, img_cfg):
+    imgs = [make_image(40 + i, 70 + 30 * i, 50) for i in range(n_images)]
+    body = {"request_id": f"edit-{n_images}", "kind": "edit", "prompt": "make it blue",
+            "images": [url for _, url in imgs], "cfg_scale": 4.0, "img_cfg_scale": img_cfg}
+    r = _post(server, "/internal/image_prefix", body)
+    assert r.status_code == 200, r.text
+    handles = r.json()["handles"]
+    assert len(handles) == (2 if img_cfg == 1.0 else 3)
+    _check_against_reference(server, ref, body, handles, None, [p for p, _ in imgs])
+
+
+def test_think_prefix_streams_and_matches_reference(server, ref):
+    body = {"request_id": "think-1", "kind": "t2i", "prompt": "a lighthouse", "cfg_scale": 4.0, "think": True,
+            "max_think_tokens": 12}
+    events = _stream_prefix(server, body)
+    assert events[-1] == "[DONE]"
+    final = events[-2]
+    assert final["type"] == "handles", events
+    deltas = "".join(e["text"] for e in events[:-2] if e["type"] == "think_delta")
+    assert deltas == final["think_text"]
+    _check_against_reference(server, ref, body, final["handles"], final["think_text"])
+
+
+def test_tp2_prefix_export_matches_reference(server_tp2, ref):
+    body = {"request_id": "tp2-think", "kind": "t2i", "prompt": "two cats", "cfg_scale": 3.0, "think": True,
+            "max_think_tokens": 6}
+    r = _post(server_tp2, "/internal/image_prefix", body)
+    assert r.status_code == 200, r.text
+    _check_against_reference(server_tp2, ref, body, r.json()["handles"], r.json()["think_text"])
+
+
+def test_pool_full_is_fast_503_and_recovers(server_plain):
+    body = {"kind": "t2i", "prompt": "a small house", "cfg_scale": 4.0}
+    first = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-1"})
+    assert first.status_code == 200, first.text
+    second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=10)
+    assert second.status_code == 503
+    assert second.json()["error"]["code"] == "kv_pool_full"
+    _post(server_plain, "/internal/release", {"handles": list(first.json()["handles"].values())})
+    third = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-3"})
+    assert third.status_code == 200, third.text
+    _post(server_plain, "/internal/release", {"handles": list(third.json()["handles"].values())})
+    assert server_plain.wait_idle()["shm_pages_used"] == 0
+
+
+def test_internal_endpoints_need_the_token(server):
+    r = httpx.post(server.url + "/internal/image_prefix", json={"request_id": "x", "kind": "t2i", "prompt": "p"})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "unauthorized"
