@@ -144,7 +144,7 @@ def reference_pixels(model, prefixes, body: dict) -> np.ndarray:
 
 def body(request_id: str, handles: dict, **kw) -> dict:
     b = {"request_id": request_id, "handles": handles, "mode": "t2i", "width": 128, "height": 128,
-         "n": 1, "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 11,
+         "n": 1, "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 11,
          "output_format": "png"}
     b.update(kw)
     return b

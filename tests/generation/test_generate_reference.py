@@ -1,23 +1,37 @@
-"""The generation service gives the reference pipeline's image (fp32, bit-exact), through the pool."""
+"""The generation service gives the reference pipeline's image (fp32, bit-exact), through the pool.
+
+A test producer writes the reference prefix KV into the shared-memory pool (as the understanding
+service does); the generation service imports it and denoises; the PNG must decode to exactly the
+reference's uint8 image. Sizes keep >= 16 image tokens per image (see docs/architecture.md,
+"Generation engine": below that CPU BLAS picks shape-dependent kernels).
+"""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from genhelp import body, errors_of, generate, images_of, publish, reference_pixels
+from PIL import Image
 
 from services.model import reference as R
 from services.model import sampler as S
 
 
-def _prefixes(ref_model, kind="t2i", prompt="a red cat", images=(), **params):
-    model, tok = ref_model
-    p = S.SamplerParams(mode=kind, **params)
-    return R.image_prefixes(model, tok, kind, prompt, list(images), p, think=params.pop("think", False)
-                            if False else False)
+_CACHE: dict = {}
 
 
-def _run(gen_server, pool, ref_model, prefixes, rid, **kw):
-    b = body(rid, publish(pool, prefixes), **kw)
+def prefixes(ref_model, kind="t2i", prompt="a red cat", images=(), think=False, **params):
+    """Reference prefix KVs (memoised: building them is most of a test's CPU time)."""
+    key = (kind, prompt, tuple(id(i) for i in images), think, tuple(sorted(params.items())))
+    if key not in _CACHE:
+        model, tok = ref_model
+        p = S.SamplerParams(mode=kind, **params)
+        _CACHE[key] = R.image_prefixes(model, tok, kind, prompt, list(images), p, think=think,
+                                       max_think_tokens=6)
+    return _CACHE[key]
+
+
+def run_and_compare(gen_server, pool, ref_model, pre, rid, **kw):
+    b = body(rid, publish(pool, pre), **kw)
     status, events = generate(gen_server.url, b)
     assert status == 200, events
     assert not errors_of(events), errors_of(events)
@@ -25,15 +39,64 @@ def _run(gen_server, pool, ref_model, prefixes, rid, **kw):
     steps = [e["step"] for e in events if isinstance(e, dict) and e["type"] == "progress"]
     assert steps == list(range(1, b["num_inference_steps"] + 1))
     got = images_of(events)
-    want = reference_pixels(ref_model[0], prefixes, b)
+    want = reference_pixels(ref_model[0], pre, b)
     assert len(got) == b["n"]
     for g, w in zip(got, want):
+        assert g.shape == (b["height"], b["width"], 3)
         assert np.array_equal(g, w)
     return got
 
 
+def _photo(seed: int, w: int = 64, h: int = 96) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
 @pytest.mark.parametrize("cfg_norm", ["none", "global", "channel", "cfg_zero_star"])
-def test_t2i_matches_reference(gen_server, pool, ref_model, cfg_norm):
-    pre = _prefixes(ref_model, cfg_scale=4.0)
-    _run(gen_server, pool, ref_model, pre, f"t2i-{cfg_norm}", cfg_norm=cfg_norm, n=2)
-    assert pool.stats()["pages_used"] == 0  # released right after the import
+def test_t2i_every_cfg_norm(gen_server, pool, ref_model, cfg_norm):
+    pre = prefixes(ref_model, cfg_scale=4.0)
+    run_and_compare(gen_server, pool, ref_model, pre, f"t2i-{cfg_norm}", cfg_norm=cfg_norm,
+                    n=2 if cfg_norm == "none" else 1)
+    assert pool.stats()["pages_used"] == 0  # pages freed right after the import
+
+
+def test_t2i_single_branch_and_cfg_interval(gen_server, pool, ref_model):
+    pre = prefixes(ref_model, cfg_scale=1.0)
+    assert set(pre) == {"cond"}
+    run_and_compare(gen_server, pool, ref_model, pre, "t2i-nocfg", guidance_scale=1.0,
+                    width=160, height=128)
+    pre = prefixes(ref_model, cfg_scale=3.0)
+    run_and_compare(gen_server, pool, ref_model, pre, "t2i-interval", guidance_scale=3.0,
+                    cfg_interval=[0.2, 0.8], num_inference_steps=4, timestep_shift=2.0, t_eps=0.05)
+
+
+@pytest.mark.parametrize("g,gi,branches", [
+    (4.0, 1.0, {"cond", "img_cond"}),            # the default: 2 branches
+    (3.0, 3.0, {"cond", "uncond"}),
+    (4.0, 1.5, {"cond", "img_cond", "uncond"}),  # 3 branches
+])
+def test_edit_matches_reference(gen_server, pool, ref_model, g, gi, branches):
+    pre = prefixes(ref_model, "edit", "make it blue", [_photo(1), _photo(2, 96, 64)],
+                   cfg_scale=g, img_cfg_scale=gi, cfg_norm="global")
+    assert set(pre) == branches
+    run_and_compare(gen_server, pool, ref_model, pre, f"edit-{len(branches)}-{g}", mode="edit",
+                    guidance_scale=g, image_guidance_scale=gi, cfg_norm="global", width=128,
+                    height=160)
+
+
+def test_think_prefix(gen_server, pool, ref_model):
+    pre = prefixes(ref_model, think=True, cfg_scale=4.0)
+    assert pre["cond"].think_text is not None
+    assert pre["cond"].t_offset != pre["uncond"].t_offset
+    run_and_compare(gen_server, pool, ref_model, pre, "t2i-think", cfg_norm="channel")
+
+
+def test_output_formats(gen_server, pool, ref_model):
+    pre = prefixes(ref_model, cfg_scale=4.0)
+    for fmt in ("jpeg", "webp"):
+        b = body(f"fmt-{fmt}", publish(pool, pre), output_format=fmt)
+        status, events = generate(gen_server.url, b)
+        assert status == 200 and not errors_of(events)
+        img = [e for e in events if isinstance(e, dict) and e["type"] == "image"][0]
+        assert img["format"] == fmt and img["seed"] == 11 and img["width"] == 128
+        assert images_of(events)[0].shape == (128, 128, 3)

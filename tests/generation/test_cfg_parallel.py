@@ -1,0 +1,53 @@
+"""CFG-parallel over 2 gloo ranks: each rank imports only its branches' prefix KV, velocities are
+all-gathered, every rank runs combine + Euler; the image equals the sequential (reference) one."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from genhelp import GenServer, body, errors_of, generate, images_of, publish, reference_pixels
+from test_generate_reference import _photo, prefixes
+
+
+@pytest.fixture(scope="module")
+def cfgp_server(tiny_dir, pool):
+    # Same torch thread count as the test process: CPU reductions (norms, sums) split work by
+    # thread, so bit-exactness with the in-process reference needs it.
+    s = GenServer(tiny_dir, pool.name, cfg_parallel=2).start()
+    yield s
+    s.stop()
+
+
+def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
+    status, health = cfgp_server.health()
+    assert status == 200 and health["cfg_parallel"] == 2 and len(health["engine_pids"]) == 2
+    cases = [
+        ("cfgp-t2i", prefixes(ref_model, cfg_scale=4.0),
+         dict(n=2, cfg_norm="cfg_zero_star")),
+        ("cfgp-1branch", prefixes(ref_model, cfg_scale=1.0),
+         dict(guidance_scale=1.0, width=160)),
+        ("cfgp-edit3", prefixes(ref_model, "edit", "make it blue", [_photo(5)], cfg_scale=4.0,
+                                img_cfg_scale=1.5),
+         dict(mode="edit", guidance_scale=4.0, image_guidance_scale=1.5, num_inference_steps=3)),
+    ]
+    bodies = {rid: body(rid, publish(pool, pre), **kw) for rid, pre, kw in cases}
+    results = {}
+
+    def run(rid):
+        results[rid] = generate(cfgp_server.url, bodies[rid])
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for rid, pre, _ in cases:
+        status, events = results[rid]
+        assert status == 200 and not errors_of(events), events
+        want = reference_pixels(ref_model[0], pre, bodies[rid])
+        got = images_of(events)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w), rid
+    assert pool.stats()["pages_used"] == 0  # each rank released its own branches' pages
