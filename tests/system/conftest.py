@@ -1,0 +1,36 @@
+"""One `u1serve up --mode colocate` stack on CPU for the whole session (tiny checkpoint)."""
+import pytest
+
+from .stackproc import RunningStack
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    return tiny_checkpoint("u1")
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model, tmp_path_factory):
+    s = RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-colocate")))
+    s.wait_ready()
+    yield s
+    code = s.stop()
+    groups, shm = s.leftovers()
+    assert code == 0, s.output()
+    assert not groups and not shm, (groups, shm)
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """The single-process reference pipeline on the same checkpoint (tests may import model code)."""
+    import torch
+    from services.model.loader import load_model
+    from services.model.tokenizer import NeoTokenizer
+    model = load_model(tiny_model, "both", dtype=torch.float32, device="cpu")
+    return model, NeoTokenizer.from_dir(tiny_model)

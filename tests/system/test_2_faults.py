@@ -1,0 +1,83 @@
+"""Faults on the shared stack (runs after test_1_api): client disconnects, a killed generation service."""
+import json
+import os
+import signal
+import time
+
+import httpx
+
+
+def wait_for(pred, timeout=120.0, every=0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def gateway_metric(stack, name: str) -> float:
+    text = httpx.get(stack.base + "/metrics", timeout=10).text
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")
+               or l.startswith(name + "{"))
+
+
+def test_client_disconnect_cancels_and_stack_keeps_serving(stack):
+    before = gateway_metric(stack, "u1serve_gateway_cancelled_total")
+    body = {"prompt": "long job", "size": "256x256", "num_inference_steps": 200, "stream": True}
+    with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if "image_generation.progress" in line:
+                break          # leave mid-denoise
+    assert wait_for(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
+    # the engines are free again: a short job completes quickly
+    r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
+                   json={"prompt": "after cancel", "size": "64x64", "num_inference_steps": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_non_stream_client_disconnect_is_cancelled(stack):
+    before = gateway_metric(stack, "u1serve_gateway_cancelled_total")
+    body = {"prompt": "long job", "size": "256x256", "num_inference_steps": 200}
+    try:
+        httpx.post(stack.base + "/v1/images/generations", json=body, timeout=1.5)
+    except httpx.TimeoutException:
+        pass
+    assert wait_for(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
+
+
+def test_kill_generation_mid_request_then_restart(stack):
+    gen_pid = stack.service_pids()["gen"]
+    body = {"prompt": "doomed", "size": "256x256", "num_inference_steps": 200, "stream": True}
+    events = []
+    with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            ev = json.loads(line[6:])
+            events.append(ev)
+            if ev["type"] == "image_generation.progress" and ev["step"] == 2:
+                os.killpg(gen_pid, signal.SIGKILL)
+    err = events[-1]
+    assert err["type"] == "error" and 500 <= err["status"] < 600, err
+    assert err["status"] == 503
+
+    # /health reports the dead engine until the launcher has restarted it
+    h = httpx.get(stack.base + "/health", timeout=10)
+    assert h.status_code == 503
+    assert any(g["status"] != "ok" for g in h.json()["generation"])
+    # a request meanwhile gets a 503 too, not a hang or a 500
+    r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
+                   json={"prompt": "meanwhile", "size": "64x64", "num_inference_steps": 1})
+    assert r.status_code in (200, 503), r.text
+
+    assert wait_for(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
+        stack.output()
+    assert stack.service_pids()["gen"] != gen_pid
+    stack.pids = stack.service_pids()     # teardown checks the new process group
+    r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
+                   json={"prompt": "after restart", "size": "64x64", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
