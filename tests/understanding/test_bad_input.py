@@ -1,0 +1,78 @@
+"""Bad input -> a 400 in OpenAI error shape that says what is wrong; the server keeps serving."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+
+from .conftest import MAX_LEN, TOKEN
+
+OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+PNG_TEXT = "data:image/png;base64," + base64.b64encode(b"this is not an image at all").decode()
+
+
+def _img_msg(url):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is it?"}]}]
+
+
+CHAT_CASES = {
+    "empty messages": ({**OK, "messages": []}, "messages"),
+    "unknown role": ({**OK, "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    "over context limit": ({**OK, "messages": [{"role": "user", "content": "x" * (MAX_LEN + 10)}]}, "context"),
+    "broken base64": ({**OK, "messages": _img_msg("data:image/png;base64,@@@not-base64@@@")}, "base64"),
+    "non-image file": ({**OK, "messages": _img_msg(PNG_TEXT)}, "image"),
+    "remote url": ({**OK, "messages": _img_msg("http://example.com/cat.png")}, "remote"),
+    "negative max_tokens": ({**OK, "max_tokens": -5}, "max_tokens"),
+    "temperature out of range": ({**OK, "temperature": 3.5}, "temperature"),
+    "top_p out of range": ({**OK, "top_p": 0.0}, "top_p"),
+    "n > 1": ({**OK, "n": 2}, "n"),
+    "bad content part": ({**OK, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "type"),
+    "no user message": ({**OK, "messages": [{"role": "system", "content": "s"}]}, "user"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_CASES))
+def test_chat_bad_input_is_400(server, name):
+    body, needle = CHAT_CASES[name]
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert needle in err["message"].lower() or needle in str(err["param"]).lower(), err
+
+
+def test_other_bad_inputs(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/generate", json={"inputs": "", "parameters": {}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "inputs"
+    r = httpx.post(server.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    h = {"X-U1-Internal-Token": TOKEN}
+    for body, param in [({"request_id": "b", "kind": "video", "prompt": "p"}, "kind"),
+                        ({"request_id": "b", "kind": "edit", "prompt": "p", "images": []}, "images"),
+                        ({"request_id": "b", "kind": "t2i", "prompt": "p", "think": True,
+                          "max_think_tokens": 0}, "max_think_tokens"),
+                        ({"request_id": "b", "kind": "edit", "prompt": "p", "images": ["%%%"]}, "images[0]")]:
+        r = httpx.post(server.url + "/internal/image_prefix", json=body, headers=h, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(server.url + "/internal/release", json={"handles": [{"handle_id": 1}]}, headers=h, timeout=30)
+    assert r.status_code == 400
+
+
+def test_server_keeps_serving_after_bad_input(server):
+    for body, _ in CHAT_CASES.values():
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", json=OK, timeout=60)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    n = httpx.post(server.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3,
+                                                                                  "do_sample": False}}, timeout=60)
+    assert n.status_code == 200 and n.json()["count_output_tokens"] >= 1
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    assert server.wait_idle()["kv_in_use"] == 0

@@ -1,0 +1,146 @@
+"""In-process checks of the engine's parts: KV allocator, radix cache, sampling, detokenisation / think
+split / stop strings, and the scheduler's preemption path against the reference (tiny KV cache)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.understanding.detokenizer import IncrementalDetokenizer, OutputText
+from services.understanding.kv_allocator import KVSlotAllocator, OutOfSlots
+from services.understanding.radix_cache import RadixCache, image_digest, image_keys
+from services.understanding.sampling import SamplingParams, sample
+
+
+def test_allocator_never_partially_allocates():
+    a = KVSlotAllocator(8)
+    s = a.alloc(5)
+    assert len(set(s.tolist())) == 5 and a.num_free == 3
+    with pytest.raises(OutOfSlots):
+        a.alloc(4)
+    a.free(s)
+    assert a.num_free == 8
+
+
+def test_radix_cache_match_insert_evict():
+    a = KVSlotAllocator(32)
+    c = RadixCache(a.free)
+    k1 = [1, 2, 3, 4, 5]
+    s1 = a.alloc(5)
+    assert c.insert(k1, s1) == 0
+    got, node = c.match_prefix([1, 2, 3, 9])
+    assert got.tolist() == s1[:3].tolist()
+    c.lock(node)
+    assert c.evictable_tokens == 2 and c.protected_tokens == 3
+    s2 = a.alloc(5)
+    assert c.insert([1, 2, 3, 7, 8], s2) == 3   # the first 3 were cached; the caller frees its copies
+    a.free(s2[:3])
+    assert c.evict(100) == 4                    # the unlocked leaves [4, 5] and [7, 8]
+    assert c.total_tokens == 3
+    c.unlock(node)
+    assert c.evict(100) == 3 and a.num_free == 32
+
+
+def test_image_keys_are_content_hashed():
+    pv = torch.randn(16, 768)
+    d1 = image_digest(pv, (4, 4))
+    assert d1 == image_digest(pv.clone(), (4, 4))
+    assert d1 != image_digest(pv + 1e-3, (4, 4)) and d1 != image_digest(pv, (2, 8))
+    keys = image_keys(d1, 4)
+    assert len(set(keys)) == 4 and all(k < 0 for k in keys)
+
+
+def test_sampling_greedy_seed_and_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits[:1], [greedy], [None], [[]], [[]]) == [int(logits[0].argmax())]
+    p = SamplingParams(temperature=1.0, seed=7, top_k=5)
+    runs = [sample(logits[1:2].clone(), [p], [p.make_generator("cpu")], [[]], [[]]) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    top5 = set(torch.topk(logits[1], 5).indices.tolist())
+    g = p.make_generator("cpu")
+    assert all(sample(logits[1:2].clone(), [p], [g], [[]], [[]])[0] in top5 for _ in range(30))
+    tp = SamplingParams(temperature=1.0, top_p=1e-6, seed=1)
+    assert sample(logits[2:3].clone(), [tp], [tp.make_generator("cpu")], [[]], [[]]) == [int(logits[2].argmax())]
+    # a strong repetition penalty moves greedy off an already generated token
+    row = torch.zeros(1, 10)
+    row[0, 3] = 5.0
+    row[0, 4] = 4.0
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample(row.clone(), [rep], [None], [[]], [[3]]) == [4]
+    freq = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    assert sample(row.clone(), [freq], [None], [[]], [[3]]) == [4]
+    assert SamplingParams(temperature=-1).validate()[1] == "temperature"
+
+
+class _Tok:
+    """Byte tokenizer stub with two special ids, enough for the output-text logic."""
+    think_id, end_think_id, eos = 1000, 1001, 1002
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_holds_partial_characters():
+    d = IncrementalDetokenizer(_Tok())
+    euro = list("€".encode())
+    assert d.push(euro[:1]) == "" and d.push(euro[1:2]) == ""
+    assert d.push(euro[2:]) == "€"
+    assert d.push(list(b"ab")) == "ab"
+
+
+def test_think_split_and_stop_strings():
+    tok = _Tok()
+    out = OutputText(tok, True, ["STOP"], {tok.eos})
+    r, c = out.push(list(b"plan") + [tok.end_think_id] + list(b"answer ST"))
+    assert r == "plan" and c == "answer"   # "ST" held back: it may start a stop string
+    r, c = out.push(list(b"OP tail"))
+    assert out.stopped and c == " "
+    assert out.content_text == "answer " and out.reasoning_text == "plan"
+    auto = OutputText(tok, None, [], {tok.eos})
+    r, c = auto.push([tok.think_id] + list(b"hm") + [tok.end_think_id] + list(b"ok") + [tok.eos])
+    r2, c2 = auto.finish()
+    assert r + r2 == "hm" and c + c2 == "ok"
+    plain = OutputText(tok, False, [], {tok.eos})
+    _, c = plain.push(list(b"x") + [tok.eos])
+    assert c + plain.finish()[1] == "x"
+
+
+def test_scheduler_preempts_and_still_matches_reference(ref):
+    """A KV cache far too small for the batch: requests get preempted (recompute) and outputs stay exact."""
+    from services.model import prompts as PR
+    from services.model import reference as R
+    from services.understanding.model_runner import ModelRunner
+    from services.understanding.protocol import SubmitRequest
+    from services.understanding.scheduler import Scheduler
+    model, tok = ref
+    rng = random.Random(0)
+    inps = [PR.chat_input(tok, [{"role": "user", "content": "z" * rng.randint(1, 40)}], False) for _ in range(6)]
+    expected = [R.generate_text(model, tok, p, max_new_tokens=16) for p in inps]
+    slots = 120
+    sch = Scheduler(slots, 8, slots, 16, tok.img_context_id)
+    runner = ModelRunner(model, slots, 8, slots, "cpu", torch.float32)
+    for i, p in enumerate(inps):
+        sch.add(SubmitRequest(f"r{i}", p.input_ids, p.images, SamplingParams(max_tokens=16, temperature=0.0),
+                              stop_token_ids=[tok.im_end_id]))
+    got: dict[str, list[int]] = {}
+    for _ in range(2000):
+        step = sch.schedule()
+        if step is None:
+            break
+        plan, entries = step
+        logits = runner.forward(plan)
+        reqs = sch.sampling_requests(entries)
+        toks = sample(logits, [r.params for r in reqs], [None] * len(reqs), [[]] * len(reqs),
+                      [[]] * len(reqs)) if reqs else []
+        sch.process(entries, {r.rid: t for r, t in zip(reqs, toks)}, {})
+        for o in sch.take_outputs():
+            got.setdefault(o.rid, []).extend(o.new_ids)
+    assert not sch.has_work
+    assert sch.stats.preemptions > 0
+    for i, exp in enumerate(expected):
+        assert [t for t in got[f"r{i}"] if t != tok.im_end_id] == exp
+    snap = sch.snapshot()
+    assert snap.kv_in_use == 0 and snap.kv_free + snap.kv_cached == slots

@@ -1,0 +1,80 @@
+"""64 concurrent streaming chats of random lengths, some cancelled mid-stream, plus image-prefix streams
+(some cancelled, the rest released): everything finishes or aborts cleanly and afterwards no request
+holds KV and the shared-memory pool is empty."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+from openai import AsyncOpenAI
+
+from .conftest import TOKEN
+
+
+async def _chat(client: AsyncOpenAI, i: int, rng: random.Random, cancel_after: int | None):
+    text = "".join(rng.choice("qrstuvwxyz ") for _ in range(rng.randint(1, 200)))
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=rng.randint(1, 48),
+        temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=i, stream=True)
+    n, finish = 0, None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        n += 1
+        if cancel_after is not None and n >= cancel_after:
+            await stream.close()
+            return "cancelled"
+    assert finish in ("stop", "length"), finish
+    return finish
+
+
+async def _prefix(url: str, i: int, cancel: bool):
+    body = {"request_id": f"load-{i}", "kind": "t2i", "prompt": f"picture {i}", "cfg_scale": 4.0,
+            "think": True, "max_think_tokens": 40, "stream": True}
+    headers = {"X-U1-Internal-Token": TOKEN}
+    async with httpx.AsyncClient(timeout=300) as c:
+        async with c.stream("POST", url + "/internal/image_prefix", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if cancel and ev["type"] == "think_delta":
+                    return "cancelled"
+                if ev["type"] == "handles":
+                    handles = list(ev["handles"].values())
+                    break
+            else:
+                raise AssertionError("prefix stream ended without handles")
+        rel = await c.post(url + "/internal/release", json={"handles": handles}, headers=headers)
+        assert rel.status_code == 200
+        return "done"
+
+
+def test_64_streams_with_cancellations_leave_nothing_behind(server):
+    rng = random.Random(1234)
+
+    async def main():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            chats = [_chat(client, i, random.Random(i), rng.randint(1, 4) if i % 4 == 0 else None)
+                     for i in range(64)]
+            prefixes = [_prefix(server.url, i, cancel=i % 2 == 0) for i in range(4)]
+            return await asyncio.gather(*chats, *prefixes)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert results.count("cancelled") == 16 + 2
+    h = server.wait_idle()
+    assert h["kv_in_use"] == 0 and h["shm_pages_used"] == 0 and h["running"] == 0
+    assert h["kv_free"] + h["kv_cached"] == h["kv_total"]
+    # still serving
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "u1_und_time_to_first_token_seconds_count" in metrics
+    assert "u1_und_prefix_cache_hit_rate" in metrics
