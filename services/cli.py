@@ -131,7 +131,7 @@ def build_gateway(args, ctx) -> "ServiceSpec":
 SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
 
 
-def build_stack(args: argparse.Namespace, out=sys.stdout):
+def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True):
     from .launcher import Stack
     model = args.model
     tiny = model in TINY_ALIASES
@@ -154,7 +154,8 @@ def build_stack(args: argparse.Namespace, out=sys.stdout):
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
     return Stack(specs, out=out, log_dir=os.path.join(run_dir, "logs"), shm_names=[pool],
                  grace_s=args.grace, startup_timeout_s=args.startup_timeout,
-                 state_file=args.state_file or os.path.join(run_dir, "stack.json"))
+                 state_file=args.state_file or os.path.join(run_dir, "stack.json"),
+                 echo_logs=echo_logs)
 
 
 def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
@@ -217,6 +218,7 @@ def add_demo(sub) -> None:
     p.add_argument("--out", default="u1serve-demo.png", help="where to save the image")
     p.add_argument("--prompt", default="a red fox in the snow, watercolor")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--verbose", action="store_true", help="also print the services' logs")
     p.set_defaults(func=cmd_demo)
 
 
@@ -233,7 +235,8 @@ def cmd_demo(args) -> int:
                                 "--gen-port", str(free_port()), "--grace", "5"])
     stack_args.run_dir = os.path.join(cache_dir(), "run-demo")
     t0 = time.monotonic()
-    stack = build_stack(stack_args)
+    stack = build_stack(stack_args, echo_logs=args.verbose)
+    print(f"[demo] service logs: {os.path.join(stack_args.run_dir, 'logs')}")
     from .launcher import StartupError
     try:
         stack.start()

@@ -41,9 +41,9 @@ class ServiceSpec:
 
 
 class ManagedProcess:
-    def __init__(self, spec: ServiceSpec, out: TextIO, log_dir: str | None):
+    def __init__(self, spec: ServiceSpec, out: TextIO | None, log_dir: str | None):
         self.spec = spec
-        self.out = out
+        self.out = out              # None: log file only
         self.log_path = os.path.join(log_dir, f"{spec.name}.log") if log_dir else None
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -64,12 +64,13 @@ class ManagedProcess:
         try:
             for raw in iter(proc.stdout.readline, b""):
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                with self._lock:
-                    try:
-                        self.out.write(prefix + line + "\n")
-                        self.out.flush()
-                    except (ValueError, OSError):
-                        pass
+                if self.out is not None:
+                    with self._lock:
+                        try:
+                            self.out.write(prefix + line + "\n")
+                            self.out.flush()
+                        except (ValueError, OSError):
+                            pass
                 if logf:
                     logf.write(line + "\n")
         finally:
@@ -130,10 +131,11 @@ class Stack:
     def __init__(self, specs: list[ServiceSpec], *, out: TextIO = sys.stdout,
                  log_dir: str | None = None, shm_names: list[str] | None = None,
                  grace_s: float = 10.0, startup_timeout_s: float = 600.0,
-                 restart_delay_s: float = 1.0, state_file: str | None = None):
+                 restart_delay_s: float = 1.0, state_file: str | None = None,
+                 echo_logs: bool = True):
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        self.procs = [ManagedProcess(s, out, log_dir) for s in specs]
+        self.procs = [ManagedProcess(s, out if echo_logs else None, log_dir) for s in specs]
         self.out = out
         self.shm_names = shm_names or []
         self.grace_s = grace_s
