@@ -1,0 +1,193 @@
+"""Faults: bad input, missing pool, cancellation (running, queued, client gone), the engine killed
+mid-job (error reaches the client, pages reclaimed by lease expiry, restart works), producer restart
+(stale handles rejected, re-attach), wrong fingerprint."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from conftest import make_pool
+from genhelp import (HEADERS, GenServer, body, errors_of, generate, images_of, publish,
+                     wait_until)
+from test_generate_reference import prefixes
+
+LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
+
+
+@pytest.fixture(scope="module")
+def fault_env(tiny_dir, ref_model):
+    """A server started BEFORE its pool exists (attach is lazy), one job at a time."""
+    name = f"u1gen-fault-{uuid.uuid4().hex[:8]}"
+    server = GenServer(tiny_dir, name, "--max-running-jobs", "1").start()
+    env = {"server": server, "name": name, "pool": None}
+    yield env
+    server.stop()
+    if env["pool"] is not None:
+        env["pool"].close()
+
+
+class Stream(threading.Thread):
+    """A generate request in the background, recording its events."""
+
+    def __init__(self, url, b, stop_after_step=None):
+        super().__init__(daemon=True)
+        self.url, self.b, self.stop_after_step = url, b, stop_after_step
+        self.events, self.status = [], None
+        self.progress = threading.Event()
+        self.queued = threading.Event()
+
+    def on_event(self, ev):
+        self.events.append(ev)
+        if ev.get("type") == "queued":
+            self.queued.set()
+        if ev.get("type") == "progress" and ev["step"] >= 2:
+            self.progress.set()
+            if self.stop_after_step is not None:
+                return True  # the client goes away
+        return False
+
+    def run(self):
+        self.status, evs = generate(self.url, self.b, on_event=self.on_event, timeout=120)
+        if self.status != 200:
+            self.events.append({"type": "http_error", "status": self.status, "body": evs})
+        elif evs and evs[-1] == "[DONE]":
+            self.events.append("[DONE]")
+
+
+def _pre(ref_model):
+    return prefixes(ref_model, cfg_scale=4.0)
+
+
+def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
+    server = fault_env["server"]
+    tmp = make_pool(ref_model[0])  # handles from another pool: the named one does not exist yet
+    try:
+        status, events = generate(server.url, body("nopool", publish(tmp, _pre(ref_model))))
+    finally:
+        tmp.close()
+    assert status == 200
+    (err,) = errors_of(events)
+    assert err["status"] == 503 and err["error"]["code"] == "kv_pool_unavailable"
+    assert events[-1] == "[DONE]"
+    fault_env["pool"] = make_pool(ref_model[0], name=fault_env["name"])
+    status, events = generate(server.url, body("pool-now", publish(fault_env["pool"],
+                                                                   _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+
+
+def test_bad_requests_are_4xx(fault_env, ref_model):
+    server, pool = fault_env["server"], fault_env["pool"]
+    handles = publish(pool, _pre(ref_model))
+    url = server.url + "/internal/generate"
+
+    def post(b, headers=HEADERS):
+        r = httpx.post(url, json=b, headers=headers, timeout=30)
+        return r.status_code, r.json()
+
+    s, e = post(body("x", handles), headers={})
+    assert s == 401 and e["error"]["code"] == "unauthorized"
+    s, e = post({"handles": handles})
+    assert s == 400 and e["error"]["param"] == "request_id"
+    s, e = post(body("x", handles, width=100))
+    assert s == 400 and e["error"]["param"] == "width" and "multiple of 32" in e["error"]["message"]
+    s, e = post(body("x", handles, n=9))
+    assert s == 400 and e["error"]["param"] == "n"
+    s, e = post(body("x", handles, cfg_norm="bogus"))
+    assert s == 400 and e["error"]["param"] == "cfg_norm"
+    s, e = post(body("x", {"cond": handles["cond"]}))  # cfg 4 needs uncond too
+    assert s == 400 and e["error"]["code"] == "branch_mismatch"
+    bad = dict(handles, cond={**handles["cond"], "model_fingerprint": "0123456789abcdef"})
+    s, e = post(body("x", bad))
+    assert s == 400 and e["error"]["code"] == "kv_fingerprint_mismatch"
+    assert "different model" in e["error"]["message"]
+    s, e = post(body("x", dict(handles, cond={"page_ids": [1]})))
+    assert s == 400 and e["error"]["code"] == "kv_malformed_handle"
+    assert set(e["error"]) == {"message", "type", "param", "code"}
+    pool.release(__import__("shm_transfer").KVHandle.from_dict(handles["cond"]))
+    pool.release(__import__("shm_transfer").KVHandle.from_dict(handles["uncond"]))
+    assert pool.stats()["pages_used"] == 0
+
+
+def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
+    server, pool = fault_env["server"], fault_env["pool"]
+    a = Stream(server.url, body("cancel-a", publish(pool, _pre(ref_model)),
+                                num_inference_steps=LONG))
+    a.start()
+    assert a.progress.wait(60)
+    b = Stream(server.url, body("cancel-b", publish(pool, _pre(ref_model))))
+    b.start()
+    assert b.queued.wait(30)
+    time.sleep(0.3)
+    assert pool.stats()["pages_used"] > 0  # b waits behind a (one job at a time) with its pages
+    r = httpx.post(server.url + "/internal/cancel", json={"request_id": "cancel-b"},
+                   headers=HEADERS, timeout=10)
+    assert r.json()["cancelled"] is True
+    b.join(30)
+    assert errors_of(b.events)[0]["error"]["code"] == "cancelled" and b.events[-1] == "[DONE]"
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)  # freed now, not at expiry
+    httpx.post(server.url + "/internal/cancel", json={"request_id": "cancel-a"}, headers=HEADERS)
+    a.join(30)
+    assert errors_of(a.events)[0]["error"]["code"] == "cancelled" and a.events[-1] == "[DONE]"
+    wait_until(lambda: server.health()[1]["running"] == 0, 10)
+    wait_until(lambda: server.metrics()["u1_gen_running_jobs"] == 0, 10)
+
+
+def test_client_disconnect_cancels(fault_env, ref_model):
+    server, pool = fault_env["server"], fault_env["pool"]
+    s = Stream(server.url, body("gone", publish(pool, _pre(ref_model)), num_inference_steps=LONG),
+               stop_after_step=2)
+    s.start()
+    s.join(60)
+    assert s.progress.is_set()
+    wait_until(lambda: server.health()[1]["running"] == 0, 15)
+    # the engine is free again: the next job runs to the end
+    status, events = generate(server.url, body("after-gone", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events)
+
+
+def test_engine_killed_mid_job(fault_env, ref_model):
+    server, pool = fault_env["server"], fault_env["pool"]
+    pids = server.health()[1]["engine_pids"]
+    a = Stream(server.url, body("kill-a", publish(pool, _pre(ref_model)),
+                                num_inference_steps=LONG))
+    a.start()
+    assert a.progress.wait(60)
+    c = Stream(server.url, body("kill-c", publish(pool, _pre(ref_model), lease_s=2.0)))
+    c.start()
+    assert c.queued.wait(30)
+    time.sleep(0.3)
+    held = pool.stats()["pages_used"]
+    assert held > 0  # c's pages: never imported
+    os.kill(pids[0], signal.SIGKILL)
+    for s in (a, c):
+        s.join(30)
+        (err,) = errors_of(s.events)
+        assert err["status"] == 503 and err["error"]["code"] == "engine_failed"
+        assert s.events[-1] == "[DONE]"
+    # nobody released c's pages: the lease expires and they are reclaimable
+    wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+    assert pool.stats()["pages_expired"] >= held
+    # a fresh engine serves again
+    health = server.wait_healthy(120)
+    assert health["restarts"] >= 1 and health["engine_pids"] != pids
+    status, events = generate(server.url, body("after-kill", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    assert server.metrics()["u1_gen_engine_restarts_total"] >= 1
+
+
+def test_producer_restart_rejects_stale_handles(fault_env, ref_model):
+    server = fault_env["server"]
+    old = publish(fault_env["pool"], _pre(ref_model))
+    fault_env["pool"].close()  # the producer restarts: same name, new generation
+    fault_env["pool"] = make_pool(ref_model[0], name=fault_env["name"])
+    status, events = generate(server.url, body("stale", old))
+    (err,) = errors_of(events)
+    assert err["status"] == 410 and err["error"]["code"] == "kv_stale_generation"
+    status, events = generate(server.url, body("fresh", publish(fault_env["pool"],
+                                                                _pre(ref_model))))
+    assert status == 200 and not errors_of(events)
