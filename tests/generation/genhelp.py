@@ -162,3 +162,39 @@ def wait_until(cond, timeout: float = 30.0, interval: float = 0.05):
 
 def seeded(seed: int = 0):
     torch.manual_seed(seed)
+
+
+class UndServer:
+    """The real understanding service (it creates the pool), fp32 on CPU."""
+
+    def __init__(self, model_dir: str, pool_name: str, pool_gb: float = 0.02, lease_s: float = 60):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pool_name = pool_name
+        self.argv = [sys.executable, "-m", "services.understanding.server", "--model", model_dir,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+                     "--dtype", "float32", "--kv-pool-name", pool_name, "--kv-pool-gb",
+                     str(pool_gb), "--kv-page-tokens", "16", "--kv-lease-s", str(lease_s),
+                     "--kv-cache-tokens", "8192", "--max-model-len", "4096",
+                     "--internal-token", TOKEN, "--log-level", "warning"]
+        self.proc = None
+
+    start = GenServer.start
+    wait_healthy = GenServer.wait_healthy
+    stop = GenServer.stop
+
+    def image_prefix(self, **kw) -> tuple[int, dict]:
+        r = httpx.post(self.url + "/internal/image_prefix", json=kw, headers=HEADERS, timeout=120)
+        return r.status_code, r.json()
+
+    def release(self, handles: list[dict]) -> dict:
+        return httpx.post(self.url + "/internal/release", json={"handles": handles},
+                          headers=HEADERS, timeout=30).json()
+
+
+def data_url(img) -> str:
+    import base64
+    import io
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
