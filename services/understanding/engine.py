@@ -94,15 +94,15 @@ class Engine:
                                   self.device, self.dtype)
         self.out = out_sock
         self.pool = None
+        if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes
+            from shm_transfer import ShmKVPool
+            self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         if rank == 0:
             self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache)
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
-            if cfg.kv_pool_name:
-                from shm_transfer import ShmKVPool
-                self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
             self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
                                  "kv_cache_tokens": cfg.kv_cache_tokens})
             self._send([])
@@ -169,17 +169,15 @@ class Engine:
         return {r.rid: t for r, t in zip(reqs, toks)}
 
     def _export(self, plan) -> dict:
-        """Write each finished prefix into its shm pages (trimmed to the real token count)."""
+        """Write each finished prefix into its shm pages (trimmed to the real token count). With TP every
+        rank writes its own KV-head slice of the same pages, then the ranks agree (all-reduce MIN) that
+        every slice landed before rank 0 publishes the handle (docs/kv_contract.md, TP note)."""
         if not plan.exports:
             return {}
-        from shm_transfer import KVHandle, export_kv, write_kv
+        from shm_transfer import KVHandle, export_kv
         results = {}
         for rid, slots, handle_dict, t_offset in plan.exports:
-            kv = None
-            if self.tp is not None:   # gather the head shards onto rank 0 (docs/kv_contract.md, TP note)
-                kv = self.tp.all_gather_heads(self.runner.gather_kv(slots), dim=3)
-            if self.rank != 0:
-                continue
+            handle, err = None, None
             try:
                 if self.pool is None or handle_dict is None:
                     raise RuntimeError("no KV pool configured (--kv-pool-name)")
@@ -188,18 +186,26 @@ class Engine:
                 keep = self.pool.layout.pages_for(n)
                 if n > handle.num_tokens:
                     raise RuntimeError(f"prefix of {n} tokens exceeds its {handle.num_tokens}-token allocation")
-                if keep < len(handle.page_ids):   # think ended early: give back the unused pages
-                    extra = handle.page_ids[keep:]
-                    self.pool.release(handle.replace(page_ids=extra))
+                if keep < len(handle.page_ids) and self.rank == 0:   # think ended early: unused pages back
+                    self.pool.release(handle.replace(page_ids=handle.page_ids[keep:]))
                 handle = handle.replace(page_ids=handle.page_ids[:keep], num_tokens=n, t_offset=int(t_offset))
-                if kv is None:
-                    export_kv(self.pool, handle, self.runner.kv_pool, slots.to(self.runner.device))
-                else:
-                    write_kv(self.pool, handle, kv.contiguous())
-                results[rid] = handle.to_dict()
+                heads = None
+                if self.tp is not None:
+                    h = self.runner.num_kv_heads
+                    heads = (self.rank * h, (self.rank + 1) * h)
+                export_kv(self.pool, handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
             except Exception as e:
                 log.exception("export of %s failed", rid)
-                results[rid] = f"{type(e).__name__}: {e}"
+                err = f"{type(e).__name__}: {e}"
+            ok = err is None
+            if self.tp is not None:
+                flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                                    device=self.device if self.device.startswith("cuda") else "cpu")
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                if ok and int(flag.item()) == 0:
+                    err = "KV export failed on another tensor-parallel rank"
+            if self.rank == 0:
+                results[rid] = handle.to_dict() if err is None else err
         return results
 
     # ---- ranks > 0 -----------------------------------------------------------------------------
