@@ -35,6 +35,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     enable_prefix_cache: bool = True
     kv_pool_name: str | None = None
+    cuda_graph_max_bs: int = 128
     in_addr: str = ""       # HTTP -> engine (PULL here)
     out_addr: str = ""      # engine -> HTTP (PUSH here)
 
@@ -91,7 +92,7 @@ class Engine:
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
         self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
-                                  self.device, self.dtype)
+                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes

@@ -1,9 +1,12 @@
 """Executes a StepPlan on one rank: the paged KV pool, the req_to_token table and the forward pass.
 
 The model does no attention itself; `attend` writes the new tokens' K/V into `kv_pool[layer]` and runs the
-hybrid-mask prefill kernel for the prefill rows and the decode kernel for the decode rows.
+hybrid-mask prefill kernel for the prefill rows and the decode kernel for the decode rows. On CUDA,
+decode-only steps replay CUDA graphs captured per batch size (see cuda_graphs.py).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -12,9 +15,12 @@ from kernels.prefill_attention import prefill_attention
 
 from .step_plan import StepPlan
 
+log = logging.getLogger("u1serve.understanding.runner")
+
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype):
+    def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype,
+                 cuda_graph_max_bs: int = 0):
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
@@ -22,10 +28,22 @@ class ModelRunner:
         self.num_kv_heads = model.num_kv_heads     # this rank's shard
         self.head_dim = model.head_dim
         self.scale = self.head_dim ** -0.5
-        self.kv_pool = torch.zeros(self.num_layers, 2, num_slots, self.num_kv_heads, self.head_dim,
+        # One extra slot and table row are scratch space for the padding rows of CUDA-graph batches.
+        self.scratch_slot = num_slots
+        self.scratch_row = max_running
+        self.kv_pool = torch.zeros(self.num_layers, 2, num_slots + 1, self.num_kv_heads, self.head_dim,
                                    dtype=dtype, device=self.device)
         # Page table of every running request: row -> slot of each position (int32, on device).
-        self.req_to_token = torch.zeros(max_running, max_model_len + 1, dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros(max_running + 1, max_model_len + 1, dtype=torch.int32, device=self.device)
+        self.req_to_token[self.scratch_row].fill_(self.scratch_slot)
+        self.graphs = None
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda" and not model.cfg.llm.is_moe:
+            from .cuda_graphs import DecodeGraphs
+            try:
+                self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
+            except Exception:
+                log.exception("CUDA graph capture failed; decoding eagerly")
+                self.graphs = None
 
     def apply_table_writes(self, writes) -> None:
         for row, start, slots in writes:
@@ -33,27 +51,10 @@ class ModelRunner:
             if n:
                 self.req_to_token[row, start:start + n] = slots.to(self.device, torch.int32, non_blocking=True)
 
-    @torch.no_grad()
-    def forward(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run the step; returns fp32 logits for plan.logit_rows (or None when no row needs them)."""
-        self.apply_table_writes(plan.table_writes)
-        dev = self.device
-        out_slots = plan.out_slots.to(dev)
-        n_p = plan.num_prefill_rows
-        has_image = bool((plan.image_end[:n_p] > 0).any()) if n_p else False
-        p_meta = None
-        if n_p:
-            p_meta = dict(
-                req_to_token=self.req_to_token[plan.p_rows.to(dev)],
-                b_start=plan.p_start.to(dev, torch.int32), b_seq_len=plan.p_seq_len.to(dev, torch.int32),
-                cu_seqlens_q=plan.p_cu_q.to(dev, torch.int32),
-                image_end=plan.image_end[:n_p].to(dev, torch.int32) if has_image else None,
-                max_seqlen_q=int((plan.p_cu_q[1:] - plan.p_cu_q[:-1]).max()))
-        d_meta = None
-        if plan.d_rows.numel():
-            d_meta = dict(req_to_token=self.req_to_token[plan.d_rows.to(dev)],
-                          b_seq_len=plan.d_seq_len.to(dev, torch.int32))
-        kv_pool, scale = self.kv_pool, self.scale
+    def core(self, input_ids, positions, images, out_slots, n_p: int, p_meta, d_meta, logit_rows):
+        """The forward on device tensors. d_meta["rows"] is gathered from the table here (graph-safe)."""
+        kv_pool, scale, table = self.kv_pool, self.scale, self.req_to_token
+        d_table = table.index_select(0, d_meta["rows"]) if d_meta is not None else None
 
         def attend(layer: int, q, k, v):
             kv = kv_pool[layer]
@@ -66,17 +67,42 @@ class ModelRunner:
                                               m["b_seq_len"], m["cu_seqlens_q"], m["image_end"], scale,
                                               max_seqlen_q=m["max_seqlen_q"]))
             if d_meta is not None:
-                outs.append(decode_attention(q[n_p:], kv[0], kv[1], d_meta["req_to_token"],
-                                             d_meta["b_seq_len"], scale))
+                outs.append(decode_attention(q[n_p:], kv[0], kv[1], d_table, d_meta["b_seq_len"], scale,
+                                             num_splits=d_meta.get("num_splits")))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         model = self.model
-        x = model.embed(plan.input_ids.to(dev), plan.images)
-        hidden = model.und_forward(x, model.rope(plan.positions.to(dev)), attend)
-        if plan.logit_rows.numel() == 0:
+        x = model.embed(input_ids, images)
+        hidden = model.und_forward(x, model.rope(positions), attend)
+        if logit_rows is None:
+            return model.lm_logits(hidden)
+        if logit_rows.numel() == 0:
             return None
-        return model.lm_logits(hidden[plan.logit_rows.to(dev)])
+        return model.lm_logits(hidden.index_select(0, logit_rows))
 
-    def gather_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        """This rank's [L, 2, n, Hkv_shard, D] KV of the given slots."""
-        return self.kv_pool[:, :, slots.to(self.device)]
+    @torch.no_grad()
+    def forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the step; returns fp32 logits for plan.logit_rows (or None when no row needs them)."""
+        self.apply_table_writes(plan.table_writes)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return self.graphs.run(plan)
+        dev = self.device
+        n_p = plan.num_prefill_rows
+        has_image = bool((plan.image_end[:n_p] > 0).any()) if n_p else False
+        p_meta = None
+        if n_p:
+            p_meta = dict(
+                req_to_token=self.req_to_token.index_select(0, plan.p_rows.to(dev)),
+                b_start=plan.p_start.to(dev, torch.int32), b_seq_len=plan.p_seq_len.to(dev, torch.int32),
+                cu_seqlens_q=plan.p_cu_q.to(dev, torch.int32),
+                image_end=plan.image_end[:n_p].to(dev, torch.int32) if has_image else None,
+                max_seqlen_q=int((plan.p_cu_q[1:] - plan.p_cu_q[:-1]).max()))
+        d_meta = None
+        if plan.d_rows.numel():
+            d_meta = dict(rows=plan.d_rows.to(dev), b_seq_len=plan.d_seq_len.to(dev, torch.int32))
+            if dev.type == "cuda":
+                from kernels.decode_attention import default_num_splits
+                d_meta["num_splits"] = default_num_splits(int(plan.d_rows.numel()), self.num_kv_heads,
+                                                          int(plan.d_seq_len.max()), dev)
+        return self.core(plan.input_ids.to(dev), plan.positions.to(dev), plan.images, plan.out_slots.to(dev),
+                         n_p, p_meta, d_meta, plan.logit_rows.to(dev))

@@ -71,7 +71,8 @@ class Service:
         ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
                             kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
                             max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
-                            enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name)
+                            enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
+                            cuda_graph_max_bs=a.cuda_graph_max_bs)
         self.client = EngineClient(ecfg)
         self.client.start()
         self.prefix = ImagePrefixService(self)
@@ -464,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=4096,
                    help="prefill tokens per iteration (0 = no chunking); image spans are never split")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128,
+                   help="largest decode batch replayed from a CUDA graph (0 = eager; CUDA, dense models only)")
     p.add_argument("--internal-token", default=os.environ.get("U1SERVE_INTERNAL_TOKEN"),
                    help="required X-U1-Internal-Token for /internal/* (env U1SERVE_INTERNAL_TOKEN)")
     p.add_argument("--served-model-name", default=None)
