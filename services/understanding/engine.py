@@ -144,13 +144,17 @@ class Engine:
                     self._broadcast(None)  # heartbeat keeps followers' collectives alive
                 continue
             was_busy = True
-            plan, entries = scheduled
-            self._broadcast(plan)
-            logits = self.runner.forward(plan)
-            exported = self._export(plan)
-            sampled = self._sample(logits, entries)
-            self.sched.process(entries, sampled, exported)
+            self.execute(scheduled)
             self._send(self.sched.take_outputs())
+
+    def execute(self, scheduled) -> None:
+        """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
+        plan, entries = scheduled
+        self._broadcast(plan)
+        logits = self.runner.forward(plan)
+        exported = self._export(plan)
+        sampled = self._sample(logits, entries)
+        self.sched.process(entries, sampled, exported)
 
     def _broadcast(self, obj) -> None:
         if self.tp is not None:

@@ -1,0 +1,260 @@
+"""Understanding-engine benchmark: decode throughput at several batch sizes, TTFT of a long prompt and the
+cost of one T2I prefix export, ours (scheduler + paged KV + Triton kernels + CUDA graphs) vs the eager
+reference pipeline (services.model.reference) in the same run. Full 8B geometry with random weights.
+
+GPU (the real measurement):
+    python bench/bench_understanding.py --json docs/benchmarks/understanding.json
+CPU smoke run (tiny checkpoint, small sizes):
+    python bench/bench_understanding.py --tiny --device cpu --dtype float32 --batches 1,4 \\
+        --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
+
+Targets (issue 4): batch-64 decode >= 20x the reference's tokens/s (the reference serves one request at a
+time, so its tokens/s does not grow with the batch); batch-1 decode within 1.3x of the HBM bound (all
+weights read once per token, at the device-to-device copy bandwidth measured in this run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from services.model import prompts as PR  # noqa: E402
+from services.model import reference as R  # noqa: E402
+from services.understanding.engine import Engine, EngineConfig  # noqa: E402
+from services.understanding.protocol import SubmitRequest  # noqa: E402
+from services.understanding.sampling import SamplingParams  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--variant", default="u1-8b", help="full config of services.model.tiny.write_full_config")
+    p.add_argument("--tiny", action="store_true", help="use the tiny checkpoint instead (CPU smoke run)")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--ref-tokens", type=int, default=32, help="tokens the reference decodes")
+    p.add_argument("--ttft-len", type=int, default=1024)
+    p.add_argument("--prefix-len", type=int, default=365)
+    p.add_argument("--iters", type=int, default=5, help="repeats of the TTFT and prefix measurements")
+    p.add_argument("--kv-cache-tokens", type=int, default=32768)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128, help="0 = eager decode")
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="HBM bandwidth for the bound (default: measured D2D copy in this run)")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+class _NullSock:
+    def send_pyobj(self, _obj):
+        pass
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_engine(model_dir, args, pool_name=None, max_running=128, prefix_cache=False) -> Engine:
+    cfg = EngineConfig(model_dir=model_dir, device=args.device, dtype=args.dtype, tp=1,
+                       kv_cache_tokens=args.kv_cache_tokens, max_running=max_running,
+                       max_model_len=min(args.kv_cache_tokens, 8192), chunked_prefill_size=8192,
+                       enable_prefix_cache=prefix_cache, kv_pool_name=pool_name,
+                       in_addr=f"inproc://bench-und-{uuid.uuid4().hex}",
+                       cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0)
+    return Engine(0, cfg, None, _NullSock())
+
+
+def drive(engine: Engine):
+    """Run until idle. Returns per-step records and per-request first-token / finish times."""
+    steps, first, done = [], {}, {}
+    while engine.sched.has_work:
+        scheduled = engine.sched.schedule()
+        if scheduled is None:
+            break
+        plan = scheduled[0]
+        t0 = time.perf_counter()
+        engine.execute(scheduled)
+        sync(engine.device)
+        t1 = time.perf_counter()
+        steps.append({"prefill_rows": plan.num_prefill_rows, "decode_rows": int(plan.d_rows.numel()),
+                      "seconds": t1 - t0})
+        for o in engine.sched.take_outputs():
+            if o.new_ids and o.rid not in first:
+                first[o.rid] = t1
+            if o.finish_reason:
+                done[o.rid] = (t1, o)
+    return steps, first, done
+
+
+def rand_ids(rng, n, tok):
+    return [rng.randrange(0, 256) for _ in range(n - 1)] + [tok.img_start_id]
+
+
+def bench_decode(engine, tok, batch, args, rng):
+    for i in range(batch):
+        engine.sched.add(SubmitRequest(f"d{batch}-{i}-{uuid.uuid4().hex[:6]}", rand_ids(rng, args.prompt_len, tok),
+                                       [], SamplingParams(max_tokens=args.decode_tokens, temperature=0.0)))
+    steps, _, _ = drive(engine)
+    dec = [s for s in steps if s["prefill_rows"] == 0 and s["decode_rows"] == batch][3:]
+    secs = sum(s["seconds"] for s in dec)
+    toks = sum(s["decode_rows"] for s in dec)
+    return {"batch": batch, "ms_per_step": 1000 * statistics.median(s["seconds"] for s in dec),
+            "tokens_per_s": toks / secs, "steps": len(dec)}
+
+
+def bench_ttft(engine, tok, args, rng):
+    out = []
+    for _ in range(args.iters):
+        rid = f"ttft-{uuid.uuid4().hex[:8]}"
+        t0 = time.perf_counter()
+        engine.sched.add(SubmitRequest(rid, rand_ids(rng, args.ttft_len, tok), [],
+                                       SamplingParams(max_tokens=1, temperature=0.0)))
+        _, first, _ = drive(engine)
+        out.append(first[rid] - t0)
+    return 1000 * statistics.median(out)
+
+
+def bench_prefix(engine, tok, pool, args, rng):
+    from shm_transfer import KVHandle, export_kv
+    total, copy = [], []
+    for _ in range(args.iters):
+        rid = f"pre-{uuid.uuid4().hex[:8]}"
+        h = pool.allocate(args.prefix_len, 60.0)
+        t0 = time.perf_counter()
+        engine.sched.add(SubmitRequest(rid, rand_ids(rng, args.prefix_len, tok), [], SamplingParams(max_tokens=1),
+                                       "prefix", handle=h.to_dict()))
+        _, _, done = drive(engine)
+        t1, o = done[rid]
+        assert o.finish_reason == "exported", o
+        total.append(t1 - t0)
+        # the copy alone: re-export the same token count from the engine's pool
+        slots = torch.arange(args.prefix_len, device=engine.runner.device)
+        hh = KVHandle.from_dict(o.handle)
+        sync(engine.device)
+        c0 = time.perf_counter()
+        export_kv(pool, hh, engine.runner.kv_pool, slots)
+        sync(engine.device)
+        copy.append(time.perf_counter() - c0)
+        pool.release(hh)
+    return 1000 * statistics.median(total), 1000 * statistics.median(copy)
+
+
+def reference_numbers(model, tok, args, rng):
+    def timed(fn):
+        sync(args.device)
+        t0 = time.perf_counter()
+        fn()
+        sync(args.device)
+        return time.perf_counter() - t0
+
+    inp = PR.PromptInput(rand_ids(rng, args.prompt_len, tok))
+    gen = lambda n: R.generate_text(model, tok, inp, max_new_tokens=n, stop_ids=())  # noqa: E731
+    gen(2)   # warm-up
+    t1 = min(timed(lambda: gen(1)) for _ in range(2))
+    tn = timed(lambda: gen(args.ref_tokens + 1))
+    per_tok = (tn - t1) / args.ref_tokens
+    long_inp = PR.PromptInput(rand_ids(rng, args.ttft_len, tok))
+    ttft = statistics.median(timed(lambda: model.lm_logits(R.prefill(model, long_inp)[2][-1:]))
+                             for _ in range(args.iters))
+    pre_inp = PR.PromptInput(rand_ids(rng, args.prefix_len, tok))
+    prefix = statistics.median(timed(lambda: R.build_prefix(model, tok, pre_inp).kv.cpu())
+                               for _ in range(args.iters))
+    return {"ms_per_token": 1000 * per_tok, "tokens_per_s": 1 / per_tok, "ttft_ms": 1000 * ttft,
+            "prefix_ms": 1000 * prefix}
+
+
+def hbm_bound_ms(model, args) -> tuple[float, float]:
+    skip = ("embed_tokens", "vision_model")
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not any(s in n for s in skip))
+    bw = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else None
+    if bw is None and args.device.startswith("cuda"):
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=args.device)
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dst.copy_(src)
+        sync(args.device)
+        bw = 2 * 10 * src.numel() / (time.perf_counter() - t0)
+        del src, dst
+    if bw is None:
+        return float("nan"), float("nan")
+    return 1000 * nbytes / bw, bw / 1e12
+
+
+def main():
+    args = parse_args()
+    from services.model import tiny
+    tmp = tempfile.mkdtemp(prefix="bench-und-")
+    if args.tiny:
+        model_dir = tiny.write_tiny_checkpoint(os.path.join(tmp, "tiny"))
+    else:
+        model_dir = tiny.write_full_config(os.path.join(tmp, args.variant), args.variant)
+        os.environ["U1SERVE_RANDOM_WEIGHTS"] = "1"
+    rng = random.Random(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = make_engine(model_dir, args, max_running=max(128, max(batches)))
+    tok_ = __import__("services.model.tokenizer", fromlist=["NeoTokenizer"]).NeoTokenizer.from_dir(model_dir)
+    print(f"model loaded on {args.device} ({args.dtype}); graphs: {engine.runner.graphs is not None}", flush=True)
+    bench_decode(engine, tok_, min(batches), args, rng)           # warm-up: compile the kernels
+    decode = [bench_decode(engine, tok_, b, args, rng) for b in batches]
+    ttft = bench_ttft(engine, tok_, args, rng)
+
+    from shm_transfer import KVLayout, ShmKVPool
+    llm = engine.model.cfg.llm
+    layout = KVLayout(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, args.dtype, 256)
+    pool_name = f"bench-und-{uuid.uuid4().hex[:8]}"
+    pool = ShmKVPool.create(pool_name, layout, max(1 << 30, 4 * args.prefix_len * layout.bytes_per_token),
+                            engine.model.fingerprint)
+    try:
+        engine.pool = ShmKVPool.attach(pool_name, expected_fingerprint=engine.model.fingerprint)
+        bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
+        prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
+        engine.pool.close()
+    finally:
+        pool.close()
+    ref = reference_numbers(engine.model, tok_, args, rng)
+    bound_ms, bw_tbs = hbm_bound_ms(engine.model, args)
+
+    res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+           "torch": torch.__version__, "dtype": args.dtype, "variant": "tiny" if args.tiny else args.variant,
+           "date": time.strftime("%Y-%m-%d"), "cuda_graphs": engine.runner.graphs is not None,
+           "prompt_len": args.prompt_len, "decode": decode, "reference": ref,
+           "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
+           "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,
+           "hbm_bound_ms": bound_ms, "bandwidth_tbs": bw_tbs}
+    print(f"\n{res['device']}, torch {res['torch']}, {args.dtype}, {res['variant']}, graphs {res['cuda_graphs']}\n")
+    print("| batch | ms/step | tokens/s | reference tokens/s | speedup |")
+    print("|---:|---:|---:|---:|---:|")
+    for d in decode:
+        print(f"| {d['batch']} | {d['ms_per_step']:.2f} | {d['tokens_per_s']:.0f} | {ref['tokens_per_s']:.1f} | "
+              f"{d['tokens_per_s'] / ref['tokens_per_s']:.1f}x |")
+    b1 = next((d for d in decode if d["batch"] == 1), None)
+    if b1 and bound_ms == bound_ms:
+        print(f"\nbatch-1 decode {b1['ms_per_step']:.2f} ms vs HBM bound {bound_ms:.2f} ms "
+              f"({bw_tbs:.2f} TB/s measured): {b1['ms_per_step'] / bound_ms:.2f}x (target <= 1.3x)")
+    print(f"TTFT, {args.ttft_len}-token prompt: ours {ttft:.1f} ms, reference {ref['ttft_ms']:.1f} ms")
+    print(f"T2I prefix export, {args.prefix_len} tokens: ours {prefix_ms:.1f} ms (copy {copy_ms:.2f} ms), "
+          f"reference prefill {ref['prefix_ms']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
