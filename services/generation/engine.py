@@ -7,7 +7,6 @@ velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave be
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -161,7 +160,3 @@ class Engine:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return None
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -23,7 +23,7 @@ def handle_error_to_api(e) -> ApiError:
 
 class PrefixSource:
     def __init__(self, pool_name: str, fingerprint: str, device: torch.device,
-                 attach_timeout_s: float = 2.0):
+                 attach_timeout_s: float = 1.0):
         self.pool_name = pool_name
         self.fingerprint = fingerprint
         self.device = device

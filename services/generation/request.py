@@ -6,7 +6,7 @@ answer (OpenAI error shape) and never reaches the engine.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 BRANCH_ORDER = ("cond", "uncond", "img_cond")
@@ -62,7 +62,6 @@ class GenerateJob:
     cfg_interval: tuple[float, float]
     seed: int
     output_format: str
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

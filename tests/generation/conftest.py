@@ -27,9 +27,10 @@ def ref_model(tiny_dir):
     return load_model(tiny_dir, "both"), NeoTokenizer.from_dir(tiny_dir)
 
 
-def make_pool(model, size_mb: int = 16, name: str | None = None, page_tokens: int = 16):
+def make_pool(model, size_mb: int = 16, name: str | None = None, page_tokens: int = 16,
+              dtype: str = "float32"):
     from shm_transfer import KVLayout, ShmKVPool
-    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, "float32", page_tokens)
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, dtype, page_tokens)
     return ShmKVPool.create(name or f"u1gen-test-{uuid.uuid4().hex[:8]}", layout, size_mb << 20,
                             model.fingerprint, pin=False)
 
