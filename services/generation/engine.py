@@ -12,22 +12,11 @@ import torch
 
 from services.model import sampler
 
+from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
 from .request import ApiError, GenerateJob
-
-
-def _denoise_attention(device: torch.device):
-    """kernels' dispatching denoise attention; on CPU its per-sequence SDPA backend (unless a backend
-    is forced by U1SERVE_DENOISE_BACKEND), which is also what the reference pipeline computes, so
-    fp32 results match it bit for bit."""
-    import os
-    if device.type == "cpu" and not os.environ.get("U1SERVE_DENOISE_BACKEND"):
-        from kernels.denoise_attention import denoise_attention_sdpa
-        return denoise_attention_sdpa
-    from kernels import denoise_attention
-    return denoise_attention
 
 
 class Engine:
@@ -39,7 +28,7 @@ class Engine:
         self.comm = comm or CfgComm.single()
         self.running: list[JobState] = []
         self.scale = 1.0 / math.sqrt(model.head_dim)
-        self._attn = _denoise_attention(self.device)
+        self._attn, self._host_lengths = pick_denoise_attention(self.device)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateJob) -> tuple[JobState, list[dict]]:
@@ -125,7 +114,7 @@ class Engine:
         v_all = self.comm.gather_velocities(jobs, local_v)
         finished = []
         for (job, _, _, _, z) in plan:
-            v = sampler.combine(v_all[job.request_id], job.params, job.step, job.t)
+            v = sampler.combine(v_all[job.request_id], job.params, job.step, float(job.t))
             z = sampler.euler(z, v, job.t, job.t_next)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1
@@ -136,7 +125,7 @@ class Engine:
         return finished, r
 
     def _make_attend(self, spans):
-        attn, scale = self._attn, self.scale
+        attn, scale, host = self._attn, self.scale, self._host_lengths
 
         def attend(layer: int, q, k, v):
             outs = []
@@ -145,7 +134,8 @@ class Engine:
                 kv = job.kv[layer]
                 kv[0].index_copy_(0, m.write_idx, k[a:b])
                 kv[1].index_copy_(0, m.write_idx, v[a:b])
-                outs.append(attn(q[a:b], kv[0, :m.k_end], kv[1, :m.k_end], m.cu_q, m.cu_k,
+                cu_q, cu_k = (m.cu_q_host, m.cu_k_host) if host else (m.cu_q, m.cu_k)
+                outs.append(attn(q[a:b], kv[0, :m.k_end], kv[1, :m.k_end], cu_q, cu_k,
                                  m.max_q, m.max_k, scale))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         return attend

@@ -32,6 +32,8 @@ class StepMeta:
     write_idx: torch.Tensor      # [rows] KV slot of each row's K/V
     cu_q: torch.Tensor           # int32 [segments + 1]
     cu_k: torch.Tensor           # int32 [segments + 1]
+    cu_q_host: torch.Tensor      # the same on the CPU (backends that loop over sequences)
+    cu_k_host: torch.Tensor
     max_q: int
     max_k: int
     k_end: int                   # keys live in kv[:, :, :k_end]
@@ -119,6 +121,8 @@ class JobState:
         m = StepMeta(positions=torch.cat(pos, dim=1), write_idx=torch.cat(idx),
                      cu_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
                      cu_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
+                     cu_q_host=torch.tensor(cu_q, dtype=torch.int32),
+                     cu_k_host=torch.tensor(cu_k, dtype=torch.int32),
                      max_q=self.N, max_k=max(s.prefix_len for s in segs) + self.N,
                      k_end=cu_k[-1])
         self._meta[key] = m

@@ -23,10 +23,12 @@ def handle_error_to_api(e) -> ApiError:
 
 class PrefixSource:
     def __init__(self, pool_name: str, fingerprint: str, device: torch.device,
-                 attach_timeout_s: float = 1.0):
+                 attach_timeout_s: float = 1.0, geometry: tuple | None = None):
+        """geometry: (num_layers, num_kv_heads, head_dim, dtype) the engine's buffers use."""
         self.pool_name = pool_name
         self.fingerprint = fingerprint
         self.device = device
+        self.geometry = geometry
         self.attach_timeout_s = attach_timeout_s
         self._pool = None
 
@@ -45,7 +47,20 @@ class PrefixSource:
             except (PoolError, FileNotFoundError, OSError) as e:
                 raise ApiError(503, f"KV pool {self.pool_name!r} is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
+            self._check_geometry()
         return self._pool
+
+    def _check_geometry(self) -> None:
+        if self.geometry is None:
+            return
+        lay = self._pool.layout
+        have = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.torch_dtype)
+        if have != tuple(self.geometry):
+            self._close()
+            raise ApiError(503, f"KV pool {self.pool_name!r} holds [layers, kv heads, head_dim, dtype]"
+                           f" = {have}, this engine needs {tuple(self.geometry)} (both services "
+                           "must run the same model and --dtype)", type="server_error",
+                           code="kv_pool_mismatch")
 
     def _close(self) -> None:
         try:

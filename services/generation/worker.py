@@ -209,7 +209,9 @@ def run_rank(rank: int, world: int, port: int, args: dict, in_q, out_q) -> None:
         comm = CfgComm.init(rank, world, port, device) if world > 1 else CfgComm.single()
         model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device)
         model.eval()
-        source = PrefixSource(args["kv_pool_name"], model.fingerprint, device)
+        source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
+                              geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
+                                        model.dtype))
         engine = Engine(model, source, comm)
         if rank == 0:
             out_q.put({"type": "ready"})

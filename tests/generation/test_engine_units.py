@@ -2,7 +2,6 @@
 KV layout (prefix imported once, never rewritten by steps)."""
 from __future__ import annotations
 
-import uuid
 
 import pytest
 import torch
@@ -94,5 +93,20 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
         got = finished[0].x
         diff = (S.to_uint8(got).int() - S.to_uint8(want).int()).abs()
         assert diff.max() <= 1
+    finally:
+        pool.close()
+
+
+def test_pool_of_another_dtype_is_a_clear_503(ref_model):
+    model = ref_model[0]
+    pool = make_pool(model, dtype="bfloat16")
+    try:
+        src = PrefixSource(pool.name, model.fingerprint, torch.device("cpu"),
+                           geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
+                                     torch.float32))
+        with pytest.raises(ApiError) as e:
+            src.pool()
+        assert e.value.status == 503 and e.value.code == "kv_pool_mismatch"
+        assert "--dtype" in e.value.message
     finally:
         pool.close()

@@ -1,0 +1,28 @@
+"""Which denoise-attention function the engine calls, and whether it wants the lengths on the host.
+
+kernels.denoise_attention dispatches per call; its per-sequence SDPA backend (the CPU choice, and the
+CUDA choice without flash-attn) loops over sequences with `cu_seqlens.tolist()`: given device tensors
+that is a host sync per layer and job, so for that backend the engine passes host copies instead.
+On CPU it is also exactly what the reference pipeline computes (bit-exact fp32 parity).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def pick_denoise_attention(device: torch.device):
+    """Returns (fn, host_lengths)."""
+    import importlib
+    # the module, not the function of the same name that kernels/__init__ re-exports
+    da = importlib.import_module("kernels.denoise_attention")
+    forced = os.environ.get("U1SERVE_DENOISE_BACKEND", "").strip().lower()
+    mode = os.environ.get("U1SERVE_KERNELS", "auto").strip().lower() or "auto"
+    if mode == "auto" and forced in ("", "auto", "sdpa"):
+        sdpa = forced == "sdpa" or device.type == "cpu" or (
+            not getattr(da, "HAS_FLASH_ATTN", False)
+            and getattr(da, "DEFAULT_CUDA_BACKEND", "sdpa") == "sdpa")
+        if sdpa:
+            return da.denoise_attention_sdpa, True
+    return da.denoise_attention, False
