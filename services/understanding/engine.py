@@ -62,8 +62,19 @@ def _device(cfg: EngineConfig, rank: int) -> str:
     return cfg.device
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the HTTP process dies, so an engine never outlives its server (and GPU)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def run_engine(rank: int, cfg: EngineConfig) -> None:
     """Process entry point (multiprocessing spawn)."""
+    _die_with_parent()
     logging.basicConfig(level=os.environ.get("U1SERVE_LOG_LEVEL", "INFO"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.tp)))
     out_sock = None
@@ -169,7 +180,8 @@ class Engine:
             if r.generator is None and not r.params.greedy:
                 r.generator = r.params.make_generator(logits.device)
         params = [r.params if r.kind == "text" else _GREEDY for r in reqs]
-        toks = sample(logits, params, [r.generator for r in reqs], [r.tokens[:r.prompt_len] for r in reqs],
+        # repetition penalty looks at prompt + output: r.tokens holds both (no per-step copies)
+        toks = sample(logits, params, [r.generator for r in reqs], [r.tokens for r in reqs],
                       [r.output_ids for r in reqs])
         return {r.rid: t for r, t in zip(reqs, toks)}
 

@@ -204,7 +204,8 @@ class Scheduler:
                 decodes.remove(victim)
         entries = []   # prefill (req, start, end)
         budget = self.chunk_size
-        for r in sorted((r for r in self.running if r not in decodes and r.pending > 0),
+        decoding = {id(r) for r in decodes}
+        for r in sorted((r for r in self.running if id(r) not in decoding and r.pending > 0),
                         key=lambda r: r.arrival):
             if budget <= 0:
                 break
