@@ -126,7 +126,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torc
 
 
 def decode_attention_triton(q, k_pool, v_pool, req_to_token, b_seq_len, scale=None, num_splits=None,
-                            block_n=None, num_warps=4, num_stages=2, out=None):
+                            block_n=None, num_warps=4, num_stages=3, out=None):
     _check(q, k_pool, v_pool, req_to_token, b_seq_len)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     B, Hq, D = q.shape

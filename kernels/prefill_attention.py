@@ -163,7 +163,7 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype, device: torch.devi
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
-    return 128, 64, 8, 3
+    return 128, 32, 4, 4  # best of 10 configs on two seed rows (docs/benchmarks/kernels.md)
 
 
 def prefill_attention_triton(q, k_pool, v_pool, req_to_token, b_start, b_seq_len, cu_seqlens_q,

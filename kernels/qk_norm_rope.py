@@ -130,12 +130,16 @@ def _norm_rope_kernel(
                 pt = tl.load(Pos + t).to(tl.float32)
                 ph = tl.load(Pos + stride_pos + t).to(tl.float32)
                 pw = tl.load(Pos + 2 * stride_pos + t).to(tl.float32)
+                # angles depend on the column and the part only: trig on 2 x HALF values, not per head
                 ang_t = pt * t_inv
                 ang_hw = tl.where(sub == 0, ph, pw) * hw_inv
-                ang = tl.where(is_hw[:, None], ang_hw[None, :], ang_t[None, :])
                 # HF casts cos/sin to x's dtype and rounds each product in it
-                c = tl.cos(ang).to(x.dtype).to(tl.float32)
-                s = tl.sin(ang).to(x.dtype).to(tl.float32)
+                cos_t = tl.cos(ang_t).to(x.dtype).to(tl.float32)
+                sin_t = tl.sin(ang_t).to(x.dtype).to(tl.float32)
+                cos_hw = tl.cos(ang_hw).to(x.dtype).to(tl.float32)
+                sin_hw = tl.sin(ang_hw).to(x.dtype).to(tl.float32)
+                c = tl.where(is_hw[:, None], cos_hw[None, :], cos_t[None, :])
+                s = tl.where(is_hw[:, None], sin_hw[None, :], sin_t[None, :])
                 a = (xn * c).to(x.dtype).to(tl.float32)
                 b = (xpn * sign * s).to(x.dtype).to(tl.float32)
                 tl.store(base + row_off[:, None] + cols[None, :], (a + b).to(x.dtype), mask=mask)
@@ -165,7 +169,7 @@ def qk_norm_rope_triton_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t,
     inv_t = _inv_cached(theta_t, half, q.device)
     inv_hw = _inv_cached(theta_hw, half // 2, q.device)
     positions = positions if positions.stride(1) == 1 else positions.contiguous()
-    BT = block_t or (4 if q.is_cuda else 2)
+    BT = block_t or (1 if q.is_cuda else 2)  # 1 token per program was fastest on H200
     grid = ((T + BT - 1) // BT,)
     _norm_rope[grid](
         q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, inv_t, inv_hw, T, float(eps),
