@@ -438,9 +438,9 @@ def decode_table(gen, peak, sweep):
         bl = torch.full((B,), L, dtype=torch.int32, device=DEV)
         outb = torch.empty_like(q)
         nbytes = B * L * HKV * D * 2 * 2 + B * L * 4 + 2 * q.numel() * 2
-        variants = [(None, 64, 4, 2)]
+        variants = [(None, 64, 4, 3)]
         if sweep:
-            variants += [(None, 32, 4, 3), (None, 64, 4, 3), (None, 128, 8, 2), (None, 64, 8, 3)]
+            variants += [(None, 32, 4, 3), (None, 64, 4, 2), (None, 128, 8, 2), (None, 64, 8, 3)]
         best = None
         for (ns, bn, nw, st) in variants:
             try:
@@ -475,7 +475,7 @@ def norm_rope_table(gen, peak, sweep):
         ws = [(torch.rand(D // 2, device=DEV, generator=gen) + 0.5).to(DT) for _ in range(4)]
         pos = torch.randint(0, 4000, (3, T), device=DEV, generator=gen)
         nbytes = 2 * (q.numel() + k.numel()) * 2 + pos.numel() * 8
-        variants = [(4, 4)] + ([(1, 4), (2, 4), (8, 8), (4, 8), (16, 8)] if sweep else [])
+        variants = [(1, 4)] + ([(4, 4), (2, 4), (8, 8), (4, 8), (16, 8)] if sweep else [])
         best = None
         for bt, nw in variants:
             t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=bt, num_warps=nw),
