@@ -8,6 +8,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_testutil
 
+# interpreted/ runs only in the TRITON_INTERPRET=1 child process that test_interpreted.py starts.
+collect_ignore = ["interpreted"]
+
 
 @pytest.fixture
 def rng():
