@@ -12,7 +12,7 @@ import math
 import time
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from services.model import prompts as PR
 from services.model import sampler as S
@@ -20,6 +20,7 @@ from services.model import sampler as S
 from .api_errors import APIError, bad_request, unavailable
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineDead
+from .http_util import until_disconnect
 from .protocol import SubmitRequest
 from .request_parsing import decode_image_ref
 from .sampling import SamplingParams
@@ -125,16 +126,20 @@ class ImagePrefixService:
                         from shm_transfer import KVHandle
                         self._release_all({b: KVHandle.from_dict(h) for b, h in given.items()})
             return StreamingResponse(events(), media_type="text/event-stream")
-        think_text = None
-        try:
-            async for ev in run:
-                if ev["type"] == "error":
-                    raise APIError(ev["status"], ev["error"]["message"], None, ev["error"]["code"])
-                if ev["type"] == "handles":
-                    return {"request_id": rid, "handles": ev["handles"], "think_text": ev["think_text"]}
-        finally:
-            await run.aclose()
-        raise APIError(500, "image prefix ended without handles", None, "internal")
+        async def consume():
+            try:
+                async for ev in run:
+                    if ev["type"] == "error":
+                        raise APIError(ev["status"], ev["error"]["message"], None, ev["error"]["code"])
+                    if ev["type"] == "handles":
+                        return {"request_id": rid, "handles": ev["handles"], "think_text": ev["think_text"]}
+            finally:
+                await run.aclose()
+            raise APIError(500, "image prefix ended without handles", None, "internal")
+
+        # a client that goes away cancels the branches and frees their pages (run's finally)
+        res = await until_disconnect(request, consume())
+        return res if res is not None else Response(status_code=499)
 
     def _allocate(self, inputs, think, mtt, tail_len):
         from shm_transfer import PoolFull

@@ -31,6 +31,7 @@ from .api_errors import APIError, bad_request, unavailable
 from .detokenizer import IncrementalDetokenizer, OutputText
 from .engine import EngineConfig
 from .engine_client import EngineClient, EngineDead
+from .http_util import until_disconnect as _until_disconnect
 from .image_prefix import ImagePrefixService
 from .metrics import Metrics
 from .protocol import SubmitRequest
@@ -66,8 +67,9 @@ class Service:
             llm = self.cfg.llm
             layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
                               head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
+            # the HTTP process only allocates/releases pages; the engines (which copy) pin the mapping
             self.pool = ShmKVPool.create(a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
-                                         model_fingerprint(a.model, self.cfg))
+                                         model_fingerprint(a.model, self.cfg), pin=False)
         ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
                             kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
                             max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
@@ -169,24 +171,6 @@ async def _json_body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body
-
-
-async def _until_disconnect(request: Request, coro):
-    """Await coro, cancelling it if the client goes away (its finally blocks free the engine state)."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 async def _prepare(svc: Service, fn, *a):

@@ -78,3 +78,15 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
     metrics = httpx.get(server.url + "/metrics").text
     assert "u1_und_time_to_first_token_seconds_count" in metrics
     assert "u1_und_prefix_cache_hit_rate" in metrics
+
+
+def test_non_stream_prefix_client_gone_frees_pages(server):
+    body = {"request_id": "gone-1", "kind": "t2i", "prompt": "a long think", "cfg_scale": 4.0, "think": True,
+            "max_think_tokens": 400}
+    try:
+        httpx.post(server.url + "/internal/image_prefix", json=body, headers={"X-U1-Internal-Token": TOKEN},
+                   timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    h = server.wait_idle()
+    assert h["shm_pages_used"] == 0 and h["kv_in_use"] == 0
