@@ -156,8 +156,8 @@ def parse_generate(body: Any, fingerprint: str | None = None) -> GenerateJob:
         interval = [0.0, 1.0]
     if (not isinstance(interval, (list, tuple)) or len(interval) != 2
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in interval)
-            or interval[0] > interval[1]):
-        raise _bad("'cfg_interval' must be [lo, hi] with lo <= hi", "cfg_interval")
+            or not 0.0 <= interval[0] <= interval[1] <= 1.0):
+        raise _bad("'cfg_interval' must be [lo, hi] with 0 <= lo <= hi <= 1", "cfg_interval")
 
     seed = body.get("seed")
     if seed is None:

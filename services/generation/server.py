@@ -44,7 +44,11 @@ def _model_fingerprint(model_dir: str) -> str | None:
 
 def _check_branches(job: GenerateJob) -> None:
     """The handles must be exactly the CFG branches the sampling parameters need."""
-    from .sampling import branches_for
+    from .sampling import branches_for, sampler_params
+    try:
+        sampler_params(job).validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), code="invalid_value") from e
     need = branches_for(job)
     if set(need) != set(job.handles):
         raise ApiError(400, f"these sampling parameters need handles {sorted(need)}, "

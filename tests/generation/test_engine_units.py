@@ -2,7 +2,6 @@
 KV layout (prefix imported once, never rewritten by steps)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from conftest import make_pool
