@@ -90,6 +90,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list,
     greedy_rows = [i for i, p in enumerate(params)
                    if p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
                    and not p.frequency_penalty]
+    if len(greedy_rows) == len(params):   # the common all-greedy batch: one argmax, one sync
+        return torch.argmax(logits, dim=-1).tolist()
     fast = torch.argmax(logits[greedy_rows], dim=-1).tolist() if greedy_rows else []
     fast_map = dict(zip(greedy_rows, fast))
     for i, p in enumerate(params):
