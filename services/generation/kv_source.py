@@ -41,7 +41,7 @@ class PrefixSource:
             self._close()
         if self._pool is None:
             try:
-                self._pool = ShmKVPool.attach(self.pool_name, expected_fingerprint=self.fingerprint,
+                self._pool = ShmKVPool.attach(self.pool_name, expected_fingerprint=self.fingerprint or None,
                                               pin=self.device.type == "cuda",
                                               timeout_s=self.attach_timeout_s)
             except (PoolError, FileNotFoundError, OSError) as e:
@@ -101,13 +101,18 @@ class PrefixSource:
         return nbytes, seconds
 
     def release(self, handle_dicts) -> None:
-        """Best-effort free of handles never imported (cancelled / failed jobs)."""
+        """Best-effort free of handles never imported (cancelled / failed jobs). Idempotent: a
+        handle only frees pages it still owns."""
+        handle_dicts = list(handle_dicts)
+        if not handle_dicts:
+            return
+        try:
+            pool = self.pool()
+        except ApiError:
+            return  # no pool: nothing to free (its pages died with it)
         for d in handle_dicts:
             try:
-                h = self.parse(d)
-                if self._pool is None and h.pool_name != self.pool_name:
-                    continue
-                self.pool().release(h)
+                pool.release(self.parse(d))
             except Exception:
                 pass
 

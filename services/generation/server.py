@@ -62,6 +62,21 @@ def _check_handles(job: GenerateJob) -> None:
         PrefixSource.parse(h)
 
 
+def _handle_releaser(pool_name: str, fingerprint: str | None):
+    """Frees KV handles from this (HTTP) process: used when the engine died holding queued jobs."""
+    import torch
+
+    from .kv_source import PrefixSource
+    source = PrefixSource(pool_name, fingerprint or "", torch.device("cpu"))
+    lock = __import__("threading").Lock()
+
+    def release(handles: list[dict]) -> None:
+        if handles:
+            with lock:
+                source.release(handles)
+    return release
+
+
 def create_app(args: argparse.Namespace) -> FastAPI:
     metrics = GenerationMetrics()
 
@@ -76,8 +91,9 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         "kv_pool_name": args.kv_pool_name, "max_batch_tokens": args.max_batch_tokens,
         "max_running_jobs": args.max_running_jobs, "threads": args.threads,
     }
-    supervisor = EngineSupervisor(engine_args, world=args.cfg_parallel, on_stats=on_stats)
     fingerprint = _model_fingerprint(args.model)
+    supervisor = EngineSupervisor(engine_args, world=args.cfg_parallel, on_stats=on_stats,
+                                  release=_handle_releaser(args.kv_pool_name, fingerprint))
     token = args.internal_token or os.environ.get("U1SERVE_INTERNAL_TOKEN") or None
     encoder = ThreadPoolExecutor(max_workers=args.encode_threads, thread_name_prefix="u1-encode")
 

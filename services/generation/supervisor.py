@@ -101,7 +101,7 @@ class _Incarnation:
 
 class EngineSupervisor:
     def __init__(self, engine_args: dict, world: int = 1, on_stats: Callable[[dict], None] = None,
-                 restart_delay: float = 0.5):
+                 restart_delay: float = 0.5, release: Callable[[list[dict]], None] = None):
         self.engine_args = engine_args
         self.world = world
         self.on_stats = on_stats or (lambda m: None)
@@ -111,6 +111,8 @@ class EngineSupervisor:
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
+        self._handles: dict[str, list[dict]] = {}  # in-flight jobs' KV handles (for crash cleanup)
+        self.release = release or (lambda handles: None)
         self._inc: _Incarnation | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -157,6 +159,7 @@ class EngineSupervisor:
             if inc is None or inc.dead or not inc.ready:
                 raise RuntimeError("generation engine is not ready")
             self._sinks[job.request_id] = sink
+            self._handles[job.request_id] = list(job.handles.values())
             inc.in_q.put(("job", asdict(job)))
 
     def is_active(self, request_id: str) -> bool:
@@ -207,12 +210,20 @@ class EngineSupervisor:
             sink = self._sinks.get(rid)
             if kind == "done":
                 self._sinks.pop(rid, None)
+                self._handles.pop(rid, None)
         if sink is not None:
             sink(msg)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
+            handles, self._handles = self._handles, {}
+        # Jobs still queued in the dead engine never imported their prefixes: free their pages now
+        # rather than at lease expiry (idempotent: pages already imported and freed are not touched).
+        try:
+            self.release([h for hs in handles.values() for h in hs])
+        except Exception:
+            log.exception("releasing the KV handles of failed jobs")
         for rid, sink in sinks.items():
             sink({"request_id": rid, **error_event(503, message, code="engine_failed")})
             sink({"request_id": rid, "type": "done", "outcome": "error"})

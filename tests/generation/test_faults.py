@@ -1,6 +1,7 @@
 """Faults: bad input, missing pool, cancellation (running, queued, client gone), the engine killed
-mid-job (error reaches the client, pages reclaimed by lease expiry, restart works), producer restart
-(stale handles rejected, re-attach), wrong fingerprint."""
+mid-job (error reaches the client, restart works), the whole service killed (pages reclaimed by lease
+expiry, a restarted service works), producer restart (stale handles rejected, re-attach), wrong
+fingerprint."""
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ def fault_env(tiny_dir, ref_model):
     server = GenServer(tiny_dir, name, "--max-running-jobs", "1").start()
     env = {"server": server, "name": name, "pool": None}
     yield env
-    server.stop()
+    env["server"].stop()
     if env["pool"] is not None:
         env["pool"].close()
 
@@ -52,7 +53,11 @@ class Stream(threading.Thread):
         return False
 
     def run(self):
-        self.status, evs = generate(self.url, self.b, on_event=self.on_event, timeout=120)
+        try:
+            self.status, evs = generate(self.url, self.b, on_event=self.on_event, timeout=120)
+        except httpx.HTTPError as e:  # the whole service died under us
+            self.events.append({"type": "transport_error", "error": repr(e)})
+            return
         if self.status != 200:
             self.events.append({"type": "http_error", "status": self.status, "body": evs})
         elif evs and evs[-1] == "[DONE]":
@@ -151,33 +156,58 @@ def test_client_disconnect_cancels(fault_env, ref_model):
 
 
 def test_engine_killed_mid_job(fault_env, ref_model):
+    """The engine process dies: the error reaches every client in flight, the HTTP process frees the
+    pages of jobs that never imported, a fresh engine takes over."""
     server, pool = fault_env["server"], fault_env["pool"]
     pids = server.health()[1]["engine_pids"]
     a = Stream(server.url, body("kill-a", publish(pool, _pre(ref_model)),
                                 num_inference_steps=LONG))
     a.start()
     assert a.progress.wait(60)
-    c = Stream(server.url, body("kill-c", publish(pool, _pre(ref_model), lease_s=2.0)))
+    c = Stream(server.url, body("kill-c", publish(pool, _pre(ref_model))))
     c.start()
     assert c.queued.wait(30)
     time.sleep(0.3)
-    held = pool.stats()["pages_used"]
-    assert held > 0  # c's pages: never imported
+    assert pool.stats()["pages_used"] > 0  # c's pages: never imported
     os.kill(pids[0], signal.SIGKILL)
     for s in (a, c):
         s.join(30)
         (err,) = errors_of(s.events)
         assert err["status"] == 503 and err["error"]["code"] == "engine_failed"
         assert s.events[-1] == "[DONE]"
-    # nobody released c's pages: the lease expires and they are reclaimable
     wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
-    assert pool.stats()["pages_expired"] >= held
-    # a fresh engine serves again
+    assert pool.stats()["pages_expired"] == 0  # freed by the server, not by lease expiry
     health = server.wait_healthy(120)
     assert health["restarts"] >= 1 and health["engine_pids"] != pids
     status, events = generate(server.url, body("after-kill", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
     assert server.metrics()["u1_gen_engine_restarts_total"] >= 1
+
+
+def test_whole_service_killed_pages_expire(fault_env, tiny_dir, ref_model):
+    """The whole generation service dies (SIGKILL to its process group) holding a queued job's
+    pages: the client sees the stream break, the pages come back by lease expiry, and a restarted
+    service works."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    a = Stream(server.url, body("svc-a", publish(pool, _pre(ref_model)), num_inference_steps=LONG))
+    a.start()
+    assert a.progress.wait(60)
+    c = Stream(server.url, body("svc-c", publish(pool, _pre(ref_model), lease_s=2.0)))
+    c.start()
+    assert c.queued.wait(30)
+    time.sleep(0.3)
+    held = pool.stats()["pages_used"]
+    assert held > 0
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    for s in (a, c):
+        s.join(30)
+        assert s.events[-1] != "[DONE]"  # no clean end: the client knows it failed
+    wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+    assert pool.stats()["pages_expired"] >= held
+    fault_env["server"] = new = GenServer(tiny_dir, fault_env["name"], "--max-running-jobs", "1").start()
+    status, events = generate(new.url, body("after-svc", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
 
 
 def test_producer_restart_rejects_stale_handles(fault_env, ref_model):
