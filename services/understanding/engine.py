@@ -155,7 +155,13 @@ class Engine:
                     self._broadcast(None)  # heartbeat keeps followers' collectives alive
                 continue
             was_busy = True
-            self.execute(scheduled)
+            try:
+                self.execute(scheduled)
+            except Exception as e:
+                if self.tp is not None:   # ranks would diverge: let the server report the engine dead
+                    raise
+                log.exception("engine step failed; failing its requests")
+                self.sched.fail_step(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
             self._send(self.sched.take_outputs())
 
     def execute(self, scheduled) -> None:

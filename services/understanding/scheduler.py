@@ -273,6 +273,15 @@ class Scheduler:
         self._table_writes = []
         return plan, all_entries
 
+    def fail_step(self, entries, error: str) -> None:
+        """A step that raised: free the slots it had assigned and fail its requests (others go on)."""
+        for r, s, e in entries:
+            if r.rid not in self.reqs:
+                continue
+            if r.num_computed <= s:   # not advanced yet: the chunk's slots are still only assigned
+                self.alloc.free(r.slots[s:e])
+            self._finish(r, "error", error, "engine_error")
+
     # ---- results -----------------------------------------------------------------------------
     def sampling_requests(self, entries) -> list[Req]:
         """Requests owning plan.logit_rows, in row order."""

@@ -144,3 +144,16 @@ def test_scheduler_preempts_and_still_matches_reference(ref):
         assert [t for t in got[f"r{i}"] if t != tok.im_end_id] == exp
     snap = sch.snapshot()
     assert snap.kv_in_use == 0 and snap.kv_free + snap.kv_cached == slots
+
+
+def test_failed_step_frees_its_slots_and_fails_only_its_requests():
+    from services.understanding.protocol import SubmitRequest
+    from services.understanding.scheduler import Scheduler
+    sch = Scheduler(64, 4, 64, 0, img_context_id=9999)
+    sch.add(SubmitRequest("a", list(range(10)), [], SamplingParams(max_tokens=4)))
+    plan, entries = sch.schedule()
+    assert sch.alloc.num_free == 54
+    sch.fail_step(entries, "boom")
+    outs = sch.take_outputs()
+    assert [(o.rid, o.finish_reason, o.error_code) for o in outs] == [("a", "error", "engine_error")]
+    assert sch.alloc.num_free == 64 and not sch.has_work
