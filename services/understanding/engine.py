@@ -102,6 +102,8 @@ class Engine:
         self.dtype = _dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
+        cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
+        cfg.max_model_len = min(cfg.max_model_len, cfg.kv_cache_tokens)
         self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
@@ -116,8 +118,32 @@ class Engine:
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
             self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
-                                 "kv_cache_tokens": cfg.kv_cache_tokens})
+                                 "kv_cache_tokens": cfg.kv_cache_tokens, "max_model_len": cfg.max_model_len})
             self._send([])
+
+    def _fit_kv_cache(self, want: int) -> int:
+        """With U1SERVE_GPU_MEMORY_FRACTION (colocate), cap this process's GPU memory at that share and
+        shrink the KV cache to what fits next to the weights (all TP ranks agree on the smallest)."""
+        frac = os.environ.get("U1SERVE_GPU_MEMORY_FRACTION")
+        if not frac or not self.device.startswith("cuda"):
+            return want
+        frac = float(frac)
+        dev = torch.device(self.device)
+        torch.cuda.set_per_process_memory_fraction(frac, dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = frac * total - torch.cuda.memory_allocated(dev)
+        budget -= max(2 << 30, int(0.1 * budget))   # activations, CUDA graphs, sampling
+        m = self.model
+        per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        fit = max(1024, int(budget // per_token))
+        n = min(want, fit)
+        if self.tp is not None:
+            t = torch.tensor([n], dtype=torch.int64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            n = int(t.item())
+        if n < want:
+            log.warning("KV cache lowered from %d to %d tokens to fit GPU memory fraction %.3f", want, n, frac)
+        return n
 
     # ---- rank 0 --------------------------------------------------------------------------------
     def _recv(self, block: bool) -> bool:

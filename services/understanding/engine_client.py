@@ -50,6 +50,8 @@ class EngineClient:
         self.ready = False
         self.fatal: Optional[str] = None
         self.fingerprint: Optional[str] = None
+        self.kv_cache_tokens = cfg.kv_cache_tokens
+        self.max_model_len = cfg.max_model_len
         self.procs: list[mp.Process] = []
         self._task: Optional[asyncio.Task] = None
         self._ready_event = asyncio.Event()
@@ -100,6 +102,8 @@ class EngineClient:
                     if q is not None:
                         q.put_nowait(o)
             elif kind == "ready":
+                self.kv_cache_tokens = msg.get("kv_cache_tokens", self.cfg.kv_cache_tokens)
+                self.max_model_len = msg.get("max_model_len", self.cfg.max_model_len)
                 self.ready = True
                 self.fingerprint = msg.get("fingerprint")
                 self._ready_event.set()

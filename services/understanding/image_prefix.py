@@ -148,9 +148,9 @@ class ImagePrefixService:
         try:
             for branch, inp in inputs.items():
                 n = len(inp.input_ids) + ((mtt + tail_len) if think and branch == "cond" else 0)
-                if n >= svc.args.max_model_len:
+                if n >= svc.limits.max_model_len:
                     raise bad_request(f"the {branch} prefix needs up to {n} tokens, over the context limit of "
-                                      f"{svc.args.max_model_len}", "prompt", "context_length_exceeded")
+                                      f"{svc.limits.max_model_len}", "prompt", "context_length_exceeded")
                 handles[branch] = svc.pool.allocate(n, svc.args.kv_lease_s, branch=branch)
         except PoolFull as e:
             self._release_all(handles)

@@ -98,6 +98,8 @@ class Service:
         c = self.client
         if c is None or not c.ready or not c.alive:
             raise unavailable(c.fatal if c is not None and c.fatal else "the engine is not ready")
+        # the engine may have shrunk its KV cache to fit GPU memory: the context limit follows it
+        self.limits.max_model_len = min(self.args.max_model_len, c.max_model_len)
         return c
 
     def stop_ids(self, params) -> list[int]:
@@ -232,7 +234,7 @@ def create_app(args) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": int(svc.started),
-                                             "owned_by": "u1serve", "max_model_len": args.max_model_len}]}
+                                             "owned_by": "u1serve", "max_model_len": svc.limits.max_model_len}]}
 
     # ---- OpenAI chat -------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
