@@ -1,15 +1,11 @@
 """Shared fixtures: one tiny checkpoint, one reference model, one pool, one generation server."""
 from __future__ import annotations
 
-import os
-import sys
 import uuid
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from genhelp import GenServer  # noqa: E402
+from .genhelp import GenServer
 
 
 @pytest.fixture(scope="session")

@@ -198,3 +198,25 @@ def data_url(img) -> str:
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+_CACHE: dict = {}
+
+
+def prefixes(ref_model, kind="t2i", prompt="a red cat", images=(), think=False, **params):
+    """Reference prefix KVs (memoised: building them is most of a test's CPU time)."""
+    key = (kind, prompt, tuple(id(i) for i in images), think, tuple(sorted(params.items())))
+    if key not in _CACHE:
+        model, tok = ref_model
+        from services.model import reference as R
+        from services.model import sampler as S
+        p = S.SamplerParams(mode=kind, **params)
+        _CACHE[key] = R.image_prefixes(model, tok, kind, prompt, list(images), p, think=think,
+                                       max_think_tokens=6)
+    return _CACHE[key]
+
+
+def photo(seed: int, w: int = 64, h: int = 96) -> Image.Image:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from genhelp import body, errors_of, generate, images_of, publish, reference_pixels
-from test_generate_reference import prefixes
+from .genhelp import (body, errors_of, generate, images_of, prefixes, publish,
+                      reference_pixels)
 
 
 def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):

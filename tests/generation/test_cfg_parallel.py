@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 import pytest
-from genhelp import GenServer, body, errors_of, generate, images_of, publish, reference_pixels
-from test_generate_reference import _photo, prefixes
+from .genhelp import (GenServer, body, errors_of, generate, images_of, photo, prefixes,
+                      publish, reference_pixels)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
          dict(n=2, cfg_norm="cfg_zero_star")),
         ("cfgp-1branch", prefixes(ref_model, cfg_scale=1.0),
          dict(guidance_scale=1.0, width=160)),
-        ("cfgp-edit3", prefixes(ref_model, "edit", "make it blue", [_photo(5)], cfg_scale=4.0,
+        ("cfgp-edit3", prefixes(ref_model, "edit", "make it blue", [photo(5)], cfg_scale=4.0,
                                 img_cfg_scale=1.5),
          dict(mode="edit", guidance_scale=4.0, image_guidance_scale=1.5, num_inference_steps=3)),
     ]

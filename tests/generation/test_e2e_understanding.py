@@ -9,9 +9,8 @@ import uuid
 
 import numpy as np
 import pytest
-from genhelp import (GenServer, UndServer, body, data_url, errors_of, generate, images_of,
-                     reference_pixels)
-from test_generate_reference import _photo
+from .genhelp import (GenServer, UndServer, body, data_url, errors_of, generate, images_of,
+                      photo, reference_pixels)
 
 from services.model import reference as R
 from services.model import sampler as S
@@ -53,7 +52,7 @@ CASES = [
 def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     und, gen = stack
     model, tok = ref_model
-    pils = [_photo(3)] if prefix_req["kind"] == "edit" else []
+    pils = [photo(3)] if prefix_req["kind"] == "edit" else []
     status, out = und.image_prefix(request_id=rid, images=[data_url(p) for p in pils],
                                    stream=False, **prefix_req)
     assert status == 200, out

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_pool
-from genhelp import publish
+from .conftest import make_pool
+from .genhelp import publish
 
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine

@@ -12,10 +12,9 @@ import uuid
 
 import httpx
 import pytest
-from conftest import make_pool
-from genhelp import (HEADERS, GenServer, body, errors_of, generate, images_of, publish,
-                     wait_until)
-from test_generate_reference import prefixes
+from .conftest import make_pool
+from .genhelp import (HEADERS, GenServer, body, errors_of, generate, images_of, prefixes,
+                      publish, wait_until)
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
 

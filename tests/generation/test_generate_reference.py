@@ -9,25 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from genhelp import body, errors_of, generate, images_of, publish, reference_pixels
-from PIL import Image
-
-from services.model import reference as R
-from services.model import sampler as S
-
-
-_CACHE: dict = {}
-
-
-def prefixes(ref_model, kind="t2i", prompt="a red cat", images=(), think=False, **params):
-    """Reference prefix KVs (memoised: building them is most of a test's CPU time)."""
-    key = (kind, prompt, tuple(id(i) for i in images), think, tuple(sorted(params.items())))
-    if key not in _CACHE:
-        model, tok = ref_model
-        p = S.SamplerParams(mode=kind, **params)
-        _CACHE[key] = R.image_prefixes(model, tok, kind, prompt, list(images), p, think=think,
-                                       max_think_tokens=6)
-    return _CACHE[key]
+from .genhelp import (body, errors_of, generate, images_of, photo, prefixes, publish,
+                      reference_pixels)
 
 
 def run_and_compare(gen_server, pool, ref_model, pre, rid, **kw):
@@ -45,11 +28,6 @@ def run_and_compare(gen_server, pool, ref_model, pre, rid, **kw):
         assert g.shape == (b["height"], b["width"], 3)
         assert np.array_equal(g, w)
     return got
-
-
-def _photo(seed: int, w: int = 64, h: int = 96) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 @pytest.mark.parametrize("cfg_norm", ["none", "global", "channel", "cfg_zero_star"])
@@ -76,7 +54,7 @@ def test_t2i_single_branch_and_cfg_interval(gen_server, pool, ref_model):
     (4.0, 1.5, {"cond", "img_cond", "uncond"}),  # 3 branches
 ])
 def test_edit_matches_reference(gen_server, pool, ref_model, g, gi, branches):
-    pre = prefixes(ref_model, "edit", "make it blue", [_photo(1), _photo(2, 96, 64)],
+    pre = prefixes(ref_model, "edit", "make it blue", [photo(1), photo(2, 96, 64)],
                    cfg_scale=g, img_cfg_scale=gi, cfg_norm="global")
     assert set(pre) == branches
     run_and_compare(gen_server, pool, ref_model, pre, f"edit-{len(branches)}-{g}", mode="edit",
