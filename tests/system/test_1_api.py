@@ -183,3 +183,18 @@ def test_health_and_metrics(stack):
     assert h.status_code == 200 and h.json()["status"] == "ok"
     m = httpx.get(stack.base + "/metrics", timeout=10).text
     assert "u1serve_gateway_images_total" in m
+
+
+def test_chat_modalities_image_stream(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model="m", modalities=["image"], stream=True,
+        messages=[{"role": "user", "content": "a tree"}],
+        extra_body={"image_config": {"size": "64x64", "num_inference_steps": 2},
+                    "chat_template_kwargs": {"enable_thinking": True}, "max_think_tokens": 4}))
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                        for c in chunks if c.choices)
+    images = [img for c in chunks if c.choices
+              for img in (c.choices[0].delta.model_extra or {}).get("images") or []]
+    assert reasoning
+    assert len(images) == 1 and images[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert chunks[-1].choices[0].finish_reason == "stop"
