@@ -114,7 +114,8 @@ class Engine:
         v_all = self.comm.gather_velocities(jobs, local_v)
         finished = []
         for (job, _, _, _, z) in plan:
-            v = sampler.combine(v_all[job.request_id], job.params, job.step, float(job.t))
+            v = sampler.combine(v_all[job.request_id], job.params, job.step,
+                                job.t_values[job.step])
             z = sampler.euler(z, v, job.t, job.t_next)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1

@@ -52,6 +52,7 @@ class JobState:
         self.n = spec.n
         self.num_steps = spec.num_steps
         self.timesteps = sampler.timesteps(spec.num_steps, spec.timestep_shift, device=device)
+        self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
                                        self.noise_scale)
@@ -94,7 +95,7 @@ class JobState:
 
     def active_branches(self) -> list[str]:
         """Branches whose velocity this step's CFG rule reads (outside the interval: cond only)."""
-        if sampler.uses_cfg(self.params, float(self.t)):
+        if sampler.uses_cfg(self.params, self.t_values[self.step]):
             return self.branches
         return ["cond"]
 
