@@ -22,7 +22,8 @@ from .metrics import GatewayMetrics
 from .middleware import GatewayMiddleware
 from .orchestrator import Orchestrator
 from .params import ImageJob, Options, build_job, merge_options
-from .upstream import (EndpointPool, connection_error, error_from_response, headers, sse)
+from .upstream import (EndpointPool, connection_error, error_from_response, headers, open_stream,
+                       sse)
 
 log = logging.getLogger("u1serve.gateway")
 
@@ -186,21 +187,28 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     async def chat_proxy(request: Request, body: dict, stream: bool):
         http: httpx.AsyncClient = state["http"]
-        ep = und_pool.pick()
-        url = ep.url + "/v1/chat/completions"
         timeout = httpx.Timeout(None, connect=cfg.connect_timeout_s)
         if not stream:
             async def call():
+                ep, resp = await open_stream(http, und_pool, "/v1/chat/completions", body,
+                                             hdrs(request), timeout)
+                box["ep"] = ep
                 with und_pool.use(ep):
                     try:
-                        return await http.post(url, json=body, headers=hdrs(request), timeout=timeout)
+                        await resp.aread()
+                        return resp
                     except httpx.TransportError as exc:
                         und_pool.down(ep)
                         raise connection_error("understanding", ep.url, exc) from None
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await resp.aclose()
+            box: dict[str, Any] = {}
             finished, resp = await run_until_disconnect(request, call)
             if not finished:
                 metrics.cancelled.inc()
-                await _abort_und(ep.url, request)
+                if "ep" in box:
+                    await _abort_und(box["ep"].url, request)
                 return Response(status_code=499)
             if resp.status_code != 200:
                 raise await error_from_response(resp, "understanding")
@@ -210,14 +218,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                 raise APIError(502, "understanding service returned a non-JSON body",
                                code="upstream_protocol_error") from None
 
+        ep, resp = await open_stream(http, und_pool, "/v1/chat/completions", body, hdrs(request),
+                                     timeout)
         ep.in_flight += 1
-        try:
-            req = http.build_request("POST", url, json=body, headers=hdrs(request), timeout=timeout)
-            resp = await http.send(req, stream=True)
-        except httpx.TransportError as exc:
-            ep.in_flight -= 1
-            und_pool.down(ep)
-            raise connection_error("understanding", ep.url, exc) from None
         if resp.status_code != 200:
             ep.in_flight -= 1
             try:

@@ -19,7 +19,7 @@ from .errors import APIError, from_upstream, unavailable
 from .metrics import GatewayMetrics
 from .params import ImageJob
 from .upstream import (EndpointPool, connection_error, error_from_response, headers,
-                       sse_events)
+                       open_stream, sse_events)
 
 log = logging.getLogger("u1serve.gateway")
 
@@ -43,60 +43,63 @@ class Orchestrator:
         started = time.monotonic()
         self.metrics.image_jobs_running.inc()
         try:
-            und_ep = self.und.pick()
+            und_ep, resp = await open_stream(self.http, self.und, "/internal/image_prefix",
+                                             job.prefix_body(request_id), hdrs, self._timeout())
             with self.und.use(und_ep):
                 think_text = None
                 try:
-                    async with self.http.stream("POST", und_ep.url + "/internal/image_prefix",
-                                                json=job.prefix_body(request_id), headers=hdrs,
-                                                timeout=self._timeout()) as resp:
-                        if resp.status_code != 200:
-                            raise await error_from_response(resp, "understanding")
-                        und_ep.mark_up()
-                        async for ev in sse_events(resp):
-                            kind = ev.get("type")
-                            if kind == "think_delta":
-                                yield {"type": "think_delta", "text": ev.get("text", "")}
-                            elif kind == "handles":
-                                handles = ev.get("handles")
-                                think_text = ev.get("think_text")
-                            elif kind == "error":
-                                raise from_upstream(int(ev.get("status", 500)), ev, "understanding")
+                    if resp.status_code != 200:
+                        raise await error_from_response(resp, "understanding")
+                    und_ep.mark_up()
+                    async for ev in sse_events(resp):
+                        kind = ev.get("type")
+                        if kind == "think_delta":
+                            yield {"type": "think_delta", "text": ev.get("text", "")}
+                        elif kind == "handles":
+                            handles = ev.get("handles")
+                            think_text = ev.get("think_text")
+                        elif kind == "error":
+                            raise from_upstream(int(ev.get("status", 500)), ev, "understanding")
                 except httpx.TransportError as exc:
                     self.und.down(und_ep)
                     raise connection_error("understanding", und_ep.url, exc) from None
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await resp.aclose()
             if not isinstance(handles, dict) or "cond" not in handles:
                 raise unavailable("understanding service ended the prefix stream without handles",
                                   code="upstream_protocol_error")
             yield {"type": "think_done", "think_text": think_text}
 
             phase = "generate"
-            gen_ep = self.gen.pick()
+            gen_ep, resp = await open_stream(self.http, self.gen, "/internal/generate",
+                                             job.generate_body(request_id, handles), hdrs,
+                                             self._timeout())
             with self.gen.use(gen_ep):
                 images = 0
                 try:
-                    async with self.http.stream("POST", gen_ep.url + "/internal/generate",
-                                                json=job.generate_body(request_id, handles),
-                                                headers=hdrs, timeout=self._timeout()) as resp:
-                        if resp.status_code != 200:
-                            raise await error_from_response(resp, "generation")
-                        gen_owns = True
-                        gen_ep.mark_up()
-                        async for ev in sse_events(resp):
-                            kind = ev.get("type")
-                            if kind == "error":
-                                raise from_upstream(int(ev.get("status", 500)), ev, "generation")
-                            if kind == "progress":
-                                self.metrics.denoise_steps.inc()
-                            if kind == "image":
-                                images += 1
-                                self.metrics.images.inc()
-                            if kind in ("queued", "progress", "image"):
-                                yield ev
+                    if resp.status_code != 200:
+                        raise await error_from_response(resp, "generation")
+                    gen_owns = True
+                    gen_ep.mark_up()
+                    async for ev in sse_events(resp):
+                        kind = ev.get("type")
+                        if kind == "error":
+                            raise from_upstream(int(ev.get("status", 500)), ev, "generation")
+                        if kind == "progress":
+                            self.metrics.denoise_steps.inc()
+                        if kind == "image":
+                            images += 1
+                            self.metrics.images.inc()
+                        if kind in ("queued", "progress", "image"):
+                            yield ev
                 except httpx.TransportError as exc:
                     gen_dead = gen_owns
                     self.gen.down(gen_ep)
                     raise connection_error("generation", gen_ep.url, exc) from None
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await resp.aclose()
                 if images < job.n:
                     gen_dead = True
                     self.gen.down(gen_ep)

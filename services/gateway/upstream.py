@@ -41,9 +41,10 @@ class EndpointPool:
         self._rr = itertools.count()
         self.retry_down_after_s = retry_down_after_s
 
-    def pick(self) -> Endpoint:
+    def pick(self, exclude: set[str] | frozenset = frozenset()) -> Endpoint:
         """Least busy of the endpoints that look up; if all look down, try them anyway."""
-        live = [e for e in self.endpoints if e.looks_up] or self.endpoints
+        candidates = [e for e in self.endpoints if e.url not in exclude] or self.endpoints
+        live = [e for e in candidates if e.looks_up] or candidates
         start = next(self._rr) % len(live)
         rotated = live[start:] + live[:start]
         return min(rotated, key=lambda e: e.in_flight)
@@ -60,6 +61,23 @@ class EndpointPool:
         ep.mark_down(self.retry_down_after_s)
 
 
+async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict,
+                      hdrs: dict[str, str], timeout: httpx.Timeout) -> tuple[Endpoint, httpx.Response]:
+    """POST to the least busy endpoint and return its streaming response. A refused connection
+    (nothing was delivered) moves on to the next endpoint; when all refuse: 503."""
+    tried: set[str] = set()
+    while True:
+        ep = pool.pick(exclude=tried)
+        try:
+            req = http.build_request("POST", ep.url + path, json=body, headers=hdrs, timeout=timeout)
+            return ep, await http.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            pool.down(ep)
+            tried.add(ep.url)
+            if len(tried) >= len(pool.endpoints):
+                raise connection_error(pool.service, ep.url, exc) from None
+
+
 def headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:
     h = {}
     if internal_token:
@@ -71,6 +89,10 @@ def headers(internal_token: str | None, request_id: str | None = None) -> dict[s
 
 async def error_from_response(resp: httpx.Response, service: str) -> APIError:
     raw = await resp.aread()
+    if resp.status_code in (401, 403):
+        # the engines only check the internal token: this is a deployment error, not the client's
+        return APIError(502, f"{service} service rejected the gateway's internal token "
+                        "(check U1SERVE_INTERNAL_TOKEN on both sides)", code="internal_auth_failed")
     try:
         payload: Any = json.loads(raw)
     except ValueError:

@@ -56,11 +56,12 @@ class RunningStack:
         self.run_dir = run_dir
         self.state_file = os.path.join(run_dir, "stack.json")
         self.pool = f"u1serve-test-{os.getpid()}-{self.port}"
+        self.token = f"token-{self.port}"
         self.shm_before = shm_entries()
         argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--mode", mode,
                 "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
                 "--und-port", str(self.und_port), "--gen-port", str(self.gen_port),
-                "--kv-pool-name", self.pool, "--kv-pool-gb", "0.1", "--run-dir", run_dir,
+                "--kv-pool-name", self.pool, "--kv-pool-gb", "0.1", "--internal-token", self.token, "--run-dir", run_dir,
                 "--grace", "8", "--default-size", "64x64"] + (extra or [])
         self.log = open(os.path.join(run_dir, "launcher.out"), "w")
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,

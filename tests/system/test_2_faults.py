@@ -6,6 +6,8 @@ import time
 
 import httpx
 
+from .stackproc import ROOT, free_port
+
 
 def wait_for(pred, timeout=120.0, every=0.3):
     deadline = time.monotonic() + timeout
@@ -20,6 +22,59 @@ def gateway_metric(stack, name: str) -> float:
     text = httpx.get(stack.base + "/metrics", timeout=10).text
     return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")
                or l.startswith(name + "{"))
+
+
+def test_second_gateway_fails_over_from_dead_endpoints(stack):
+    """Several endpoints per engine: a refused connection moves on to the next one."""
+    import subprocess
+    import sys
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1", "--port", str(port),
+            "--und-url", f"{dead},http://127.0.0.1:{stack.und_port}",
+            "--gen-url", f"{dead},http://127.0.0.1:{stack.gen_port}", "--default-size", "64x64"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": stack.token}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: _up(base + "/v1/models"), 60)
+        for _ in range(3):
+            r = httpx.post(base + "/v1/images/generations", timeout=60,
+                           json={"prompt": "x", "num_inference_steps": 1})
+            assert r.status_code == 200, r.text
+            r = httpx.post(base + "/v1/chat/completions", timeout=60,
+                           json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        h = httpx.get(base + "/health", timeout=10)
+        assert h.status_code == 503     # one configured endpoint of each engine is down
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_gateway_with_a_wrong_internal_token_gets_a_clear_5xx(stack):
+    import subprocess
+    import sys
+    port = free_port()
+    argv = [sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1", "--port", str(port),
+            "--und-url", f"http://127.0.0.1:{stack.und_port}", "--gen-url", f"http://127.0.0.1:{stack.gen_port}"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": "wrong"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: _up(base + "/v1/models"), 60)
+        r = httpx.post(base + "/v1/images/generations", timeout=60, json={"prompt": "x", "size": "64x64"})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "internal_auth_failed", r.text
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _up(url):
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_client_disconnect_cancels_and_stack_keeps_serving(stack):
