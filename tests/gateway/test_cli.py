@@ -1,0 +1,72 @@
+"""`u1serve up` placement and the engine command lines it builds (no processes started)."""
+import argparse
+import os
+
+import pytest
+
+from services import cli
+
+
+def up_args(*extra):
+    p = argparse.ArgumentParser()
+    cli.add_stack_flags(p, model_default=None)
+    return p.parse_args(["--model", "/m", *extra])
+
+
+def ctx_for(args):
+    return {"model": "/m", "placement": cli.Placement(args), "pool": "pool", "pool_gb": 1.0,
+            "env": {"U1SERVE_INTERNAL_TOKEN": "t"}, "model_name": "m", "default_size": "64x64"}
+
+
+def test_colocate_shares_gpus_with_memory_fractions():
+    args = up_args("--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
+                   "--gen-cfg-parallel", "2")
+    ctx = ctx_for(args)
+    und, gen = cli.build_und(args, ctx), cli.build_gen(args, ctx)
+    assert und.env["CUDA_VISIBLE_DEVICES"] == gen.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert float(und.env["U1SERVE_GPU_MEMORY_FRACTION"]) + float(gen.env["U1SERVE_GPU_MEMORY_FRACTION"]) <= 0.95
+    assert und.env["U1SERVE_INTERNAL_TOKEN"] == "t"
+
+
+def test_separate_uses_disjoint_gpus():
+    args = up_args("--device", "cuda", "--mode", "separate", "--und-tp", "2", "--gen-cfg-parallel", "2")
+    ctx = ctx_for(args)
+    assert cli.build_und(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert cli.build_gen(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "U1SERVE_GPU_MEMORY_FRACTION" not in cli.build_gen(args, ctx).env
+    with pytest.raises(SystemExit):
+        cli.Placement(up_args("--device", "cuda", "--mode", "separate", "--und-gpus", "0", "--gen-gpus", "0"))
+    with pytest.raises(SystemExit):
+        cli.Placement(up_args("--device", "cuda", "--und-gpus", "0", "--und-tp", "2"))
+
+
+def test_cpu_defaults():
+    args = up_args("--device", "cpu")
+    pl = cli.Placement(args)
+    assert (pl.device, pl.dtype) == ("cpu", "float32")
+    assert cli.build_und(args, ctx_for(args)).env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_built_command_lines_parse_with_the_engines_own_parsers():
+    """The launcher's flags are the engines' flags (catches drift between the two)."""
+    from services.gateway.config import build_arg_parser as gateway_parser
+    from services.generation.server import build_parser as gen_parser
+    from services.understanding.server import build_parser as und_parser
+    args = up_args("--device", "cpu", "--und-args", "--kv-cache-tokens 1024",
+                   "--gen-args", "--max-batch-tokens 2048")
+    ctx = ctx_for(args)
+    for build, parser in ((cli.build_und, und_parser), (cli.build_gen, gen_parser),
+                          (cli.build_gateway, gateway_parser)):
+        spec = build(args, ctx)
+        assert spec.argv[1] == "-m"
+        parsed = parser().parse_args(spec.argv[3:])
+        assert getattr(parsed, "model", "/m") == "/m"
+
+
+def test_tiny_checkpoint_command(tmp_path):
+    cli_main = cli.main
+    with pytest.raises(SystemExit) as e:
+        cli_main(["tiny-checkpoint", str(tmp_path / "cfg"), "--variant", "a3b", "--config-only"])
+    assert e.value.code == 0
+    files = os.listdir(tmp_path / "cfg")
+    assert "config.json" in files and not any(f.endswith(".safetensors") for f in files)
