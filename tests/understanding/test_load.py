@@ -14,9 +14,9 @@ from .conftest import TOKEN
 
 
 async def _chat(client: AsyncOpenAI, i: int, rng: random.Random, cancel_after: int | None):
-    text = "".join(rng.choice("qrstuvwxyz ") for _ in range(rng.randint(1, 200)))
+    text = "".join(rng.choice("qrstuvwxyz ") for _ in range(rng.randint(1, 120)))
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=rng.randint(1, 48),
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=rng.randint(1, 32),
         temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=i, stream=True)
     n, finish = 0, None
     async for chunk in stream:
