@@ -15,9 +15,13 @@ from .conftest import TOKEN
 
 async def _chat(client: AsyncOpenAI, i: int, rng: random.Random, cancel_after: int | None):
     text = "".join(rng.choice("qrstuvwxyz ") for _ in range(rng.randint(1, 120)))
+    # a request to be cancelled runs long (no EOS) and sends a chunk per token, so it is surely mid-stream
+    extra = {"ignore_eos": True, "return_token_ids": True} if cancel_after is not None else {}
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=rng.randint(1, 32),
-        temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=i, stream=True)
+        model="tiny", messages=[{"role": "user", "content": text}],
+        max_tokens=32 if cancel_after is not None else rng.randint(1, 32),
+        temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=i, stream=True,
+        extra_body=extra)
     n, finish = 0, None
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].finish_reason:
