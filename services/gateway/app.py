@@ -388,8 +388,13 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                     yield sse(c)
             except APIError as err:
                 yield sse({"type": "error", "status": err.status, "error": err.body()["error"]})
+            except Exception as exc:  # a bug, but the client still gets a well-formed end
+                log.exception("image stream failed")
+                err = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+                yield sse({"type": "error", "status": 500, "error": err.body()["error"]})
             finally:
-                await events.aclose()
+                with anyio.CancelScope(shield=True):
+                    await events.aclose()
             yield sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
