@@ -13,6 +13,7 @@ import time
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from services.model import prompts as PR
 from services.model import sampler as S
@@ -111,21 +112,28 @@ class ImagePrefixService:
             raise unavailable(str(e)) from None
         run = self._run(rid, queues, handles, time.monotonic(), think)
         if stream:
+            state = {"complete": False}
+
             async def events():
-                given, complete = None, False
                 try:
                     async for ev in run:
                         if ev["type"] == "handles":
-                            given = ev["handles"]
+                            # from here on the client may hold the handles: never free them under it (a
+                            # client that vanishes now leaks them only until their lease expires)
+                            state["complete"] = True
                         yield _sse(ev)
                     yield _sse("[DONE]")
-                    complete = True
                 finally:
                     await run.aclose()
-                    if given and not complete:   # the client left before the stream ended: free the pages
-                        from shm_transfer import KVHandle
-                        self._release_all({b: KVHandle.from_dict(h) for b, h in given.items()})
-            return StreamingResponse(events(), media_type="text/event-stream")
+
+            async def after():
+                # Runs even when the client left before (or while) the body streamed; a stream that did not
+                # reach [DONE] gives everything back (idempotent with _run's own cleanup).
+                await run.aclose()
+                if not state["complete"]:
+                    self._abandon(rid, list(queues), handles)
+
+            return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(after))
         async def consume():
             try:
                 async for ev in run:
@@ -166,6 +174,16 @@ class ImagePrefixService:
                 self.svc.pool.release(h)
             except Exception:
                 pass
+
+    def _abandon(self, rid, branches, handles) -> None:
+        """Abort every branch and free every page allocated for the request (same handle ids cover any
+        trimmed final handle)."""
+        client = self.svc.client
+        for b in branches:
+            client.abort(f"{rid}:{b}")
+            client.done(f"{rid}:{b}")
+        self._release_all(handles)
+        self.active.pop(rid, None)
 
     def _cleanup(self, rid, handles, done: dict) -> None:
         """Release every page of a request that will not hand its handles out (error / abort)."""
