@@ -20,6 +20,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from services.model import images as IM
 from services.model import prompts as PR
@@ -297,7 +298,8 @@ def create_app(args) -> FastAPI:
                     await gen.aclose()
                 yield sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            # aclose also runs when the client left before the body started (frees the engine request)
+            return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(gen.aclose))
 
         async def collect():
             reasoning, content, ids, final = [], [], [], None
