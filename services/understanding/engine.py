@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 import traceback
 from dataclasses import dataclass
 

@@ -29,7 +29,7 @@ from services.model.loader import model_fingerprint
 from services.model.tokenizer import NeoTokenizer
 
 from .api_errors import APIError, bad_request, unavailable
-from .detokenizer import IncrementalDetokenizer, OutputText
+from .detokenizer import OutputText
 from .engine import EngineConfig
 from .engine_client import EngineClient, EngineDead
 from .http_util import until_disconnect as _until_disconnect
