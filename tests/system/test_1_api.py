@@ -198,3 +198,16 @@ def test_chat_modalities_image_stream(openai_client):
     assert reasoning
     assert len(images) == 1 and images[0]["image_url"]["url"].startswith("data:image/png;base64,")
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sdk_streaming_images(openai_client):
+    events = list(openai_client.images.generate(model="m", prompt="a kite", size="64x64", stream=True,
+                                                extra_body={"num_inference_steps": 3, "seed": 2}))
+    kinds = [e.type for e in events]
+    assert kinds.count("image_generation.progress") == 3
+    assert kinds[-1] == "image_generation.completed"
+    assert decode(events[-1].b64_json).size == (64, 64)
+    edit_events = list(openai_client.images.edit(
+        model="m", prompt="x", image=[("a.png", png_bytes(64, 64), "image/png")], stream=True,
+        extra_body={"num_inference_steps": 2}))
+    assert [e.type for e in edit_events][-1] == "image_edit.completed"
