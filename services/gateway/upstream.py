@@ -63,19 +63,30 @@ class EndpointPool:
 
 async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict,
                       hdrs: dict[str, str], timeout: httpx.Timeout) -> tuple[Endpoint, httpx.Response]:
-    """POST to the least busy endpoint and return its streaming response. A refused connection
-    (nothing was delivered) moves on to the next endpoint; when all refuse: 503."""
+    """POST to the least busy endpoint and return its streaming response (headers read).
+
+    A refused connection moves on to the next endpoint. A connection that breaks before the
+    response head (typically a pooled keep-alive connection to a process that has since died or
+    restarted) is retried once on a fresh connection, then counts as down. All down: a 503."""
     tried: set[str] = set()
     while True:
         ep = pool.pick(exclude=tried)
-        try:
-            req = http.build_request("POST", ep.url + path, json=body, headers=hdrs, timeout=timeout)
-            return ep, await http.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            pool.down(ep)
-            tried.add(ep.url)
-            if len(tried) >= len(pool.endpoints):
-                raise connection_error(pool.service, ep.url, exc) from None
+        for attempt in (1, 2):
+            try:
+                req = http.build_request("POST", ep.url + path, json=body, headers=hdrs,
+                                         timeout=timeout)
+                return ep, await http.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last = exc
+                break
+            except httpx.TransportError as exc:
+                last = exc
+                if attempt == 2:
+                    break
+        pool.down(ep)
+        tried.add(ep.url)
+        if len(tried) >= len(pool.endpoints):
+            raise connection_error(pool.service, ep.url, last) from None
 
 
 def headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:

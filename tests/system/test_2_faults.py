@@ -136,3 +136,23 @@ def test_kill_generation_mid_request_then_restart(stack):
     r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
                    json={"prompt": "after restart", "size": "64x64", "num_inference_steps": 2})
     assert r.status_code == 200, r.text
+
+
+def test_kill_understanding_then_restart_and_generation_reattaches(stack):
+    """The KV pool's owner dies: image requests fail fast with 503, and after the launcher restarts it
+    (a new pool under the same name) generation re-attaches and images work again."""
+    und_pid = stack.service_pids()["und"]
+    os.killpg(und_pid, signal.SIGKILL)
+    r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
+                   json={"prompt": "while down", "size": "64x64", "num_inference_steps": 1})
+    assert r.status_code in (200, 503), r.text     # 200 only if the restart already won the race
+    assert wait_for(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
+        stack.output()
+    stack.pids = stack.service_pids()
+    assert stack.pids["und"] != und_pid
+    r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
+                   json={"prompt": "after und restart", "size": "64x64", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    r = httpx.post(stack.base + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
