@@ -122,3 +122,23 @@ def test_internal_endpoints_need_the_token(server):
     r = httpx.post(server.url + "/internal/image_prefix", json={"request_id": "x", "kind": "t2i", "prompt": "p"})
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "unauthorized"
+
+
+def test_internal_abort_stops_a_prefix_and_frees_its_pages(server):
+    body = {"request_id": "abort-me", "kind": "t2i", "prompt": "endless thoughts", "cfg_scale": 4.0,
+            "think": True, "max_think_tokens": 500, "stream": True}
+    events = []
+    with httpx.stream("POST", server.url + "/internal/image_prefix", json=body, headers=H, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 1:
+                a = _post(server, "/internal/abort", {"request_id": "abort-me"})
+                assert a.status_code == 200 and a.json()["aborted"] >= 1
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert err["type"] == "error" and err["error"]["code"] == "abort", events[-3:]
+    assert server.wait_idle()["shm_pages_used"] == 0
