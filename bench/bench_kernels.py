@@ -105,15 +105,19 @@ def bench(fn, rep=100, graph=True):
 # ---------------------------------------------------------------- inputs
 
 
-def prefill_inputs(lens, starts, images, hq=HQ, hkv=HKV, d=D, dtype=DT, gen=None):
-    """Packed q, shuffled token pool, metadata. images: per seq list of absolute (a, e) spans."""
+def prefill_inputs(lens, starts, images, hq=HQ, hkv=HKV, d=D, dtype=DT, gen=None, contiguous=False):
+    """Packed q, token pool, metadata. images: per seq list of absolute (a, e) spans.
+    contiguous=False: slots are a random permutation of the pool (every key row is a gather);
+    True: each sequence owns one run of slots (a fresh prefill from the allocator's free run);
+    "mixed": even sequences contiguous, odd ones shuffled."""
     totals = [s + n for s, n in zip(starts, lens)]
     S = sum(totals) + 64
     perm = torch.randperm(S, device=DEV, generator=gen)
     r2t = torch.zeros(len(lens), max(totals), dtype=torch.int32, device=DEV)
     used = 0
     for b, L in enumerate(totals):
-        r2t[b, :L] = perm[used:used + L].int()
+        run = contiguous is True or (contiguous == "mixed" and b % 2 == 0)
+        r2t[b, :L] = (torch.arange(used + 7, used + 7 + L, device=DEV) if run else perm[used:used + L]).int()
         used += L
     kp = torch.randn(S, hkv, d, device=DEV, dtype=dtype, generator=gen)
     vp = torch.randn(S, hkv, d, device=DEV, dtype=dtype, generator=gen)
@@ -164,17 +168,32 @@ def check_correctness():
             lens, starts = [sz(1000), 37, sz(513), 1, sz(2000)], [0, sz(100), sz(300), 5, 0]
             images = [[(10, sz(400)), (sz(600), sz(999))], [], [(sz(290), sz(700))], [(5, 6)],
                       [(sz(1900), sz(2000))]]
-            inp = prefill_inputs(lens, starts, images, hq, hkv, d, dtype, gen)
+            inp = prefill_inputs(lens, starts, images, hq, hkv, d, dtype, gen, contiguous="mixed")
             sc = 1 / math.sqrt(d)
             ref = pre.prefill_attention_ref(**inp, scale=sc)
-            out = pre.prefill_attention_triton(**inp, scale=sc, out=torch.full_like(inp["q"], float("nan")))
-            e1 = rel(out, ref)
-            inp["image_end"] = None
-            ref2 = pre.prefill_attention_ref(**inp, scale=sc)
-            e2 = rel(pre.prefill_attention_triton(**inp, scale=sc), ref2)
-            good = e1 < tol[dtype] and e2 < tol[dtype] and not out.isnan().any()
-            ok &= good
-            say(f"prefill {dtype} H{hq}/{hkv} D{d}: hybrid {e1:.2e} text-only {e2:.2e} {'OK' if good else 'FAIL'}")
+            inp_t = dict(inp, image_end=None)
+            ref2 = pre.prefill_attention_ref(**inp_t, scale=sc)
+            cfg0 = pre.default_prefill_config(d, dtype, torch.device(DEV))
+            for mode in ((0, 2) if d == 128 else (cfg0[4],)):
+                cfg = tuple(cfg0[:4]) + (mode, False)
+                out = pre.prefill_attention_triton(**inp, scale=sc, config=cfg,
+                                                   out=torch.full_like(inp["q"], float("nan")))
+                e1 = rel(out, ref)
+                e2 = rel(pre.prefill_attention_triton(**inp_t, scale=sc, config=cfg), ref2)
+                good = e1 < tol[dtype] and e2 < tol[dtype] and not out.isnan().any()
+                ok &= good
+                say(f"prefill {dtype} H{hq}/{hkv} D{d} kv_mode {mode}: hybrid {e1:.2e} text-only {e2:.2e} "
+                    f"{'OK' if good else 'FAIL'}")
+            if dtype != torch.float32 and d == 128:
+                inp_c = prefill_inputs(lens, [0] * len(lens), [[]] * len(lens), hq, hkv, d, dtype, gen,
+                                       contiguous=True)
+                inp_c["image_end"] = None
+                o = pre.prefill_attention_text_sdpa(**{k: v for k, v in inp_c.items() if k != "image_end"},
+                                                    scale=sc)
+                e3 = rel(o, pre.prefill_attention_ref(**inp_c, scale=sc)) if o is not None else float("nan")
+                good = e3 < tol[dtype]
+                ok &= good
+                say(f"prefill text-only SDPA path {dtype}: {e3:.2e} {'OK' if good else 'FAIL'}")
     for dtype in (torch.bfloat16,):
         # denoise: two requests, prefix 9 and 365, 1024 and 4096 image tokens
         n1, n2 = sz(1024), sz(4096)
@@ -247,7 +266,7 @@ def check_correctness():
 # ---------------------------------------------------------------- prefill
 
 
-def sdpa_causal_floor(inp, with_mask=False):
+def sdpa_causal_floor(inp, with_mask=False, rep=50):
     """Best torch SDPA backend, one call per sequence, K/V expanded to Hq heads, graph-timed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -277,11 +296,11 @@ def sdpa_causal_floor(inp, with_mask=False):
 
     best = None
     backends = [SDPBackend.EFFICIENT_ATTENTION] if with_mask else \
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     for be in backends:
         try:
             with sdpa_kernel([be]):
-                t, _ = bench(run, rep=50)
+                t, _ = bench(run, rep=rep)
         except Exception as e:
             say(f"  sdpa {be.name}: {type(e).__name__} {str(e)[:60]}")
             continue
@@ -294,71 +313,106 @@ def causal_flops(lens):
     return sum(4 * HQ * D * L * (L + 1) / 2 for L in lens)
 
 
+PREFILL_CFGS = [  # (BLOCK_M, BLOCK_N, warps, stages, kv_mode, warp_specialize)
+    (128, 32, 4, 4, 0, False),  # the previous default (gather)
+    (128, 32, 4, 4, 1, False), (128, 64, 4, 3, 1, False),
+    (128, 32, 4, 4, 2, False), (128, 64, 4, 3, 2, False), (128, 64, 4, 4, 2, False), (128, 64, 8, 3, 2, False),
+    (128, 128, 8, 2, 2, False), (128, 128, 8, 3, 2, False),
+]
+
+
+def prefill_cfg_correct(cfg, gen):
+    """bf16 hybrid + text-only check of one config (mixed contiguous/shuffled pool, prefix offsets)."""
+    lens, starts = [sz(1000), 37, sz(513), 1, sz(2000)], [0, sz(100), sz(300), 5, 0]
+    images = [[(10, sz(400)), (sz(600), sz(999))], [], [(sz(290), sz(700))], [(5, 6)], [(sz(1900), sz(2000))]]
+    inp = prefill_inputs(lens, starts, images, gen=gen, contiguous="mixed")
+    errs = []
+    for ie in (inp["image_end"], None):
+        x = dict(inp, image_end=ie)
+        ref = pre.prefill_attention_ref(**x, scale=D ** -0.5)
+        out = pre.prefill_attention_triton(**x, scale=D ** -0.5, config=cfg, out=torch.full_like(x["q"], float("nan")))
+        errs.append(rel(out, ref))
+    return max(errs) < 1e-2, errs
+
+
 def prefill_sweep(gen):
-    say("\n## Prefill config sweep (bf16, 8B geometry)")
-    cfgs = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-            (64, 128, 4, 3), (128, 128, 8, 3), (64, 32, 4, 4), (128, 64, 8, 2), (128, 32, 8, 3)]
+    say("\n## Prefill config sweep (bf16, 8B geometry, contiguous pool; hybrid mask)")
     res = {}
     for (batch, max_len, n_img) in ((16, 8192, 246), (128, 4096, 2057)):
         batch, max_len, n_img = sz(batch, 16), sz(max_len), sz(n_img)
         lens, images = seed_row_inputs(batch, max_len, n_img, torch.Generator().manual_seed(batch))
-        inp = prefill_inputs(lens, [0] * batch, images, gen=gen)
+        inp = prefill_inputs(lens, [0] * batch, images, gen=gen, contiguous=True)
         mq = max(lens)
-        for cfg in cfgs:
+        for cfg in PREFILL_CFGS:
+            if cfg in res and len(res[cfg]) == 0:
+                continue  # failed on the first row
             try:
                 t, _ = bench(lambda: pre.prefill_attention_triton(**inp, scale=D ** -0.5, max_seqlen_q=mq,
-                                                                  config=cfg), rep=50)
+                                                                  config=cfg), rep=40)
             except Exception as e:
-                say(f"  cfg {cfg}: {type(e).__name__} {str(e)[:80]}")
+                say(f"  cfg {cfg}: {type(e).__name__} {str(e)[:120]}")
+                res[cfg] = []
                 continue
             res.setdefault(cfg, []).append(t)
             say(f"  B{batch} L{max_len} cfg {cfg}: {t:.3f} ms")
-    best = min(res, key=lambda c: sum(res[c]) if len(res[c]) == 2 else 1e9)
-    say(f"best prefill config: {best}")
+        del inp
+    ranked = sorted((c for c in res if len(res[c]) == 2), key=lambda c: sum(res[c]))
     RESULTS["prefill_sweep"] = {str(k): v for k, v in res.items()}
-    return best
+    for cfg in ranked[:3]:
+        good, errs = prefill_cfg_correct(cfg, gen)
+        say(f"  check {cfg}: hybrid {errs[0]:.2e} text-only {errs[1]:.2e} {'OK' if good else 'FAIL'}")
+        if good:
+            say(f"best prefill config: {cfg}")
+            RESULTS["prefill_best_cfg"] = str(cfg)
+            return cfg
+    return None
+
+
+PREFILL_TABLE_ROWS = [(8, 4096), (8, 8192), (32, 4096), (32, 8192), (128, 4096), (128, 8192), (8, 65536)]
 
 
 def prefill_table(gen, cfg, max_rows):
-    say("\n## Hybrid-mask prefill (bf16, 32 q / 8 kv heads, head_dim 128; ms, median)")
-    hdr = ("| batch | max_seq_len | image tokens | tokens | ours hybrid | ours text-only | SDPA causal floor "
-           "(backend) | dense-mask SDPA | ours / floor | ours TFLOP/s | seed triton | seed FA3 |")
-    rows = [hdr, "|" + "---:|" * 12]
+    say(f"\n## Hybrid-mask prefill (bf16, 32 q / 8 kv heads, head_dim 128; ms, median) cfg {cfg}")
+    hdr = ("| batch | max_seq_len | image tokens | tokens | ours hybrid (contig pool) | ours text-only (contig) | "
+           "ours hybrid (shuffled pool) | text-only dispatch (SDPA path) | SDPA causal floor (backend) | "
+           "ours / floor | ours TFLOP/s | seed triton | seed FA3 |")
+    rows = [hdr, "|" + "---:|" * 13]
     out = []
-    by_index = {}
-    t_start = time.time()
-    # short rows first; the 65536 rows last and only while the time budget lasts
-    for i in sorted(range(len(SEED_ROWS)), key=lambda j: (SEED_ROWS[j][1], SEED_ROWS[j][0])):
-        batch, max_len, n_img, s_tri, s_fa3 = SEED_ROWS[i]
-        over = time.time() - t_start > 150
-        if max_len == 65536 and (batch > 16 or over) or i >= max_rows or (SMOKE and max_len == 65536):
-            by_index[i] = (f"| {batch} | {max_len} | {n_img} | skipped (device-time budget) | | | | | | | "
-                           f"{s_tri} | {s_fa3} |")
+    by_row = {(b, l): (n, tr, fa) for b, l, n, tr, fa in SEED_ROWS}
+    for i, (batch0, max_len0) in enumerate(PREFILL_TABLE_ROWS[:max_rows]):
+        n_img0, s_tri, s_fa3 = by_row[(batch0, max_len0)]
+        if SMOKE and max_len0 == 65536:
             continue
-        batch, max_len, n_img = sz(batch, 16), sz(max_len), sz(n_img)
+        batch, max_len, n_img = sz(batch0, 16), sz(max_len0), sz(n_img0)
         lens, images = seed_row_inputs(batch, max_len, n_img, torch.Generator().manual_seed(1000 + i))
-        inp = prefill_inputs(lens, [0] * batch, images, gen=gen)
+        inp = prefill_inputs(lens, [0] * batch, images, gen=gen, contiguous=True)
         mq = max(lens)
+        rep = 60 if max_len <= 8192 else 200
         t_h, _ = bench(lambda: pre.prefill_attention_triton(**inp, scale=D ** -0.5, max_seqlen_q=mq, config=cfg),
-                       rep=60)
+                       rep=rep)
         inp_t = dict(inp, image_end=None)
         t_c, _ = bench(lambda: pre.prefill_attention_triton(**inp_t, scale=D ** -0.5, max_seqlen_q=mq,
-                                                            config=cfg), rep=60)
-        floor = sdpa_causal_floor(inp) or (float("nan"), "none")
-        dense = sdpa_causal_floor(inp, with_mask=True) if max_len <= 8192 and batch <= 32 else None
+                                                            config=cfg), rep=rep)
+        # the dispatch as a caller without max_seqlen_q sees it: host metadata read + SDPA per sequence
+        t_d, _ = bench(lambda: pre.prefill_attention(**inp_t, scale=D ** -0.5), rep=rep, graph=False)
+        floor = sdpa_causal_floor(inp, rep=rep) or (float("nan"), "none")
+        perm = torch.randperm(inp["k_pool"].shape[0], device=DEV, generator=gen).int()
+        inp_s = dict(inp, req_to_token=perm[inp["req_to_token"].long()])
+        t_s, _ = bench(lambda: pre.prefill_attention_triton(**inp_s, scale=D ** -0.5, max_seqlen_q=mq,
+                                                            config=cfg), rep=rep)
         tf = causal_flops(lens) / (t_h * 1e-3) / 1e12
-        ratio = t_h / floor[0] if floor else float("nan")
+        ratio = t_h / floor[0]
         r = dict(batch=batch, max_len=max_len, n_img=n_img, tokens=sum(lens), ours=t_h, ours_text=t_c,
-                 floor=floor, dense=dense, ratio=ratio, tflops=tf)
+                 ours_shuffled=t_s, dispatch_text=t_d, floor=floor, ratio=ratio, tflops=tf)
         out.append(r)
-        dense_s = f"{dense[0]:.2f}" if dense else "skipped"
-        by_index[i] = (f"| {batch} | {max_len} | {n_img} | {sum(lens)} | {t_h:.2f} | {t_c:.2f} | "
-                       f"{floor[0]:.2f} ({floor[1]}) | {dense_s} | {ratio:.2f}x | {tf:.0f} | {s_tri} | {s_fa3} |")
-        say(by_index[i])
-        del inp, inp_t
+        row = (f"| {batch} | {max_len} | {n_img} | {sum(lens)} | {t_h:.2f} | {t_c:.2f} | {t_s:.2f} | {t_d:.2f} | "
+               f"{floor[0]:.2f} ({floor[1]}) | {ratio:.2f}x | {tf:.0f} | {s_tri} | {s_fa3} |")
+        rows.append(row)
+        say(row)
+        del inp, inp_t, inp_s
         torch.cuda.empty_cache()
     RESULTS["prefill"] = out
-    return rows + [by_index[i] for i in sorted(by_index)]
+    return rows
 
 
 # ---------------------------------------------------------------- denoise
@@ -475,7 +529,7 @@ def norm_rope_table(gen, peak, sweep):
         ws = [(torch.rand(D // 2, device=DEV, generator=gen) + 0.5).to(DT) for _ in range(4)]
         pos = torch.randint(0, 4000, (3, T), device=DEV, generator=gen)
         nbytes = 2 * (q.numel() + k.numel()) * 2 + pos.numel() * 8
-        variants = [(1, 4)] + ([(4, 4), (2, 4), (8, 8), (4, 8), (16, 8)] if sweep else [])
+        variants = [(1, 4)] + ([(2, 4), (4, 4), (1, 8), (4, 8), (8, 8), (1, 2), (2, 2)] if sweep else [])
         best = None
         for bt, nw in variants:
             t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=bt, num_warps=nw),
@@ -566,7 +620,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
-    ap.add_argument("--max-rows", type=int, default=len(SEED_ROWS))
+    ap.add_argument("--max-rows", type=int, default=len(PREFILL_TABLE_ROWS))
     ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,denoise,decode,norm,kv")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -590,12 +644,14 @@ def main():
     guarded(check_correctness)
     peak = guarded(copy_bandwidth) or 4.3
     cfg = pre.default_prefill_config(D, DT, torch.device(DEV))
-    if args.sweep and "prefill" not in skip:
-        cfg = guarded(prefill_sweep, gen) or cfg
-    plan = [("prefill", lambda: prefill_table(gen, cfg, args.max_rows)),
+
+    def prefill_section():
+        c = (guarded(prefill_sweep, gen) if args.sweep else None) or cfg
+        return prefill_table(gen, c, args.max_rows)
+    plan = [("norm", lambda: norm_rope_table(gen, peak, args.sweep)),  # quick: first
+            ("prefill", prefill_section),
             ("denoise", lambda: denoise_table(gen, args.sweep)),
             ("decode", lambda: decode_table(gen, peak, args.sweep)),
-            ("norm", lambda: norm_rope_table(gen, peak, args.sweep)),
             ("kv", lambda: kv_copy_table(gen))]
     for name, fn in plan:
         if name not in skip:

@@ -239,7 +239,7 @@ def main():
     ref = reference_numbers(engine.model, tok_, args, rng)
     bound_ms, bw_tbs = hbm_bound_ms(engine.model, args)
 
-    res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+    res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine()),
            "torch": torch.__version__, "dtype": args.dtype, "variant": "tiny" if args.tiny else args.variant,
            "date": time.strftime("%Y-%m-%d"), "cuda_graphs": engine.runner.graphs is not None,
            "prompt_len": args.prompt_len, "decode": decode, "reference": ref,

@@ -45,11 +45,10 @@ class ModelRunner:
                 log.exception("CUDA graph capture failed; decoding eagerly")
                 self.graphs = None
 
-    def apply_table_writes(self, writes) -> None:
-        for row, start, slots in writes:
-            n = int(slots.numel())
-            if n:
-                self.req_to_token[row, start:start + n] = slots.to(self.device, torch.int32, non_blocking=True)
+    def apply_table_writes(self, plan: StepPlan) -> None:
+        if plan.tw_rows is not None and plan.tw_rows.numel():
+            dev = self.device
+            self.req_to_token[plan.tw_rows.to(dev), plan.tw_cols.to(dev)] = plan.tw_vals.to(dev, torch.int32)
 
     def core(self, input_ids, positions, images, out_slots, n_p: int, p_meta, d_meta, logit_rows):
         """The forward on device tensors. d_meta["rows"] is gathered from the table here (graph-safe)."""
@@ -83,7 +82,7 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the step; returns fp32 logits for plan.logit_rows (or None when no row needs them)."""
-        self.apply_table_writes(plan.table_writes)
+        self.apply_table_writes(plan)
         if self.graphs is not None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         dev = self.device

@@ -1,4 +1,8 @@
-"""Engine-side state of one request: its tokens, cache keys, positions and KV slots."""
+"""Engine-side state of one request: its tokens, cache keys, positions and KV slots.
+
+Only the prompt's (t, h, w) positions and image_end are stored; every later token (decode, think, think
+tail) sits at t = base_t + (index - prompt_len), h = w = 0, image_end = 0, so nothing grows per token.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +16,7 @@ from .radix_cache import image_digest, image_keys
 
 
 class Req:
-    def __init__(self, msg: SubmitRequest, img_context_id: int, arrival: int, device="cpu"):
+    def __init__(self, msg: SubmitRequest, img_context_id: int, arrival: int):
         self.msg = msg
         self.rid = msg.rid
         self.kind = msg.kind
@@ -22,18 +26,15 @@ class Req:
         self.prompt_len = len(ids)
         grids = [tuple(im.grid_hw) for im in msg.images]
         ids_t = torch.tensor(ids, dtype=torch.long)
-        pos = P.thw_indexes(ids_t, img_context_id, grids)
-        iend = P.image_end(ids_t, img_context_id)
+        self.prompt_pos = P.thw_indexes(ids_t, img_context_id, grids)       # [3, P]
+        self.prompt_iend = P.image_end(ids_t, img_context_id)               # [P] int32
+        self.prompt_t = self.prompt_pos[0].tolist()
+        self.base_t = max(self.prompt_t) + 1 if ids else 0                  # t of the first appended token
         if msg.kind == "text":
             extra = msg.params.max_tokens + 1
         else:
             extra = (msg.max_think_tokens + 1 if msg.think else 0) + len(msg.think_tail_ids) + 1
         cap = len(ids) + extra
-        self.positions = torch.zeros(3, cap, dtype=torch.long)
-        self.positions[:, :len(ids)] = pos
-        self.image_end = torch.zeros(cap, dtype=torch.int32)
-        self.image_end[:len(ids)] = iend
-        self.next_t = int(pos[0].max()) + 1 if len(ids) else 0
         # Cache keys: token ids, with image-context tokens replaced by content-hash keys.
         self.keys = list(ids)
         self.spans: list[tuple[int, int, int]] = []  # (start, end, image index)
@@ -54,8 +55,6 @@ class Req:
         self.admitted_once = False
         self.think_done = not msg.think
         self.finished: Optional[str] = None
-        self.error: Optional[str] = None
-        self.error_code: Optional[str] = None
         self.new_ids: list[int] = []            # produced this step, not yet reported
         self.generator = None
         if msg.kind == "prefix" and msg.think and msg.max_think_tokens <= 0:
@@ -67,16 +66,38 @@ class Req:
     def pending(self) -> int:
         return len(self.tokens) - self.num_computed
 
+    @property
+    def next_t(self) -> int:
+        """t of the next token to append (= max t + 1 of everything known so far)."""
+        return self.base_t + len(self.tokens) - self.prompt_len
+
     def append_tokens(self, ids: list[int]) -> None:
-        """Append fed tokens (decode / think tail): t counts up, h = w = 0, causal rows."""
-        n0 = len(self.tokens)
-        n = len(ids)
-        self.positions[0, n0:n0 + n] = torch.arange(self.next_t, self.next_t + n)
-        self.positions[1:, n0:n0 + n] = 0
-        self.image_end[n0:n0 + n] = 0
-        self.next_t += n
+        """Append fed tokens (decode / think / think tail): causal rows at consecutive t."""
         self.tokens.extend(ids)
         self.keys.extend(ids)
+
+    def t_at(self, i: int) -> int:
+        return self.prompt_t[i] if i < self.prompt_len else self.base_t + i - self.prompt_len
+
+    def is_image_row(self, i: int) -> bool:
+        return i < self.prompt_len and int(self.prompt_iend[i]) > 0
+
+    def positions(self, s: int, e: int) -> torch.Tensor:
+        """[3, e - s] positions of tokens [s, e)."""
+        P_ = self.prompt_len
+        if e <= P_:
+            return self.prompt_pos[:, s:e]
+        tail_from = max(s, P_)
+        t = torch.arange(self.base_t + tail_from - P_, self.base_t + e - P_)
+        tail = torch.stack([t, torch.zeros_like(t), torch.zeros_like(t)])
+        return tail if s >= P_ else torch.cat([self.prompt_pos[:, s:P_], tail], dim=1)
+
+    def image_end(self, s: int, e: int) -> torch.Tensor:
+        P_ = self.prompt_len
+        if e <= P_:
+            return self.prompt_iend[s:e]
+        tail = torch.zeros(e - max(s, P_), dtype=torch.int32)
+        return tail if s >= P_ else torch.cat([self.prompt_iend[s:P_], tail])
 
     def chunk_end(self, budget: int) -> int:
         """End of the next chunk of at most `budget` tokens that never splits an image span (a span that

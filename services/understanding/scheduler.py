@@ -87,7 +87,10 @@ class Scheduler:
             self.cache.unlock(req.node)
         req.node, req.cached_len, req.num_computed, req.prompt_cached = None, 0, 0, False
         if req.table_row is not None:
-            self.free_rows.append(req.table_row)
+            row = req.table_row
+            # pending writes of this row must not land after its next owner's writes
+            self._table_writes = [w for w in self._table_writes if w[0] != row]
+            self.free_rows.append(row)
             req.table_row = None
 
     def _cache_prompt(self, req: Req) -> None:
@@ -174,7 +177,7 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------------
     def _is_decode(self, req: Req) -> bool:
-        return req.pending == 1 and int(req.image_end[req.num_computed]) == 0
+        return req.pending == 1 and not req.is_image_row(req.num_computed)
 
     def schedule(self) -> Optional[tuple[StepPlan, list]]:
         """Returns (plan, entries) or None when there is nothing to run. entries: (req, start, end)."""
@@ -229,9 +232,10 @@ class Scheduler:
             return None
         for r, start, end in entries:
             self._assign_slots(r, start, end)
-        for r in decodes:
-            self._assign_slots(r, r.num_computed, r.num_computed + 1)
-        return self._build_plan(entries, decodes)
+        d_slots = self._alloc(len(decodes)) if decodes else _EMPTY
+        for r, slot in zip(decodes, d_slots.tolist()):
+            r.slots[r.num_computed] = slot
+        return self._build_plan(entries, decodes, d_slots)
 
     def _assign_slots(self, r: Req, start: int, end: int) -> None:
         slots = self._alloc(end - start)
@@ -241,35 +245,57 @@ class Scheduler:
     def _needs_logits(self, r: Req) -> bool:
         return r.kind == "text" or not r.think_done
 
-    def _build_plan(self, entries, decodes):
-        all_entries = list(entries) + [(r, r.num_computed, r.num_computed + 1) for r in decodes]
+    def _build_plan(self, entries, decodes, d_slots):
+        """Prefill chunks one by one (few), decode rows in bulk (many: plain lists, one tensor each)."""
         ids, pos, iend, slots, images, logit_rows = [], [], [], [], [], []
         row = 0
-        for r, s, e in all_entries:
+        for r, s, e in entries:
             ids.append(torch.tensor(r.tokens[s:e], dtype=torch.int64))
-            pos.append(r.positions[:, s:e])
-            iend.append(r.image_end[s:e])
+            pos.append(r.positions(s, e))
+            iend.append(r.image_end(s, e))
             slots.append(r.slots[s:e])
             images.extend(r.images_in(s, e))
             row += e - s
             if e == len(r.tokens) and self._needs_logits(r):
                 logit_rows.append(row - 1)
-        n_p = sum(e - s for _, s, e in entries)
-        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
+        n_p = row
+        if decodes:
+            idx = [r.num_computed for r in decodes]
+            ids.append(torch.tensor([r.tokens[i] for r, i in zip(decodes, idx)], dtype=torch.int64))
+            t = torch.tensor([r.t_at(i) for r, i in zip(decodes, idx)], dtype=torch.int64)
+            pos.append(torch.stack([t, torch.zeros_like(t), torch.zeros_like(t)]))
+            iend.append(torch.zeros(len(decodes), dtype=torch.int32))
+            slots.append(d_slots)
+            logit_rows.extend(n_p + k for k, r in enumerate(decodes) if self._needs_logits(r))
+        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         cu = [0]
         for _, s, e in entries:
             cu.append(cu[-1] + e - s)
         exports = []
+        all_entries = list(entries) + [(r, r.num_computed, r.num_computed + 1) for r in decodes]
         for r, s, e in all_entries:
             if r.kind == "prefix" and r.think_done and e == len(r.tokens):
                 exports.append((r.rid, r.slots[:e].clone(), r.msg.handle, r.next_t))
+        # req_to_token updates as flat (row, col, slot) triples: earlier pending writes, then this step's
+        tw_rows, tw_cols, tw_vals = [], [], []
+        for trow, tstart, tslots in self._table_writes:
+            n = int(tslots.numel())
+            tw_rows.append(torch.full((n,), trow, dtype=torch.int64))
+            tw_cols.append(torch.arange(tstart, tstart + n))
+            tw_vals.append(tslots)
+        if decodes:
+            tw_rows.append(i64([r.table_row for r in decodes]))
+            tw_cols.append(i64(idx))
+            tw_vals.append(d_slots)
+        cat = lambda xs: torch.cat(xs) if xs else _EMPTY  # noqa: E731
         plan = StepPlan(
             input_ids=torch.cat(ids), positions=torch.cat(pos, dim=1), image_end=torch.cat(iend),
             images=images, out_slots=torch.cat(slots), num_prefill_rows=n_p,
             p_rows=i64([r.table_row for r, _, _ in entries]), p_start=i64([s for _, s, _ in entries]),
             p_seq_len=i64([e for _, _, e in entries]), p_cu_q=i64(cu),
-            d_rows=i64([r.table_row for r in decodes]), d_seq_len=i64([r.num_computed + 1 for r in decodes]),
-            logit_rows=i64(logit_rows), table_writes=self._table_writes, exports=exports)
+            d_rows=i64([r.table_row for r in decodes]), d_seq_len=i64([i + 1 for i in idx] if decodes else []),
+            logit_rows=i64(logit_rows), tw_rows=cat(tw_rows), tw_cols=cat(tw_cols), tw_vals=cat(tw_vals),
+            exports=exports)
         self._table_writes = []
         return plan, all_entries
 

@@ -23,7 +23,9 @@ class StepPlan:
     d_rows: torch.Tensor               # [Bd]
     d_seq_len: torch.Tensor            # [Bd]
     logit_rows: torch.Tensor           # rows whose logits are needed (last row of sampling requests)
-    table_writes: list = field(default_factory=list)   # (row, start, slots) updates of req_to_token
+    tw_rows: torch.Tensor = None       # req_to_token updates: table[tw_rows, tw_cols] = tw_vals (no duplicates)
+    tw_cols: torch.Tensor = None
+    tw_vals: torch.Tensor = None
     exports: list = field(default_factory=list)        # (rid, slots [n], handle dict, t_offset)
 
     @property
