@@ -207,6 +207,7 @@ class Scheduler:
                 decodes.remove(victim)
         entries = []   # prefill (req, start, end)
         budget = self.chunk_size
+        reserved = len(decodes)   # slots this step will take (allocation happens after selection)
         decoding = {id(r) for r in decodes}
         for r in sorted((r for r in self.running if id(r) not in decoding and r.pending > 0),
                         key=lambda r: r.arrival):
@@ -214,20 +215,22 @@ class Scheduler:
                 break
             end = r.chunk_end(budget)
             n = end - r.num_computed
-            if (n > budget and entries) or n + len(decodes) > self.available():
+            if (n > budget and entries) or n + reserved > self.available():
                 continue
             entries.append((r, r.num_computed, end))
             budget -= n
+            reserved += n
         while self.waiting and budget > 0:
             r = self.waiting[0]
-            if not self._try_admit(r, len(decodes)):
+            if not self._try_admit(r, reserved):
                 break
             end = r.chunk_end(budget)
             n = end - r.num_computed
-            if (n > budget and entries) or n + len(decodes) > self.available():
+            if (n > budget and entries) or n + reserved > self.available():
                 break
             entries.append((r, r.num_computed, end))
             budget -= n
+            reserved += n
         if not entries and not decodes:
             return None
         for r, start, end in entries:

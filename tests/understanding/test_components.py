@@ -157,3 +157,15 @@ def test_failed_step_frees_its_slots_and_fails_only_its_requests():
     outs = sch.take_outputs()
     assert [(o.rid, o.finish_reason, o.error_code) for o in outs] == [("a", "error", "engine_error")]
     assert sch.alloc.num_free == 64 and not sch.has_work
+
+
+def test_many_small_prefills_never_overcommit_the_cache():
+    """Several waiting prompts that each fit alone but not together: the step takes only what fits."""
+    from services.understanding.protocol import SubmitRequest
+    from services.understanding.scheduler import Scheduler
+    sch = Scheduler(100, 8, 100, 0, img_context_id=9999)
+    for i in range(5):
+        sch.add(SubmitRequest(f"p{i}", list(range(i, i + 40)), [], SamplingParams(max_tokens=4)))
+    plan, entries = sch.schedule()
+    assert sum(e - s for _, s, e in entries) <= 100 and len(entries) == 2
+    assert sch.alloc.num_free + sum(e - s for _, s, e in entries) == 100
