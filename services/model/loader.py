@@ -77,15 +77,7 @@ def random_weights_requested() -> bool:
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
                lora: str | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
-               random_weights: bool | None = None, fuse: bool | None = None) -> NeoModel:
-    """`fuse` (default: on CUDA) switches to fused QKV / gate-up GEMMs after the LoRA merge."""
-    model = _load(model_dir, branch, dtype, device, lora, lora_strength, tp, random_weights)
-    if fuse if fuse is not None else torch.device(device).type == "cuda":
-        model.fuse_projections()
-    return model
-
-
-def _load(model_dir, branch, dtype, device, lora, lora_strength, tp, random_weights) -> NeoModel:
+               random_weights: bool | None = None) -> NeoModel:
     cfg = load_config(model_dir)
     if random_weights if random_weights is not None else random_weights_requested():
         from .tiny import build_random_model

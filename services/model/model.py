@@ -72,16 +72,6 @@ class NeoModel(nn.Module):
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
 
-    def fuse_projections(self) -> "NeoModel":
-        """Serving layout: fused QKV and gate/up GEMMs (dense MLPs). Call after loading and LoRA merge."""
-        for layer in self.language_model.model.layers:
-            layer.self_attn.fuse()
-            for sfx in ("", "_mot_gen"):
-                mlp = getattr(layer, "mlp" + sfx, None)
-                if hasattr(mlp, "fuse"):
-                    mlp.fuse()
-        return self
-
     # ------------------------------------------------------------------ shared pieces
     @property
     def dtype(self) -> torch.dtype:

@@ -50,15 +50,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def fuse(self) -> None:
-        """One [2I, H] GEMM for gate and up (serving on GPU); the separate weights are dropped."""
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        del self.gate_proj, self.up_proj
-
     def forward(self, x):
-        if hasattr(self, "gate_up_weight"):
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -109,25 +101,12 @@ class MoTAttention(nn.Module):
             for n in ("q_norm", "q_norm_hw", "k_norm", "k_norm_hw"):
                 setattr(self, n + sfx, RMSNorm(d // 2, llm.rms_norm_eps))
 
-    def fuse(self) -> None:
-        """Concatenate q, k, v rows (order q, k, v) into one GEMM per branch; drop the separate weights."""
-        self.qkv_weight = {}
-        for sfx in [s for s in ("", "_mot_gen") if hasattr(self, "q_proj" + s)]:
-            self.qkv_weight[sfx] = torch.cat([getattr(self, n + sfx).weight for n in ("q_proj", "k_proj", "v_proj")])
-            for n in ("q_proj", "k_proj", "v_proj"):
-                delattr(self, n + sfx)
-
     def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
         T = x.shape[0]
         d = self.head_dim
-        if hasattr(self, "qkv_weight"):
-            nq, nk = self.num_heads * d, self.num_kv_heads * d
-            q, k, v = F.linear(x, self.qkv_weight[sfx]).split([nq, nk, nk], dim=-1)
-            q, k, v = q.view(T, self.num_heads, d), k.view(T, self.num_kv_heads, d), v.view(T, self.num_kv_heads, d)
-        else:
-            q = getattr(self, "q_proj" + sfx)(x).view(T, self.num_heads, d)
-            k = getattr(self, "k_proj" + sfx)(x).view(T, self.num_kv_heads, d)
-            v = getattr(self, "v_proj" + sfx)(x).view(T, self.num_kv_heads, d)
+        q = getattr(self, "q_proj" + sfx)(x).view(T, self.num_heads, d)
+        k = getattr(self, "k_proj" + sfx)(x).view(T, self.num_kv_heads, d)
+        v = getattr(self, "v_proj" + sfx)(x).view(T, self.num_kv_heads, d)
         norm = lambda n: getattr(self, n + sfx)  # noqa: E731
         # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU)
         kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight, norm("k_norm").weight,

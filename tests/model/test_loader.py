@@ -188,19 +188,3 @@ def test_config_only_dir_serves_random_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("U1SERVE_RANDOM_WEIGHTS", "1")
     m = load_model(small, "gen")
     assert m.branch == "gen" and m.fingerprint and all(torch.isfinite(p).all() for p in m.parameters())
-
-
-def test_fused_projections_compute_the_same(tiny_checkpoint):
-    from services.model import reference as R
-    from services.model import sampler as S
-    from services.model.tokenizer import NeoTokenizer
-
-    d = tiny_checkpoint("u1")
-    tok = NeoTokenizer.from_dir(d)
-    plain = load_model(d, "both")
-    fused = load_model(d, "both", fuse=True)
-    assert not any("q_proj" in k or "gate_proj" in k for k, _ in fused.named_parameters())
-    p = S.SamplerParams(num_steps=2)
-    a, _ = R.text_to_image(plain, tok, "a cube", 64, 64, p, seed=0)
-    b, _ = R.text_to_image(fused, tok, "a cube", 64, 64, p, seed=0)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
