@@ -51,6 +51,7 @@ def parse_args():
     p.add_argument("--import-tokens", default="365,4096", help="prefix lengths for the import timing")
     p.add_argument("--cfg-parallel", type=int, default=1)
     p.add_argument("--skip-batching", action="store_true")
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of one single-branch step here")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -126,6 +127,25 @@ def build(args, device, dtype):
     return build_random_model(config, "gen", dtype, device)
 
 
+def profile_step(engine: Engine, spec, out_path: str | None) -> None:
+    """Top CUDA kernels of one denoising step (torch.profiler), to see where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    job, _ = engine.admit(spec)
+    engine.add(job)
+    engine.step()
+    _sync(engine.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        _sync(engine.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(table)
+    engine.drop(job.request_id)
+
+
 def single_device(args, device, dtype) -> dict:
     model = build(args, device, dtype)
     p_cond, p_uncond = (int(x) for x in args.prefix.split(","))
@@ -141,6 +161,9 @@ def single_device(args, device, dtype) -> dict:
         h = publish(pool, {"cond": p_cond, "uncond": p_uncond}, {"cond": p_cond, "uncond": p_uncond})
         t, _ = time_steps(engine, [job_spec("cfg", h, args.size, total)], args.warmup, args.steps)
         out["cfg_step_s"] = statistics.median(t)
+        if args.profile:
+            h = publish(pool, {"cond": p_cond}, {"cond": p_cond})
+            profile_step(engine, job_spec("prof", h, args.size, total, cfg=1.0), args.profile)
         # 2) single-branch step (cond only): the per-forward number
         h = publish(pool, {"cond": p_cond}, {"cond": p_cond})
         t, _ = time_steps(engine, [job_spec("single", h, args.size, total, cfg=1.0)], args.warmup,
