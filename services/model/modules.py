@@ -24,10 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 # ----------------------------------------------------------------------------- 3-D RoPE
@@ -51,7 +48,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoE(nn.Module):
