@@ -374,7 +374,7 @@ PREFILL_TABLE_ROWS = [(8, 4096), (8, 8192), (32, 4096), (32, 8192), (128, 4096),
 def prefill_table(gen, cfg, max_rows):
     say(f"\n## Hybrid-mask prefill (bf16, 32 q / 8 kv heads, head_dim 128; ms, median) cfg {cfg}")
     hdr = ("| batch | max_seq_len | image tokens | tokens | ours hybrid (contig pool) | ours text-only (contig) | "
-           "ours hybrid (shuffled pool) | text-only dispatch (SDPA path) | SDPA causal floor (backend) | "
+           "ours hybrid (shuffled pool) | text-only SDPA path | SDPA causal floor (backend) | "
            "ours / floor | ours TFLOP/s | seed triton | seed FA3 |")
     rows = [hdr, "|" + "---:|" * 13]
     out = []
@@ -393,8 +393,9 @@ def prefill_table(gen, cfg, max_rows):
         inp_t = dict(inp, image_end=None)
         t_c, _ = bench(lambda: pre.prefill_attention_triton(**inp_t, scale=D ** -0.5, max_seqlen_q=mq,
                                                             config=cfg), rep=rep)
-        # the dispatch as a caller without max_seqlen_q sees it: host metadata read + SDPA per sequence
-        t_d, _ = bench(lambda: pre.prefill_attention(**inp_t, scale=D ** -0.5), rep=rep, graph=False)
+        # the text-only SDPA path (host metadata read + SDPA per sequence), as the dispatch runs it
+        t_d, _ = bench(lambda: pre.prefill_attention_text_sdpa(**{k: v for k, v in inp_t.items() if k != "image_end"},
+                                                               scale=D ** -0.5), rep=rep, graph=False)
         floor = sdpa_causal_floor(inp, rep=rep) or (float("nan"), "none")
         perm = torch.randperm(inp["k_pool"].shape[0], device=DEV, generator=gen).int()
         inp_s = dict(inp, req_to_token=perm[inp["req_to_token"].long()])
@@ -529,15 +530,17 @@ def norm_rope_table(gen, peak, sweep):
         ws = [(torch.rand(D // 2, device=DEV, generator=gen) + 0.5).to(DT) for _ in range(4)]
         pos = torch.randint(0, 4000, (3, T), device=DEV, generator=gen)
         nbytes = 2 * (q.numel() + k.numel()) * 2 + pos.numel() * 8
-        variants = [(1, 4)] + ([(2, 4), (4, 4), (1, 8), (4, 8), (8, 8), (1, 2), (2, 2)] if sweep else [])
+        # (tokens per program, warps, heads per step)
+        variants = [(1, 4, 8)] + ([(1, 4, 16), (2, 4, 8), (1, 8, 16), (1, 8, 32), (1, 2, 8), (4, 4, 8)]
+                                  if sweep else [])
         best = None
-        for bt, nw in variants:
-            t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=bt, num_warps=nw),
-                         rep=50)
+        for bt, nw, hc in variants:
+            t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=bt, num_warps=nw,
+                                                         heads_per_step=hc), rep=50)
             if sweep:
-                say(f"  T{T} block_t={bt} warps={nw}: {t:.4f} ms")
+                say(f"  T{T} block_t={bt} warps={nw} heads_per_step={hc}: {t:.4f} ms")
             if best is None or t < best[0]:
-                best = (t, (bt, nw))
+                best = (t, (bt, nw, hc))
         t = best[0]
         bw = nbytes / (t * 1e-3) / 1e12
         out.append(dict(T=T, ms=t, tbps=bw, pct=bw / peak * 100, cfg=best[1]))

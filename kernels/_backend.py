@@ -55,9 +55,13 @@ def use_triton(t: torch.Tensor, supported: bool = True) -> bool:
 class lazy_jit:
     """`triton.jit` applied on first launch, once per interpreter setting."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, helpers=None):
+        """`helpers`: {global name: plain function} of `@triton.jit` helpers the kernel calls;
+        they are jitted with the kernel (same interpreter setting) and bound into its module."""
         self.fn = fn
+        self.helpers = dict(helpers or {})
         self._built: dict[bool, object] = {}
+        self._bound = None
 
     def _get(self):
         key = interpreting()
@@ -67,9 +71,12 @@ class lazy_jit:
                 raise RuntimeError("triton is not importable")
             if key:
                 _patch_interpreter_index()
-            k = triton.jit(self.fn)
+            k = (triton.jit(self.fn), {n: triton.jit(f) for n, f in self.helpers.items()})
             self._built[key] = k
-        return k
+        if self._bound is not key:  # (re)bind the helpers of this interpreter setting
+            self.fn.__globals__.update(k[1])
+            self._bound = key
+        return k[0]
 
     def __getitem__(self, grid):
         return self._get()[grid]

@@ -70,82 +70,88 @@ def qk_norm_rope_ref_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t, th
     return q, k
 
 
+def _rms_rope_part_fn(base, offs, offs_p, mask, w, w_p, cs, sn_signed, eps, HALF: tl.constexpr):
+    """One part (t or hw) of HC heads: tile [HC, 4, QH]. RMSNorm over the part, then rotate_half RoPE;
+    the partner quarter (offs_p) is loaded directly, contiguous along the last axis."""
+    x = tl.load(base + offs, mask=mask, other=0.0)
+    xp = tl.load(base + offs_p, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, 2), 1) / HALF + eps)[:, None, None]
+    # Qwen3RMSNorm: normalise in fp32, cast to x's dtype, then scale by the weight (rounded in x's dtype)
+    xn = ((xf * r).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+    xpn = ((xp.to(tl.float32) * r).to(x.dtype).to(tl.float32) * w_p).to(x.dtype).to(tl.float32)
+    # HF rounds each product in x's dtype: rotate_half(x) * sin, with the sign folded into sin
+    a = (xn * cs).to(x.dtype).to(tl.float32)
+    b = (xpn * sn_signed).to(x.dtype).to(tl.float32)
+    tl.store(base + offs, (a + b).to(x.dtype), mask=mask)
+
+
+def _norm_rope_heads_fn(base, stride_h, cols, cols_pt, cols_phw, hh, w_t, w_tp, w_hw, w_hwp,
+                        cos_t, sin_t, cos_hw, sin_hw, eps, H: tl.constexpr, HC: tl.constexpr, HALF: tl.constexpr):
+    """All H heads of one token of one tensor, HC heads per step."""
+    for h0 in tl.static_range(0, H, HC):
+        h = h0 + hh
+        mask = (h < H)[:, None, None]
+        hoff = (h * stride_h)[:, None, None]
+        _rms_rope_part(base, hoff + cols[None, :, :], hoff + cols_pt[None, :, :], mask,
+                       w_t, w_tp, cos_t, sin_t, eps, HALF)
+        _rms_rope_part(base, hoff + HALF + cols[None, :, :], hoff + HALF + cols_phw[None, :, :], mask,
+                       w_hw, w_hwp, cos_hw, sin_hw, eps, HALF)
+
+
 def _norm_rope_kernel(
     Q, K, QWt, QWhw, KWt, KWhw, Pos, InvT, InvHW, T, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_pos,
-    HQ: tl.constexpr, HKV: tl.constexpr, ROWS_Q: tl.constexpr, ROWS_K: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HC: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    # one program: BLOCK_T tokens, all heads of q then k. A head is viewed as two rows of
-    # HALF elements (row 2h = t-part, row 2h+1 = hw-part), each with its own weight and rope.
+    # One program: BLOCK_T tokens, all heads of q then k, HC heads at a time. Each part (t = dims
+    # [0, HALF), hw = [HALF, 2*HALF)) of a head is a tile [4, QH] of quarters: rotate_half partners are
+    # whole quarters (t: quarter j <-> j^2; h/w: j <-> j^1), so the partner load stays contiguous
+    # (16-byte vectors, no gather). t- and hw-parts are separate tiles, so weights and cos/sin are
+    # plain broadcasts over heads (no per-row selects) and the per-thread state stays small.
     pid = tl.program_id(0)
-    cols = tl.arange(0, HALF)
-    QT: tl.constexpr = HALF // 2       # t-part: rotate_half pairs i <-> i + HALF/2
-    QH: tl.constexpr = HALF // 4       # h and w sub-vectors: pairs i <-> i + HALF/4
-    t_partner = (cols + QT) % HALF
-    t_sign = tl.where(cols < QT, -1.0, 1.0)
-    t_inv = tl.load(InvT + cols % QT)
-    sub = cols // (2 * QH)             # 0 = h, 1 = w
-    cc = cols % (2 * QH)
-    hw_partner = sub * (2 * QH) + (cc + QH) % (2 * QH)
-    hw_sign = tl.where(cc < QH, -1.0, 1.0)
-    hw_inv = tl.load(InvHW + cc % QH)
-    for which in tl.static_range(2):
-        if which == 0:
-            X = Q
-            stride_t = stride_qt
-            stride_h = stride_qh
-            rows = tl.arange(0, ROWS_Q)
-            row_ok = rows < 2 * HQ
-            Wt = QWt
-            Whw = QWhw
-        else:
-            X = K
-            stride_t = stride_kt
-            stride_h = stride_kh
-            rows = tl.arange(0, ROWS_K)
-            row_ok = rows < 2 * HKV
-            Wt = KWt
-            Whw = KWhw
-        is_hw = (rows % 2) == 1
-        row_off = (rows // 2) * stride_h + (rows % 2) * HALF
-        partner = tl.where(is_hw[:, None], hw_partner[None, :], t_partner[None, :])
-        sign = tl.where(is_hw[:, None], hw_sign[None, :], t_sign[None, :])
-        w = tl.where(is_hw[:, None], tl.load(Whw + cols)[None, :], tl.load(Wt + cols)[None, :]).to(tl.float32)
-        w_p = tl.where(is_hw[:, None], tl.load(Whw + hw_partner)[None, :],
-                       tl.load(Wt + t_partner)[None, :]).to(tl.float32)
-        mask = row_ok[:, None]
-        for i in tl.static_range(BLOCK_T):
-            t = pid * BLOCK_T + i
-            if t < T:
-                base = X + t.to(tl.int64) * stride_t
-                x = tl.load(base + row_off[:, None] + cols[None, :], mask=mask, other=0.0)
-                xp = tl.load(base + row_off[:, None] + partner, mask=mask, other=0.0)
-                xf = x.to(tl.float32)
-                r = tl.math.rsqrt(tl.sum(xf * xf, 1) / HALF + eps)
-                # Qwen3RMSNorm: normalise in fp32, cast to x's dtype, then scale by the weight
-                xn = ((xf * r[:, None]).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
-                xpn = ((xp.to(tl.float32) * r[:, None]).to(x.dtype).to(tl.float32) * w_p)
-                xpn = xpn.to(x.dtype).to(tl.float32)
-                pt = tl.load(Pos + t).to(tl.float32)
-                ph = tl.load(Pos + stride_pos + t).to(tl.float32)
-                pw = tl.load(Pos + 2 * stride_pos + t).to(tl.float32)
-                # angles depend on the column and the part only: trig on 2 x HALF values, not per head
-                ang_t = pt * t_inv
-                ang_hw = tl.where(sub == 0, ph, pw) * hw_inv
-                # HF casts cos/sin to x's dtype and rounds each product in it
-                cos_t = tl.cos(ang_t).to(x.dtype).to(tl.float32)
-                sin_t = tl.sin(ang_t).to(x.dtype).to(tl.float32)
-                cos_hw = tl.cos(ang_hw).to(x.dtype).to(tl.float32)
-                sin_hw = tl.sin(ang_hw).to(x.dtype).to(tl.float32)
-                c = tl.where(is_hw[:, None], cos_hw[None, :], cos_t[None, :])
-                s = tl.where(is_hw[:, None], sin_hw[None, :], sin_t[None, :])
-                a = (xn * c).to(x.dtype).to(tl.float32)
-                b = (xpn * sign * s).to(x.dtype).to(tl.float32)
-                tl.store(base + row_off[:, None] + cols[None, :], (a + b).to(x.dtype), mask=mask)
+    QH: tl.constexpr = HALF // 4
+    j = tl.arange(0, 4)
+    c = tl.arange(0, QH)
+    cols = j[:, None] * QH + c[None, :]                       # [4, QH] column within the part
+    cols_pt = (j ^ 2)[:, None] * QH + c[None, :]
+    cols_phw = (j ^ 1)[:, None] * QH + c[None, :]
+    sign_t = tl.where(j < 2, -1.0, 1.0)[:, None]
+    sign_hw = tl.where((j % 2) == 0, -1.0, 1.0)[:, None]
+    inv_t = tl.load(InvT + (j % 2)[:, None] * QH + c[None, :])  # [4, QH]
+    inv_hw = tl.load(InvHW + c)[None, :]                        # [1, QH]
+    hh = tl.arange(0, HC)
+    qw_t = tl.load(QWt + cols).to(tl.float32)[None, :, :]
+    qw_tp = tl.load(QWt + cols_pt).to(tl.float32)[None, :, :]
+    qw_hw = tl.load(QWhw + cols).to(tl.float32)[None, :, :]
+    qw_hwp = tl.load(QWhw + cols_phw).to(tl.float32)[None, :, :]
+    kw_t = tl.load(KWt + cols).to(tl.float32)[None, :, :]
+    kw_tp = tl.load(KWt + cols_pt).to(tl.float32)[None, :, :]
+    kw_hw = tl.load(KWhw + cols).to(tl.float32)[None, :, :]
+    kw_hwp = tl.load(KWhw + cols_phw).to(tl.float32)[None, :, :]
+    for i in tl.static_range(BLOCK_T):
+        t = pid * BLOCK_T + i
+        if t < T:
+            pt = tl.load(Pos + t).to(tl.float32)
+            ph = tl.load(Pos + stride_pos + t).to(tl.float32)
+            pw = tl.load(Pos + 2 * stride_pos + t).to(tl.float32)
+            # angles depend on the column and the part only: 2 x HALF cos/sin per token, shared by all heads
+            ang_t = pt * inv_t
+            ang_hw = tl.where(j < 2, ph, pw)[:, None] * inv_hw
+            dt = Q.dtype.element_ty
+            # HF casts cos/sin to x's dtype before use
+            cos_t = tl.cos(ang_t).to(dt).to(tl.float32)[None, :, :]
+            sin_t = (tl.sin(ang_t).to(dt).to(tl.float32) * sign_t)[None, :, :]
+            cos_hw = tl.cos(ang_hw).to(dt).to(tl.float32)[None, :, :]
+            sin_hw = (tl.sin(ang_hw).to(dt).to(tl.float32) * sign_hw)[None, :, :]
+            _norm_rope_heads(Q + t.to(tl.int64) * stride_qt, stride_qh, cols, cols_pt, cols_phw, hh,
+                             qw_t, qw_tp, qw_hw, qw_hwp, cos_t, sin_t, cos_hw, sin_hw, eps, HQ, HC, HALF)
+            _norm_rope_heads(K + t.to(tl.int64) * stride_kt, stride_kh, cols, cols_pt, cols_phw, hh,
+                             kw_t, kw_tp, kw_hw, kw_hwp, cos_t, sin_t, cos_hw, sin_hw, eps, HKV, HC, HALF)
 
 
-_norm_rope = lazy_jit(_norm_rope_kernel)
+_norm_rope = lazy_jit(_norm_rope_kernel, helpers={"_rms_rope_part": _rms_rope_part_fn,
+                                                          "_norm_rope_heads": _norm_rope_heads_fn})
 _INV_CACHE: dict = {}
 
 
@@ -158,7 +164,7 @@ def _inv_cached(theta, rot_dim, device):
 
 
 def qk_norm_rope_triton_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t, theta_hw, eps,
-                         block_t=None, num_warps=4):
+                         block_t=None, num_warps=4, heads_per_step=None):
     _check(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions)
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("q/k last dim must be contiguous")
@@ -169,12 +175,12 @@ def qk_norm_rope_triton_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t,
     inv_t = _inv_cached(theta_t, half, q.device)
     inv_hw = _inv_cached(theta_hw, half // 2, q.device)
     positions = positions if positions.stride(1) == 1 else positions.contiguous()
-    BT = block_t or (1 if q.is_cuda else 2)  # 1 token per program was fastest on H200
+    BT = block_t or (1 if q.is_cuda else 2)
     grid = ((T + BT - 1) // BT,)
     _norm_rope[grid](
         q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, inv_t, inv_hw, T, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0),
-        HQ=Hq, HKV=k.shape[1], ROWS_Q=next_pow2(2 * Hq), ROWS_K=next_pow2(2 * k.shape[1]), HALF=half,
+        HQ=Hq, HKV=k.shape[1], HC=heads_per_step or min(8, next_pow2(max(Hq, k.shape[1]))), HALF=half,
         BLOCK_T=BT,
         num_warps=num_warps,
     )

@@ -30,8 +30,11 @@ class Seq:
     images: tuple = ()          # absolute (start, end) spans of image tokens
 
 
-def build_prefill(seqs, hq, hkv, d, dtype, with_images=True, pool_extra=17):
-    """Random q, paged K/V pool and metadata for `seqs`; pool slots are shuffled."""
+def build_prefill(seqs, hq, hkv, d, dtype, with_images=True, pool_extra=17, contiguous=None):
+    """Random q, paged K/V pool and metadata for `seqs`. Pool slots: `contiguous` = None gives
+    every other sequence one contiguous run of slots (the kernels' block-load path) and random slots
+    to the rest (the gather path); True / False: all contiguous / all random. Reads only, so slots
+    shared between sequences are harmless."""
     totals = [s.cached + s.new for s in seqs]
     S = sum(totals) + pool_extra
     perm = torch.randperm(S)
@@ -39,7 +42,8 @@ def build_prefill(seqs, hq, hkv, d, dtype, with_images=True, pool_extra=17):
     req_to_token = torch.randint(0, S, (len(seqs), max_len), dtype=torch.int32)
     used = 0
     for b, L in enumerate(totals):
-        req_to_token[b, :L] = perm[used:used + L].int()
+        run = contiguous if contiguous is not None else b % 2 == 0
+        req_to_token[b, :L] = (torch.arange(used, used + L) if run else perm[used:used + L]).int()
         used += L
     k_pool = torch.randn(S, hkv, d).to(dtype)
     v_pool = torch.randn(S, hkv, d).to(dtype)

@@ -68,3 +68,22 @@ def test_rejects_bad_shapes():
     inp = build_prefill([Seq(0, 4)], 6, 4, 16, torch.float32)  # 6 % 4 != 0
     with pytest.raises(ValueError):
         prefill_attention_ref(**inp, scale=0.25)
+
+
+def test_text_only_sdpa_path_and_its_conditions(rng):
+    """The text-only SDPA path (contiguous slots, no cached prefix) matches the reference; it declines
+    (returns None) when a sequence has a cached prefix or scattered slots."""
+    from kernels.prefill_attention import prefill_attention_text_sdpa
+    inp = build_prefill([Seq(0, 37), Seq(0, 20), Seq(0, 1)], 8, 2, 16, torch.float32, with_images=False,
+                        contiguous=True)
+    for k in ("q", "k_pool", "v_pool"):
+        inp[k] = inp[k].to(torch.bfloat16)
+    args = {k: v for k, v in inp.items() if k != "image_end"}
+    ref = prefill_attention_ref(**inp, scale=0.25)
+    out = prefill_attention_text_sdpa(**args, scale=0.25)
+    assert rel_err(out, ref) < 1e-2
+    assert prefill_attention_text_sdpa(**{**args, "b_start": torch.tensor([0, 1, 0], dtype=torch.int32)},
+                                       scale=0.25) is None
+    r2t = args["req_to_token"].clone()
+    r2t[1, :2] = r2t[1, :2].flip(0)
+    assert prefill_attention_text_sdpa(**{**args, "req_to_token": r2t}, scale=0.25) is None

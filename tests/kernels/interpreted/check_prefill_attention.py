@@ -58,3 +58,29 @@ def test_dispatch_forced_triton(rng, monkeypatch):
     ref = prefill_attention_ref(**inp, scale=0.25)
     monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     assert_close(prefill_attention(**inp, scale=0.25), ref)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_kv_modes_gather_and_block_loads(rng, mode):
+    """kv_mode 0 gathers every key row; 1 block-loads sequences whose slots are one run (NaN pool
+    rows outside the sequences must not leak in through the masked tail)."""
+    case = CASES["prefix_cache_offsets"] + CASES["image_crosses_block"]
+    inp = build_prefill(case, 8, 2, 16, torch.float32, contiguous=None)
+    unused = torch.ones(inp["k_pool"].shape[0], dtype=torch.bool)
+    for b, L in enumerate(inp["b_seq_len"].tolist()):
+        unused[inp["req_to_token"][b, :L].long()] = False
+    inp["k_pool"][unused] = float("nan")
+    inp["v_pool"][unused] = float("nan")
+    ref = prefill_attention_ref(**inp, scale=0.25)
+    out = prefill_attention_triton(**inp, scale=0.25, out=poisoned(inp["q"]), config=(16, 16, 4, 1, mode, False))
+    assert_close(out, ref)
+
+
+def test_kv_base_flags_contiguous_sequences(rng):
+    from kernels.prefill_attention import _kv_base_torch, kv_base
+    inp = build_prefill([Seq(0, 70), Seq(3, 5), Seq(0, 1), Seq(0, 33)], 2, 1, 16, torch.float32, contiguous=None)
+    r2t = inp["req_to_token"]
+    r2t[2, 1:] = -5  # past seq_len: ignored
+    got = kv_base(r2t, inp["b_seq_len"])
+    assert torch.equal(got, _kv_base_torch(r2t, inp["b_seq_len"]))
+    assert got[0] == r2t[0, 0] and got[2] == r2t[2, 0] and got[1] == -1 and got[3] == -1
