@@ -200,14 +200,26 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="start understanding, generation and the gateway")
     add_stack_flags(p, model_default=None)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each service's command line and GPU placement, start nothing")
     p.add_argument("--no-restart", action="store_true",
                    help="shut everything down when a service dies instead of restarting it")
     p.set_defaults(func=cmd_up)
 
 
+def print_plan(stack, out=sys.stdout) -> None:
+    """The placement of `u1serve up` without starting it (checks a multi-GPU profile anywhere)."""
+    for spec in (p.spec for p in stack.procs):
+        env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()) if k != "U1SERVE_INTERNAL_TOKEN")
+        out.write(f"{spec.name}: {env} {shlex.join(spec.argv)}\n")
+
+
 def cmd_up(args) -> int:
     from .launcher import run_until_signal
     stack = build_stack(args)
+    if args.dry_run:
+        print_plan(stack)
+        return 0
     host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
     return run_until_signal(stack, restart=not args.no_restart, on_ready=lambda: stack.say(
         f"ready: http://{host}:{args.port}/v1 (mode {args.mode})"))
@@ -272,7 +284,8 @@ def cmd_demo(args) -> int:
 def add_tiny(sub) -> None:
     p = sub.add_parser("tiny-checkpoint", help="write a small random checkpoint (tests, demo)")
     p.add_argument("dir")
-    p.add_argument("--variant", choices=["u1", "u1.5", "a3b"], default="u1")
+    p.add_argument("--variant", choices=["u1", "u1.5", "a3b", "u1-8b", "u1.5-8b", "a3b-full"], default="u1",
+                   help="tiny family, or a full-size one (u1-8b, u1.5-8b, a3b-full: config + tokenizer only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-only", action="store_true",
                    help="write only the full-size config.json of the variant (no weights)")
@@ -281,8 +294,8 @@ def add_tiny(sub) -> None:
 
 def cmd_tiny(args) -> int:
     from services.model import tiny  # lazy: pulls in torch
-    if args.config_only:
-        full = {"u1": "u1-8b", "u1.5": "u1.5-8b", "a3b": "a3b-full"}[args.variant]
+    if args.config_only or args.variant in tiny.FULL_VARIANTS:
+        full = {"u1": "u1-8b", "u1.5": "u1.5-8b", "a3b": "a3b-full"}.get(args.variant, args.variant)
         tiny.write_full_config(args.dir, variant=full)
     else:
         tiny.write_tiny_checkpoint(args.dir, variant=args.variant, seed=args.seed)
