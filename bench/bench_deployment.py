@@ -119,7 +119,7 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
 def run_profile(name: str, model_dir: str, args, port: int) -> dict:
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(port + 1), "--gen-port", str(port + 2), "--host", "127.0.0.1",
-           "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split()
+           "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + args.up_args.split()
     env = dict(os.environ, U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", PYTHONUNBUFFERED="1")
     log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -170,6 +170,7 @@ def main() -> None:
     p.add_argument("--load-delay", type=float, default=3.0, help="seconds between image load and chats")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--port", type=int, default=18000)
+    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile, e.g. --kv-pool-gb 4")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
