@@ -12,6 +12,9 @@ class TPContext:
     rank: int
     world_size: int
     group: object = None  # a torch.distributed process group (None = the default group)
+    # CPU (gloo) group for control messages: a rank waiting on an NCCL collective spins a kernel on
+    # its GPU, which would steal SMs from a colocated engine while this one is idle.
+    ctrl_group: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -52,7 +52,9 @@ def _setup_tp(cfg: EngineConfig, rank: int):
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{cfg.dist_port}", rank=rank,
                             world_size=cfg.tp, timeout=datetime.timedelta(hours=24))
-    return TPContext(rank, cfg.tp, None)
+    # step plans and idle heartbeats go over a CPU group: no GPU spin between steps
+    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24)) if backend == "nccl" else None
+    return TPContext(rank, cfg.tp, None, ctrl_group=ctrl)
 
 
 def _device(cfg: EngineConfig, rank: int) -> str:
@@ -201,7 +203,7 @@ class Engine:
     def _broadcast(self, obj) -> None:
         if self.tp is not None:
             box = [obj]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.tp.ctrl_group)
 
     def _sample(self, logits, entries) -> dict:
         reqs = self.sched.sampling_requests(entries)
@@ -260,7 +262,7 @@ class Engine:
     def _follow(self) -> None:
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.tp.ctrl_group)
             plan = box[0]
             if plan == "stop":
                 return
