@@ -188,3 +188,15 @@ def test_config_only_dir_serves_random_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("U1SERVE_RANDOM_WEIGHTS", "1")
     m = load_model(small, "gen")
     assert m.branch == "gen" and m.fingerprint and all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_tiny_checkpoint_is_deterministic_per_seed(tmp_path):
+    from services.model.tiny import write_tiny_checkpoint
+
+    a = write_tiny_checkpoint(str(tmp_path / "a"), "u1.5", seed=3)
+    b = write_tiny_checkpoint(str(tmp_path / "b"), "u1.5", seed=3)
+    c = write_tiny_checkpoint(str(tmp_path / "c"), "u1.5", seed=4)
+    for name in sorted(os.listdir(a)):
+        assert open(os.path.join(a, name), "rb").read() == open(os.path.join(b, name), "rb").read(), name
+    sa, sc = load_model(a, "gen").state_dict(), load_model(c, "gen").state_dict()
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
