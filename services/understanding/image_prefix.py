@@ -36,6 +36,7 @@ class ImagePrefixService:
         self.svc = svc
         self.active: dict[str, list[str]] = {}     # request_id -> engine rids
         self.cancelled: set[str] = set()
+        self.unclaimed: dict[str, dict] = {}       # request_id -> pages allocated, handles not yet handed out
 
     # ---- request parsing ---------------------------------------------------------------------------
     def _parse(self, body: dict):
@@ -96,6 +97,7 @@ class ImagePrefixService:
             raise bad_request(str(e)) from None
         tail = svc.tok.encode(PR.THINK_TAIL)
         handles = self._allocate(inputs, think, mtt, len(tail))
+        self.unclaimed[rid] = handles
         msgs = []
         for branch, inp in inputs.items():
             br_think = think and branch == "cond"
@@ -184,6 +186,7 @@ class ImagePrefixService:
             client.done(f"{rid}:{b}")
         self._release_all(handles)
         self.active.pop(rid, None)
+        self.unclaimed.pop(rid, None)
 
     def _cleanup(self, rid, handles, done: dict) -> None:
         """Release every page of a request that will not hand its handles out (error / abort)."""
@@ -192,6 +195,7 @@ class ImagePrefixService:
             final = done.get(branch)
             self._release_all({branch: KVHandle.from_dict(final) if final else h})
         self.active.pop(rid, None)
+        self.unclaimed.pop(rid, None)
         self.cancelled.discard(rid)
 
     async def _run(self, rid, queues, handles, t0, think):
@@ -231,6 +235,7 @@ class ImagePrefixService:
             if tail:
                 yield {"type": "think_delta", "text": tail}
             ok = True
+            self.unclaimed.pop(rid, None)      # the pages are the client's from here on
             svc.metrics.prefix_export.observe(time.monotonic() - t0)
             yield {"type": "handles", "handles": done,
                    "think_text": svc.tok.decode(think_ids) if think else None}
@@ -261,6 +266,19 @@ class ImagePrefixService:
             except HandleError as e:
                 raise bad_request(f"handles[{i}]: {e}", "handles", e.code) from None
         return {"released_pages": sum(svc.pool.release(h) for h in parsed)}
+
+    def engine_dead(self) -> int:
+        """The engine died: free every page allocated for an image prefix whose handles were not handed out
+        yet (its request is failing with engine_dead; release is idempotent with that path's own cleanup)."""
+        n = 0
+        for rid, handles in list(self.unclaimed.items()):
+            for h in handles.values():
+                try:
+                    n += self.svc.pool.release(h)
+                except Exception:
+                    pass
+            self.unclaimed.pop(rid, None)
+        return n
 
     def abort(self, rid: str) -> int:
         rids = self.active.get(rid, [])

@@ -25,6 +25,7 @@ class Metrics:
         self.shm_pages_used = Gauge(p + "shm_pool_pages_used", "pages of the shared-memory KV pool in use",
                                     registry=r)
         self.shm_pages_total = Gauge(p + "shm_pool_pages_total", "pages of the shared-memory KV pool", registry=r)
+        self.engine_restarts = Gauge(p + "engine_restarts_total", "engine restarts after a crash", registry=r)
         self.requests = Counter(p + "requests", "finished requests", ["endpoint", "finish_reason"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", buckets=_LAT, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "time between output tokens", buckets=_ITL,
@@ -34,7 +35,8 @@ class Metrics:
         self.prefix_export = Histogram(p + "image_prefix_seconds", "image-prefix request latency", buckets=_LAT,
                                        registry=r)
 
-    def render(self, stats, pool_stats: dict | None) -> bytes:
+    def render(self, stats, pool_stats: dict | None, restarts: int = 0) -> bytes:
+        self.engine_restarts.set(restarts)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_total.set(stats.kv_total)

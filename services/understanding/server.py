@@ -76,9 +76,16 @@ class Service:
                             max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
                             enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
                             cuda_graph_max_bs=a.cuda_graph_max_bs)
-        self.client = EngineClient(ecfg)
-        self.client.start()
         self.prefix = ImagePrefixService(self)
+        # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
+        self.client = EngineClient(ecfg, on_engine_dead=self._engine_dead)
+        self.client.start()
+
+    def _engine_dead(self, reason: str) -> None:
+        if self.pool is not None and self.prefix is not None:
+            n = self.prefix.engine_dead()
+            if n:
+                log.warning("engine died: released %d shm pages of unfinished image prefixes", n)
 
     async def stop(self):
         if self.client is not None:
@@ -145,7 +152,7 @@ class Service:
                     finished = True
                     if reason == "error":
                         if o.error_code == "engine_dead":
-                            raise unavailable(o.error or "engine died")
+                            raise unavailable(o.error or "engine died", "engine_dead")
                         raise APIError(500 if o.error_code != "kv_cache_too_small" else 400,
                                        o.error or "engine error", None, o.error_code)
                     r2, c2 = out.finish()
@@ -215,22 +222,24 @@ def create_app(args) -> FastAPI:
         s = c.stats if c else None
         pool = svc.pool.stats() if svc.pool is not None else None
         ok = c is not None and c.ready and c.alive
-        body = {"status": "ok" if ok else ("error" if c and c.fatal else "loading"),
-                "engine_ready": bool(ok), "error": c.fatal if c else None, "model": svc.model_name}
+        status = "ok" if ok else ("restarting" if c and c.restarting else ("error" if c and c.fatal else "loading"))
+        body = {"status": status, "engine_ready": bool(ok), "error": c.fatal if c else None,
+                "model": svc.model_name, "restarts": c.restarts if c else 0,
+                "engine_pids": c.pids if c else [], "last_engine_error": c.last_error if c else None}
         if s is not None:
             body.update(running=s.running, waiting=s.waiting, kv_total=s.kv_total, kv_free=s.kv_free,
                         kv_in_use=s.kv_in_use, kv_cached=s.kv_cached, inflight=len(c.queues),
                         preemptions=s.preemptions)
         if pool is not None:
             body.update(shm_pages_used=pool["pages_used"], shm_pages_total=pool["pages_total"],
-                        shm_handles_live=pool["handles_live"])
+                        shm_handles_live=pool["handles_live"], shm_pool_generation=pool["generation"])
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
         c = svc.client
         pool = svc.pool.stats() if svc.pool is not None else None
-        return Response(svc.metrics.render(c.stats, pool), media_type="text/plain; version=0.0.4")
+        return Response(svc.metrics.render(c.stats, pool, c.restarts), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
