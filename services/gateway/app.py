@@ -368,6 +368,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         events = state["orch"].run(job, rid(request))
         try:
             first = await events.__anext__()
+            # an empty think_done says nothing to the client: wait until generation has accepted
+            # the job, so that its rejection (4xx) or absence (503) is still the response status
+            while first["type"] == "think_done" and not convert(first):
+                first = await events.__anext__()
         except StopAsyncIteration:
             first = None
         except BaseException:

@@ -45,19 +45,26 @@ class GatewayMiddleware:
             return await self.app(scope, receive, send)
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         incoming = hdrs.get("x-request-id", "")
-        rid = incoming if _SAFE_ID.match(incoming) else new_request_id()
+        # The response echoes the client's id; the engines key their requests by the id the gateway
+        # sends them, so that one is unique per request even when a client reuses its id (two requests
+        # with one engine id would take each other's outputs). It starts with the client's id (logs).
+        if _SAFE_ID.match(incoming):
+            echo, rid = incoming, f"{incoming}.{secrets.token_hex(4)}"
+        else:
+            echo = rid = new_request_id()
         token = request_id_var.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
         route = self.metrics.route_label(path)
         started = time.monotonic()
         status_box = {"status": 500}
+        started_box: dict = {}
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                status_box["status"] = message["status"]
+                status_box["status"] = started_box["status"] = message["status"]
                 message["headers"] = list(message.get("headers", [])) + [
-                    (b"x-request-id", rid.encode())]
+                    (b"x-request-id", echo.encode())]
                 self.metrics.latency.labels(route).observe(time.monotonic() - started)
             await send(message)
 
@@ -85,7 +92,15 @@ class GatewayMiddleware:
                         raise self._too_large()
                 return message
 
-            await self.app(scope, limited_receive, send_with_id)
+            try:
+                await self.app(scope, limited_receive, send_with_id)
+            except Exception as exc:
+                # Starlette answers unhandled errors outside this middleware (no x-request-id there)
+                if "status" in started_box:
+                    raise
+                log.exception("unexpected error")
+                await reply_error(APIError(500, f"internal error: {type(exc).__name__}",
+                                           code="internal_error"))
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(route, str(status_box["status"])).inc()

@@ -2,7 +2,8 @@
 
 Ownership of the KV handles: understanding allocates them; once generation has accepted the
 `/internal/generate` request it owns them (it imports and frees them, also on cancel). The gateway
-releases them itself only when generation never accepted them or died holding them.
+releases them itself only when generation never accepted them, died holding them, or failed the
+job (a failed job imports nothing more; release is idempotent).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Orchestrator:
         """Yield events: think_delta, think_done, queued, progress, image. Raises APIError."""
         hdrs = headers(self.cfg.internal_token, request_id)
         handles: dict | None = None
-        gen_owns = gen_dead = cancelled = False
+        gen_owns = gen_dead = gen_failed = cancelled = False
         und_ep = gen_ep = None
         phase = "prefix"
         started = time.monotonic()
@@ -85,6 +86,8 @@ class Orchestrator:
                     async for ev in sse_events(resp):
                         kind = ev.get("type")
                         if kind == "error":
+                            # the job is over on generation's side: it imports nothing after this
+                            gen_failed = True
                             raise from_upstream(int(ev.get("status", 500)), ev, "generation")
                         if kind == "progress":
                             self.metrics.denoise_steps.inc()
@@ -115,7 +118,10 @@ class Orchestrator:
         finally:
             self.metrics.image_jobs_running.dec()
             self.metrics.image_job_seconds.observe(time.monotonic() - started)
-            release = handles if (handles and (not gen_owns or gen_dead)) else None
+            # Generation frees what it accepted, but it cannot when it failed before attaching the
+            # pool (kv_pool_unavailable / kv_pool_mismatch): after a job error, release here too
+            # (idempotent: pages already imported and freed are not touched).
+            release = handles if (handles and (not gen_owns or gen_dead or gen_failed)) else None
             if cancelled or release:
                 await self._cleanup(request_id, hdrs, phase, cancelled, und_ep, gen_ep, release)
 

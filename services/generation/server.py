@@ -143,24 +143,33 @@ def create_app(args: argparse.Namespace) -> FastAPI:
 
     @app.post("/internal/generate")
     async def generate(request: Request):
-        if (err := _auth(request)) is not None:
+        body = None
+
+        def reject(err: ApiError) -> JSONResponse:
+            # rejected before a job exists: still log it under the caller's request id
+            rid = body.get("request_id") if isinstance(body, dict) else None
+            log.info("request %s rejected: %d %s", rid if isinstance(rid, str) else
+                     request.headers.get("x-request-id", "-"), err.status, err.code)
             return _error_response(err)
+
+        if (err := _auth(request)) is not None:
+            return reject(err)
         try:
             body = await request.json()
         except Exception:
-            return _error_response(ApiError(400, "body is not valid JSON", code="invalid_json"))
+            return reject(ApiError(400, "body is not valid JSON", code="invalid_json"))
         try:
             job = parse_generate(body, fingerprint)
             _check_branches(job)
             _check_handles(job)
         except ApiError as e:
-            return _error_response(e)
+            return reject(e)
         if not supervisor.ready:
-            return _error_response(ApiError(503, "generation engine is not ready",
-                                            type="server_error", code="engine_unavailable"))
+            return reject(ApiError(503, "generation engine is not ready",
+                                   type="server_error", code="engine_unavailable"))
         if supervisor.is_active(job.request_id):
-            return _error_response(ApiError(409, f"request_id {job.request_id!r} is already "
-                                            "running", param="request_id", code="duplicate"))
+            return reject(ApiError(409, f"request_id {job.request_id!r} is already "
+                                   "running", param="request_id", code="duplicate"))
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -171,8 +180,7 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         try:
             supervisor.submit(job, sink)
         except RuntimeError as e:
-            return _error_response(ApiError(503, str(e), type="server_error",
-                                            code="engine_unavailable"))
+            return reject(ApiError(503, str(e), type="server_error", code="engine_unavailable"))
         started = time.monotonic()
 
         async def stream():

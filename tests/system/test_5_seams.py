@@ -1,0 +1,172 @@
+"""Seams between gateway, understanding and generation on the shared stack: request ids, error statuses,
+and who frees the prefix pages when generation cannot take them (not the lease: that is minutes)."""
+import concurrent.futures as cf
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from .stackproc import ROOT, free_port
+
+
+def pages_used(stack) -> int:
+    from shm_transfer.pool import ShmKVPool
+    pool = ShmKVPool.attach(stack.pool)
+    try:
+        return pool.stats()["pages_used"]
+    finally:
+        pool.close()
+
+
+def settles_to_zero(stack, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pages_used(stack) == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _wait_up(url, timeout=90.0, proc=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up in time")
+
+
+def _spawn(argv, stack, log_name):
+    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": stack.token}
+    log = open(os.path.join(stack.run_dir, log_name), "w")
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture()
+def side_gateway(stack):
+    """start(gen_url) -> base URL of an extra gateway on the stack's understanding and that generation."""
+    procs = []
+
+    def start(gen_url: str) -> str:
+        port = free_port()
+        procs.append(_spawn([sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1",
+                             "--port", str(port), "--und-url", f"http://127.0.0.1:{stack.und_port}",
+                             "--gen-url", gen_url, "--default-size", "64x64"], stack, f"gw-{port}.out"))
+        base = f"http://127.0.0.1:{port}"
+        _wait_up(base + "/v1/models", 60, procs[-1])
+        return base
+
+    yield start
+    for p in procs:
+        _stop(p)
+
+
+def test_reused_client_request_id_does_not_cross_requests(stack):
+    """Two concurrent requests with one client x-request-id: both complete (the engines key requests by
+    the id the gateway sends; a shared one made one of them wait forever), each echoes the client's id."""
+    def chat(i):
+        return httpx.post(stack.base + "/v1/chat/completions", headers={"x-request-id": "same-id"},
+                          json={"messages": [{"role": "user", "content": f"hello {i}"}],
+                                "max_tokens": 64, "ignore_eos": True}, timeout=30)
+
+    def image(i):
+        return httpx.post(stack.base + "/v1/images/generations", headers={"x-request-id": "same-img"},
+                          json={"prompt": f"p{i}", "num_inference_steps": 8, "size": "128x128"},
+                          timeout=60)
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        chats = list(ex.map(chat, range(2)))
+        images = list(ex.map(image, range(2)))
+    for r in chats:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id"
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    for r in images:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-img"
+    assert settles_to_zero(stack)
+
+
+def test_stream_with_generation_down_is_a_503_and_frees_the_prefix(stack, side_gateway):
+    base = side_gateway(f"http://127.0.0.1:{free_port()}")    # nothing listens there
+    for path, body in (("/v1/images/generations", {"prompt": "x", "num_inference_steps": 1,
+                                                   "stream": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "modalities": ["image"], "stream": True,
+                                                 "num_inference_steps": 1})):
+        r = httpx.post(base + path, json=body, headers={"x-request-id": "gen-down-1"}, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "generation_unavailable"
+        assert r.headers["x-request-id"] == "gen-down-1"
+        assert settles_to_zero(stack)
+
+
+def test_generation_without_the_pool_fails_fast_and_pages_are_freed(stack, side_gateway):
+    """Generation accepted the job but cannot attach the pool (so it cannot free the pages either):
+    the gateway gives them back at once instead of leaving them to the lease."""
+    port = free_port()
+    gen = _spawn([sys.executable, "-m", "services.generation.server", "--model", stack_model(stack),
+                  "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
+                  "--kv-pool-name", stack.pool + "-absent", "--threads", "1"], stack, "gen-nopool.out")
+    try:
+        _wait_up(f"http://127.0.0.1:{port}/health", 120, gen)
+        base = side_gateway(f"http://127.0.0.1:{port}")
+        r = httpx.post(base + "/v1/images/generations", json={"prompt": "x", "num_inference_steps": 1},
+                       timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "kv_pool_unavailable"
+        assert settles_to_zero(stack)
+        with httpx.stream("POST", base + "/v1/images/generations", timeout=60,
+                          json={"prompt": "x", "num_inference_steps": 1, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert '"status":503' in lines[-2] and "kv_pool_unavailable" in lines[-2], lines
+        assert lines[-1] == "data: [DONE]"
+        assert settles_to_zero(stack)
+    finally:
+        _stop(gen)
+
+
+def stack_model(stack) -> str:
+    argv = stack.proc.args
+    return argv[argv.index("--model") + 1]
+
+
+def _log_has(stack, name, text, timeout=5.0) -> bool:
+    path = os.path.join(stack.run_dir, "logs", name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            if text in f.read():
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def test_request_id_reaches_the_generation_log(stack):
+    r = httpx.post(stack.base + "/v1/images/generations", headers={"x-request-id": "trace-gen-ok"},
+                   json={"prompt": "x", "num_inference_steps": 1}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-gen-ok"
+    assert _log_has(stack, "gen.log", "request trace-gen-ok.")
+    # a rejection before any job exists is logged under the caller's id too
+    r = httpx.post(f"http://127.0.0.1:{stack.gen_port}/internal/generate",
+                   headers={"x-request-id": "trace-gen-bad", "X-U1-Internal-Token": stack.token},
+                   json={"request_id": "trace-gen-bad", "handles": {}}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert _log_has(stack, "gen.log", "request trace-gen-bad rejected: 400")
