@@ -256,13 +256,14 @@ class ShmKVPool:
         return len(mine)
 
     def extend_lease(self, handle: KVHandle, seconds: float) -> KVHandle:
-        """Move the lease deadline to now + seconds. HandleError if the pages are no longer the handle's."""
+        """Hold the pages until at least now + seconds (a later deadline is kept: never shortens).
+        HandleError if the pages are no longer the handle's."""
         self._check_static(handle, None)
         pids = np.asarray(handle.page_ids, dtype=np.int64)
         with self._locked():
             self._check_owned(handle, pids, time.time())
-            deadline = time.time() + float(seconds)
-            self._deadline[pids] = deadline
+            self._deadline[pids] = np.maximum(self._deadline[pids], time.time() + float(seconds))
+            deadline = float(self._deadline[pids].min())
         return handle.replace(lease_deadline=deadline)
 
     def validate(self, handle: KVHandle, expected_fingerprint: str | None = None) -> None:

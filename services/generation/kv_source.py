@@ -116,6 +116,19 @@ class PrefixSource:
             except Exception:
                 pass
 
+    def keep_alive(self, handle_dicts, seconds: float) -> None:
+        """Extend the leases of handles of jobs still queued here, so a long queue does not turn them
+        into 410s (best effort: a handle that is already gone fails at import with a clear error)."""
+        try:
+            pool = self.pool()
+        except ApiError:
+            return
+        for d in handle_dicts:
+            try:
+                pool.extend_lease(self.parse(d), seconds)
+            except Exception:
+                pass
+
     def close(self) -> None:
         if self._pool is not None:
             self._close()

@@ -110,16 +110,27 @@ def _drain(in_q, block: bool) -> list:
     return msgs
 
 
+QUEUED_LEASE_S = 5.0  # a queued job's prefix pages stay leased at least this far ahead (short: a dead
+# service must not hold them long)
+_KEEP_ALIVE_EVERY_S = 1.5
+
+
 def _leader_loop(engine, comm, source, in_q, out_q, args: dict) -> None:
     sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.world)
     stop = False
+    last_keep_alive = 0.0
     while not stop:
+        if sched.pending and time.monotonic() - last_keep_alive > _KEEP_ALIVE_EVERY_S:
+            source.keep_alive([h for spec in sched.pending for h in spec.handles.values()], QUEUED_LEASE_S)
+            last_keep_alive = time.monotonic()
         drop = []
         for msg in _drain(in_q, block=not engine.running and not sched.pending):
             if msg[0] == "stop":
                 stop = True
             elif msg[0] == "job":
-                sched.pending.append(_job_from_dict(msg[1]))
+                spec = _job_from_dict(msg[1])
+                sched.pending.append(spec)
+                source.keep_alive(spec.handles.values(), QUEUED_LEASE_S)  # at once: its lease may be short
             elif msg[0] == "cancel":
                 rid = msg[1]
                 spec = sched.remove(rid)

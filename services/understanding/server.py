@@ -263,6 +263,7 @@ def create_app(args) -> FastAPI:
         stream = bool(body.get("stream", False))
         want_ids = bool(body.get("return_token_ids", False))   # extension: output token ids per choice
         include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        log.info("request %s: chat, %d prompt tokens, stream=%s", rid, len(inp.input_ids), stream)
 
         if stream:
             gen = svc.generate(rid, inp, params, think)
@@ -418,6 +419,7 @@ def create_app(args) -> FastAPI:
     async def image_prefix(request: Request):
         svc.check_internal(request)
         body = await _json_body(request)
+        log.info("request %s: image prefix (%s)", body.get("request_id"), body.get("kind"))
         return await svc.prefix.handle(request, body)
 
     @app.post("/internal/release")

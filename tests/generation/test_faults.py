@@ -141,6 +141,24 @@ def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
     wait_until(lambda: server.metrics()["u1_gen_running_jobs"] == 0, 10)
 
 
+def test_queued_job_keeps_its_lease(fault_env, ref_model):
+    """A job queued longer than its prefix lease still runs: the leader keeps queued leases alive."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    a = Stream(server.url, body("lease-a", publish(pool, _pre(ref_model)), num_inference_steps=LONG))
+    a.start()
+    assert a.progress.wait(60)
+    b = Stream(server.url, body("lease-b", publish(pool, _pre(ref_model), lease_s=1.0)))
+    b.start()
+    assert b.queued.wait(30)
+    time.sleep(2.5)  # past b's original 1 s lease while a still runs
+    httpx.post(server.url + "/internal/cancel", json={"request_id": "lease-a"}, headers=HEADERS)
+    a.join(30)
+    b.join(60)
+    assert b.status == 200 and not errors_of(b.events), b.events[-3:]
+    assert len(images_of(b.events)) == 1
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+
+
 def test_client_disconnect_cancels(fault_env, ref_model):
     server, pool = fault_env["server"], fault_env["pool"]
     s = Stream(server.url, body("gone", publish(pool, _pre(ref_model)), num_inference_steps=LONG),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import os
 import uuid
 
@@ -135,15 +136,26 @@ def test_release_is_idempotent_and_never_frees_another_handles_pages(peer, shm_n
         peer.call("close", shm_name)
 
 
-def test_lease_expiry_reclaims_pages_of_killed_consumer(shm_name):
+def test_extend_lease_never_shortens(shm_name):
     lay = layout()
     with ShmKVPool.create(shm_name, lay, 3 * lay.page_bytes, FP) as pool:
         h = pool.allocate(12, lease_s=30)
+        assert pool.extend_lease(h, 0.01).lease_deadline >= h.lease_deadline
+        time.sleep(0.05)
+        pool.validate(h)  # still leased: the short extension did not cut the 30 s lease
+        assert pool.extend_lease(h, 60).lease_deadline > h.lease_deadline + 20
+        pool.release(h)
+
+
+def test_lease_expiry_reclaims_pages_of_killed_consumer(shm_name):
+    lay = layout()
+    with ShmKVPool.create(shm_name, lay, 3 * lay.page_bytes, FP) as pool:
+        h = pool.allocate(12, lease_s=4.0)
         write_kv(pool, h, torch.randn(lay.kv_shape(12)))
         consumer = Peer()
         try:
             consumer.call("attach", shm_name)
-            consumer.call("extend_lease", shm_name, wire(h), 0.5)  # the consumer took it over ...
+            consumer.call("extend_lease", shm_name, wire(h), 1.0)  # the consumer took it over ...
             consumer.kill()  # ... and died before importing and releasing
         finally:
             consumer.stop()
