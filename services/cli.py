@@ -11,10 +11,10 @@ import os
 import secrets
 import shlex
 import shutil
-import socket
 import sys
 import time
 from typing import Callable
+from services.netutil import free_port
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "u1serve")
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
@@ -46,12 +46,6 @@ def ensure_tiny_checkpoint(variant: str = "u1", seed: int = 0, out=sys.stdout) -
 def has_cuda() -> bool:
     """Cheap check (no torch import): an NVIDIA driver node exists."""
     return os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_list(text: str | None) -> list[str]:

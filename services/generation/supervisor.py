@@ -9,23 +9,17 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import asdict
 from typing import Callable
 
 from .request import GenerateJob, error_event
+from services.netutil import free_port
 
 log = logging.getLogger("u1serve.generation")
 
 Sink = Callable[[dict], None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Channel:
@@ -74,7 +68,7 @@ class _Incarnation:
     def __init__(self, ctx, engine_args: dict, world: int):
         self.in_q = channel(ctx)
         self.out_q = channel(ctx)
-        port = _free_port()
+        port = free_port()
         from .worker import run_rank
         self.procs = [ctx.Process(target=run_rank, name=f"u1-gen-rank{r}", daemon=True,
                                   args=(r, world, port, engine_args,

@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import tempfile
 import uuid
 from typing import Callable, Optional
@@ -30,6 +29,7 @@ import zmq.asyncio
 
 from .engine import EngineConfig, run_engine
 from .protocol import Abort, EngineStats, RequestOutput, Shutdown, SubmitRequest
+from services.netutil import free_port
 
 log = logging.getLogger("u1serve.understanding.client")
 
@@ -38,12 +38,6 @@ _MAX_LOAD_RETRIES = 3      # consecutive failed loads of a restarted engine befo
 
 class EngineDead(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineClient:
@@ -81,7 +75,7 @@ class EngineClient:
         """Start one incarnation: fresh sockets, addresses and TP port; the same engine settings."""
         tag = uuid.uuid4().hex[:8]
         cfg = dataclasses.replace(self.base_cfg, in_addr=f"ipc://{self._dir}/in-{tag}",
-                                  out_addr=f"ipc://{self._dir}/out-{tag}", dist_port=_free_port())
+                                  out_addr=f"ipc://{self._dir}/out-{tag}", dist_port=free_port())
         self.cfg = cfg
         self.out = self.ctx.socket(zmq.PULL)
         self.out.setsockopt(zmq.LINGER, 0)

@@ -1,22 +1,16 @@
 """A real gateway process with NO engines behind it: validation must answer on its own,
 and valid requests must get a 503 (dead dependency), never a 500."""
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from services.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-gateway-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

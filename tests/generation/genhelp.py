@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from services.netutil import free_port
+from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "gen-test-token"
 HEADERS = {"X-U1-Internal-Token": TOKEN}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GenServer:
@@ -142,22 +137,24 @@ def reference_pixels(model, prefixes, body: dict) -> np.ndarray:
     return S.to_uint8(x).numpy()
 
 
+def assert_same_images_as_reference(model, results: dict, cases, bodies: dict) -> None:
+    """Every finished request (`results[rid] = (status, events)`) gave exactly the reference images."""
+    for rid, pre, _ in cases:
+        status, events = results[rid]
+        assert status == 200 and not errors_of(events), events
+        want = reference_pixels(model, pre, bodies[rid])
+        got = images_of(events)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w), rid
+
+
 def body(request_id: str, handles: dict, **kw) -> dict:
     b = {"request_id": request_id, "handles": handles, "mode": "t2i", "width": 128, "height": 128,
          "n": 1, "num_inference_steps": 2, "guidance_scale": 4.0, "seed": 11,
          "output_format": "png"}
     b.update(kw)
     return b
-
-
-def wait_until(cond, timeout: float = 30.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(interval)
-    raise TimeoutError("condition not met")
 
 
 def seeded(seed: int = 0):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
-from .genhelp import (body, errors_of, generate, images_of, prefixes, publish,
-                      reference_pixels)
+from .genhelp import (assert_same_images_as_reference, body, generate, prefixes, publish)
 
 
 def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):
@@ -35,14 +33,7 @@ def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):
         t.join(120)
     after = gen_server.metrics()
 
-    for rid, pre, _ in jobs:
-        status, events = results[rid]
-        assert status == 200 and not errors_of(events), events
-        want = reference_pixels(ref_model[0], pre, bodies[rid])
-        got = images_of(events)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert np.array_equal(g, w), rid
+    assert_same_images_as_reference(ref_model[0], results, jobs, bodies)
 
     # They really shared forwards: more job-steps than batched steps.
     steps = after["u1_gen_steps_total"] - before.get("u1_gen_steps_total", 0)

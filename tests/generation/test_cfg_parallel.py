@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
-from .genhelp import (GenServer, body, errors_of, generate, images_of, photo, prefixes,
-                      publish, reference_pixels)
+from .genhelp import (assert_same_images_as_reference, GenServer, body, generate, photo, prefixes, publish)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +40,5 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
         t.start()
     for t in threads:
         t.join(180)
-    for rid, pre, _ in cases:
-        status, events = results[rid]
-        assert status == 200 and not errors_of(events), events
-        want = reference_pixels(ref_model[0], pre, bodies[rid])
-        got = images_of(events)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert np.array_equal(g, w), rid
+    assert_same_images_as_reference(ref_model[0], results, cases, bodies)
     assert pool.stats()["pages_used"] == 0  # each rank released its own branches' pages

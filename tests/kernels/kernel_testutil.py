@@ -61,3 +61,13 @@ def build_prefill(seqs, hq, hkv, d, dtype, with_images=True, pool_extra=17, cont
     return dict(q=q, k_pool=k_pool, v_pool=v_pool, req_to_token=req_to_token, b_start=b_start,
                 b_seq_len=b_seq_len, cu_seqlens_q=cu,
                 image_end=image_end if with_images else None)
+
+# Mask cases shared by the reference and the interpreted kernel checks (interpreter tiles are 16x16, so the
+# spans cross block edges at 16/32/48).
+PREFILL_CASES = {
+    "image_crosses_block": [Seq(0, 40, ((10, 30),))],
+    "several_images": [Seq(0, 53, ((3, 10), (20, 37), (40, 45)))],
+    "image_at_start_and_end": [Seq(0, 29, ((0, 12), (20, 29)))],
+    "prefix_cache_offsets": [Seq(21, 19, ((25, 33),)), Seq(7, 1), Seq(33, 30, ((30, 50),))],
+    "length_one": [Seq(0, 1), Seq(0, 1, ((0, 1),)), Seq(5, 1)],
+}

@@ -5,16 +5,9 @@ import torch.nn.functional as F
 
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
-from kernel_testutil import Seq, build_prefill, rel_err
+from kernel_testutil import PREFILL_CASES, Seq, build_prefill, rel_err
 
-CASES = {
-    "image_crosses_block": [Seq(0, 40, ((10, 30),))],
-    "several_images": [Seq(0, 53, ((3, 10), (20, 37), (40, 45)))],
-    "image_at_start_and_end": [Seq(0, 29, ((0, 12), (20, 29)))],
-    "prefix_cache_offsets": [Seq(21, 19, ((25, 33),)), Seq(7, 1), Seq(33, 30, ((30, 50),))],
-    "length_one": [Seq(0, 1), Seq(0, 1, ((0, 1),)), Seq(5, 1)],
-    "text_only": [Seq(0, 37), Seq(11, 20), Seq(0, 1)],
-}
+CASES = {**PREFILL_CASES, "text_only": [Seq(0, 37), Seq(11, 20), Seq(0, 1)]}
 
 
 def _dense_mask_sdpa(inp, scale):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import time
 import traceback
 
 import torch
@@ -157,13 +156,6 @@ class Peer:
         self._conn.close()
 
 
-def wait_until(pred, timeout=10.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
-__all__ = ["Peer", "PeerError", "wait_until", "HandleError"]
+__all__ = ["Peer", "PeerError", "HandleError"]

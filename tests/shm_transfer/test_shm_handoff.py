@@ -11,7 +11,8 @@ import torch
 
 from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, export_kv,
                           import_kv, read_kv, write_kv)
-from shm_peer import Peer, PeerError, wait_until
+from shm_peer import Peer, PeerError
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,20 +2,14 @@
 import json
 import os
 import signal
-import time
 
 import httpx
+
+from tests.waiting import wait_until
 
 from .stackproc import ROOT, free_port
 
 
-def wait_for(pred, timeout=120.0, every=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(every)
-    return False
 
 
 def gateway_metric(stack, name: str) -> float:
@@ -37,7 +31,7 @@ def test_second_gateway_fails_over_from_dead_endpoints(stack):
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        assert wait_for(lambda: _up(base + "/v1/models"), 60)
+        assert wait_until(lambda: _up(base + "/v1/models"), 60)
         for _ in range(3):
             r = httpx.post(base + "/v1/images/generations", timeout=60,
                            json={"prompt": "x", "num_inference_steps": 1})
@@ -62,7 +56,7 @@ def test_gateway_with_a_wrong_internal_token_gets_a_clear_5xx(stack):
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        assert wait_for(lambda: _up(base + "/v1/models"), 60)
+        assert wait_until(lambda: _up(base + "/v1/models"), 60)
         r = httpx.post(base + "/v1/images/generations", timeout=60, json={"prompt": "x", "size": "64x64"})
         assert r.status_code == 502 and r.json()["error"]["code"] == "internal_auth_failed", r.text
     finally:
@@ -84,7 +78,7 @@ def test_client_disconnect_cancels_and_stack_keeps_serving(stack):
         for line in r.iter_lines():
             if "image_generation.progress" in line:
                 break          # leave mid-denoise
-    assert wait_for(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
+    assert wait_until(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
     # the engines are free again: a short job completes quickly
     r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
                    json={"prompt": "after cancel", "size": "64x64", "num_inference_steps": 1})
@@ -98,7 +92,7 @@ def test_non_stream_client_disconnect_is_cancelled(stack):
         httpx.post(stack.base + "/v1/images/generations", json=body, timeout=1.5)
     except httpx.TimeoutException:
         pass
-    assert wait_for(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
+    assert wait_until(lambda: gateway_metric(stack, "u1serve_gateway_cancelled_total") > before, 30)
 
 
 def test_kill_generation_mid_request_then_restart(stack):
@@ -129,7 +123,7 @@ def test_kill_generation_mid_request_then_restart(stack):
                    json={"prompt": "meanwhile", "size": "64x64", "num_inference_steps": 1})
     assert r.status_code in (200, 503), r.text
 
-    assert wait_for(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
+    assert wait_until(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
         stack.output()
     assert stack.service_pids()["gen"] != gen_pid
     stack.pids = stack.service_pids()     # teardown checks the new process group
@@ -146,7 +140,7 @@ def test_kill_understanding_then_restart_and_generation_reattaches(stack):
     r = httpx.post(stack.base + "/v1/images/generations", timeout=60,
                    json={"prompt": "while down", "size": "64x64", "num_inference_steps": 1})
     assert r.status_code in (200, 503), r.text     # 200 only if the restart already won the race
-    assert wait_for(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
+    assert wait_until(lambda: httpx.get(stack.base + "/health", timeout=5).status_code == 200, 180), \
         stack.output()
     stack.pids = stack.service_pids()
     assert stack.pids["und"] != und_pid

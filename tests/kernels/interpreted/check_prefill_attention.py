@@ -5,17 +5,9 @@ import torch
 
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_attention_triton
 
-from kernel_testutil import Seq, assert_close, build_prefill, poisoned, rel_err
+from kernel_testutil import PREFILL_CASES, Seq, assert_close, build_prefill, poisoned
 
-# interpreter tiles are 16x16, so spans below cross block edges at 16/32/48
-CASES = {
-    "image_crosses_block": [Seq(0, 40, ((10, 30),))],
-    "several_images": [Seq(0, 53, ((3, 10), (20, 37), (40, 45)))],
-    "image_at_start_and_end": [Seq(0, 29, ((0, 12), (20, 29)))],
-    "prefix_cache_offsets": [Seq(21, 19, ((25, 33),)), Seq(7, 1), Seq(33, 30, ((30, 50),))],
-    "length_one": [Seq(0, 1), Seq(0, 1, ((0, 1),)), Seq(5, 1)],
-    "mixed_batch": [Seq(0, 17, ((1, 16),)), Seq(3, 33), Seq(0, 5, ((0, 5),))],
-}
+CASES = {**PREFILL_CASES, "mixed_batch": [Seq(0, 17, ((1, 16),)), Seq(3, 33), Seq(0, 5, ((0, 5),))]}
 
 
 def _run_both(case, hq, hkv, d, dtype, with_images=True):
