@@ -80,7 +80,7 @@ def publish(pool: ShmKVPool, lengths: dict[str, int], t_offsets: dict[str, int])
 
 def job_spec(rid, handles, size, steps, cfg=4.0, n=1) -> GenerateJob:
     return GenerateJob(request_id=rid, handles=handles, mode="t2i", width=size, height=size, n=n,
-                       num_steps=steps, cfg_scale=cfg, img_cfg_scale=1.0, cfg_norm="none",
+                       num_inference_steps=steps, guidance_scale=cfg, image_guidance_scale=1.0, cfg_norm="none",
                        timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
                        output_format="png")
 

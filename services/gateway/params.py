@@ -52,8 +52,8 @@ class ImageJob:
 
     def prefix_body(self, request_id: str) -> dict[str, Any]:
         return {"request_id": request_id, "kind": self.kind, "prompt": self.prompt,
-                "images": self.images, "cfg_scale": self.guidance_scale,
-                "img_cfg_scale": self.image_guidance_scale, "think": self.think,
+                "images": self.images, "guidance_scale": self.guidance_scale,
+                "image_guidance_scale": self.image_guidance_scale, "think": self.think,
                 "max_think_tokens": self.max_think_tokens, "stream": True}
 
     def generate_body(self, request_id: str, handles: dict) -> dict[str, Any]:

@@ -50,8 +50,8 @@ class JobState:
         self.th, self.tw = spec.height // 32, spec.width // 32
         self.N = self.th * self.tw
         self.n = spec.n
-        self.num_steps = spec.num_steps
-        self.timesteps = sampler.timesteps(spec.num_steps, spec.timestep_shift, device=device)
+        self.num_inference_steps = spec.num_inference_steps
+        self.timesteps = sampler.timesteps(spec.num_inference_steps, spec.timestep_shift, device=device)
         self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
@@ -91,7 +91,7 @@ class JobState:
 
     @property
     def done(self) -> bool:
-        return self.step >= self.num_steps
+        return self.step >= self.num_inference_steps
 
     def active_branches(self) -> list[str]:
         """Branches whose velocity this step's CFG rule reads (outside the interval: cond only)."""

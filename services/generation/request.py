@@ -53,9 +53,9 @@ class GenerateJob:
     width: int
     height: int
     n: int
-    num_steps: int
-    cfg_scale: float
-    img_cfg_scale: float
+    num_inference_steps: int
+    guidance_scale: float
+    image_guidance_scale: float
     cfg_norm: str
     timestep_shift: float
     t_eps: float
@@ -140,8 +140,8 @@ def parse_generate(body: Any, fingerprint: str | None = None) -> GenerateJob:
             raise _bad(f"'{key}' must be a multiple of 32 (got {v})", key)
     n = _number(body, "n", 1, int, 1, MAX_IMAGES)
     steps = _number(body, "num_inference_steps", 50, int, 1, MAX_STEPS)
-    cfg_scale = _number(body, "guidance_scale", 4.0, float, 0.0, 100.0)
-    img_cfg_scale = _number(body, "image_guidance_scale", 1.0, float, 0.0, 100.0)
+    guidance_scale = _number(body, "guidance_scale", 4.0, float, 0.0, 100.0)
+    image_guidance_scale = _number(body, "image_guidance_scale", 1.0, float, 0.0, 100.0)
     shift = _number(body, "timestep_shift", 3.0, float, 1e-3, 100.0)
     t_eps = _number(body, "t_eps", 0.02, float, 1e-6, 1.0)
 
@@ -173,7 +173,7 @@ def parse_generate(body: Any, fingerprint: str | None = None) -> GenerateJob:
 
     ordered = {b: handles[b] for b in BRANCH_ORDER if b in handles}
     return GenerateJob(request_id=request_id, handles=ordered, mode=mode, width=width,
-                       height=height, n=n, num_steps=steps, cfg_scale=cfg_scale,
-                       img_cfg_scale=img_cfg_scale, cfg_norm=cfg_norm, timestep_shift=shift,
+                       height=height, n=n, num_inference_steps=steps, guidance_scale=guidance_scale,
+                       image_guidance_scale=image_guidance_scale, cfg_norm=cfg_norm, timestep_shift=shift,
                        t_eps=t_eps, cfg_interval=(float(interval[0]), float(interval[1])),
                        seed=seed, output_format=fmt)

@@ -6,9 +6,9 @@ from .request import BRANCH_ORDER, GenerateJob
 
 def sampler_params(job: GenerateJob):
     from services.model.sampler import SamplerParams
-    return SamplerParams(num_steps=job.num_steps, timestep_shift=job.timestep_shift,
-                         t_eps=job.t_eps, cfg_scale=job.cfg_scale,
-                         img_cfg_scale=job.img_cfg_scale, cfg_norm=job.cfg_norm,
+    return SamplerParams(num_inference_steps=job.num_inference_steps, timestep_shift=job.timestep_shift,
+                         t_eps=job.t_eps, guidance_scale=job.guidance_scale,
+                         image_guidance_scale=job.image_guidance_scale, cfg_norm=job.cfg_norm,
                          cfg_interval=tuple(job.cfg_interval), mode=job.mode)
 
 

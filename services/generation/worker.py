@@ -163,7 +163,7 @@ def _leader_loop(engine, comm, source, in_q, out_q, args: dict) -> None:
         seconds = time.perf_counter() - t0
         for job in list(engine.running) + finished:
             out_q.put({"request_id": job.request_id, "type": "progress", "step": job.step,
-                       "total": job.num_steps})
+                       "total": job.num_inference_steps})
         for job in finished:
             pixels = engine.pixels(job)
             for i in range(job.n):

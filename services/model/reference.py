@@ -214,10 +214,10 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
     th, tw = height // S.BLOCK, width // S.BLOCK
     s = S.noise_scale(model.cfg, th * tw)
     x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s)
-    grid = S.timesteps(params.num_steps, params.timestep_shift, device=model.device)
+    grid = S.timesteps(params.num_inference_steps, params.timestep_shift, device=model.device)
     needed = S.branches_needed(params)
     kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
-    for i in range(params.num_steps):
+    for i in range(params.num_inference_steps):
         t, t_next = grid[i], grid[i + 1]
         z = S.patchify(x)
         x_in = model.gen_embed(x, t, s)
@@ -226,7 +226,7 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
         z = S.euler(z, S.combine(v, params, i, float(t)), t, t_next)
         x = S.unpatchify(z, th, tw)
         if on_step is not None:
-            on_step(i + 1, params.num_steps)
+            on_step(i + 1, params.num_inference_steps)
     return x
 
 

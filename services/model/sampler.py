@@ -12,11 +12,11 @@ BLOCK = 32  # pixels per token side
 
 @dataclass
 class SamplerParams:
-    num_steps: int = 50
+    num_inference_steps: int = 50
     timestep_shift: float = 3.0
     t_eps: float = 0.02
-    cfg_scale: float = 4.0
-    img_cfg_scale: float = 1.0
+    guidance_scale: float = 4.0
+    image_guidance_scale: float = 1.0
     cfg_norm: str = "none"
     cfg_interval: tuple = field(default=(0.0, 1.0))
     mode: str = "t2i"  # "t2i" (cond/uncond) or "edit" (cond/img_cond/uncond)
@@ -28,8 +28,8 @@ class SamplerParams:
             raise ValueError(f"cfg_norm must be one of {CFG_NORMS}, got {self.cfg_norm!r}")
         if self.mode == "edit" and self.cfg_norm == "cfg_zero_star":
             raise ValueError("cfg_zero_star is only defined for text-to-image")
-        if self.num_steps < 1:
-            raise ValueError("num_steps must be >= 1")
+        if self.num_inference_steps < 1:
+            raise ValueError("num_inference_steps must be >= 1")
         lo, hi = self.cfg_interval
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"cfg_interval must satisfy 0 <= lo <= hi <= 1, got {self.cfg_interval}")
@@ -38,8 +38,8 @@ class SamplerParams:
 def branches_needed(p: SamplerParams) -> list[str]:
     """Which CFG prefixes a request needs, cond first (the 1/2/3-branch rule)."""
     if p.mode == "t2i":
-        return ["cond", "uncond"] if p.cfg_scale > 1 else ["cond"]
-    g, gi = p.cfg_scale, p.img_cfg_scale
+        return ["cond", "uncond"] if p.guidance_scale > 1 else ["cond"]
+    g, gi = p.guidance_scale, p.image_guidance_scale
     if g == 1 and gi == 1:
         return ["cond"]
     if gi == 1:
@@ -49,9 +49,9 @@ def branches_needed(p: SamplerParams) -> list[str]:
     return ["cond", "img_cond", "uncond"]
 
 
-def timesteps(num_steps: int, shift: float, device=None) -> torch.Tensor:
+def timesteps(num_inference_steps: int, shift: float, device=None) -> torch.Tensor:
     """fp32 grid from 0 (noise) to 1 (clean), shifted: sigma' = S*sigma / (1 + (S-1)*sigma)."""
-    t = torch.linspace(0.0, 1.0, num_steps + 1, device=device)
+    t = torch.linspace(0.0, 1.0, num_inference_steps + 1, device=device)
     sigma = 1 - t
     sigma = shift * sigma / (1 + (shift - 1) * sigma)
     return 1 - sigma
@@ -104,7 +104,7 @@ def _renorm(v: torch.Tensor, v_cond: torch.Tensor, how: str) -> torch.Tensor:
 def uses_cfg(p: SamplerParams, t: float) -> bool:
     lo, hi = p.cfg_interval
     if p.mode == "t2i":
-        return p.cfg_scale > 1 and lo <= t <= hi  # inclusive (T2I)
+        return p.guidance_scale > 1 and lo <= t <= hi  # inclusive (T2I)
     return (lo < t < hi) or lo == 0  # editing rule
 
 
@@ -113,7 +113,7 @@ def combine(v: dict, p: SamplerParams, step_index: int, t: float) -> torch.Tenso
     vc = v["cond"]
     if not uses_cfg(p, t) or len(v) == 1:
         return vc
-    g, gi = p.cfg_scale, p.img_cfg_scale
+    g, gi = p.guidance_scale, p.image_guidance_scale
     if p.mode == "t2i":
         vu = v["uncond"]
         if p.cfg_norm == "cfg_zero_star":

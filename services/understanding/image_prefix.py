@@ -57,7 +57,7 @@ class ImagePrefixService:
         if kind == "t2i" and images:
             raise bad_request("t2i takes no images", "images")
         nums = {}
-        for name, default in (("cfg_scale", 4.0), ("img_cfg_scale", 1.0)):
+        for name, default in (("guidance_scale", 4.0), ("image_guidance_scale", 1.0)):
             v = body.get(name, default)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise bad_request(f"{name} must be a non-negative number", name)
@@ -69,7 +69,7 @@ class ImagePrefixService:
         limit = self.svc.args.max_think_tokens
         if isinstance(mtt, bool) or not isinstance(mtt, int) or not 1 <= mtt <= limit:
             raise bad_request(f"max_think_tokens must be an integer in [1, {limit}]", "max_think_tokens")
-        params = S.SamplerParams(cfg_scale=nums["cfg_scale"], img_cfg_scale=nums["img_cfg_scale"], mode=kind)
+        params = S.SamplerParams(guidance_scale=nums["guidance_scale"], image_guidance_scale=nums["image_guidance_scale"], mode=kind)
         return rid, kind, prompt, images, params, think, mtt, bool(body.get("stream", False))
 
     def _inputs(self, kind, prompt, images, params, think):

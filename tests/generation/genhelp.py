@@ -125,10 +125,10 @@ def reference_pixels(model, prefixes, body: dict) -> np.ndarray:
     """uint8 [n, H, W, 3] of the reference pipeline for a generate body."""
     from services.model import reference as R
     from services.model import sampler as S
-    params = S.SamplerParams(num_steps=body["num_inference_steps"],
+    params = S.SamplerParams(num_inference_steps=body["num_inference_steps"],
                              timestep_shift=body.get("timestep_shift", 3.0),
-                             t_eps=body.get("t_eps", 0.02), cfg_scale=body["guidance_scale"],
-                             img_cfg_scale=body.get("image_guidance_scale", 1.0),
+                             t_eps=body.get("t_eps", 0.02), guidance_scale=body["guidance_scale"],
+                             image_guidance_scale=body.get("image_guidance_scale", 1.0),
                              cfg_norm=body.get("cfg_norm", "none"),
                              cfg_interval=tuple(body.get("cfg_interval", (0.0, 1.0))),
                              mode=body.get("mode", "t2i"))

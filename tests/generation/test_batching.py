@@ -9,12 +9,12 @@ from .genhelp import (assert_same_images_as_reference, body, generate, prefixes,
 
 def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):
     jobs = [
-        ("batch-a", prefixes(ref_model, cfg_scale=4.0),
+        ("batch-a", prefixes(ref_model, guidance_scale=4.0),
          dict(width=128, height=128, num_inference_steps=6, seed=1)),
-        ("batch-b", prefixes(ref_model, prompt="a green dog", cfg_scale=2.5, cfg_norm="global"),
+        ("batch-b", prefixes(ref_model, prompt="a green dog", guidance_scale=2.5, cfg_norm="global"),
          dict(width=160, height=128, n=2, num_inference_steps=3, seed=2, guidance_scale=2.5,
               cfg_norm="global")),
-        ("batch-c", prefixes(ref_model, prompt="a house", cfg_scale=1.0),
+        ("batch-c", prefixes(ref_model, prompt="a house", guidance_scale=1.0),
          dict(width=128, height=192, num_inference_steps=4, seed=3, guidance_scale=1.0)),
     ]
     before = gen_server.metrics()

@@ -21,12 +21,12 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
     status, health = cfgp_server.health()
     assert status == 200 and health["cfg_parallel"] == 2 and len(health["engine_pids"]) == 2
     cases = [
-        ("cfgp-t2i", prefixes(ref_model, cfg_scale=4.0),
+        ("cfgp-t2i", prefixes(ref_model, guidance_scale=4.0),
          dict(n=2, cfg_norm="cfg_zero_star")),
-        ("cfgp-1branch", prefixes(ref_model, cfg_scale=1.0),
+        ("cfgp-1branch", prefixes(ref_model, guidance_scale=1.0),
          dict(guidance_scale=1.0, width=160)),
-        ("cfgp-edit3", prefixes(ref_model, "edit", "make it blue", [photo(5)], cfg_scale=4.0,
-                                img_cfg_scale=1.5),
+        ("cfgp-edit3", prefixes(ref_model, "edit", "make it blue", [photo(5)], guidance_scale=4.0,
+                                image_guidance_scale=1.5),
          dict(mode="edit", guidance_scale=4.0, image_guidance_scale=1.5, num_inference_steps=3)),
     ]
     bodies = {rid: body(rid, publish(pool, pre), **kw) for rid, pre, kw in cases}

@@ -37,13 +37,13 @@ def _exported(und, handles):
 
 
 CASES = [
-    ("e2e-t2i", dict(kind="t2i", prompt="a red cube", cfg_scale=4.0),
+    ("e2e-t2i", dict(kind="t2i", prompt="a red cube", guidance_scale=4.0),
      dict(cfg_norm="global", n=2)),
-    ("e2e-think", dict(kind="t2i", prompt="a cat", cfg_scale=4.0, think=True, max_think_tokens=5),
+    ("e2e-think", dict(kind="t2i", prompt="a cat", guidance_scale=4.0, think=True, max_think_tokens=5),
      dict(cfg_norm="cfg_zero_star")),
-    ("e2e-edit2", dict(kind="edit", prompt="make it blue", cfg_scale=4.0, img_cfg_scale=1.0),
+    ("e2e-edit2", dict(kind="edit", prompt="make it blue", guidance_scale=4.0, image_guidance_scale=1.0),
      dict(mode="edit", cfg_norm="channel")),
-    ("e2e-edit3", dict(kind="edit", prompt="add a hat", cfg_scale=4.0, img_cfg_scale=2.0),
+    ("e2e-edit3", dict(kind="edit", prompt="add a hat", guidance_scale=4.0, image_guidance_scale=2.0),
      dict(mode="edit", image_guidance_scale=2.0)),
 ]
 
@@ -58,7 +58,7 @@ def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     assert status == 200, out
     handles = out["handles"]
     exported = _exported(und, handles)
-    b = body(rid, handles, guidance_scale=prefix_req["cfg_scale"], **gen_kw)
+    b = body(rid, handles, guidance_scale=prefix_req["guidance_scale"], **gen_kw)
     status, events = generate(gen.url, b)
     assert status == 200 and not errors_of(events), events
     got = images_of(events)
@@ -68,8 +68,8 @@ def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
     # 2) the whole pipeline agrees with the reference pipeline from the prompt
-    params = S.SamplerParams(cfg_scale=prefix_req["cfg_scale"],
-                             img_cfg_scale=prefix_req.get("img_cfg_scale", 1.0),
+    params = S.SamplerParams(guidance_scale=prefix_req["guidance_scale"],
+                             image_guidance_scale=prefix_req.get("image_guidance_scale", 1.0),
                              mode=prefix_req["kind"])
     pre = R.image_prefixes(model, tok, prefix_req["kind"], prefix_req["prompt"], pils, params,
                            prefix_req.get("think", False), prefix_req.get("max_think_tokens", 1024))
@@ -97,7 +97,7 @@ def test_pool_full_is_503_then_succeeds(stack):
     held = []
     for i in range(50):  # hold prefixes without generating until the pool is full
         status, out = und.image_prefix(request_id=f"fill-{i}", kind="t2i", prompt="x" * 40,
-                                       cfg_scale=4.0, stream=False)
+                                       guidance_scale=4.0, stream=False)
         if status != 200:
             break
         held.append(out["handles"])
@@ -109,7 +109,7 @@ def test_pool_full_is_503_then_succeeds(stack):
     # ... and once the rest are released, new prefixes succeed end to end
     und.release([h for hs in held for h in hs.values()])
     status, out = und.image_prefix(request_id="after-full", kind="t2i", prompt="a boat",
-                                   cfg_scale=4.0, stream=False)
+                                   guidance_scale=4.0, stream=False)
     assert status == 200, out
     status, events = generate(gen.url, body("after-full", out["handles"]))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1

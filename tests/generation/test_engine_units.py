@@ -20,7 +20,7 @@ H = {"cond": {"model_fingerprint": "f"}, "uncond": {"model_fingerprint": "f"}}
 
 def test_parse_defaults_and_errors():
     job = parse_generate({"request_id": "r", "handles": H, "width": 64, "height": 96})
-    assert (job.n, job.num_steps, job.cfg_scale, job.cfg_norm, job.output_format) == (1, 50, 4.0, "none", "png")
+    assert (job.n, job.num_inference_steps, job.guidance_scale, job.cfg_norm, job.output_format) == (1, 50, 4.0, "none", "png")
     assert job.num_tokens == 6 and job.branches == ["cond", "uncond"] and 0 <= job.seed < 2**31
     for bad, param in [({"width": 33}, "width"), ({"n": 0}, "n"), ({"num_inference_steps": 1.5},
                        "num_inference_steps"), ({"cfg_interval": [0.9, 0.1]}, "cfg_interval"),
@@ -66,7 +66,7 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
     dt = torch.bfloat16
     ref_model, gen = load_model(tiny_dir, "both", dtype=dt), load_model(tiny_dir, "gen", dtype=dt)
     tok = NeoTokenizer.from_dir(tiny_dir)
-    params = S.SamplerParams(num_steps=3, cfg_scale=4.0, cfg_norm="global")
+    params = S.SamplerParams(num_inference_steps=3, guidance_scale=4.0, cfg_norm="global")
     pre = R.image_prefixes(ref_model, tok, "t2i", "a red cat", [], params)
     want = R.denoise(ref_model, pre, 128, 160, params, seed=5, n=2)
     pool = make_pool(gen, dtype="bfloat16")

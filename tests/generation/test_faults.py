@@ -64,7 +64,7 @@ class Stream(threading.Thread):
 
 
 def _pre(ref_model):
-    return prefixes(ref_model, cfg_scale=4.0)
+    return prefixes(ref_model, guidance_scale=4.0)
 
 
 def test_pool_missing_is_503_then_attaches(fault_env, ref_model):

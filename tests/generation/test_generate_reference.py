@@ -32,18 +32,18 @@ def run_and_compare(gen_server, pool, ref_model, pre, rid, **kw):
 
 @pytest.mark.parametrize("cfg_norm", ["none", "global", "channel", "cfg_zero_star"])
 def test_t2i_every_cfg_norm(gen_server, pool, ref_model, cfg_norm):
-    pre = prefixes(ref_model, cfg_scale=4.0)
+    pre = prefixes(ref_model, guidance_scale=4.0)
     run_and_compare(gen_server, pool, ref_model, pre, f"t2i-{cfg_norm}", cfg_norm=cfg_norm,
                     n=2 if cfg_norm == "none" else 1)
     assert pool.stats()["pages_used"] == 0  # pages freed right after the import
 
 
 def test_t2i_single_branch_and_cfg_interval(gen_server, pool, ref_model):
-    pre = prefixes(ref_model, cfg_scale=1.0)
+    pre = prefixes(ref_model, guidance_scale=1.0)
     assert set(pre) == {"cond"}
     run_and_compare(gen_server, pool, ref_model, pre, "t2i-nocfg", guidance_scale=1.0,
                     width=160, height=128)
-    pre = prefixes(ref_model, cfg_scale=3.0)
+    pre = prefixes(ref_model, guidance_scale=3.0)
     run_and_compare(gen_server, pool, ref_model, pre, "t2i-interval", guidance_scale=3.0,
                     cfg_interval=[0.2, 0.8], num_inference_steps=4, timestep_shift=2.0, t_eps=0.05)
 
@@ -55,7 +55,7 @@ def test_t2i_single_branch_and_cfg_interval(gen_server, pool, ref_model):
 ])
 def test_edit_matches_reference(gen_server, pool, ref_model, g, gi, branches):
     pre = prefixes(ref_model, "edit", "make it blue", [photo(1), photo(2, 96, 64)],
-                   cfg_scale=g, img_cfg_scale=gi, cfg_norm="global")
+                   guidance_scale=g, image_guidance_scale=gi, cfg_norm="global")
     assert set(pre) == branches
     run_and_compare(gen_server, pool, ref_model, pre, f"edit-{len(branches)}-{g}", mode="edit",
                     guidance_scale=g, image_guidance_scale=gi, cfg_norm="global", width=128,
@@ -63,14 +63,14 @@ def test_edit_matches_reference(gen_server, pool, ref_model, g, gi, branches):
 
 
 def test_think_prefix(gen_server, pool, ref_model):
-    pre = prefixes(ref_model, think=True, cfg_scale=4.0)
+    pre = prefixes(ref_model, think=True, guidance_scale=4.0)
     assert pre["cond"].think_text is not None
     assert pre["cond"].t_offset != pre["uncond"].t_offset
     run_and_compare(gen_server, pool, ref_model, pre, "t2i-think", cfg_norm="channel")
 
 
 def test_output_formats(gen_server, pool, ref_model):
-    pre = prefixes(ref_model, cfg_scale=4.0)
+    pre = prefixes(ref_model, guidance_scale=4.0)
     for fmt in ("jpeg", "webp"):
         b = body(f"fmt-{fmt}", publish(pool, pre), output_format=fmt)
         status, events = generate(gen_server.url, b)

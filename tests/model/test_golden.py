@@ -28,7 +28,7 @@ def model_tok():
 @pytest.fixture(scope="module")
 def params():
     meta = torch.load(CASE + ".kv.pt", weights_only=True)["meta"]
-    return S.SamplerParams(num_steps=meta["steps"], cfg_scale=meta["cfg"], cfg_norm=meta["cfg_norm"],
+    return S.SamplerParams(num_inference_steps=meta["steps"], guidance_scale=meta["cfg"], cfg_norm=meta["cfg_norm"],
                            timestep_shift=meta["shift"], t_eps=meta["t_eps"])
 
 
@@ -57,7 +57,7 @@ def test_every_denoise_step_matches(model_tok, params):
     pre = R.image_prefixes(model, tok, "t2i", gold["meta"]["prompt"], [], params)
     th = tw = 64 // 32
     s = S.noise_scale(model.cfg, th * tw)
-    grid = S.timesteps(params.num_steps, params.timestep_shift)
+    grid = S.timesteps(params.num_inference_steps, params.timestep_shift)
     for rec in trace:
         t = torch.tensor(rec["t"])
         assert any(abs(float(g) - rec["t"]) < 1e-7 for g in grid)

@@ -110,7 +110,7 @@ def _v(seed):
 
 def test_t2i_cfg_rows():
     vc, vu = _v(1), _v(2)
-    p = S.SamplerParams(cfg_scale=4.0)
+    p = S.SamplerParams(guidance_scale=4.0)
     torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, p, 1, 0.5), vu + 4 * (vc - vu))
     g = S.combine({"cond": vc, "uncond": vu}, S.SamplerParams(cfg_norm="global"), 1, 0.5)
     raw = vu + 4 * (vc - vu)
@@ -123,11 +123,11 @@ def test_t2i_cfg_rows():
     assert torch.equal(S.combine({"cond": vc, "uncond": vu}, zs, 0, 0.0), torch.zeros_like(vc))
     alpha = ((vc * vu).flatten(1).sum(1) / ((vu ** 2).flatten(1).sum(1) + 1e-8)).view(2, 1, 1)
     torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, zs, 1, 0.5), alpha * vu + 4 * (vc - alpha * vu))
-    # interval is inclusive for T2I; cfg_scale 1 -> cond only (and no uncond branch)
+    # interval is inclusive for T2I; guidance_scale 1 -> cond only (and no uncond branch)
     p2 = S.SamplerParams(cfg_interval=(0.2, 0.5))
     assert S.uses_cfg(p2, 0.5) and S.uses_cfg(p2, 0.2) and not S.uses_cfg(p2, 0.6)
     assert torch.equal(S.combine({"cond": vc, "uncond": vu}, p2, 3, 0.6), vc)
-    assert S.branches_needed(S.SamplerParams(cfg_scale=1.0)) == ["cond"]
+    assert S.branches_needed(S.SamplerParams(guidance_scale=1.0)) == ["cond"]
 
 
 def test_edit_cfg_rows():
@@ -135,7 +135,7 @@ def test_edit_cfg_rows():
     v = {"cond": vc, "img_cond": vi, "uncond": vu}
 
     def run(g, gi):
-        p = S.SamplerParams(mode="edit", cfg_scale=g, img_cfg_scale=gi)
+        p = S.SamplerParams(mode="edit", guidance_scale=g, image_guidance_scale=gi)
         need = S.branches_needed(p)
         return need, S.combine({b: v[b] for b in need}, p, 1, 0.5)
 

@@ -66,7 +66,7 @@ def test_images_generate_n2_matches_reference(openai_client, reference):
     got = [decode(d.b64_json) for d in r.data]
     assert all(im.size == (64, 64) and im.format == "PNG" for im in got)
     model, tok = reference
-    x, _ = R.text_to_image(model, tok, "a red fox", 64, 64, SamplerParams(num_steps=STEPS), seed=7, n=2)
+    x, _ = R.text_to_image(model, tok, "a red fox", 64, 64, SamplerParams(num_inference_steps=STEPS), seed=7, n=2)
     for im, ref in zip(got, R.to_pil(x)):
         close_to(im, ref)
 
@@ -97,7 +97,7 @@ def test_images_edit_two_files_matches_reference(openai_client, reference):
     assert im.size == (128, 32)    # first input's aspect ratio at the default area (64x64)
     model, tok = reference
     x, _ = R.edit(model, tok, "make it blue", [load_image(a), load_image(b)], 128, 32,
-                  SamplerParams(num_steps=STEPS, mode="edit"), seed=3)
+                  SamplerParams(num_inference_steps=STEPS, mode="edit"), seed=3)
     close_to(im, R.to_pil(x)[0])
 
 

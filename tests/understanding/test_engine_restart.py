@@ -122,7 +122,7 @@ def test_engine_sigkill_recovers(crash_servers, ref):
     chat = threading.Thread(target=post, args=("chat", "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}))
     prefix = threading.Thread(target=post, args=("prefix", "/internal/image_prefix", {
-        "request_id": "crash-prefix", "kind": "t2i", "prompt": "a red cube", "cfg_scale": 4.0}, H))
+        "request_id": "crash-prefix", "kind": "t2i", "prompt": "a red cube", "guidance_scale": 4.0}, H))
     chat.start()
     prefix.start()
     try:

@@ -44,7 +44,7 @@ def _read_back(server, handle: dict) -> torch.Tensor:
 
 def _check_against_reference(server, ref, body, handles, think_text, pils=()):
     model, tok = ref
-    params = S.SamplerParams(cfg_scale=body.get("cfg_scale", 4.0), img_cfg_scale=body.get("img_cfg_scale", 1.0),
+    params = S.SamplerParams(guidance_scale=body.get("guidance_scale", 4.0), image_guidance_scale=body.get("image_guidance_scale", 1.0),
                              mode=body["kind"])
     expected = R.image_prefixes(model, tok, body["kind"], body["prompt"], list(pils), params,
                                 body.get("think", False), body.get("max_think_tokens", 1024))
@@ -64,7 +64,7 @@ def _check_against_reference(server, ref, body, handles, think_text, pils=()):
 
 
 def test_t2i_prefix_matches_reference(server, ref):
-    body = {"request_id": "t2i-1", "kind": "t2i", "prompt": "a red cube on a table", "cfg_scale": 4.0}
+    body = {"request_id": "t2i-1", "kind": "t2i", "prompt": "a red cube on a table", "guidance_scale": 4.0}
     r = _post(server, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -76,7 +76,7 @@ def test_t2i_prefix_matches_reference(server, ref):
 def test_edit_prefix_matches_reference(server, ref, n_images, img_cfg):
     imgs = [make_image(40 + i, 70 + 30 * i, 50) for i in range(n_images)]
     body = {"request_id": f"edit-{n_images}", "kind": "edit", "prompt": "make it blue",
-            "images": [url for _, url in imgs], "cfg_scale": 4.0, "img_cfg_scale": img_cfg}
+            "images": [url for _, url in imgs], "guidance_scale": 4.0, "image_guidance_scale": img_cfg}
     r = _post(server, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
     handles = r.json()["handles"]
@@ -85,7 +85,7 @@ def test_edit_prefix_matches_reference(server, ref, n_images, img_cfg):
 
 
 def test_think_prefix_streams_and_matches_reference(server, ref):
-    body = {"request_id": "think-1", "kind": "t2i", "prompt": "a lighthouse", "cfg_scale": 4.0, "think": True,
+    body = {"request_id": "think-1", "kind": "t2i", "prompt": "a lighthouse", "guidance_scale": 4.0, "think": True,
             "max_think_tokens": 12}
     events = _stream_prefix(server, body)
     assert events[-1] == "[DONE]"
@@ -97,7 +97,7 @@ def test_think_prefix_streams_and_matches_reference(server, ref):
 
 
 def test_tp2_prefix_export_matches_reference(server_tp2, ref):
-    body = {"request_id": "tp2-think", "kind": "t2i", "prompt": "two cats", "cfg_scale": 3.0, "think": True,
+    body = {"request_id": "tp2-think", "kind": "t2i", "prompt": "two cats", "guidance_scale": 3.0, "think": True,
             "max_think_tokens": 6}
     r = _post(server_tp2, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
@@ -105,7 +105,7 @@ def test_tp2_prefix_export_matches_reference(server_tp2, ref):
 
 
 def test_pool_full_is_fast_503_and_recovers(server_plain):
-    body = {"kind": "t2i", "prompt": "a small house", "cfg_scale": 4.0}
+    body = {"kind": "t2i", "prompt": "a small house", "guidance_scale": 4.0}
     first = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-1"})
     assert first.status_code == 200, first.text
     second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=10)
@@ -125,7 +125,7 @@ def test_internal_endpoints_need_the_token(server):
 
 
 def test_internal_abort_stops_a_prefix_and_frees_its_pages(server):
-    body = {"request_id": "abort-me", "kind": "t2i", "prompt": "endless thoughts", "cfg_scale": 4.0,
+    body = {"request_id": "abort-me", "kind": "t2i", "prompt": "endless thoughts", "guidance_scale": 4.0,
             "think": True, "max_think_tokens": 500, "stream": True}
     events = []
     with httpx.stream("POST", server.url + "/internal/image_prefix", json=body, headers=H, timeout=120) as r:

@@ -35,7 +35,7 @@ async def _chat(client: AsyncOpenAI, i: int, rng: random.Random, cancel_after: i
 
 
 async def _prefix(url: str, i: int, cancel: bool):
-    body = {"request_id": f"load-{i}", "kind": "t2i", "prompt": f"picture {i}", "cfg_scale": 4.0,
+    body = {"request_id": f"load-{i}", "kind": "t2i", "prompt": f"picture {i}", "guidance_scale": 4.0,
             "think": True, "max_think_tokens": 40, "stream": True}
     headers = {"X-U1-Internal-Token": TOKEN}
     async with httpx.AsyncClient(timeout=300) as c:
@@ -85,7 +85,7 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
 
 
 def test_non_stream_prefix_client_gone_frees_pages(server):
-    body = {"request_id": "gone-1", "kind": "t2i", "prompt": "a long think", "cfg_scale": 4.0, "think": True,
+    body = {"request_id": "gone-1", "kind": "t2i", "prompt": "a long think", "guidance_scale": 4.0, "think": True,
             "max_think_tokens": 400}
     try:
         httpx.post(server.url + "/internal/image_prefix", json=body, headers={"X-U1-Internal-Token": TOKEN},
