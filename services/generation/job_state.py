@@ -44,7 +44,6 @@ class JobState:
         self.spec = spec
         self.request_id = spec.request_id
         self.params = sampler_params(spec)
-        self.params.validate()
         self.branches = spec.branches                 # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
         self.th, self.tw = spec.height // 32, spec.width // 32

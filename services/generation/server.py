@@ -46,7 +46,7 @@ def _check_branches(job: GenerateJob) -> None:
     """The handles must be exactly the CFG branches the sampling parameters need."""
     from .sampling import branches_for, sampler_params
     try:
-        sampler_params(job).validate()
+        sampler_params(job)
     except ValueError as e:
         raise ApiError(400, str(e), code="invalid_value") from e
     need = branches_for(job)

@@ -208,7 +208,6 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
             seed: int = 0, n: int = 1, on_step=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1]."""
-    params.validate()
     if width % S.BLOCK or height % S.BLOCK:
         raise ValueError(f"width and height must be multiples of {S.BLOCK}")
     th, tw = height // S.BLOCK, width // S.BLOCK

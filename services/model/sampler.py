@@ -2,51 +2,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-CFG_NORMS = ("none", "global", "channel", "cfg_zero_star")
+from services.contract.image import SamplerParams  # noqa: F401  (the one declaration)
+
 BLOCK = 32  # pixels per token side
 
 
-@dataclass
-class SamplerParams:
-    num_inference_steps: int = 50
-    timestep_shift: float = 3.0
-    t_eps: float = 0.02
-    guidance_scale: float = 4.0
-    image_guidance_scale: float = 1.0
-    cfg_norm: str = "none"
-    cfg_interval: tuple = field(default=(0.0, 1.0))
-    mode: str = "t2i"  # "t2i" (cond/uncond) or "edit" (cond/img_cond/uncond)
-
-    def validate(self) -> None:
-        if self.mode not in ("t2i", "edit"):
-            raise ValueError(f"mode must be t2i or edit, got {self.mode!r}")
-        if self.cfg_norm not in CFG_NORMS:
-            raise ValueError(f"cfg_norm must be one of {CFG_NORMS}, got {self.cfg_norm!r}")
-        if self.mode == "edit" and self.cfg_norm == "cfg_zero_star":
-            raise ValueError("cfg_zero_star is only defined for text-to-image")
-        if self.num_inference_steps < 1:
-            raise ValueError("num_inference_steps must be >= 1")
-        lo, hi = self.cfg_interval
-        if not 0.0 <= lo <= hi <= 1.0:
-            raise ValueError(f"cfg_interval must satisfy 0 <= lo <= hi <= 1, got {self.cfg_interval}")
-
-
 def branches_needed(p: SamplerParams) -> list[str]:
-    """Which CFG prefixes a request needs, cond first (the 1/2/3-branch rule)."""
-    if p.mode == "t2i":
-        return ["cond", "uncond"] if p.guidance_scale > 1 else ["cond"]
-    g, gi = p.guidance_scale, p.image_guidance_scale
-    if g == 1 and gi == 1:
-        return ["cond"]
-    if gi == 1:
-        return ["cond", "img_cond"]
-    if g == gi:
-        return ["cond", "uncond"]
-    return ["cond", "img_cond", "uncond"]
+    """Which CFG prefixes a request needs, cond first (the 1/2/3-branch rule; declared with the contract)."""
+    return p.branches()
 
 
 def timesteps(num_inference_steps: int, shift: float, device=None) -> torch.Tensor:

@@ -151,7 +151,7 @@ def test_edit_cfg_rows():
     p = S.SamplerParams(mode="edit", cfg_interval=(0.2, 0.5))
     assert not S.uses_cfg(p, 0.2) and S.uses_cfg(p, 0.3)
     with pytest.raises(ValueError):
-        S.SamplerParams(mode="edit", cfg_norm="cfg_zero_star").validate()
+        S.SamplerParams(mode="edit", cfg_norm="cfg_zero_star")
 
 
 def test_velocity_clamp():

@@ -1,0 +1,122 @@
+"""Chat requests: OpenAI's chat completion body (plus the vLLM-style extensions u1serve serves) and the text
+sampling fields shared with the native /generate API. Validated by the gateway and again by understanding."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from . import limits as L
+from .image import ImageOptions
+from .types import PUBLIC, Float, Int
+
+
+class TextPart(BaseModel):
+    model_config = PUBLIC
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = PUBLIC
+    url: str = Field(description="a data URL (data:image/png;base64,...) or bare base64; remote URLs are refused")
+    detail: Optional[str] = None
+
+
+class ImagePart(BaseModel):
+    model_config = PUBLIC
+    type: Literal["image_url"]
+    image_url: Union[ImageURL, str]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = PUBLIC
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+
+    @model_validator(mode="after")
+    def _images_from_users(self) -> "ChatMessage":
+        if self.role != "user" and isinstance(self.content, list) and any(
+                isinstance(p, ImagePart) for p in self.content):
+            raise ValueError("images are only allowed in user messages")
+        return self
+
+
+class TextSampling(BaseModel):
+    """Sampling fields (OpenAI + vLLM names). temperature below 1e-5 means greedy."""
+    model_config = PUBLIC
+    max_tokens: Optional[Int] = Field(None, ge=1, description="default: what is left of the context")
+    temperature: Float = Field(1.0, ge=0.0, le=L.MAX_TEMPERATURE)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(-1, ge=-1, description="-1 or 0 = off")
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, le=L.MAX_REPETITION_PENALTY)
+    presence_penalty: Float = Field(0.0, ge=-L.MAX_ABS_PENALTY, le=L.MAX_ABS_PENALTY)
+    frequency_penalty: Float = Field(0.0, ge=-L.MAX_ABS_PENALTY, le=L.MAX_ABS_PENALTY)
+    seed: Optional[Int] = Field(None, ge=0, le=L.SEED_MAX)
+    stop: Union[str, list[str], None] = Field(None, description=f"up to {L.MAX_STOP_STRINGS} strings")
+    stop_token_ids: list[Int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if v is None:
+            return v
+        items = [v] if isinstance(v, str) else v
+        if len(items) > L.MAX_STOP_STRINGS or not all(s for s in items):
+            raise ValueError(f"stop must be a non-empty string or up to {L.MAX_STOP_STRINGS} non-empty strings")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < L.GREEDY_TEMPERATURE or self.top_k == 1
+
+
+class StreamOptions(BaseModel):
+    model_config = PUBLIC
+    include_usage: bool = False
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = PUBLIC
+    enable_thinking: Optional[bool] = None
+
+
+class ChatCompletionRequest(TextSampling):
+    """POST /v1/chat/completions."""
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[Int] = Field(None, ge=1)
+    n: Int = Field(1, ge=1, le=1, description="choices per request")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    modalities: Optional[list[Literal["text", "image"]]] = None
+    image_config: Optional[ImageOptions] = Field(None, description="image options when modalities has 'image'")
+    return_token_ids: bool = Field(False, description="add the output token ids to each choice / chunk")
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
+                                      description="prefix-cache isolation: only requests with the same salt share")
+
+    @model_validator(mode="after")
+    def _has_user(self) -> "ChatCompletionRequest":
+        if not any(m.role == "user" for m in self.messages):
+            raise ValueError("messages must contain at least one user message")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    @property
+    def wants_image(self) -> bool:
+        return bool(self.modalities) and "image" in self.modalities

@@ -1,0 +1,227 @@
+"""Image requests: the denoiser's parameters (SamplerParams), the public request fields, and the two internal
+bodies the gateway builds from them (PrefixRequest -> understanding, GenerateRequest -> generation).
+
+One name per parameter from the API to the sampler; each field's type, range and default is declared here once.
+The gateway validates a request completely before any work starts; the engines validate the same models again
+(cheap) and otherwise check only invariants (handles, fingerprints, pool geometry).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+
+from . import limits as L
+from .types import INTERNAL, PUBLIC, Float, Int
+
+CfgNorm = Literal["none", "global", "channel", "cfg_zero_star"]
+OutputFormat = Literal["png", "jpeg", "webp"]
+ResponseFormat = Literal["b64_json", "url"]
+Branch = Literal["cond", "uncond", "img_cond"]
+Mode = Literal["t2i", "edit"]
+BRANCH_ORDER: tuple[str, ...] = ("cond", "uncond", "img_cond")
+
+# Accepted spellings of the canonical names (other APIs and the official code use them).
+ALIASES = {"steps": "num_inference_steps", "cfg_scale": "guidance_scale", "img_cfg_scale": "image_guidance_scale",
+           "flow_shift": "timestep_shift", "think_mode": "think"}
+
+
+class Guidance(BaseModel):
+    """What decides the CFG branches (and so which prefixes understanding computes)."""
+    model_config = INTERNAL
+    mode: Mode = "t2i"
+    guidance_scale: Float = Field(4.0, ge=0.0, le=L.MAX_GUIDANCE, description="text CFG scale (1 = no CFG)")
+    image_guidance_scale: Float = Field(1.0, ge=0.0, le=L.MAX_GUIDANCE,
+                                        description="image CFG scale for edits (1 = off)")
+
+    def branches(self) -> list[str]:
+        """The CFG prefixes this request needs, cond first (the official 1/2/3-branch rule)."""
+        if self.mode == "t2i":
+            return ["cond", "uncond"] if self.guidance_scale > 1 else ["cond"]
+        g, gi = self.guidance_scale, self.image_guidance_scale
+        if g == 1 and gi == 1:
+            return ["cond"]
+        if gi == 1:
+            return ["cond", "img_cond"]
+        if g == gi:
+            return ["cond", "uncond"]
+        return ["cond", "img_cond", "uncond"]
+
+
+class SamplerParams(Guidance):
+    """The denoiser's parameters under their API names; services.model.sampler reads exactly these."""
+    num_inference_steps: Int = Field(50, ge=1, le=L.MAX_STEPS)
+    cfg_norm: CfgNorm = Field("none", description="CFG renormalisation; cfg_zero_star only for text-to-image")
+    timestep_shift: Float = Field(3.0, ge=0.01, le=100.0)
+    t_eps: Float = Field(0.02, ge=1e-6, le=1.0)
+    cfg_interval: tuple[Float, Float] = Field((0.0, 1.0), description="[lo, hi] of t where CFG applies")
+
+    @field_validator("cfg_norm")
+    @classmethod
+    def _norm_for_mode(cls, v: str, info: ValidationInfo) -> str:
+        if v == "cfg_zero_star" and info.data.get("mode") == "edit":
+            raise ValueError("cfg_zero_star is only defined for text-to-image, not for edits")
+        return v
+
+    @field_validator("cfg_interval")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 <= v[0] <= v[1] <= 1.0:
+            raise ValueError("cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1")
+        return v
+
+
+SAMPLER_FIELDS = tuple(SamplerParams.model_fields)
+
+
+def default(field: str) -> Any:
+    """A field's declared default (the model's own defaults, e.g. for server-side defaults)."""
+    for model in (SamplerParams, PrefixRequest, ImageOptions):
+        if field in model.model_fields:
+            return model.model_fields[field].get_default(call_default_factory=True)
+    raise KeyError(field)
+
+
+def merge_options(body: Any) -> Any:
+    """Flatten top-level, `extra_body` and `extra_args` options into canonical names; the same option given
+    twice with different values is an error."""
+    if not isinstance(body, dict):
+        return body
+    merged: dict[str, Any] = {}
+    sources = [body]
+    for nested in ("extra_body", "extra_args"):
+        extra = body.get(nested)
+        if extra is None:
+            continue
+        if not isinstance(extra, dict):
+            raise ValueError(f"'{nested}' must be an object")
+        sources.append(extra)
+    for src in sources:
+        for key, value in src.items():
+            if key in ("extra_body", "extra_args"):
+                continue
+            name = ALIASES.get(key, key)
+            if name in merged and merged[name] != value:
+                raise ValueError(f"option '{name}' given twice with different values")
+            merged[name] = value
+    return merged
+
+
+class ImageOptions(BaseModel):
+    """Image fields a client may set (images API, or `image_config` of a chat request). None = server default."""
+    model_config = PUBLIC
+    n: Int = Field(1, ge=1, le=L.MAX_IMAGES_PER_REQUEST, description="images from one noise draw")
+    size: Optional[str] = Field(None, description="'WxH' (multiples of 32) or 'auto'")
+    width: Optional[Int] = Field(None, ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)
+    height: Optional[Int] = Field(None, ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)
+    aspect_ratio: Optional[str] = Field(None, description="e.g. '16:9' at the default area")
+    num_inference_steps: Optional[Int] = Field(None, ge=1, le=L.MAX_STEPS)
+    guidance_scale: Optional[Float] = Field(None, ge=0.0, le=L.MAX_GUIDANCE)
+    image_guidance_scale: Optional[Float] = Field(None, ge=0.0, le=L.MAX_GUIDANCE)
+    cfg_norm: Optional[CfgNorm] = None
+    timestep_shift: Optional[Float] = Field(None, ge=0.01, le=100.0)
+    t_eps: Optional[Float] = Field(None, ge=1e-6, le=1.0)
+    cfg_interval: Optional[tuple[Float, Float]] = None
+    seed: Optional[Int] = Field(None, ge=0, le=L.SEED_MAX, description="random when absent")
+    output_format: OutputFormat = "png"
+    response_format: ResponseFormat = "b64_json"
+    think: bool = Field(False, description="reason before drawing (think text comes back as revised_prompt)")
+    max_think_tokens: Optional[Int] = Field(None, ge=1, le=L.MAX_THINK_TOKENS)
+    stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten(cls, data: Any) -> Any:
+        data = merge_options(data)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if not (isinstance(v, str) and v.strip() == "" and k != "prompt")}
+            fmt = data.get("output_format")
+            if isinstance(fmt, str):
+                fmt = fmt.strip().lower()
+                data["output_format"] = "jpeg" if fmt == "jpg" else fmt
+            iv = data.get("cfg_interval")
+            if isinstance(iv, str):        # multipart forms send it as JSON text
+                try:
+                    data["cfg_interval"] = json.loads(iv)
+                except ValueError:
+                    pass
+        return data
+
+    def sampler(self, mode: str, defaults: SamplerParams) -> SamplerParams:
+        """The request's SamplerParams: given fields over the server's defaults (validated as a whole)."""
+        given = {k: getattr(self, k) for k in SAMPLER_FIELDS if k != "mode" and getattr(self, k, None) is not None}
+        return SamplerParams(**{**defaults.model_dump(exclude={"mode"}), **given, "mode": mode})
+
+
+class ImageGenerationRequest(ImageOptions):
+    """POST /v1/images/generations (OpenAI fields + u1serve extensions, at the top level or under extra_body)."""
+    prompt: str = Field(min_length=1, max_length=L.MAX_PROMPT_CHARS)
+    model: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """POST /v1/images/edits: the fields of a generation plus 1..4 input images (multipart files or data URLs)."""
+    image: list[str] = Field(default_factory=list, max_length=L.MAX_IMAGES_PER_REQUEST,
+                             description="data URLs or base64 (JSON); files under image / image[] (multipart)")
+
+
+class PrefixRequest(Guidance):
+    """Gateway -> understanding POST /internal/image_prefix: compute each CFG branch's prefix KV."""
+    request_id: str = Field(min_length=1, max_length=L.MAX_REQUEST_ID_CHARS)
+    prompt: str = Field(max_length=L.MAX_PROMPT_CHARS)
+    images: list[str] = Field(default_factory=list, max_length=L.MAX_IMAGES_PER_REQUEST)
+    think: bool = False
+    max_think_tokens: Int = Field(L.DEFAULT_THINK_TOKENS, ge=1, le=L.MAX_THINK_TOKENS)
+    stream: bool = False
+    cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
+                                      description="prefix-cache isolation domain")
+
+    @model_validator(mode="after")
+    def _images_for_mode(self) -> "PrefixRequest":
+        if self.mode == "edit" and not self.images:
+            raise ValueError(f"an edit takes 1 to {L.MAX_IMAGES_PER_REQUEST} images")
+        if self.mode == "t2i" and self.images:
+            raise ValueError("text-to-image takes no images")
+        return self
+
+
+class GenerateRequest(SamplerParams):
+    """Gateway -> generation POST /internal/generate: denoise from the prefix handles."""
+    request_id: str = Field(min_length=1, max_length=L.MAX_REQUEST_ID_CHARS)
+    handles: dict[Branch, dict] = Field(description="KVHandle dicts, one per CFG branch")
+    width: Int = Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)
+    height: Int = Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)
+    n: Int = Field(1, ge=1, le=L.MAX_IMAGES_PER_REQUEST)
+    seed: Int = Field(ge=0, le=L.SEED_MAX)
+    output_format: OutputFormat = "png"
+
+    @field_validator("width", "height")
+    @classmethod
+    def _block_multiple(cls, v: int, info: ValidationInfo) -> int:
+        if v % L.IMAGE_BLOCK:
+            raise ValueError(f"{info.field_name} must be a multiple of {L.IMAGE_BLOCK}")
+        return v
+
+    @model_validator(mode="after")
+    def _handles_match_branches(self) -> "GenerateRequest":
+        need = self.branches()
+        if set(self.handles) != set(need):
+            raise ValueError(f"these sampling parameters need handles {sorted(need)}, got {sorted(self.handles)}")
+        self.handles = {b: self.handles[b] for b in BRANCH_ORDER if b in self.handles}
+        return self
+
+    def sampler(self) -> SamplerParams:
+        return SamplerParams(**self.model_dump(include=set(SAMPLER_FIELDS)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Image tokens of one image."""
+        return (self.width // L.IMAGE_BLOCK) * (self.height // L.IMAGE_BLOCK)

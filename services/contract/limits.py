@@ -1,0 +1,26 @@
+"""Hard limits and defaults declared once. Operators may tighten some of them (gateway flags), never widen."""
+from __future__ import annotations
+
+SEED_MAX = 2**63 - 1              # torch.Generator.manual_seed takes int64
+MAX_IMAGES_PER_REQUEST = 4        # n, and edit inputs
+MAX_STEPS = 1000
+MAX_GUIDANCE = 30.0
+MAX_THINK_TOKENS = 4096
+DEFAULT_THINK_TOKENS = 1024
+IMAGE_BLOCK = 32                  # pixels per image-token side
+MAX_IMAGE_SIDE = 4096             # U1.5 is trained up to 4096^2
+MIN_IMAGE_SIDE = 32
+MAX_PROMPT_CHARS = 16384
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
+
+# chat sampling (OpenAI / vLLM conventions)
+GREEDY_TEMPERATURE = 1e-5         # below this a temperature means greedy (vLLM's epsilon)
+MAX_TEMPERATURE = 2.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PENALTY = 2.0             # presence / frequency
+MAX_TOP_LOGPROBS = 20
+
+# JSON bodies
+MAX_JSON_DEPTH = 32
