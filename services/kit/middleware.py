@@ -1,0 +1,220 @@
+"""The request middleware of every service (pure ASGI, so streaming and disconnect detection keep working):
+request id, access log (sanitised, /health at debug level), body-size limit (413), strict JSON bodies (400:
+no NaN/Infinity, bounded nesting, parsed once), authentication (401), and an x-request-id on every response,
+also on errors raised before any route ran."""
+from __future__ import annotations
+
+import contextvars
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Optional, Protocol
+
+from .errors import APIError
+from .logsafe import safe
+from .web import parse_json, remember_json
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+TOKEN_HEADER = "x-u1-internal-token"
+_QUIET = ("/health", "/metrics")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `%(request_id)s` to log records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def new_request_id() -> str:
+    return "req-" + secrets.token_hex(12)
+
+
+def _same(given: bytes, expected: bytes) -> bool:
+    return hmac.compare_digest(given, expected)
+
+
+class Auth(Protocol):
+    def check(self, path: str, headers: dict[str, bytes]) -> Optional[APIError]: ...
+
+
+def _bearer(headers: dict[str, bytes]) -> Optional[bytes]:
+    raw = headers.get("authorization")
+    if raw is None:
+        return None
+    scheme, _, value = raw.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return value.strip()
+
+
+class ApiKeyAuth:
+    """`Authorization: Bearer <key>` on the public API paths (the gateway)."""
+
+    def __init__(self, key: str, prefixes: tuple[str, ...] = ("/v1/",)):
+        self.key = key.encode("utf-8")
+        self.prefixes = prefixes
+
+    def check(self, path, headers):
+        if not path.startswith(self.prefixes):
+            return None
+        given = _bearer(headers)
+        if given is None or not _same(given, self.key):
+            return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        return None
+
+
+class InternalTokenAuth:
+    """The engines: every route but the open ones needs the stack's internal token, as X-U1-Internal-Token or
+    `Authorization: Bearer` (what a Prometheus scrape config sends)."""
+
+    def __init__(self, token: str, open_paths: tuple[str, ...] = ("/health",)):
+        if not token:
+            raise ValueError("an internal token is required")
+        self.token = token.encode("utf-8")
+        self.open_paths = open_paths
+
+    def check(self, path, headers):
+        if path in self.open_paths:
+            return None
+        given = headers.get(TOKEN_HEADER)
+        if given is None:
+            given = _bearer(headers)
+        if given is None or not _same(given.strip(), self.token):
+            return APIError(401, "missing or wrong internal token (X-U1-Internal-Token)", code="unauthorized")
+        return None
+
+
+class Hooks(Protocol):
+    """Optional metrics hooks of a service."""
+    def begin(self, path: str) -> None: ...
+    def first_byte(self, path: str, seconds: float) -> None: ...
+    def end(self, path: str, status: int) -> None: ...
+
+
+class ServiceMiddleware:
+    def __init__(self, app, *, service: str, max_body_bytes: int, auth: Optional[Auth] = None,
+                 unique_ids: bool = False, hooks: Optional[Hooks] = None):
+        """unique_ids: the gateway gives each request an engine id `<client id>.<8 hex>` (clients reuse ids)
+        and echoes the client's id; the engines use the id they are sent."""
+        self.app = app
+        self.log = logging.getLogger(f"u1serve.{service}.access")
+        self.max_body_bytes = max_body_bytes
+        self.auth = auth
+        self.unique_ids = unique_ids
+        self.hooks = hooks
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        incoming = headers.get("x-request-id", b"").decode("latin-1")
+        if _SAFE_ID.match(incoming):
+            echo, rid = incoming, (f"{incoming}.{secrets.token_hex(4)}" if self.unique_ids else incoming)
+        else:
+            echo = rid = new_request_id()
+        token = request_id_var.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+        path = scope.get("path", "")
+        started = time.monotonic()
+        status = {"code": 500, "sent": False}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status["code"], status["sent"] = message["status"], True
+                message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", echo.encode())]
+                if self.hooks:
+                    self.hooks.first_byte(path, time.monotonic() - started)
+            await send(message)
+
+        async def reply(err: APIError):
+            hdrs = [(b"content-type", b"application/json")] + [
+                (k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+            await send_with_id({"type": "http.response.start", "status": err.status, "headers": hdrs})
+            await send_with_id({"type": "http.response.body", "body": json.dumps(err.body()).encode()})
+
+        if self.hooks:
+            self.hooks.begin(path)
+        try:
+            err = self.auth.check(path, headers) if self.auth else None
+            if err is not None:
+                return await reply(err)
+            declared = headers.get("content-length", b"")
+            if declared.isdigit() and int(declared) > self.max_body_bytes:
+                return await reply(self._too_large())
+            ctype = headers.get("content-type", b"").split(b";")[0].strip().lower()
+            if scope.get("method") in ("POST", "PUT", "PATCH") and ctype == b"application/json":
+                body, more = await self._read_body(receive)
+                if more is not None:
+                    return await reply(more)
+                try:
+                    remember_json(scope, parse_json(body))
+                except APIError as exc:
+                    return await reply(exc)
+                receive = _replay(body, receive)
+            else:
+                receive = self._limited(receive)
+            try:
+                await self.app(scope, receive, send_with_id)
+            except APIError as exc:       # raised by the body limit while a route streamed the body in
+                if status["sent"]:
+                    raise
+                await reply(exc)
+            except Exception as exc:
+                if status["sent"]:
+                    raise
+                logging.getLogger("u1serve.errors").exception("unexpected error on %s", safe(path))
+                await reply(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        finally:
+            if self.hooks:
+                self.hooks.end(path, status["code"])
+            level = logging.DEBUG if path in _QUIET and status["code"] < 500 else logging.INFO
+            self.log.log(level, "%s %s -> %s %.3fs", scope.get("method"), safe(path), status["code"],
+                         time.monotonic() - started)
+            request_id_var.reset(token)
+
+    async def _read_body(self, receive) -> tuple[bytes, Optional[APIError]]:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", APIError(499, "client disconnected", code="cancelled")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    def _limited(self, receive):
+        seen = {"n": 0}
+
+        async def limited():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen["n"] += len(message.get("body", b""))
+                if seen["n"] > self.max_body_bytes:
+                    raise self._too_large()
+            return message
+        return limited
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
+
+
+def _replay(body: bytes, receive):
+    sent = {"done": False}
+
+    async def replay():
+        if not sent["done"]:
+            sent["done"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
