@@ -125,3 +125,59 @@ def test_overloaded_carries_retry_after():
     assert e.status == 429 and e.headers["Retry-After"] == "2" and e.type == "rate_limit_error"
     up = errors.from_upstream(429, e.body(), "generation", {"Retry-After": "3", "x": "y"})
     assert up.headers == {"Retry-After": "3"} and up.code == "overloaded"
+
+
+class _FakeProc:
+    """A unit around a real child process (`python -c ...`)."""
+
+    def __init__(self, code: str):
+        import subprocess
+        import sys
+        self.p = subprocess.Popen([sys.executable, "-c", code])
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def stop(self):
+        if self.alive():
+            self.p.kill()
+        self.p.wait()
+
+    def exit_reason(self):
+        return f"exit code {self.p.returncode}"
+
+    def stopped_on_purpose(self):
+        return self.p.returncode == 143
+
+
+def test_supervisor_restarts_with_backoff_then_gives_up():
+    import time
+
+    from services.kit.supervisor import Supervisor
+    from tests.waiting import wait_until
+    deaths, gave_up = [], []
+    spawned = []
+
+    def spawn():
+        spawned.append(_FakeProc("import time; time.sleep(0.3); raise SystemExit(3)"))
+        return spawned[-1]
+
+    s = Supervisor("unit", spawn, policy=RestartPolicy(base_delay_s=0.05, max_failures=3, window_s=60),
+                   on_death=deaths.append, on_give_up=gave_up.append, poll_s=0.02)
+    t0 = time.monotonic()
+    s.start()
+    s.mark_ready()            # the first unit came up; the later ones die before they report ready
+    wait_until(lambda: gave_up, timeout=30)
+    assert s.state == "failed" and "3 failures" in s.failure and "exit code 3" in s.failure
+    assert len(deaths) == 3 and s.restarts == 2 and time.monotonic() - t0 < 20
+    s.stop()
+
+
+def test_supervisor_never_ready_is_not_restarted():
+    from services.kit.supervisor import Supervisor
+    from tests.waiting import wait_until
+    gave_up = []
+    s = Supervisor("unit", lambda: _FakeProc("raise SystemExit(7)"), on_give_up=gave_up.append, poll_s=0.02)
+    s.start()
+    wait_until(lambda: gave_up, timeout=20)
+    assert s.state == "failed" and s.restarts == 0 and "failed to start" in s.failure and "7" in s.failure
