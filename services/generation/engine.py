@@ -16,7 +16,7 @@ from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
-from .request import ApiError, GenerateJob
+from .request import ApiError, GenerateRequest
 
 
 class Engine:
@@ -31,17 +31,17 @@ class Engine:
         self._attn, self._host_lengths = pick_denoise_attention(self.device)
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, spec: GenerateJob) -> tuple[JobState, list[dict]]:
+    def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
         """Build the job and import this rank's prefixes. Returns (job, stats). Raises ApiError."""
-        mine = local_branches(spec.branches, self.comm.rank, self.comm.world)
+        mine = local_branches(list(spec.handles), self.comm.rank, self.comm.world)
         job = JobState(spec, mine, self.model, self.device, self.dtype)
-        handles = {b: self.source.parse(spec.handles[b]) for b in spec.branches}
+        handles = {b: self.source.parse(spec.handles[b]) for b in spec.handles}
         for b, h in handles.items():
             if h.branch not in (b, "") and h.branch in ("cond", "uncond", "img_cond"):
                 raise ApiError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
                                param=f"handles.{b}", code="kv_branch_mismatch")
         job.allocate_kv({b: handles[b].num_tokens for b in job.local},
-                        {b: handles[b].t_offset for b in spec.branches})
+                        {b: handles[b].t_offset for b in spec.handles})
         stats = []
         try:
             for b in job.local:

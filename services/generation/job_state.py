@@ -13,8 +13,7 @@ import torch
 from services.model import sampler
 from services.model.positions import image_token_positions
 
-from .request import GenerateJob
-from .sampling import sampler_params
+from .request import GenerateRequest
 
 
 @dataclass
@@ -40,11 +39,11 @@ class StepMeta:
 
 
 class JobState:
-    def __init__(self, spec: GenerateJob, local_branches: list[str], model, device, dtype):
+    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype):
         self.spec = spec
         self.request_id = spec.request_id
-        self.params = sampler_params(spec)
-        self.branches = spec.branches                 # all branches (every rank knows them)
+        self.params = spec.sampler()
+        self.branches = list(spec.handles)  # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
         self.th, self.tw = spec.height // 32, spec.width // 32
         self.N = self.th * self.tw

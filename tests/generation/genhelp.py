@@ -29,12 +29,13 @@ class GenServer:
         self.argv = [sys.executable, "-m", "services.generation.server", "--model", model_dir,
                      "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                      "--dtype", "float32", "--cfg-parallel", str(cfg_parallel),
-                     "--kv-pool-name", pool_name, "--internal-token", TOKEN,
-                     "--max-batch-tokens", "4096", "--log-level", "warning", *extra]
+                     "--kv-pool-name", pool_name, "--max-batch-tokens", "4096", "--log-level", "warning",
+                     *extra]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120.0) -> "GenServer":
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   U1SERVE_INTERNAL_TOKEN=TOKEN)
         self.proc = subprocess.Popen(self.argv, cwd=REPO, env=env, start_new_session=True)
         self.wait_healthy(timeout)
         return self
@@ -58,7 +59,7 @@ class GenServer:
         return r.status_code, r.json()
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", headers=HEADERS, timeout=5).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
