@@ -209,7 +209,7 @@ def main(argv=None) -> None:
 
     def on_give_up(why: str) -> None:   # the engine cannot run: exit non-zero so a supervisor sees it
         failed.append(why)
-        log.error("generation engine is down for good (%s); exiting", why)
+        log.error("the generation engine is down for good; exiting with code 3")
         server.should_exit = True
 
     app = create_app(args, token, on_give_up)

@@ -226,9 +226,8 @@ class EngineSupervisor:
                 self.sup.mark_ready(unit)
                 log.info("generation engine ready: %d rank(s), %.1f s, queue limit %d", self.world,
                          time.monotonic() - unit.started_at, self.max_queued)
-            elif kind == "fatal":
+            elif kind == "fatal":     # the rank logged it with its traceback; the supervisor reports it
                 unit.fatal = msg.get("message")
-                log.error("generation engine failed: %s", unit.fatal)
             return
         t = self.table.get(rid)
         if t is None or t.unit is not unit:
@@ -251,7 +250,8 @@ class EngineSupervisor:
         if unit is not None:
             unit.dead = True
         tickets = self.table.take_all()
-        log.error("generation engine died (%s); failing %d job(s)", reason, len(tickets))
+        if tickets:
+            log.error("failing %d job(s) of the dead generation engine", len(tickets))
         for t in tickets:
             self._end(t, unavailable(f"the generation engine died mid-job ({reason}); retry the request",
                                      code="engine_failed"), release=True)

@@ -159,8 +159,9 @@ def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
     wait_until(lambda: server.metrics()["u1_gen_running_jobs"] == 0, 10)
 
 
-def test_queued_job_keeps_its_lease(fault_env, ref_model):
-    """A job queued longer than its prefix lease still runs: the leader keeps queued leases alive."""
+def test_queued_job_keeps_its_lease_through_a_stalled_engine(fault_env, ref_model):
+    """A job queued far longer than its prefix lease still runs, even while the engine makes no progress at all
+    (SIGSTOP: a step that takes 8 s): the HTTP process, not the engine loop, keeps queued leases alive."""
     server, pool = fault_env["server"], fault_env["pool"]
     a = Stream(server.url, body("lease-a", publish(pool, _pre(ref_model)), num_inference_steps=LONG))
     a.start()
@@ -168,7 +169,13 @@ def test_queued_job_keeps_its_lease(fault_env, ref_model):
     b = Stream(server.url, body("lease-b", publish(pool, _pre(ref_model), lease_s=1.0)))
     b.start()
     assert b.queued.wait(30)
-    time.sleep(2.5)  # past b's original 1 s lease while a still runs
+    rank0 = server.health()[1]["engine_pids"][0]
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        time.sleep(8.0)  # far past b's 1 s lease and the keeper's 5 s horizon
+        assert pool.stats()["pages_expired"] == 0
+    finally:
+        os.kill(rank0, signal.SIGCONT)
     httpx.post(server.url + "/internal/cancel", json={"request_id": "lease-a"}, headers=HEADERS)
     a.join(30)
     b.join(60)
