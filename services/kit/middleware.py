@@ -174,7 +174,8 @@ class ServiceMiddleware:
         finally:
             if self.hooks:
                 self.hooks.end(path, status["code"])
-            level = logging.DEBUG if path in _QUIET and status["code"] < 500 else logging.INFO
+            # probes at debug, also the 503s of a service that is still starting (its /health says why)
+            level = logging.DEBUG if path in _QUIET and status["code"] in (200, 503) else logging.INFO
             self.log.log(level, "%s %s -> %s %.3fs", scope.get("method"), safe(path), status["code"],
                          time.monotonic() - started)
             request_id_var.reset(token)

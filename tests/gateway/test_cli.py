@@ -10,7 +10,9 @@ from services import cli
 def up_args(*extra):
     p = argparse.ArgumentParser()
     cli.add_stack_flags(p, model_default=None)
-    return p.parse_args(["--model", "/m", *extra])
+    args = p.parse_args(["--model", "/m", *extra])
+    cli.resolve_ports(args, probe=False)
+    return args
 
 
 def ctx_for(args):
