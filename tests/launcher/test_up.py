@@ -135,3 +135,17 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_demo_writes_its_image_to_the_cache_dir_and_exits_quietly(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--steps", "1"], cwd=work, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT, "U1SERVE_CACHE": str(cache)},
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"image saved to {cache / 'u1serve-demo.png'}" in r.stdout
+    assert (cache / "u1serve-demo.png").exists() and os.listdir(work) == []     # nothing in the working dir
+    logs = "".join(p.read_text() for p in (cache / "run-demo" / "logs").iterdir())
+    assert "terminated by a signal" not in logs and "Traceback" not in logs
