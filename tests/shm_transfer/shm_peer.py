@@ -87,6 +87,10 @@ def extend_lease(name, handle_dict, seconds):
     return _pools[name].extend_lease(KVHandle.from_dict(handle_dict), seconds).to_dict()
 
 
+def claim(name, handle_dict):
+    return _pools[name].claim(KVHandle.from_dict(handle_dict)).to_dict()
+
+
 def stats(name):
     return _pools[name].stats()
 
