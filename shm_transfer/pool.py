@@ -372,14 +372,15 @@ class ShmKVPool:
                      layout=self.layout, num_pages=self.num_pages, expected_fingerprint=expected_fingerprint)
 
     def _check_owned(self, handle: KVHandle, pids: np.ndarray, now: float) -> None:
-        if not np.all(self._owner[pids] == handle.handle_id):
-            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): its pages were released or "
-                              "reclaimed after its lease expired", "pages_freed")
-        expired = self._expired(now, pids)
-        if np.any(expired):
-            why = ("the process that claimed it died" if np.any(self._claim_nonce[pids][expired] != 0) else
-                   f"lease expired {now - float(self._deadline[pids].min()):.3f} s ago")
-            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): {why}", "lease_expired")
+        check_pages(handle, self._owner[pids], self._deadline[pids], self._claim_nonce[pids],
+                    self._expired(now, pids), now)
+
+    def memory_map(self) -> dict:
+        """What a network transport registers and hands out: the whole mapping (base, size), the page
+        table and the pages (addresses in this process), and the page count."""
+        base = self._bytes.data_ptr()
+        return {"base_addr": base, "size": self._seg.size, "table_addr": base + _TABLE_OFF,
+                "pages_addr": self.pages.data_ptr(), "num_pages": self.num_pages}
 
     def _valid_page_ids(self, handle: KVHandle) -> np.ndarray:
         pids = np.asarray([p for p in handle.page_ids if 0 <= p < self.num_pages], dtype=np.int64)
@@ -414,6 +415,30 @@ class ShmKVPool:
             "bytes_exported_total": hdr[_W_BYTES_EXPORTED], "bytes_imported_total": hdr[_W_BYTES_IMPORTED],
             "pinned": self.pinned, "process": self.metrics.snapshot(),
         }
+
+
+TABLE_BYTES_PER_PAGE = 32
+
+
+def page_table(raw: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(owner, deadline, claim nonce) columns of a copy of a pool's page table (32 bytes per page)."""
+    owner = raw[:8 * num_pages].view(np.int64)
+    deadline = raw[8 * num_pages:16 * num_pages].view(np.float64)
+    nonce = raw[24 * num_pages:32 * num_pages].view(np.int64)
+    return owner, deadline, nonce
+
+
+def check_pages(handle: KVHandle, owner: np.ndarray, deadline: np.ndarray, nonce: np.ndarray,
+                expired: np.ndarray, now: float) -> None:
+    """HandleError unless every page (columns selected by the handle's page ids) is still the handle's
+    and not reclaimable (`expired`)."""
+    if not np.all(owner == handle.handle_id):
+        raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): its pages were released or "
+                          "reclaimed after its lease expired", "pages_freed")
+    if np.any(expired):
+        why = ("the process that claimed it died" if np.any(nonce[expired] != 0) else
+               f"lease expired {now - float(deadline.min()):.3f} s ago")
+        raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): {why}", "lease_expired")
 
 
 def _nonce() -> int:
