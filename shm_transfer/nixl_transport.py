@@ -3,7 +3,7 @@ otherwise, CUDA-aware), one-sided reads from the producer's own pool.
 
 Producer (understanding): the same shm pool as LocalShmTransport (its TP ranks export into it as before);
 the whole segment is registered with a NIXL agent whose metadata listener answers consumers. Handles carry
-`transport: "nixl"` and `producer` = {agent, host, port, table_addr, pages_addr, num_pages}. A thread
+`transport: "nixl"` and `producer` = {agent, host, port, table_addr, pages_addr, num_pages, page_bytes}. A thread
 applies the consumers' release / lease messages, which arrive as NIXL notifications.
 
 Consumer (generation): a NIXL agent of its own; import = fetch the producer's metadata once (NIXL's
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # UCX's TCP transport moves 8 KiB segments by default (~0.35 GB/s on loopback here); 512 KiB gives ~1.8.
 _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
-_PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages")
+_PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages", "page_bytes")
 
 
 def nixl_available() -> bool:
@@ -111,6 +111,7 @@ class NixlTransport(Transport):
         self._tables: dict[str, tuple] = {}  # producer agent -> (cpu buffer, registration) for table reads
         self._staging: dict[str, tuple] = {}  # device -> (uint8 buffer, registration) for page reads
         self._claims: dict[tuple[str, int], KVHandle] = {}
+        self._pool_reg = None                # the producer's registered segment
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.metrics = CopyMetrics()
@@ -130,13 +131,15 @@ class NixlTransport(Transport):
             agent_name = f"u1kv-{name}-{local.pool.generation}"
             agent = _agent(agent_name, port)
             mm = local.pool.memory_map()
-            agent.register_memory([(mm["base_addr"], mm["size"], 0, "")], "DRAM")
+            reg = agent.register_memory([(mm["base_addr"], mm["size"], 0, "")], "DRAM")
         except BaseException:
             local.close()
             raise
         producer = {"agent": agent_name, "host": advertise_host, "port": port, "table_addr": mm["table_addr"],
-                    "pages_addr": mm["pages_addr"], "num_pages": mm["num_pages"]}
-        return cls(agent, local=local, producer=producer, expected_fingerprint=model_fingerprint, **kw)
+                    "pages_addr": mm["pages_addr"], "num_pages": mm["num_pages"], "page_bytes": layout.page_bytes}
+        t = cls(agent, local=local, producer=producer, expected_fingerprint=model_fingerprint, **kw)
+        t._pool_reg = reg
+        return t
 
     @classmethod
     def connect(cls, *, expected_fingerprint: str | None = None, listen_port: int = 0, **kw) -> "NixlTransport":
@@ -205,6 +208,9 @@ class NixlTransport(Transport):
             layout = handle.kv_layout
         except (ValueError, TypeError) as e:
             raise HandleError(f"KV handle layout is invalid: {e}", "malformed_handle") from None
+        if layout.page_bytes != prod["page_bytes"]:
+            raise HandleError(f"KV handle layout {handle.layout} does not match its producer's pages "
+                              f"({prod['page_bytes']} B each)", "layout_mismatch")
         check_static(handle, pool_name=handle.pool_name, generation=handle.pool_generation,
                      fingerprint=handle.model_fingerprint, layout=layout, num_pages=int(prod["num_pages"]),
                      expected_fingerprint=self._expected)
@@ -355,7 +361,7 @@ class NixlTransport(Transport):
 
     def stats(self):
         out = self._local.stats() if self._local is not None else {}
-        out.update(transport=self.kind, agent=self._agent.name, producers_known=len(self._peers),
+        out.update(transport=self.kind, agent=self._producer.get("agent"), producers_known=len(self._peers),
                    claims=len(self._claims))
         if self._local is None:
             out["process"] = self.metrics.snapshot()
@@ -366,12 +372,16 @@ class NixlTransport(Transport):
         for t in self._threads:
             t.join(5)
         with self._lock:
-            for buf, reg in list(self._tables.values()) + list(self._staging.values()):
+            if self._agent is None:
+                return
+            regs = [reg for _, reg in list(self._tables.values()) + list(self._staging.values())]
+            for reg in regs + ([self._pool_reg] if self._pool_reg is not None else []):
                 try:
                     self._agent.deregister_memory(reg)
                 except Exception:
                     pass
             self._tables.clear()
             self._staging.clear()
+            self._agent = None  # the agent (its listener too) goes away before the pool is unmapped
         if self._local is not None:
             self._local.close()

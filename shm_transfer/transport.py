@@ -83,6 +83,12 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Let go of the transport's resources (the producer's pool disappears)."""
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 def create_producer(kind: str, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
                     pin: bool | None = None, **network) -> "Transport":
