@@ -173,7 +173,6 @@ def main():
                     h2d = timed_cuda(lambda: devbuf.copy_(host, non_blocking=True), args.iters, args.warmup, side)
                 rows.append(summarize("plain pinned memcpy H2D", T, nbytes, h2d))
                 del host, devbuf
-            del dst
             conn.send("imported")
         tag, stats = conn.recv()
         conn.send("done")

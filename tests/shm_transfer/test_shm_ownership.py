@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 
 import pytest
 import torch
@@ -17,16 +16,6 @@ pytestmark = pytest.mark.timeout(120)
 
 FP = "tiny-u1:test-fingerprint"
 LAY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_tokens=4)
-
-
-@pytest.fixture
-def shm_name():
-    name = f"u1kv-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
-    for f in leftovers:
-        os.unlink(os.path.join("/dev/shm", f))
-    assert not leftovers, f"leaked shared-memory segments: {leftovers}"
 
 
 def wire(h) -> dict:
