@@ -151,7 +151,7 @@ class Stack:
             if und.get("shm_pages_used", 0) != 0:
                 problems.append(f"understanding holds {und.get('shm_pages_used')} KV pool pages")
             gen = _json(self.urls.get("gen", "") + "/health")
-            if gen.get("queued", 0) or gen.get("running", 0) or gen.get("leases_held", 0):
+            if gen.get("queued", 0) or gen.get("running", 0):
                 problems.append(f"generation not idle: queued {gen.get('queued')} running {gen.get('running')}")
             if not problems or time.monotonic() > deadline:
                 return problems

@@ -83,7 +83,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         """A request refused before its stream: log it under its id; its KV pages are freed (except on a
         duplicate id, whose handles may be the running job's)."""
         if handles and err.code != "duplicate":
-            keeper.release(None, handles)
+            keeper.release(handles)
         metrics.requests.labels(outcome=str(err.code)).inc()
         log.info("request %s rejected: %d %s", safe(rid), err.status, err.code)
         return err

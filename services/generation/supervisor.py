@@ -1,7 +1,7 @@
 """The engine side of the HTTP process: runs the rank processes under the one supervisor (kit.supervisor),
 admits jobs (bounded queue -> 429), routes each engine event to its job, and ends every job exactly once.
 
-Threads and what they may block on: the event loop only queues (link outbox, lease keeper, the stream's
+Threads and what they may block on: the event loop only queues (link outbox, KV keeper, the stream's
 asyncio queue); the link's writer thread blocks on the command pipe; its reader thread on the event pipe
 (and never on a lock held across I/O); the kit supervisor's watcher on process liveness; the expiry thread
 on nothing but its timer. No cycle of waits exists, so no burst of requests or images can deadlock them.
@@ -156,7 +156,7 @@ class EngineSupervisor:
                 "restarts": s["restarts"], "last_error": s["last_error"], "failure": s["failure"],
                 "engine_pids": u.pids if u is not None and not u.dead else [],
                 "pending_commands": u.outbox.pending() if u is not None else 0,
-                "leases_held": self.keeper.held()}
+                "kv_commands": self.keeper.pending()}
 
     # -- jobs (event loop) ---------------------------------------------------------------------
     def submit(self, job: GenerateRequest, deliver: Deliver) -> None:
@@ -179,7 +179,7 @@ class EngineSupervisor:
                                  code="queue_full")
 
         self.table.add_if(Ticket(job, deliver, unit), admit)
-        self.keeper.hold(job.request_id, job.handles.values())
+        self.keeper.hold(job.handles.values())
         unit.send(("job", job))
 
     def cancel(self, request_id: str, reason: str = "request cancelled") -> bool:
@@ -203,13 +203,13 @@ class EngineSupervisor:
         t.deliver(err.event())
         t.deliver(END)
         if release:
-            self.keeper.release(t.request_id, t.handles)
+            self.keeper.release(t.handles)
 
     def _after_end(self, t: Ticket) -> None:
         """A job ended on this side: stop it in the engine and free its pages if it never imported them."""
         t.unit.send(("cancel", t.request_id))
         if t.started is None:
-            self.keeper.release(t.request_id, t.handles)
+            self.keeper.release(t.handles)
 
     def _on_message(self, unit: EngineRanks, msg: dict) -> None:
         """The link reader thread: route one engine event (no blocking here)."""
@@ -234,7 +234,6 @@ class EngineSupervisor:
             return                                  # ended already (cancelled, timed out) or a stale unit
         if kind == "started":
             self.table.mark_started(rid)
-            self.keeper.taken(rid)
         elif kind in ("progress", "image"):
             t.deliver(msg)
         elif kind == "done":
@@ -242,7 +241,7 @@ class EngineSupervisor:
                 self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
         elif kind == "error":
             if self.table.finish(rid, {k: v for k, v in msg.items() if k != "request_id"}) is not None:
-                self.keeper.release(rid, t.handles)   # the engine freed them too; idempotent
+                self.keeper.release(t.handles)   # the engine freed them too; idempotent
 
     def _on_death(self, reason: str) -> None:
         """kit watcher thread: the incarnation died. Fail its jobs (503) and free their pages."""

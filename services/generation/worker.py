@@ -133,6 +133,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
         if stop:
             break
         if not engine.running:
+            source.drop_stale()   # unmap a pool the producer replaced, not only at the next job
             out.send({"type": "stats", "stat": "idle", "running": 0, "queued": len(sched.pending)})
             continue
         t0 = time.perf_counter()
@@ -152,7 +153,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                   "queued": len(sched.pending), "peak_memory": engine.peak_memory()})
 
 
-def _follower_loop(engine, comm) -> None:
+def _follower_loop(engine, comm, source) -> None:
     while True:
         plan = comm.broadcast(None)
         _apply_plan(engine, comm, plan, [])
@@ -161,6 +162,8 @@ def _follower_loop(engine, comm) -> None:
         if engine.running:
             for job in engine.step()[0]:
                 job.free()
+        else:
+            source.drop_stale()
 
 
 def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_conn) -> None:
@@ -198,7 +201,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
             out.send({"type": "ready", "capacity": measure(model, device, world)})
             _leader_loop(engine, comm, source, inbox, out, args)
         else:
-            _follower_loop(engine, comm)
+            _follower_loop(engine, comm, source)
         source.close()
         comm.close()
         if out is not None:

@@ -64,7 +64,7 @@ async def _run(url: str, b: dict, cancel_after_queued: float | None = None) -> t
 def _settled(server, pool) -> bool:
     _, h = server.health()
     return (pool.stats()["pages_used"] == 0 and h["queued"] == 0 and h["running"] == 0
-            and h["pending_commands"] == 0 and h["leases_held"] == 0)
+            and h["pending_commands"] == 0 and h["kv_commands"] == 0)
 
 
 def _check_outcomes(results, cancelled: set[str]) -> None:
