@@ -213,10 +213,16 @@ def main(argv=None) -> None:
         server.should_exit = True
 
     app = create_app(args, token, on_give_up)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):      # SIGTERM/SIGINT: end the streams first, then drain
+            app.state.engine.end_all()
+            super().handle_exit(sig, frame)
+
     # uvicorn's own start-up lines only at debug: a healthy start logs one line (engine ready)
     uv_level = "warning" if args.log_level.lower() == "info" else args.log_level
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level,
-                                           access_log=False))
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level, access_log=False,
+                                   timeout_graceful_shutdown=10))
     server.run()
     if failed:
         sys.exit(3)

@@ -127,12 +127,18 @@ class EngineSupervisor:
         self._expiry = threading.Thread(target=self._expire_loop, name="u1-gen-queue-timeout", daemon=True)
         self._expiry.start()
 
-    def stop(self) -> None:
-        """Fail what is in flight (503), stop the ranks gracefully, stop the threads."""
-        self._stop.set()
+    def end_all(self) -> None:
+        """Shutting down: every job in flight ends now with a 503 (its stream closes, so the server need not
+        wait for long jobs); never blocks."""
         for t in self.table.take_all():
             self._end(t, unavailable("the generation service is shutting down; retry the request",
                                      code="shutting_down"), release=True)
+            t.unit.send(("cancel", t.request_id))
+
+    def stop(self) -> None:
+        """Fail what is in flight (503), stop the ranks gracefully, stop the threads."""
+        self._stop.set()
+        self.end_all()
         self.sup.stop()
         self.keeper.stop()
         if self._expiry is not None:

@@ -107,3 +107,28 @@ def test_the_service_needs_an_internal_token(tiny_dir):
     r = subprocess.run([sys.executable, "-m", "services.generation.server", "--model", tiny_dir, "--device", "cpu"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "internal token" in r.stderr
+
+
+def test_sigterm_ends_streams_with_503_and_exits_cleanly(adm, ref_model):
+    """Shutdown does not wait for long jobs: their streams end with 503 shutting_down, the ranks stop, the server exits.
+    (Runs last: it stops the module's server.)"""
+    import signal
+    server, pool = adm
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    a = Stream(server.url, body("bye-a", publish(pool, pre), num_inference_steps=LONG))
+    a.start()
+    assert a.progress.wait(60)
+    b = Stream(server.url, body("bye-b", publish(pool, pre)))
+    b.start()
+    assert b.queued.wait(30)
+    ranks = server.health()[1]["engine_pids"]
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) in (0, -signal.SIGTERM)   # uvicorn re-raises the signal it handled
+    assert time.monotonic() - t0 < 20
+    for s in (a, b):
+        s.join(10)
+        (err,) = errors_of(s.events)
+        assert err["status"] == 503 and err["error"]["code"] == "shutting_down" and s.events[-1] == "[DONE]"
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in ranks), 10)
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
