@@ -14,7 +14,7 @@ Importable (the CI load test builds on it):
     summary = summarize(outcomes, duration_s=60)
     outcomes = run_burst(base_url, n=32)                          # one request per client, all at once
 
-Needs httpx only (input images are written with zlib).
+Needs httpx and the repository's services/kit/sse.py (input images are written with zlib).
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from services.kit import sse  # noqa: E402  (the one SSE decoder; imports nothing heavy)
 
 KINDS = ("chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad")
 DEFAULT_MIX = {"chat": 3, "chat_stream": 2, "image": 2, "image_stream": 2, "edit": 1, "cancel": 1, "bad": 1}
@@ -207,19 +210,8 @@ def _stream_error(kind: str, ev: dict) -> Outcome:
     return Outcome(kind, int(ev.get("status") or err.get("status") or 500), 0.0, err.get("code") or "stream_error")
 
 
-async def _events(r: httpx.Response):
-    async for line in r.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        try:
-            ev = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(ev, dict):
-            yield ev
+def _events(r: httpx.Response):
+    return sse.aevents(r.aiter_lines())
 
 
 # ----------------------------------------------------------------------------------------- drivers
@@ -326,7 +318,7 @@ def markdown(summary: dict, title: str = "load") -> str:
 def smoke(args) -> int:
     """A tiny CPU stack (`u1serve up --model tiny`), a short run, and the invariants CI checks."""
     import shutil
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
     from deploy.gpu_smoke import Stack
     stack = Stack(profile="cpu", out_dir=args.out_dir)
     try:

@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from bench_load import LoadConfig, bomb_png, data_url, png, run_burst, summarize  # noqa: E402
 
+from services.kit import sse  # noqa: E402
+
 PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "cpu": (0, ["--device", "cpu"]),
     "colocate-1": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0"]),
@@ -210,18 +212,16 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
     def c_chat_stream(c):
         with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             assert r.status_code == 200, r.read()[:300]
-            lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
-        assert lines and lines[-1].strip() == "data: [DONE]", lines[-3:]
-        return f"{len(lines)} events"
+            lines = list(r.iter_lines())
+        events = list(sse.events(lines))
+        assert events and sse.encode(sse.DONE).decode().strip() in lines, lines[-3:]
+        return f"{len(events)} events"
 
     def c_image_stream(c):
         body = {"prompt": "a red fox", "size": "256x256", "num_inference_steps": STEPS, "stream": True}
-        kinds = []
         with c.stream("POST", "/v1/images/generations", json=body) as r:
             assert r.status_code == 200, r.read()[:300]
-            for ln in r.iter_lines():
-                if ln.startswith("data: {"):
-                    kinds.append(json.loads(ln[6:])["type"])
+            kinds = [ev.get("type") for ev in sse.events(r.iter_lines())]
         assert kinds.count("image_generation.progress") == STEPS and kinds[-1] == "image_generation.completed", kinds
         return f"{len(kinds)} events"
 

@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import make_pool
 from .genhelp import REPO, TOKEN, GenServer, body, errors_of, generate, prefixes, publish, wait_until
-from .test_faults import LONG, Stream
+from .test_faults import Stream, running_job
 
 WAIT_S = 4.0
 
@@ -38,9 +38,7 @@ def _cancel(server, rid):
 def test_full_queue_is_429_with_retry_after_and_frees_pages(adm, ref_model):
     server, pool = adm
     pre = prefixes(ref_model, guidance_scale=4.0)
-    a = Stream(server.url, body("adm-a", publish(pool, pre), num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("adm-a", publish(pool, pre)))
     queued = [Stream(server.url, body(f"adm-q{i}", publish(pool, pre))) for i in range(2)]
     for s in queued:
         s.start()
@@ -66,9 +64,7 @@ def test_full_queue_is_429_with_retry_after_and_frees_pages(adm, ref_model):
 def test_queue_wait_timeout_is_429_in_the_stream(adm, ref_model):
     server, pool = adm
     pre = prefixes(ref_model, guidance_scale=4.0)
-    a = Stream(server.url, body("to-a", publish(pool, pre), num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("to-a", publish(pool, pre)))
     b = Stream(server.url, body("to-b", publish(pool, pre)))
     t0 = time.monotonic()
     b.start()
@@ -115,9 +111,7 @@ def test_sigterm_ends_streams_with_503_and_exits_cleanly(adm, ref_model):
     import signal
     server, pool = adm
     pre = prefixes(ref_model, guidance_scale=4.0)
-    a = Stream(server.url, body("bye-a", publish(pool, pre), num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("bye-a", publish(pool, pre)))
     b = Stream(server.url, body("bye-b", publish(pool, pre)))
     b.start()
     assert b.queued.wait(30)

@@ -63,6 +63,14 @@ class Stream(threading.Thread):
             self.events.append("[DONE]")
 
 
+def running_job(url: str, b: dict) -> Stream:
+    """A job that runs (its first steps are done) until it is cancelled or killed."""
+    s = Stream(url, dict(b, num_inference_steps=LONG))
+    s.start()
+    assert s.progress.wait(60)
+    return s
+
+
 def _pre(ref_model):
     return prefixes(ref_model, guidance_scale=4.0)
 
@@ -137,10 +145,7 @@ def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):
 
 def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
     server, pool = fault_env["server"], fault_env["pool"]
-    a = Stream(server.url, body("cancel-a", publish(pool, _pre(ref_model)),
-                                num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("cancel-a", publish(pool, _pre(ref_model))))
     b = Stream(server.url, body("cancel-b", publish(pool, _pre(ref_model))))
     b.start()
     assert b.queued.wait(30)
@@ -163,9 +168,7 @@ def test_queued_job_keeps_its_lease_through_a_stalled_engine(fault_env, ref_mode
     """A job queued far longer than its prefix lease still runs, even while the engine makes no progress at all
     (SIGSTOP: a step that takes 8 s): the HTTP process claimed its pages at acceptance (not the engine loop)."""
     server, pool = fault_env["server"], fault_env["pool"]
-    a = Stream(server.url, body("lease-a", publish(pool, _pre(ref_model)), num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("lease-a", publish(pool, _pre(ref_model))))
     b = Stream(server.url, body("lease-b", publish(pool, _pre(ref_model), lease_s=1.0)))
     b.start()
     assert b.queued.wait(30)
@@ -202,10 +205,7 @@ def test_engine_killed_mid_job(fault_env, ref_model):
     pages of jobs that never imported, a fresh engine takes over."""
     server, pool = fault_env["server"], fault_env["pool"]
     pids = server.health()[1]["engine_pids"]
-    a = Stream(server.url, body("kill-a", publish(pool, _pre(ref_model)),
-                                num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("kill-a", publish(pool, _pre(ref_model))))
     c = Stream(server.url, body("kill-c", publish(pool, _pre(ref_model))))
     c.start()
     assert c.queued.wait(30)
@@ -231,9 +231,7 @@ def test_whole_service_killed_pages_expire(fault_env, tiny_dir, ref_model):
     pages: the client sees the stream break, the pages come back by lease expiry, and a restarted
     service works."""
     server, pool = fault_env["server"], fault_env["pool"]
-    a = Stream(server.url, body("svc-a", publish(pool, _pre(ref_model)), num_inference_steps=LONG))
-    a.start()
-    assert a.progress.wait(60)
+    a = running_job(server.url, body("svc-a", publish(pool, _pre(ref_model))))
     c = Stream(server.url, body("svc-c", publish(pool, _pre(ref_model), lease_s=2.0)))
     c.start()
     assert c.queued.wait(30)
