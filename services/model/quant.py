@@ -139,6 +139,11 @@ def target_linears(model, branches=("gen",)):
     return out
 
 
+def fp8_eligible(lin) -> bool:
+    """A Linear the fp8 GEMM takes: both dims multiples of 16 (`_scaled_mm`'s rule)."""
+    return isinstance(lin, nn.Linear) and lin.in_features % 16 == 0 and lin.out_features % 16 == 0
+
+
 def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
                    fast_accum: bool | None = None) -> int:
     """Swap the branch's dense Linear layers for Fp8Linear in place. `prequantized`: {param name
@@ -149,7 +154,7 @@ def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
     n = 0
     for owner, attr, name in target_linears(model, branches):
         lin = getattr(owner, attr)
-        if not isinstance(lin, nn.Linear) or lin.in_features % 16 or lin.out_features % 16:
+        if not fp8_eligible(lin):
             continue
         if name in prequantized:
             q, s = prequantized[name]
@@ -159,3 +164,46 @@ def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
         setattr(owner, attr, new)
         n += 1
     return n
+
+
+def write_fp8_checkpoint(src_dir: str, out_dir: str, branches=("gen",)) -> str:
+    """A copy of a checkpoint whose branch's dense Linear weights are stored as e4m3 with their
+    per-output-channel fp32 scales (`X.weight` + `X.weight_scale`): what `load_model` reads as an
+    fp8 checkpoint (half the bytes of the gen branch on disk and at load)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .config import load_config
+    from .loader import FP8_SCALE_SUFFIX, INDEX_FILE, weight_map
+    from .model import NeoModel
+    with torch.device("meta"):
+        meta = NeoModel(load_config(src_dir), "both")
+    targets = {name + ".weight" for owner, attr, name in target_linears(meta, branches)
+               if fp8_eligible(getattr(owner, attr))}
+    os.makedirs(out_dir, exist_ok=True)
+    wm = weight_map(src_dir)
+    new_map = {}
+    for path in sorted(set(wm.values())):
+        out = {}
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if key in targets:
+                    q, scale = quant_fp8_rowwise(t.float())
+                    out[key], out[key[: -len(".weight")] + FP8_SCALE_SUFFIX] = q, scale.reshape(-1)
+                else:
+                    out[key] = t
+        name = os.path.basename(path)
+        save_file(out, os.path.join(out_dir, name), metadata={"format": "pt"})
+        new_map.update({k: name for k in out})
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {}, "weight_map": new_map}, f, indent=2)
+    for name in os.listdir(src_dir):
+        if not name.endswith(".safetensors") and name != INDEX_FILE:
+            src = os.path.join(src_dir, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(out_dir, name))
+    return out_dir

@@ -79,6 +79,7 @@ class BranchState:
     prev_first: torch.Tensor | None = None   # r1 of the last fully computed step
     rest: torch.Tensor | None = None         # h_L - h1 of that step
     streak: int = 0                          # reused steps in a row
+    last_change: float | None = None         # the last relative change measured (host copy)
     computed: int = 0
     reused: int = 0
 
@@ -126,6 +127,7 @@ class FirstBlockCache:
             changes = torch.stack([relative_change(first_residual[g.start:g.stop], g.state.prev_first)
                                    for g in cand]).tolist()
             for g, c in zip(cand, changes):
+                g.state.last_change = c
                 g.compute = not c < g.options.threshold
         if all(g.compute for g in self.groups):
             return None
