@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from . import prompts as P
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
 from .step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache, truncated_interval
-from .tokenizer import NeoTokenizer
+
+if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
+    from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
+    from .tokenizer import NeoTokenizer
 
 
 @dataclass
@@ -153,7 +156,8 @@ def think_decode(model, tok, cache, hidden, t_last: int, max_think_tokens: int):
         if nxt == tok.end_think_id:
             break
         logits = model.lm_logits(hidden[-1:])[0]
-    _, t_last = _append_text(model, cache, tok.encode(P.THINK_TAIL), t_last)
+    from .prompts import THINK_TAIL
+    _, t_last = _append_text(model, cache, tok.encode(THINK_TAIL), t_last)
     return ids, t_last
 
 
@@ -174,6 +178,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
                    think: bool = False, max_think_tokens: int = 1024,
                    system_message: str | None = None) -> dict[str, PrefixKV]:
     """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request. Think only on cond."""
+    from . import prompts as P
     if kind == "t2i":
         inputs = P.t2i_inputs(tok, prompt, params, think, system_message)
     elif kind == "edit":

@@ -171,3 +171,11 @@ def test_reference_threshold_zero_is_exact(ref_model, guidance):
     a, _ = _ref(ref_model[0], pre, spec, None)
     b, counts = _ref(ref_model[0], pre, spec, CacheOptions(mode="first_block", threshold=0.0))
     assert np.array_equal(a, b) and counts == {"cond": (3, 0), "uncond": (3, 0)}
+
+
+def test_gateway_passes_cache_and_reports_branch_steps():
+    from services.gateway.config import GatewayConfig
+    from services.gateway.params import Options, build_job
+    job = build_job(GatewayConfig(), Options({"cache": {"mode": "first_block", "threshold": 0.1}}), "t2i", "a fox")
+    assert job.generate_body("r", {})["cache"] == {"mode": "first_block", "threshold": 0.1}
+    assert "cache" not in build_job(GatewayConfig(), Options({}), "t2i", "a fox").generate_body("r", {})
