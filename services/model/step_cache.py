@@ -131,9 +131,9 @@ class FirstBlockCache:
                 g.compute = not c < g.options.threshold
         if all(g.compute for g in self.groups):
             return None
-        idx = [torch.arange(g.start, g.stop) for g in self.groups if g.compute]
-        return torch.cat(idx).to(first_residual.device) if idx else \
-            torch.empty(0, dtype=torch.long, device=first_residual.device)
+        dev = first_residual.device
+        idx = [torch.arange(g.start, g.stop, device=dev) for g in self.groups if g.compute]
+        return torch.cat(idx) if idx else torch.empty(0, dtype=torch.long, device=dev)
 
     def attend_subset(self):
         return self.attend_for([g for g in self.groups if g.compute])
