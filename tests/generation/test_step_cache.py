@@ -179,3 +179,22 @@ def test_gateway_passes_cache_and_reports_branch_steps():
     job = build_job(GatewayConfig(), Options({"cache": {"mode": "first_block", "threshold": 0.1}}), "t2i", "a fox")
     assert job.generate_body("r", {})["cache"] == {"mode": "first_block", "threshold": 0.1}
     assert "cache" not in build_job(GatewayConfig(), Options({}), "t2i", "a fox").generate_body("r", {})
+
+
+def test_cfg_parallel_ranks_decide_their_own_branch(tiny_dir, pool, ref_model):
+    """CFG-parallel: each rank caches its own branch; the response reports both ranks' branches."""
+    from .genhelp import GenServer
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    opts = {"mode": "first_block", "threshold": 0.5}
+    b = {**body("cfgp-cache", publish(pool, pre), num_inference_steps=4, seed=3), "cache": opts}
+    server = GenServer(tiny_dir, pool.name, cfg_parallel=2).start()
+    try:
+        status, events = generate(server.url, b)
+    finally:
+        server.stop()
+    assert status == 200 and not errors_of(events), events
+    want, counts = _ref(ref_model[0], pre, b, CacheOptions(**opts))
+    assert sum(r for _, r in counts.values()) > 0
+    img = [e for e in events if isinstance(e, dict) and e.get("type") == "image"][0]
+    assert img["branch_steps"] == {k: {"computed": c, "reused": r} for k, (c, r) in counts.items()}
+    assert np.array_equal(images_of(events)[0], want[0])
