@@ -1,5 +1,6 @@
-"""One `/internal/generate` body -> a validated `GenerateRequest` (services.contract.image), plus the invariants
-only this engine can check: every handle parses as a KVHandle and was produced by the model it serves.
+"""One `/internal/generate` body -> a validated `GenerateRequest` (services.contract.image) with the server's
+step-caching defaults applied, plus the invariants only this engine can check: every handle parses as a KVHandle
+and was produced by the model it serves.
 
 The `GenerateRequest` itself is the job spec that crosses to the rank processes (pickled through the link).
 """
@@ -9,20 +10,31 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from services.contract.image import BRANCH_ORDER, GenerateRequest  # noqa: F401  (BRANCH_ORDER: engine modules)
-from services.kit.errors import APIError, from_validation
+from services.contract.image import BRANCH_ORDER, CacheOptions, GenerateRequest, check_cache_for  # noqa: F401
+from services.kit.errors import APIError, bad_request, from_validation
 
 # The engine modules (engine.py, kv_source.py) raise this under its old name.
 ApiError = APIError
 
 
-def parse_job(body: Any, fingerprint: Optional[str] = None) -> GenerateRequest:
-    """Validate a body. 400 naming the field, `kv_fingerprint_mismatch` for another model's handles,
-    `kv_malformed_handle` for a handle that does not parse."""
+def parse_job(body: Any, cache_defaults: Optional[CacheOptions] = None) -> GenerateRequest:
+    """Validate a body (400 naming the field) and fill `cache` from the server's defaults."""
     try:
         job = GenerateRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc.errors()) from None
+    defaults = cache_defaults or CacheOptions()
+    job.cache = job.cache.over(defaults) if job.cache is not None else defaults
+    try:
+        check_cache_for(job.mode, job.cfg_interval, job.cache)
+    except ValueError as exc:
+        raise bad_request(f"cache: {exc}", param="cache") from None
+    return job
+
+
+def check_handles(job: GenerateRequest, fingerprint: Optional[str]) -> None:
+    """400 `kv_fingerprint_mismatch` for another model's handles, `kv_malformed_handle` for one that does not
+    parse (before the stream starts)."""
     from .kv_source import PrefixSource
     for branch, h in job.handles.items():
         theirs = h.get("model_fingerprint")
@@ -31,7 +43,6 @@ def parse_job(body: Any, fingerprint: Optional[str] = None) -> GenerateRequest:
                            f"this service serves {fingerprint!r})", param=f"handles.{branch}",
                            code="kv_fingerprint_mismatch")
         PrefixSource.parse(h)
-    return job
 
 
 def handles_of(body: Any) -> list[dict]:

@@ -29,7 +29,8 @@ from services.kit.web import json_body
 from .encode import encode_image
 from .leases import HandleKeeper
 from .metrics import GenerationMetrics
-from .request import GenerateRequest, handles_of, parse_job
+from .perf_options import EnginePerfMetrics, add_perf_flags, cache_defaults, perf_engine_args
+from .request import GenerateRequest, check_handles, handles_of, parse_job
 from .supervisor import EngineSupervisor
 
 log = logging.getLogger("u1serve.generation")
@@ -46,17 +47,21 @@ def _model_fingerprint(model_dir: str) -> str | None:
 
 def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None) -> FastAPI:
     metrics = GenerationMetrics()
+    perf_metrics = EnginePerfMetrics(metrics.registry)
+    cache_opts = cache_defaults(args)
 
     def on_stats(msg: dict) -> None:
         if msg.get("stat") == "restart":
             metrics.engine_restarts.inc()
         else:
             metrics.on_stats(msg)
+            perf_metrics.on_stats(msg)
 
     engine_args = {
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "kv_pool_name": args.kv_pool_name, "max_batch_tokens": args.max_batch_tokens,
         "max_running_jobs": args.max_running_jobs, "threads": args.threads, "log_level": args.log_level,
+        **perf_engine_args(args),
     }
     fingerprint = _model_fingerprint(args.model)
     keeper = HandleKeeper(args.kv_pool_name, fingerprint)
@@ -90,7 +95,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
 
     @app.get("/health")
     async def health():
-        body = {**engine.status(), "cfg_parallel": args.cfg_parallel}
+        body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "warmup": perf_metrics.warmup}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
@@ -114,7 +119,8 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         rid = body.get("request_id") if isinstance(body.get("request_id"), str) else \
             request.headers.get("x-request-id", "-")
         try:
-            job = parse_job(body, fingerprint)
+            job = parse_job(body, cache_opts)
+            check_handles(job, fingerprint)
         except APIError as err:
             raise reject(err, rid, handles_of(body)) from None
         loop = asyncio.get_running_loop()
@@ -149,7 +155,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
                     b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], job.output_format)
                     yield sse.encode({"type": "image", "index": ev["index"], "b64": b64,
                                       "format": job.output_format, "width": job.width, "height": job.height,
-                                      "seed": job.seed})
+                                      "seed": job.seed, "branch_steps": ev.get("branch_steps")})
                 elif kind == "error":
                     outcome = str(ev.get("error", {}).get("code") or "error")
                     yield sse.encode(ev)
@@ -189,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encode-threads", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per engine rank (0: default)")
     p.add_argument("--log-level", default="info")
+    add_perf_flags(p)
     return p
 
 

@@ -145,7 +145,9 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
         for job in finished:
             pixels = engine.pixels(job)
             for i in range(job.n):
-                out.send({"request_id": job.request_id, "type": "image", "index": i}, pixels=pixels[i])
+                out.send({"request_id": job.request_id, "type": "image", "index": i,
+                          "branch_steps": job.branch_steps}, pixels=pixels[i])
+            out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out.send({"request_id": job.request_id, "type": "done"})
             job.free()
         out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
@@ -189,13 +191,19 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         from .engine import Engine
         from .kv_source import PrefixSource
         comm = CfgComm.init(rank, world, port, device) if world > 1 else CfgComm.single()
-        model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device)
+        model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device,
+                           lora=[tuple(x) for x in args.get("lora") or ()],
+                           quantization=args.get("quantization"))
         model.eval()
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
         engine = Engine(model, source, comm)
+        from .warmup import parse_sizes, run_warmup
+        warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
+                          int(args.get("warmup_steps", 0)))
         if rank == 0:
+            out.send({"type": "stats", "stat": "warmup", **warm})
             inbox: queue.SimpleQueue = queue.SimpleQueue()
             start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(("stop",)))
             out.send({"type": "ready", "capacity": measure(model, device, world)})

@@ -33,10 +33,14 @@ class GenServer:
                      *extra]
         self.proc: subprocess.Popen | None = None
 
+    @staticmethod
+    def env() -> dict:
+        """The environment the services run with (the internal token travels here, not in argv)."""
+        return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    U1SERVE_INTERNAL_TOKEN=TOKEN)
+
     def start(self, timeout: float = 120.0) -> "GenServer":
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   U1SERVE_INTERNAL_TOKEN=TOKEN)
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True)
         self.wait_healthy(timeout)
         return self
 

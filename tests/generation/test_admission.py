@@ -86,7 +86,7 @@ def test_engine_that_cannot_start_exits_with_the_reason(tmp_path, tiny_dir):
         if name.endswith(".safetensors"):
             (broken / name).write_bytes(b"not a safetensors file")
     port = GenServer(str(broken), f"u1gen-none-{uuid.uuid4().hex[:6]}").port
-    env = {**os.environ, "PYTHONPATH": str(REPO), "U1SERVE_INTERNAL_TOKEN": TOKEN}
+    env = GenServer.env()
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "services.generation.server", "--model", str(broken), "--port",
                         str(port), "--device", "cpu", "--dtype", "float32", "--kv-pool-name", "none"],

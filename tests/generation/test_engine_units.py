@@ -10,17 +10,17 @@ from .genhelp import publish
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
-from services.generation.request import ApiError, parse_job
+from services.generation.request import ApiError, check_handles, parse_job
 from services.generation.worker import Scheduler
 from services.model import reference as R
 from services.model import sampler as S
 
 
 def _handles(fingerprint: str = "f") -> dict:
-    from shm_transfer import KVHandle
+    from shm_transfer import LAYOUT_VERSION, KVHandle
     layout = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "page_tokens": 16}
     return {b: KVHandle(handle_id=i + 1, pool_name="p", pool_generation="g", page_ids=(i,), num_tokens=9,
-                        t_offset=9, model_fingerprint=fingerprint, layout_version=1, layout=layout, branch=b,
+                        t_offset=9, model_fingerprint=fingerprint, layout_version=LAYOUT_VERSION, layout=layout, branch=b,
                         lease_deadline=0.0).to_dict() for i, b in enumerate(("cond", "uncond"))}
 
 
@@ -32,7 +32,8 @@ def spec(rid, side, handles=H):
 
 
 def test_parse_defaults_and_errors():
-    """The body is the contract's GenerateRequest; the engine adds handle parsing and the fingerprint."""
+    """The body is the contract's GenerateRequest (+ the server's cache defaults); the engine adds handle parsing
+    and the fingerprint."""
     job = parse_job({"request_id": "r", "handles": H, "width": 64, "height": 96, "seed": 3})
     assert (job.n, job.num_inference_steps, job.guidance_scale, job.cfg_norm, job.output_format) == (1, 50, 4.0, "none", "png")
     assert job.num_tokens == 6 and list(job.handles) == ["cond", "uncond"]
@@ -47,11 +48,13 @@ def test_parse_defaults_and_errors():
     with pytest.raises(ApiError) as e:   # guidance 4 needs uncond too
         parse_job({"request_id": "r", "handles": {"cond": H["cond"]}, "seed": 1, "width": 64, "height": 64})
     assert e.value.status == 400 and "need handles" in e.value.message
+    check_handles(job, "f")
     with pytest.raises(ApiError) as e:
-        parse_job({"request_id": "r", "handles": H, "seed": 1, "width": 64, "height": 64}, fingerprint="g")
+        check_handles(job, "g")
     assert e.value.code == "kv_fingerprint_mismatch" and e.value.param == "handles.cond"
     with pytest.raises(ApiError) as e:
-        parse_job({"request_id": "r", "handles": {**H, "cond": {"page_ids": [1]}}, "seed": 1, "width": 64, "height": 64})
+        check_handles(parse_job({"request_id": "r", "handles": {**H, "cond": {"page_ids": [1]}}, "seed": 1,
+                                 "width": 64, "height": 64}), None)
     assert e.value.code == "kv_malformed_handle"
 
 
