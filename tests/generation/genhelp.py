@@ -181,7 +181,7 @@ class UndServer:
                      "--internal-token", TOKEN, "--log-level", "warning"]
         self.proc = None
 
-    env = GenServer.env
+    env = staticmethod(GenServer.env)
     start = GenServer.start
     wait_healthy = GenServer.wait_healthy
     stop = GenServer.stop
