@@ -6,6 +6,7 @@
 - `peer`: a scripted HTTP peer in this process, standing in for an engine where the gateway's outgoing bodies
   or an engine answer the real engines do not give (a 429) are what is under test.
 """
+import inspect
 import os
 import signal
 import subprocess
@@ -145,11 +146,13 @@ class Peer:
             body = await request.json()
             self.seen.setdefault("/" + path, []).append({"body": body, "headers": dict(request.headers)})
             reply = self.replies.get("/" + path) or DEFAULT_REPLIES.get("/" + path)
-            return reply(body) if reply else {}
+            result = reply(body) if reply else {}
+            return await result if inspect.isawaitable(result) else result
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
