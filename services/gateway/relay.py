@@ -1,6 +1,7 @@
-"""Answering with an image job: collected into one response, or relayed as SSE. A streamed answer starts only
-with the first event the client sees, so every failure before it (a 4xx, a 429 with Retry-After, a 503, a
-timeout) is still the response status; after it, a failure is an error event followed by [DONE]."""
+"""Answering with an image job: collected into one response, or relayed as SSE. A streamed answer starts with
+the first event the client sees or when generation accepts the job (`queued`), so every failure before it (a
+4xx, a 429 with Retry-After, a 503, a timeout) is still the response status; after it, a failure is an error
+event followed by [DONE]."""
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,8 @@ async def stream_job(request: Request, state: GatewayState, job: ImageJob, conve
     async def first_visible() -> list[dict]:
         async for ev in events:
             out = convert(ev)
-            if out:
+            # generation accepting the job starts the response too: a job waiting in its queue has its head
+            if out or ev.get("type") == "queued":
                 return out
         return []
 
