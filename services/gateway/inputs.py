@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Union
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from services.kit.errors import bad_request
 

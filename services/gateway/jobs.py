@@ -28,25 +28,11 @@ class ImageJob:
     def request_id(self) -> str:
         return self.prefix.request_id
 
-    @property
-    def width(self) -> int:
-        return self.generate["width"]
-
-    @property
-    def height(self) -> int:
-        return self.generate["height"]
-
-    @property
-    def n(self) -> int:
-        return self.generate["n"]
-
-    @property
-    def seed(self) -> int:
-        return self.generate["seed"]
-
-    @property
-    def output_format(self) -> str:
-        return self.generate["output_format"]
+    width = property(lambda self: self.generate["width"])
+    height = property(lambda self: self.generate["height"])
+    n = property(lambda self: self.generate["n"])
+    seed = property(lambda self: self.generate["seed"])
+    output_format = property(lambda self: self.generate["output_format"])
 
     @property
     def size(self) -> str:

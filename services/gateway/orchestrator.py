@@ -13,7 +13,6 @@ import logging
 import time
 from typing import AsyncIterator, Optional
 
-import anyio
 import httpx
 
 from services.kit.errors import APIError, unavailable
@@ -22,8 +21,8 @@ from .config import GatewayConfig
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
-from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, connection_error,
-                       engine_headers, error_from_event, error_from_response, is_timeout, open_stream, tell)
+from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, engine_headers,
+                       error_from_event, error_from_response, is_timeout, open_stream, reading, tell)
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"
@@ -50,28 +49,21 @@ class Orchestrator:
             working = UND
             resp = await self._open(self.und, "/internal/image_prefix", job.prefix_body(), hdrs, deadline, und)
             think_text = None
-            with self.und.use(und.ep):
-                try:
-                    if resp.status_code != 200:
+            async with reading(self.und, und.ep, resp):
+                if resp.status_code != 200:
+                    working = None
+                    raise await error_from_response(resp, UND, deadline)
+                und.ep.mark_up()
+                async for ev in deadline.events(resp, UND):
+                    kind = ev.get("type")
+                    if kind == "think_delta":
+                        yield {"type": "think_delta", "text": ev.get("text") or ""}
+                    elif kind == "handles":
+                        handles.received(ev.get("handles"))
+                        think_text = ev.get("think_text")
+                    elif kind == "error":
                         working = None
-                        raise await error_from_response(resp, UND, deadline)
-                    und.ep.mark_up()
-                    async for ev in deadline.events(resp, UND):
-                        kind = ev.get("type")
-                        if kind == "think_delta":
-                            yield {"type": "think_delta", "text": ev.get("text") or ""}
-                        elif kind == "handles":
-                            handles.received(ev.get("handles"))
-                            think_text = ev.get("think_text")
-                        elif kind == "error":
-                            working = None
-                            raise error_from_event(ev, UND)
-                except httpx.TransportError as exc:
-                    self.und.down(und.ep)
-                    raise connection_error(UND, und.ep.url, exc) from None
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await resp.aclose()
+                        raise error_from_event(ev, UND)
             working = None
             if handles.owner != GATEWAY:
                 raise unavailable("understanding service ended the prefix stream without handles",
@@ -82,33 +74,26 @@ class Orchestrator:
             working = GEN
             resp = await self._open(self.gen, "/internal/generate", job.generate_body(handles.handles), hdrs,
                                     deadline, gen)
-            with self.gen.use(gen.ep):
-                images = 0
-                try:
-                    if resp.status_code != 200:
+            images = 0
+            async with reading(self.gen, gen.ep, resp):
+                if resp.status_code != 200:
+                    working = None
+                    raise await error_from_response(resp, GEN, deadline)
+                handles.accepted()
+                gen.ep.mark_up()
+                async for ev in deadline.events(resp, GEN):
+                    kind = ev.get("type")
+                    if kind == "error":
+                        # the job is over on generation's side: it imports nothing after this
                         working = None
-                        raise await error_from_response(resp, GEN, deadline)
-                    handles.accepted()
-                    gen.ep.mark_up()
-                    async for ev in deadline.events(resp, GEN):
-                        kind = ev.get("type")
-                        if kind == "error":
-                            # the job is over on generation's side: it imports nothing after this
-                            working = None
-                            handles.returned()
-                            raise error_from_event(ev, GEN)
-                        if kind == "progress":
-                            self.metrics.denoise_steps.inc()
-                        elif kind == "image":
-                            images += 1
-                            self.metrics.images.inc()
-                        yield ev
-                except httpx.TransportError as exc:
-                    self.gen.down(gen.ep)
-                    raise connection_error(GEN, gen.ep.url, exc) from None
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await resp.aclose()
+                        handles.returned()
+                        raise error_from_event(ev, GEN)
+                    if kind == "progress":
+                        self.metrics.denoise_steps.inc()
+                    elif kind == "image":
+                        images += 1
+                        self.metrics.images.inc()
+                    yield ev
             working = None
             if images < job.n:
                 handles.returned()

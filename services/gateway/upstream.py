@@ -116,14 +116,20 @@ class Deadline:
         """The JSON events of an SSE response until [DONE] (any line, comments too, counts as a sign of life)."""
         return sse.aevents(self.lines(resp, service))
 
-    async def chunks(self, resp: httpx.Response, service: str) -> AsyncIterator[bytes]:
-        it = resp.aiter_raw().__aiter__()
-        while True:
-            try:
-                chunk = await self.wait(it.__anext__(), service)
-            except StopAsyncIteration:
-                return
-            yield chunk
+
+@contextlib.asynccontextmanager
+async def reading(pool: EndpointPool, ep: Endpoint, resp: httpx.Response) -> AsyncIterator[httpx.Response]:
+    """While `resp` is read: its endpoint counts as busy, a broken connection marks it down (503), and the
+    response is closed however the reading ends."""
+    with pool.use(ep):
+        try:
+            yield resp
+        except httpx.TransportError as exc:
+            pool.down(ep)
+            raise connection_error(pool.service, ep.url, exc) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
 
 
 def is_timeout(err: APIError) -> bool:

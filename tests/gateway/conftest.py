@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 from services.netutil import free_port
+
+from tests.waiting import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-gateway-test"
@@ -41,17 +42,18 @@ class GatewayProc:
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_up(self, timeout: float = 60.0) -> "GatewayProc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.base + "/metrics", timeout=1).status_code == 200:
-                    return self
+                return httpx.get(self.base + "/metrics", timeout=1).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("gateway did not start:\n" + self.output())
+                return False
+        try:
+            wait_until(up, timeout, interval=0.1)
+        except TimeoutError:
+            raise RuntimeError("gateway did not start:\n" + self.stop()) from None
+        return self
 
     def output(self) -> str:
         if not self.log.closed:
@@ -155,11 +157,7 @@ class Peer:
                                                     timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("peer did not start")
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, 20, interval=0.02)
 
     def bodies(self, path: str) -> list[dict]:
         return [s["body"] for s in self.seen.get(path, [])]

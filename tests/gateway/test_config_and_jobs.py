@@ -34,7 +34,8 @@ def test_defaults_are_the_contracts(monkeypatch):
     assert (cfg.max_steps, cfg.max_side, cfg.max_think_tokens) == (L.MAX_STEPS, L.MAX_IMAGE_SIDE, L.MAX_THINK_TOKENS)
     j = job({}, cfg)
     gen = j.generate_body({"cond": {}, "uncond": {}})
-    for name in ("num_inference_steps", "guidance_scale", "image_guidance_scale", "cfg_norm", "timestep_shift", "t_eps"):
+    for name in ("num_inference_steps", "guidance_scale", "image_guidance_scale", "cfg_norm", "timestep_shift",
+                 "t_eps"):
         assert gen[name] == default(name), name
     assert (j.width, j.height, j.n, j.output_format, j.response_format) == (2048, 2048, 1, "png", "b64_json")
     assert j.prefix.max_think_tokens == default("max_think_tokens")
@@ -146,3 +147,14 @@ def test_chat_image_options_honour_top_level_aliases_and_image_config():
     with pytest.raises(APIError) as e:
         chat_image_options({**body, "extra_body": {"flow_shift": 2}}, ChatCompletionRequest.model_validate(body))
     assert e.value.param == "timestep_shift"
+
+
+def test_prefix_body_carries_mode_and_the_transition_kind():
+    """Understanding's current parser reads `kind`; the contract's PrefixRequest reads `mode` and accepts
+    `kind` with the same value, so the gateway's body validates on both sides."""
+    from services.contract.image import PrefixRequest
+    body = job({"cache_salt": "s"}).prefix_body()
+    assert body["mode"] == body["kind"] == "t2i" and body["cache_salt"] == "s" and body["stream"] is True
+    assert PrefixRequest.model_validate(body).mode == "t2i"
+    with pytest.raises(ValidationError):
+        PrefixRequest.model_validate({**body, "kind": "edit"})

@@ -141,7 +141,8 @@ def test_n_out_of_range(client, n):
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "guidance_scale": NaN}', b'{"prompt": "x", "seed": Infinity}',
-                                 b'{"prompt": "x", "t_eps": 1e999}', b'{"prompt": "x", "cfg_interval": [0, -Infinity]}'])
+                                 b'{"prompt": "x", "t_eps": 1e999}',
+                                 b'{"prompt": "x", "cfg_interval": [0, -Infinity]}'])
 def test_non_finite_numbers(client, raw):
     err = assert_error(client.post(GEN, content=raw, headers={"content-type": "application/json"}), 400)
     assert err["code"] == "invalid_json"

@@ -26,7 +26,7 @@ from ..relay import OwnedStream, client_gone, collect_job, stream_job
 from ..schemas import ERRORS, ChatCompletionResponse
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
-                        error_from_response, is_timeout, open_stream, tell)
+                        error_from_response, is_timeout, open_stream, reading, tell)
 
 router = APIRouter(tags=["chat"])
 UND = "understanding"
@@ -116,15 +116,8 @@ async def proxy(request: Request, state: GatewayState, body: dict):
 
     async def call() -> bytes:
         resp = await _open(state, body, hdrs, deadline, target, idle=False)
-        with state.und.use(target.ep):
-            try:
-                return await deadline.wait(resp.aread(), UND, idle=False)
-            except httpx.TransportError as exc:
-                state.und.down(target.ep)
-                raise connection_error(UND, target.ep.url, exc) from None
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
+        async with reading(state.und, target.ep, resp):
+            return await deadline.wait(resp.aread(), UND, idle=False)
 
     try:
         finished, raw = await until_disconnect(request, call)
