@@ -153,7 +153,7 @@ def test_prefix_body_carries_mode_and_the_transition_kind():
     """Understanding's current parser reads `kind`; the contract's PrefixRequest reads `mode` and accepts
     `kind` with the same value, so the gateway's body validates on both sides."""
     from services.contract.image import PrefixRequest
-    body = job({"cache_salt": "s"}).prefix_body()
+    body = job({}, cache_salt="s").prefix_body()
     assert body["mode"] == body["kind"] == "t2i" and body["cache_salt"] == "s" and body["stream"] is True
     assert PrefixRequest.model_validate(body).mode == "t2i"
     with pytest.raises(ValidationError):
