@@ -154,13 +154,17 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
         resp = await _open(state, body, hdrs, deadline, target, idle=True)
         lines = deadline.lines(resp, UND)
         head: list[str] = []
-        async for line in lines:
-            head.append(line)
-            if line.startswith("data:"):
-                err = _first_event_error(line)
-                if err is not None:
-                    raise err
-                break
+        try:
+            async for line in lines:
+                head.append(line)
+                if line.startswith("data:"):
+                    err = _first_event_error(line)
+                    if err is not None:
+                        raise err
+                    break
+        except httpx.TransportError as exc:
+            state.und.down(target.ep)
+            raise connection_error(UND, target.ep.url, exc) from None
     except BaseException as exc:
         if isinstance(exc, APIError) and is_timeout(exc):
             state.metrics.timeouts.labels(exc.code).inc()
@@ -173,7 +177,7 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
         raise
     ep = target.ep
     ep.in_flight += 1
-    state_of = {"outcome": "streaming"}       # -> done | timeout; still streaming when closed = client gone
+    progress = {"outcome": "streaming"}       # -> done | timeout; still streaming when closed = client gone
 
     async def relay():
         try:
@@ -181,14 +185,14 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
                 yield (line + "\n").encode()
             async for line in lines:
                 yield (line + "\n").encode()
-            state_of["outcome"] = "done"
+            progress["outcome"] = "done"
         except APIError as err:              # the idle limit or the deadline
-            state_of["outcome"] = "timeout"
+            progress["outcome"] = "timeout"
             state.metrics.timeouts.labels(err.code).inc()
             yield sse.encode(err.event())
             yield sse.encode(sse.DONE)
         except httpx.TransportError as exc:  # the engine went away: nothing left to abort
-            state_of["outcome"] = "done"
+            progress["outcome"] = "done"
             state.und.down(ep)
             yield sse.encode(connection_error(UND, ep.url, exc).event())
             yield sse.encode(sse.DONE)
@@ -196,9 +200,9 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
     async def close():
         ep.in_flight -= 1
         await resp.aclose()
-        if state_of["outcome"] == "streaming":
+        if progress["outcome"] == "streaming":
             state.metrics.cancelled.inc()
-        if state_of["outcome"] != "done":
+        if progress["outcome"] != "done":
             _abort_later(state, target, hdrs, rid)
 
     return OwnedStream(relay(), on_close=close)

@@ -110,7 +110,7 @@ async def generations(body: ImageGenerationRequest, request: Request, state: Gat
     return await serve(request, state, job, "image_generation")
 
 
-async def _edit_request(request: Request, state: GatewayState) -> tuple[ImageEditRequest, list[tuple[str, Raw]]]:
+async def _edit_request(request: Request) -> tuple[ImageEditRequest, list[tuple[str, Raw]]]:
     """The edit's fields and its raw input images, from JSON or multipart."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("application/json"):
@@ -126,15 +126,18 @@ async def _edit_request(request: Request, state: GatewayState) -> tuple[ImageEdi
         raise bad_request(f"malformed multipart body: {exc}", code="invalid_multipart") from None
     values: dict[str, Any] = {}
     images: list[tuple[str, Raw]] = []
-    for key, value in form.multi_items():
-        if key in MULTIPART_IMAGE_FIELDS:
-            raw: Union[bytes, str] = await value.read() if isinstance(value, UploadFile) else value
-            images.append((f"image[{len(images)}]", raw))
-        elif isinstance(value, UploadFile):
-            raise bad_request(f"unexpected file field {key!r}; images go under 'image' or 'image[]'", param=key)
-        else:
-            values[key] = value
-    await form.close()
+    try:
+        for key, value in form.multi_items():
+            if key in MULTIPART_IMAGE_FIELDS:
+                raw: Union[bytes, str] = await value.read() if isinstance(value, UploadFile) else value
+                images.append((f"image[{len(images)}]", raw))
+            elif isinstance(value, UploadFile):
+                raise bad_request(f"unexpected file field {key!r}; images go under 'image' or 'image[]'",
+                                  param=key)
+            else:
+                values[key] = value
+    finally:
+        await form.close()              # the spooled upload files
     return ImageEditRequest.model_validate(values), images
 
 
@@ -143,7 +146,7 @@ async def _edit_request(request: Request, state: GatewayState) -> tuple[ImageEdi
 async def edits(request: Request, state: GatewayState = Depends(gateway)):
     """Edit 1 to 4 input images. Without a size, the output has the first input's aspect ratio at the default
     area."""
-    req, raws = await _edit_request(request, state)
+    req, raws = await _edit_request(request)
     if not raws:
         raise bad_request(f"'image' is required (1 to {L.MAX_IMAGES_PER_REQUEST} images)", param="image",
                           code="missing_required_parameter")
