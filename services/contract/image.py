@@ -184,6 +184,14 @@ class PrefixRequest(Guidance):
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_is_mode(cls, data: Any) -> Any:
+        """`kind` is the body's name for `mode` from before the contract (callers not yet on PrefixRequest)."""
+        if isinstance(data, dict) and "kind" in data and "mode" not in data:
+            data = {("mode" if k == "kind" else k): v for k, v in data.items()}
+        return data
+
     @model_validator(mode="after")
     def _images_for_mode(self) -> "PrefixRequest":
         if self.mode == "edit" and not self.images:

@@ -3,6 +3,7 @@ service reports goes through APIError, also inside SSE streams (`event()`)."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Iterable, Optional
 
 from fastapi.responses import JSONResponse
@@ -82,10 +83,16 @@ def from_upstream(status: int, payload: Any, service: str, headers: Optional[dic
                     headers=keep)
 
 
+# pydantic's labels of union members in a loc ("str", "list[tagged-union[TextPart,ImagePart]]"): not fields
+_UNION_LABEL = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
 def _loc_to_param(loc: Iterable[Any]) -> Optional[str]:
     out = ""
     for part in loc:
         if part in ("body", "query", "path", "header", "form"):
+            continue
+        if isinstance(part, str) and _UNION_LABEL.match(part):
             continue
         if isinstance(part, int):
             out += f"[{part}]"
@@ -102,7 +109,8 @@ def from_validation(errors: list[dict]) -> APIError:
     """pydantic / FastAPI validation errors -> one 400 naming the first offending field and what is allowed."""
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
+    # a value that fits no member of a union gets one error per member: the deepest says the most
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):

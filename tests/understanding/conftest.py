@@ -18,6 +18,7 @@ from services.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "und-test-token"
+HEADERS = {"X-U1-Internal-Token": TOKEN}
 IMG_MIN, IMG_MAX = 1024, 16384      # small input images -> few image tokens
 MAX_LEN = 4096
 
@@ -108,7 +109,7 @@ def server(tiny_dir, tmp_path_factory):
 def server_plain(tiny_dir, tmp_path_factory):
     """No chunking, no prefix cache, and a small shm pool (for the pool-full case)."""
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "0", "--no-prefix-cache",
-               pool_gb=0.0008).wait_ready()
+               "--max-prefix-pool-share", "1", pool_gb=0.0008).wait_ready()
     yield s
     s.stop()
 

@@ -8,6 +8,8 @@ import pytest
 
 from .conftest import MAX_LEN, TOKEN
 
+H = {"X-U1-Internal-Token": TOKEN}
+
 OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 PNG_TEXT = "data:image/png;base64," + base64.b64encode(b"this is not an image at all").decode()
 
@@ -36,7 +38,7 @@ CHAT_CASES = {
 @pytest.mark.parametrize("name", list(CHAT_CASES))
 def test_chat_bad_input_is_400(server, name):
     body, needle = CHAT_CASES[name]
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=H, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -46,33 +48,40 @@ def test_chat_bad_input_is_400(server, name):
 
 def test_other_bad_inputs(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})
+                   headers={"content-type": "application/json", **H})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/generate", json={"inputs": "", "parameters": {}}, timeout=30)
+    r = httpx.post(server.url + "/generate", json={"inputs": "", "parameters": {}}, headers=H, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "inputs"
-    r = httpx.post(server.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    h = {"X-U1-Internal-Token": TOKEN}
-    for body, param in [({"request_id": "b", "kind": "video", "prompt": "p"}, "kind"),
-                        ({"request_id": "b", "kind": "edit", "prompt": "p", "images": []}, "images"),
-                        ({"request_id": "b", "kind": "t2i", "prompt": "p", "think": True,
-                          "max_think_tokens": 0}, "max_think_tokens"),
-                        ({"request_id": "b", "kind": "edit", "prompt": "p", "images": ["%%%"]}, "images[0]")]:
-        r = httpx.post(server.url + "/internal/image_prefix", json=body, headers=h, timeout=30)
+    r = httpx.post(server.url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 0}}, headers=H,
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parameters.max_new_tokens", r.text
+    assert r.json()["error"]["message"].startswith("parameters.max_new_tokens: ")
+    for body, param, words in [
+            ({"request_id": "b", "mode": "video", "prompt": "p"}, "mode", "'t2i' or 'edit'"),
+            ({"request_id": "b", "kind": "video", "prompt": "p"}, "mode", "'t2i' or 'edit'"),
+            ({"request_id": "b", "mode": "edit", "prompt": "p", "images": []}, None, "1 to 4 images"),
+            ({"request_id": "b", "mode": "t2i", "prompt": "p", "think": True, "max_think_tokens": 0},
+             "max_think_tokens", "greater than or equal to 1"),
+            ({"request_id": "b", "mode": "t2i", "prompt": "p", "max_think_tokens": 5000}, "max_think_tokens",
+             "4096"),
+            ({"request_id": "b", "mode": "t2i", "prompt": "p", "nonsense": 1}, "nonsense", "not permitted"),
+            ({"request_id": "b", "mode": "edit", "prompt": "p", "images": ["%%%"]}, "images[0]", "base64")]:
+        r = httpx.post(server.url + "/internal/image_prefix", json=body, headers=H, timeout=30)
         assert r.status_code == 400, (body, r.text)
-        assert r.json()["error"]["param"] == param
-    r = httpx.post(server.url + "/internal/release", json={"handles": [{"handle_id": 1}]}, headers=h, timeout=30)
+        assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/internal/release", json={"handles": [{"handle_id": 1}]}, headers=H, timeout=30)
     assert r.status_code == 400
 
 
 def test_server_keeps_serving_after_bad_input(server):
     for body, _ in CHAT_CASES.values():
-        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-    r = httpx.post(server.url + "/v1/chat/completions", json=OK, timeout=60)
+        httpx.post(server.url + "/v1/chat/completions", json=body, headers=H, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", json=OK, headers=H, timeout=60)
     assert r.status_code == 200
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     n = httpx.post(server.url + "/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 3,
-                                                                                  "do_sample": False}}, timeout=60)
+                                                                                  "do_sample": False}},
+                   headers=H, timeout=60)
     assert n.status_code == 200 and n.json()["count_output_tokens"] >= 1
-    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    assert httpx.get(server.url + "/v1/models", headers=H).json()["data"][0]["id"]
     assert server.wait_idle()["kv_in_use"] == 0

@@ -42,7 +42,7 @@ class _Stream(threading.Thread):
     def run(self):
         body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a long story"}],
                 "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=H, timeout=120) as r:
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -97,10 +97,10 @@ def _check_recovered(server, ref, old_pids, generation, seed):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     req = mixed_requests(2, seed=seed)[1]   # with an image
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(req), timeout=120)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(req), headers=H, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == reference_ids(ref, req)
-    m = httpx.get(server.url + "/metrics", timeout=10).text
+    m = httpx.get(server.url + "/metrics", headers=H, timeout=10).text
     assert "u1_und_engine_restarts_total 1.0" in m
 
 
@@ -120,7 +120,7 @@ def test_engine_sigkill_recovers(crash_servers, ref):
         results[name] = httpx.post(server.url + path, json=body, headers=headers, timeout=120)
 
     chat = threading.Thread(target=post, args=("chat", "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}))
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, H))
     prefix = threading.Thread(target=post, args=("prefix", "/internal/image_prefix", {
         "request_id": "crash-prefix", "kind": "t2i", "prompt": "a red cube", "guidance_scale": 4.0}, H))
     chat.start()

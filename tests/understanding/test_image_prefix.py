@@ -104,12 +104,12 @@ def test_tp2_prefix_export_matches_reference(server_tp2, ref):
     _check_against_reference(server_tp2, ref, body, r.json()["handles"], r.json()["think_text"])
 
 
-def test_pool_full_is_fast_503_and_recovers(server_plain):
+def test_pool_full_is_fast_429_and_recovers(server_plain):
     body = {"kind": "t2i", "prompt": "a small house", "guidance_scale": 4.0}
     first = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-1"})
     assert first.status_code == 200, first.text
     second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=10)
-    assert second.status_code == 503
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
     assert second.json()["error"]["code"] == "kv_pool_full"
     _post(server_plain, "/internal/release", {"handles": list(first.json()["handles"].values())})
     third = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-3"})

@@ -61,7 +61,7 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
     rng = random.Random(1234)
 
     async def main():
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0, timeout=300)
         try:
             chats = [_chat(client, i, random.Random(i), rng.randint(1, 4) if i % 4 == 0 else None)
                      for i in range(64)]
@@ -77,9 +77,10 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
     assert h["kv_free"] + h["kv_cached"] == h["kv_total"]
     # still serving
     r = httpx.post(server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3, "temperature": 0}, timeout=60)
+        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3, "temperature": 0},
+        headers={"X-U1-Internal-Token": TOKEN}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "u1_und_time_to_first_token_seconds_count" in metrics
     assert "u1_und_prefix_cache_hit_rate" in metrics
 
