@@ -15,19 +15,18 @@ import time
 from typing import Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from services.contract.image import PrefixRequest
 from services.kit import sse
 from services.kit.errors import APIError, bad_request, overloaded, unavailable
-from services.kit.web import until_disconnect
 from services.model import images as IM
 from services.model import prompts as PR
 
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineDead
 from .protocol import SubmitRequest
+from .routes.responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
 from .textgen import output_error
 
@@ -103,7 +102,7 @@ class PrefixJob:
         self.admission.close()
 
     async def events(self):
-        """Contract events: think_delta..., then handles (or one error)."""
+        """Contract events: think_delta..., then handles (or one APIError, the last item)."""
         st = self.svc.state
         tok = st.tok
         detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
@@ -123,7 +122,7 @@ class PrefixJob:
                         pending[branch] = asyncio.ensure_future(self.queues[branch].get())
                         continue
                     if o.finish_reason != "exported":
-                        yield output_error(o).event()
+                        yield output_error(o)
                         return
                     done[branch] = o.handle
                     if branch == "cond" and o.think_ids is not None:
@@ -233,44 +232,28 @@ class ImagePrefixService:
     async def handle(self, request: Request, req: PrefixRequest):
         job = await self._start(req)
         log.info("prefix %s: %s, branches %s", req.request_id, req.mode, list(job.queues))
+        run = job.events()
+
+        async def cleanup():     # branches aborted, pages not handed out freed (also for a client gone)
+            await run.aclose()
+            job.close()
+
         if req.stream:
-            run = job.events()
-
             async def stream():
-                try:
-                    async for ev in run:
-                        yield sse.encode(ev)
-                    yield sse.encode(sse.DONE)
-                finally:
-                    await run.aclose()
-                    job.close()
-
-            async def after():
-                # also runs when the client left before (or while) the body streamed
-                await run.aclose()
-                job.close()
-
-            return StreamingResponse(stream(), media_type="text/event-stream", headers=sse.HEADERS,
-                                     background=BackgroundTask(after))
+                async for ev in run:
+                    yield sse.encode(ev.event() if isinstance(ev, APIError) else ev)
+                yield sse.encode(sse.DONE)
+            return sse_response(stream(), cleanup)
 
         async def consume() -> dict:
-            run = job.events()
-            try:
-                async for ev in run:
-                    if ev["type"] == "error":
-                        raise APIError(ev["status"], ev["error"]["message"], code=ev["error"]["code"],
-                                       type=ev["error"]["type"])
-                    if ev["type"] == "handles":
-                        return {"request_id": req.request_id, "handles": ev["handles"],
-                                "think_text": ev["think_text"]}
-            finally:
-                await run.aclose()
+            async for ev in run:
+                if isinstance(ev, APIError):
+                    raise ev
+                if ev["type"] == "handles":
+                    return {"request_id": req.request_id, "handles": ev["handles"], "think_text": ev["think_text"]}
             raise APIError(500, "image prefix ended without handles", code="internal")
 
-        try:
-            finished, result = await until_disconnect(request, consume)
-        finally:
-            job.close()          # a client that went away: branches aborted, pages freed
+        finished, result = await until_done_or_gone(request, consume, cleanup)
         return result if finished else Response(status_code=499)
 
     # ---- release / abort ----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ MAX_LEN = 4096
 
 
 class UndServer:
-    def __init__(self, model_dir: str, *extra: str, pool_gb: float = 0.05, tp: int = 1, log_dir: str = "/tmp"):
+    def __init__(self, model_dir: str, *extra: str, pool_gb: float = 0.05, tp: int = 1, log_dir: str = "/tmp",
+                 token_args: tuple[str, ...] = ("--internal-token", TOKEN), log_level: str = "warning"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pool_name = f"u1und-test-{uuid.uuid4().hex[:10]}"
@@ -32,8 +33,8 @@ class UndServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
                 "--tp", str(tp), "--kv-pool-name", self.pool_name, "--kv-pool-gb", str(pool_gb),
                 "--kv-page-tokens", "16", "--kv-cache-tokens", "16384", "--max-model-len", str(MAX_LEN),
-                "--internal-token", TOKEN, "--image-min-pixels", str(IMG_MIN),
-                "--image-max-pixels", str(IMG_MAX), "--log-level", "warning", *extra]
+                *token_args, "--image-min-pixels", str(IMG_MIN),
+                "--image-max-pixels", str(IMG_MAX), "--log-level", log_level, *extra]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log_path = os.path.join(log_dir, f"und-server-{self.port}.log")
         self.log = open(self.log_path, "w")

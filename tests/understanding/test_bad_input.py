@@ -32,6 +32,15 @@ CHAT_CASES = {
     "n > 1": ({**OK, "n": 2}, "n"),
     "bad content part": ({**OK, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "type"),
     "no user message": ({**OK, "messages": [{"role": "system", "content": "s"}]}, "user"),
+    "seed over int64": ({**OK, "seed": 2**64}, "seed"),
+    "negative seed": ({**OK, "seed": -1}, "seed"),
+    "stop id outside the vocabulary": ({**OK, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    "negative stop id": ({**OK, "stop_token_ids": [-1]}, "stop_token_ids"),
+    "repetition_penalty zero": ({**OK, "repetition_penalty": 0}, "repetition_penalty"),
+    "min_p over 1": ({**OK, "min_p": 1.5}, "min_p"),
+    "top_k below -1": ({**OK, "top_k": -2}, "top_k"),
+    "boolean max_tokens": ({**OK, "max_tokens": True}, "max_tokens"),
+    "image output": ({**OK, "modalities": ["image"]}, "modalities"),
 }
 
 
@@ -84,4 +93,30 @@ def test_server_keeps_serving_after_bad_input(server):
                    headers=H, timeout=60)
     assert n.status_code == 200 and n.json()["count_output_tokens"] >= 1
     assert httpx.get(server.url + "/v1/models", headers=H).json()["data"][0]["id"]
+    assert server.wait_idle()["kv_in_use"] == 0
+
+
+EXTREME = [dict(temperature=1e-5), dict(temperature=2.0, repetition_penalty=1e-300), dict(presence_penalty=-2,
+           frequency_penalty=-2, temperature=2.0), dict(top_p=5e-324, temperature=1.0), dict(top_k=10**9, min_p=1.0),
+           dict(temperature=1e-7, repetition_penalty=10.0), dict(seed=2**63 - 1, temperature=1.5, min_p=1e-12)]
+
+
+def test_extreme_accepted_values_never_break_a_batch(server, ref):
+    """Every extreme the contract accepts samples fine, concurrently with a greedy request whose output still
+    equals the reference (nothing a batch-mate sends can fail or change it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .helpers import chat_body, mixed_requests, reference_ids
+    plain = mixed_requests(1, seed=3, with_images=False)[0]
+    text = {"messages": [{"role": "user", "content": "tell me more"}], "max_tokens": 12, "ignore_eos": True}
+
+    def post(body):
+        return httpx.post(server.url + "/v1/chat/completions", json=body, headers=H, timeout=120)
+    with ThreadPoolExecutor(len(EXTREME) + 1) as ex:
+        futures = [ex.submit(post, {**text, **e}) for e in EXTREME] + [ex.submit(post, chat_body(plain))]
+        results = [f.result() for f in futures]
+    for e, r in zip(EXTREME, results):
+        assert r.status_code == 200, (e, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 12, (e, r.json())
+    assert results[-1].json()["choices"][0]["token_ids"] == reference_ids(ref, plain)
     assert server.wait_idle()["kv_in_use"] == 0

@@ -2,7 +2,9 @@
 (streaming: an error event then [DONE]; non-streaming: 503 JSON), unfinished image-prefix pages go back to
 the shm pool (same pool generation), /health is 503 while a fresh engine starts and 200 again with
 `restarts` = 1, and the new engine's greedy output equals the reference. TP=1 (kill rank 0) and TP=2
-(kill rank 1); both servers start side by side."""
+(kill rank 1); both servers start side by side. The restarts are the kit Supervisor's: after the restart budget
+(here 2 deaths) the engine stays down and /health and the log say why, while the HTTP process keeps serving
+/health."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,7 @@ H = {"X-U1-Internal-Token": TOKEN}
 
 @pytest.fixture(scope="module")
 def crash_servers(tiny_dir, tmp_path_factory):
-    s1 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "64")
+    s1 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "64", "--engine-max-failures", "2")
     s2 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "48", tp=2)
     try:
         yield s1.wait_ready(), s2.wait_ready(240)
@@ -152,3 +154,24 @@ def test_engine_tp2_rank1_sigkill_recovers(crash_servers, ref):
     os.kill(pids[1], signal.SIGKILL)
     _check_stream_failed(st)
     _check_recovered(server, ref, pids, generation, seed=6)
+
+
+def test_engine_stays_down_after_its_restart_budget(crash_servers):
+    """--engine-max-failures 2: the second death within the window is the last; the HTTP process stays up."""
+    server = crash_servers[0]
+    for _ in range(2):
+        h = _await(lambda: (lambda c, h: h if c == 200 or h["status"] == "failed" else None)(*_health(server)),
+                   60, "a ready or failed engine")
+        if h["status"] == "failed":
+            break
+        os.kill(h["engine_pids"][0], signal.SIGKILL)
+        _await(lambda: _health(server)[0] == 503, 30, "the death to be seen")
+    h = _await(lambda: (lambda c, h: h if h["status"] == "failed" else None)(*_health(server)), 30, "give-up")
+    assert "2 failures" in h["error"] and "not restarting" in h["error"], h
+    assert h["engine_ready"] is False and h["last_engine_error"]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=H, timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+    assert "not restarting" in r.json()["error"]["message"]
+    assert server.proc.poll() is None
+    assert "not restarting" in open(server.log_path).read()

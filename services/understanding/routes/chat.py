@@ -5,18 +5,18 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from services.contract.chat import ChatCompletionRequest
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
-from services.kit.web import json_body, until_disconnect
+from services.kit.web import json_body
 from services.model import prompts as PR
 
 from .. import textgen
 from ..inputs import image_refs, prompt_messages, text_params
 from ..state import app_state
+from .responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 
@@ -52,6 +52,10 @@ async def chat_completions(request: Request):
         raise
     created, model, resp_id = int(time.time()), st.model_name, f"chatcmpl-{uuid.uuid4().hex}"
 
+    async def cleanup():
+        await gen.aclose()       # aborts the engine request if it did not finish
+        admission.close()
+
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -86,18 +90,9 @@ async def chat_completions(request: Request):
                                       "model": model, "choices": [], "usage": usage})
             except APIError as e:
                 yield sse.encode(e.body())
-            finally:
-                await gen.aclose()
-                admission.close()
             yield sse.encode(sse.DONE)
 
-        async def after():
-            # also runs when the client left before the body started: frees the engine request and the slot
-            await gen.aclose()
-            admission.close()
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=sse.HEADERS,
-                                 background=BackgroundTask(after))
+        return sse_response(events(), cleanup)
 
     async def collect():
         reasoning, content, ids, final = [], [], [], None
@@ -109,11 +104,7 @@ async def chat_completions(request: Request):
                 final = ev
         return "".join(reasoning), "".join(content), ids, final
 
-    try:
-        finished, res = await until_disconnect(request, collect)
-    finally:
-        await gen.aclose()
-        admission.close()
+    finished, res = await until_done_or_gone(request, collect, cleanup)
     if not finished:
         return Response(status_code=499)
     reasoning, content, ids, final = res

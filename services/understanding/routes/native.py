@@ -3,17 +3,17 @@ included; `<image>` marks where each image of multimodal_params goes)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from services.kit import sse
 from services.kit.errors import APIError
-from services.kit.web import json_body, until_disconnect
+from services.kit.web import json_body
 from services.model import prompts as PR
 
 from .. import textgen
 from ..inputs import NativeRequest, native_sampling, text_params
 from ..state import app_state
+from .responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 
@@ -26,7 +26,7 @@ def _expand(tok, text: str, pils: list, min_pixels: int, max_pixels: int) -> PR.
 
 
 async def _start(request: Request):
-    """Validate, admit, build the prompt, submit: (state, generator, prompt, params, admission)."""
+    """Validate, admit, build the prompt: (state, generator, prompt, params, cleanup)."""
     st = app_state(request)
     req = NativeRequest.model_validate(await json_body(request))
     sampling = native_sampling(req.parameters)
@@ -41,12 +41,16 @@ async def _start(request: Request):
     except BaseException:
         admission.close()
         raise
-    return st, gen, inp, params, admission
+
+    async def cleanup():
+        await gen.aclose()       # aborts the engine request if it did not finish
+        admission.close()
+    return st, gen, inp, params, cleanup
 
 
 @router.post("/generate")
 async def generate(request: Request):
-    st, gen, inp, params, admission = await _start(request)
+    st, gen, inp, params, cleanup = await _start(request)
 
     async def collect():
         text, ids, final = [], [], None
@@ -57,11 +61,7 @@ async def generate(request: Request):
                 final = ev
         return "".join(text), ids, final
 
-    try:
-        finished, res = await until_disconnect(request, collect)
-    finally:
-        await gen.aclose()
-        admission.close()
+    finished, res = await until_done_or_gone(request, collect, cleanup)
     if not finished:
         return Response(status_code=499)
     text, ids, final = res
@@ -74,7 +74,7 @@ async def generate(request: Request):
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request):
-    st, gen, inp, params, admission = await _start(request)
+    st, gen, inp, params, cleanup = await _start(request)
 
     async def events():
         count = 0
@@ -91,13 +91,5 @@ async def generate_stream(request: Request):
                     st.metrics.requests.labels("generate_stream", ev["finish_reason"]).inc()
         except APIError as e:
             yield sse.encode(e.body())
-        finally:
-            await gen.aclose()
-            admission.close()
 
-    async def after():
-        await gen.aclose()
-        admission.close()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=sse.HEADERS,
-                             background=BackgroundTask(after))
+    return sse_response(events(), cleanup)
