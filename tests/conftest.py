@@ -1,6 +1,8 @@
 """Shared fixtures: tiny checkpoints are written once per test session."""
 import os
+import random
 import sys
+import zlib
 
 import pytest
 
@@ -8,7 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-GOLDEN = os.path.join(os.path.dirname(ROOT), "shared", "golden")
+# Every test runs with a seed derived from this one and its own id: reproducible, yet tests do not share
+# a random stream. Replay or vary with U1SERVE_TEST_SEED=N.
+BASE_SEED = int(os.environ.get("U1SERVE_TEST_SEED", "20261130"))
+
+GOLDEN = os.path.join(ROOT, "tests", "golden")   # official outputs, with their provenance (README there)
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +30,23 @@ def tiny_checkpoint(tmp_path_factory):
         return made[variant]
 
     return get
+
+
+def pytest_report_header(config):
+    return f"u1serve test seed: U1SERVE_TEST_SEED={BASE_SEED}"
+
+
+@pytest.fixture(autouse=True)
+def test_seed(request):
+    """Seeds python, numpy and torch for the test; the seed is printed (shown with a failure's output)."""
+    seed = (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    print(f"seed={seed} (U1SERVE_TEST_SEED={BASE_SEED})")
+    random.seed(seed)
+    try:
+        import numpy
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+    import torch
+    torch.manual_seed(seed)
+    return seed

@@ -1,10 +1,8 @@
 """Fixtures for the kernel tests (tests/kernels and tests/kernels/interpreted)."""
 import os
-import random
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_testutil
 
@@ -13,9 +11,6 @@ collect_ignore = ["interpreted"]
 
 
 @pytest.fixture
-def rng():
-    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    torch.manual_seed(seed)
-    return seed
+def rng(test_seed):
+    """The test's seed (tests/conftest.py: derived from U1SERVE_TEST_SEED and the test id, printed)."""
+    return test_seed

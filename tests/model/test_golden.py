@@ -15,9 +15,6 @@ from tests.conftest import GOLDEN
 
 CKPT = os.path.join(GOLDEN, "tiny-u1")
 CASE = os.path.join(GOLDEN, "cases", "t2i_64_cfg4_none")
-# In CI the golden files must be there (a skip would hide a missing parity check); elsewhere they may not be.
-pytestmark = pytest.mark.skipif(not os.path.isdir(CKPT) and not os.environ.get("CI"),
-                                reason="shared/golden is not next to the checkout")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,31 @@
+"""Every bench script's CPU smoke mode runs (tiny geometry, seconds), so a refactor cannot break one silently.
+The GPU numbers come from the same scripts without the smoke flags (docs/benchmarks/)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SMOKE = {
+    "generation": ["bench/bench_generation.py", "--device", "cpu", "--tiny", "--size", "128", "--steps", "2"],
+    "generation-cfg-parallel": ["bench/bench_generation.py", "--device", "cpu", "--tiny", "--size", "128",
+                                "--steps", "2", "--cfg-parallel", "2", "--skip-batching"],
+    "handoff": ["bench/bench_handoff.py", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3"],
+    "understanding": ["bench/bench_understanding.py", "--tiny", "--device", "cpu", "--dtype", "float32",
+                      "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",
+                      "--ref-tokens", "4"],
+    "kernels": ["bench/bench_kernels.py", "--smoke", "--out", "{tmp}"],
+    "deployment": ["bench/bench_deployment.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
+                   "--steps", "2", "--chat-tokens", "8", "--requests", "1", "--log-dir", "{tmp}"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_bench_smoke_mode_runs(name, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[name]]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
