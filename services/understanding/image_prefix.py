@@ -184,14 +184,17 @@ class ImagePrefixService:
             raise
         return pages, handles
 
+    def _check_unique(self, request_id: str) -> None:
+        if request_id in self.jobs:
+            raise APIError(409, f"request_id {request_id!r} is already running", param="request_id",
+                           code="duplicate")
+
     async def _start(self, req: PrefixRequest) -> PrefixJob:
         st = self.state
         st.require_engine()
         if st.pool is None:
             raise unavailable("this server was started without --kv-pool-name", "no_kv_pool")
-        if req.request_id in self.jobs:
-            raise APIError(409, f"request_id {req.request_id!r} is already running", param="request_id",
-                           code="duplicate")
+        self._check_unique(req.request_id)
         if req.max_think_tokens > st.args.max_think_tokens:
             raise bad_request(f"max_think_tokens: at most {st.args.max_think_tokens} on this server",
                               "max_think_tokens")
@@ -204,6 +207,7 @@ class ImagePrefixService:
                                               IM.EDIT_MIN_PIXELS, IM.edit_max_pixels(n))
             inputs = await st.images.run(self._branch_inputs, req, pils)
             tail = st.tok.encode(PR.THINK_TAIL)
+            self._check_unique(req.request_id)      # again: the same id may have arrived meanwhile
             pages, handles = self._reserve(req, inputs, len(tail))
         except BaseException:
             admission.close()

@@ -92,7 +92,7 @@ def _pool_stats(und):
         pool.close()
 
 
-def test_pool_full_is_503_then_succeeds(stack):
+def test_pool_full_is_429_then_succeeds(stack):
     und, gen = stack
     held = []
     for i in range(50):  # hold prefixes without generating until the pool is full
@@ -101,7 +101,7 @@ def test_pool_full_is_503_then_succeeds(stack):
         if status != 200:
             break
         held.append(out["handles"])
-    assert status == 503 and out["error"]["code"] == "kv_pool_full", out
+    assert status == 429 and out["error"]["code"] == "kv_pool_full", out
     assert held
     # a generation request with handles from before the pool filled still works ...
     status, events = generate(gen.url, body("full-ok", held.pop(), n=1))
