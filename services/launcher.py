@@ -257,15 +257,13 @@ class Stack:
 
 
 def unlink_shm(name: str) -> None:
-    """Remove /dev/shm/<name> and companions (<name>.*, <name>-*) left by a killed owner."""
-    if not name or "/" in name or not os.path.isdir(SHM_DIR):
-        return
-    for entry in os.listdir(SHM_DIR):
-        if entry == name or entry.startswith(name + ".") or entry.startswith(name + "-"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except OSError:
-                pass
+    """Remove /dev/shm/<name>, exactly that name (other stacks' segments may share its prefix), left by a
+    killed owner."""
+    from shm_transfer.segment import unlink_exact
+    try:
+        unlink_exact(name)
+    except (ValueError, OSError):
+        pass  # not a segment name, or not ours to remove
 
 
 def run_until_signal(stack: Stack, restart: bool = True,

@@ -22,6 +22,7 @@ from kernels import kv_import as _kernel_import
 
 from .errors import HandleError
 from .handle import KVHandle
+from .layout import KVLayout
 from .pool import ShmKVPool
 
 # A copy must finish within this many seconds of starting; the pages' lease is held at least that long so
@@ -68,8 +69,8 @@ class CopyDone:
         self._pool.end_copy(self._handle, self._guard)  # HandleError if released while copying
 
 
-def _head_slice(pool: ShmKVPool, heads) -> tuple[int, int]:
-    n = pool.layout.num_kv_heads
+def head_slice(layout: KVLayout, heads) -> tuple[int, int]:
+    n = layout.num_kv_heads
     if heads is None:
         return 0, n
     h0, h1 = (int(h) for h in heads)
@@ -78,16 +79,15 @@ def _head_slice(pool: ShmKVPool, heads) -> tuple[int, int]:
     return h0, h1
 
 
-def _pages_for_heads(pool: ShmKVPool, h0: int, h1: int) -> torch.Tensor:
+def heads_view(pages: torch.Tensor, layout: KVLayout, h0: int, h1: int) -> torch.Tensor:
     """The pages, or the view of one tensor-parallel rank's KV heads (token rows stay contiguous)."""
-    if (h0, h1) == (0, pool.layout.num_kv_heads):
-        return pool.pages
-    return pool.pages[:, :, :, :, h0:h1]
+    if (h0, h1) == (0, layout.num_kv_heads):
+        return pages
+    return pages[:, :, :, :, h0:h1]
 
 
-def _check_kv(name: str, t: torch.Tensor, pool: ShmKVPool, min_tokens: int, *, exact: bool,
-              num_heads: int | None = None) -> None:
-    lay = pool.layout
+def check_kv(name: str, t: torch.Tensor, lay: KVLayout, min_tokens: int, *, exact: bool,
+             num_heads: int | None = None) -> None:
     num_heads = lay.num_kv_heads if num_heads is None else num_heads
     if not isinstance(t, torch.Tensor) or t.dim() != 5:
         raise ValueError(f"{name} must be a 5-D tensor [L, 2, T, Hkv, D]")
@@ -139,15 +139,15 @@ def export_kv(pool: ShmKVPool, handle: KVHandle, kv_pool: torch.Tensor, slots: t
     heads=(start, stop): kv_pool holds only those global KV heads (one tensor-parallel rank); each rank
     exports its own slice into the same pages. With KV heads replicated over ranks, only one rank of each
     replica group exports. The handle is complete when every slice's copy is done."""
-    h0, h1 = _head_slice(pool, heads)
-    _check_kv("kv_pool", kv_pool, pool, 1, exact=False, num_heads=h1 - h0)
+    h0, h1 = head_slice(pool.layout, heads)
+    check_kv("kv_pool", kv_pool, pool.layout, 1, exact=False, num_heads=h1 - h0)
     if slots.dim() != 1 or slots.numel() != handle.num_tokens:
         raise ValueError(f"slots must be 1-D with {handle.num_tokens} entries, got {tuple(slots.shape)}")
     if slots.device != kv_pool.device:
         raise ValueError(f"slots on {slots.device} but kv_pool on {kv_pool.device}")
     guard = pool.guard_copy(handle, COPY_GUARD_S, None)
     slots = slots.to(torch.int32)
-    pages = _pages_for_heads(pool, h0, h1)
+    pages = heads_view(pool.pages, pool.layout, h0, h1)
     nbytes = handle.num_tokens * pool.layout.bytes_per_token * (h1 - h0) // pool.layout.num_kv_heads
     return _run(pool, handle, "export", guard, nbytes, kv_pool.device, stream,
                 lambda page_ids: _kernel_export(kv_pool, slots, pages, page_ids), kv_pool, slots)
@@ -156,8 +156,8 @@ def export_kv(pool: ShmKVPool, handle: KVHandle, kv_pool: torch.Tensor, slots: t
 def write_kv(pool: ShmKVPool, handle: KVHandle, kv: torch.Tensor, stream=None, *,
              heads: tuple[int, int] | None = None) -> CopyDone:
     """Copy a contiguous [L, 2, T, Hkv, D] tensor into the handle's pages (T = handle.num_tokens)."""
-    h0, h1 = _head_slice(pool, heads)
-    _check_kv("kv", kv, pool, handle.num_tokens, exact=True, num_heads=h1 - h0)
+    h0, h1 = head_slice(pool.layout, heads)
+    check_kv("kv", kv, pool.layout, handle.num_tokens, exact=True, num_heads=h1 - h0)
     slots = torch.arange(handle.num_tokens, dtype=torch.int32, device=kv.device)
     return export_kv(pool, handle, kv, slots, stream, heads=heads)
 
@@ -168,15 +168,30 @@ def import_kv(pool: ShmKVPool, handle: KVHandle, dst: torch.Tensor, stream=None,
     fingerprint (against expected_fingerprint when given, else the pool's) and layout first.
     heads=(start, stop) imports only those KV heads (a tensor-parallel consumer rank)."""
     pool.validate(handle, expected_fingerprint)  # handle errors before buffer errors: they say more
-    h0, h1 = _head_slice(pool, heads)
-    _check_kv("dst", dst, pool, handle.num_tokens, exact=False, num_heads=h1 - h0)
+    h0, h1 = check_import_dst(pool.layout, handle, dst, heads)
+    guard = pool.guard_copy(handle, COPY_GUARD_S, expected_fingerprint)
+    pages = heads_view(pool.pages, pool.layout, h0, h1)
+    nbytes = import_bytes(pool.layout, handle, h0, h1)
+    return _run(pool, handle, "import", guard, nbytes, dst.device, stream,
+                lambda page_ids: pages_into(pages, page_ids, handle.num_tokens, dst), dst)
+
+
+def check_import_dst(layout: KVLayout, handle: KVHandle, dst: torch.Tensor, heads) -> tuple[int, int]:
+    """ValueError unless dst [L, 2, cap >= T, h1 - h0, D] (contiguous) can take the handle's heads."""
+    h0, h1 = head_slice(layout, heads)
+    check_kv("dst", dst, layout, handle.num_tokens, exact=False, num_heads=h1 - h0)
     if not dst.is_contiguous():
         raise ValueError("dst must be contiguous")
-    guard = pool.guard_copy(handle, COPY_GUARD_S, expected_fingerprint)
-    pages = _pages_for_heads(pool, h0, h1)
-    nbytes = handle.num_tokens * pool.layout.bytes_per_token * (h1 - h0) // pool.layout.num_kv_heads
-    return _run(pool, handle, "import", guard, nbytes, dst.device, stream,
-                lambda page_ids: _kernel_import(pages, page_ids, handle.num_tokens, dst), dst)
+    return h0, h1
+
+
+def import_bytes(layout: KVLayout, handle: KVHandle, h0: int, h1: int) -> int:
+    return handle.num_tokens * layout.bytes_per_token * (h1 - h0) // layout.num_kv_heads
+
+
+def pages_into(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int, dst: torch.Tensor) -> None:
+    """The import kernel: rows [0, num_tokens) of the listed pages into dst (Triton on CUDA)."""
+    _kernel_import(pages, page_ids, num_tokens, dst)
 
 
 def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",

@@ -24,6 +24,8 @@ _FIELD_TYPES = {
     "branch": str,
     "lease_deadline": (int, float),
 }
+# Optional fields (defaults when absent): which transport moves the bytes and what it needs to reach them.
+_OPTIONAL = {"transport": (str, "shm"), "producer": (dict, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +41,13 @@ class KVHandle:
     layout: dict
     branch: str  # "cond" | "uncond" | "img_cond" (free-form; engines decide)
     lease_deadline: float  # epoch seconds (time.time()); pages are reclaimable after it
+    transport: str = "shm"  # "shm": same-host pool; "nixl": the producer's pool read over the network
+    producer: dict | None = None  # network: {"agent", "host", "port", "base_addr", "table_addr", ...}
 
     def __post_init__(self):
         object.__setattr__(self, "page_ids", tuple(int(p) for p in self.page_ids))
+        if self.producer is None:
+            object.__setattr__(self, "producer", {})
 
     def replace(self, **changes) -> "KVHandle":
         return dataclasses.replace(self, **changes)
@@ -50,6 +56,7 @@ class KVHandle:
         d = dataclasses.asdict(self)
         d["page_ids"] = list(self.page_ids)
         d["layout"] = dict(self.layout)
+        d["producer"] = dict(self.producer)
         return d
 
     @classmethod
@@ -69,7 +76,14 @@ class KVHandle:
             raise HandleError("KV handle field 'page_ids' must be a list of non-negative ints", "malformed_handle")
         if d["num_tokens"] <= 0:
             raise HandleError("KV handle field 'num_tokens' must be positive", "malformed_handle")
-        return cls(**{name: d[name] for name in _FIELD_TYPES})
+        extra = {}
+        for name, (typ, default) in _OPTIONAL.items():
+            value = d.get(name, default)
+            if value is not None and not isinstance(value, typ):
+                raise HandleError(f"KV handle field {name!r} has the wrong type ({type(value).__name__})",
+                                  "malformed_handle")
+            extra[name] = value
+        return cls(**{name: d[name] for name in _FIELD_TYPES}, **extra)
 
     @property
     def kv_layout(self) -> KVLayout:

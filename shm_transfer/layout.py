@@ -7,7 +7,7 @@ import json
 import torch
 
 # Bump when the page layout or the handle schema changes incompatibly.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: claimer columns + slot table in the page table; handle transport fields
 
 _DTYPES = {
     "float32": torch.float32,

@@ -3,8 +3,14 @@
 Segment layout (all little-endian):
   [0, 256)        header words (int64[32]): magic, version, state, counters, generation ...
   [256, 4096)     JSON: layout, model fingerprint, generation, creator pid
-  [4096, ...)     page table: owner handle id int64[P] (0 = free), lease deadline float64[P] (epoch s)
+  [4096, ...)     page table: owner handle id int64[P] (0 = free), lease deadline float64[P] (epoch s),
+                  claimer slot int64[P], claimer nonce int64[P] (0 = not claimed); then the claimer slot
+                  table: nonce int64[S], pid int64[S]
   [data_off, end) pages [P, L, 2, page_tokens, Hkv, D] in the layout dtype (data_off 64 KiB aligned)
+
+Liveness (creator, claimers) is an OFD byte-range lock per slot (shm_transfer.locks): slot 0 is the
+creator's; a consumer that claims a handle takes a free slot and writes a fresh nonce into the slot table.
+Claimed pages are reclaimable once that slot's lock is gone or holds another nonce (the claimer died).
 
 Both the producer (understanding, creator) and the consumer (generation, attacher) allocate/release; every
 page-table operation holds an flock on the segment's fd (released by the kernel if a holder dies, so a
@@ -24,12 +30,12 @@ import weakref
 import numpy as np
 import torch
 
-from . import pinning
+from . import locks, pinning
 from .errors import HandleError, PoolError, PoolFull
 from .handle import KVHandle, check_static
 from .layout import LAYOUT_VERSION, KVLayout
 from .metrics import CopyMetrics
-from .segment import Segment
+from .segment import CREATOR_SLOT, Segment, probe, unlink_exact
 
 MAGIC = int.from_bytes(b"U1KVPOOL", "little")
 _STATE_READY = 0x5EAD1
@@ -37,6 +43,7 @@ _HEADER_WORDS = 32
 _JSON_OFF = 256
 _TABLE_OFF = 4096
 _DATA_ALIGN = 1 << 16
+NUM_SLOTS = 1024  # processes that may hold claims at once (slot 0: the creator)
 
 # header word indices
 _W_MAGIC, _W_VERSION, _W_STATE, _W_JSON_LEN = 0, 1, 2, 3
@@ -46,7 +53,7 @@ _W_PAGES_RECLAIMED, _W_PAGES_RELEASED = 12, 13
 
 
 def _data_offset(num_pages: int) -> int:
-    table_end = _TABLE_OFF + 16 * num_pages
+    table_end = _TABLE_OFF + 32 * num_pages + 16 * NUM_SLOTS
     return -(-table_end // _DATA_ALIGN) * _DATA_ALIGN
 
 
@@ -78,6 +85,14 @@ class ShmKVPool:
         self._owner = np.frombuffer(mm, dtype=np.int64, count=self.num_pages, offset=_TABLE_OFF)
         self._deadline = np.frombuffer(mm, dtype=np.float64, count=self.num_pages,
                                        offset=_TABLE_OFF + 8 * self.num_pages)
+        self._claim_slot = np.frombuffer(mm, dtype=np.int64, count=self.num_pages,
+                                         offset=_TABLE_OFF + 16 * self.num_pages)
+        self._claim_nonce = np.frombuffer(mm, dtype=np.int64, count=self.num_pages,
+                                          offset=_TABLE_OFF + 24 * self.num_pages)
+        slots_off = _TABLE_OFF + 32 * self.num_pages
+        self._slot_nonce = np.frombuffer(mm, dtype=np.int64, count=NUM_SLOTS, offset=slots_off)
+        self._slot_pid = np.frombuffer(mm, dtype=np.int64, count=NUM_SLOTS, offset=slots_off + 8 * NUM_SLOTS)
+        self._slot: int | None = CREATOR_SLOT if segment.created else None  # our liveness slot, once taken
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
         self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
@@ -107,10 +122,14 @@ class ShmKVPool:
         if len(meta) > _TABLE_OFF - _JSON_OFF:
             raise ValueError("model_fingerprint too long for the pool header")
         data_off = _data_offset(num_pages)
+        _reclaim_stale(name)
         seg = Segment.create(name, data_off + num_pages * layout.page_bytes)
         try:
             mm = seg.mm
             mm[_JSON_OFF:_JSON_OFF + len(meta)] = meta
+            slots_off = _TABLE_OFF + 32 * num_pages
+            np.frombuffer(mm, dtype=np.int64, count=1, offset=slots_off)[0] = _nonce()
+            np.frombuffer(mm, dtype=np.int64, count=1, offset=slots_off + 8 * NUM_SLOTS)[0] = os.getpid()
             hdr = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS, offset=0)
             hdr[_W_VERSION] = LAYOUT_VERSION
             hdr[_W_JSON_LEN] = len(meta)
@@ -181,6 +200,7 @@ class ShmKVPool:
 
     def _drop_views(self) -> None:
         self._hdr = self._owner = self._deadline = None
+        self._claim_slot = self._claim_nonce = self._slot_nonce = self._slot_pid = None
         self._bytes = self.pages = None
 
     # ------------------------------------------------------------------ CUDA
@@ -214,10 +234,11 @@ class ShmKVPool:
         need = self.layout.pages_for(num_tokens)
         with self._locked():
             now = time.time()
-            expired = (self._owner != 0) & (self._deadline < now)
+            expired = self._expired(now)
             n_expired = int(expired.sum())
             if n_expired:  # reclaim pages of consumers/producers that died or forgot to release
                 self._owner[expired] = 0
+                self._claim_nonce[expired] = 0
                 self._hdr[_W_PAGES_RECLAIMED] += n_expired
             free = np.flatnonzero(self._owner == 0)
             if len(free) < need:
@@ -234,6 +255,7 @@ class ShmKVPool:
             deadline = now + float(lease_s)
             self._owner[pids] = handle_id
             self._deadline[pids] = deadline
+            self._claim_nonce[pids] = 0
             self._hdr[_W_ALLOCS] += 1
         return KVHandle(
             handle_id=handle_id, pool_name=self.name, pool_generation=self.generation,
@@ -252,6 +274,7 @@ class ShmKVPool:
         with self._locked():
             mine = pids[self._owner[pids] == handle.handle_id]
             self._owner[mine] = 0
+            self._claim_nonce[mine] = 0
             self._hdr[_W_PAGES_RELEASED] += len(mine)
         return len(mine)
 
@@ -265,6 +288,49 @@ class ShmKVPool:
             self._deadline[pids] = np.maximum(self._deadline[pids], time.time() + float(seconds))
             deadline = float(self._deadline[pids].min())
         return handle.replace(lease_deadline=deadline)
+
+    def claim(self, handle: KVHandle) -> KVHandle:
+        """Take the handle's pages over for as long as this process lives (and keeps this pool open): they
+        are no longer reclaimed at the lease deadline but when this process dies or closes the pool;
+        release() frees them as usual. HandleError if the pages are no longer the handle's."""
+        self._check_static(handle, None)
+        pids = np.asarray(handle.page_ids, dtype=np.int64)
+        with self._locked():
+            self._check_owned(handle, pids, time.time())
+            slot = self._take_slot()
+            self._claim_slot[pids] = slot
+            self._claim_nonce[pids] = int(self._slot_nonce[slot])
+        return handle
+
+    def _take_slot(self) -> int:
+        """Our liveness slot (caller holds the page-table lock): a free slot's lock plus a fresh nonce."""
+        if self._slot is None:
+            for slot in range(1, NUM_SLOTS):
+                if locks.try_hold(self._seg.fd, slot):
+                    self._slot_nonce[slot] = _nonce()
+                    self._slot_pid[slot] = os.getpid()
+                    self._slot = slot
+                    break
+            else:
+                raise PoolError(f"KV pool {self.name!r}: all {NUM_SLOTS} claimer slots are taken")
+        return self._slot
+
+    def _slot_alive(self, slot: int, nonce: int) -> bool:
+        if not 0 <= slot < NUM_SLOTS or int(self._slot_nonce[slot]) != nonce:
+            return False
+        return slot == self._slot or locks.held_by_other(self._seg.fd, slot)
+
+    def _expired(self, now: float, pids: np.ndarray | None = None) -> np.ndarray:
+        """Mask of held pages (of `pids`, or all) that may be reclaimed: unclaimed past their lease, or
+        claimed by a process that is gone."""
+        sel = slice(None) if pids is None else pids
+        owner, nonce, slot = self._owner[sel], self._claim_nonce[sel], self._claim_slot[sel]
+        held, claimed = owner != 0, nonce != 0
+        expired = held & ~claimed & (self._deadline[sel] < now)
+        for s, n in {(int(a), int(b)) for a, b in zip(slot[held & claimed], nonce[held & claimed])}:
+            if not self._slot_alive(s, n):
+                expired |= held & (slot == s) & (nonce == n)
+        return expired
 
     def validate(self, handle: KVHandle, expected_fingerprint: str | None = None) -> None:
         """Raise HandleError unless the handle's pages are live in this pool with the expected model/layout."""
@@ -306,12 +372,15 @@ class ShmKVPool:
                      layout=self.layout, num_pages=self.num_pages, expected_fingerprint=expected_fingerprint)
 
     def _check_owned(self, handle: KVHandle, pids: np.ndarray, now: float) -> None:
-        if not np.all(self._owner[pids] == handle.handle_id):
-            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): its pages were released or "
-                              "reclaimed after its lease expired", "pages_freed")
-        if np.any(self._deadline[pids] < now):
-            raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): lease expired "
-                              f"{now - float(self._deadline[pids].min()):.3f} s ago", "lease_expired")
+        check_pages(handle, self._owner[pids], self._deadline[pids], self._claim_nonce[pids],
+                    self._expired(now, pids), now)
+
+    def memory_map(self) -> dict:
+        """What a network transport registers and hands out: the whole mapping (base, size), the page
+        table and the pages (addresses in this process), and the page count."""
+        base = self._bytes.data_ptr()
+        return {"base_addr": base, "size": self._seg.size, "table_addr": base + _TABLE_OFF,
+                "pages_addr": self.pages.data_ptr(), "num_pages": self.num_pages}
 
     def _valid_page_ids(self, handle: KVHandle) -> np.ndarray:
         pids = np.asarray([p for p in handle.page_ids if 0 <= p < self.num_pages], dtype=np.int64)
@@ -329,7 +398,8 @@ class ShmKVPool:
         with self._locked():
             now = time.time()
             held = self._owner != 0
-            expired = held & (self._deadline < now)
+            expired = self._expired(now)
+            claimed = int((held & ~expired & (self._claim_nonce != 0)).sum())
             hdr = [int(x) for x in self._hdr]
             handles_live = len(np.unique(self._owner[held & ~expired]))
         used = int(held.sum()) - int(expired.sum())
@@ -338,12 +408,59 @@ class ShmKVPool:
             "layout": self.layout.to_dict(), "page_bytes": self.layout.page_bytes,
             "pages_total": self.num_pages, "pages_used": used, "pages_expired": int(expired.sum()),
             "pages_free": self.num_pages - used - int(expired.sum()), "handles_live": handles_live,
+            "pages_claimed": claimed,
             "bytes_total": self.num_pages * self.layout.page_bytes, "bytes_used": used * self.layout.page_bytes,
             "allocations": hdr[_W_ALLOCS], "allocation_failures": hdr[_W_ALLOC_FULL],
             "pages_released": hdr[_W_PAGES_RELEASED], "pages_reclaimed": hdr[_W_PAGES_RECLAIMED],
             "bytes_exported_total": hdr[_W_BYTES_EXPORTED], "bytes_imported_total": hdr[_W_BYTES_IMPORTED],
             "pinned": self.pinned, "process": self.metrics.snapshot(),
         }
+
+
+TABLE_BYTES_PER_PAGE = 32
+
+
+def page_table(raw: np.ndarray, num_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(owner, deadline, claim nonce) columns of a copy of a pool's page table (32 bytes per page)."""
+    owner = raw[:8 * num_pages].view(np.int64)
+    deadline = raw[8 * num_pages:16 * num_pages].view(np.float64)
+    nonce = raw[24 * num_pages:32 * num_pages].view(np.int64)
+    return owner, deadline, nonce
+
+
+def check_pages(handle: KVHandle, owner: np.ndarray, deadline: np.ndarray, nonce: np.ndarray,
+                expired: np.ndarray, now: float) -> None:
+    """HandleError unless every page (columns selected by the handle's page ids) is still the handle's
+    and not reclaimable (`expired`)."""
+    if not np.all(owner == handle.handle_id):
+        raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): its pages were released or "
+                          "reclaimed after its lease expired", "pages_freed")
+    if np.any(expired):
+        why = ("the process that claimed it died" if np.any(nonce[expired] != 0) else
+               f"lease expired {now - float(deadline.min()):.3f} s ago")
+        raise HandleError(f"KV handle {handle.handle_id} ({handle.branch}): {why}", "lease_expired")
+
+
+def _nonce() -> int:
+    return secrets.randbits(62) + 1
+
+
+def _reclaim_stale(name: str) -> None:
+    """Before creating `name`: unlink a segment left by a dead creator; refuse one whose creator lives
+    (another stack, or this one still running), naming its pid."""
+    found = probe(name)
+    if found is None:
+        return
+    inode, alive, head = found
+    if alive:
+        try:
+            json_len = int(np.frombuffer(head, dtype=np.int64, count=_HEADER_WORDS)[_W_JSON_LEN])
+            pid = json.loads(head[_JSON_OFF:_JSON_OFF + json_len])["creator_pid"]
+        except Exception:
+            pid = "unknown"
+        raise PoolError(f"KV pool {name!r} (/dev/shm/{name}) belongs to a live process (creator pid {pid}); "
+                        "refusing to replace it: stop that stack or pick another --kv-pool-name")
+    unlink_exact(name, inode)  # its creator died (e.g. SIGKILL): its handles die with it
 
 
 def _finalize(seg: Segment, pin_box: list, unlink_in: int | None) -> None:

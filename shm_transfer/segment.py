@@ -10,9 +10,11 @@ import mmap
 import os
 import re
 
+from . import locks
 from .errors import PoolError
 
 SHM_DIR = "/dev/shm"
+CREATOR_SLOT = 0  # the creator holds this liveness lock (shm_transfer.locks) for as long as it lives
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
 
 
@@ -35,17 +37,22 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
+        """Create /dev/shm/<name> (it must not exist: see probe/unlink_exact) and hold the creator lock."""
         path = shm_path(name)
         if not os.path.isdir(SHM_DIR):
             raise PoolError(f"{SHM_DIR} does not exist: POSIX shared memory is required for the KV pool")
-        _unlink_quiet(path)  # a stale segment of a dead producer: its handles die with it
         free = _shm_free_bytes()
         if free is not None and size > free:
             raise PoolError(
                 f"KV pool needs {size / 2**30:.2f} GiB but {SHM_DIR} has {free / 2**30:.2f} GiB free "
                 "(in Docker use --ipc=host or a larger --shm-size)")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise PoolError(f"shared-memory segment {path} appeared while creating it (another process is "
+                            "creating a pool of that name)") from None
+        try:
+            locks.try_hold(fd, CREATOR_SLOT)  # first: from now on a concurrent create sees a live owner
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -71,6 +78,10 @@ class Segment:
             raise
         return cls(name, fd, mm, created=False)
 
+    def creator_alive(self) -> bool:
+        """True while the process that created this segment still lives (and has not closed it)."""
+        return self.created or locks.held_by_other(self.fd, CREATOR_SLOT)
+
     def is_current(self) -> bool:
         """True while /dev/shm/<name> is still the segment we mapped (not unlinked or replaced)."""
         try:
@@ -95,6 +106,31 @@ class Segment:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def probe(name: str, head: int = 4096) -> tuple[int, bool, bytes] | None:
+    """(inode, creator alive, first `head` bytes) of an existing segment, or None if there is none."""
+    try:
+        fd = os.open(shm_path(name), os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.fstat(fd).st_ino, locks.held_by_other(fd, CREATOR_SLOT), os.pread(fd, head, 0)
+    finally:
+        os.close(fd)
+
+
+def unlink_exact(name: str, inode: int | None = None) -> bool:
+    """Remove /dev/shm/<name> and nothing else (no prefix matching: other stacks' segments may share a
+    prefix). With `inode`, only if the name still refers to that file. Returns whether it removed it."""
+    path = shm_path(name)
+    if inode is not None:
+        try:
+            if os.stat(path).st_ino != inode:
+                return False
+        except FileNotFoundError:
+            return False
+    return _unlink_quiet(path)
 
 
 def _unlink_quiet(path: str) -> bool:

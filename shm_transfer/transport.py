@@ -1,5 +1,5 @@
-"""Transport: what the engines use to hand prefix KV over. LocalShmTransport is the same-host pool; a network
-transport (RDMA across hosts) implements the same methods and the engines do not change."""
+"""Transport: what the engines use to hand prefix KV over. LocalShmTransport is the same-host pool;
+NixlTransport (nixl_transport.py) reads the producer's pool over the network; the engines do not change."""
 from __future__ import annotations
 
 import abc
@@ -15,8 +15,14 @@ from .pool import ShmKVPool
 
 
 class Transport(abc.ABC):
-    """Producer side: allocate -> export_kv (or write_kv) -> publish handle.to_dict().
-    Consumer side: KVHandle.from_dict -> import_kv -> release. Either side may release (idempotent)."""
+    """The one way prefix KV moves between the engines (docs/kv_contract.md).
+
+    Producer (understanding): allocate -> export_kv (or write_kv; each TP rank its head slice) -> publish
+    handle.to_dict(); release on error/abort. Consumer (generation): KVHandle.from_dict -> claim (a queued
+    job) -> import_kv -> release. Either side may release (idempotent). Implementations: LocalShmTransport
+    (same host, the pool in /dev/shm) and NixlTransport (the producer's pool read over the network)."""
+
+    kind: str = ""  # the value of KVHandle.transport this implementation moves
 
     @abc.abstractmethod
     def allocate(self, num_tokens: int, lease_s: float, *, branch: str = "cond", t_offset: int = 0) -> KVHandle:
@@ -34,16 +40,29 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def import_kv(self, handle: KVHandle, dst: torch.Tensor, stream=None, *,
-                  heads: tuple[int, int] | None = None) -> kvcopy.CopyDone:
-        """Copy the handle's KV into dst[:, :, :num_tokens]; checks fingerprint and layout first."""
+                  heads: tuple[int, int] | None = None):
+        """Copy the handle's KV into dst[:, :, :num_tokens]; checks fingerprint and layout first.
+        Synchronous unless a stream is given (then wait on the returned CopyDone)."""
+
+    def read_kv(self, handle: KVHandle, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Convenience: a new [L, 2, T, Hkv, D] tensor holding the handle's KV."""
+        lay = handle.kv_layout
+        dst = torch.empty(lay.kv_shape(handle.num_tokens), dtype=lay.torch_dtype, device=device)
+        self.import_kv(handle, dst)
+        return dst
 
     @abc.abstractmethod
     def release(self, handle: KVHandle) -> int:
-        """Free the handle's pages (idempotent)."""
+        """Free the handle's pages (idempotent). Returns the pages freed (network: the pages asked for)."""
 
     @abc.abstractmethod
     def extend_lease(self, handle: KVHandle, seconds: float) -> KVHandle:
-        """Push the handle's lease deadline to now + seconds."""
+        """Hold the handle's pages until at least now + seconds (never shortens)."""
+
+    @abc.abstractmethod
+    def claim(self, handle: KVHandle) -> KVHandle:
+        """Hold the handle's pages for as long as this process lives, whatever the lease (a consumer that
+        accepted a job); release() as usual. A killed claimer's pages are reclaimed."""
 
     @abc.abstractmethod
     def validate(self, handle: KVHandle) -> None:
@@ -53,9 +72,34 @@ class Transport(abc.ABC):
     def stats(self) -> dict:
         """Plain-dict metrics."""
 
+    def is_stale(self) -> bool:
+        """True when what this transport maps was replaced (producer restarted): call reattach()."""
+        return False
+
+    def reattach(self) -> None:
+        """Let go of a replaced producer's memory now and follow the new one (no-op when not stale)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Let go of the transport's resources (the producer's pool disappears)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def create_producer(kind: str, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
+                    pin: bool | None = None, **network) -> "Transport":
+    """The understanding service's transport: kind "shm" (same host) or "nixl" (network; `network` holds
+    NixlTransport.create's listen_host / listen_port / advertise_host)."""
+    if kind == "shm":
+        return LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin)
+    if kind == "nixl":
+        from .nixl_transport import NixlTransport
+        return NixlTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, **network)
+    raise ValueError(f"unknown KV transport {kind!r}; one of 'shm', 'nixl'")
 
 
 class LocalShmTransport(Transport):
@@ -64,6 +108,8 @@ class LocalShmTransport(Transport):
     The consumer re-attaches on its own when the producer restarted (the name now holds a new generation),
     so a restarted understanding service does not need a generation-service restart.
     """
+
+    kind = "shm"
 
     def __init__(self, pool: ShmKVPool, expected_fingerprint: str | None = None):
         self._pool = pool
@@ -85,23 +131,37 @@ class LocalShmTransport(Transport):
     def pool(self) -> ShmKVPool:
         return self._pool
 
+    @property
+    def layout(self) -> KVLayout:
+        return self._pool.layout
+
+    def is_stale(self) -> bool:
+        pool = self._pool
+        return not pool.is_creator and (pool.closed or pool.is_stale())
+
+    def reattach(self) -> None:
+        """Unmap a replaced pool now (its pinned memory goes with it) and map the current one. HandleError
+        (code pool_unavailable) when there is none yet; the old mapping is dropped either way."""
+        pool = self._pool
+        if not self.is_stale():
+            return
+        with self._lock:
+            if self._pool is not pool:
+                return
+            pool.close()
+            try:
+                self._pool = ShmKVPool.attach(pool.name, expected_fingerprint=self._expected,
+                                              pin=pool.pinned, timeout_s=1.0)
+            except Exception as e:
+                raise HandleError(f"KV pool {pool.name!r} was replaced and cannot be re-attached: {e}",
+                                  "pool_unavailable") from e
+
     def _pool_for(self, handle: KVHandle) -> ShmKVPool:
         """The pool, re-attached first if the handle is from a newer generation than the one we mapped."""
         pool = self._pool
-        if (pool.is_creator or handle.pool_name != pool.name
-                or handle.pool_generation == pool.generation or not pool.is_stale()):
-            return pool
-        with self._lock:
-            if self._pool is pool:
-                try:
-                    fresh = ShmKVPool.attach(pool.name, expected_fingerprint=self._expected,
-                                             pin=pool.pinned, timeout_s=1.0)
-                except Exception as e:
-                    raise HandleError(f"KV pool {pool.name!r} was replaced and cannot be re-attached: {e}",
-                                      "pool_unavailable") from e
-                self._pool = fresh
-                pool.close()
-            return self._pool
+        if handle.pool_name == pool.name and handle.pool_generation != pool.generation and self.is_stale():
+            self.reattach()
+        return self._pool
 
     def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
         return self._pool.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
@@ -115,14 +175,14 @@ class LocalShmTransport(Transport):
     def import_kv(self, handle, dst, stream=None, *, heads=None):
         return kvcopy.import_kv(self._pool_for(handle), handle, dst, stream, self._expected, heads=heads)
 
-    def read_kv(self, handle, device="cpu"):
-        return kvcopy.read_kv(self._pool_for(handle), handle, device, self._expected)
-
     def release(self, handle):
         return self._pool_for(handle).release(handle)
 
     def extend_lease(self, handle, seconds):
         return self._pool_for(handle).extend_lease(handle, seconds)
+
+    def claim(self, handle):
+        return self._pool_for(handle).claim(handle)
 
     def validate(self, handle):
         self._pool_for(handle).validate(handle, self._expected)

@@ -1,7 +1,9 @@
-"""Prefix KV from the shared-memory pool: lazy attach, re-attach after a producer restart, import, release.
+"""Prefix KV through the shm_transfer Transport (the consumer side): lazy attach, re-attach after a
+producer restart, claim, import, release.
 
-The pool is created by the understanding service, which may start after us or restart: attach lazily,
-and re-attach when the name now points at a newer segment (a new pool generation).
+Handles say which transport moves their bytes: "shm" (the same-host pool `pool_name`, created by the
+understanding service, which may start after us or restart) or "nixl" (the producer's pool read over
+the network). Each transport is opened on the first handle that needs it.
 """
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ from .request import ApiError
 
 # HandleError codes whose KV is simply gone (producer restarted, pages freed or reclaimed).
 _GONE = {"stale_generation", "pages_freed", "lease_expired"}
+_UNAVAILABLE = {"pool_unavailable", "producer_unreachable"}
 
 
 def handle_error_to_api(e) -> ApiError:
     code = getattr(e, "code", "invalid_handle")
+    if code in _UNAVAILABLE:
+        return ApiError(503, f"KV handle rejected: {e}", type="server_error", code="kv_pool_unavailable",
+                        param="handles")
     status = 410 if code in _GONE else 400
     return ApiError(status, f"KV handle rejected: {e}", code=f"kv_{code}", param="handles")
 
@@ -30,44 +36,79 @@ class PrefixSource:
         self.device = device
         self.geometry = geometry
         self.attach_timeout_s = attach_timeout_s
-        self._pool = None
+        self._transports: dict = {}  # handle.transport -> Transport
 
-    # -- pool ----------------------------------------------------------------------------------
-    def pool(self):
-        """The attached pool, (re-)attaching when needed. ApiError 503 when it does not exist."""
-        from shm_transfer.errors import PoolError
-        from shm_transfer.pool import ShmKVPool
-        if self._pool is not None and (self._pool.closed or self._pool.is_stale()):
-            self._close()
-        if self._pool is None:
+    # -- transports ----------------------------------------------------------------------------
+    def transport(self, kind: str = "shm"):
+        """The transport for handles of `kind`, opened when needed (shm: re-attached when the producer
+        replaced its pool). ApiError 503 when it cannot be opened."""
+        from shm_transfer.errors import HandleError, PoolError
+        t = self._transports.get(kind)
+        if t is not None and t.is_stale():
             try:
-                self._pool = ShmKVPool.attach(self.pool_name, expected_fingerprint=self.fingerprint or None,
-                                              pin=self.device.type == "cuda",
-                                              timeout_s=self.attach_timeout_s)
+                t.reattach()
+            except HandleError:
+                self._close(kind)
+                t = None
+        if t is None:
+            try:
+                t = self._open(kind)
             except (PoolError, FileNotFoundError, OSError) as e:
-                raise ApiError(503, f"KV pool {self.pool_name!r} is not available: {e}",
+                raise ApiError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
-            self._check_geometry()
-        return self._pool
+            self._transports[kind] = t
+        return t
 
-    def _check_geometry(self) -> None:
+    def pool(self):
+        """The shm pool (attached on demand)."""
+        return self.transport("shm").pool
+
+    def _open(self, kind: str):
+        if kind == "shm":
+            from shm_transfer.transport import LocalShmTransport
+            t = LocalShmTransport.attach(self.pool_name, expected_fingerprint=self.fingerprint or None,
+                                         pin=self.device.type == "cuda", timeout_s=self.attach_timeout_s)
+            try:
+                self._check_geometry(t.layout)
+            except ApiError:
+                t.close()
+                raise
+            return t
+        if kind == "nixl":
+            from shm_transfer.nixl_transport import NixlTransport
+            return NixlTransport.connect(expected_fingerprint=self.fingerprint or None)
+        raise ApiError(400, f"unknown KV transport {kind!r}", code="kv_malformed_handle", param="handles")
+
+    def _check_geometry(self, lay) -> None:
         if self.geometry is None:
             return
-        lay = self._pool.layout
         have = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.torch_dtype)
         if have != tuple(self.geometry):
-            self._close()
             raise ApiError(503, f"KV pool {self.pool_name!r} holds [layers, kv heads, head_dim, dtype]"
                            f" = {have}, this engine needs {tuple(self.geometry)} (both services "
                            "must run the same model and --dtype)", type="server_error",
                            code="kv_pool_mismatch")
 
-    def _close(self) -> None:
-        try:
-            self._pool.close()
-        except Exception:
-            pass
-        self._pool = None
+    def is_stale(self) -> bool:
+        """Cheap (one stat): does an open transport still map a producer's replaced pool?"""
+        return any(t.is_stale() for t in self._transports.values())
+
+    def drop_stale(self) -> bool:
+        """Unmap a replaced pool now (the engine loop calls this when idle), so the old pinned segment does
+        not stay mapped until the next job. The new pool is attached on the next call. Returns whether
+        anything was dropped."""
+        stale = [k for k, t in self._transports.items() if t.is_stale()]
+        for kind in stale:
+            self._close(kind)
+        return bool(stale)
+
+    def _close(self, kind: str) -> None:
+        t = self._transports.pop(kind, None)
+        if t is not None:
+            try:
+                t.close()
+            except Exception:
+                pass
 
     # -- handles -------------------------------------------------------------------------------
     @staticmethod
@@ -82,53 +123,46 @@ class PrefixSource:
     def import_into(self, handle, dst: torch.Tensor) -> tuple[int, float]:
         """Copy the handle's prefix into dst[:, :, :num_tokens] (dst [L, 2, cap, Hkv, D]) and free its
         pages at once (the engine owns its copy from here on). Returns (bytes, seconds)."""
-        from shm_transfer import import_kv
         from shm_transfer.errors import HandleError
-        pool = self.pool()
-        if handle.pool_generation != pool.generation and pool.is_stale():
-            self._close()
-            pool = self.pool()
+        if handle.transport != "shm":
+            self._check_geometry(handle.kv_layout)
+        t = self.transport(handle.transport)
         t0 = time.perf_counter()
         try:
-            import_kv(pool, handle, dst)
+            t.import_kv(handle, dst)
         except HandleError as e:
             raise handle_error_to_api(e) from e
         if dst.is_cuda:
             torch.cuda.current_stream(dst.device).synchronize()
         seconds = time.perf_counter() - t0
-        pool.release(handle)
-        nbytes = handle.num_tokens * pool.layout.bytes_per_token
-        return nbytes, seconds
+        t.release(handle)
+        return handle.num_tokens * handle.kv_layout.bytes_per_token, seconds
 
-    def release(self, handle_dicts) -> None:
-        """Best-effort free of handles never imported (cancelled / failed jobs). Idempotent: a
-        handle only frees pages it still owns."""
-        handle_dicts = list(handle_dicts)
-        if not handle_dicts:
-            return
-        try:
-            pool = self.pool()
-        except ApiError:
-            return  # no pool: nothing to free (its pages died with it)
-        for d in handle_dicts:
+    def _each(self, handle_dicts, op) -> None:
+        """Best effort: op(transport, handle) for each handle; a missing pool or a gone handle is skipped
+        (its pages died with the pool, or were freed already)."""
+        for d in list(handle_dicts):
             try:
-                pool.release(self.parse(d))
+                h = self.parse(d)
+                op(self.transport(h.transport), h)
             except Exception:
                 pass
+
+    def release(self, handle_dicts) -> None:
+        """Free handles never imported (cancelled / failed jobs). Idempotent: a handle only frees pages it
+        still owns."""
+        self._each(handle_dicts, lambda t, h: t.release(h))
 
     def keep_alive(self, handle_dicts, seconds: float) -> None:
         """Extend the leases of handles of jobs still queued here, so a long queue does not turn them
         into 410s (best effort: a handle that is already gone fails at import with a clear error)."""
-        try:
-            pool = self.pool()
-        except ApiError:
-            return
-        for d in handle_dicts:
-            try:
-                pool.extend_lease(self.parse(d), seconds)
-            except Exception:
-                pass
+        self._each(handle_dicts, lambda t, h: t.extend_lease(h, seconds))
+
+    def claim(self, handle_dicts) -> None:
+        """Hold the pages of an accepted job's handles for as long as this process lives (no lease to
+        renew; a killed process's claims are reclaimed). Best effort like keep_alive."""
+        self._each(handle_dicts, lambda t, h: t.claim(h))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._close()
+        for kind in list(self._transports):
+            self._close(kind)

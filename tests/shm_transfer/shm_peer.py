@@ -87,12 +87,41 @@ def extend_lease(name, handle_dict, seconds):
     return _pools[name].extend_lease(KVHandle.from_dict(handle_dict), seconds).to_dict()
 
 
+def claim(name, handle_dict):
+    return _pools[name].claim(KVHandle.from_dict(handle_dict)).to_dict()
+
+
 def stats(name):
     return _pools[name].stats()
 
 
 def validate(name, handle_dict, expected_fingerprint=None):
     _pools[name].validate(KVHandle.from_dict(handle_dict), expected_fingerprint)
+
+
+def net_connect(expected_fingerprint=None, **kw):
+    from shm_transfer.nixl_transport import NixlTransport
+    _pools["net"] = NixlTransport.connect(expected_fingerprint=expected_fingerprint, **kw)
+    return os.getpid()
+
+
+def net_import(handle_dict, release=True, cap_extra=2, heads=None):
+    """The generation side over the network: import into a buffer with room for image tokens, release."""
+    t, h = _pools["net"], KVHandle.from_dict(handle_dict)
+    lay = h.kv_layout
+    nh = lay.num_kv_heads if heads is None else heads[1] - heads[0]
+    dst = torch.full((lay.num_layers, 2, h.num_tokens + cap_extra, nh, lay.head_dim), float("nan"),
+                     dtype=lay.torch_dtype)
+    t.import_kv(h, dst, heads=heads)
+    if release:
+        t.release(h)
+    return dst
+
+
+def net(method, handle_dict, *args):
+    """claim / release / extend_lease / validate through the consumer's network transport."""
+    out = getattr(_pools["net"], method)(KVHandle.from_dict(handle_dict), *args)
+    return out.to_dict() if isinstance(out, KVHandle) else out
 
 
 # ---------------------------------------------------------------- plumbing

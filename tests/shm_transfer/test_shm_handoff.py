@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import time
-import os
-import uuid
 
 import pytest
 import torch
@@ -24,16 +22,6 @@ def peer():
     p = Peer()
     yield p
     p.stop()
-
-
-@pytest.fixture
-def shm_name():
-    name = f"u1kv-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
-    for f in leftovers:  # clean up before failing so one failure does not leak into the machine
-        os.unlink(os.path.join("/dev/shm", f))
-    assert not leftovers, f"leaked shared-memory segments: {leftovers}"
 
 
 def layout(dtype=torch.float32, page_tokens=4):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import pytest
 import torch
@@ -19,16 +18,6 @@ LAY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_t
 
 def shm_exists(name):
     return os.path.exists(os.path.join("/dev/shm", name))
-
-
-@pytest.fixture
-def shm_name():
-    name = f"u1kv-test-{uuid.uuid4().hex[:12]}"
-    yield name
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
-    for f in leftovers:
-        os.unlink(os.path.join("/dev/shm", f))
-    assert not leftovers, f"leaked shared-memory segments: {leftovers}"
 
 
 def test_consumer_exit_does_not_unlink_and_creator_close_does(shm_name):

@@ -1,0 +1,74 @@
+"""PrefixSource (generation's side of the Transport) against real producer processes: a replaced pool is
+dropped promptly, claims hold queued jobs' pages, imports release."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from shm_transfer import KVLayout, ShmKVPool, write_kv
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "shm_transfer"))
+from shm_peer import Peer  # noqa: E402
+
+from services.generation.kv_source import PrefixSource  # noqa: E402
+from services.generation.request import ApiError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+FP = "tiny-u1:test-fingerprint"
+LAY = KVLayout(2, 1, 4, "float32", 4)
+
+
+@pytest.fixture
+def name():
+    n = f"u1gen-src-{uuid.uuid4().hex[:10]}"
+    yield n
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(n):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_a_replaced_pool_is_dropped_when_idle_and_the_new_one_used(name):
+    producer = Peer()
+    try:
+        producer.call("create", name, LAY.to_dict(), 4 * LAY.page_bytes, FP)
+        src = PrefixSource(name, FP, torch.device("cpu"))
+        old = src.pool()
+        assert not src.is_stale() and not src.drop_stale()
+        producer.kill()  # the understanding service dies; its restart replaces the pool
+        with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as fresh:
+            assert src.is_stale()
+            assert src.drop_stale() and old.closed and not src.is_stale()  # unmapped at once
+            h = fresh.allocate(5, 30)
+            kv = torch.randn(LAY.kv_shape(5))
+            write_kv(fresh, h, kv)
+            dst = torch.zeros(LAY.kv_shape(7))
+            src.import_into(h, dst)  # attaches the new pool on demand
+            assert torch.equal(dst[:, :, :5], kv) and fresh.stats()["pages_used"] == 0
+            src.close()
+    finally:
+        producer.stop()
+
+
+def test_claim_holds_a_queued_jobs_pages_past_the_lease(name):
+    with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as pool:
+        src = PrefixSource(name, FP, torch.device("cpu"))
+        h = pool.allocate(5, lease_s=0.5)
+        src.claim([h.to_dict()])
+        time.sleep(0.7)
+        pool.validate(h)  # still ours: claimed
+        src.release([h.to_dict()])
+        assert pool.stats()["pages_used"] == 0
+        src.close()
+
+
+def test_missing_pool_is_a_503(name):
+    src = PrefixSource(name, FP, torch.device("cpu"), attach_timeout_s=0.1)
+    with pytest.raises(ApiError) as e:
+        src.pool()
+    assert e.value.status == 503 and e.value.code == "kv_pool_unavailable"
+    src.release([{"not": "a handle"}])  # best effort, never raises

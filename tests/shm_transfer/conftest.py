@@ -1,0 +1,16 @@
+"""Fixtures shared by the shm_transfer tests."""
+import os
+import uuid
+
+import pytest
+
+
+@pytest.fixture
+def shm_name():
+    """A fresh segment name; fails the test if anything of that name is left in /dev/shm (after cleaning)."""
+    name = f"u1kv-test-{uuid.uuid4().hex[:12]}"
+    yield name
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+    for f in leftovers:  # clean up before failing so one failure does not leak into the machine
+        os.unlink(os.path.join("/dev/shm", f))
+    assert not leftovers, f"leaked shared-memory segments: {leftovers}"

@@ -1,0 +1,27 @@
+"""bench/bench_handoff.py's CPU smoke mode runs (two processes, both transports) and checks its imports."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shm_transfer.nixl_transport import nixl_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("transport", ["shm", "network"])
+def test_bench_handoff_smoke(transport, tmp_path):
+    if transport == "network" and not nixl_available() and not os.environ.get("CI"):
+        pytest.skip("NIXL not installed (pip install -e '.[network]')")
+    out = tmp_path / "r.json"
+    env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "bench/bench_handoff.py", "--smoke", "--transport", transport,
+                        "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "imports bit-exact: True" in r.stdout
+    assert f"| import ({transport}, other process, sync call) | 300 |" in r.stdout
+    assert out.exists()
