@@ -84,6 +84,7 @@ class PeakRSS:
 
 
 # ---- the model's image helpers, in process ------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_open_checks_the_header_before_decoding():
     with pytest.raises(IM.ImageError, match="above the limit"):
         IM.open_image(png_1bit(4000, 4000), max_pixels=4000 * 4000 - 1)
