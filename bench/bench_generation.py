@@ -8,6 +8,15 @@ GPU, CFG-parallel over 2 H200 (one branch per GPU, velocities all-gathered):
 CPU smoke run (tiny geometry, seconds):
     python bench/bench_generation.py --device cpu --tiny --size 128 --steps 2
 
+Speed options (issue 12), each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
+    --part fp8        bf16 vs fp8 single-branch step at --sizes, fp8-vs-bf16 velocity error, GPU GEMM
+                      vs emulation, Triton quantiser vs torch (bits)
+    --part cache      whole-job time and computed steps vs first-block threshold (--thresholds)
+    --part preset     the 8-step preset (guidance 1, 8 steps, shift 3): whole job, bf16 and fp8
+    --part warmstart  first vs steady step of a fresh process, with (default) or without (--no-warmup)
+                      the service's warm-up
+--quantization fp8 applies to the default part (and --cfg-parallel).
+
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
 (../shared/reference/h200_measurements.md): single-branch 42-layer forward floor 0.124 s at 2048²
 (plain PyTorch layer loop); published H200 TP2+CFG2 step 0.152 s. Targets: single-branch step <= 0.135 s,
@@ -53,6 +62,12 @@ def parse_args():
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--profile", default=None, help="write a torch.profiler table of one single-branch step here")
     p.add_argument("--json", default=None)
+    p.add_argument("--part", default="step", choices=["step", "fp8", "cache", "preset", "warmstart"])
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
+    p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")
+    p.add_argument("--job-steps", default="1024:20,2048:10", help="--part cache: steps per job by size")
+    p.add_argument("--no-warmup", action="store_true", help="--part warmstart: cold process")
     return p.parse_args()
 
 
@@ -124,7 +139,12 @@ def pinned_memcpy_seconds(nbytes: int, device, iters: int = 10) -> float | None:
 
 def build(args, device, dtype):
     config = tiny_config("u1") if args.tiny else full_config(args.variant)
-    return build_random_model(config, "gen", dtype, device)
+    model = build_random_model(config, "gen", dtype, device)
+    if getattr(args, "quantization", "none") == "fp8":
+        from services.model.quant import check_fp8_device, quantize_model
+        check_fp8_device(device, dtype)
+        quantize_model(model, ("gen",))
+    return model
 
 
 def profile_step(engine: Engine, spec, out_path: str | None) -> None:
@@ -222,7 +242,7 @@ def _cfgp_rank(rank, world, port, args, pool_name, handles, fingerprint, q):
 
 def cfg_parallel(args, dtype) -> dict:
     import multiprocessing as mp
-    from services.netutil import free_port as _free_port
+    from services.netutil import free_port
     config = tiny_config("u1") if args.tiny else full_config(args.variant)
     from services.model.config import parse_config
     cfg = parse_config(config)
@@ -236,7 +256,7 @@ def cfg_parallel(args, dtype) -> dict:
         handles = publish(pool, {"cond": p_cond, "uncond": p_uncond}, {"cond": p_cond, "uncond": p_uncond})
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_cfgp_rank, args=(r, args.cfg_parallel, port, args, pool.name, handles,
                                                       cfg.fingerprint, q))
                  for r in range(args.cfg_parallel)]
@@ -259,10 +279,14 @@ def main():
     args = parse_args()
     device = torch.device(args.device)
     dtype = _dtype(args)
-    if args.cfg_parallel > 1:
+    if args.part != "step":
+        from genperf_parts import PARTS   # the issue-12 parts (bench/genperf_parts.py)
+        res = PARTS[args.part](args, device, dtype)
+    elif args.cfg_parallel > 1:
         res = cfg_parallel(args, dtype)
-        print(f"| CFG-parallel x{res['world']} step at {args.size}² | {res['cfgp_step_s']:.4f} s | "
-              f"published H200 TP2+CFG2 {PUBLISHED_CFGP} s | target <= 0.14 s |")
+        target = "0.095" if args.quantization == "fp8" else "0.14"
+        print(f"| CFG-parallel x{res['world']} step at {args.size}², {args.quantization} | "
+              f"{res['cfgp_step_s']:.4f} s | published H200 TP2+CFG2 {PUBLISHED_CFGP} s | target <= {target} s |")
     else:
         res = single_device(args, device, dtype)
         print(f"device: {res['device']}, torch {res['torch']}, {dtype}, {args.size}², prefix {res['prefix']}")

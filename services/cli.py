@@ -93,8 +93,10 @@ def build_und(args, ctx) -> "ServiceSpec":
             "--host", "127.0.0.1", "--port", str(args.und_port), "--device", pl.device,
             "--dtype", pl.dtype, "--tp", str(args.und_tp), "--kv-pool-name", ctx["pool"],
             "--kv-pool-gb", str(ctx["pool_gb"])] + shlex.split(args.und_args or "")
-    return ServiceSpec("und", argv, f"http://127.0.0.1:{args.und_port}/health",
-                       {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)})
+    env = {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)}
+    if args.lora:   # the loader merges the adapters that name und weights (services/model/loader.py)
+        env["U1SERVE_LORA"] = ",".join(lora_specs(args))
+    return ServiceSpec("und", argv, f"http://127.0.0.1:{args.und_port}/health", env)
 
 
 def build_gen(args, ctx) -> "ServiceSpec":
@@ -103,9 +105,33 @@ def build_gen(args, ctx) -> "ServiceSpec":
     argv = [sys.executable, "-m", "services.generation.server", "--model", ctx["model"],
             "--host", "127.0.0.1", "--port", str(args.gen_port), "--device", pl.device,
             "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel),
-            "--kv-pool-name", ctx["pool"]] + shlex.split(args.gen_args or "")
+            "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
+    if args.quantization != "none":
+        argv += ["--quantization", args.quantization]
+    for spec in lora_specs(args):
+        argv += ["--lora", spec]
+    argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
+
+
+def lora_specs(args) -> list[str]:
+    """--lora values with absolute paths (the services may run elsewhere); a missing file is an error."""
+    from services.model.loader import parse_lora_spec
+    out = []
+    for text in args.lora:
+        path, strength = parse_lora_spec(text)
+        if not os.path.isfile(path):
+            raise SystemExit(f"--lora {text!r}: no such file")
+        out.append(f"{os.path.abspath(path)}:{strength}")
+    return out
+
+
+def preset_values(name: str | None):
+    if not name:
+        return None
+    from services.model.presets import PRESETS
+    return PRESETS[name]
 
 
 def build_gateway(args, ctx) -> "ServiceSpec":
@@ -114,8 +140,13 @@ def build_gateway(args, ctx) -> "ServiceSpec":
             "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
             "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
             "--default-size", ctx["default_size"]] + shlex.split(args.gateway_args or "")
-    if args.default_steps:
-        argv += ["--default-steps", str(args.default_steps)]
+    preset = preset_values(args.preset)
+    steps = args.default_steps or (preset.num_inference_steps if preset else None)
+    if steps:
+        argv += ["--default-steps", str(steps)]
+    if preset:
+        argv += ["--default-guidance", str(preset.guidance_scale),
+                 "--default-timestep-shift", str(preset.timestep_shift)]
     env = dict(ctx["env"])
     if args.api_key:
         env["U1SERVE_API_KEY"] = args.api_key
@@ -181,6 +212,13 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--model-name", default=None, help="name served in /v1/models")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="merge a LoRA at load into the branch(es) it names (repeatable)")
+    p.add_argument("--preset", choices=["8step"], default=None,
+                   help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
+                        "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")

@@ -74,6 +74,35 @@ class SamplerParams(Guidance):
 
 SAMPLER_FIELDS = tuple(SamplerParams.model_fields)
 
+CacheMode = Literal["off", "first_block"]
+
+
+class CacheOptions(BaseModel):
+    """Step caching of the denoiser (services/model/step_cache.py): per CFG branch, layers 1.. are skipped and
+    their residual reused while the first block's output changes less than `threshold`; `cfg_truncation` ends
+    CFG early (only the cond branch runs while t > value). Threshold 0 reproduces the exact output."""
+    model_config = INTERNAL
+    mode: CacheMode = "off"
+    threshold: Float = Field(0.0, ge=0.0, le=10.0, description="relative L1 change of the first block's residual")
+    warmup_steps: Int = Field(1, ge=0, le=L.MAX_STEPS, description="steps always computed at the start")
+    max_consecutive: Int = Field(0, ge=0, le=L.MAX_STEPS, description="reused steps in a row (0: no limit)")
+    cfg_truncation: Optional[Float] = Field(None, ge=0.0, le=1.0, description="CFG only while t <= value")
+
+    def over(self, defaults: "CacheOptions") -> "CacheOptions":
+        """The fields this request set, over the server's defaults."""
+        return defaults.model_copy(update=self.model_dump(exclude_unset=True))
+
+    @property
+    def reuses(self) -> bool:
+        return self.mode == "first_block" and self.threshold > 0
+
+
+def check_cache_for(mode: str, cfg_interval: tuple[float, float], cache: Optional[CacheOptions]) -> None:
+    """A combination the denoiser cannot honour (ValueError)."""
+    if cache is not None and cache.cfg_truncation is not None and mode == "edit" and cfg_interval[0] == 0:
+        raise ValueError("cache.cfg_truncation lowers cfg_interval's upper bound, which editing ignores while "
+                         "the lower bound is 0")
+
 
 def default(field: str) -> Any:
     """A field's declared default (the model's own defaults, e.g. for server-side defaults)."""
@@ -129,6 +158,7 @@ class ImageOptions(BaseModel):
     think: bool = Field(False, description="reason before drawing (think text comes back as revised_prompt)")
     max_think_tokens: Optional[Int] = Field(None, ge=1, le=L.MAX_THINK_TOKENS)
     stream: bool = False
+    cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
 
     @model_validator(mode="before")
     @classmethod
@@ -151,7 +181,9 @@ class ImageOptions(BaseModel):
     def sampler(self, mode: str, defaults: SamplerParams) -> SamplerParams:
         """The request's SamplerParams: given fields over the server's defaults (validated as a whole)."""
         given = {k: getattr(self, k) for k in SAMPLER_FIELDS if k != "mode" and getattr(self, k, None) is not None}
-        return SamplerParams(**{**defaults.model_dump(exclude={"mode"}), **given, "mode": mode})
+        params = SamplerParams(**{**defaults.model_dump(exclude={"mode"}), **given, "mode": mode})
+        check_cache_for(mode, params.cfg_interval, self.cache)
+        return params
 
 
 class ImageGenerationRequest(ImageOptions):
@@ -210,6 +242,7 @@ class GenerateRequest(SamplerParams):
     n: Int = Field(1, ge=1, le=L.MAX_IMAGES_PER_REQUEST)
     seed: Int = Field(ge=0, le=L.SEED_MAX)
     output_format: OutputFormat = "png"
+    cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
 
     @field_validator("width", "height")
     @classmethod
@@ -224,10 +257,11 @@ class GenerateRequest(SamplerParams):
         if set(self.handles) != set(need):
             raise ValueError(f"these sampling parameters need handles {sorted(need)}, got {sorted(self.handles)}")
         self.handles = {b: self.handles[b] for b in BRANCH_ORDER if b in self.handles}
+        check_cache_for(self.mode, self.cfg_interval, self.cache)
         return self
 
     def sampler(self) -> SamplerParams:
-        return SamplerParams(**self.model_dump(include=set(SAMPLER_FIELDS)))
+        return SamplerParams(**{k: getattr(self, k) for k in SAMPLER_FIELDS})
 
     @property
     def num_tokens(self) -> int:

@@ -31,7 +31,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IMAGE_OPTION_KEYS = {"size", "width", "height", "aspect_ratio", "n", "num_inference_steps", "steps",
                      "guidance_scale", "cfg_scale", "image_guidance_scale", "img_cfg_scale",
                      "cfg_norm", "timestep_shift", "t_eps", "cfg_interval", "seed",
-                     "output_format", "think", "max_think_tokens"}
+                     "output_format", "think", "max_think_tokens", "cache"}
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -408,6 +408,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         for im in imgs:
             fmt = im.get("format", job.output_format)
             item = {"revised_prompt": think_text, "seed": im.get("seed", job.seed)}
+            if im.get("branch_steps"):   # denoising steps each CFG branch computed / reused
+                item["branch_steps"] = im["branch_steps"]
             if job.response_format == "url":
                 item["url"] = data_url(im["b64"], fmt)
             else:
@@ -441,6 +443,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                        "created_at": created, "output_format": ev.get("format", job.output_format),
                        "size": f"{ev.get('width', job.width)}x{ev.get('height', job.height)}",
                        "seed": ev.get("seed", job.seed), "background": "opaque", "quality": "auto"}
+                if ev.get("branch_steps"):
+                    out["branch_steps"] = ev["branch_steps"]
                 if job.response_format == "url":
                     out["url"] = data_url(ev["b64"], out["output_format"])
                 else:

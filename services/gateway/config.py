@@ -74,6 +74,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--internal-token", default=_env("U1SERVE_INTERNAL_TOKEN"))
     p.add_argument("--default-size", default=_env("U1SERVE_DEFAULT_SIZE", "2048x2048"))
     p.add_argument("--default-steps", type=int, default=int(_env("U1SERVE_DEFAULT_STEPS", "50")))
+    p.add_argument("--default-guidance", type=float,
+                   default=float(_env("U1SERVE_DEFAULT_GUIDANCE", "4.0")))
+    p.add_argument("--default-timestep-shift", type=float,
+                   default=float(_env("U1SERVE_DEFAULT_TIMESTEP_SHIFT", "3.0")))
     p.add_argument("--min-side", type=int, default=int(_env("U1SERVE_MIN_SIDE", "32")))
     p.add_argument("--max-side", type=int, default=int(_env("U1SERVE_MAX_SIDE", "4096")))
     p.add_argument("--max-pixels", type=int, default=int(_env("U1SERVE_MAX_PIXELS", str(4096 * 4096))))
@@ -96,6 +100,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         internal_token=args.internal_token or None,
         default_size=parse_size(args.default_size),
         default_steps=args.default_steps,
+        default_guidance=args.default_guidance,
+        default_timestep_shift=args.default_timestep_shift,
         min_side=args.min_side,
         max_side=args.max_side,
         max_pixels=args.max_pixels,

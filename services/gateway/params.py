@@ -49,6 +49,7 @@ class ImageJob:
     max_think_tokens: int
     stream: bool
     images: list[str] = field(default_factory=list)   # base64 of the input images (edit)
+    cache: Any = None              # step caching options, validated by the generation service
 
     def prefix_body(self, request_id: str) -> dict[str, Any]:
         return {"request_id": request_id, "kind": self.kind, "prompt": self.prompt,
@@ -64,7 +65,8 @@ class ImageJob:
                 "image_guidance_scale": self.image_guidance_scale,
                 "cfg_norm": self.cfg_norm, "timestep_shift": self.timestep_shift,
                 "t_eps": self.t_eps, "cfg_interval": list(self.cfg_interval),
-                "seed": self.seed, "output_format": self.output_format}
+                "seed": self.seed, "output_format": self.output_format,
+                **({"cache": self.cache} if self.cache is not None else {})}
 
     @property
     def size(self) -> str:
@@ -285,4 +287,5 @@ def build_job(cfg: GatewayConfig, opts: Options, kind: str, prompt: Any,
                                    cfg.max_think_tokens),
         stream=opts.bool_("stream", False),
         images=images or [],
+        cache=opts.raw("cache"),
     )

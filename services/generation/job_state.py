@@ -12,6 +12,7 @@ import torch
 
 from services.model import sampler
 from services.model.positions import image_token_positions
+from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
 from .request import GenerateJob
 from .sampling import sampler_params
@@ -36,7 +37,8 @@ class StepMeta:
     cu_k_host: torch.Tensor
     max_q: int
     max_k: int
-    k_end: int                   # keys live in kv[:, :, :k_end]
+    k_start: int                 # keys live in kv[:, :, k_start:k_end] (cu_k relative to k_start)
+    k_end: int
 
 
 class JobState:
@@ -44,8 +46,11 @@ class JobState:
         self.spec = spec
         self.request_id = spec.request_id
         self.params = sampler_params(spec)
+        self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
+        self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
         self.branches = spec.branches                 # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
+        self.branch_state = {b: BranchState() for b in self.local}   # step cache + step counters
         self.th, self.tw = spec.height // 32, spec.width // 32
         self.N = self.th * self.tw
         self.n = spec.n
@@ -63,6 +68,7 @@ class JobState:
         self.segments: list[_Segment] = []
         self.t_offsets: dict[str, int] = {}
         self._meta: dict[tuple, StepMeta] = {}
+        self.branch_steps: dict[str, dict] = {}   # at finish: every rank's branches (Engine.step)
 
     # -- KV --------------------------------------------------------------------------------------
     def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
@@ -75,9 +81,21 @@ class JobState:
         self.t_offsets = dict(t_offsets)
         self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
 
+    def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
+        """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""
+        for seg in self.segments:
+            if seg.branch == branch:
+                self.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(kv)
+
     def free(self) -> None:
         self.kv = None
         self._meta.clear()
+        self.branch_state = {b: BranchState(computed=s.computed, reused=s.reused)
+                             for b, s in self.branch_state.items()}   # drop cached residuals
+
+    def step_counts(self) -> dict[str, tuple[int, int]]:
+        """{local branch: (steps computed in full, steps that reused the cached residual)}."""
+        return {b: (s.computed, s.reused) for b, s in self.branch_state.items()}
 
     # -- steps -----------------------------------------------------------------------------------
     @property
@@ -103,28 +121,33 @@ class JobState:
         return [b for b in self.local if b in active]
 
     def meta(self, active_local: list[str]) -> StepMeta:
-        """Cached metadata; active segments are always a prefix of the buffer (cond is first)."""
+        """Cached metadata of the rows of `active_local` (in buffer order). The keys span the
+        segments from the first to the last selected one; a segment in between that is not selected
+        (a branch that reuses its cached residual) is a sequence with no queries."""
         key = tuple(active_local)
         m = self._meta.get(key)
         if m is not None:
             return m
-        segs = [s for s in self.segments if s.branch in active_local]
-        assert all(a is b for a, b in zip(segs, self.segments)), "active segments must lead"
+        sel = [i for i, s in enumerate(self.segments) if s.branch in active_local]
+        segs = self.segments[sel[0]:sel[-1] + 1]
         pos, idx, cu_q, cu_k = [], [], [0], [0]
         ar = torch.arange(self.N, device=self.device)
         for s in segs:
+            cu_k.append(cu_k[-1] + s.prefix_len + self.N)
+            if s.branch not in active_local:
+                cu_q.append(cu_q[-1])
+                continue
             pos.append(image_token_positions(self.th, self.tw, self.t_offsets[s.branch],
                                              device=self.device))
             idx.append(ar + s.start + s.prefix_len)
             cu_q.append(cu_q[-1] + self.N)
-            cu_k.append(cu_k[-1] + s.prefix_len + self.N)
         m = StepMeta(positions=torch.cat(pos, dim=1), write_idx=torch.cat(idx),
                      cu_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
                      cu_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
                      cu_q_host=torch.tensor(cu_q, dtype=torch.int32),
                      cu_k_host=torch.tensor(cu_k, dtype=torch.int32),
                      max_q=self.N, max_k=max(s.prefix_len for s in segs) + self.N,
-                     k_end=cu_k[-1])
+                     k_start=segs[0].start, k_end=segs[0].start + cu_k[-1])
         self._meta[key] = m
         return m
 

@@ -62,6 +62,7 @@ class GenerateJob:
     cfg_interval: tuple[float, float]
     seed: int
     output_format: str
+    cache: dict | None = None         # step caching (services/model/step_cache.CacheOptions fields)
 
     @property
     def num_tokens(self) -> int:
@@ -103,8 +104,9 @@ def _number(body: dict, key: str, default, kind=float, lo=None, hi=None):
     return value
 
 
-def parse_generate(body: Any, fingerprint: str | None = None) -> GenerateJob:
-    """Validate a request body. `fingerprint` (the loaded model's) rejects foreign handles early."""
+def parse_generate(body: Any, fingerprint: str | None = None, cache_defaults=None) -> GenerateJob:
+    """Validate a request body. `fingerprint` (the loaded model's) rejects foreign handles early;
+    `cache_defaults` (a step_cache.CacheOptions) are the server's step-caching defaults."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
     request_id = body.get("request_id")
@@ -171,9 +173,18 @@ def parse_generate(body: Any, fingerprint: str | None = None) -> GenerateJob:
     if fmt not in OUTPUT_FORMATS:
         raise _bad(f"'output_format' must be one of {list(OUTPUT_FORMATS)}", "output_format")
 
+    from services.contract.image import CacheOptions, check_cache_for
+    try:
+        given = body.get("cache")
+        defaults = cache_defaults or CacheOptions()
+        cache = CacheOptions.model_validate(given).over(defaults) if given is not None else defaults
+        check_cache_for(mode, (float(interval[0]), float(interval[1])), cache)
+    except ValueError as e:
+        raise _bad(f"cache: {e}", "cache") from None
+
     ordered = {b: handles[b] for b in BRANCH_ORDER if b in handles}
     return GenerateJob(request_id=request_id, handles=ordered, mode=mode, width=width,
                        height=height, n=n, num_inference_steps=steps, guidance_scale=guidance_scale,
                        image_guidance_scale=image_guidance_scale, cfg_norm=cfg_norm, timestep_shift=shift,
                        t_eps=t_eps, cfg_interval=(float(interval[0]), float(interval[1])),
-                       seed=seed, output_format=fmt)
+                       seed=seed, output_format=fmt, cache=cache.model_dump())

@@ -79,17 +79,22 @@ def _handle_releaser(pool_name: str, fingerprint: str | None):
 
 def create_app(args: argparse.Namespace) -> FastAPI:
     metrics = GenerationMetrics()
+    from .perf_options import EnginePerfMetrics, cache_defaults, perf_engine_args
+    perf_metrics = EnginePerfMetrics(metrics.registry)
+    cache_opts = cache_defaults(args)
 
     def on_stats(msg: dict) -> None:
         if msg.get("stat") == "restart":
             metrics.engine_restarts.inc()
         else:
             metrics.on_stats(msg)
+            perf_metrics.on_stats(msg)
 
     engine_args = {
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "kv_pool_name": args.kv_pool_name, "max_batch_tokens": args.max_batch_tokens,
         "max_running_jobs": args.max_running_jobs, "threads": args.threads,
+        **perf_engine_args(args),
     }
     fingerprint = _model_fingerprint(args.model)
     supervisor = EngineSupervisor(engine_args, world=args.cfg_parallel, on_stats=on_stats,
@@ -120,7 +125,8 @@ def create_app(args: argparse.Namespace) -> FastAPI:
     async def health():
         body = {"status": "ok" if supervisor.ready else "starting",
                 "running": supervisor.in_flight(), "restarts": supervisor.restarts,
-                "cfg_parallel": args.cfg_parallel, "engine_pids": supervisor.pids}
+                "cfg_parallel": args.cfg_parallel, "engine_pids": supervisor.pids,
+                "warmup": perf_metrics.warmup}
         return JSONResponse(body, status_code=200 if supervisor.ready else 503)
 
     @app.get("/metrics")
@@ -159,7 +165,7 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         except Exception:
             return reject(ApiError(400, "body is not valid JSON", code="invalid_json"))
         try:
-            job = parse_generate(body, fingerprint)
+            job = parse_generate(body, fingerprint, cache_opts)
             _check_branches(job)
             _check_handles(job)
         except ApiError as e:
@@ -203,7 +209,8 @@ def create_app(args: argparse.Namespace) -> FastAPI:
                                                          job.output_format)
                         yield _sse({"type": "image", "index": msg["index"], "b64": b64,
                                     "format": job.output_format, "width": job.width,
-                                    "height": job.height, "seed": job.seed})
+                                    "height": job.height, "seed": job.seed,
+                                    "branch_steps": msg.get("branch_steps")})
                     elif kind == "error":
                         yield _sse({k: v for k, v in msg.items() if k != "request_id"})
                 yield _sse("[DONE]")
@@ -239,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encode-threads", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per engine rank (0: default)")
     p.add_argument("--log-level", default="info")
+    from .perf_options import add_perf_flags
+    add_perf_flags(p)
     return p
 
 

@@ -168,7 +168,8 @@ def _leader_loop(engine, comm, source, in_q, out_q, args: dict) -> None:
             pixels = engine.pixels(job)
             for i in range(job.n):
                 out_q.put({"request_id": job.request_id, "type": "image", "index": i,
-                           "pixels": pixels[i]})
+                           "pixels": pixels[i], "branch_steps": job.branch_steps})
+            out_q.put({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out_q.put({"request_id": job.request_id, "type": "done", "outcome": "ok"})
             job.free()
         out_q.put({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
@@ -218,13 +219,19 @@ def run_rank(rank: int, world: int, port: int, args: dict, in_q, out_q) -> None:
         from .engine import Engine
         from .kv_source import PrefixSource
         comm = CfgComm.init(rank, world, port, device) if world > 1 else CfgComm.single()
-        model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device)
+        model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device,
+                           lora=[tuple(x) for x in args.get("lora") or ()],
+                           quantization=args.get("quantization"))
         model.eval()
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
         engine = Engine(model, source, comm)
+        from .warmup import parse_sizes, run_warmup
+        warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
+                          int(args.get("warmup_steps", 0)))
         if rank == 0:
+            out_q.put({"type": "stats", "stat": "warmup", **warm})
             out_q.put({"type": "ready"})
             _leader_loop(engine, comm, source, in_q, out_q, args)
         else:

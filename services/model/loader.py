@@ -13,8 +13,12 @@ import torch
 from safetensors import safe_open
 
 from .config import NeoConfig, load_config
-from .model import NeoModel
+from .model import BRANCHES, NeoModel
 from .parallel import TPContext, shard, shard_dim
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 checkpoints: per-output-channel fp32 scale of `X.weight`
+LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -76,12 +80,25 @@ def random_weights_requested() -> bool:
 
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
-               lora: str | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
-               random_weights: bool | None = None) -> NeoModel:
+               lora: str | list | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
+               random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
+    """`lora`: one path (with `lora_strength`) or a list of (path, strength); each adapter is merged
+    into the loaded branch if it names weights of it (None: the adapters in $U1SERVE_LORA).
+    `quantization="fp8"`: the dense Linear layers of the gen branch (or of the und branch when only
+    that one is loaded) run in fp8 (services/model/quant.py), after the LoRA merge."""
+    from .quant import QUANTIZATIONS, check_fp8_device, quantize_model
+    quantization = quantization or "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "fp8":
+        check_fp8_device(torch.device(device), dtype)
+    quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
     if random_weights if random_weights is not None else random_weights_requested():
         from .tiny import build_random_model
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
+        if quantization == "fp8":
+            quantize_model(model, quant_branches)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
@@ -89,7 +106,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         model = NeoModel(cfg, branch, tp)
     wm = weight_map(model_dir)
     full_shapes = _expected_shapes(cfg)
-    unexpected = sorted(set(wm) - set(full_shapes))
+    unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
     if unexpected:
         raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
@@ -100,6 +117,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     handles: dict[str, object] = {}
     state = {}
+    prequantized = {}   # fp8 checkpoint: name -> (q, scale) of this rank's shard
     for key in needed:
         path = wm[key]
         if path not in handles:
@@ -120,10 +138,19 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
+        if t.dtype == FP8_DTYPE:
+            q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
+            prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
+            t = q.float() * s.view(-1, 1)
         state[key] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    if lora:
-        merge_lora(model, lora, strength=lora_strength, tp=tp)
+    loras = lora_list(lora, lora_strength)
+    for path, strength in loras:
+        if lora_branches(path) & set(BRANCHES[branch]):
+            merge_lora(model, path, strength=strength, tp=tp)
+    if quantization == "fp8":
+        # merged adapters changed the weights: quantise those from the merged values
+        quantize_model(model, quant_branches, {} if loras else prequantized)
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
@@ -162,3 +189,54 @@ def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext 
     if merged == 0:
         raise LoadError(f"LoRA file {path} matched no weight of this model (branch {model.branch!r})")
     return merged
+
+
+def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
+    """The per-output-channel scale of an fp8 weight, as this TP rank's shard needs it."""
+    skey = key[: -len(".weight")] + FP8_SCALE_SUFFIX
+    if skey not in wm:
+        raise LoadError(f"fp8 tensor {key!r} has no {skey!r} in the checkpoint")
+    f = handles.setdefault(wm[skey], _open(wm[skey]))
+    s = f.get_tensor(skey).float().reshape(-1)
+    if s.numel() != shape[0]:
+        raise LoadError(f"{skey!r} has {s.numel()} values, {key!r} has {shape[0]} rows")
+    if dim == 0 and tp is not None and tp.world_size > 1:  # column shard: rows split, scales too
+        s = shard(s, 0, tp)
+    return s
+
+
+def parse_lora_spec(text: str) -> tuple[str, float]:
+    """'PATH' or 'PATH:STRENGTH' -> (path, strength)."""
+    path, sep, tail = text.rpartition(":")
+    if sep:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:
+    if lora is None:
+        env = os.environ.get(LORA_ENV, "").strip()
+        return [parse_lora_spec(x.strip()) for x in env.split(",") if x.strip()]
+    if isinstance(lora, str):
+        return [(lora, strength)]
+    return [(p, float(s)) for p, s in lora]
+
+
+def lora_branches(path: str) -> set[str]:
+    """The branches an adapter names: gen (`*_mot_gen`, `fm_modules.*`) and/or und (the rest of
+    `language_model.*`, `vision_model.*`). Raises LoadError when it names neither."""
+    with _open(path) as f:
+        keys = [k.removeprefix("diffusion_model.") for k in f.keys() if ".lora_down." in k]
+    out = set()
+    for k in keys:
+        if "_mot_gen" in k or k.startswith("fm_modules."):
+            out.add("gen")
+        elif k.startswith(("language_model.", "vision_model.")):
+            out.add("und")
+    if not out:
+        raise LoadError(f"LoRA file {path} names no module of this model (official format: "
+                        f"X.lora_down.weight / X.lora_up.weight / X.alpha)")
+    return out

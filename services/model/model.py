@@ -122,8 +122,38 @@ class NeoModel(nn.Module):
         return self.language_model.lm_head(hidden).float()
 
     # ------------------------------------------------------------------ generation branch
-    def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
-        return self.language_model.model.norm_mot_gen(self._run_layers(x, rope, attend, "gen"))
+    def gen_layers(self, x: torch.Tensor, rope: Rope, attend: Attend, start: int = 0,
+                   stop: int | None = None) -> torch.Tensor:
+        """Gen-branch decoder layers [start, stop) over packed tokens (no final norm)."""
+        layers = self.language_model.model.layers
+        for i in range(start, len(layers) if stop is None else stop):
+            x = layers[i](x, rope, attend, i, "gen")
+        return x
+
+    def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend, cache=None) -> torch.Tensor:
+        """Gen-branch forward -> hidden after `norm_mot_gen`.
+
+        `cache` (step_cache.FirstBlockCache): layer 0 runs on every row, the cache decides per CFG
+        branch from the change of layer 0's residual whether the rest of the stack is needed; rows of
+        branches that reuse take their last computed residual, layers 1.. run on the other rows only.
+        """
+        if cache is None:
+            return self.gen_norm(self.gen_layers(x, rope, attend))
+        h1 = self.gen_layers(x, rope, attend, stop=1)
+        rows = cache.decide(h1 - x)
+        if rows is None:   # every branch computes: the same ops as without the cache
+            h = self.gen_layers(h1, rope, attend, start=1)
+        else:
+            rest = None
+            if rows.numel():
+                rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
+                                       cache.attend_subset(), start=1)
+            h = cache.fill(h1, rest)
+        cache.store(h1, h)
+        return self.gen_norm(h)
+
+    def gen_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.norm_mot_gen(h)
 
     def time_embeddings(self, t: torch.Tensor, noise_scale: float) -> torch.Tensor:
         """TE(t) + TE'(s / cap): one [H] vector per step, broadcast over every image token."""

@@ -7,16 +7,19 @@ Serving tests use it as the oracle. It is built from two halves the engines mirr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
-from . import prompts as P
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .tokenizer import NeoTokenizer
+from .step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache, truncated_interval
+
+if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
+    from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
+    from .tokenizer import NeoTokenizer
 
 
 @dataclass
@@ -152,7 +155,8 @@ def think_decode(model, tok, cache, hidden, t_last: int, max_think_tokens: int):
         if nxt == tok.end_think_id:
             break
         logits = model.lm_logits(hidden[-1:])[0]
-    _, t_last = _append_text(model, cache, tok.encode(P.THINK_TAIL), t_last)
+    from .prompts import THINK_TAIL
+    _, t_last = _append_text(model, cache, tok.encode(THINK_TAIL), t_last)
     return ids, t_last
 
 
@@ -173,6 +177,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
                    think: bool = False, max_think_tokens: int = 1024,
                    system_message: str | None = None) -> dict[str, PrefixKV]:
     """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request. Think only on cond."""
+    from . import prompts as P
     if kind == "t2i":
         inputs = P.t2i_inputs(tok, prompt, params, think, system_message)
     elif kind == "edit":
@@ -183,7 +188,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
 
 
 def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: torch.Tensor, z: torch.Tensor,
-                 t: torch.Tensor, th: int, tw: int, t_eps: float) -> torch.Tensor:
+                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: FirstBlockCache | None = None) -> torch.Tensor:
     """One gen-branch forward for B images against one prefix: x_in [B, N, H] -> v [B, N, 3072]."""
     B, N, _ = x_in.shape
     positions = image_token_positions(th, tw, t_offset, device=model.device).repeat(1, B)
@@ -199,15 +204,21 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
         o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
         return o.transpose(1, 2).reshape(B * N, *q.shape[1:])
 
-    hidden = model.gen_forward(x_in.reshape(B * N, -1), model.rope(positions), attend)
+    hidden = model.gen_forward(x_in.reshape(B * N, -1), model.rope(positions), attend, cache)
     x_hat = model.gen_head(hidden.view(B, N, -1), th, tw)
     return S.velocity(x_hat, z, t, t_eps)
 
 
 @torch.no_grad()
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
-            seed: int = 0, n: int = 1, on_step=None) -> torch.Tensor:
-    """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1]."""
+            seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
+            branch_steps: dict | None = None) -> torch.Tensor:
+    """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
+
+    `cache`: step caching (services/model/step_cache.py), per branch; `branch_steps`, if given, is
+    filled with {branch: (computed, reused)} steps."""
+    cache = cache or CacheOptions()
+    params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
     if width % S.BLOCK or height % S.BLOCK:
         raise ValueError(f"width and height must be multiples of {S.BLOCK}")
     th, tw = height // S.BLOCK, width // S.BLOCK
@@ -216,20 +227,30 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
     grid = S.timesteps(params.num_inference_steps, params.timestep_shift, device=model.device)
     needed = S.branches_needed(params)
     kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
+    states = {b: BranchState() for b in needed}
     for i in range(params.num_inference_steps):
         t, t_next = grid[i], grid[i + 1]
         z = S.patchify(x)
         x_in = model.gen_embed(x, t, s)
         active = needed if S.uses_cfg(params, float(t)) else ["cond"]
-        v = {b: gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps) for b in active}
+        v = {}
+        for b in active:
+            fb = FirstBlockCache([CacheGroup(0, n * th * tw, states[b], cache, i)])
+            v[b] = gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps,
+                                fb if cache.mode != "off" else None)
+            if cache.mode == "off":
+                states[b].computed += 1
         z = S.euler(z, S.combine(v, params, i, float(t)), t, t_next)
         x = S.unpatchify(z, th, tw)
         if on_step is not None:
             on_step(i + 1, params.num_inference_steps)
+    if branch_steps is not None:
+        branch_steps.update({b: (st.computed, st.reused) for b, st in states.items()})
     return x
 
 
-def to_pil(x: torch.Tensor) -> list[Image.Image]:
+def to_pil(x: torch.Tensor) -> list:
+    from PIL import Image
     return [Image.fromarray(a.numpy()) for a in S.to_uint8(x)]
 
 

@@ -108,7 +108,23 @@ def euler(z: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tenso
     return z + (t_next - t) * v
 
 
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] image tensor -> uint8 [B, H, W, 3] (x*0.5+0.5, clamp, *255, round)."""
+def to_uint8_device(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] image tensor -> contiguous uint8 [B, H, W, 3] on x's device (x*0.5+0.5, clamp, *255,
+    round)."""
     y = (x.float() * 0.5 + 0.5).clamp(0, 1) * 255
-    return y.round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    return y.round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host: one copy into pinned memory (torch's caching host allocator)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] image tensor -> uint8 [B, H, W, 3] on the host."""
+    return to_host(to_uint8_device(x))

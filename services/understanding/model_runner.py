@@ -20,7 +20,7 @@ log = logging.getLogger("u1serve.understanding.runner")
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype,
-                 cuda_graph_max_bs: int = 0):
+                 cuda_graph_max_bs: int = 0, warmup: bool | None = None):
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
@@ -37,6 +37,8 @@ class ModelRunner:
         self.req_to_token = torch.zeros(max_running + 1, max_model_len + 1, dtype=torch.int32, device=self.device)
         self.req_to_token[self.scratch_row].fill_(self.scratch_slot)
         self.graphs = None
+        if warmup if warmup is not None else self.device.type == "cuda":
+            self.warmup()
         if cuda_graph_max_bs > 0 and self.device.type == "cuda" and not model.cfg.llm.is_moe:
             from .cuda_graphs import DecodeGraphs
             try:
@@ -44,6 +46,35 @@ class ModelRunner:
             except Exception:
                 log.exception("CUDA graph capture failed; decoding eagerly")
                 self.graphs = None
+
+    @torch.no_grad()
+    def warmup(self, lengths=(16, 512)) -> None:
+        """Run the prefill (text rows, then with an image span) and eager decode kernels once per
+        length before the engine reports ready (Triton JIT, cuBLAS handles, allocator growth), so
+        the first request runs at steady speed. Every row reads and writes only the scratch slot."""
+        i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        width = self.req_to_token.shape[1] - 1
+        for n in sorted({max(2, min(t, width)) for t in lengths}):
+            for image in (False, True):
+                iend = torch.zeros(n, dtype=torch.int32)
+                if image and n >= 4:
+                    iend[1:n - 1] = n - 1   # rows 1..n-2: one image span
+                plan = StepPlan(
+                    input_ids=torch.zeros(n, dtype=torch.long),
+                    positions=torch.arange(n).repeat(3, 1), image_end=iend, images=[],
+                    out_slots=torch.full((n,), self.scratch_slot, dtype=torch.long), num_prefill_rows=n,
+                    p_rows=i64([self.scratch_row]), p_start=i64([0]), p_seq_len=i64([n]),
+                    p_cu_q=i64([0, n]), d_rows=i64([]), d_seq_len=i64([]), logit_rows=i64([n - 1]))
+                self.forward(plan)
+        plan = StepPlan(
+            input_ids=i64([0]), positions=torch.zeros(3, 1, dtype=torch.long),
+            image_end=torch.zeros(1, dtype=torch.int32), images=[],
+            out_slots=i64([self.scratch_slot]), num_prefill_rows=0, p_rows=i64([]), p_start=i64([]),
+            p_seq_len=i64([]), p_cu_q=i64([0]), d_rows=i64([self.scratch_row]), d_seq_len=i64([1]),
+            logit_rows=i64([0]))
+        self.forward(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def apply_table_writes(self, plan: StepPlan) -> None:
         if plan.tw_rows is not None and plan.tw_rows.numel():

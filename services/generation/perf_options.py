@@ -1,0 +1,78 @@
+"""The generation server's speed options: flags, what they pass to the engine, their metrics.
+
+fp8 (`--quantization`), LoRA adapters merged at load (`--lora PATH[:STRENGTH]`), step-caching
+defaults for requests that do not set `cache` (`--cache-*`), and the warm-up run before /health
+turns 200 (`--default-size`, `--warmup-sizes`, `--warmup-steps`).
+"""
+from __future__ import annotations
+
+import argparse
+
+from prometheus_client import Counter, Gauge
+
+from services.model.quant import QUANTIZATIONS
+from services.model.step_cache import CACHE_MODES, CacheOptions
+
+
+def add_perf_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS),
+                   help="fp8: gen-branch Linear layers in fp8 e4m3 (needs compute capability >= 8.9 "
+                        "on CUDA; emulated on CPU)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="merge a LoRA into the gen branch at load (repeatable); adapters that name "
+                        "no gen-branch weight are skipped")
+    p.add_argument("--cache-mode", default="off", choices=list(CACHE_MODES),
+                   help="step caching for requests without a 'cache' object")
+    p.add_argument("--cache-threshold", type=float, default=0.0,
+                   help="first-block relative change below which a branch reuses its residual")
+    p.add_argument("--cache-warmup-steps", type=int, default=1, help="steps always computed first")
+    p.add_argument("--cache-max-consecutive", type=int, default=0,
+                   help="reused steps in a row before one is computed (0: no limit)")
+    p.add_argument("--cfg-truncation", type=float, default=None,
+                   help="CFG only while t <= this (t = 1 is the clean image); default: off")
+    p.add_argument("--default-size", default=None,
+                   help="the gateway's default image size, warmed up before /health turns 200 "
+                        "(default: 2048x2048 on cuda, none on cpu)")
+    p.add_argument("--warmup-sizes", default="", help="more sizes to warm up, e.g. 1024x1024,1536x2720")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="denoising steps per warm-up size (0: no warm-up)")
+
+
+def perf_engine_args(args: argparse.Namespace) -> dict:
+    from services.model.loader import parse_lora_spec
+    return {"quantization": args.quantization, "lora": [parse_lora_spec(x) for x in args.lora],
+            "default_size": args.default_size or ("2048x2048" if args.device == "cuda" else ""),
+            "warmup_sizes": args.warmup_sizes,
+            "warmup_steps": args.warmup_steps}
+
+
+def cache_defaults(args: argparse.Namespace) -> CacheOptions:
+    try:
+        return CacheOptions(mode=args.cache_mode, threshold=args.cache_threshold,
+                            warmup_steps=args.cache_warmup_steps,
+                            max_consecutive=args.cache_max_consecutive, cfg_truncation=args.cfg_truncation)
+    except ValueError as e:
+        raise SystemExit(f"step-caching defaults (--cache-*, --cfg-truncation): {e}")
+
+
+class EnginePerfMetrics:
+    """Per-branch computed / reused steps (step caching) and the warm-up, on the server's registry."""
+
+    def __init__(self, registry) -> None:
+        self.computed = Counter("u1_gen_branch_steps_computed", "steps a CFG branch ran the whole "
+                                "layer stack for", ["branch"], registry=registry)
+        self.reused = Counter("u1_gen_branch_steps_reused", "steps a CFG branch reused its cached "
+                              "residual (step caching) instead of layers 1..", ["branch"], registry=registry)
+        self.warmup_seconds = Gauge("u1_gen_warmup_seconds", "warm-up run before the engine reported "
+                                    "ready", registry=registry)
+        self.warmup: dict | None = None
+
+    def on_stats(self, msg: dict) -> None:
+        kind = msg.get("stat")
+        if kind == "branch_steps":
+            for branch, c in (msg.get("branch_steps") or {}).items():
+                self.computed.labels(branch=branch).inc(c["computed"])
+                self.reused.labels(branch=branch).inc(c["reused"])
+        elif kind == "warmup":
+            self.warmup = {k: msg[k] for k in ("sizes", "steps", "seconds")}
+            self.warmup_seconds.set(msg["seconds"])

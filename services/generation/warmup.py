@@ -1,0 +1,67 @@
+"""Warm start: before the service reports ready, run a few denoising steps at the configured sizes.
+
+The first step of a process pays for what later steps reuse: Triton JIT (norm, RoPE, SwiGLU, fp8
+quantisation), cuBLAS / cuDNN / `_scaled_mm` handles and kernel selection, the caching allocator growing
+to the step's working set, the pinned host buffer of the output copy. A warm-up job per size (all CFG
+branches, local prefix KV of zeros, no pool) pays that while /health is still 503, so the first request
+runs at steady-state speed. Every CFG rank runs the same jobs (their steps are collective).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .request import BRANCH_ORDER, GenerateJob
+
+WARMUP_PREFIX_TOKENS = 64
+
+
+def parse_sizes(*texts: str | None) -> list[tuple[int, int]]:
+    """'2048x2048,1024x1024' (several strings allowed) -> [(w, h), ...] without repeats, in order."""
+    out: list[tuple[int, int]] = []
+    for text in texts:
+        for item in (text or "").split(","):
+            item = item.strip().lower()
+            if not item:
+                continue
+            try:
+                w, h = (int(v) for v in item.split("x"))
+            except ValueError:
+                raise ValueError(f"warm-up size must look like WIDTHxHEIGHT, got {item!r}") from None
+            if w <= 0 or h <= 0 or w % 32 or h % 32:
+                raise ValueError(f"warm-up size {item!r}: sides must be positive multiples of 32")
+            if (w, h) not in out:
+                out.append((w, h))
+    return out
+
+
+def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateJob:
+    return GenerateJob(request_id=f"warmup-{width}x{height}", handles={b: {} for b in branches},
+                       mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
+                       guidance_scale=4.0 if len(branches) > 1 else 1.0, image_guidance_scale=1.0,
+                       cfg_norm="none", timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
+                       output_format="png")
+
+
+@torch.inference_mode()
+def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
+    """Run one CFG job of `steps` steps per size through `engine` (nothing else may be running).
+    Returns {"sizes", "steps", "seconds"}."""
+    t0 = time.perf_counter()
+    m = engine.model
+    for w, h in sizes if steps > 0 else []:
+        spec = warmup_job(w, h, steps)
+        kv = torch.zeros((m.num_layers, 2, WARMUP_PREFIX_TOKENS, m.num_kv_heads, m.head_dim),
+                         device=engine.device, dtype=engine.dtype)
+        job = engine.admit_local(spec, {b: kv for b in spec.branches},
+                                 {b: WARMUP_PREFIX_TOKENS for b in spec.branches})
+        engine.add(job)
+        while not job.done:
+            engine.step()
+        engine.pixels(job)
+        job.free()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return {"sizes": [f"{w}x{h}" for w, h in sizes], "steps": steps,
+            "seconds": round(time.perf_counter() - t0, 3)}

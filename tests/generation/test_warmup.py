@@ -1,0 +1,62 @@
+"""Warm start: the generation engine runs its warm-up jobs before /health turns 200; the understanding
+runner's warm-up touches only its scratch slot."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+
+from services.generation.warmup import parse_sizes
+
+from .genhelp import REPO, GenServer
+
+
+def test_health_waits_for_the_warmup(tiny_dir, pool):
+    server = GenServer(tiny_dir, pool.name, "--default-size", "64x64", "--warmup-sizes",
+                       "512x512,64x64", "--warmup-steps", "3")
+    # started by hand: /health is watched from the first moment
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=env, start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(server.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert seen and seen[-1][0] == 200, seen[-3:]
+        assert any(code == 503 for code, _ in seen)          # not ready while loading / warming up
+        warm = seen[-1][1]["warmup"]                          # the first 200 already reports it done
+        assert warm["sizes"] == ["64x64", "512x512"] and warm["steps"] == 3 and warm["seconds"] > 0
+        assert server.metrics()["u1_gen_warmup_seconds"] == warm["seconds"]
+    finally:
+        server.stop()
+
+
+def test_warmup_sizes_parse():
+    assert parse_sizes("2048x2048", "1024x1024, 2048x2048,") == [(2048, 2048), (1024, 1024)]
+    assert parse_sizes(None, "") == []
+    for bad in ("1000x1024", "big", "0x32"):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)
+
+
+def test_understanding_runner_warmup_uses_only_scratch(tiny_checkpoint):
+    from services.model.loader import load_model
+    from services.understanding.model_runner import ModelRunner
+    model = load_model(tiny_checkpoint("u1"), "und")
+    runner = ModelRunner(model, 64, 4, 600, "cpu", torch.float32, warmup=True)
+    assert runner.kv_pool[:, :, :64].abs().sum() == 0      # no real slot written
+    assert runner.kv_pool[:, :, 64].abs().sum() > 0        # the scratch slot was
+    assert runner.req_to_token[:4].abs().sum() == 0
+    assert ModelRunner(model, 64, 4, 600, "cpu", torch.float32).kv_pool.abs().sum() == 0  # cpu: off by default
