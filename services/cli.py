@@ -150,6 +150,8 @@ def build_gateway(args, ctx) -> "ServiceSpec":
     env = dict(ctx["env"])
     if ctx.get("api_key"):
         env["U1SERVE_API_KEY"] = ctx["api_key"]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
     return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
 
 
@@ -179,16 +181,20 @@ def resolve_ports(args: argparse.Namespace, probe: bool = True) -> None:
 
 
 def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(internal token, API key) from --x-file, --x or the environment; a random token when none is given.
-    They reach the services through the environment only: argv is readable by every local user in /proc."""
-    from services.kit.config import read_secret
+    """(internal token, API key): from --x-file, --x or the environment; a random token when none is given.
+    They reach the services through the environment only: argv is readable by every local user in /proc.
+    An --api-key-file (one key per line) goes to the gateway as a path, checked here."""
+    from services.kit.config import read_secret, read_secrets
     for extra in (args.und_args, args.gen_args, args.gateway_args):
         if any(flag in (extra or "") for flag in _SECRET_FLAGS):
             raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
                              "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
     token = read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN")
-    api_key = read_secret(args.api_key, args.api_key_file, "U1SERVE_API_KEY")
-    return token or secrets.token_hex(16), api_key
+    if args.api_key_file:
+        read_secrets(None, args.api_key_file, "U1SERVE_API_KEY")     # readable, with at least one key
+        args.api_key_file = os.path.abspath(args.api_key_file)
+        return token or secrets.token_hex(16), None
+    return token or secrets.token_hex(16), read_secret(args.api_key, None, "U1SERVE_API_KEY")
 
 
 def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
@@ -250,7 +256,7 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--internal-token", default=None,
                    help="the token itself (visible in /proc to local users: prefer the file or the environment)")
     p.add_argument("--api-key-file", default=None,
-                   help="file whose first line is the Bearer key required on the public API "
+                   help="file with the Bearer keys accepted on the public API, one per line "
                         "(default: U1SERVE_API_KEY, else open)")
     p.add_argument("--api-key", default=None,
                    help="the key itself (visible in /proc to local users: prefer the file or the environment)")

@@ -107,15 +107,21 @@ def test_secrets_come_from_files_or_the_environment_and_stay_off_command_lines(t
     (tmp_path / "tok").write_text("tok-file\n")
     args = up_args("--device", "cpu", "--api-key-file", str(tmp_path / "key"),
                    "--internal-token-file", str(tmp_path / "tok"))
-    assert cli.resolve_secrets(args) == ("tok-file", "sk-file")
-    monkeypatch.setenv("U1SERVE_API_KEY", "sk-env")
-    token, key = cli.resolve_secrets(up_args("--device", "cpu"))
-    assert key == "sk-env" and len(token) == 32            # always an internal token: a random one
-    ctx = {**ctx_for(args), "env": {"U1SERVE_INTERNAL_TOKEN": "tok-file"}, "api_key": "sk-file"}
+    assert cli.resolve_secrets(args) == ("tok-file", None)   # the key file goes to the gateway as a path
+    ctx = {**ctx_for(args), "env": {"U1SERVE_INTERNAL_TOKEN": "tok-file"}, "api_key": None}
     specs = [b(args, ctx) for b in cli.SERVICE_BUILDERS]
     for spec in specs:
         assert not any("sk-file" in a or "tok-file" in a for a in spec.argv), spec.argv
         assert spec.env["U1SERVE_INTERNAL_TOKEN"] == "tok-file"
-    assert specs[-1].env["U1SERVE_API_KEY"] == "sk-file" and "U1SERVE_API_KEY" not in specs[0].env
+    assert specs[-1].argv[specs[-1].argv.index("--api-key-file") + 1] == str(tmp_path / "key")
+    monkeypatch.setenv("U1SERVE_API_KEY", "sk-env")
+    args = up_args("--device", "cpu")
+    token, key = cli.resolve_secrets(args)
+    assert key == "sk-env" and len(token) == 32            # always an internal token: a random one
+    gateway = cli.build_gateway(args, {**ctx_for(args), "api_key": key})
+    assert gateway.env["U1SERVE_API_KEY"] == "sk-env" and "--api-key-file" not in gateway.argv
     with pytest.raises(SystemExit):
         cli.resolve_secrets(up_args("--device", "cpu", "--gateway-args", "--api-key sk"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit):
+        cli.resolve_secrets(up_args("--device", "cpu", "--api-key-file", str(tmp_path / "empty")))

@@ -99,7 +99,7 @@ def test_stack_ports_secrets_and_restart(tiny_checkpoint, tmp_path, busy_port):
                 cmd = f.read()
             assert b"sk-from-a-file" not in cmd and b"tok-from-env" not in cmd
         with open(f"/proc/{state['services']['gateway']['pid']}/environ", "rb") as f:
-            assert b"U1SERVE_API_KEY=sk-from-a-file" in f.read().split(b"\0")
+            assert b"U1SERVE_INTERNAL_TOKEN=tok-from-env" in f.read().split(b"\0")
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 401
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60,
