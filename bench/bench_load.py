@@ -7,7 +7,8 @@ chat, images, streamed images, edits, cancelled streams and bad inputs (weighted
     python bench/bench_load.py --smoke        # CPU: a tiny `u1serve up` stack, 8 clients for 8 s
 
 Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind, the 429 rate and every 5xx by code.
-A client that gets a 429 waits its Retry-After (at most 2 s) before its next request.
+Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
+Retry-After (at most 2 s) before its next request.
 
 Importable (the CI load test builds on it):
     outcomes = run_load(base_url, clients=32, duration_s=60)      # list[Outcome]
@@ -233,8 +234,10 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
 
         async def one_client(i: int) -> None:
             rng = random.Random(cfg.seed * 1000 + i)
+            kind = kinds[i % len(kinds)]           # first requests cover every kind, then the weighted mix
             while time.monotonic() < deadline:
-                out = await client.run(rng.choices(kinds, weights)[0], rng)
+                out = await client.run(kind, rng)
+                kind = rng.choices(kinds, weights)[0]
                 outcomes.append(out)
                 if out.status == 429:
                     await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
