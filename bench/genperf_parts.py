@@ -336,6 +336,9 @@ def kernel_rows(prof, device) -> list[tuple[str, float, int]]:
             us = e.self_cpu_time_total
         if us > 0:
             rows.append((e.key, us / 1e3, e.count))
+    if device.type == "cuda" and not rows:   # no kernel events: attribute each op's own device time
+        rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                if getattr(e, "self_device_time_total", 0) > 0]
     return sorted(rows, key=lambda r: -r[1])
 
 
