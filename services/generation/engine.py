@@ -19,7 +19,7 @@ from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
-from .request import ApiError, GenerateJob
+from .request import ApiError, GenerateRequest
 
 
 class Engine:
@@ -34,9 +34,9 @@ class Engine:
         self._attn, self._host_lengths = pick_denoise_attention(self.device)
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, spec: GenerateJob) -> tuple[JobState, list[dict]]:
+    def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
         """Build the job and import this rank's prefixes. Returns (job, stats). Raises ApiError."""
-        handles = {b: self.source.parse(spec.handles[b]) for b in spec.branches}
+        handles = {b: self.source.parse(spec.handles[b]) for b in spec.handles}
         for b, h in handles.items():
             if h.branch not in (b, "") and h.branch in ("cond", "uncond", "img_cond"):
                 raise ApiError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
@@ -62,7 +62,7 @@ class Engine:
             raise
         return job, stats
 
-    def admit_local(self, spec: GenerateJob, prefixes: dict[str, torch.Tensor],
+    def admit_local(self, spec: GenerateRequest, prefixes: dict[str, torch.Tensor],
                     t_offsets: dict[str, int]) -> JobState:
         """A job whose prefix KV [L, 2, P, Hkv, D] per branch is already in memory (warm-up,
         benchmarks, quality runs): no pool. `spec.handles` only names the branches."""
@@ -71,8 +71,8 @@ class Engine:
             job.set_prefix(b, prefixes[b].to(self.device, self.dtype))
         return job
 
-    def _new_job(self, spec: GenerateJob, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
-        job = JobState(spec, local_branches(spec.branches, self.comm.rank, self.comm.world),
+    def _new_job(self, spec: GenerateRequest, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
+        job = JobState(spec, local_branches(list(spec.handles), self.comm.rank, self.comm.world),
                        self.model, self.device, self.dtype)
         job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
         return job

@@ -14,8 +14,7 @@ from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
-from .request import GenerateJob
-from .sampling import sampler_params
+from .request import GenerateRequest
 
 
 @dataclass
@@ -42,13 +41,13 @@ class StepMeta:
 
 
 class JobState:
-    def __init__(self, spec: GenerateJob, local_branches: list[str], model, device, dtype):
+    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype):
         self.spec = spec
         self.request_id = spec.request_id
-        self.params = sampler_params(spec)
+        self.params = spec.sampler()
         self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
         self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
-        self.branches = spec.branches                 # all branches (every rank knows them)
+        self.branches = list(spec.handles)  # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
         self.branch_state = {b: BranchState() for b in self.local}   # step cache + step counters
         self.th, self.tw = spec.height // 32, spec.width // 32
