@@ -21,12 +21,17 @@ from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
+from .qos import YieldGate
 from .request import ApiError, GenerateJob
 
 
 class Engine:
-    def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None):
+    def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
+                 yield_gate: YieldGate | None = None):
+        """yield_gate (colocate QoS, qos.py): before each layer's attention, give the GPU to a
+        waiting decode step of the understanding engine."""
         self.model = model
+        self.gate = yield_gate
         self.device = model.device
         self.dtype = model.dtype
         self.source = prefix_source
@@ -209,7 +214,9 @@ class Engine:
     def _attend(self, spans, layout):
         """The forward's attend: per-job attention over canonical rows (this rank's heads under SP)."""
         attend = self._make_attend(spans)
-        return attend if layout is None else self.sp.wrap_attend(layout, attend)
+        if layout is not None:
+            attend = self.sp.wrap_attend(layout, attend)
+        return attend if self.gate is None else self.gate.wrap(attend)
 
     def _make_attend(self, spans):
         attn, scale, host = self._attn, self.scale, self._host_lengths

@@ -50,19 +50,22 @@ class RowLayout:
         single = len(seg_lengths) == 1
         if single and width * world == self.total:
             return                                     # rank-major == canonical, no padding
-        # canonical row -> (rank, offset among that rank's rows)
+        # canonical row -> (rank, offset among that rank's rows); built on the device (no host copy)
         recv, padded = [], []
         starts = [sum(self.counts[:r]) for r in range(world)]
         seen = [0] * world
         for sizes in per_seg:
             for r, k in enumerate(sizes):
                 if k:
-                    recv.append(torch.arange(starts[r] + seen[r], starts[r] + seen[r] + k))
-                    padded.append(torch.arange(r * width + seen[r], r * width + seen[r] + k))
+                    recv.append((starts[r] + seen[r], k))
+                    padded.append((r * width + seen[r], k))
                 seen[r] += k
-        self.gather_index = torch.cat(padded).to(device)
+
+        def index(runs):
+            return torch.cat([torch.arange(a, a + k, device=device) for a, k in runs])
+        self.gather_index = index(padded)
         if not single:
-            self.recv_to_canon = torch.cat(recv).to(device)
+            self.recv_to_canon = index(recv)
             self.canon_to_recv = torch.argsort(self.recv_to_canon)
 
 
@@ -74,6 +77,7 @@ class SeqParallel:
         self.world = world
         self.group = group            # tensors (NCCL on CUDA, gloo on CPU)
         self.ctrl_group = ctrl_group  # gloo: barriers between ranks
+        self._layouts: dict[tuple, RowLayout] = {}
 
     @classmethod
     def single(cls) -> "SeqParallel":
@@ -90,7 +94,14 @@ class SeqParallel:
         return self.rank * k, (self.rank + 1) * k
 
     def layout(self, seg_lengths: list[int], device) -> RowLayout:
-        return RowLayout(seg_lengths, self.world, self.rank, device)
+        """The layout of a forward (kept: a steady batch has the same segments step after step)."""
+        key = (tuple(seg_lengths), str(device))
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= 32:
+                self._layouts.clear()
+            lay = self._layouts[key] = RowLayout(seg_lengths, self.world, self.rank, device)
+        return lay
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -110,19 +121,19 @@ class SeqParallel:
     def _to_heads(self, layout: RowLayout, q, k, v):
         W, T = self.world, q.shape[0]
         hq, hk, D = q.shape[1] // W, k.shape[1] // W, q.shape[2]
-        # per destination rank: its head slice of q, k, v for every local row, one message
-        send = torch.cat([q.reshape(T, W, hq * D), k.reshape(T, W, hk * D), v.reshape(T, W, hk * D)],
-                         dim=2).transpose(0, 1).contiguous()
-        width = send.shape[2]
+        # per destination rank: its head slice of q, k, v for every local row, one message (one copy)
+        a, b = hq * D, (hq + hk) * D
+        width = b + hk * D
+        send = q.new_empty((W, T, width))
+        send[:, :, :a].copy_(q.reshape(T, W, a).transpose(0, 1))
+        send[:, :, a:b].copy_(k.reshape(T, W, b - a).transpose(0, 1))
+        send[:, :, b:].copy_(v.reshape(T, W, b - a).transpose(0, 1))
         recv = send.new_empty((layout.total, width))
         dist.all_to_all_single(recv, send.view(W * T, width), output_split_sizes=layout.counts,
                                input_split_sizes=[T] * W, group=self.group)
         if layout.recv_to_canon is not None:
             recv = recv.index_select(0, layout.recv_to_canon)
-        qc = recv[:, :hq * D].view(-1, hq, D)
-        kc = recv[:, hq * D:(hq + hk) * D].view(-1, hk, D)
-        vc = recv[:, (hq + hk) * D:].view(-1, hk, D)
-        return qc, kc, vc
+        return recv[:, :a].view(-1, hq, D), recv[:, a:b].view(-1, hk, D), recv[:, b:].view(-1, hk, D)
 
     def _to_rows(self, layout: RowLayout, out, q_shape):
         W = self.world
