@@ -11,6 +11,7 @@ rows; attention sees whole segments for its heads, and the hidden rows are gathe
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,18 @@ from .job_state import JobState
 from .kv_source import PrefixSource
 from .qos import YieldGate
 from .request import ApiError, GenerateJob
+
+
+class _Rows(NamedTuple):
+    """One job in a step: its active local branches, its rows [a, b) of the whole forward (canonical)
+    and [la, lb) of this rank's rows (the same without sequence parallelism), its patchified state."""
+    job: JobState
+    act: list
+    a: int
+    b: int
+    la: int
+    lb: int
+    z: torch.Tensor
 
 
 class Engine:
@@ -117,14 +130,14 @@ class Engine:
         """Advance every running job by one step. Returns (finished jobs, rows in the forward)."""
         jobs = list(self.running)
         sp = self.sp
-        plan = []                     # (job, active_local, canonical row_start, row_end, z)
+        plan: list[_Rows] = []
         rows, positions, groups, segments = [], [], [], []
         r = c = 0                     # rows on this rank, rows of the whole forward (canonical)
         for job in jobs:
             act = job.active_local()
             z = sampler.patchify(job.x)
             if not act:
-                plan.append((job, act, c, c, z))
+                plan.append(_Rows(job, act, c, c, r, r, z))
                 continue
             # Embeddings once per job and step, shared by its branches (rows branch-major); this
             # rank's rows of each (branch, image) segment are its tokens [lo, hi).
@@ -139,7 +152,7 @@ class Engine:
             groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
                                   job.step, key=(job, b)) for i, b in enumerate(act)]
             segments += [job.N] * (len(act) * job.n)
-            plan.append((job, act, c, c + meta.write_idx.numel(), z))
+            plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
             r += per * len(act)
             c += meta.write_idx.numel()
 
@@ -147,33 +160,27 @@ class Engine:
         if c:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
             packed = torch.cat(rows) if len(rows) > 1 else rows[0]
             rope = self.model.rope(torch.cat(positions, dim=1))
-            spans = [(job, act, a, b) for job, act, a, b, _ in plan if act]
+            spans = [(p.job, p.act, p.a, p.b) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
             if any(j.cache.mode != "off" for j in jobs):
                 cache = FirstBlockCache(groups, self._attend_for_groups,
                                         reduce=sp.sum_over_ranks if sp.world > 1 else None)
             hidden = self.model.gen_forward(packed, rope, self._attend(spans, layout), cache)
-            if layout is not None:
-                hidden = sp.gather_rows(layout, hidden)
             if cache is None:
                 for g in groups:
                     g.state.computed += 1
-            for job, act, a, b, z in plan:
-                if not act:
-                    continue
-                h = hidden[a:b].view(len(act), job.n, job.N, -1)
-                for i in range(len(act)):
-                    # Head per branch, [n, N, H] as the reference: same GEMM shapes, same bits.
-                    x_hat = self.model.gen_head(h[i], job.th, job.tw)
-                    local_v.append(sampler.velocity(x_hat, z, job.t, job.spec.t_eps))
+            for p, x_hat in self._heads(plan, hidden, layout):
+                for i in range(len(p.act)):
+                    local_v.append(sampler.velocity(x_hat[i], p.z, p.job.t, p.job.spec.t_eps))
 
         v_all = self.comm.gather_velocities(jobs, local_v)
         finished = []
-        for (job, _, _, _, z) in plan:
+        for p in plan:
+            job = p.job
             v = sampler.combine(v_all[job.request_id], job.params, job.step,
                                 job.t_values[job.step])
-            z = sampler.euler(z, v, job.t, job.t_next)
+            z = sampler.euler(p.z, v, job.t, job.t_next)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1
             if job.done:
@@ -182,6 +189,27 @@ class Engine:
             self.running.remove(job)
         self._record_branch_steps(finished)
         return finished, r
+
+    def _heads(self, plan: list["_Rows"], hidden: torch.Tensor, layout):
+        """(rows, x_hat per active branch [n, N, 3072]) of every job that ran. Without SP: the head per
+        branch on [n, N, H] as the reference (same GEMM shapes, same bits). SP: the per-token MLP head
+        (U1) runs on this rank's rows and its output is gathered (narrower than the hidden); the pixel
+        head (U1.5) mixes neighbouring tokens, so the hidden rows are gathered first."""
+        model, ran = self.model, [p for p in plan if p.act]
+        if layout is not None and not model.cfg.use_pixel_head:
+            parts = []
+            for p in ran:
+                h = hidden[p.la:p.lb].view(len(p.act), p.job.n, -1, hidden.shape[-1])
+                parts += [model.gen_head(h[i], p.job.th, p.job.tw).flatten(0, 1) for i in range(len(p.act))]
+            full = self.sp.gather_rows(layout, torch.cat(parts))
+            return [(p, full[p.a:p.b].view(len(p.act), p.job.n, p.job.N, -1)) for p in ran]
+        if layout is not None:
+            hidden = self.sp.gather_rows(layout, hidden)
+        out = []
+        for p in ran:
+            h = hidden[p.a:p.b].view(len(p.act), p.job.n, p.job.N, -1)
+            out.append((p, [model.gen_head(h[i], p.job.th, p.job.tw) for i in range(len(p.act))]))
+        return out
 
     def _record_branch_steps(self, finished: list[JobState]) -> None:
         """Each finished job's {branch: {"computed", "reused"}} over every rank's branches."""

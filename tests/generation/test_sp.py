@@ -193,3 +193,16 @@ def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model):
         want = R.denoise(ref_model[0], pre, w, h, params, seed=5, n=n)
         torch.testing.assert_close(got[rid][0], want, **TOL, msg=rid)
         assert set(got[rid][1]) == set(pre)     # branch_steps cover every branch over both CFG ranks
+
+
+def test_trained_size_limit_comes_from_the_checkpoint():
+    from services.generation.image_limits import max_image_tokens, size_error
+    from services.model.config import parse_config
+    from services.model.tiny import full_config, tiny_config
+    want = {"u1-8b": 4096, "a3b-full": 4096, "u1.5-8b": 16384}      # 2048², 2048², 4096²
+    for variant, tokens in want.items():
+        assert max_image_tokens(parse_config(full_config(variant))) == tokens, variant
+    assert max_image_tokens(parse_config(tiny_config("u1.5"))) == 16384
+    assert size_error(4096, 4096, 16384) is None and size_error(3456, 1152, 4096) is None
+    msg = size_error(4096, 4096, 4096)
+    assert "16384 image tokens" in msg and "2048x2048" in msg
