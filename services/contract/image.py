@@ -11,6 +11,7 @@ import json
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from . import limits as L
 from .types import INTERNAL, PUBLIC, Float, Int
@@ -114,7 +115,7 @@ def default(field: str) -> Any:
 
 def merge_options(body: Any) -> Any:
     """Flatten top-level, `extra_body` and `extra_args` options into canonical names; the same option given
-    twice with different values is an error."""
+    twice with different values is an error (a ValueError whose `ctx["param"]` names the option)."""
     if not isinstance(body, dict):
         return body
     merged: dict[str, Any] = {}
@@ -124,7 +125,7 @@ def merge_options(body: Any) -> Any:
         if extra is None:
             continue
         if not isinstance(extra, dict):
-            raise ValueError(f"'{nested}' must be an object")
+            raise PydanticCustomError("invalid_type", "'{param}' must be an object", {"param": nested})
         sources.append(extra)
     for src in sources:
         for key, value in src.items():
@@ -132,7 +133,8 @@ def merge_options(body: Any) -> Any:
                 continue
             name = ALIASES.get(key, key)
             if name in merged and merged[name] != value:
-                raise ValueError(f"option '{name}' given twice with different values")
+                raise PydanticCustomError("duplicate_option", "option '{param}' given twice with different values",
+                                          {"param": name})
             merged[name] = value
     return merged
 
@@ -190,6 +192,8 @@ class ImageGenerationRequest(ImageOptions):
     """POST /v1/images/generations (OpenAI fields + u1serve extensions, at the top level or under extra_body)."""
     prompt: str = Field(min_length=1, max_length=L.MAX_PROMPT_CHARS)
     model: Optional[str] = None
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
+                                      description="prefix-cache isolation: only requests with the same salt share")
 
     @field_validator("prompt")
     @classmethod
@@ -204,6 +208,21 @@ class ImageEditRequest(ImageGenerationRequest):
     image: list[str] = Field(default_factory=list, max_length=L.MAX_IMAGES_PER_REQUEST,
                              description="data URLs or base64 (JSON); files under image / image[] (multipart)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_or_many(cls, data: Any) -> Any:
+        """`image` or `image[]` (the SDK's multipart name), one string or a list."""
+        if isinstance(data, dict) and ("image[]" in data or isinstance(data.get("image"), str)):
+            data = dict(data)
+            if "image[]" in data:
+                if "image" in data:
+                    raise PydanticCustomError("duplicate_option", "send the images as 'image' or 'image[]', "
+                                              "not both", {"param": "image"})
+                data["image"] = data.pop("image[]")
+            if isinstance(data["image"], str):
+                data["image"] = [data["image"]]
+        return data
+
 
 class PrefixRequest(Guidance):
     """Gateway -> understanding POST /internal/image_prefix: compute each CFG branch's prefix KV."""
@@ -215,6 +234,17 @@ class PrefixRequest(Guidance):
     stream: bool = False
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_kind(cls, data: Any) -> Any:
+        """Gateways before the contract sent the mode as `kind` (transition: accepted, same meaning)."""
+        if isinstance(data, dict) and "kind" in data:
+            data = dict(data)
+            kind = data.pop("kind")
+            if data.setdefault("mode", kind) != kind:
+                raise ValueError("'kind' and 'mode' disagree")
+        return data
 
     @model_validator(mode="after")
     def _images_for_mode(self) -> "PrefixRequest":

@@ -9,6 +9,7 @@ MAX_THINK_TOKENS = 4096
 DEFAULT_THINK_TOKENS = 1024
 IMAGE_BLOCK = 32                  # pixels per image-token side
 MAX_IMAGE_SIDE = 4096             # U1.5 is trained up to 4096^2
+DEFAULT_IMAGE_SIDE = 2048         # the server's default size is DEFAULT_IMAGE_SIDE^2 (the model's native area)
 MIN_IMAGE_SIDE = 32
 MAX_PROMPT_CHARS = 16384
 MAX_REQUEST_ID_CHARS = 256

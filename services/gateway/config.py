@@ -1,22 +1,35 @@
-"""Gateway settings: command-line flags, each with a `U1SERVE_*` environment fallback."""
+"""Gateway settings: command-line flags, each with a `U1SERVE_*` environment fallback.
+
+Image defaults and limits start from the request contract (services/contract): flags may change a default
+and may tighten a limit, never widen it. Secrets come from a flag, a file or the environment (kit.config)."""
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass, field
 
+from services.contract import limits as L
+from services.contract.image import SamplerParams, default
+from services.kit.config import read_secret, read_secrets
+
+MiB = 1024 * 1024
+
 
 def parse_size(text: str) -> tuple[int, int]:
     """'WxH' -> (W, H); raises ValueError on anything else."""
-    parts = text.lower().replace("*", "x").split("x")
+    parts = text.strip().lower().split("x")
     if len(parts) != 2:
         raise ValueError(f"size must look like 'WIDTHxHEIGHT', got {text!r}")
     w, h = (int(p.strip()) for p in parts)
     return w, h
 
 
-def _split_urls(text: str) -> list[str]:
-    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+@dataclass(frozen=True)
+class ImageInputLimits:
+    """What the gateway accepts as an input image, checked from the header before any decoding."""
+    max_image_pixels: int = 40_000_000         # one input image
+    max_request_pixels: int = 80_000_000       # all input images of one request together
+    formats: tuple[str, ...] = ("png", "jpeg", "webp")
 
 
 @dataclass
@@ -24,88 +37,157 @@ class GatewayConfig:
     und_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8100"])
     gen_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8200"])
     model_name: str = "sensenova-u1"
-    api_key: str | None = None            # public API key (Bearer); None = open
-    internal_token: str | None = None     # sent to the engines as X-U1-Internal-Token
-    # image defaults (model spec): T2I 2048x2048, 50 steps, g 4.0, cfg_norm none, shift 3.0
-    default_size: tuple[int, int] = (2048, 2048)
-    default_steps: int = 50
-    default_guidance: float = 4.0
-    default_image_guidance: float = 1.0
-    default_timestep_shift: float = 3.0
-    default_t_eps: float = 0.02
-    default_max_think_tokens: int = 1024
-    # limits
-    min_side: int = 32
-    max_side: int = 4096
-    max_pixels: int = 4096 * 4096
-    max_steps: int = 200
-    max_n: int = 4
-    max_prompt_chars: int = 16384
-    max_think_tokens: int = 8192
-    max_input_images: int = 4
-    max_body_bytes: int = 32 * 1024 * 1024
-    # upstream behaviour
+    api_keys: tuple[str, ...] = ()            # Bearer keys for /v1/*; none = open
+    internal_token: str | None = None         # sent to the engines on every call
+    cache_salt_by_api_key: bool = False       # prefix-cache salt = a hash of the caller's key
+    # server defaults for what a request leaves out: the contract's unless a flag says otherwise
+    sampler: SamplerParams = field(default_factory=SamplerParams)
+    default_size: tuple[int, int] = (L.DEFAULT_IMAGE_SIDE, L.DEFAULT_IMAGE_SIDE)
+    default_think_tokens: int = field(default_factory=lambda: default("max_think_tokens"))
+    # limits: at most the contract's
+    min_side: int = L.MIN_IMAGE_SIDE
+    max_side: int = L.MAX_IMAGE_SIDE
+    max_pixels: int = L.MAX_IMAGE_SIDE ** 2
+    max_steps: int = L.MAX_STEPS
+    max_prompt_chars: int = L.MAX_PROMPT_CHARS
+    max_think_tokens: int = L.MAX_THINK_TOKENS
+    max_body_bytes: int = 32 * MiB
+    images: ImageInputLimits = field(default_factory=ImageInputLimits)
+    image_workers: int = 2                    # threads that check input images (bounded, off the event loop)
+    # upstream
     connect_timeout_s: float = 5.0
+    idle_timeout_s: float = 300.0             # no byte from an engine for this long -> 504 upstream_timeout
+    request_timeout_s: float = 3600.0         # total deadline of one request -> 504 deadline_exceeded
     health_timeout_s: float = 2.0
     retry_down_after_s: float = 2.0
+    max_concurrent_requests: int = 256        # POSTs in flight; more -> 429 + Retry-After
 
-    def size_range_text(self) -> str:
-        return (f"width and height must be multiples of 32 between {self.min_side} and "
+    def __post_init__(self) -> None:
+        tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
+                     "max_pixels": self.max_pixels <= L.MAX_IMAGE_SIDE ** 2, "max_steps": self.max_steps <= L.MAX_STEPS,
+                     "max_prompt_chars": self.max_prompt_chars <= L.MAX_PROMPT_CHARS,
+                     "max_think_tokens": self.max_think_tokens <= L.MAX_THINK_TOKENS}
+        wider = [k for k, ok in tightened.items() if not ok]
+        if wider:
+            raise ValueError(f"{', '.join(wider)}: a server limit may only be tighter than the contract's")
+        if not 1 <= self.min_side <= self.max_side:
+            raise ValueError("min_side must be between 1 and max_side")
+        w, h = self.default_size
+        if self.size_problem(w, h):
+            raise ValueError(f"default size {w}x{h}: {self.size_problem(w, h)}")
+        if self.sampler.num_inference_steps > self.max_steps:
+            raise ValueError(f"default steps {self.sampler.num_inference_steps} above max_steps {self.max_steps}")
+        if not 1 <= self.default_think_tokens <= self.max_think_tokens:
+            raise ValueError(f"default think tokens must be in [1, {self.max_think_tokens}]")
+        if self.cache_salt_by_api_key and not self.api_keys:
+            raise ValueError("cache_salt_by_api_key needs API keys (--api-key / --api-key-file)")
+        if min(self.connect_timeout_s, self.idle_timeout_s, self.request_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_concurrent_requests < 1 or self.image_workers < 1:
+            raise ValueError("max_concurrent_requests and image_workers must be >= 1")
+
+    def size_rule(self) -> str:
+        return (f"width and height must be multiples of {L.IMAGE_BLOCK} between {self.min_side} and "
                 f"{self.max_side}, at most {self.max_pixels} pixels")
 
+    def size_problem(self, w: int, h: int) -> str | None:
+        """Why the server does not make a w x h image, or None."""
+        if (w % L.IMAGE_BLOCK or h % L.IMAGE_BLOCK or not self.min_side <= w <= self.max_side
+                or not self.min_side <= h <= self.max_side or w * h > self.max_pixels):
+            return self.size_rule()
+        return None
 
-def _env(name: str, default=None):
-    return os.environ.get(name, default)
+
+# ------------------------------------------------------------------------------------------ command line
+def _env_name(flag: str) -> str:
+    return "U1SERVE_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _add(p: argparse.ArgumentParser, flag: str, *, env: str | None = None, default=None, help: str = "",
+         **kw) -> None:
+    """A flag whose default comes from the environment variable (U1SERVE_<FLAG> unless named)."""
+    env = env or _env_name(flag)
+    p.add_argument(flag, default=os.environ.get(env, default), help=f"{help} (env {env})".strip(), **kw)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway.server",
                                 description="u1serve public OpenAI-compatible gateway")
-    p.add_argument("--host", default=_env("U1SERVE_GATEWAY_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(_env("U1SERVE_GATEWAY_PORT", "8000")))
+    _add(p, "--host", env="U1SERVE_GATEWAY_HOST", default="0.0.0.0")
+    _add(p, "--port", env="U1SERVE_GATEWAY_PORT", default=8000, type=int)
     p.add_argument("--und-url", action="append", default=None,
-                   help="understanding endpoint (repeat or comma-separate for several); "
-                        "env U1SERVE_UND_URLS")
+                   help="understanding endpoint (repeat or comma-separate); env U1SERVE_UND_URLS")
     p.add_argument("--gen-url", action="append", default=None,
                    help="generation endpoint (repeat or comma-separate); env U1SERVE_GEN_URLS")
-    p.add_argument("--model-name", default=_env("U1SERVE_MODEL_NAME", "sensenova-u1"))
-    p.add_argument("--api-key", default=_env("U1SERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*; env U1SERVE_API_KEY")
-    p.add_argument("--internal-token", default=_env("U1SERVE_INTERNAL_TOKEN"))
-    p.add_argument("--default-size", default=_env("U1SERVE_DEFAULT_SIZE", "2048x2048"))
-    p.add_argument("--default-steps", type=int, default=int(_env("U1SERVE_DEFAULT_STEPS", "50")))
-    p.add_argument("--default-guidance", type=float,
-                   default=float(_env("U1SERVE_DEFAULT_GUIDANCE", "4.0")))
-    p.add_argument("--default-timestep-shift", type=float,
-                   default=float(_env("U1SERVE_DEFAULT_TIMESTEP_SHIFT", "3.0")))
-    p.add_argument("--min-side", type=int, default=int(_env("U1SERVE_MIN_SIDE", "32")))
-    p.add_argument("--max-side", type=int, default=int(_env("U1SERVE_MAX_SIDE", "4096")))
-    p.add_argument("--max-pixels", type=int, default=int(_env("U1SERVE_MAX_PIXELS", str(4096 * 4096))))
-    p.add_argument("--max-steps", type=int, default=int(_env("U1SERVE_MAX_STEPS", "200")))
-    p.add_argument("--max-prompt-chars", type=int,
-                   default=int(_env("U1SERVE_MAX_PROMPT_CHARS", "16384")))
-    p.add_argument("--max-body-mb", type=float, default=float(_env("U1SERVE_MAX_BODY_MB", "32")))
-    p.add_argument("--log-level", default=_env("U1SERVE_LOG_LEVEL", "info"))
+    _add(p, "--model-name", default="sensenova-u1")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (env U1SERVE_API_KEY)")
+    p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
+    p.add_argument("--internal-token", default=None, help="token sent to the engines (env U1SERVE_INTERNAL_TOKEN)")
+    p.add_argument("--internal-token-file", default=None, help="file whose first line is the internal token")
+    p.add_argument("--cache-salt-by-api-key", action="store_true",
+                   default=os.environ.get("U1SERVE_CACHE_SALT_BY_API_KEY", "").lower() in ("1", "true", "yes"),
+                   help="prefix-cache salt = a hash of the caller's API key (clients with different keys never "
+                        "share prefix-cache entries); env U1SERVE_CACHE_SALT_BY_API_KEY=1")
+    _add(p, "--default-size", default=f"{L.DEFAULT_IMAGE_SIDE}x{L.DEFAULT_IMAGE_SIDE}")
+    _add(p, "--default-steps", type=int, help="default num_inference_steps (contract default if unset)")
+    _add(p, "--default-guidance", type=float, help="default guidance_scale")
+    _add(p, "--default-image-guidance", type=float, help="default image_guidance_scale")
+    _add(p, "--default-timestep-shift", type=float, help="default timestep_shift (flow_shift)")
+    _add(p, "--default-think-tokens", type=int, help="default max_think_tokens")
+    _add(p, "--min-side", type=int, default=L.MIN_IMAGE_SIDE)
+    _add(p, "--max-side", type=int, default=L.MAX_IMAGE_SIDE)
+    _add(p, "--max-pixels", type=int, default=L.MAX_IMAGE_SIDE ** 2)
+    _add(p, "--max-steps", type=int, default=L.MAX_STEPS)
+    _add(p, "--max-prompt-chars", type=int, default=L.MAX_PROMPT_CHARS)
+    _add(p, "--max-think-tokens", type=int, default=L.MAX_THINK_TOKENS)
+    _add(p, "--max-body-mb", type=float, default=32.0)
+    _add(p, "--max-image-pixels", type=int, default=ImageInputLimits.max_image_pixels,
+         help="pixels of one input image (from its header)")
+    _add(p, "--max-request-pixels", type=int, default=ImageInputLimits.max_request_pixels,
+         help="pixels of all input images of one request")
+    _add(p, "--image-formats", default=",".join(ImageInputLimits.formats), help="accepted input image formats")
+    _add(p, "--image-workers", type=int, default=2, help="threads that check input images")
+    _add(p, "--connect-timeout-s", type=float, default=5.0)
+    _add(p, "--upstream-idle-timeout-s", type=float, default=300.0,
+         help="an engine that sends nothing for this long -> 504 upstream_timeout, its work is cancelled")
+    _add(p, "--request-timeout-s", type=float, default=3600.0,
+         help="total deadline of one request -> 504 deadline_exceeded, its work is cancelled")
+    _add(p, "--max-concurrent-requests", type=int, default=256,
+         help="requests in flight; beyond it 429 with Retry-After")
+    _add(p, "--log-level", default="info")
     return p
 
 
+def _split_urls(items: list[str]) -> list[str]:
+    return [u.strip().rstrip("/") for item in items for u in item.split(",") if u.strip()]
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    und = args.und_url or [_env("U1SERVE_UND_URLS", "http://127.0.0.1:8100")]
-    gen = args.gen_url or [_env("U1SERVE_GEN_URLS", "http://127.0.0.1:8200")]
-    return GatewayConfig(
-        und_urls=[u for item in und for u in _split_urls(item)],
-        gen_urls=[u for item in gen for u in _split_urls(item)],
-        model_name=args.model_name,
-        api_key=args.api_key or None,
-        internal_token=args.internal_token or None,
-        default_size=parse_size(args.default_size),
-        default_steps=args.default_steps,
-        default_guidance=args.default_guidance,
-        default_timestep_shift=args.default_timestep_shift,
-        min_side=args.min_side,
-        max_side=args.max_side,
-        max_pixels=args.max_pixels,
-        max_steps=args.max_steps,
-        max_prompt_chars=args.max_prompt_chars,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-    )
+    """The config of parsed flags; a bad combination is a SystemExit that says why."""
+    sampler = {name: value for name, value in (
+        ("num_inference_steps", args.default_steps), ("guidance_scale", args.default_guidance),
+        ("image_guidance_scale", args.default_image_guidance), ("timestep_shift", args.default_timestep_shift))
+        if value is not None}
+    try:
+        return GatewayConfig(
+            und_urls=_split_urls(args.und_url or [os.environ.get("U1SERVE_UND_URLS", "http://127.0.0.1:8100")]),
+            gen_urls=_split_urls(args.gen_url or [os.environ.get("U1SERVE_GEN_URLS", "http://127.0.0.1:8200")]),
+            model_name=args.model_name,
+            api_keys=tuple(read_secrets(args.api_key, args.api_key_file, "U1SERVE_API_KEY")),
+            internal_token=read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN"),
+            cache_salt_by_api_key=args.cache_salt_by_api_key,
+            sampler=SamplerParams(**sampler),
+            default_size=parse_size(args.default_size),
+            default_think_tokens=(args.default_think_tokens if args.default_think_tokens is not None
+                                  else default("max_think_tokens")),
+            min_side=args.min_side, max_side=args.max_side, max_pixels=args.max_pixels, max_steps=args.max_steps,
+            max_prompt_chars=args.max_prompt_chars, max_think_tokens=args.max_think_tokens,
+            max_body_bytes=int(args.max_body_mb * MiB),
+            images=ImageInputLimits(
+                max_image_pixels=args.max_image_pixels, max_request_pixels=args.max_request_pixels,
+                formats=tuple(f.strip().lower() for f in args.image_formats.split(",") if f.strip())),
+            image_workers=args.image_workers,
+            connect_timeout_s=args.connect_timeout_s, idle_timeout_s=args.upstream_idle_timeout_s,
+            request_timeout_s=args.request_timeout_s, max_concurrent_requests=args.max_concurrent_requests)
+    except ValueError as exc:        # pydantic's ValidationError is a ValueError too
+        raise SystemExit(f"gateway: {exc}") from None

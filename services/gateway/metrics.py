@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway (its own registry, so several apps can live in one process)."""
+"""Prometheus metrics of the gateway (its own registry, so several apps can live in one process). It is also the
+request middleware's hooks object (begin / first_byte / end)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,6 +32,9 @@ class GatewayMetrics:
                                        registry=r)
         self.cancelled = Counter("u1serve_gateway_cancelled_total",
                                  "Requests whose client went away", registry=r)
+        self.timeouts = Counter("u1serve_gateway_upstream_timeouts_total",
+                                "Requests ended by an upstream idle timeout or the request deadline",
+                                ["code"], registry=r)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -38,3 +42,14 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # -- kit.middleware.Hooks ----------------------------------------------------------------------
+    def begin(self, path: str) -> None:
+        self.in_flight.inc()
+
+    def first_byte(self, path: str, seconds: float) -> None:
+        self.latency.labels(self.route_label(path)).observe(seconds)
+
+    def end(self, path: str, status: int) -> None:
+        self.in_flight.dec()
+        self.requests.labels(self.route_label(path), str(status)).inc()

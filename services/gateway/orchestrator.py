@@ -1,146 +1,148 @@
 """One image job across the two engines: prefix handles from understanding, denoise on generation.
 
-Ownership of the KV handles: understanding allocates them; once generation has accepted the
-`/internal/generate` request it owns them (it imports and frees them, also on cancel). The gateway
-releases them itself only when generation never accepted them, died holding them, or failed the
-job (a failed job imports nothing more; release is idempotent).
+However a job ends early (client gone, upstream timeout or deadline, an engine error, a 429, a broken
+connection), one path undoes it: the engine still working on it is told to stop (`/internal/abort` on
+understanding, `/internal/cancel` on generation) and the prefix pages the gateway owns are released
+(handles.PrefixHandles decides which). The undo runs as a background task, so the client's answer never
+waits for a hung engine.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
-import anyio
 import httpx
 
+from services.kit.errors import APIError, unavailable
+
 from .config import GatewayConfig
-from .errors import APIError, from_upstream, unavailable
+from .handles import GATEWAY, PrefixHandles
+from .jobs import ImageJob
 from .metrics import GatewayMetrics
-from .params import ImageJob
-from .upstream import (EndpointPool, connection_error, error_from_response, headers,
-                       open_stream, sse_events)
+from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, engine_headers,
+                       error_from_event, error_from_response, is_timeout, open_stream, reading, tell)
 
 log = logging.getLogger("u1serve.gateway")
+UND, GEN = "understanding", "generation"
 
 
 class Orchestrator:
-    def __init__(self, cfg: GatewayConfig, http: httpx.AsyncClient, und: EndpointPool,
-                 gen: EndpointPool, metrics: GatewayMetrics):
+    def __init__(self, cfg: GatewayConfig, http: httpx.AsyncClient, und: EndpointPool, gen: EndpointPool,
+                 metrics: GatewayMetrics, janitor: Janitor):
         self.cfg, self.http, self.und, self.gen, self.metrics = cfg, http, und, gen, metrics
+        self.janitor = janitor
 
-    def _timeout(self) -> httpx.Timeout:
-        # image jobs are long; only the connect phase is bounded
-        return httpx.Timeout(None, connect=self.cfg.connect_timeout_s)
-
-    async def run(self, job: ImageJob, request_id: str) -> AsyncIterator[dict]:
-        """Yield events: think_delta, think_done, queued, progress, image. Raises APIError."""
-        hdrs = headers(self.cfg.internal_token, request_id)
-        handles: dict | None = None
-        gen_owns = gen_dead = gen_failed = cancelled = False
-        und_ep = gen_ep = None
-        phase = "prefix"
+    async def run(self, job: ImageJob, deadline: Deadline) -> AsyncIterator[dict]:
+        """Yield the engines' events: think_delta, think_done, then generation's (queued, progress, image, and
+        whatever else it sends). Raises APIError; cancelling or closing the iterator undoes the job."""
+        rid = job.request_id
+        hdrs = engine_headers(self.cfg.internal_token, rid)
+        handles = PrefixHandles()
+        und, gen = Target(), Target()
+        working: Optional[str] = None          # the engine that may still be working on the job
+        phase = UND
         started = time.monotonic()
         self.metrics.image_jobs_running.inc()
         try:
-            und_ep, resp = await open_stream(self.http, self.und, "/internal/image_prefix",
-                                             job.prefix_body(request_id), hdrs, self._timeout())
-            with self.und.use(und_ep):
-                think_text = None
-                try:
-                    if resp.status_code != 200:
-                        raise await error_from_response(resp, "understanding")
-                    und_ep.mark_up()
-                    async for ev in sse_events(resp):
-                        kind = ev.get("type")
-                        if kind == "think_delta":
-                            yield {"type": "think_delta", "text": ev.get("text", "")}
-                        elif kind == "handles":
-                            handles = ev.get("handles")
-                            think_text = ev.get("think_text")
-                        elif kind == "error":
-                            raise from_upstream(int(ev.get("status", 500)), ev, "understanding")
-                except httpx.TransportError as exc:
-                    self.und.down(und_ep)
-                    raise connection_error("understanding", und_ep.url, exc) from None
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await resp.aclose()
-            if not isinstance(handles, dict) or "cond" not in handles:
+            working = UND
+            resp = await self._open(self.und, "/internal/image_prefix", job.prefix_body(), hdrs, deadline, und)
+            think_text = None
+            async with reading(self.und, und.ep, resp):
+                if resp.status_code != 200:
+                    working = None
+                    raise await error_from_response(resp, UND, deadline)
+                und.ep.mark_up()
+                async for ev in deadline.events(resp, UND):
+                    kind = ev.get("type")
+                    if kind == "think_delta":
+                        yield {"type": "think_delta", "text": ev.get("text") or ""}
+                    elif kind == "handles":
+                        handles.received(ev.get("handles"))
+                        think_text = ev.get("think_text")
+                    elif kind == "error":
+                        working = None
+                        raise error_from_event(ev, UND)
+            working = None
+            if handles.owner != GATEWAY:
                 raise unavailable("understanding service ended the prefix stream without handles",
                                   code="upstream_protocol_error")
             yield {"type": "think_done", "think_text": think_text}
 
-            phase = "generate"
-            gen_ep, resp = await open_stream(self.http, self.gen, "/internal/generate",
-                                             job.generate_body(request_id, handles), hdrs,
-                                             self._timeout())
-            with self.gen.use(gen_ep):
-                images = 0
-                try:
-                    if resp.status_code != 200:
-                        raise await error_from_response(resp, "generation")
-                    gen_owns = True
-                    gen_ep.mark_up()
-                    async for ev in sse_events(resp):
-                        kind = ev.get("type")
-                        if kind == "error":
-                            # the job is over on generation's side: it imports nothing after this
-                            gen_failed = True
-                            raise from_upstream(int(ev.get("status", 500)), ev, "generation")
-                        if kind == "progress":
-                            self.metrics.denoise_steps.inc()
-                        if kind == "image":
-                            images += 1
-                            self.metrics.images.inc()
-                        if kind in ("queued", "progress", "image"):
-                            yield ev
-                except httpx.TransportError as exc:
-                    gen_dead = gen_owns
-                    self.gen.down(gen_ep)
-                    raise connection_error("generation", gen_ep.url, exc) from None
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await resp.aclose()
-                if images < job.n:
-                    gen_dead = True
-                    self.gen.down(gen_ep)
-                    raise unavailable(f"generation service stopped after {images} of {job.n} images",
-                                      code="generation_unavailable")
+            phase = GEN
+            working = GEN
+            resp = await self._open(self.gen, "/internal/generate", job.generate_body(handles.handles), hdrs,
+                                    deadline, gen)
+            images = 0
+            async with reading(self.gen, gen.ep, resp):
+                if resp.status_code != 200:
+                    working = None
+                    raise await error_from_response(resp, GEN, deadline)
+                handles.accepted()
+                gen.ep.mark_up()
+                async for ev in deadline.events(resp, GEN):
+                    kind = ev.get("type")
+                    if kind == "error":
+                        # the job is over on generation's side: it imports nothing after this
+                        working = None
+                        handles.returned()
+                        raise error_from_event(ev, GEN)
+                    if kind == "progress":
+                        self.metrics.denoise_steps.inc()
+                    elif kind == "image":
+                        images += 1
+                        self.metrics.images.inc()
+                    yield ev
+            working = None
+            if images < job.n:
+                handles.returned()
+                self.gen.down(gen.ep)
+                raise unavailable(f"generation service stopped after {images} of {job.n} images",
+                                  code="generation_unavailable")
         except (asyncio.CancelledError, GeneratorExit):
-            cancelled = True
             self.metrics.cancelled.inc()
             raise
         except APIError as err:
+            if is_timeout(err):
+                self.metrics.timeouts.labels(err.code).inc()
             self.metrics.upstream_errors.labels(phase, str(err.code)).inc()
             raise
         finally:
             self.metrics.image_jobs_running.dec()
             self.metrics.image_job_seconds.observe(time.monotonic() - started)
-            # Generation frees what it accepted, but it cannot when it failed before attaching the
-            # pool (kv_pool_unavailable / kv_pool_mismatch): after a job error, release here too
-            # (idempotent: pages already imported and freed are not touched).
-            release = handles if (handles and (not gen_owns or gen_dead or gen_failed)) else None
-            if cancelled or release:
-                await self._cleanup(request_id, hdrs, phase, cancelled, und_ep, gen_ep, release)
+            self._undo_later(rid, hdrs, working, und, gen, handles)
 
-    async def _cleanup(self, request_id, hdrs, phase, cancelled, und_ep, gen_ep, release) -> None:
-        """Tell the engines to stop and free what nobody will use; never raises, never blocks long."""
-        calls = []
-        if cancelled and phase == "prefix" and und_ep is not None:
-            calls.append((und_ep.url + "/internal/abort", {"request_id": request_id}))
-        if cancelled and phase == "generate" and gen_ep is not None:
-            calls.append((gen_ep.url + "/internal/cancel", {"request_id": request_id}))
-        if release and und_ep is not None:
-            calls.append((und_ep.url + "/internal/release",
-                          {"handles": [h for h in release.values() if h]}))
-        with anyio.CancelScope(shield=True):
-            for url, body in calls:
-                with anyio.move_on_after(5):
-                    try:
-                        await self.http.post(url, json=body, headers=hdrs,
-                                             timeout=httpx.Timeout(4.0))
-                        log.info("cleanup %s ok", url.rsplit("/", 1)[-1])
-                    except httpx.HTTPError as exc:
-                        log.warning("cleanup %s failed: %s", url, exc)
+    async def _open(self, pool: EndpointPool, path: str, body: dict, hdrs: dict, deadline: Deadline,
+                    target: Target) -> httpx.Response:
+        try:
+            return await open_stream(self.http, pool, path, body, hdrs, deadline, target)
+        except APIError as err:
+            if not is_timeout(err):
+                target.ep = None         # refused everywhere: no engine got the request
+            raise
+
+    # ------------------------------------------------------------------------------------------ undo
+    def _undo_later(self, rid: str, hdrs: dict, working: Optional[str], und: Target, gen: Target,
+                    handles: PrefixHandles) -> None:
+        target = {UND: und, GEN: gen}.get(working)
+        if (target is None or target.ep is None) and handles.owner != GATEWAY:
+            handles.close()              # no engine to stop, no pages to free
+            return
+        self.janitor.later(self._undo(rid, hdrs, working, und, gen, handles))
+
+    async def _undo(self, rid: str, hdrs: dict, working: Optional[str], und: Target, gen: Target,
+                    handles: PrefixHandles) -> None:
+        """Stop the engine still working on the job, then release the pages nobody else will free."""
+        if working == UND and und.ep is not None:
+            await tell(self.http, und.ep.url + "/internal/abort", {"request_id": rid}, hdrs, CONTROL_TIMEOUT_S)
+        if working == GEN:
+            answer = None
+            if gen.ep is not None:
+                answer = await tell(self.http, gen.ep.url + "/internal/cancel", {"request_id": rid}, hdrs,
+                                    CONTROL_TIMEOUT_S)
+            if not (isinstance(answer, dict) and answer.get("cancelled")):
+                handles.returned()       # generation did not confirm it has the job: it may never free them
+        release = handles.close()
+        if release and und.ep is not None:
+            await tell(self.http, und.ep.url + "/internal/release", {"handles": release}, hdrs, CONTROL_TIMEOUT_S)

@@ -1,18 +1,27 @@
-"""Engine endpoints: pick one (least busy, round-robin on ties), track liveness, read SSE."""
+"""The engines as HTTP peers: endpoint pools (least busy first, skip the ones that just failed), the internal
+headers, a time limit on every wait for an engine, and engine answers turned into APIErrors."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+import anyio
 import httpx
 
-from .errors import APIError, from_upstream, unavailable
+from services.kit import sse
+from services.kit.errors import APIError, from_event, from_upstream, unavailable
+from services.kit.middleware import TOKEN_HEADER
 
-TOKEN_HEADER = "X-U1-Internal-Token"
+T = TypeVar("T")
+log = logging.getLogger("u1serve.gateway")
+DEFAULT_RETRY_AFTER = "1"
+CONTROL_TIMEOUT_S = 5.0          # abort / cancel / release calls
 
 
 @dataclass
@@ -61,35 +70,7 @@ class EndpointPool:
         ep.mark_down(self.retry_down_after_s)
 
 
-async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict,
-                      hdrs: dict[str, str], timeout: httpx.Timeout) -> tuple[Endpoint, httpx.Response]:
-    """POST to the least busy endpoint and return its streaming response (headers read).
-
-    A refused connection moves on to the next endpoint. A connection that breaks before the
-    response head (typically a pooled keep-alive connection to a process that has since died or
-    restarted) is retried once on a fresh connection, then counts as down. All down: a 503."""
-    tried: set[str] = set()
-    while True:
-        ep = pool.pick(exclude=tried)
-        for attempt in (1, 2):
-            try:
-                req = http.build_request("POST", ep.url + path, json=body, headers=hdrs,
-                                         timeout=timeout)
-                return ep, await http.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                last = exc
-                break
-            except httpx.TransportError as exc:
-                last = exc
-                if attempt == 2:
-                    break
-        pool.down(ep)
-        tried.add(ep.url)
-        if len(tried) >= len(pool.endpoints):
-            raise connection_error(pool.service, ep.url, last) from None
-
-
-def headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:
+def engine_headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:
     h = {}
     if internal_token:
         h[TOKEN_HEADER] = internal_token
@@ -98,8 +79,110 @@ def headers(internal_token: str | None, request_id: str | None = None) -> dict[s
     return h
 
 
-async def error_from_response(resp: httpx.Response, service: str) -> APIError:
-    raw = await resp.aread()
+class Deadline:
+    """The time limits of one request's waits on the engines: `idle_s` for any single wait (a response head, the
+    next bytes of a stream) and the request's total deadline. Either one ends the wait with a 504."""
+
+    def __init__(self, idle_s: float, total_s: float):
+        self.idle_s = idle_s
+        self.total_s = total_s
+        self.ends = time.monotonic() + total_s
+
+    async def wait(self, aw: Awaitable[T], service: str, idle: bool = True) -> T:
+        """`await aw` within the limits; `idle=False` for a wait that may legitimately be silent (the head of a
+        non-streamed answer) and is bounded by the deadline only."""
+        left = self.ends - time.monotonic()
+        by_idle = idle and self.idle_s < left
+        try:
+            with anyio.fail_after(max(0.0, self.idle_s if by_idle else left)):
+                return await aw
+        except TimeoutError:
+            if by_idle:
+                raise APIError(504, f"{service} service sent nothing for {self.idle_s:g} s",
+                               code="upstream_timeout") from None
+            raise APIError(504, f"request did not finish within {self.total_s:g} s",
+                           code="deadline_exceeded") from None
+
+    async def lines(self, resp: httpx.Response, service: str) -> AsyncIterator[str]:
+        it = resp.aiter_lines().__aiter__()
+        while True:
+            try:
+                line = await self.wait(it.__anext__(), service)
+            except StopAsyncIteration:
+                return
+            yield line
+
+    def events(self, resp: httpx.Response, service: str) -> AsyncIterator[dict]:
+        """The JSON events of an SSE response until [DONE] (any line, comments too, counts as a sign of life)."""
+        return sse.aevents(self.lines(resp, service))
+
+
+@contextlib.asynccontextmanager
+async def reading(pool: EndpointPool, ep: Endpoint, resp: httpx.Response) -> AsyncIterator[httpx.Response]:
+    """While `resp` is read: its endpoint counts as busy, a broken connection marks it down (503), and the
+    response is closed however the reading ends."""
+    with pool.use(ep):
+        try:
+            yield resp
+        except httpx.TransportError as exc:
+            pool.down(ep)
+            raise connection_error(pool.service, ep.url, exc) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+
+
+def is_timeout(err: APIError) -> bool:
+    return err.status == 504 and err.code in ("upstream_timeout", "deadline_exceeded")
+
+
+@dataclass
+class Target:
+    """Where one engine call went, known from the moment an endpoint is picked (so a request that ends while
+    waiting for the head can still abort the work there)."""
+    ep: Endpoint | None = None
+
+
+async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict, hdrs: dict[str, str],
+                      deadline: Deadline, target: Target, idle: bool = True) -> httpx.Response:
+    """POST to the least busy endpoint and return its streaming response (head read).
+
+    A refused connection moves on to the next endpoint. A connection that breaks before the response head
+    (typically a pooled keep-alive connection to a process that has since died or restarted) is retried once
+    on a fresh connection, then counts as down. All down: a 503 (the request reached no engine). No head in
+    time: a 504 (that endpoint counts as down for a moment)."""
+    tried: set[str] = set()
+    while True:
+        ep = target.ep = pool.pick(exclude=tried)
+        last: Exception | None = None
+        for _attempt in (1, 2):
+            try:
+                req = http.build_request("POST", ep.url + path, json=body, headers=hdrs)
+                return await deadline.wait(http.send(req, stream=True), pool.service, idle)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                last = exc
+                break
+            except httpx.TransportError as exc:
+                last = exc
+            except APIError:
+                pool.down(ep)
+                raise
+        pool.down(ep)
+        tried.add(ep.url)
+        if len(tried) >= len(pool.endpoints):
+            raise connection_error(pool.service, ep.url, last) from None
+
+
+def with_retry_after(err: APIError, seconds: Any = None) -> APIError:
+    """Every 429 the gateway passes on says when to retry (the engine's value, else 1 s)."""
+    if err.status == 429 and not any(k.lower() == "retry-after" for k in err.headers):
+        err.headers["Retry-After"] = str(seconds) if seconds is not None else DEFAULT_RETRY_AFTER
+    return err
+
+
+async def error_from_response(resp: httpx.Response, service: str, deadline: Deadline) -> APIError:
+    """An engine's non-200 answer as the APIError the client gets."""
+    raw = await deadline.wait(resp.aread(), service)
     if resp.status_code in (401, 403):
         # the engines only check the internal token: this is a deployment error, not the client's
         return APIError(502, f"{service} service rejected the gateway's internal token "
@@ -108,33 +191,48 @@ async def error_from_response(resp: httpx.Response, service: str) -> APIError:
         payload: Any = json.loads(raw)
     except ValueError:
         payload = raw.decode("utf-8", "replace")
-    return from_upstream(resp.status_code, payload, service)
+    return with_retry_after(from_upstream(resp.status_code, payload, service, dict(resp.headers)))
 
 
-def connection_error(service: str, url: str, exc: Exception) -> APIError:
+def error_from_event(event: dict, service: str) -> APIError:
+    """An engine's `{"type": "error", "status", "error"}` stream event as an APIError (a 429 keeps its
+    `retry_after`)."""
+    return with_retry_after(from_event(event, service), event.get("retry_after"))
+
+
+def connection_error(service: str, url: str, exc: Exception | None) -> APIError:
     return unavailable(f"{service} service at {url} is unreachable ({type(exc).__name__})",
                        code=f"{service}_unavailable")
 
 
-async def sse_events(resp: httpx.Response) -> AsyncIterator[dict]:
-    """Yield the JSON objects of `data:` lines until `[DONE]`."""
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        if not data:
-            continue
+class Janitor:
+    """The control calls that undo work after a request ended early (abort, cancel, release) run as background
+    tasks: no client waits for a hung engine, and shutdown waits for them only briefly."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def later(self, work: Awaitable[Any]) -> None:
         try:
-            event = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            yield event
+            task = asyncio.ensure_future(work)
+        except RuntimeError:          # no event loop (interpreter shutdown): the leases reclaim the pages
+            log.warning("no event loop for a cleanup call; leaving it to the KV lease")
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
 
-def sse(data: Any) -> bytes:
-    """One server-sent event line."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
+async def tell(http: httpx.AsyncClient, url: str, body: dict, hdrs: dict[str, str], timeout_s: float) -> Any:
+    """A best-effort control call (abort, cancel, release): its JSON answer, or None; never raises."""
+    try:
+        r = await http.post(url, json=body, headers=hdrs, timeout=timeout_s)
+        ok = r.status_code == 200
+        log.log(logging.INFO if ok else logging.WARNING, "%s -> %d", url.rsplit("/", 1)[-1], r.status_code)
+        return r.json() if ok else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("%s failed: %s", url, type(exc).__name__)
+        return None

@@ -15,3 +15,16 @@ def read_secret(value: Optional[str], file: Optional[str], env: str) -> Optional
             raise SystemExit(f"{file}: the secret file is empty")
         return text
     return value or os.environ.get(env) or None
+
+
+def read_secrets(value: Optional[str], file: Optional[str], env: str) -> list[str]:
+    """Several secrets (e.g. API keys): one per line of `--x-file PATH` (blank lines and `#` comments skipped),
+    else the one `--x VALUE`, else the environment variable `env`."""
+    if file:
+        with open(file, encoding="utf-8") as f:
+            keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SystemExit(f"{file}: the secret file has no entries")
+        return keys
+    one = value or os.environ.get(env)
+    return [one] if one else []

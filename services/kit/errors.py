@@ -3,6 +3,7 @@ service reports goes through APIError, also inside SSE streams (`event()`)."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Iterable, Optional
 
 from fastapi.responses import JSONResponse
@@ -82,6 +83,9 @@ def from_upstream(status: int, payload: Any, service: str, headers: Optional[dic
                     headers=keep)
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|none|dict|list|tuple|[A-Z]\w*|.*[\[\-].*)$")
+
+
 def _loc_to_param(loc: Iterable[Any]) -> Optional[str]:
     out = ""
     for part in loc:
@@ -90,9 +94,10 @@ def _loc_to_param(loc: Iterable[Any]) -> Optional[str]:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            # pydantic adds the tag of a discriminated union / the function of a validator to the loc
+            # pydantic adds the tag of a discriminated union / the function of a validator / the member type of
+            # a plain union (str, list[str], ImageURL, constrained-str) to the loc
             if isinstance(part, str) and (part.startswith("function-") or part in ("text", "image_url")
-                                          and out.endswith("]")):
+                                          and out.endswith("]") or _UNION_MEMBER.match(part)):
                 continue
             out += ("." if out else "") + str(part)
     return out or None
@@ -103,7 +108,8 @@ def from_validation(errors: list[dict]) -> APIError:
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
-    param = _loc_to_param(first.get("loc", ()))
+    # a model-level check names its field in ctx["param"] (e.g. an option given twice)
+    param = _loc_to_param(first.get("loc", ())) or (first.get("ctx") or {}).get("param")
     msg = str(first.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -11,7 +11,7 @@ import logging
 import re
 import secrets
 import time
-from typing import Optional, Protocol
+from typing import Iterable, Optional, Protocol
 
 from .errors import APIError
 from .logsafe import safe
@@ -54,17 +54,23 @@ def _bearer(headers: dict[str, bytes]) -> Optional[bytes]:
 
 
 class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on the public API paths (the gateway)."""
+    """`Authorization: Bearer <key>` on the public API paths (the gateway); one key or several (key rotation,
+    one key per client)."""
 
-    def __init__(self, key: str, prefixes: tuple[str, ...] = ("/v1/",)):
-        self.key = key.encode("utf-8")
+    def __init__(self, key: str | Iterable[str], prefixes: tuple[str, ...] = ("/v1/",)):
+        keys = [key] if isinstance(key, str) else list(key)
+        if not keys or not all(keys):
+            raise ValueError("API keys must be non-empty")
+        self.keys = [k.encode("utf-8") for k in keys]
         self.prefixes = prefixes
 
     def check(self, path, headers):
         if not path.startswith(self.prefixes):
             return None
         given = _bearer(headers)
-        if given is None or not _same(given, self.key):
+        # compare with every key (no early exit): the time taken does not depend on which one matched
+        matched = given is not None and sum(_same(given, k) for k in self.keys) > 0
+        if not matched:
             return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                             code="invalid_api_key")
         return None

@@ -1,12 +1,15 @@
-"""Bad input on every endpoint -> a 4xx with an OpenAI-shaped error, never a 500; engines down -> 503."""
+"""Bad input on every endpoint -> a 4xx with an OpenAI-shaped error that names the field and what is allowed,
+decided at the gateway from the contract (services/contract) before any work; engines down -> 503."""
+import base64
 import io
-import json
 
 import httpx
 import pytest
 from PIL import Image
 
-from .conftest import API_KEY
+from services.contract import limits as L
+
+from .conftest import API_KEY, API_KEY_2, MAX_STEPS
 
 GEN = "/v1/images/generations"
 EDIT = "/v1/images/edits"
@@ -31,11 +34,21 @@ def assert_error(r: httpx.Response, status: int, *words: str):
 
 # ------------------------------------------------------------------ auth
 @pytest.mark.parametrize("path", ["/v1/models", GEN, CHAT, EDIT])
-def test_missing_or_wrong_api_key_is_401(gateway, path):
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
+def test_missing_wrong_or_malformed_api_key_is_401(gateway, path):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY},
+                    {"Authorization": "Bearer"}, {"Authorization": "Basic " + API_KEY},
+                    {"Authorization": "Bearer sk-gat\u00e9way".encode("utf-8")},
+                    {"Authorization": b"Bearer \xff\xfe"}):
         r = httpx.request("GET" if path == "/v1/models" else "POST", gateway + path,
                           headers=headers, json={"prompt": "x"})
-        assert_error(r, 401, "API key")
+        err = assert_error(r, 401, "API key")
+        assert err["code"] == "invalid_api_key"
+
+
+def test_every_key_of_the_key_file_works(gateway):
+    for key in (API_KEY, API_KEY_2):
+        r = httpx.get(gateway + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
 
 
 def test_health_and_metrics_need_no_key_and_health_reports_engines_down(gateway):
@@ -72,14 +85,22 @@ def test_malformed_json(client, path, raw):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": 5}, "prompt"),
-    ({"prompt": "x", "n": "2"}, "n"),
+    ({"prompt": "x", "n": "two"}, "n"),
     ({"prompt": "x", "n": True}, "n"),
     ({"prompt": "x", "num_inference_steps": 1.5}, "num_inference_steps"),
     ({"prompt": "x", "size": 512}, "size"),
     ({"prompt": "x", "guidance_scale": "high"}, "guidance_scale"),
     ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "think": 1}, "think"),
+    ({"prompt": "x", "seed": L.SEED_MAX + 1}, "seed"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "stream": "maybe"}, "stream"),
+    ({"prompt": "x", "think": 2}, "think"),
+    ({"prompt": "x", "max_think_tokens": L.MAX_THINK_TOKENS + 1}, "max_think_tokens"),
+    ({"prompt": "x", "guidance_scale": L.MAX_GUIDANCE + 1}, "guidance_scale"),
+    ({"prompt": "x", "timestep_shift": 0}, "timestep_shift"),
+    ({"prompt": "x", "flow_shift": 1000}, "timestep_shift"),
+    ({"prompt": "x", "t_eps": 2}, "t_eps"),
+    ({"prompt": "x", "width": 16}, "width"),
     ({"prompt": "x", "cfg_norm": "bogus"}, "cfg_norm"),
     ({"prompt": "x", "cfg_interval": [0.8, 0.2]}, "cfg_interval"),
     ({"prompt": "x", "output_format": "gif"}, "output_format"),
@@ -98,17 +119,47 @@ def test_size_not_multiple_of_32_or_out_of_range(client, size):
     assert err["param"] == "size"
 
 
-@pytest.mark.parametrize("steps", [0, 500, -3])
-def test_steps_out_of_range(client, steps):
-    assert_error(client.post(GEN, json={"prompt": "x", "num_inference_steps": steps}), 400, "between 1")
-    # the same option under extra_body is validated the same way
-    assert_error(client.post(GEN, json={"prompt": "x", "extra_body": {"num_inference_steps": steps}}),
-                 400, "between 1")
+@pytest.mark.parametrize("steps", [0, -3, L.MAX_STEPS + 1])
+def test_steps_out_of_the_contract_range(client, steps):
+    for body in ({"prompt": "x", "num_inference_steps": steps}, {"prompt": "x", "steps": steps},
+                 {"prompt": "x", "extra_body": {"num_inference_steps": steps}}):
+        err = assert_error(client.post(GEN, json=body), 400, "than or equal to")
+        assert err["param"] == "num_inference_steps"
+
+
+def test_steps_over_the_server_limit(client):
+    """--max-steps tightens the contract's limit; the message says this server's limit."""
+    err = assert_error(client.post(GEN, json={"prompt": "x", "num_inference_steps": MAX_STEPS + 1}), 400,
+                       f"at most {MAX_STEPS}")
+    assert err["param"] == "num_inference_steps"
 
 
 @pytest.mark.parametrize("n", [0, 5, 50])
 def test_n_out_of_range(client, n):
-    assert_error(client.post(GEN, json={"prompt": "x", "n": n}), 400, "'n'")
+    err = assert_error(client.post(GEN, json={"prompt": "x", "n": n}), 400)
+    assert err["param"] == "n"
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "guidance_scale": NaN}', b'{"prompt": "x", "seed": Infinity}',
+                                 b'{"prompt": "x", "t_eps": 1e999}',
+                                 b'{"prompt": "x", "cfg_interval": [0, -Infinity]}'])
+def test_non_finite_numbers(client, raw):
+    err = assert_error(client.post(GEN, content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_json"
+
+
+def test_cfg_zero_star_is_only_for_text_to_image(client):
+    png_file = {"image": ("a.png", png(), "image/png")}
+    err = assert_error(client.post(EDIT, data={"prompt": "x", "cfg_norm": "cfg_zero_star"}, files=png_file), 400,
+                       "only defined for text-to-image")
+    assert err["param"] == "cfg_norm"
+    data_url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    assert_error(client.post(EDIT, json={"prompt": "x", "image": data_url, "cfg_norm": "cfg_zero_star"}), 400,
+                 "only defined for text-to-image")
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                      {"type": "image_url", "image_url": {"url": data_url}}]}],
+            "modalities": ["image"], "image_config": {"cfg_norm": "cfg_zero_star"}}
+    assert_error(client.post(CHAT, json=chat), 400, "only defined for text-to-image")
 
 
 @pytest.mark.parametrize("prompt", ["", "   ", None])
@@ -119,7 +170,8 @@ def test_empty_or_missing_prompt(client, prompt):
 
 
 def test_prompt_too_long(client):
-    assert_error(client.post(GEN, json={"prompt": "x" * 20000}), 400, "longer than")
+    err = assert_error(client.post(GEN, json={"prompt": "x" * (L.MAX_PROMPT_CHARS + 1)}), 400, "at most")
+    assert err["param"] == "prompt"
 
 
 def test_50mb_body_is_413(client):
@@ -142,11 +194,26 @@ def test_50mb_chunked_body_is_413(client):
 @pytest.mark.parametrize("body", [
     {"messages": "hi"}, {"messages": []}, {}, {"messages": [{"content": "x"}]},
     {"messages": [{"role": "user", "content": 5}]},
-    {"messages": [{"role": "user", "content": "x"}], "stream": "true"},
+    {"messages": [{"role": "user", "content": "x"}], "stream": "maybe"},
     {"messages": [{"role": "user", "content": "x"}], "modalities": "image"},
+    {"messages": [{"role": "assistant", "content": "x"}]},
+    {"messages": [{"role": "tool", "content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
 ])
 def test_chat_bad_bodies(client, body):
     assert_error(client.post(CHAT, json=body), 400)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", L.MAX_TEMPERATURE + 0.1), ("top_p", 0), ("top_p", 1.5),
+    ("top_k", -2), ("min_p", 1.5), ("presence_penalty", -3), ("frequency_penalty", 2.5),
+    ("repetition_penalty", 0), ("seed", -1), ("seed", L.SEED_MAX + 1), ("max_tokens", 0), ("n", 2),
+    ("stop", [""]), ("stop", ["s"] * (L.MAX_STOP_STRINGS + 1)), ("stop", 5), ("cache_salt", ""),
+])
+def test_chat_sampling_out_of_range(client, field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    err = assert_error(client.post(CHAT, json=body), 400)
+    assert err["param"] == field, err
 
 
 def test_chat_image_modality_validates_options(client):
@@ -159,8 +226,17 @@ def test_chat_image_modality_validates_options(client):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
     assert_error(client.post(CHAT, json={**base, "messages": [bad_img]}), 400, "readable image")
     remote = {"role": "user", "content": [
+        {"type": "text", "text": "edit"},
         {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}
-    assert_error(client.post(CHAT, json={**base, "messages": [remote]}), 400, "data URL")
+    err = assert_error(client.post(CHAT, json={**base, "messages": [remote]}), 400, "data URL")
+    assert err["code"] == "remote_images_disabled"
+    # a text chat's image parts are checked at the gateway too
+    err = assert_error(client.post(CHAT, json={"messages": [remote]}), 400, "data URL")
+    assert err["param"] == "messages[0].content[1]"
+    only_image = {"role": "user", "content": [bad_img["content"][1]]}
+    assert_error(client.post(CHAT, json={**base, "messages": [only_image]}), 400, "needs text")
+    assert_error(client.post(CHAT, json={**base, "max_think_tokens": L.MAX_THINK_TOKENS + 1}), 400)
+    assert_error(client.post(CHAT, json={**base, "flow_shift": 0}), 400, "timestep_shift")
 
 
 # ------------------------------------------------------------------ edits (multipart)
@@ -184,11 +260,14 @@ def test_edit_image_count(client):
 
 
 @pytest.mark.parametrize("field,value", [("n", "many"), ("size", "50x50"), ("num_inference_steps", "0"),
-                                         ("guidance_scale", "x"), ("stream", "maybe"), ("prompt", "")])
+                                         ("guidance_scale", "x"), ("stream", "maybe"), ("prompt", ""),
+                                         ("seed", str(L.SEED_MAX + 1)), ("cfg_interval", "[0.9, 0.1]"),
+                                         ("max_think_tokens", "99999"), ("timestep_shift", "nan")])
 def test_edit_bad_form_fields(client, field, value):
     data = {"prompt": "x", field: value}
     r = client.post(EDIT, data=data, files={"image": ("a.png", png(), "image/png")})
-    assert_error(r, 400)
+    err = assert_error(r, 400)
+    assert err["param"] in (field, "size"), err
 
 
 def test_edit_needs_multipart_or_json(client):

@@ -96,7 +96,8 @@ def test_gateway_takes_the_preset_defaults():
     from services.gateway.config import build_arg_parser, config_from_args
     cfg = config_from_args(build_arg_parser().parse_args(
         ["--default-steps", "8", "--default-guidance", "1.0", "--default-timestep-shift", "3.0"]))
-    assert (cfg.default_steps, cfg.default_guidance, cfg.default_timestep_shift) == (8, 1.0, 3.0)
+    s = cfg.sampler
+    assert (s.num_inference_steps, s.guidance_scale, s.timestep_shift) == (8, 1.0, 3.0)
 
 
 def test_und_loader_merges_only_adapters_that_name_it(tiny_dir, lora_file, monkeypatch):

@@ -173,12 +173,19 @@ def test_reference_threshold_zero_is_exact(ref_model, guidance):
     assert np.array_equal(a, b) and counts == {"cond": (3, 0), "uncond": (3, 0)}
 
 
-def test_gateway_passes_cache_and_reports_branch_steps():
+def test_gateway_passes_only_the_cache_fields_the_client_set():
+    """Generation fills in its own server defaults for the rest (CacheOptions.over)."""
+    from services.contract.image import ImageGenerationRequest
     from services.gateway.config import GatewayConfig
-    from services.gateway.params import Options, build_job
-    job = build_job(GatewayConfig(), Options({"cache": {"mode": "first_block", "threshold": 0.1}}), "t2i", "a fox")
-    assert job.generate_body("r", {})["cache"] == {"mode": "first_block", "threshold": 0.1}
-    assert "cache" not in build_job(GatewayConfig(), Options({}), "t2i", "a fox").generate_body("r", {})
+    from services.gateway.jobs import build_job
+
+    def job(body):
+        opts = ImageGenerationRequest.model_validate({"prompt": "a fox", **body})
+        return build_job(GatewayConfig(), opts, mode="t2i", prompt="a fox", request_id="r")
+    handles = {"cond": {}, "uncond": {}}
+    assert job({"cache": {"mode": "first_block", "threshold": 0.1}}).generate_body(handles)["cache"] == \
+        {"mode": "first_block", "threshold": 0.1}
+    assert "cache" not in job({}).generate_body(handles)
 
 
 def test_cfg_parallel_ranks_decide_their_own_branch(tiny_dir, pool, ref_model):

@@ -1,0 +1,152 @@
+"""A validated image request as an ImageJob: the two internal bodies (PrefixRequest for understanding, the
+GenerateRequest fields for generation) and how to answer the client. Everything is checked here, before any
+work starts: the contract's models, then this server's tighter limits and the output size."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from services.contract import limits as L
+from services.contract.image import GenerateRequest, ImageOptions, PrefixRequest, SamplerParams
+from services.kit.errors import APIError, bad_request
+
+from .config import GatewayConfig, parse_size
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    prefix: PrefixRequest
+    generate: dict[str, Any]         # GenerateRequest fields but the handles (checked with placeholder handles)
+    response_format: str
+    stream: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.prefix.request_id
+
+    width = property(lambda self: self.generate["width"])
+    height = property(lambda self: self.generate["height"])
+    n = property(lambda self: self.generate["n"])
+    seed = property(lambda self: self.generate["seed"])
+    output_format = property(lambda self: self.generate["output_format"])
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    def prefix_body(self) -> dict[str, Any]:
+        body = self.prefix.model_dump(mode="json")
+        body["kind"] = body["mode"]     # transition: understanding builds before the contract read `kind`
+        return body
+
+    def generate_body(self, handles: dict) -> dict[str, Any]:
+        """The /internal/generate body with understanding's handles (which must match the CFG branches)."""
+        try:
+            body = GenerateRequest(**self.generate, handles=handles).model_dump(mode="json")
+        except ValidationError as exc:
+            raise APIError(502, f"understanding service sent handles that do not fit the job: "
+                           f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None
+        if "cache" in self.generate:
+            body["cache"] = self.generate["cache"]
+        else:
+            body.pop("cache", None)
+        return body
+
+
+def _at_most(value: int | None, limit: int, param: str) -> None:
+    if value is not None and value > limit:
+        raise bad_request(f"{param}: at most {limit} on this server, got {value}", param=param)
+
+
+def parse_aspect(text: str) -> float:
+    try:
+        a, b = text.replace("/", ":").split(":")
+        ratio = float(a) / float(b)
+    except (ValueError, ZeroDivisionError):
+        raise bad_request(f"aspect_ratio must look like '16:9', got {text!r}", param="aspect_ratio") from None
+    if not (math.isfinite(ratio) and 1 / 16 <= ratio <= 16):
+        raise bad_request("aspect_ratio must be between 1:16 and 16:1", param="aspect_ratio")
+    return ratio
+
+
+def size_for_aspect(cfg: GatewayConfig, aspect: float) -> tuple[int, int]:
+    """The default area at a given width/height ratio, sides rounded to multiples of the image block."""
+    area = cfg.default_size[0] * cfg.default_size[1]
+    w = math.sqrt(area * aspect)
+    h = area / w
+    block = L.IMAGE_BLOCK
+
+    def snap(x: float) -> int:
+        return int(min(cfg.max_side, max(cfg.min_side, round(x / block) * block)))
+
+    w32, h32 = snap(w), snap(h)
+    while w32 * h32 > cfg.max_pixels and max(w32, h32) > cfg.min_side:
+        if w32 >= h32:
+            w32 -= block
+        else:
+            h32 -= block
+    return w32, h32
+
+
+def _checked(cfg: GatewayConfig, w: int, h: int, param: str) -> tuple[int, int]:
+    problem = cfg.size_problem(w, h)
+    if problem:
+        raise bad_request(f"unsupported size {w}x{h}: {problem}", param=param, code="invalid_size")
+    return w, h
+
+
+def resolve_size(cfg: GatewayConfig, opts: ImageOptions,
+                 first_image_wh: tuple[int, int] | None = None) -> tuple[int, int]:
+    """size 'WxH' | 'auto' | width+height | aspect_ratio; the default follows the first input image's aspect
+    ratio at the default area, else the default size."""
+    if opts.size and opts.size.strip().lower() != "auto":
+        try:
+            w, h = parse_size(opts.size)
+        except ValueError:
+            raise bad_request(f"size must be 'WIDTHxHEIGHT' or 'auto', got {opts.size!r}: "
+                              f"{cfg.size_rule()}", param="size", code="invalid_size") from None
+        return _checked(cfg, w, h, "size")
+    if opts.width is not None or opts.height is not None:
+        return _checked(cfg, opts.width or cfg.default_size[0], opts.height or cfg.default_size[1], "width")
+    if opts.aspect_ratio:
+        return size_for_aspect(cfg, parse_aspect(opts.aspect_ratio))
+    if first_image_wh is not None:
+        return size_for_aspect(cfg, first_image_wh[0] / first_image_wh[1])
+    return cfg.default_size
+
+
+def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str) -> SamplerParams:
+    """Everything about a request but its input images: this server's limits, an explicit size, and the
+    sampler parameters over the server's defaults. A 400 naming the field for anything this server does not
+    make (a pydantic ValidationError raised here is the client's too: the exception handler makes it a 400)."""
+    if len(prompt) > cfg.max_prompt_chars:
+        raise bad_request(f"prompt: at most {cfg.max_prompt_chars} characters on this server", param="prompt",
+                          code="prompt_too_long")
+    _at_most(opts.num_inference_steps, cfg.max_steps, "num_inference_steps")
+    _at_most(opts.max_think_tokens, cfg.max_think_tokens, "max_think_tokens")
+    resolve_size(cfg, opts)
+    return opts.sampler(mode, cfg.sampler)
+
+
+def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
+              images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
+              cache_salt: str | None = None) -> ImageJob:
+    """The job of a validated request (see check_options for what is refused)."""
+    sampler = check_options(cfg, opts, mode, prompt)
+    width, height = resolve_size(cfg, opts, first_image_wh)
+    prefix = PrefixRequest(request_id=request_id, mode=mode, prompt=prompt, images=images or [],
+                           guidance_scale=sampler.guidance_scale, image_guidance_scale=sampler.image_guidance_scale,
+                           think=opts.think, max_think_tokens=opts.max_think_tokens or cfg.default_think_tokens,
+                           stream=True, cache_salt=cache_salt)
+    generate = {**sampler.model_dump(), "request_id": request_id, "width": width, "height": height, "n": opts.n,
+                "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
+                "output_format": opts.output_format}
+    if opts.cache is not None:       # only the fields the client set: generation fills in its own defaults
+        generate["cache"] = opts.cache.model_dump(exclude_unset=True)
+    # the generation body is checked now (placeholder handles, one per CFG branch), not after the prefix work
+    GenerateRequest(**generate, handles={b: {} for b in sampler.branches()})
+    return ImageJob(prefix, generate, opts.response_format, opts.stream)

@@ -1,0 +1,101 @@
+"""Answering with an image job: collected into one response, or relayed as SSE. A streamed answer starts with
+the first event the client sees or when generation accepts the job (`queued`), so every failure before it (a
+4xx, a 429 with Retry-After, a 503, a timeout) is still the response status; after it, a failure is an error
+event followed by [DONE]."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from services.kit import sse
+from services.kit.errors import APIError
+from services.kit.web import until_disconnect
+
+from .jobs import ImageJob
+from .state import GatewayState
+
+log = logging.getLogger("u1serve.gateway")
+Convert = Callable[[dict], list[dict]]
+
+
+class OwnedStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends (finished, failed, or the client gone before or
+    while it streamed), so the upstream work it relays is never left running."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(body, media_type="text/event-stream", headers=sse.HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+def client_gone() -> Response:
+    return Response(status_code=499)
+
+
+async def collect_job(request: Request, state: GatewayState, job: ImageJob) -> Optional[tuple[Optional[str], list]]:
+    """(think text, image events in index order), or None when the client went away (the job is then undone)."""
+    async def work():
+        think_text, images = None, []
+        async with contextlib.aclosing(state.orchestrator.run(job, state.deadline())) as events:
+            async for ev in events:
+                if ev["type"] == "think_done":
+                    think_text = ev.get("think_text")
+                elif ev["type"] == "image":
+                    images.append(ev)
+        images.sort(key=lambda e: e.get("index", 0))
+        return think_text, images
+
+    finished, result = await until_disconnect(request, work)
+    return result if finished else None
+
+
+async def stream_job(request: Request, state: GatewayState, job: ImageJob, convert: Convert,
+                     head: Iterable[dict] = (), tail: Iterable[dict] = ()) -> Response:
+    """The job as SSE: `head`, the converted events, `tail`, [DONE]."""
+    events = state.orchestrator.run(job, state.deadline())
+
+    async def first_visible() -> list[dict]:
+        async for ev in events:
+            out = convert(ev)
+            # generation accepting the job starts the response too: a job waiting in its queue has its head
+            if out or ev.get("type") == "queued":
+                return out
+        return []
+
+    try:
+        finished, first = await until_disconnect(request, first_visible)
+    except BaseException:
+        await events.aclose()
+        raise
+    if not finished:
+        await events.aclose()
+        return client_gone()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for chunk in [*head, *first]:
+                yield sse.encode(chunk)
+            async for ev in events:
+                for chunk in convert(ev):
+                    yield sse.encode(chunk)
+            for chunk in tail:
+                yield sse.encode(chunk)
+        except APIError as err:
+            yield sse.encode(err.event())
+        except Exception as exc:      # a bug, but the client still gets a well-formed end
+            log.exception("image stream failed")
+            yield sse.encode(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").event())
+        yield sse.encode(sse.DONE)
+
+    return OwnedStream(body(), on_close=events.aclose)

@@ -1,0 +1,1 @@
+"""The gateway's routes, one module per concern: chat, images, ops (health, metrics, models)."""

@@ -1,0 +1,252 @@
+"""POST /v1/chat/completions. A text chat is validated here (ChatCompletionRequest, every image part checked)
+and proxied to understanding as the original body, so extension fields reach it. `modalities: ["image"]` makes
+an image from the last user turn instead (its images make it an edit)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Optional
+
+import anyio
+import httpx
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from services.contract.chat import ChatCompletionRequest, ImagePart, TextPart
+from services.contract.image import ImageOptions, merge_options
+from services.kit import sse
+from services.kit.errors import APIError, bad_request
+from services.kit.web import json_body, until_disconnect
+
+from ..context import cache_salt, gateway, request_id
+from ..inputs import data_url
+from ..jobs import build_job, check_options
+from ..relay import OwnedStream, client_gone, collect_job, stream_job
+from ..schemas import ERRORS, ChatCompletionResponse
+from ..state import GatewayState
+from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
+                        error_from_response, is_timeout, open_stream, reading, tell)
+
+router = APIRouter(tags=["chat"])
+UND = "understanding"
+PATH = "/v1/chat/completions"
+# image options a chat body may carry at its top level (or under extra_body); chat means other things by these
+IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
+
+STREAM_DOC = {200: {"description": "JSON, or with stream: SSE chat.completion.chunk events then [DONE]",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
+    """(param, url) of every image part of the conversation."""
+    return [(f"messages[{i}].content[{j}]", part.url) for i, m in enumerate(req.messages)
+            if isinstance(m.content, list) for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+
+
+def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
+    """The image prompt (the last user message's text) and its images (which make the request an edit)."""
+    i, msg = [(i, m) for i, m in enumerate(req.messages) if m.role == "user"][-1]
+    if isinstance(msg.content, list):
+        text = "\n".join(p.text for p in msg.content if isinstance(p, TextPart))
+        images = [(f"messages[{i}].content[{j}]", p.url) for j, p in enumerate(msg.content) if isinstance(p, ImagePart)]
+    else:
+        text, images = msg.content or "", []
+    if not text.strip():
+        raise bad_request("the last user message needs text: it is the image prompt", param=f"messages[{i}]")
+    return text, images
+
+
+def chat_image_options(body: dict, req: ChatCompletionRequest) -> ImageOptions:
+    """The image options of a chat request: image fields at the top level or under extra_body (aliases such as
+    flow_shift included), overridden by `image_config`; `think` follows chat_template_kwargs.enable_thinking
+    unless given."""
+    try:
+        flat = merge_options(body)
+        opts = {k: v for k, v in flat.items() if k in IMAGE_KEYS}
+        if isinstance(flat.get("image_config"), dict):
+            opts.update(merge_options(flat["image_config"]))
+    except ValueError as exc:      # an option given twice, extra_body not an object
+        raise bad_request(str(exc), param=(getattr(exc, "context", None) or {}).get("param")) from None
+    thinking = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else None
+    if "think" not in opts and thinking is not None:
+        opts["think"] = thinking
+    opts["stream"] = req.stream
+    return ImageOptions.model_validate(opts)
+
+
+@router.post(PATH, response_model=ChatCompletionResponse, response_model_exclude_none=True,
+             responses={**ERRORS, **STREAM_DOC})
+async def chat_completions(req: ChatCompletionRequest, request: Request, state: GatewayState = Depends(gateway)):
+    """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
+    body = await json_body(request)
+    salt = cache_salt(request, state, req.cache_salt)
+    if req.wants_image:
+        return await chat_image(request, state, req, body, salt)
+    await state.images.check(image_parts(req))
+    if salt != req.cache_salt:
+        body = {**body, "cache_salt": salt}
+    if req.stream:
+        return await proxy_stream(request, state, body)
+    return await proxy(request, state, body)
+
+
+# ------------------------------------------------------------------------------------------ text: proxied
+def _abort_later(state: GatewayState, target: Target, hdrs: dict, rid: str) -> None:
+    if target.ep is not None:
+        state.janitor.later(tell(state.http, target.ep.url + "/internal/abort", {"request_id": rid}, hdrs,
+                                 CONTROL_TIMEOUT_S))
+
+
+async def _open(state: GatewayState, body: dict, hdrs: dict, deadline: Deadline, target: Target,
+                idle: bool) -> httpx.Response:
+    resp = await open_stream(state.http, state.und, PATH, body, hdrs, deadline, target, idle)
+    if resp.status_code != 200:
+        try:
+            raise await error_from_response(resp, UND, deadline)
+        finally:
+            await resp.aclose()
+    return resp
+
+
+async def proxy(request: Request, state: GatewayState, body: dict):
+    """A non-streamed chat: the answer comes in one piece, so only the request deadline bounds the wait."""
+    rid, deadline, target = request_id(request), state.deadline(), Target()
+    hdrs = engine_headers(state.config.internal_token, rid)
+
+    async def call() -> bytes:
+        resp = await _open(state, body, hdrs, deadline, target, idle=False)
+        async with reading(state.und, target.ep, resp):
+            return await deadline.wait(resp.aread(), UND, idle=False)
+
+    try:
+        finished, raw = await until_disconnect(request, call)
+    except APIError as err:
+        if is_timeout(err):
+            state.metrics.timeouts.labels(err.code).inc()
+            _abort_later(state, target, hdrs, rid)
+        raise
+    if not finished:
+        state.metrics.cancelled.inc()
+        _abort_later(state, target, hdrs, rid)
+        return client_gone()
+    try:
+        return JSONResponse(json.loads(raw))
+    except ValueError:
+        raise APIError(502, "understanding service returned a non-JSON body", code="upstream_protocol_error") from None
+
+
+def _first_event_error(line: str) -> Optional[APIError]:
+    """An error as the stream's first event (e.g. a 429) is still the response status."""
+    ev = next(iter(sse.events([line])), None)
+    if ev is not None and "error" in ev and isinstance(ev.get("status"), int):
+        return error_from_event(ev, UND)
+    return None
+
+
+async def proxy_stream(request: Request, state: GatewayState, body: dict):
+    """A streamed chat, relayed line by line. No line within the idle limit (or the deadline passing) ends it
+    with an error event and [DONE] and aborts the engine's work, as a client that goes away does."""
+    rid, deadline, target = request_id(request), state.deadline(), Target()
+    hdrs = engine_headers(state.config.internal_token, rid)
+    resp: Optional[httpx.Response] = None
+    try:
+        resp = await _open(state, body, hdrs, deadline, target, idle=True)
+        lines = deadline.lines(resp, UND)
+        head: list[str] = []
+        try:
+            async for line in lines:
+                head.append(line)
+                if line.startswith("data:"):
+                    err = _first_event_error(line)
+                    if err is not None:
+                        raise err
+                    break
+        except httpx.TransportError as exc:
+            state.und.down(target.ep)
+            raise connection_error(UND, target.ep.url, exc) from None
+    except BaseException as exc:
+        if isinstance(exc, APIError) and is_timeout(exc):
+            state.metrics.timeouts.labels(exc.code).inc()
+            _abort_later(state, target, hdrs, rid)
+        elif isinstance(exc, asyncio.CancelledError):
+            _abort_later(state, target, hdrs, rid)
+        if resp is not None:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+        raise
+    ep = target.ep
+    ep.in_flight += 1
+    progress = {"outcome": "streaming"}       # -> done | timeout; still streaming when closed = client gone
+
+    async def relay():
+        try:
+            for line in head:
+                yield (line + "\n").encode()
+            async for line in lines:
+                yield (line + "\n").encode()
+            progress["outcome"] = "done"
+        except APIError as err:              # the idle limit or the deadline
+            progress["outcome"] = "timeout"
+            state.metrics.timeouts.labels(err.code).inc()
+            yield sse.encode(err.event())
+            yield sse.encode(sse.DONE)
+        except httpx.TransportError as exc:  # the engine went away: nothing left to abort
+            progress["outcome"] = "done"
+            state.und.down(ep)
+            yield sse.encode(connection_error(UND, ep.url, exc).event())
+            yield sse.encode(sse.DONE)
+
+    async def close():
+        ep.in_flight -= 1
+        await resp.aclose()
+        if progress["outcome"] == "streaming":
+            state.metrics.cancelled.inc()
+        if progress["outcome"] != "done":
+            _abort_later(state, target, hdrs, rid)
+
+    return OwnedStream(relay(), on_close=close)
+
+
+# ------------------------------------------------------------------------------------------ image modality
+async def chat_image(request: Request, state: GatewayState, req: ChatCompletionRequest, body: dict,
+                     salt: Optional[str]):
+    opts = chat_image_options(body, req)
+    prompt, parts = last_user_turn(req)
+    mode = "edit" if parts else "t2i"
+    check_options(state.config, opts, mode, prompt)            # before any image is decoded
+    checked = await state.images.check(parts)
+    job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
+                    images=[c.b64 for c in checked],
+                    first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt)
+    cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
+
+    def part(ev: dict) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_url(ev["b64"], ev.get("format", job.output_format))}}
+
+    if not job.stream:
+        result = await collect_job(request, state, job)
+        if result is None:
+            return client_gone()
+        think_text, images = result
+        parts_out = [part(im) for im in images]
+        message: dict[str, Any] = {"role": "assistant", "content": parts_out, "images": parts_out}
+        if think_text:
+            message["reasoning_content"] = think_text
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+
+    def chunk(delta: dict, finish: Optional[str] = None) -> dict:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def convert(ev: dict) -> list[dict]:
+        if ev.get("type") == "think_delta" and ev.get("text"):
+            return [chunk({"reasoning_content": ev["text"]})]
+        if ev.get("type") == "image":
+            return [chunk({"images": [part(ev)]})]
+        return []
+
+    return await stream_job(request, state, job, convert, head=[chunk({"role": "assistant", "content": ""})],
+                            tail=[chunk({}, "stop")])

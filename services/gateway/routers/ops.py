@@ -1,0 +1,54 @@
+"""GET /health (both engines), /metrics (Prometheus), /v1/models."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+
+from ..context import gateway
+from ..schemas import ERRORS, HealthReport, ModelList
+from ..state import GatewayState
+from ..upstream import EndpointPool, engine_headers
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
+async def models(state: GatewayState = Depends(gateway)):
+    return {"object": "list", "data": [{"id": state.config.model_name, "object": "model", "created": 0,
+                                        "owned_by": "u1serve"}]}
+
+
+async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:
+    async def one(ep) -> dict:
+        out = {"service": pool.service, "url": ep.url}
+        try:
+            r = await state.http.get(ep.url + "/health", timeout=state.config.health_timeout_s,
+                                     headers=engine_headers(state.config.internal_token))
+            up = r.status_code == 200
+            out.update(status="ok" if up else "unavailable", http_status=r.status_code)
+        except httpx.HTTPError as exc:
+            up = False
+            out.update(status="unavailable", detail=type(exc).__name__)
+        if up:
+            ep.mark_up()
+        else:
+            pool.down(ep)
+        return out
+    return list(await asyncio.gather(*(one(ep) for ep in pool.endpoints)))
+
+
+@router.get("/health", response_model=HealthReport, responses={503: {"model": HealthReport}})
+async def health(state: GatewayState = Depends(gateway)):
+    """Every engine endpoint's /health; 503 when one is down."""
+    und, gen = await asyncio.gather(_probe(state, state.und), _probe(state, state.gen))
+    healthy = all(p["status"] == "ok" for p in und + gen)
+    return JSONResponse({"status": "ok" if healthy else "unavailable", "understanding": und, "generation": gen},
+                        status_code=200 if healthy else 503)
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+async def metrics(state: GatewayState = Depends(gateway)):
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,133 @@
+"""Response models of the public routes (the request models are services/contract's). They document
+/openapi.json; responses that carry engine output allow extra fields, so new engine fields pass through."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OPEN = ConfigDict(extra="allow")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, OpenAI-shaped."""
+    error: ErrorDetail
+
+
+# ------------------------------------------------------------------------------------------ images
+class ImageData(BaseModel):
+    b64_json: Optional[str] = Field(None, description="the image (response_format b64_json)")
+    url: Optional[str] = Field(None, description="a data URL of the image (response_format url)")
+    revised_prompt: Optional[str] = Field(None, description="the think text, when think was on")
+    seed: Optional[int] = None
+    branch_steps: Optional[dict[str, dict[str, int]]] = Field(
+        None, description="denoising steps each CFG branch computed / reused (step caching)")
+
+
+class ImageUsage(BaseModel):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str = Field(description="WIDTHxHEIGHT of the images")
+    usage: ImageUsage
+    think_text: Optional[str] = None
+
+
+class ImageStreamEvent(BaseModel):
+    """One `data:` event of a streamed image request (`image_generation.*` or `image_edit.*`), then `[DONE]`;
+    an `error` event (with `status`) ends a stream that failed after it started."""
+    model_config = OPEN
+    type: str = Field(description="<prefix>.think_delta | .think_done | .progress | .completed | error")
+    text: Optional[str] = Field(None, description="think text (think_delta, think_done)")
+    step: Optional[int] = Field(None, description="progress: denoising step done, 1-based")
+    total: Optional[int] = Field(None, description="progress: steps in all")
+    index: Optional[int] = Field(None, description="completed: which of the n images")
+    b64_json: Optional[str] = None
+    url: Optional[str] = None
+    size: Optional[str] = None
+    seed: Optional[int] = None
+    output_format: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------ chat
+class ChatResponseMessage(BaseModel):
+    model_config = OPEN
+    role: Literal["assistant"] = "assistant"
+    content: Union[str, list[dict[str, Any]], None] = Field(
+        None, description="text, or image_url parts for modalities ['image']")
+    reasoning_content: Optional[str] = None
+    images: Optional[list[dict[str, Any]]] = Field(None, description="image_url parts (modalities ['image'])")
+
+
+class ChatChoice(BaseModel):
+    model_config = OPEN
+    index: int
+    message: ChatResponseMessage
+    finish_reason: Optional[str] = None
+
+
+class ChatUsage(BaseModel):
+    model_config = OPEN
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatCompletionResponse(BaseModel):
+    """POST /v1/chat/completions without stream; with stream: `chat.completion.chunk` events, then `[DONE]`."""
+    model_config = OPEN
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[ChatUsage] = None
+
+
+# ------------------------------------------------------------------------------------------ ops
+class ModelCard(BaseModel):
+    model_config = OPEN
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "u1serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class EngineProbe(BaseModel):
+    service: str
+    url: str
+    status: Literal["ok", "unavailable"]
+    http_status: Optional[int] = None
+    detail: Optional[str] = None
+
+
+class HealthReport(BaseModel):
+    """200 when every engine endpoint is healthy, else 503 with the same body."""
+    status: Literal["ok", "unavailable"]
+    understanding: list[EngineProbe]
+    generation: list[EngineProbe]
+
+
+ERRORS: dict = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "bad input: the message says what is allowed"), (401, "missing or invalid API key"),
+    (413, "body over the size limit"), (429, "too many requests in flight (Retry-After)"),
+    (499, "the client went away"), (502, "an engine answered something unusable"),
+    (503, "an engine is down or its KV pool is full"), (504, "an engine sent nothing in time, or the deadline passed"))}

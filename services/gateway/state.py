@@ -1,0 +1,52 @@
+"""The gateway's app state: one typed object the routers work over (config, the HTTP client to the engines,
+the endpoint pools, the image-job orchestrator, the input-image checker, admission, metrics)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from services.kit.admission import AdmissionGate
+
+from .config import GatewayConfig
+from .inputs import ImageChecker
+from .metrics import GatewayMetrics
+from .orchestrator import Orchestrator
+from .upstream import CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    http: httpx.AsyncClient
+    und: EndpointPool
+    gen: EndpointPool
+    orchestrator: Orchestrator
+    images: ImageChecker
+    admission: AdmissionGate
+    janitor: Janitor               # abort / cancel / release calls after early ends
+
+    @classmethod
+    def create(cls, cfg: GatewayConfig) -> "GatewayState":
+        metrics = GatewayMetrics()
+        # reads are bounded per wait by Deadline (idle limit, request deadline), not by httpx
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+                                 timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s,
+                                                       pool=cfg.connect_timeout_s))
+        und = EndpointPool("understanding", cfg.und_urls, cfg.retry_down_after_s)
+        gen = EndpointPool("generation", cfg.gen_urls, cfg.retry_down_after_s)
+        janitor = Janitor()
+        return cls(config=cfg, metrics=metrics, http=http, und=und, gen=gen,
+                   orchestrator=Orchestrator(cfg, http, und, gen, metrics, janitor),
+                   images=ImageChecker(cfg.images, cfg.image_workers),
+                   admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor)
+
+    def deadline(self) -> Deadline:
+        """The time limits of one request, starting now."""
+        return Deadline(self.config.idle_timeout_s, self.config.request_timeout_s)
+
+    async def close(self) -> None:
+        await self.janitor.drain(3 * CONTROL_TIMEOUT_S)
+        await self.http.aclose()
+        self.images.close()

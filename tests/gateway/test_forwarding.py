@@ -1,0 +1,175 @@
+"""What the gateway sends to the engines and relays back, against a scripted HTTP peer standing in for both
+engines (conftest.Peer): the bodies it sends (cache salt, flow_shift on chat images, extension fields, the
+internal token), engine 429s passed on with Retry-After, unknown event fields relayed, and the prefix handles
+released on every early end once the gateway owns them."""
+import asyncio
+import hashlib
+import json
+
+import httpx
+import pytest
+from fastapi.responses import JSONResponse
+
+from tests.waiting import wait_until
+
+from .conftest import API_KEY, API_KEY_2, sse_response
+
+CHAT = "/v1/chat/completions"
+GEN = "/v1/images/generations"
+TOKEN = "tok-forwarding"
+
+
+@pytest.fixture()
+def keyfile(tmp_path):
+    p = tmp_path / "keys"
+    p.write_text(f"{API_KEY}\n{API_KEY_2}\n")
+    t = tmp_path / "token"
+    t.write_text(TOKEN + "\n")
+    return str(p), str(t)
+
+
+def gw(side_gateway, peer, keyfile, *flags):
+    keys, token = keyfile
+    g = side_gateway(peer.url, peer.url, "--api-key-file", keys, "--internal-token-file", token,
+                     "--upstream-idle-timeout-s", "2", *flags)
+    return g.base
+
+
+def post(base, path, body, key=API_KEY, **kw):
+    return httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kw)
+
+
+def events(r: httpx.Response) -> list:
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_chat_is_forwarded_as_sent_with_the_salt_and_the_token(side_gateway, peer, keyfile):
+    base = gw(side_gateway, peer, keyfile)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": 5, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": True}, "an_extension": {"x": [1]}, "cache_salt": "tenant-a"}
+    r = post(base, CHAT, body)
+    assert r.status_code == 200, r.text
+    seen = peer.seen["/v1/chat/completions"][-1]
+    assert seen["body"] == body
+    assert seen["headers"]["x-u1-internal-token"] == TOKEN
+    r = post(base, GEN, {"prompt": "p", "cache_salt": "tenant-a", "size": "64x64"})
+    assert r.status_code == 200, r.text
+    assert peer.bodies("/internal/image_prefix")[-1]["cache_salt"] == "tenant-a"
+    assert all(s["headers"]["x-u1-internal-token"] == TOKEN for ss in peer.seen.values() for s in ss)
+
+
+def test_cache_salt_by_api_key_overrides_the_clients(side_gateway, peer, keyfile):
+    base = gw(side_gateway, peer, keyfile, "--cache-salt-by-api-key")
+    msgs = [{"role": "user", "content": "hi"}]
+    salts = []
+    for key in (API_KEY, API_KEY_2, API_KEY):
+        assert post(base, CHAT, {"messages": msgs, "cache_salt": "shared"}, key=key).status_code == 200
+        salts.append(peer.bodies("/v1/chat/completions")[-1]["cache_salt"])
+        assert post(base, GEN, {"prompt": "p", "cache_salt": "shared"}, key=key).status_code == 200
+        assert peer.bodies("/internal/image_prefix")[-1]["cache_salt"] == salts[-1]
+    assert salts[0] == salts[2] != salts[1] and "shared" not in salts
+    assert API_KEY not in salts[0] and hashlib.sha256(API_KEY.encode()).hexdigest() not in salts[0]
+
+
+def test_flow_shift_and_options_of_a_chat_image_reach_generation(side_gateway, peer, keyfile):
+    base = gw(side_gateway, peer, keyfile)
+    body = {"messages": [{"role": "user", "content": "a lighthouse"}], "modalities": ["image"], "flow_shift": 1.5,
+            "seed": 42, "cache_salt": "s1", "image_config": {"steps": 3, "aspect_ratio": "2:1", "cfg_scale": 2.0}}
+    r = post(base, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["images"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    prefix = peer.bodies("/internal/image_prefix")[-1]
+    assert (prefix["mode"], prefix["prompt"], prefix["cache_salt"], prefix["guidance_scale"]) == ("t2i", "a lighthouse",
+                                                                                                 "s1", 2.0)
+    gen = peer.bodies("/internal/generate")[-1]
+    assert (gen["timestep_shift"], gen["num_inference_steps"], gen["seed"]) == (1.5, 3, 42)
+    assert (gen["width"], gen["height"]) == (96, 32) and set(gen["handles"]) == {"cond", "uncond"}
+
+
+def test_engine_429_passes_on_with_retry_after(side_gateway, peer, keyfile):
+    base = gw(side_gateway, peer, keyfile)
+    busy = {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": "overloaded"}}
+    peer.replies["/internal/image_prefix"] = lambda body: JSONResponse(busy, 429, headers={"Retry-After": "7"})
+    for stream in (False, True):
+        r = post(base, GEN, {"prompt": "p", "stream": stream})
+        assert r.status_code == 429 and r.headers["retry-after"] == "7", r.text
+        assert r.json()["error"]["code"] == "overloaded"
+    # a 429 as the first event of the engine's stream is still the response status
+    peer.replies["/internal/image_prefix"] = lambda body: sse_response({"type": "error", "status": 429, **busy,
+                                                                        "retry_after": 3})
+    for stream in (False, True):
+        r = post(base, GEN, {"prompt": "p", "stream": stream})
+        assert r.status_code == 429 and r.headers["retry-after"] == "3", r.text
+    peer.replies["/v1/chat/completions"] = lambda body: JSONResponse(busy, 429)
+    r = post(base, CHAT, {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    peer.replies["/v1/chat/completions"] = lambda body: sse_response({"status": 429, **busy, "retry_after": 4})
+    r = post(base, CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert r.status_code == 429 and r.headers["retry-after"] == "4", r.text
+    # generation's 429: the prefix pages the gateway holds go back at once
+    del peer.replies["/internal/image_prefix"]
+    peer.replies["/internal/generate"] = lambda body: JSONResponse(busy, 429, headers={"Retry-After": "5"})
+    r = post(base, GEN, {"prompt": "p"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "5"
+    assert wait_until(lambda: peer.bodies("/internal/release"), 10)[-1]["handles"] == \
+        list(peer.bodies("/internal/generate")[-1]["handles"].values())
+
+
+def test_unknown_event_fields_are_relayed_and_unknown_events_skipped(side_gateway, peer, keyfile):
+    base = gw(side_gateway, peer, keyfile)
+    peer.replies["/internal/generate"] = lambda body: sse_response(
+        {"type": "queued", "position": 2}, {"type": "heartbeat"}, {"type": "progress", "step": 1, "total": 1,
+                                                                  "eta_s": 0.5},
+        {"type": "image", "index": 0, "b64": "aGk=", "format": "png", "width": 64, "height": 64, "seed": 1,
+         "nsfw": False})
+    r = post(base, GEN, {"prompt": "p", "stream": True, "size": "64x64"})
+    assert r.status_code == 200
+    evs = events(r)
+    assert [e["type"] for e in evs[:-1]] == ["image_generation.progress", "image_generation.completed"]
+    assert evs[0]["eta_s"] == 0.5 and evs[0]["step"] == 1 and evs[1]["nsfw"] is False
+    assert evs[1]["b64_json"] == "aGk=" and "b64" not in evs[1] and evs[-1] == "[DONE]"
+
+
+def test_every_early_end_releases_the_handles_the_gateway_owns(side_gateway, peer, keyfile):
+    """Generation fails the job / hangs before answering / hangs mid-stream: the handles go back to
+    understanding (generation never confirmed a cancel), and the client gets an error, never a hang."""
+    base = gw(side_gateway, peer, keyfile)
+
+    async def hang_head(body):
+        await asyncio.sleep(30)
+
+    def hang_stream(body):
+        async def gen():
+            yield b'data: {"type":"queued"}\n\n'
+            yield b'data: {"type":"progress","step":1,"total":50}\n\n'
+            await asyncio.sleep(30)
+        from fastapi.responses import StreamingResponse
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    failing = lambda body: sse_response({"type": "queued"}, {"type": "error", "status": 500, "error": {  # noqa: E731
+        "message": "boom", "type": "server_error", "param": None, "code": "engine_error"}})
+    cases = [(failing, False, 500, "engine_error"), (hang_head, False, 504, "upstream_timeout"),
+             (hang_stream, True, 200, "upstream_timeout")]
+    for reply, stream, status, code in cases:
+        peer.replies["/internal/generate"] = reply
+        before = len(peer.bodies("/internal/release"))
+        r = post(base, GEN, {"prompt": "p", "stream": stream})
+        assert r.status_code == status, r.text
+        err = events(r)[-2]["error"] if stream else r.json()["error"]
+        assert err["code"] == code
+        released = wait_until(lambda: peer.bodies("/internal/release")[before:], 15)
+        assert released[0]["handles"] == list(peer.bodies("/internal/generate")[-1]["handles"].values())
+        if code == "upstream_timeout":
+            assert peer.bodies("/internal/cancel")[-1]["request_id"] == peer.bodies("/internal/generate")[-1][
+                "request_id"]
+    # understanding hangs before its handles: it is told to abort, nothing to release
+    peer.replies["/internal/image_prefix"] = hang_head
+    before = len(peer.bodies("/internal/release"))
+    r = post(base, GEN, {"prompt": "p"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+    assert wait_until(lambda: peer.bodies("/internal/abort"), 15)
+    assert len(peer.bodies("/internal/release")) == before
