@@ -132,45 +132,27 @@ def _rank_main(rank: int, world: int, port: int, cases: list[dict], args, q) -> 
         raise
 
 
-def run_world(world: int, cases: list[dict], args) -> dict:
+def spawn(world: int, target, args, *extra) -> dict:
+    """target(rank, world, port, *extra, args, q) in `world` processes; rank 0's result."""
     import multiprocessing as mp
     from services.netutil import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cases, args, q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *extra, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        res = q.get(timeout=args.timeout)
+        return q.get(timeout=args.timeout)
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
-    return res
-
-
-def comm_part(args) -> dict:
-    """All-to-all of one layer's q/k/v (and back) and the per-step hidden gather, SP2, one branch."""
-    world = 2
-    import multiprocessing as mp
-    from services.netutil import free_port
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_comm_rank, args=(r, world, port, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        res = q.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(60)
-    return res
 
 
 def _comm_rank(rank, world, port, args, q) -> None:
+    """All-to-all of one layer's q/k/v (and back) and the per-step gather, SP2, one branch."""
     from services.generation.cfg_parallel import CfgComm
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -224,7 +206,7 @@ def main() -> None:
     ngpu = 0 if args.smoke else torch.cuda.device_count()
     limit = args.max_gpus or ngpu
     if args.part == "comm":
-        res = comm_part(args) if (args.smoke or limit >= 2) else {}
+        res = spawn(2, _comm_rank, args) if (args.smoke or limit >= 2) else {}
         rows = [(k, v) for k, v in res.items()]
         print("| collective (SP2, one branch, bf16) | ms |\n|---|---:|")
         for k, v in rows:
@@ -238,7 +220,7 @@ def main() -> None:
                 for c in mine:
                     res[c["name"]] = {"skipped": f"needs {world} GPUs"}
                 continue
-            res.update(run_world(world, mine, args))
+            res.update(spawn(world, _rank_main, args, mine))
         print("| case | GPUs | s/step | peak GiB (rank 0) |\n|---|---:|---:|---:|")
         for c in cases:
             r = res.get(c["name"], {"error": "missing"})

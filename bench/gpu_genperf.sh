@@ -35,20 +35,7 @@ else
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
-FAILED=""
-run() {  # run NAME LIMIT_S CMD...: stdout to $OUT/NAME.md, JSON to $OUT/NAME.json
-  local name="$1" limit="$2"; shift 2
-  case ",$ONLY," in *",${name%%-*},"*) ;; *) return 0 ;; esac
-  echo; echo "## $name"
-  local t0=$SECONDS
-  if timeout --signal=INT --kill-after=20 "$limit" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.md"; then
-    echo "($name: $((SECONDS - t0)) s)"
-  else
-    echo "PART $name FAILED or timed out after $((SECONDS - t0)) s; last lines of $OUT/$name.err:"
-    tail -n 20 "$OUT/$name.err" || true
-    FAILED="$FAILED $name"
-  fi
-}
+. bench/parts.sh
 
 B=bench/bench_generation.py
 # fp8 vs bf16 single-branch step (1024², 2048²), fp8 velocity error (8B, 2048², 8-step trajectory),
@@ -76,20 +63,4 @@ elif [ "$SMOKE" = 1 ]; then
   run cfgp-fp8 "$LIMIT" python $B --cfg-parallel 2 --device cpu --tiny --size 128 --steps 2 --warmup 1 --quantization fp8
 fi
 
-python - "$OUT" <<'EOF'
-import json, os, sys
-out = sys.argv[1]
-res = {}
-for name in sorted(os.listdir(out)):
-    if name.endswith(".json") and name != "genperf.json":
-        try:
-            res[name[:-5]] = json.load(open(os.path.join(out, name)))
-        except ValueError:
-            pass
-json.dump(res, open(os.path.join(out, "genperf.json"), "w"), indent=2, default=str)
-print(f"\nwrote {os.path.join(out, 'genperf.json')} ({', '.join(res)})")
-EOF
-if [ -n "$FAILED" ]; then
-  echo "failed parts:$FAILED"
-  exit 1
-fi
+finish genperf

@@ -45,20 +45,7 @@ else
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
-FAILED=""
-run() {  # run NAME LIMIT_S CMD...: stdout to $OUT/NAME.md, JSON to $OUT/NAME.json
-  local name="$1" limit="$2"; shift 2
-  case ",$ONLY," in *",$name,"*) ;; *) return 0 ;; esac
-  echo; echo "## $name"
-  local t0=$SECONDS
-  if timeout --signal=INT --kill-after=20 "$limit" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.md"; then
-    echo "($name: $((SECONDS - t0)) s)"
-  else
-    echo "PART $name FAILED or timed out after $((SECONDS - t0)) s; last lines of $OUT/$name.err:"
-    tail -n 20 "$OUT/$name.err" || true
-    FAILED="$FAILED $name"
-  fi
-}
+. bench/parts.sh
 
 run sp "$LIMIT" python bench/bench_sp.py --part sp "${SP[@]}"
 run 4k "$LIMIT" python bench/bench_sp.py --part 4k "${SP[@]}"
@@ -68,20 +55,4 @@ run qos 200 python bench/bench_deployment.py --profiles "${QOS_PROFILES:-colocat
   --size 2048x2048 --steps 12 --requests 1 --chat-streams 8 --chat-tokens 128 --image-load 2 \
   --load-delay 2 --startup-timeout 150 --log-dir "$OUT/qos-logs"
 
-python - "$OUT" <<'EOF'
-import json, os, sys
-out = sys.argv[1]
-res = {}
-for name in sorted(os.listdir(out)):
-    if name.endswith(".json") and name != "sp_qos.json":
-        try:
-            res[name[:-5]] = json.load(open(os.path.join(out, name)))
-        except ValueError:
-            pass
-json.dump(res, open(os.path.join(out, "sp_qos.json"), "w"), indent=2, default=str)
-print(f"\nwrote {os.path.join(out, 'sp_qos.json')} ({', '.join(res)})")
-EOF
-if [ -n "$FAILED" ]; then
-  echo "failed parts:$FAILED"
-  exit 1
-fi
+finish sp_qos
