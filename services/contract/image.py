@@ -235,17 +235,6 @@ class PrefixRequest(Guidance):
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_kind(cls, data: Any) -> Any:
-        """Gateways before the contract sent the mode as `kind` (transition: accepted, same meaning)."""
-        if isinstance(data, dict) and "kind" in data:
-            data = dict(data)
-            kind = data.pop("kind")
-            if data.setdefault("mode", kind) != kind:
-                raise ValueError("'kind' and 'mode' disagree")
-        return data
-
     @model_validator(mode="after")
     def _images_for_mode(self) -> "PrefixRequest":
         if self.mode == "edit" and not self.images:

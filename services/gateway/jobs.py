@@ -39,9 +39,7 @@ class ImageJob:
         return f"{self.width}x{self.height}"
 
     def prefix_body(self) -> dict[str, Any]:
-        body = self.prefix.model_dump(mode="json")
-        body["kind"] = body["mode"]     # transition: understanding builds before the contract read `kind`
-        return body
+        return self.prefix.model_dump(mode="json")
 
     def generate_body(self, handles: dict) -> dict[str, Any]:
         """The /internal/generate body with understanding's handles (which must match the CFG branches)."""

@@ -83,6 +83,7 @@ def from_upstream(status: int, payload: Any, service: str, headers: Optional[dic
                     headers=keep)
 
 
+# pydantic's labels of union members in a loc ("str", "TextPart", "list[tagged-union[TextPart,ImagePart]]"): not fields
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|none|dict|list|tuple|[A-Z]\w*|.*[\[\-].*)$")
 
 
@@ -107,7 +108,8 @@ def from_validation(errors: list[dict]) -> APIError:
     """pydantic / FastAPI validation errors -> one 400 naming the first offending field and what is allowed."""
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
+    # a value that fits no member of a union gets one error per member: the deepest says the most
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     # a model-level check names its field in ctx["param"] (e.g. an option given twice)
     param = _loc_to_param(first.get("loc", ())) or (first.get("ctx") or {}).get("param")
     msg = str(first.get("msg", "invalid value"))

@@ -180,7 +180,9 @@ class ServiceMiddleware:
         finally:
             if self.hooks:
                 self.hooks.end(path, status["code"])
-            level = logging.DEBUG if path in _QUIET and status["code"] < 500 else logging.INFO
+            # /health answers 503 by design while a service loads or restarts (polled every fraction of a
+            # second by the launcher): its state is on the page and in the service's own log, not per poll
+            level = logging.DEBUG if path == "/health" or (path in _QUIET and status["code"] < 500) else logging.INFO
             self.log.log(level, "%s %s -> %s %.3fs", scope.get("method"), safe(path), status["code"],
                          time.monotonic() - started)
             request_id_var.reset(token)

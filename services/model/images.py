@@ -36,25 +36,60 @@ def edit_max_pixels(num_images: int) -> int:
     return min(2048 * 2048, (4096 * 4096) // max(1, num_images))
 
 
-def load_image(data, max_bytes: int | None = None, max_decoded_pixels: int = 64_000_000) -> Image.Image:
+# Largest source image (width x height from its header) we agree to decode; PIL's own decompression-bomb
+# check (Image.MAX_IMAGE_PIXELS, ~89 Mpx) is a second line behind it.
+MAX_SOURCE_PIXELS = 4096 * 4096
+_DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError,
+                  Image.DecompressionBombWarning)
+
+
+def open_image(data: bytes, max_bytes: int | None = None, max_pixels: int = MAX_SOURCE_PIXELS) -> Image.Image:
+    """Open `data` lazily (PIL reads only the header) and check its size before any pixel is decoded: more
+    than `max_pixels` pixels, a decompression bomb or an unreadable header raise ImageError."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ImageError(f"image is {len(data)} bytes, above the limit of {max_bytes}")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except _DECODE_ERRORS as e:
+        raise ImageError(f"cannot decode image: {e}") from None
+    if img.width * img.height > max_pixels:
+        raise ImageError(f"image is {img.width}x{img.height} = {img.width * img.height} pixels, above the limit "
+                         f"of {max_pixels} pixels per image")
+    return img
+
+
+def _decode_rgb(img: Image.Image) -> Image.Image:
+    try:
+        img.load()
+        if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+            rgba = img.convert("RGBA")
+            bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            img = Image.alpha_composite(bg, rgba)
+        return img.convert("RGB")
+    except MemoryError:
+        raise ImageError("image too large to decode") from None
+    except _DECODE_ERRORS as e:
+        raise ImageError(f"cannot decode image: {e}") from None
+
+
+def load_image(data, max_bytes: int | None = None, max_decoded_pixels: int = MAX_SOURCE_PIXELS) -> Image.Image:
     """bytes or PIL -> RGB PIL; transparent pixels go onto white (as upstream)."""
     if isinstance(data, Image.Image):
-        img = data
-    else:
-        if max_bytes is not None and len(data) > max_bytes:
-            raise ImageError(f"image is {len(data)} bytes, above the limit of {max_bytes}")
-        try:
-            img = Image.open(io.BytesIO(data))
-            if img.width * img.height > max_decoded_pixels:
-                raise ImageError(f"image is {img.width}x{img.height}, above {max_decoded_pixels} pixels")
-            img.load()
-        except (UnidentifiedImageError, OSError, SyntaxError) as e:
-            raise ImageError(f"cannot decode image: {e}") from None
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        img = Image.alpha_composite(bg, rgba)
-    return img.convert("RGB")
+        return _decode_rgb(data)
+    return _decode_rgb(open_image(data, max_bytes, max_decoded_pixels))
+
+
+def load_resized(data: bytes, min_pixels: int, max_pixels: int, max_source_pixels: int = MAX_SOURCE_PIXELS,
+                 max_bytes: int | None = None) -> Image.Image:
+    """`load_image`, then already resized to the `smart_resize` size that `preprocess(img, min_pixels,
+    max_pixels)` would pick, so the full-size copy is dropped at once (the result is the same image:
+    `preprocess` then resizes nothing). Kept full size in the rare case where `smart_resize` would change a
+    size it picked itself."""
+    img = load_image(data, max_bytes, max_source_pixels)
+    h, w = smart_resize(img.height, img.width, min_pixels, max_pixels)
+    if (w, h) != img.size and smart_resize(h, w, min_pixels, max_pixels) == (h, w):
+        img = img.resize((w, h), Image.BICUBIC)
+    return img
 
 
 def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int, factor: int = FACTOR):

@@ -13,8 +13,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from services.kit.proc import die_with_parent, ignore_stop_signals
+
+from .devices import rank_device
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
-from .sampling import sample
+from .sampling import GREEDY, is_fatal_device_error, sample
 from .scheduler import Scheduler
 
 log = logging.getLogger("u1serve.understanding.engine")
@@ -35,6 +38,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     kv_pool_name: str | None = None
     cuda_graph_max_bs: int = 128
+    max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
+    log_level: str = "WARNING"
     in_addr: str = ""       # HTTP -> engine (PULL here)
     out_addr: str = ""      # engine -> HTTP (PUSH here)
 
@@ -57,26 +62,13 @@ def _setup_tp(cfg: EngineConfig, rank: int):
     return TPContext(rank, cfg.tp, None, ctrl_group=ctrl)
 
 
-def _device(cfg: EngineConfig, rank: int) -> str:
-    if cfg.device.startswith("cuda") and cfg.tp > 1:
-        return f"cuda:{rank}"
-    return cfg.device
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the HTTP process dies, so an engine never outlives its server (and GPU)."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def run_engine(rank: int, cfg: EngineConfig) -> None:
-    """Process entry point (multiprocessing spawn)."""
-    _die_with_parent()
-    logging.basicConfig(level=os.environ.get("U1SERVE_LOG_LEVEL", "INFO"))
+    """Process entry point (multiprocessing spawn). The rank dies with its server (so it never outlives it
+    and its GPU memory) and leaves SIGINT/SIGTERM to the server, which stops it."""
+    die_with_parent()
+    ignore_stop_signals()
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.tp)))
     out_sock = None
     try:
@@ -99,7 +91,9 @@ class Engine:
         from services.model.tokenizer import NeoTokenizer
         from .model_runner import ModelRunner
         self.rank, self.cfg, self.tp = rank, cfg, tp
-        self.device = _device(cfg, rank)
+        self.device = rank_device(cfg.device, cfg.tp, rank, lambda: torch.cuda.current_device())
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
         self.dtype = _dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
@@ -114,7 +108,8 @@ class Engine:
             self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         if rank == 0:
             self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
-                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache)
+                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
+                                   max_queue_wait_s=cfg.max_queue_wait_s)
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
@@ -185,7 +180,9 @@ class Engine:
             try:
                 self.execute(scheduled)
             except Exception as e:
-                if self.tp is not None:   # ranks would diverge: let the server report the engine dead
+                # A broken CUDA context must not keep serving (exit; the server restarts the engine); with TP
+                # the ranks would diverge. Anything else fails only this step's requests.
+                if self.tp is not None or is_fatal_device_error(e):
                     raise
                 log.exception("engine step failed; failing its requests")
                 self.sched.fail_step(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
@@ -212,7 +209,7 @@ class Engine:
         for r in reqs:
             if r.generator is None and not r.params.greedy:
                 r.generator = r.params.make_generator(logits.device)
-        params = [r.params if r.kind == "text" else _GREEDY for r in reqs]
+        params = [r.params if r.kind == "text" else GREEDY for r in reqs]
         # repetition penalty looks at prompt + output: r.tokens holds both (no per-step copies)
         toks = sample(logits, params, [r.generator for r in reqs], [r.tokens for r in reqs],
                       [r.output_ids for r in reqs])
@@ -271,12 +268,3 @@ class Engine:
             self.runner.forward(plan)
             self._export(plan)
 
-
-class _Greedy:
-    greedy = True
-    repetition_penalty = 1.0
-    presence_penalty = 0.0
-    frequency_penalty = 0.0
-
-
-_GREEDY = _Greedy()

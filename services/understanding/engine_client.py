@@ -1,243 +1,250 @@
-"""HTTP-process side of the engine: starts the engine processes, submits requests over ZMQ and routes
-the per-step outputs to per-request asyncio queues.
+"""HTTP-process side of the engine: starts the engine rank processes under the kit's Supervisor, submits
+requests over ZMQ and routes the per-step outputs to per-request asyncio queues.
 
-Crash recovery (same contract as `services/generation/supervisor.py`): the engine rank processes of one
-start form an *incarnation* with its own ZMQ sockets and TP rendezvous port. When any rank of a ready
-incarnation dies (crash, OOM kill) or reports a fatal error, every in-flight request gets an
-`engine_dead` error output (the HTTP layer turns it into a 503), the remaining ranks are killed,
-`on_engine_dead` runs (the server releases the shm pages of image prefixes not yet handed out) and a
-fresh incarnation is started. The shared-memory KV pool belongs to the HTTP process and is untouched: same
-name and generation, so handles held by the generation service stay valid. An engine that fails while
-loading at the very first start is not restarted (the error stays on /health); a restarted incarnation
-that fails while loading is retried a few times with back-off before giving up the same way. A rank that
-exits on SIGTERM/SIGINT is taken as a stop (the launcher signals the whole process group), not a crash.
+One start of the engine is an *incarnation* (`EngineIncarnation`, the supervisor's unit): its rank processes,
+its own ZMQ sockets and TP rendezvous port, and a reader thread that hands every message to the event loop.
+When any rank dies (crash, OOM kill, a CUDA error that made it exit) or reports a fatal error, every in-flight
+request gets an `engine_dead` output (the HTTP layer answers 503), the remaining ranks are killed and the
+Supervisor starts a fresh incarnation after its backoff. The restart budget (`RestartPolicy`: K failures in
+T seconds) ends the restarts: the engine stays down and /health says why. A first start that fails is not
+retried at all: `on_start_failure` lets the server exit non-zero with the engine's error. The shared-memory
+KV pool belongs to the HTTP process and is untouched by all of this (same name and generation).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
-import signal
+import shutil
 import tempfile
+import threading
 import uuid
 from typing import Callable, Optional
 
 import zmq
-import zmq.asyncio
+
+from services.kit.restart import RestartPolicy
+from services.kit.supervisor import Supervisor
+from services.netutil import free_port
 
 from .engine import EngineConfig, run_engine
 from .protocol import Abort, EngineStats, RequestOutput, Shutdown, SubmitRequest
-from services.netutil import free_port
 
 log = logging.getLogger("u1serve.understanding.client")
-
-_MAX_LOAD_RETRIES = 3      # consecutive failed loads of a restarted engine before giving up
 
 
 class EngineDead(RuntimeError):
     pass
 
 
-class EngineClient:
-    def __init__(self, cfg: EngineConfig, restart_delay: float = 0.5,
-                 on_engine_dead: Optional[Callable[[str], None]] = None):
-        self._dir = tempfile.mkdtemp(prefix="u1und-")
-        self.base_cfg = cfg
-        self.cfg = cfg
-        self.restart_delay = restart_delay
-        self.on_engine_dead = on_engine_dead or (lambda reason: None)
-        self.ctx = zmq.asyncio.Context()
-        self._sync_ctx = zmq.Context()
-        self.out = None
-        self.inp = None
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.stats = EngineStats(kv_total=cfg.kv_cache_tokens)
-        self.ready = False
-        self.fatal: Optional[str] = None
-        self.last_error: Optional[str] = None    # why the previous incarnation died
-        self.restarts = 0
-        self.restarting = False
-        self.fingerprint: Optional[str] = None
-        self.kv_cache_tokens = cfg.kv_cache_tokens
-        self.max_model_len = cfg.max_model_len
-        self.procs: list[mp.Process] = []
-        self._task: Optional[asyncio.Task] = None
-        self._watch_task: Optional[asyncio.Task] = None
-        self._ready_event = asyncio.Event()
-        self._stopping = False
-        self._was_ready = False       # the current incarnation reported ready at least once
-        self._load_failures = 0
+class EngineIncarnation:
+    """One start of the engine: rank processes + sockets + reader thread (a kit.supervisor Unit)."""
 
-    # ---- incarnations ------------------------------------------------------------------------------
-    def _spawn(self) -> None:
-        """Start one incarnation: fresh sockets, addresses and TP port; the same engine settings."""
+    def __init__(self, base: EngineConfig, sock_dir: str, ctx: zmq.Context, deliver: Callable):
         tag = uuid.uuid4().hex[:8]
-        cfg = dataclasses.replace(self.base_cfg, in_addr=f"ipc://{self._dir}/in-{tag}",
-                                  out_addr=f"ipc://{self._dir}/out-{tag}", dist_port=free_port())
-        self.cfg = cfg
-        self.out = self.ctx.socket(zmq.PULL)
-        self.out.setsockopt(zmq.LINGER, 0)
-        self.out.bind(cfg.out_addr)
-        self.inp = self._sync_ctx.socket(zmq.PUSH)   # plain socket: sends never wait on the event loop
-        self.inp.setsockopt(zmq.LINGER, 0)
-        self.inp.connect(cfg.in_addr)
-        self.ready = False
-        self.fatal = None
-        self._was_ready = False
-        self._ready_event = asyncio.Event()
+        self.cfg = dataclasses.replace(base, in_addr=f"ipc://{sock_dir}/in-{tag}",
+                                       out_addr=f"ipc://{sock_dir}/out-{tag}", dist_port=free_port())
+        self._deliver = deliver
+        self._lock = threading.Lock()       # the PUSH socket is used by the loop and by stop()
+        self._closed = threading.Event()
+        self._stopping = False              # told to stop (shutdown), not a crash
+        self.fatal: Optional[str] = None
+        self._out = ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(self.cfg.out_addr)
+        self._in = ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.setsockopt(zmq.SNDHWM, 0)   # admission control bounds what is in flight, not the socket
+        self._in.connect(self.cfg.in_addr)
         mpctx = mp.get_context("spawn")
-        self.procs = []
-        for rank in range(cfg.tp):
-            p = mpctx.Process(target=run_engine, args=(rank, cfg), daemon=True, name=f"u1-und-engine-{rank}")
+        self.procs = [mpctx.Process(target=run_engine, args=(rank, self.cfg), daemon=True,
+                                    name=f"u1-und-engine-{rank}") for rank in range(self.cfg.tp)]
+        for p in self.procs:
             p.start()
-            self.procs.append(p)
-        self._task = asyncio.get_running_loop().create_task(self._pump(self.out))
+        self._reader = threading.Thread(target=self._read, name=f"und-engine-reader-{tag}", daemon=True)
+        self._reader.start()
 
-    def _teardown(self) -> None:
-        """Kill what is left of the current incarnation and drop its sockets (never blocks for long)."""
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-        for s in (self.out, self.inp):
-            if s is not None:
-                s.close(linger=0)
-        self.out = self.inp = None
-        for name in os.listdir(self._dir):
-            try:
-                os.unlink(os.path.join(self._dir, name))
-            except OSError:
-                pass
+    def _read(self) -> None:
+        try:
+            while not self._closed.is_set():
+                if not self._out.poll(100):
+                    continue
+                msg = self._out.recv_pyobj()
+                if msg.get("type") == "fatal":
+                    self.fatal = msg.get("error") or "engine reported a fatal error"
+                self._deliver(self, msg)
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._out.close(linger=0)
 
-    def start(self) -> None:
-        self._spawn()
-        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+    def send(self, obj) -> bool:
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            self._in.send_pyobj(obj)
+            return True
 
     @property
-    def alive(self) -> bool:
-        return self.fatal is None and bool(self.procs) and all(p.is_alive() for p in self.procs)
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    async def wait_ready(self, timeout: float) -> bool:
+    # ---- kit.supervisor.Unit ---------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.fatal is None and all(p.is_alive() for p in self.procs)
+
+    def exit_reason(self) -> str:
+        dead = [f"{p.name} exit code {p.exitcode}" for p in self.procs if not p.is_alive()]
+        reason = f"engine process died ({', '.join(dead)})" if dead else "engine reported a fatal error"
+        return f"{reason}: {self.fatal}" if self.fatal else reason
+
+    def stopped_on_purpose(self) -> bool:
+        return self._stopping
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Kill what is left; after `stop_gracefully()` first ask the ranks to exit (they free their GPU)."""
+        if self._stopping and not self._closed.is_set():
+            with contextlib.suppress(zmq.ZMQError):
+                self.send(Shutdown())
+            for p in self.procs:
+                p.join(timeout=grace_s)
+        with self._lock:
+            self._closed.set()
+            self._in.close(linger=0)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=5)
+
+    def stop_gracefully(self) -> None:
+        """The next stop() is a planned one (the server shuts down), not a crash."""
+        self._stopping = True
+
+
+class EngineClient:
+    def __init__(self, cfg: EngineConfig, policy: RestartPolicy = RestartPolicy(),
+                 on_ready: Optional[Callable[["EngineClient"], None]] = None,
+                 on_start_failure: Optional[Callable[[str], None]] = None):
+        self.base_cfg = cfg
+        self.on_ready = on_ready or (lambda client: None)
+        self.on_start_failure = on_start_failure or (lambda why: None)
+        self._dir = tempfile.mkdtemp(prefix="u1und-")
+        self._ctx = zmq.Context()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats = EngineStats(kv_total=cfg.kv_cache_tokens)
+        self.fingerprint: Optional[str] = None
+        self.kv_cache_tokens = cfg.kv_cache_tokens
+        self.max_model_len = cfg.max_model_len
+        self.ever_ready = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.supervisor = Supervisor("understanding engine", self._spawn, policy=policy,
+                                     on_death=self._on_death, on_give_up=self._on_give_up)
+
+    # ---- supervisor callbacks (watcher thread) -> event loop -------------------------------------------
+    def _spawn(self) -> EngineIncarnation:
+        return EngineIncarnation(self.base_cfg, self._dir, self._ctx, self._deliver)
+
+    def _to_loop(self, fn, *args) -> None:
         try:
-            await asyncio.wait_for(self._ready_event.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return self.ready
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:             # the loop is closed: the server is gone
+            pass
 
-    async def _watch(self) -> None:
-        """Fail every in-flight request promptly if an engine process dies, then start a fresh engine."""
-        while not self._stopping:
-            await asyncio.sleep(0.25)
-            if self._stopping or not self.procs or self.alive:
-                continue
-            dead = [f"{p.name} exit code {p.exitcode}" for p in self.procs if not p.is_alive()]
-            reason = f"engine process died ({', '.join(dead)})" if dead else self.fatal
-            was_ready = self._was_ready
-            self.ready = False
-            self.fatal = reason
-            self._ready_event.set()
-            self._teardown()                 # also stops the pump: no late outputs from the dead engine
-            self.stats = EngineStats(kv_total=self.kv_cache_tokens)   # the new engine starts empty
-            queues, self.queues = self.queues, {}
-            for rid, q in queues.items():
-                q.put_nowait(RequestOutput(rid, [], "error", error=f"{reason}; retry the request",
-                                           error_code="engine_dead"))
-            try:
-                self.on_engine_dead(reason)
-            except Exception:
-                log.exception("engine-dead cleanup failed")
-            if any(p.exitcode in (-signal.SIGTERM, -signal.SIGINT) for p in self.procs):
-                # SIGTERM/SIGINT is a stop (the launcher signals the whole process group), not a crash
-                log.warning("understanding engine terminated by a signal (%s); not restarting", reason)
-                return
-            if not was_ready:
-                self._load_failures += 1
-                if self.restarts == 0 or self._load_failures > _MAX_LOAD_RETRIES:
-                    log.error("understanding engine failed to start (%s); not restarting", reason)
-                    return
-            else:
-                self._load_failures = 0
-            log.error("understanding engine died (%s); failed %d in-flight request(s), restarting",
-                      reason, len(queues))
-            self.last_error = reason
-            self.restarting = True
-            await asyncio.sleep(self.restart_delay * (2 ** self._load_failures))
-            if self._stopping:
-                return
-            self.restarts += 1
-            self._spawn()
+    def _deliver(self, unit: EngineIncarnation, msg: dict) -> None:
+        self._to_loop(self._on_message, unit, msg)
 
-    async def _pump(self, sock) -> None:
-        while True:
-            msg = await sock.recv_pyobj()
-            kind = msg.get("type")
-            if kind == "step":
-                self.stats = msg["stats"]
-                for o in msg["outs"]:
-                    q = self.queues.get(o.rid)
-                    if q is not None:
-                        q.put_nowait(o)
-            elif kind == "ready":
-                self.kv_cache_tokens = msg.get("kv_cache_tokens", self.cfg.kv_cache_tokens)
-                self.max_model_len = msg.get("max_model_len", self.cfg.max_model_len)
-                self.ready = True
-                self._was_ready = True
-                self.restarting = False
-                self.fingerprint = msg.get("fingerprint")
-                self._ready_event.set()
-                if self.restarts:
-                    log.warning("understanding engine ready again (restart %d)", self.restarts)
-            elif kind == "fatal":
-                self.fatal = msg.get("error")
-                self._ready_event.set()
+    def _on_death(self, reason: str) -> None:
+        self._to_loop(self._fail_inflight, reason)
+
+    def _on_give_up(self, why: str) -> None:
+        if self.supervisor.state == Supervisor.FAILED and not self.ever_ready:
+            self._to_loop(self.on_start_failure, why)
+
+    # ---- event loop ------------------------------------------------------------------------------------
+    def _on_message(self, unit: EngineIncarnation, msg: dict) -> None:
+        if unit.closed or unit is not self.supervisor.unit:
+            return                       # a late message of a dead incarnation
+        kind = msg.get("type")
+        if kind == "step":
+            self.stats = msg["stats"]
+            for o in msg["outs"]:
+                q = self.queues.get(o.rid)
+                if q is not None:
+                    q.put_nowait(o)
+        elif kind == "ready":
+            self.kv_cache_tokens = msg.get("kv_cache_tokens", self.base_cfg.kv_cache_tokens)
+            self.max_model_len = msg.get("max_model_len", self.base_cfg.max_model_len)
+            self.fingerprint = msg.get("fingerprint")
+            self.supervisor.mark_ready(unit)
+            first = not self.ever_ready
+            self.ever_ready = True
+            if first:
+                log.info("engine ready (kv cache %d tokens, context %d)", self.kv_cache_tokens, self.max_model_len)
+            self.on_ready(self)
+
+    def _fail_inflight(self, reason: str) -> None:
+        """The engine died: every in-flight request fails with engine_dead (their handlers release what they
+        hold); the next incarnation starts empty."""
+        self.stats = EngineStats(kv_total=self.kv_cache_tokens)
+        queues, self.queues = self.queues, {}
+        for rid, q in queues.items():
+            q.put_nowait(RequestOutput(rid, [], "error", error=f"{reason}; retry the request",
+                                       error_code="engine_dead"))
+        if queues:
+            log.error("engine died: failed %d in-flight request(s)", len(queues))
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.supervisor.start()
+
+    @property
+    def ready(self) -> bool:
+        unit = self.supervisor.unit
+        return self.supervisor.ready and unit is not None and unit.alive()
+
+    @property
+    def pids(self) -> list[int]:
+        unit = self.supervisor.unit
+        return unit.pids if unit is not None else []
+
+    def status(self) -> dict:
+        """Supervisor state for /health: state, restarts, last_error, failure (why it stays down)."""
+        return self.supervisor.status()
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> asyncio.Queue:
-        if not self.alive or not self.ready:
-            raise EngineDead(self.fatal or ("engine restarting" if self.restarting else "engine not ready"))
+        unit = self.supervisor.unit
+        if not self.ready or unit is None:
+            s = self.supervisor.status()
+            raise EngineDead(s["failure"] or f"engine {s['state']}")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[req.rid] = q
-        self.inp.send_pyobj(req)
+        if not unit.send(req):
+            self.queues.pop(req.rid, None)
+            raise EngineDead("engine restarting")
         return q
 
     def abort(self, rid: str) -> None:
-        if rid in self.queues and self.alive and self.inp is not None:
-            self.inp.send_pyobj(Abort(rid))
+        unit = self.supervisor.unit
+        if rid in self.queues and unit is not None:
+            unit.send(Abort(rid))
 
     def done(self, rid: str) -> None:
         self.queues.pop(rid, None)
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-        try:
-            if self.alive and self.inp is not None:
-                self.inp.send_pyobj(Shutdown())
-        except Exception:
-            pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2)
-        if self._task:
-            self._task.cancel()
-        self.ctx.destroy(linger=0)
-        self._sync_ctx.destroy(linger=0)
-        try:
-            for name in os.listdir(self._dir):
-                os.unlink(os.path.join(self._dir, name))
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        unit = self.supervisor.unit
+        if unit is not None:
+            unit.stop_gracefully()
+        await asyncio.to_thread(self.supervisor.stop)
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)

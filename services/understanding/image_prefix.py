@@ -1,211 +1,114 @@
 """POST /internal/image_prefix: build each CFG branch's prefix, run them as ordinary engine requests,
 export their KV into the shared-memory pool and hand back one KVHandle per branch.
 
-Pool pages are allocated here, at admission, before anything is queued: a full pool answers a fast 503
-(`kv_pool_full`) and never waits. Handles of a failed or aborted request are released at once.
+Pool pages are reserved at admission, before anything is queued, and owned by one `PrefixPages` object per
+request until the handles are handed out: every exit (bad input, pool full, abort, client gone, engine death,
+queue timeout, error) ends in its `close()`, which gives back whatever was not handed out. A full pool is a
+fast 429 (never waits); one request may reserve at most `--max-prefix-pool-share` of the pool (400 above).
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import math
+import contextlib
+import logging
 import time
+from typing import Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
+from services.contract.image import PrefixRequest
+from services.kit import sse
+from services.kit.errors import APIError, bad_request, overloaded, unavailable
+from services.model import images as IM
 from services.model import prompts as PR
-from services.model import sampler as S
 
-from .api_errors import APIError, bad_request, unavailable
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineDead
-from .http_util import until_disconnect
 from .protocol import SubmitRequest
-from .request_parsing import decode_image_ref
+from .routes.responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
+from .textgen import output_error
+
+log = logging.getLogger("u1serve.understanding.prefix")
 
 
-def _sse(obj) -> str:
-    return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)) + "\n\n"
+class PrefixPages:
+    """The shm pages of one image-prefix request. Allocated at admission; `hand_out()` transfers them to the
+    client (the handles event / response); `close()` releases whatever was not handed out. Idempotent."""
 
+    def __init__(self, pool):
+        self.pool = pool
+        self.handles: dict = {}          # branch -> KVHandle as allocated (covers the trimmed final handle)
+        self.owned = True
 
-class ImagePrefixService:
-    def __init__(self, svc):
-        self.svc = svc
-        self.active: dict[str, list[str]] = {}     # request_id -> engine rids
-        self.cancelled: set[str] = set()
-        self.unclaimed: dict[str, dict] = {}       # request_id -> pages allocated, handles not yet handed out
+    def allocate(self, branch: str, num_tokens: int, lease_s: float) -> dict:
+        h = self.pool.allocate(num_tokens, lease_s, branch=branch)
+        self.handles[branch] = h
+        return h.to_dict()
 
-    # ---- request parsing ---------------------------------------------------------------------------
-    def _parse(self, body: dict):
-        rid = body.get("request_id")
-        if not isinstance(rid, str) or not rid:
-            raise bad_request("request_id must be a non-empty string", "request_id")
-        kind = body.get("kind")
-        if kind not in ("t2i", "edit"):
-            raise bad_request("kind must be 't2i' or 'edit'", "kind")
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad_request("prompt must be a string", "prompt")
-        images = body.get("images") or []
-        if not isinstance(images, list):
-            raise bad_request("images must be a list", "images")
-        if kind == "edit" and not 1 <= len(images) <= 4:
-            raise bad_request("edit takes 1 to 4 images", "images")
-        if kind == "t2i" and images:
-            raise bad_request("t2i takes no images", "images")
-        nums = {}
-        for name, default in (("guidance_scale", 4.0), ("image_guidance_scale", 1.0)):
-            v = body.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise bad_request(f"{name} must be a non-negative number", name)
-            nums[name] = float(v)
-        think = body.get("think", False)
-        if not isinstance(think, bool):
-            raise bad_request("think must be a boolean", "think")
-        mtt = body.get("max_think_tokens", 1024)
-        limit = self.svc.args.max_think_tokens
-        if isinstance(mtt, bool) or not isinstance(mtt, int) or not 1 <= mtt <= limit:
-            raise bad_request(f"max_think_tokens must be an integer in [1, {limit}]", "max_think_tokens")
-        params = S.SamplerParams(guidance_scale=nums["guidance_scale"], image_guidance_scale=nums["image_guidance_scale"], mode=kind)
-        return rid, kind, prompt, images, params, think, mtt, bool(body.get("stream", False))
+    def hand_out(self) -> None:
+        self.owned = False
 
-    def _inputs(self, kind, prompt, images, params, think):
-        svc = self.svc
-        system = PR.gen_system_message(svc.args.model)
-        if kind == "t2i":
-            return PR.t2i_inputs(svc.tok, prompt, params, think, system)
-        pils = [decode_image_ref(im, svc.limits, f"images[{i}]") for i, im in enumerate(images)]
-        return PR.edit_inputs(svc.tok, prompt, pils, params, think, system)
-
-    # ---- main entry -----------------------------------------------------------------------------------
-    async def handle(self, request: Request, body: dict):
-        svc = self.svc
-        rid, kind, prompt, images, params, think, mtt, stream = self._parse(body)
-        client = svc.require_engine()
-        if svc.pool is None:
-            raise unavailable("this server was started without --kv-pool-name", "no_kv_pool")
-        if rid in self.active:
-            raise bad_request(f"request_id {rid!r} is already running", "request_id")
-        try:
-            inputs = await asyncio.to_thread(self._inputs, kind, prompt, images, params, think)
-        except APIError:
-            raise
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        tail = svc.tok.encode(PR.THINK_TAIL)
-        handles = self._allocate(inputs, think, mtt, len(tail))
-        self.unclaimed[rid] = handles
-        msgs = []
-        for branch, inp in inputs.items():
-            br_think = think and branch == "cond"
-            msgs.append(SubmitRequest(
-                f"{rid}:{branch}", list(inp.input_ids), list(inp.images), SamplingParams(max_tokens=1),
-                "prefix", think=br_think, max_think_tokens=mtt if br_think else 0,
-                think_tail_ids=tail if br_think else [], think_stop_id=svc.tok.im_end_id,
-                think_end_id=svc.tok.end_think_id, handle=handles[branch].to_dict()))
-        self.active[rid] = [m.rid for m in msgs]
-        try:
-            queues = {m.rid.rsplit(":", 1)[1]: client.submit(m) for m in msgs}
-        except EngineDead as e:
-            self._cleanup(rid, handles, {})
-            raise unavailable(str(e)) from None
-        run = self._run(rid, queues, handles, time.monotonic(), think)
-        if stream:
-            state = {"complete": False}
-
-            async def events():
-                try:
-                    async for ev in run:
-                        if ev["type"] == "handles":
-                            # from here on the client may hold the handles: never free them under it (a
-                            # client that vanishes now leaks them only until their lease expires)
-                            state["complete"] = True
-                        yield _sse(ev)
-                    yield _sse("[DONE]")
-                finally:
-                    await run.aclose()
-
-            async def after():
-                # Runs even when the client left before (or while) the body streamed; a stream that did not
-                # reach [DONE] gives everything back (idempotent with _run's own cleanup).
-                await run.aclose()
-                if not state["complete"]:
-                    self._abandon(rid, list(queues), handles)
-
-            return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(after))
-        async def consume():
+    def close(self) -> int:
+        if not self.owned:
+            return 0
+        self.owned = False
+        freed = 0
+        for h in self.handles.values():
             try:
-                async for ev in run:
-                    if ev["type"] == "error":
-                        raise APIError(ev["status"], ev["error"]["message"], None, ev["error"]["code"])
-                    if ev["type"] == "handles":
-                        return {"request_id": rid, "handles": ev["handles"], "think_text": ev["think_text"]}
-            finally:
-                await run.aclose()
-            raise APIError(500, "image prefix ended without handles", None, "internal")
-
-        # a client that goes away cancels the branches and frees their pages (run's finally)
-        res = await until_disconnect(request, consume())
-        return res if res is not None else Response(status_code=499)
-
-    def _allocate(self, inputs, think, mtt, tail_len):
-        from shm_transfer import PoolFull
-        svc = self.svc
-        handles = {}
-        try:
-            for branch, inp in inputs.items():
-                n = len(inp.input_ids) + ((mtt + tail_len) if think and branch == "cond" else 0)
-                if n >= svc.limits.max_model_len:
-                    raise bad_request(f"the {branch} prefix needs up to {n} tokens, over the context limit of "
-                                      f"{svc.limits.max_model_len}", "prompt", "context_length_exceeded")
-                handles[branch] = svc.pool.allocate(n, svc.args.kv_lease_s, branch=branch)
-        except PoolFull as e:
-            self._release_all(handles)
-            raise APIError(503, str(e), None, "kv_pool_full", "service_unavailable") from None
-        except BaseException:
-            self._release_all(handles)
-            raise
-        return handles
-
-    def _release_all(self, handles) -> None:
-        for h in handles.values():
-            try:
-                self.svc.pool.release(h)
+                freed += self.pool.release(h)
             except Exception:
-                pass
+                log.exception("releasing prefix pages of handle %s failed", h.handle_id)
+        return freed
 
-    def _abandon(self, rid, branches, handles) -> None:
-        """Abort every branch and free every page allocated for the request (same handle ids cover any
-        trimmed final handle)."""
-        client = self.svc.client
-        for b in branches:
-            client.abort(f"{rid}:{b}")
-            client.done(f"{rid}:{b}")
-        self._release_all(handles)
-        self.active.pop(rid, None)
-        self.unclaimed.pop(rid, None)
 
-    def _cleanup(self, rid, handles, done: dict) -> None:
-        """Release every page of a request that will not hand its handles out (error / abort)."""
-        from shm_transfer import KVHandle
-        for branch, h in handles.items():
-            final = done.get(branch)
-            self._release_all({branch: KVHandle.from_dict(final) if final else h})
-        self.active.pop(rid, None)
-        self.unclaimed.pop(rid, None)
-        self.cancelled.discard(rid)
+class PrefixJob:
+    """One image-prefix request in the engine: its branches, their output queues, its pages."""
 
-    async def _run(self, rid, queues, handles, t0, think):
-        """Async iterator of contract events: think_delta..., then handles (or error)."""
-        svc = self.svc
-        detok = IncrementalDetokenizer(svc.tok, skip_special_tokens=False)
+    def __init__(self, svc: "ImagePrefixService", req: PrefixRequest, pages: PrefixPages, admission):
+        self.svc = svc
+        self.req = req
+        self.pages = pages
+        self.admission = admission       # ExitStack holding the admission slot
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.t0 = time.monotonic()
+
+    def engine_rid(self, branch: str) -> str:
+        return f"{self.req.request_id}:{branch}"
+
+    def submit(self, msgs: dict[str, SubmitRequest]) -> None:
+        engine = self.svc.state.engine
+        for branch, msg in msgs.items():
+            self.queues[branch] = engine.submit(msg)
+
+    def abort(self) -> int:
+        for branch in self.queues:
+            self.svc.state.engine.abort(self.engine_rid(branch))
+        return len(self.queues)
+
+    def close(self) -> None:
+        """Every exit path ends here (idempotent): unfinished branches aborted, pages not handed out freed."""
+        engine = self.svc.state.engine
+        for branch in self.queues:
+            engine.abort(self.engine_rid(branch))
+            engine.done(self.engine_rid(branch))
+        self.queues = {}
+        freed = self.pages.close()
+        if freed:
+            log.info("prefix %s: released %d shm pages", self.req.request_id, freed)
+        if self.svc.jobs.get(self.req.request_id) is self:
+            del self.svc.jobs[self.req.request_id]
+        self.admission.close()
+
+    async def events(self):
+        """Contract events: think_delta..., then handles (or one APIError, the last item)."""
+        st = self.svc.state
+        tok = st.tok
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
         done: dict[str, dict] = {}
         think_ids: list[int] = []
-        ok = False
-        pending = {b: asyncio.ensure_future(q.get()) for b, q in queues.items()}
+        pending = {b: asyncio.ensure_future(q.get()) for b, q in self.queues.items()}
         try:
             while pending:
                 finished, _ = await asyncio.wait(set(pending.values()), return_when=asyncio.FIRST_COMPLETED)
@@ -216,17 +119,10 @@ class ImagePrefixService:
                         if delta:
                             yield {"type": "think_delta", "text": delta}
                     if o.finish_reason is None:
-                        pending[branch] = asyncio.ensure_future(queues[branch].get())
+                        pending[branch] = asyncio.ensure_future(self.queues[branch].get())
                         continue
                     if o.finish_reason != "exported":
-                        status = 503 if o.error_code in ("engine_dead",) else (
-                            499 if o.finish_reason == "abort" else 500)
-                        if o.error_code in ("kv_cache_too_small",):
-                            status = 400
-                        yield {"type": "error", "status": status, "error": {
-                            "message": o.error or f"{branch} prefix {o.finish_reason}", "type": "server_error"
-                            if status >= 500 else "invalid_request_error", "param": None,
-                            "code": o.error_code or o.finish_reason}}
+                        yield output_error(o)
                         return
                     done[branch] = o.handle
                     if branch == "cond" and o.think_ids is not None:
@@ -234,54 +130,155 @@ class ImagePrefixService:
             tail = detok.flush()
             if tail:
                 yield {"type": "think_delta", "text": tail}
-            ok = True
-            self.unclaimed.pop(rid, None)      # the pages are the client's from here on
-            svc.metrics.prefix_export.observe(time.monotonic() - t0)
+            st.metrics.prefix_export.observe(time.monotonic() - self.t0)
+            # from here on the client may hold the handles: never free them under it (a client that vanishes
+            # now leaks them only until their lease expires)
+            self.pages.hand_out()
             yield {"type": "handles", "handles": done,
-                   "think_text": svc.tok.decode(think_ids) if think else None}
+                   "think_text": tok.decode(think_ids) if self.req.think else None}
         finally:
             for f in pending.values():
                 f.cancel()
-            for b in queues:
-                if b not in done:
-                    svc.client.abort(f"{rid}:{b}")
-                svc.client.done(f"{rid}:{b}")
-            if not ok:
-                self._cleanup(rid, handles, done)
-            self.active.pop(rid, None)
+
+
+class ImagePrefixService:
+    def __init__(self, state):
+        self.state = state
+        self.jobs: dict[str, PrefixJob] = {}      # request_id -> job in flight
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def _branch_inputs(self, req: PrefixRequest, pils: list) -> dict:
+        st = self.state
+        system = PR.gen_system_message(st.args.model)
+        if req.mode == "t2i":
+            return PR.t2i_inputs(st.tok, req.prompt, req, req.think, system)
+        return PR.edit_inputs(st.tok, req.prompt, pils, req, req.think, system)
+
+    def _reserve(self, req: PrefixRequest, inputs: dict, tail_len: int) -> tuple[PrefixPages, dict]:
+        """Pages for every branch (prompt, + think budget and tail on cond), all or nothing."""
+        st, pool = self.state, self.state.pool
+        sizes = {b: len(inp.input_ids) + (req.max_think_tokens + tail_len if req.think and b == "cond" else 0)
+                 for b, inp in inputs.items()}
+        for branch, n in sizes.items():
+            if n >= st.limits.max_model_len:
+                raise bad_request(f"the {branch} prefix needs up to {n} tokens, over the context limit of "
+                                  f"{st.limits.max_model_len}", "prompt", "context_length_exceeded")
+        need = sum(pool.layout.pages_for(n) for n in sizes.values())
+        cap = max(1, int(st.args.max_prefix_pool_share * pool.num_pages))
+        if need > cap:
+            raise bad_request(
+                f"this request needs {need} KV pool pages ({sum(sizes.values())} tokens over {len(sizes)} "
+                f"branches); one request may reserve at most {cap} of the pool's {pool.num_pages} pages "
+                "(--max-prefix-pool-share, --kv-pool-gb)", "prompt", "kv_request_too_large")
+        from shm_transfer import PoolFull
+        pages = PrefixPages(pool)
+        handles = {}
+        try:
+            for branch, n in sizes.items():
+                handles[branch] = pages.allocate(branch, n, st.args.kv_lease_s)
+        except PoolFull as e:
+            pages.close()
+            raise overloaded(f"{e}", retry_after_s=1.0, code="kv_pool_full") from None
+        except BaseException:
+            pages.close()
+            raise
+        return pages, handles
+
+    def _check_unique(self, request_id: str) -> None:
+        if request_id in self.jobs:
+            raise APIError(409, f"request_id {request_id!r} is already running", param="request_id",
+                           code="duplicate")
+
+    async def _start(self, req: PrefixRequest) -> PrefixJob:
+        st = self.state
+        st.require_engine()
+        if st.pool is None:
+            raise unavailable("this server was started without --kv-pool-name", "no_kv_pool")
+        self._check_unique(req.request_id)
+        if req.max_think_tokens > st.args.max_think_tokens:
+            raise bad_request(f"max_think_tokens: at most {st.args.max_think_tokens} on this server",
+                              "max_think_tokens")
+        admission = st.admit()
+        try:
+            pils = []
+            if req.images:
+                n = len(req.images)
+                pils = await st.images.decode([(f"images[{i}]", im) for i, im in enumerate(req.images)],
+                                              IM.EDIT_MIN_PIXELS, IM.edit_max_pixels(n))
+            inputs = await st.images.run(self._branch_inputs, req, pils)
+            tail = st.tok.encode(PR.THINK_TAIL)
+            self._check_unique(req.request_id)      # again: the same id may have arrived meanwhile
+            pages, handles = self._reserve(req, inputs, len(tail))
+        except BaseException:
+            admission.close()
+            raise
+        job = PrefixJob(self, req, pages, admission)
+        self.jobs[req.request_id] = job
+        msgs = {}
+        for branch, inp in inputs.items():
+            think = req.think and branch == "cond"
+            msgs[branch] = SubmitRequest(
+                job.engine_rid(branch), list(inp.input_ids), list(inp.images), SamplingParams(max_tokens=1),
+                "prefix", think=think, max_think_tokens=req.max_think_tokens if think else 0,
+                think_tail_ids=tail if think else [], think_stop_id=st.tok.im_end_id,
+                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=req.cache_salt)
+        try:
+            job.submit(msgs)
+        except EngineDead as e:
+            job.close()
+            raise unavailable(str(e), "engine_dead") from None
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    # ---- the endpoint -----------------------------------------------------------------------------------
+    async def handle(self, request: Request, req: PrefixRequest):
+        job = await self._start(req)
+        log.info("prefix %s: %s, branches %s", req.request_id, req.mode, list(job.queues))
+        run = job.events()
+
+        async def cleanup():     # branches aborted, pages not handed out freed (also for a client gone)
+            await run.aclose()
+            job.close()
+
+        if req.stream:
+            async def stream():
+                async for ev in run:
+                    yield sse.encode(ev.event() if isinstance(ev, APIError) else ev)
+                yield sse.encode(sse.DONE)
+            return sse_response(stream(), cleanup)
+
+        async def consume() -> dict:
+            async for ev in run:
+                if isinstance(ev, APIError):
+                    raise ev
+                if ev["type"] == "handles":
+                    return {"request_id": req.request_id, "handles": ev["handles"], "think_text": ev["think_text"]}
+            raise APIError(500, "image prefix ended without handles", code="internal")
+
+        finished, result = await until_done_or_gone(request, consume, cleanup)
+        return result if finished else Response(status_code=499)
 
     # ---- release / abort ----------------------------------------------------------------------------
-    def release(self, body: dict) -> dict:
+    def release(self, handles: list) -> dict:
         from shm_transfer import HandleError, KVHandle
-        svc = self.svc
-        if svc.pool is None:
+        pool = self.state.pool
+        if pool is None:
             raise unavailable("this server was started without --kv-pool-name", "no_kv_pool")
-        hs = body.get("handles")
-        if not isinstance(hs, list):
-            raise bad_request("handles must be a list of KV handles", "handles")
         parsed = []
-        for i, h in enumerate(hs):
+        for i, h in enumerate(handles):
             try:
                 parsed.append(KVHandle.from_dict(h))
             except HandleError as e:
                 raise bad_request(f"handles[{i}]: {e}", "handles", e.code) from None
-        return {"released_pages": sum(svc.pool.release(h) for h in parsed)}
+        return {"released_pages": sum(pool.release(h) for h in parsed)}
 
-    def engine_dead(self) -> int:
-        """The engine died: free every page allocated for an image prefix whose handles were not handed out
-        yet (its request is failing with engine_dead; release is idempotent with that path's own cleanup)."""
-        n = 0
-        for rid, handles in list(self.unclaimed.items()):
-            for h in handles.values():
-                try:
-                    n += self.svc.pool.release(h)
-                except Exception:
-                    pass
-            self.unclaimed.pop(rid, None)
-        return n
+    def abort(self, request_id: str) -> int:
+        job: Optional[PrefixJob] = self.jobs.get(request_id)
+        return job.abort() if job is not None else 0
 
-    def abort(self, rid: str) -> int:
-        rids = self.active.get(rid, [])
-        for r in rids:
-            self.svc.client.abort(r)
-        return len(rids)
+    def close_all(self) -> None:
+        for job in list(self.jobs.values()):
+            with contextlib.suppress(Exception):
+                job.close()

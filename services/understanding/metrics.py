@@ -26,6 +26,10 @@ class Metrics:
                                     registry=r)
         self.shm_pages_total = Gauge(p + "shm_pool_pages_total", "pages of the shared-memory KV pool", registry=r)
         self.engine_restarts = Gauge(p + "engine_restarts_total", "engine restarts after a crash", registry=r)
+        self.in_flight = Gauge(p + "admitted_requests", "requests admitted (running or queued)", registry=r)
+        self.admission_limit = Gauge(p + "admission_limit", "running + queued requests allowed", registry=r)
+        self.rejected = Gauge(p + "rejected_requests_total", "requests refused with 429 (admission full)",
+                              registry=r)
         self.requests = Counter(p + "requests", "finished requests", ["endpoint", "finish_reason"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", buckets=_LAT, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "time between output tokens", buckets=_ITL,
@@ -35,8 +39,11 @@ class Metrics:
         self.prefix_export = Histogram(p + "image_prefix_seconds", "image-prefix request latency", buckets=_LAT,
                                        registry=r)
 
-    def render(self, stats, pool_stats: dict | None, restarts: int = 0) -> bytes:
+    def render(self, stats, pool_stats: dict | None, restarts: int, gate) -> bytes:
         self.engine_restarts.set(restarts)
+        self.in_flight.set(gate.active)
+        self.admission_limit.set(gate.limit)
+        self.rejected.set(gate.rejected)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_total.set(stats.kv_total)

@@ -1,7 +1,9 @@
 """Radix prefix cache over token keys -> KV slot ids (shared across requests).
 
-Keys are token ids, except image-context tokens, whose keys come from a hash of the image's pixel values
-(see `image_keys`), so identical images hit the cache. Nodes are ref-counted by the requests that use
+Keys are token ids, except image-context tokens, whose keys come from a 128-bit hash of the image's pixel
+values (see `image_keys`), so identical images hit the cache. A request with a `cache_salt` has its first key
+paired with the salt's hash (`salt_keys`), so requests of different salts never share a node while requests
+of one salt (or of none: the shared default domain) share as before. Nodes are ref-counted by the requests that use
 them; only unreferenced leaves are evicted, least recently used first.
 """
 from __future__ import annotations
@@ -17,8 +19,8 @@ _clock = itertools.count()
 
 
 def image_digest(pixel_values: torch.Tensor, grid_hw) -> int:
-    """A 48-bit content hash of one preprocessed image (pixel values + grid)."""
-    h = hashlib.blake2b(digest_size=6)
+    """A 128-bit content hash of one preprocessed image (pixel values + grid)."""
+    h = hashlib.blake2b(digest_size=16)
     h.update(repr(tuple(int(g) for g in grid_hw)).encode())
     h.update(str(pixel_values.dtype).encode())
     h.update(pixel_values.detach().contiguous().cpu().numpy().tobytes())
@@ -29,6 +31,15 @@ def image_keys(digest: int, n: int) -> list[int]:
     """Cache keys for the n context tokens of one image: negative, so they never collide with token ids."""
     base = (digest << 24)
     return [-(1 + base + i) for i in range(n)]
+
+
+def salt_keys(keys: list, salt: Optional[str]) -> list:
+    """Keys in the isolation domain of `salt`: the first key becomes (salt hash, key), which no unsalted key
+    or key of another salt equals, so the domains share no radix node."""
+    if not salt or not keys:
+        return keys
+    digest = int.from_bytes(hashlib.blake2b(salt.encode("utf-8"), digest_size=16).digest(), "little")
+    return [(digest, keys[0])] + keys[1:]
 
 
 class Node:

@@ -12,7 +12,7 @@ import torch
 from services.model import positions as P
 
 from .protocol import SubmitRequest
-from .radix_cache import image_digest, image_keys
+from .radix_cache import image_digest, image_keys, salt_keys
 
 
 class Req:
@@ -35,14 +35,15 @@ class Req:
         else:
             extra = (msg.max_think_tokens + 1 if msg.think else 0) + len(msg.think_tail_ids) + 1
         cap = len(ids) + extra
-        # Cache keys: token ids, with image-context tokens replaced by content-hash keys.
-        self.keys = list(ids)
+        # Cache keys: token ids, with image-context tokens replaced by content-hash keys, in the salt's domain.
+        keys: list = list(ids)
         self.spans: list[tuple[int, int, int]] = []  # (start, end, image index)
         starts, ends = P._runs(ids_t == img_context_id)
         for i, (s, e) in enumerate(zip(starts, ends)):
             im = msg.images[i]
-            self.keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)
+            keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)
             self.spans.append((s, e, i))
+        self.keys = salt_keys(keys, msg.cache_salt)
         self.tokens = ids                       # every token whose id is known (fed or to be fed)
         self.output_ids: list[int] = []         # generated tokens (text) / think tokens (prefix)
         self.num_computed = 0                   # tokens whose KV is in the pool
@@ -53,6 +54,7 @@ class Req:
         self.prompt_cached = False              # prompt inserted into the prefix cache
         self.hit_tokens = 0                     # prefix-cache hit at first admission
         self.admitted_once = False
+        self.enqueued_at = 0.0                  # when the scheduler queued it (queue-wait timeout)
         self.think_done = not msg.think
         self.finished: Optional[str] = None
         self.new_ids: list[int] = []            # produced this step, not yet reported

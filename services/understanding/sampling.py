@@ -1,4 +1,11 @@
-"""Per-request sampling parameters and the batched sampler (runs on the engine's rank 0)."""
+"""Per-request sampling parameters and the sampler (runs on the engine's rank 0).
+
+The parameters come from the request contract (`services.contract.chat.TextSampling`, validated at the edge);
+this module only has to make every accepted value safe. The math runs in fp32, every intermediate is kept
+finite (NaN -> -inf, +inf -> the largest float), the best candidate of a row always survives every filter,
+and a row without a finite logit falls back to argmax — so no accepted value can produce NaN probabilities
+or a device-side assert in `multinomial`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,13 +13,19 @@ from typing import Optional
 
 import torch
 
+from services.contract.limits import GREEDY_TEMPERATURE
+
+_NEG = float("-inf")
+_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # below GREEDY_TEMPERATURE = greedy (vLLM)
     top_p: float = 1.0
     top_k: int = -1                   # <= 0 = off
+    min_p: float = 0.0                # drop tokens below min_p * p(best token)
     repetition_penalty: float = 1.0   # HF style, over prompt + output tokens
     presence_penalty: float = 0.0     # OpenAI style, over output tokens
     frequency_penalty: float = 0.0
@@ -21,28 +34,22 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    @classmethod
+    def from_request(cls, req, max_tokens: int) -> "SamplingParams":
+        """From a validated `TextSampling` (chat body or native parameters)."""
+        return cls(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                   top_k=req.top_k if req.top_k > 0 else -1, min_p=req.min_p,
+                   repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                   frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop_list,
+                   stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def validate(self) -> Optional[tuple[str, str]]:
-        """(message, param) for the first invalid field, else None."""
-        if self.max_tokens < 1:
-            return "max_tokens must be at least 1", "max_tokens"
-        if not (0.0 <= self.temperature <= 2.0):
-            return "temperature must be between 0 and 2", "temperature"
-        if not (0.0 < self.top_p <= 1.0):
-            return "top_p must be in (0, 1]", "top_p"
-        if self.top_k == 0 or self.top_k < -1:
-            return "top_k must be -1 (off) or >= 1", "top_k"
-        if not (0.0 < self.repetition_penalty <= 10.0):
-            return "repetition_penalty must be in (0, 10]", "repetition_penalty"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2.0 <= getattr(self, name) <= 2.0):
-                return f"{name} must be between -2 and 2", name
-        if len(self.stop) > 16 or any((not isinstance(s, str)) or not s for s in self.stop):
-            return "stop must be up to 16 non-empty strings", "stop"
-        return None
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     def make_generator(self, device) -> Optional[torch.Generator]:
         if self.greedy:
@@ -55,54 +62,90 @@ class SamplingParams:
         return g
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class SamplingFailure:
+    """A row whose sampling raised: only its request fails."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x, nan=_NEG, posinf=_MAX, neginf=_NEG)
+
+
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
     vocab = row.shape[0]
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
         seen = seen[(seen >= 0) & (seen < vocab)]
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = row[seen].double()          # a tiny penalty overflows fp32 in the division: inf -> max below
+        row[seen] = _finite(torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty).float())
     if (p.presence_penalty or p.frequency_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=row.device),
-                                minlength=vocab)[:vocab].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        ids = torch.tensor(output_ids, dtype=torch.long, device=row.device)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].float()
+        row = _finite(row - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()))
     return row
 
 
-def _filter_top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < row.shape[0]:
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(row, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        drop = (cum - probs) > top_p   # keep the smallest set whose mass reaches top_p
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator, prompt_ids, output_ids) -> int:
+    raw = _finite(logits.float())
+    row = _apply_penalties(raw.clone(), p, prompt_ids, output_ids) if p.penalised else raw
+    top = row.max()
+    if not bool(torch.isfinite(top)):       # nothing finite left: the plain best token
+        return int(torch.argmax(raw))
+    if p.greedy:
+        return int(torch.argmax(row))
+    z = (row - top) / max(p.temperature, GREEDY_TEMPERATURE)   # <= 0, the best token exactly 0
+    vocab = z.shape[0]
+    if 0 < p.top_k < vocab:
+        kth = torch.topk(z, p.top_k).values[-1]
+        z = z.masked_fill(z < kth, _NEG)
+    probs = torch.softmax(z, dim=-1)          # finite: the best token has exp(0) = 1 before normalising
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = (cum - sorted_probs) > p.top_p * cum[-1]   # the smallest set whose mass reaches top_p
         drop[0] = False
-        row = row.scatter(0, idx[drop], float("-inf"))
-    return row
+        probs = probs.scatter(0, idx[drop], 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """A GPU error after which the CUDA context is unusable (device-side assert, illegal address): the
+    engine must exit and be restarted, never keep serving."""
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(exc, accel):
+        return True
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text
+                                              or "illegal memory access" in text)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list,
-           prompt_ids: list[list[int]], output_ids: list[list[int]]) -> list[int]:
-    """logits fp32 [B, V] -> one token id per row."""
-    out: list[int] = []
-    greedy_rows = [i for i, p in enumerate(params)
-                   if p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty
-                   and not p.frequency_penalty]
-    if len(greedy_rows) == len(params):   # the common all-greedy batch: one argmax, one sync
+           prompt_ids: list[list[int]], output_ids: list[list[int]]) -> list:
+    """logits fp32 [B, V] -> one token id per row, or a SamplingFailure for a row that raised (its request
+    fails alone). A fatal device error propagates."""
+    plain = [i for i, p in enumerate(params) if p.greedy and not p.penalised]
+    if len(plain) == len(params):   # the common all-greedy batch: one argmax, one sync
         return torch.argmax(logits, dim=-1).tolist()
-    fast = torch.argmax(logits[greedy_rows], dim=-1).tolist() if greedy_rows else []
-    fast_map = dict(zip(greedy_rows, fast))
+    fast = dict(zip(plain, torch.argmax(logits[plain], dim=-1).tolist())) if plain else {}
+    out: list = []
     for i, p in enumerate(params):
-        if i in fast_map:
-            out.append(fast_map[i])
+        if i in fast:
+            out.append(fast[i])
             continue
-        row = _apply_penalties(logits[i].clone(), p, prompt_ids[i], output_ids[i])
-        if p.greedy:
-            out.append(int(torch.argmax(row)))
-            continue
-        row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
+        try:
+            out.append(_sample_row(logits[i], p, generators[i], prompt_ids[i], output_ids[i]))
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            out.append(SamplingFailure(f"sampling failed: {type(e).__name__}: {e}"))
     return out

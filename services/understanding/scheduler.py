@@ -7,6 +7,7 @@ Every iteration builds one StepPlan holding the decode rows of all running reque
 from __future__ import annotations
 
 import collections
+import time
 from typing import Optional
 
 import torch
@@ -15,6 +16,7 @@ from .kv_allocator import KVSlotAllocator
 from .protocol import EngineStats, RequestOutput, SubmitRequest
 from .radix_cache import RadixCache
 from .request import Req
+from .sampling import SamplingFailure
 from .step_plan import StepPlan
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -22,7 +24,8 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class Scheduler:
     def __init__(self, num_slots: int, max_running: int, max_model_len: int, chunk_size: int,
-                 img_context_id: int, enable_prefix_cache: bool = True):
+                 img_context_id: int, enable_prefix_cache: bool = True, max_queue_wait_s: float = 0.0):
+        self.max_queue_wait_s = max_queue_wait_s
         self.alloc = KVSlotAllocator(num_slots)
         self.cache = RadixCache(self.alloc.free, enabled=enable_prefix_cache)
         self.max_model_len = max_model_len
@@ -52,6 +55,7 @@ class Scheduler:
                 f"prompt of {len(req.tokens)} tokens does not fit the KV cache ({self.alloc.num_slots} tokens)"),
                 error_code="kv_cache_too_small"))
             return
+        req.enqueued_at = time.monotonic()
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
@@ -146,6 +150,17 @@ class Scheduler:
                 self._finish(req, "abort")
         self._aborts.clear()
 
+    def _expire_waiting(self) -> None:
+        """Fail requests that waited longer than max_queue_wait_s for their first admission (a preempted
+        request already ran and is not timed out): an overloaded engine answers instead of queueing forever."""
+        if self.max_queue_wait_s <= 0 or not self.waiting:
+            return
+        now = time.monotonic()
+        for req in [r for r in self.waiting if not r.admitted_once
+                    and now - r.enqueued_at > self.max_queue_wait_s]:
+            self._finish(req, "error", f"waited {now - req.enqueued_at:.1f} s for admission (limit "
+                         f"{self.max_queue_wait_s:g} s): the server is overloaded, retry later", "queue_timeout")
+
     # ---- admission ---------------------------------------------------------------------------
     def _try_admit(self, req: Req, decode_reserve: int) -> bool:
         if not self.free_rows:
@@ -182,6 +197,7 @@ class Scheduler:
     def schedule(self) -> Optional[tuple[StepPlan, list]]:
         """Returns (plan, entries) or None when there is nothing to run. entries: (req, start, end)."""
         self._reap_aborts()
+        self._expire_waiting()
         for _ in range(len(self.running) + len(self.waiting) + 2):
             result = self._schedule_once()
             if result is not None or not self.running:
@@ -325,10 +341,13 @@ class Scheduler:
                 self._cache_prompt(r)
             if e != len(r.tokens):
                 continue
-            if r.kind == "text":
-                self._advance_text(r, sampled[r.rid])
+            tok = sampled.get(r.rid)
+            if isinstance(tok, SamplingFailure):
+                self._finish(r, "error", tok.message, "sampling_error")
+            elif r.kind == "text":
+                self._advance_text(r, tok)
             elif not r.think_done:
-                self._advance_think(r, sampled[r.rid])
+                self._advance_think(r, tok)
             else:
                 res = exported.get(r.rid)
                 if isinstance(res, dict):

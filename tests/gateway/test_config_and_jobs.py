@@ -149,12 +149,10 @@ def test_chat_image_options_honour_top_level_aliases_and_image_config():
     assert e.value.param == "timestep_shift"
 
 
-def test_prefix_body_carries_mode_and_the_transition_kind():
-    """Understanding's current parser reads `kind`; the contract's PrefixRequest reads `mode` and accepts
-    `kind` with the same value, so the gateway's body validates on both sides."""
+def test_prefix_body_is_a_prefix_request():
     from services.contract.image import PrefixRequest
     body = job({}, cache_salt="s").prefix_body()
-    assert body["mode"] == body["kind"] == "t2i" and body["cache_salt"] == "s" and body["stream"] is True
+    assert body["mode"] == "t2i" and body["cache_salt"] == "s" and body["stream"] is True
     assert PrefixRequest.model_validate(body).mode == "t2i"
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError):          # internal bodies take no unknown fields
         PrefixRequest.model_validate({**body, "kind": "edit"})

@@ -37,13 +37,13 @@ def _exported(und, handles):
 
 
 CASES = [
-    ("e2e-t2i", dict(kind="t2i", prompt="a red cube", guidance_scale=4.0),
+    ("e2e-t2i", dict(mode="t2i", prompt="a red cube", guidance_scale=4.0),
      dict(cfg_norm="global", n=2)),
-    ("e2e-think", dict(kind="t2i", prompt="a cat", guidance_scale=4.0, think=True, max_think_tokens=5),
+    ("e2e-think", dict(mode="t2i", prompt="a cat", guidance_scale=4.0, think=True, max_think_tokens=5),
      dict(cfg_norm="cfg_zero_star")),
-    ("e2e-edit2", dict(kind="edit", prompt="make it blue", guidance_scale=4.0, image_guidance_scale=1.0),
+    ("e2e-edit2", dict(mode="edit", prompt="make it blue", guidance_scale=4.0, image_guidance_scale=1.0),
      dict(mode="edit", cfg_norm="channel")),
-    ("e2e-edit3", dict(kind="edit", prompt="add a hat", guidance_scale=4.0, image_guidance_scale=2.0),
+    ("e2e-edit3", dict(mode="edit", prompt="add a hat", guidance_scale=4.0, image_guidance_scale=2.0),
      dict(mode="edit", image_guidance_scale=2.0)),
 ]
 
@@ -52,7 +52,7 @@ CASES = [
 def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     und, gen = stack
     model, tok = ref_model
-    pils = [photo(3)] if prefix_req["kind"] == "edit" else []
+    pils = [photo(3)] if prefix_req["mode"] == "edit" else []
     status, out = und.image_prefix(request_id=rid, images=[data_url(p) for p in pils],
                                    stream=False, **prefix_req)
     assert status == 200, out
@@ -70,8 +70,8 @@ def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     # 2) the whole pipeline agrees with the reference pipeline from the prompt
     params = S.SamplerParams(guidance_scale=prefix_req["guidance_scale"],
                              image_guidance_scale=prefix_req.get("image_guidance_scale", 1.0),
-                             mode=prefix_req["kind"])
-    pre = R.image_prefixes(model, tok, prefix_req["kind"], prefix_req["prompt"], pils, params,
+                             mode=prefix_req["mode"])
+    pre = R.image_prefixes(model, tok, prefix_req["mode"], prefix_req["prompt"], pils, params,
                            prefix_req.get("think", False), prefix_req.get("max_think_tokens", 1024))
     assert out["think_text"] == pre["cond"].think_text
     full = reference_pixels(model, pre, b)
@@ -92,23 +92,23 @@ def _pool_stats(und):
         pool.close()
 
 
-def test_pool_full_is_503_then_succeeds(stack):
+def test_pool_full_is_429_then_succeeds(stack):
     und, gen = stack
     held = []
     for i in range(50):  # hold prefixes without generating until the pool is full
-        status, out = und.image_prefix(request_id=f"fill-{i}", kind="t2i", prompt="x" * 40,
+        status, out = und.image_prefix(request_id=f"fill-{i}", mode="t2i", prompt="x" * 40,
                                        guidance_scale=4.0, stream=False)
         if status != 200:
             break
         held.append(out["handles"])
-    assert status == 503 and out["error"]["code"] == "kv_pool_full", out
+    assert status == 429 and out["error"]["code"] == "kv_pool_full", out
     assert held
     # a generation request with handles from before the pool filled still works ...
     status, events = generate(gen.url, body("full-ok", held.pop(), n=1))
     assert status == 200 and not errors_of(events)
     # ... and once the rest are released, new prefixes succeed end to end
     und.release([h for hs in held for h in hs.values()])
-    status, out = und.image_prefix(request_id="after-full", kind="t2i", prompt="a boat",
+    status, out = und.image_prefix(request_id="after-full", mode="t2i", prompt="a boat",
                                    guidance_scale=4.0, stream=False)
     assert status == 200, out
     status, events = generate(gen.url, body("after-full", out["handles"]))

@@ -18,12 +18,14 @@ from services.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "und-test-token"
+HEADERS = {"X-U1-Internal-Token": TOKEN}
 IMG_MIN, IMG_MAX = 1024, 16384      # small input images -> few image tokens
 MAX_LEN = 4096
 
 
 class UndServer:
-    def __init__(self, model_dir: str, *extra: str, pool_gb: float = 0.05, tp: int = 1, log_dir: str = "/tmp"):
+    def __init__(self, model_dir: str, *extra: str, pool_gb: float = 0.05, tp: int = 1, log_dir: str = "/tmp",
+                 token_args: tuple[str, ...] = ("--internal-token", TOKEN), log_level: str = "warning"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pool_name = f"u1und-test-{uuid.uuid4().hex[:10]}"
@@ -31,8 +33,8 @@ class UndServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
                 "--tp", str(tp), "--kv-pool-name", self.pool_name, "--kv-pool-gb", str(pool_gb),
                 "--kv-page-tokens", "16", "--kv-cache-tokens", "16384", "--max-model-len", str(MAX_LEN),
-                "--internal-token", TOKEN, "--image-min-pixels", str(IMG_MIN),
-                "--image-max-pixels", str(IMG_MAX), "--log-level", "warning", *extra]
+                *token_args, "--image-min-pixels", str(IMG_MIN),
+                "--image-max-pixels", str(IMG_MAX), "--log-level", log_level, *extra]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log_path = os.path.join(log_dir, f"und-server-{self.port}.log")
         self.log = open(self.log_path, "w")
@@ -108,7 +110,7 @@ def server(tiny_dir, tmp_path_factory):
 def server_plain(tiny_dir, tmp_path_factory):
     """No chunking, no prefix cache, and a small shm pool (for the pool-full case)."""
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "0", "--no-prefix-cache",
-               pool_gb=0.0008).wait_ready()
+               "--max-prefix-pool-share", "1", pool_gb=0.0008).wait_ready()
     yield s
     s.stop()
 

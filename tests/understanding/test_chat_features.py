@@ -8,9 +8,12 @@ import httpx
 from services.model import prompts as PR
 from services.model import reference as R
 
+from .conftest import HEADERS
+
 
 def _chat(server, **body):
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 12, **body}, timeout=120)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 12, **body},
+                   headers=HEADERS, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -56,9 +59,9 @@ def test_stop_string_truncates(server):
 def test_generate_stream_native(server):
     body = {"inputs": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
             "parameters": {"max_new_tokens": 5, "do_sample": False}}
-    plain = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    plain = httpx.post(server.url + "/generate", json=body, headers=HEADERS, timeout=60).json()
     events = []
-    with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/generate_stream", json=body, headers=HEADERS, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))

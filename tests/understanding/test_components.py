@@ -72,7 +72,6 @@ def test_sampling_greedy_seed_and_filters():
     assert sample(row.clone(), [rep], [None], [[]], [[3]]) == [4]
     freq = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     assert sample(row.clone(), [freq], [None], [[]], [[3]]) == [4]
-    assert SamplingParams(temperature=-1).validate()[1] == "temperature"
 
 
 class _Tok:

@@ -2,7 +2,9 @@
 (streaming: an error event then [DONE]; non-streaming: 503 JSON), unfinished image-prefix pages go back to
 the shm pool (same pool generation), /health is 503 while a fresh engine starts and 200 again with
 `restarts` = 1, and the new engine's greedy output equals the reference. TP=1 (kill rank 0) and TP=2
-(kill rank 1); both servers start side by side."""
+(kill rank 1); both servers start side by side. The restarts are the kit Supervisor's: after the restart budget
+(here 2 deaths) the engine stays down and /health and the log say why, while the HTTP process keeps serving
+/health."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,7 @@ H = {"X-U1-Internal-Token": TOKEN}
 
 @pytest.fixture(scope="module")
 def crash_servers(tiny_dir, tmp_path_factory):
-    s1 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "64")
+    s1 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "64", "--engine-max-failures", "2")
     s2 = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "48", tp=2)
     try:
         yield s1.wait_ready(), s2.wait_ready(240)
@@ -42,7 +44,7 @@ class _Stream(threading.Thread):
     def run(self):
         body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a long story"}],
                 "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=H, timeout=120) as r:
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -97,10 +99,10 @@ def _check_recovered(server, ref, old_pids, generation, seed):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     req = mixed_requests(2, seed=seed)[1]   # with an image
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(req), timeout=120)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(req), headers=H, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == reference_ids(ref, req)
-    m = httpx.get(server.url + "/metrics", timeout=10).text
+    m = httpx.get(server.url + "/metrics", headers=H, timeout=10).text
     assert "u1_und_engine_restarts_total 1.0" in m
 
 
@@ -120,9 +122,9 @@ def test_engine_sigkill_recovers(crash_servers, ref):
         results[name] = httpx.post(server.url + path, json=body, headers=headers, timeout=120)
 
     chat = threading.Thread(target=post, args=("chat", "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}))
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, H))
     prefix = threading.Thread(target=post, args=("prefix", "/internal/image_prefix", {
-        "request_id": "crash-prefix", "kind": "t2i", "prompt": "a red cube", "guidance_scale": 4.0}, H))
+        "request_id": "crash-prefix", "mode": "t2i", "prompt": "a red cube", "guidance_scale": 4.0}, H))
     chat.start()
     prefix.start()
     try:
@@ -152,3 +154,24 @@ def test_engine_tp2_rank1_sigkill_recovers(crash_servers, ref):
     os.kill(pids[1], signal.SIGKILL)
     _check_stream_failed(st)
     _check_recovered(server, ref, pids, generation, seed=6)
+
+
+def test_engine_stays_down_after_its_restart_budget(crash_servers):
+    """--engine-max-failures 2: the second death within the window is the last; the HTTP process stays up."""
+    server = crash_servers[0]
+    for _ in range(2):
+        h = _await(lambda: (lambda c, h: h if c == 200 or h["status"] == "failed" else None)(*_health(server)),
+                   60, "a ready or failed engine")
+        if h["status"] == "failed":
+            break
+        os.kill(h["engine_pids"][0], signal.SIGKILL)
+        _await(lambda: _health(server)[0] == 503, 30, "the death to be seen")
+    h = _await(lambda: (lambda c, h: h if h["status"] == "failed" else None)(*_health(server)), 30, "give-up")
+    assert "2 failures" in h["error"] and "not restarting" in h["error"], h
+    assert h["engine_ready"] is False and h["last_engine_error"]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=H, timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+    assert "not restarting" in r.json()["error"]["message"]
+    assert server.proc.poll() is None
+    assert "not restarting" in open(server.log_path).read()

@@ -7,11 +7,12 @@ import asyncio
 import pytest
 from openai import AsyncOpenAI
 
+from .conftest import TOKEN
 from .helpers import chat_body, mixed_requests, reference_ids
 
 
 async def _run_all(url: str, reqs: list[dict]) -> list[dict]:
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    client = AsyncOpenAI(base_url=url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
     try:
         async def one(r):
             body = chat_body(r)

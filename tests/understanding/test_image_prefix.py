@@ -45,8 +45,8 @@ def _read_back(server, handle: dict) -> torch.Tensor:
 def _check_against_reference(server, ref, body, handles, think_text, pils=()):
     model, tok = ref
     params = S.SamplerParams(guidance_scale=body.get("guidance_scale", 4.0), image_guidance_scale=body.get("image_guidance_scale", 1.0),
-                             mode=body["kind"])
-    expected = R.image_prefixes(model, tok, body["kind"], body["prompt"], list(pils), params,
+                             mode=body["mode"])
+    expected = R.image_prefixes(model, tok, body["mode"], body["prompt"], list(pils), params,
                                 body.get("think", False), body.get("max_think_tokens", 1024))
     assert set(handles) == set(expected) == set(S.branches_needed(params))
     for branch, pre in expected.items():
@@ -64,7 +64,7 @@ def _check_against_reference(server, ref, body, handles, think_text, pils=()):
 
 
 def test_t2i_prefix_matches_reference(server, ref):
-    body = {"request_id": "t2i-1", "kind": "t2i", "prompt": "a red cube on a table", "guidance_scale": 4.0}
+    body = {"request_id": "t2i-1", "mode": "t2i", "prompt": "a red cube on a table", "guidance_scale": 4.0}
     r = _post(server, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -75,7 +75,7 @@ def test_t2i_prefix_matches_reference(server, ref):
 @pytest.mark.parametrize("n_images,img_cfg", [(1, 1.0), (2, 2.0)])
 def test_edit_prefix_matches_reference(server, ref, n_images, img_cfg):
     imgs = [make_image(40 + i, 70 + 30 * i, 50) for i in range(n_images)]
-    body = {"request_id": f"edit-{n_images}", "kind": "edit", "prompt": "make it blue",
+    body = {"request_id": f"edit-{n_images}", "mode": "edit", "prompt": "make it blue",
             "images": [url for _, url in imgs], "guidance_scale": 4.0, "image_guidance_scale": img_cfg}
     r = _post(server, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
@@ -85,7 +85,7 @@ def test_edit_prefix_matches_reference(server, ref, n_images, img_cfg):
 
 
 def test_think_prefix_streams_and_matches_reference(server, ref):
-    body = {"request_id": "think-1", "kind": "t2i", "prompt": "a lighthouse", "guidance_scale": 4.0, "think": True,
+    body = {"request_id": "think-1", "mode": "t2i", "prompt": "a lighthouse", "guidance_scale": 4.0, "think": True,
             "max_think_tokens": 12}
     events = _stream_prefix(server, body)
     assert events[-1] == "[DONE]"
@@ -97,19 +97,19 @@ def test_think_prefix_streams_and_matches_reference(server, ref):
 
 
 def test_tp2_prefix_export_matches_reference(server_tp2, ref):
-    body = {"request_id": "tp2-think", "kind": "t2i", "prompt": "two cats", "guidance_scale": 3.0, "think": True,
+    body = {"request_id": "tp2-think", "mode": "t2i", "prompt": "two cats", "guidance_scale": 3.0, "think": True,
             "max_think_tokens": 6}
     r = _post(server_tp2, "/internal/image_prefix", body)
     assert r.status_code == 200, r.text
     _check_against_reference(server_tp2, ref, body, r.json()["handles"], r.json()["think_text"])
 
 
-def test_pool_full_is_fast_503_and_recovers(server_plain):
-    body = {"kind": "t2i", "prompt": "a small house", "guidance_scale": 4.0}
+def test_pool_full_is_fast_429_and_recovers(server_plain):
+    body = {"mode": "t2i", "prompt": "a small house", "guidance_scale": 4.0}
     first = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-1"})
     assert first.status_code == 200, first.text
     second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=10)
-    assert second.status_code == 503
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
     assert second.json()["error"]["code"] == "kv_pool_full"
     _post(server_plain, "/internal/release", {"handles": list(first.json()["handles"].values())})
     third = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-3"})
@@ -119,13 +119,13 @@ def test_pool_full_is_fast_503_and_recovers(server_plain):
 
 
 def test_internal_endpoints_need_the_token(server):
-    r = httpx.post(server.url + "/internal/image_prefix", json={"request_id": "x", "kind": "t2i", "prompt": "p"})
+    r = httpx.post(server.url + "/internal/image_prefix", json={"request_id": "x", "mode": "t2i", "prompt": "p"})
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "unauthorized"
 
 
 def test_internal_abort_stops_a_prefix_and_frees_its_pages(server):
-    body = {"request_id": "abort-me", "kind": "t2i", "prompt": "endless thoughts", "guidance_scale": 4.0,
+    body = {"request_id": "abort-me", "mode": "t2i", "prompt": "endless thoughts", "guidance_scale": 4.0,
             "think": True, "max_think_tokens": 500, "stream": True}
     events = []
     with httpx.stream("POST", server.url + "/internal/image_prefix", json=body, headers=H, timeout=120) as r:

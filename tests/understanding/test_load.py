@@ -35,7 +35,7 @@ async def _chat(client: AsyncOpenAI, i: int, rng: random.Random, cancel_after: i
 
 
 async def _prefix(url: str, i: int, cancel: bool):
-    body = {"request_id": f"load-{i}", "kind": "t2i", "prompt": f"picture {i}", "guidance_scale": 4.0,
+    body = {"request_id": f"load-{i}", "mode": "t2i", "prompt": f"picture {i}", "guidance_scale": 4.0,
             "think": True, "max_think_tokens": 40, "stream": True}
     headers = {"X-U1-Internal-Token": TOKEN}
     async with httpx.AsyncClient(timeout=300) as c:
@@ -61,7 +61,7 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
     rng = random.Random(1234)
 
     async def main():
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0, timeout=300)
         try:
             chats = [_chat(client, i, random.Random(i), rng.randint(1, 4) if i % 4 == 0 else None)
                      for i in range(64)]
@@ -77,15 +77,16 @@ def test_64_streams_with_cancellations_leave_nothing_behind(server):
     assert h["kv_free"] + h["kv_cached"] == h["kv_total"]
     # still serving
     r = httpx.post(server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3, "temperature": 0}, timeout=60)
+        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3, "temperature": 0},
+        headers={"X-U1-Internal-Token": TOKEN}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert "u1_und_time_to_first_token_seconds_count" in metrics
     assert "u1_und_prefix_cache_hit_rate" in metrics
 
 
 def test_non_stream_prefix_client_gone_frees_pages(server):
-    body = {"request_id": "gone-1", "kind": "t2i", "prompt": "a long think", "guidance_scale": 4.0, "think": True,
+    body = {"request_id": "gone-1", "mode": "t2i", "prompt": "a long think", "guidance_scale": 4.0, "think": True,
             "max_think_tokens": 400}
     try:
         httpx.post(server.url + "/internal/image_prefix", json=body, headers={"X-U1-Internal-Token": TOKEN},

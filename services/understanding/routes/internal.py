@@ -1,0 +1,53 @@
+"""The gateway's internal calls: POST /internal/image_prefix, /internal/release, /internal/abort."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from services.contract import limits as L
+from services.contract.image import PrefixRequest
+from services.contract.types import INTERNAL
+from services.kit.web import json_body
+
+from ..state import app_state
+
+router = APIRouter()
+
+
+class ReleaseRequest(BaseModel):
+    model_config = INTERNAL
+    handles: list[Any] = Field(description="KVHandle dicts the caller will not use")
+
+
+class AbortRequest(BaseModel):
+    model_config = INTERNAL
+    request_id: str = Field(min_length=1, max_length=L.MAX_REQUEST_ID_CHARS)
+
+
+@router.post("/internal/image_prefix")
+async def image_prefix(request: Request):
+    st = app_state(request)
+    req = PrefixRequest.model_validate(await json_body(request))
+    return await st.prefixes.handle(request, req)
+
+
+@router.post("/internal/release")
+async def release(request: Request):
+    st = app_state(request)
+    req = ReleaseRequest.model_validate(await json_body(request))
+    return st.prefixes.release(req.handles)
+
+
+@router.post("/internal/abort")
+async def abort(request: Request):
+    """Abort whatever runs under this request id: an image prefix (all its branches) or a text request."""
+    st = app_state(request)
+    rid = AbortRequest.model_validate(await json_body(request)).request_id
+    n = st.prefixes.abort(rid)
+    if st.engine is not None:
+        for engine_rid in [r for r in st.engine.queues if r == rid or r.startswith(rid + ".")]:
+            st.engine.abort(engine_rid)
+            n += 1
+    return {"request_id": rid, "aborted": n}

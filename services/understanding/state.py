@@ -1,0 +1,148 @@
+"""The understanding service's typed app state: tokenizer, limits, engine client, KV pool, image decoder,
+admission gate. The routers read it through `app_state(request)`; `create_app` builds it once."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from argparse import Namespace
+from typing import Callable, Optional
+
+from fastapi import Request
+
+from services.kit.admission import AdmissionGate
+from services.kit.errors import APIError, bad_request, unavailable
+from services.kit.restart import RestartPolicy
+from services.model.config import load_config
+from services.model.loader import model_fingerprint
+from services.model.tokenizer import NeoTokenizer
+
+from .engine import EngineConfig
+from .engine_client import EngineClient
+from .image_inputs import ImageBudget, ImageDecoder
+from .image_prefix import ImagePrefixService
+from .inputs import Limits
+from .metrics import Metrics
+
+log = logging.getLogger("u1serve.understanding")
+
+
+def default_queue_limit(kv_cache_tokens: int) -> int:
+    """Requests that may wait for admission when --max-queued-requests is not given: one KV cache's worth of
+    256-token prompts (at least 16). A longer queue would only hold memory (prompts, decoded images) for
+    requests that wait longer than clients do."""
+    return max(16, kv_cache_tokens // 256)
+
+
+class AppState:
+    def __init__(self, args: Namespace):
+        self.args = args
+        self.tok = NeoTokenizer.from_dir(args.model)
+        self.cfg = load_config(args.model)
+        self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        self.limits = Limits(max_model_len=args.max_model_len, vocab_size=self.cfg.llm.vocab_size,
+                             min_pixels=args.image_min_pixels, max_pixels=args.image_max_pixels)
+        self.metrics = Metrics()
+        self.images = ImageDecoder(ImageBudget(
+            max_images=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
+            max_pixels_per_image=args.max_source_pixels_per_image,
+            max_pixels_per_request=args.max_source_pixels_per_request), threads=args.image_decode_threads)
+        self.gate = AdmissionGate(args.max_running_requests + self._queue_limit(args.kv_cache_tokens),
+                                  "requests")
+        self.pool = None
+        self.engine: Optional[EngineClient] = None
+        self.prefixes = ImagePrefixService(self)
+        self.started = time.time()
+        self.exit_error: Optional[str] = None          # the engine never started: the server exits with it
+        self.request_exit: Callable[[], None] = lambda: None
+
+    def _queue_limit(self, kv_cache_tokens: int) -> int:
+        a = self.args
+        return a.max_queued_requests if a.max_queued_requests is not None else default_queue_limit(kv_cache_tokens)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        a = self.args
+        if a.kv_pool_name:
+            from shm_transfer import KVLayout, ShmKVPool
+            llm = self.cfg.llm
+            layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
+                              head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
+            # the HTTP process only allocates/releases pages; the engines (which copy) pin the mapping
+            self.pool = ShmKVPool.create(a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
+                                         model_fingerprint(a.model, self.cfg), pin=False)
+        ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
+                            kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
+                            max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
+                            enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
+                            cuda_graph_max_bs=a.cuda_graph_max_bs, max_queue_wait_s=a.max_queue_wait_s,
+                            log_level=a.log_level)
+        policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
+        # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
+        self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
+        self.engine.start()
+
+    def _engine_ready(self, engine: EngineClient) -> None:
+        # the engine may have shrunk its KV cache to fit GPU memory: the context limit and the queue follow
+        self.limits.max_model_len = min(self.args.max_model_len, engine.max_model_len)
+        self.gate.limit = self.args.max_running_requests + self._queue_limit(engine.kv_cache_tokens)
+
+    def _start_failed(self, why: str) -> None:
+        log.error("the engine failed to start; exiting: %s", why)
+        self.exit_error = why
+        self.request_exit()
+
+    async def stop(self) -> None:
+        self.prefixes.close_all()
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                self.pool.unlink()
+            with contextlib.suppress(Exception):
+                self.pool.close()
+
+    # ---- per request ---------------------------------------------------------------------------------
+    def require_engine(self) -> EngineClient:
+        e = self.engine
+        if e is None or not e.ready:
+            s = e.status() if e is not None else {"state": "starting", "failure": None}
+            raise unavailable(s["failure"] or f"the engine is not ready ({s['state']})", "engine_unavailable")
+        return e
+
+    def admit(self) -> contextlib.ExitStack:
+        """An admission slot (429 + Retry-After when the running + queued limit is reached), held until the
+        returned stack is closed (idempotent: every exit path may close it)."""
+        self.gate.acquire()
+        scope = contextlib.ExitStack()
+        scope.callback(self.gate.release)
+        return scope
+
+    async def build_prompt(self, fn, *args):
+        """Prompt building (normalising images, tokenising) in the bounded decode pool; a ValueError of the
+        model code (e.g. more <image> markers than images) is the client's: 400."""
+        try:
+            return await self.images.run(fn, *args)
+        except APIError:
+            raise
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def engine_rid(self, request_id: str) -> str:
+        """The engine's id of a text request: the caller's request id (so /internal/abort finds it), made
+        unique when a client reuses an id that is still in flight."""
+        if self.engine is None or request_id not in self.engine.queues:
+            return request_id
+        return f"{request_id}.{uuid.uuid4().hex[:8]}"
+
+    def stop_ids(self, params) -> list[int]:
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids.append(self.tok.im_end_id)
+        return ids
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.u1
