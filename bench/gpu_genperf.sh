@@ -12,17 +12,8 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
-ONLY="fp8,cache,preset,warmstart,pixels,cfgp"
-SMOKE=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --only) ONLY="$2"; shift 2 ;;
-    --smoke) SMOKE=1; shift ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
-  esac
-done
+. bench/parts.sh
+parse_args "fp8,cache,preset,warmstart,pixels,cfgp" "$@"
 
 if [ "$SMOKE" = 1 ]; then
   GEO=(--device cpu --tiny --size 128 --sizes 128 --steps 2 --warmup 1)
@@ -35,7 +26,6 @@ else
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
-. bench/parts.sh
 
 B=bench/bench_generation.py
 # fp8 vs bf16 single-branch step (1024², 2048²), fp8 velocity error (8B, 2048², 8-step trajectory),

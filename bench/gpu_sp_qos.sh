@@ -19,17 +19,8 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
-ONLY="sp,4k,comm,qos"
-SMOKE=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --only) ONLY="$2"; shift 2 ;;
-    --smoke) SMOKE=1; shift ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
-  esac
-done
+. bench/parts.sh
+parse_args "sp,4k,comm,qos" "$@"
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -45,7 +36,6 @@ else
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
-. bench/parts.sh
 
 run sp "$LIMIT" python bench/bench_sp.py --part sp "${SP[@]}"
 run 4k "$LIMIT" python bench/bench_sp.py --part 4k "${SP[@]}"

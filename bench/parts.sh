@@ -1,9 +1,24 @@
-# Shared by the GPU hand-off scripts (gpu_genperf.sh, gpu_sp_qos.sh); source it after setting OUT and ONLY.
+# Shared by the GPU hand-off scripts (gpu_genperf.sh, gpu_sp_qos.sh): `. bench/parts.sh` from the repo root.
+#   parse_args DEFAULT_PARTS "$@"   --only A,B (default DEFAULT_PARTS) -> $ONLY, --smoke -> SMOKE=1;
+#                             OUT defaults to ./out (created)
 #   run NAME LIMIT_S CMD...   runs CMD --json $OUT/NAME.json under a time limit if NAME (up to its first
 #                             '-') is in $ONLY; stdout to $OUT/NAME.md, stderr to $OUT/NAME.err; a part that
 #                             fails or times out is reported and added to $FAILED, the others still run
 #   finish ALL_NAME           merges $OUT/*.json into $OUT/ALL_NAME.json; exit status 1 if a part failed
 FAILED=""
+parse_args() {
+  ONLY="$1"; SMOKE=0; shift
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --only) ONLY="$2"; shift 2 ;;
+      --smoke) SMOKE=1; shift ;;
+      *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+  done
+  OUT="${OUT:-./out}"
+  mkdir -p "$OUT"
+}
+
 run() {
   local name="$1" limit="$2"; shift 2
   case ",$ONLY," in *",${name%%-*},"*) ;; *) return 0 ;; esac
