@@ -15,6 +15,7 @@ Aligned 8-byte stores and loads, no lock: a reader sees the old or the new value
 """
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import struct
@@ -65,7 +66,9 @@ class YieldSignal:
             os.close(fd)
         for off, val in ((_BUSY, 0), (_STEPS, 0), (_PID, os.getpid()), (_VERSION, VERSION), (_MAGIC, MAGIC)):
             struct.pack_into("<q", mm, off, val)
-        return cls(path, mm, ino, owner=True)
+        sig = cls(path, mm, ino, owner=True)
+        atexit.register(sig.close)     # a normal exit unlinks; a killed writer's page is taken over
+        return sig
 
     def set_busy(self) -> None:
         struct.pack_into("<q", self._mm, _STEPS, struct.unpack_from("<q", self._mm, _STEPS)[0] + 1)

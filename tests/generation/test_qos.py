@@ -199,3 +199,27 @@ def test_engine_yields_between_layers_same_image(name, writer, tiny_dir, ref_mod
     writer.proc.stdout.readline()
     assert torch.equal(got, want)
     assert gate.yields >= 2 * model.num_layers            # every layer of both steps waited
+
+
+def test_understanding_raises_the_flag_for_decode_steps(name, tiny_dir):
+    """The real understanding service with --yield-signal: every decode step is signalled, and the flag
+    is down between requests."""
+    import httpx
+
+    from .genhelp import HEADERS, UndServer
+    und = UndServer(tiny_dir, f"u1qos-und-{uuid.uuid4().hex[:8]}")
+    und.argv += ["--yield-signal", name]
+    und.start()
+    try:
+        page = YieldSignal.open(name)
+        assert page is not None and page.steps == 0
+        r = httpx.post(und.url + "/v1/chat/completions", headers=HEADERS, timeout=120,
+                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                             "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert page.steps >= 5                      # 6 tokens: the prefill samples one, decode steps the rest
+        assert page.busy_for() is None
+        page.close()
+    finally:
+        und.stop()
+    assert not os.path.exists(os.path.join("/dev/shm", name))   # the writer unlinked it at exit
