@@ -42,7 +42,8 @@ def _rank_main(rank: int, world: int, sp: int, port: int, model_dir: str, batche
                 jobs.append(job)
             while engine.running:
                 engine.step()
-            out.update({j.request_id: (j.x.clone(), j.branch_steps) for j in jobs})
+            # numpy: pickled by value (a tensor would be shared through this process, which exits)
+            out.update({j.request_id: (j.x.numpy().copy(), j.branch_steps) for j in jobs})
         q.put((rank, out))
         comm.close()
     except BaseException as e:  # surface the failure instead of a silent hang
@@ -64,7 +65,7 @@ def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240
         for _ in range(world):
             rank, out = q.get(timeout=timeout)
             assert not isinstance(out, str), f"rank {rank} failed: {out}"
-            results[rank] = out
+            results[rank] = {rid: (torch.from_numpy(x), steps) for rid, (x, steps) in out.items()}
     except queue.Empty:
         raise AssertionError(f"ranks did not finish in {timeout} s (got {sorted(results)})") from None
     finally:
