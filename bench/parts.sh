@@ -1,9 +1,9 @@
 # Shared by the GPU hand-off scripts (gpu_genperf.sh, gpu_sp_qos.sh): `. bench/parts.sh` from the repo root.
 #   parse_args DEFAULT_PARTS "$@"   --only A,B (default DEFAULT_PARTS) -> $ONLY, --smoke -> SMOKE=1;
 #                             OUT defaults to ./out (created)
-#   run NAME LIMIT_S CMD...   runs CMD --json $OUT/NAME.json under a time limit if NAME (up to its first
-#                             '-') is in $ONLY; stdout to $OUT/NAME.md, stderr to $OUT/NAME.err; a part that
-#                             fails or times out is reported and added to $FAILED, the others still run
+#   run PART NAME LIMIT_S CMD...   runs CMD --json $OUT/NAME.json under a time limit if PART is in $ONLY;
+#                             stdout to $OUT/NAME.md, stderr to $OUT/NAME.err; a part that fails or times
+#                             out is reported and added to $FAILED, the others still run
 #   finish ALL_NAME           merges $OUT/*.json into $OUT/ALL_NAME.json; exit status 1 if a part failed
 FAILED=""
 parse_args() {
@@ -20,8 +20,8 @@ parse_args() {
 }
 
 run() {
-  local name="$1" limit="$2"; shift 2
-  case ",$ONLY," in *",${name%%-*},"*) ;; *) return 0 ;; esac
+  local part="$1" name="$2" limit="$3"; shift 3
+  case ",$ONLY," in *",$part,"*) ;; *) return 0 ;; esac
   echo; echo "## $name"
   local t0=$SECONDS
   if timeout --signal=INT --kill-after=20 "$limit" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.md"; then
