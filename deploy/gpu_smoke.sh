@@ -33,11 +33,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    site=/tmp/u1serve-site
-    python3 -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. deploy/carried_wheels.sh
+use_carried_wheels
 missing=$(python3 - <<'PY'
 import importlib
 mods = ["torch", "numpy", "PIL", "safetensors", "tokenizers", "jinja2", "fastapi", "starlette", "pydantic",

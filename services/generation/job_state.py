@@ -3,6 +3,7 @@
 KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
 branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
 each step writes the new image K/V into the N slots of every active segment (no per-step copies).
+With sequence parallelism the buffer holds only this rank's KV-head slice (`kv_heads`), all N slots.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class StepMeta:
 
 
 class JobState:
-    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype):
+    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype,
+                 kv_heads: int | None = None):
         self.spec = spec
         self.request_id = spec.request_id
         self.params = spec.sampler()
@@ -62,7 +64,7 @@ class JobState:
         self.step = 0
         self.device = device
         self.dtype = dtype
-        self._model_geom = (model.num_layers, model.num_kv_heads, model.head_dim)
+        self._model_geom = (model.num_layers, kv_heads or model.num_kv_heads, model.head_dim)
         self.kv: torch.Tensor | None = None
         self.segments: list[_Segment] = []
         self.t_offsets: dict[str, int] = {}

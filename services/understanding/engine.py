@@ -39,6 +39,7 @@ class EngineConfig:
     kv_pool_name: str | None = None
     cuda_graph_max_bs: int = 128
     max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
+    yield_signal: str = ""            # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
     log_level: str = "WARNING"
     in_addr: str = ""       # HTTP -> engine (PULL here)
     out_addr: str = ""      # engine -> HTTP (PUSH here)
@@ -106,6 +107,10 @@ class Engine:
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes
             from shm_transfer import ShmKVPool
             self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+        self.yield_signal = None
+        if rank == 0 and cfg.yield_signal:
+            from services.kit.yield_signal import YieldSignal
+            self.yield_signal = YieldSignal.create(cfg.yield_signal)
         if rank == 0:
             self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
@@ -191,10 +196,18 @@ class Engine:
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
-        self._broadcast(plan)
-        logits = self.runner.forward(plan)
-        exported = self._export(plan)
-        sampled = self._sample(logits, entries)
+        # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
+        decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows
+        if decode:
+            self.yield_signal.set_busy()
+        try:
+            self._broadcast(plan)
+            logits = self.runner.forward(plan)
+            exported = self._export(plan)
+            sampled = self._sample(logits, entries)
+        finally:
+            if decode:
+                self.yield_signal.set_idle()
         self.sched.process(entries, sampled, exported)
 
     def _broadcast(self, obj) -> None:

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine processes")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
+    p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
+                   "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
     p.add_argument("--kv-page-tokens", type=int, default=64, help="tokens per shared-memory pool page")
     p.add_argument("--kv-lease-s", type=float, default=300.0,
