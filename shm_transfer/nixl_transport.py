@@ -421,7 +421,9 @@ class NixlTransport(Transport):
 
     def stats(self):
         out = self._local.stats() if self._local is not None else {}
-        out.update(transport=self.kind, agent=self._producer.get("agent"), producers_known=len(self._peers),
+        out.update(transport=self.kind, agent=self._producer.get("agent"),
+                   listen=(f"{self._producer['host']}:{self._producer['port']}" if self._producer else None),
+                   producers_known=len(self._peers),
                    claims=len(self._claims), near_pools=sum(t is not None for t in self._near.values()))
         if self._local is None:
             out["process"] = self.metrics.snapshot()
