@@ -25,7 +25,6 @@ import ipaddress
 import itertools
 import json
 import logging
-import math
 import socket
 import time
 from dataclasses import dataclass
@@ -38,7 +37,8 @@ from services.kit.errors import unavailable
 from services.kit.live import LIVE_PATH
 
 log = logging.getLogger("u1serve.gateway.routing")
-LOAD_BOUND = 1.25        # an affinity replica may carry this times the average load before keys move on
+LOAD_BOUND = 1.25        # an affinity replica may carry this times the average load ...
+LOAD_SLACK = 4           # ... plus this many requests (engines batch: a few more cost little) before keys move on
 
 
 @dataclass(eq=False)
@@ -142,10 +142,10 @@ def _score(key: int, url: str) -> int:
 
 
 def by_affinity(live: list[Endpoint], key: int) -> Endpoint:
-    """Rendezvous hashing with a bounded load: the key's first replica unless it carries more than LOAD_BOUND
-    times the average (then the next in the key's order)."""
+    """Rendezvous hashing with a bounded load: the key's first replica unless it carries LOAD_BOUND times the
+    average load plus LOAD_SLACK (then the next in the key's order)."""
     order = sorted(live, key=lambda e: _score(key, e.url), reverse=True)
-    cap = math.ceil(LOAD_BOUND * (sum(e.load for e in live) + 1) / len(live))
+    cap = LOAD_BOUND * (sum(e.load for e in live) + 1) / len(live) + LOAD_SLACK
     return next((e for e in order if e.load < cap), order[0])
 
 
