@@ -10,6 +10,7 @@ import time
 import httpx
 
 from services.netutil import free_port
+from tests.waiting import wait_until
 
 from .stackproc import ROOT, group_alive
 
@@ -42,18 +43,18 @@ class Service:
             return f.read()[-6000:]
 
     def wait_healthy(self, timeout: float = 240.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
-                if r.status_code == 200:
-                    return r.json()
             except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not healthy in time:\n{self.log()}")
+                return None
+            return r.json() if r.status_code == 200 else None
+        try:
+            return wait_until(healthy, timeout, interval=0.3)
+        except TimeoutError:
+            raise TimeoutError(f"{self.name} not healthy in time:\n{self.log()}") from None
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()
