@@ -137,6 +137,8 @@ def test_a_replica_killed_under_load_fails_only_its_requests(replicas):
     assert codes.count(200) >= 1, codes
     after = [image(gw.url, f"after {i}", f"after-{i}").status_code for i in range(4)]
     assert after == [200] * 4                                  # new requests go to the survivor
+    health = httpx.get(gw.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"   # still serving
     # the victim's handles came back (gateway release or claim lapse): no pool holds a page
     assert wait_until(lambda: all(pages_used(p) == 0 for p in pools), timeout=30)
 
