@@ -87,13 +87,8 @@ class EndpointPool:
         """The replica for a request: by `key` (affinity) when given, else the least loaded; with `source` (the
         understanding replica that holds a job's KV) only replicas that can read it. Replicas that look up
         first; if none does, the others anyway (a probe may be stale)."""
-        candidates = [e for e in self.endpoints if e.url not in exclude] or list(self.endpoints)
-        if source is not None:
-            candidates = [e for e in candidates if can_read(source, e)]
-            if not candidates:
-                raise unavailable(f"no {self.service} replica can read the KV of {source.url} (its shm transport "
-                                  "reaches only its own host; run understanding with --kv-transport nixl)",
-                                  code="no_kv_route")
+        eligible = self.eligible(source)
+        candidates = [e for e in eligible if e.url not in exclude] or eligible
         live = [e for e in candidates if e.looks_up] or candidates
         if key is not None:
             return by_affinity(live, key)
@@ -101,6 +96,20 @@ class EndpointPool:
         rotated = live[start:] + live[:start]
         near = source.shm_domain if source is not None else None
         return min(rotated, key=lambda e: (e.load, not (near and e.shm_domain == near)))
+
+    def eligible(self, source: Optional[Endpoint] = None) -> list[Endpoint]:
+        """The replicas that can take a request reading `source`'s KV (all of them without a source)."""
+        if source is None:
+            return list(self.endpoints)
+        out = [e for e in self.endpoints if can_read(source, e)]
+        if not out:
+            raise unavailable(f"no {self.service} replica can read the KV of {source.url} (its shm transport "
+                              "reaches only its own host; run understanding with --kv-transport nixl)",
+                              code="no_kv_route")
+        return out
+
+    def untried(self, tried: set[str], source: Optional[Endpoint] = None) -> bool:
+        return any(e.url not in tried for e in self.eligible(source))
 
     @contextlib.contextmanager
     def use(self, ep: Endpoint):

@@ -117,9 +117,9 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
     replica was tried: a 503 for no connection at all, else the last answer. No head in time: a 504 (that
     replica counts as down for a moment)."""
     tried: set[str] = set()
+    last: Exception | None = None
     while True:
         ep = target.ep = pool.pick(exclude=tried, key=target.key, source=target.source)
-        last: Exception | None = None
         resp: httpx.Response | None = None
         for _attempt in (1, 2):
             try:
@@ -135,7 +135,7 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
                 pool.down(ep)
                 raise
         tried.add(ep.url)
-        last_one = len(tried) >= len(pool.endpoints)
+        last_one = not pool.untried(tried, target.source)
         if resp is not None and (resp.status_code not in RETRY_ELSEWHERE or last_one):
             return resp
         if resp is not None:

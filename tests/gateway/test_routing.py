@@ -65,6 +65,8 @@ def test_generation_least_loaded_among_replicas_that_can_read_the_kv():
     shm_src = Endpoint("http://u:8100", shm_domain="host1", kv_transport="shm")
     net_src = Endpoint("http://u:8100", shm_domain="host2", kv_transport="nixl")
     assert g.pick(source=shm_src) is a                        # shm: only its own host, however busy
+    assert g.pick(exclude={a.url}, source=shm_src) is a       # tried already: nobody else can take it ...
+    assert not g.untried({a.url}, shm_src) and g.untried({a.url}, net_src)   # ... so the request stops there
     assert g.pick(source=net_src) is c                        # network: the least loaded
     c.in_flight = 1                                           # b and c tie: the producer's domain first
     c.reported_load = 1
