@@ -175,9 +175,11 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                                           os.path.basename(os.path.abspath(model))),
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
     }
-    specs = [b(args, ctx) for b in SERVICE_BUILDERS]
+    from .stack_replicas import replicate
+    specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx,
+                             probe=not getattr(args, "dry_run", False))
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
-    return Stack(specs, out=out, log_dir=os.path.join(run_dir, "logs"), shm_names=[pool],
+    return Stack(specs, out=out, log_dir=os.path.join(run_dir, "logs"), shm_names=pools,
                  grace_s=args.grace, startup_timeout_s=args.startup_timeout,
                  state_file=args.state_file or os.path.join(run_dir, "stack.json"),
                  echo_logs=echo_logs)
@@ -203,6 +205,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--und-port", type=int, default=8100)
     p.add_argument("--gen-port", type=int, default=8200)
+    p.add_argument("--und-replicas", type=int, default=1,
+                   help="understanding replicas on this host (own port, GPUs, KV pool each); the gateway routes "
+                        "over them")
+    p.add_argument("--gen-replicas", type=int, default=1, help="generation replicas on this host (own port, GPUs)")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
     p.add_argument("--kv-pool-gb", type=float, default=None,
                    help="KV pool size (default 0.25 on cpu, 16 on cuda)")
