@@ -217,9 +217,10 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                                           os.path.basename(os.path.abspath(model))),
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
     }
-    specs = [b(args, ctx) for b in SERVICE_BUILDERS]
+    from .stack_replicas import replicate
+    specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
-    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=[pool],
+    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=pools,
                  grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
                  state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
                  echo_logs=echo_logs)
@@ -247,6 +248,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="understanding port (default: --port + 100, or a free one if that is taken)")
     p.add_argument("--gen-port", type=int, default=None,
                    help="generation port (default: --port + 200, or a free one if that is taken)")
+    p.add_argument("--und-replicas", type=int, default=1,
+                   help="understanding replicas on this host (own port, GPUs, KV pool each); the gateway routes "
+                        "over them")
+    p.add_argument("--gen-replicas", type=int, default=1, help="generation replicas on this host (own port, GPUs)")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
     p.add_argument("--kv-pool-gb", type=float, default=None,
                    help="KV pool size (default 0.25 on cpu, 16 on cuda)")

@@ -104,9 +104,9 @@ class Engine:
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
-        if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes
-            from shm_transfer import ShmKVPool
-            self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+        if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)
+            from shm_transfer import LocalShmTransport
+            self.pool = LocalShmTransport.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         self.yield_signal = None
         if rank == 0 and cfg.yield_signal:
             from services.kit.yield_signal import YieldSignal
@@ -229,12 +229,13 @@ class Engine:
         return {r.rid: t for r, t in zip(reqs, toks)}
 
     def _export(self, plan) -> dict:
-        """Write each finished prefix into its shm pages (trimmed to the real token count). With TP every
+        """Write each finished prefix into its pages through the Transport (trimmed to the real token count;
+        the handle keeps its transport fields, so a network handle stays one). With TP every
         rank writes its own KV-head slice of the same pages, then the ranks agree (all-reduce MIN) that
         every slice landed before rank 0 publishes the handle (docs/kv_contract.md, TP note)."""
         if not plan.exports:
             return {}
-        from shm_transfer import KVHandle, export_kv
+        from shm_transfer import KVHandle
         results = {}
         for rid, slots, handle_dict, t_offset in plan.exports:
             handle, err = None, None
@@ -253,7 +254,7 @@ class Engine:
                 if self.tp is not None:
                     h = self.runner.num_kv_heads
                     heads = (self.rank * h, (self.rank + 1) * h)
-                export_kv(self.pool, handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
+                self.pool.export_kv(handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
             except Exception as e:
                 log.exception("export of %s failed", rid)
                 err = f"{type(e).__name__}: {e}"
