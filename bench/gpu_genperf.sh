@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 12 on a 2-GPU H200 machine (1 GPU: everything but cfgp): fp8, where an fp8 step's time goes,
-# warm start, the 8-step preset, the output path, CFG-parallel. Needs only torch (+ numpy, safetensors;
-# Pillow optional) - engine-level, no HTTP stack. Under 5 minutes on 2x H200 (8B random weights).
+# warm start, the 8-step preset, the output path, CFG-parallel. Engine-level, no HTTP stack: torch, numpy,
+# safetensors, pydantic (the request contract; carried in .whl/ where the GPU image lacks it), Pillow
+# optional. Under 5 minutes on 2x H200 (8B random weights).
 #
 #   bash bench/gpu_genperf.sh                        # the default parts (below)
 #   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache
@@ -15,6 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/parts.sh
 parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching) only when asked for
+. deploy/carried_wheels.sh
+use_carried_wheels
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SMOKE" = 1 ]; then
   GEO=(--device cpu --tiny --size 128 --sizes 128 --steps 2 --warmup 1)
