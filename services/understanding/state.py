@@ -112,12 +112,17 @@ class AppState:
             raise unavailable(s["failure"] or f"the engine is not ready ({s['state']})", "engine_unavailable")
         return e
 
-    def admit(self) -> contextlib.ExitStack:
-        """An admission slot (429 + Retry-After when the running + queued limit is reached), held until the
-        returned stack is closed (idempotent: every exit path may close it)."""
-        self.gate.acquire()
+    def admit(self, slots: int = 1) -> contextlib.ExitStack:
+        """Admission slots, one per engine request (429 + Retry-After when the running + queued limit is reached;
+        all or none), held until the returned stack is closed (idempotent: every exit path may close it)."""
         scope = contextlib.ExitStack()
-        scope.callback(self.gate.release)
+        try:
+            for _ in range(slots):
+                self.gate.acquire()
+                scope.callback(self.gate.release)
+        except BaseException:
+            scope.close()
+            raise
         return scope
 
     async def build_prompt(self, fn, *args):
