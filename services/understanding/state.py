@@ -24,6 +24,7 @@ from .engine_client import EngineClient
 from .image_inputs import ImageBudget, ImageDecoder
 from .image_prefix import ImagePrefixService
 from .inputs import Limits
+from .interleave import InterleaveService
 from .metrics import Metrics
 
 log = logging.getLogger("u1serve.understanding")
@@ -54,6 +55,7 @@ class AppState:
         self.pool = None
         self.engine: Optional[EngineClient] = None
         self.prefixes = ImagePrefixService(self)
+        self.interleave = InterleaveService(self)
         self.started = time.time()
         self.exit_error: Optional[str] = None          # the engine never started: the server exits with it
         self.request_exit: Callable[[], None] = lambda: None
