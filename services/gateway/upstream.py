@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import json
 import logging
@@ -68,6 +69,13 @@ class EndpointPool:
 
     def down(self, ep: Endpoint) -> None:
         ep.mark_down(self.retry_down_after_s)
+
+    def pinned(self, url: str) -> "EndpointPool":
+        """This pool narrowed to the endpoint at `url` (the same Endpoint object: busy count and down state are
+        shared), for work that must stay where an earlier part of it ran (an interleaved answer's KV pool)."""
+        view = copy.copy(self)
+        view.endpoints = [e for e in self.endpoints if e.url == url] or [Endpoint(url)]
+        return view
 
 
 def engine_headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:

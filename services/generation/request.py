@@ -63,6 +63,9 @@ class GenerateJob:
     seed: int
     output_format: str
     cache: dict | None = None         # step caching (services/model/step_cache.CacheOptions fields)
+    partial_images: int = 0           # previews (previews.py)
+    noise_draw: int = 0               # which draw of the seeded generator the noise is
+    export_image: bool = False        # the float result into the KV pool (float_image.py)
 
     @property
     def num_tokens(self) -> int:
@@ -182,9 +185,16 @@ def parse_generate(body: Any, fingerprint: str | None = None, cache_defaults=Non
     except ValueError as e:
         raise _bad(f"cache: {e}", "cache") from None
 
+    partial_images = _number(body, "partial_images", 0, int, 0, 3)
+    noise_draw = _number(body, "noise_draw", 0, int, 0, 16)
+    export_image = body.get("export_image", False)
+    if not isinstance(export_image, bool) or (export_image and n != 1):
+        raise _bad("'export_image' is a boolean and takes n = 1", "export_image")
+
     ordered = {b: handles[b] for b in BRANCH_ORDER if b in handles}
     return GenerateJob(request_id=request_id, handles=ordered, mode=mode, width=width,
                        height=height, n=n, num_inference_steps=steps, guidance_scale=guidance_scale,
                        image_guidance_scale=image_guidance_scale, cfg_norm=cfg_norm, timestep_shift=shift,
                        t_eps=t_eps, cfg_interval=(float(interval[0]), float(interval[1])),
-                       seed=seed, output_format=fmt, cache=cache.model_dump())
+                       seed=seed, output_format=fmt, cache=cache.model_dump(), partial_images=partial_images,
+                       noise_draw=noise_draw, export_image=export_image)

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .encode import encode_image
+from .previews import preview_format
 from .metrics import GenerationMetrics
 from .request import ApiError, GenerateJob, parse_generate
 from .supervisor import EngineSupervisor
@@ -97,8 +98,8 @@ def create_app(args: argparse.Namespace) -> FastAPI:
         **perf_engine_args(args),
     }
     fingerprint = _model_fingerprint(args.model)
-    supervisor = EngineSupervisor(engine_args, world=args.cfg_parallel, on_stats=on_stats,
-                                  release=_handle_releaser(args.kv_pool_name, fingerprint))
+    releaser = _handle_releaser(args.kv_pool_name, fingerprint)
+    supervisor = EngineSupervisor(engine_args, world=args.cfg_parallel, on_stats=on_stats, release=releaser)
     token = args.internal_token or os.environ.get("U1SERVE_INTERNAL_TOKEN") or None
     encoder = ThreadPoolExecutor(max_workers=args.encode_threads, thread_name_prefix="u1-encode")
 
@@ -191,7 +192,8 @@ def create_app(args: argparse.Namespace) -> FastAPI:
 
         async def stream():
             outcome = "error"
-            finished = False
+            finished = delivered = False
+            exported = []            # float images (export_image) handed to this stream
             try:
                 yield _sse({"type": "queued"})
                 while True:
@@ -204,17 +206,31 @@ def create_app(args: argparse.Namespace) -> FastAPI:
                     if kind == "progress":
                         yield _sse({"type": "progress", "step": msg["step"],
                                     "total": msg["total"]})
+                    elif kind == "preview":
+                        fmt = preview_format(job.output_format)
+                        b64 = await loop.run_in_executor(encoder, encode_image, msg["pixels"], fmt)
+                        yield _sse({"type": "partial_image", "index": msg["index"],
+                                    "partial_image_index": msg["partial_image_index"], "step": msg["step"],
+                                    "b64": b64, "format": fmt, "width": msg["pixels"].shape[1],
+                                    "height": msg["pixels"].shape[0]})
                     elif kind == "image":
                         b64 = await loop.run_in_executor(encoder, encode_image, msg["pixels"],
                                                          job.output_format)
-                        yield _sse({"type": "image", "index": msg["index"], "b64": b64,
-                                    "format": job.output_format, "width": job.width,
-                                    "height": job.height, "seed": job.seed,
-                                    "branch_steps": msg.get("branch_steps")})
+                        event = {"type": "image", "index": msg["index"], "b64": b64,
+                                 "format": job.output_format, "width": job.width,
+                                 "height": job.height, "seed": job.seed,
+                                 "branch_steps": msg.get("branch_steps")}
+                        if msg.get("image_handle"):
+                            exported.append(msg["image_handle"])
+                            event["image_handle"] = msg["image_handle"]
+                        yield _sse(event)
                     elif kind == "error":
                         yield _sse({k: v for k, v in msg.items() if k != "request_id"})
                 yield _sse("[DONE]")
+                delivered = True
             finally:
+                if exported and not delivered:   # nobody will read the float image back: free it now
+                    await loop.run_in_executor(None, releaser, exported)
                 if not finished:  # the client went away: stop the job at the next step
                     supervisor.cancel(job.request_id)
                     outcome = "disconnected"

@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 import torch
 
+from . import float_image
 from .request import ApiError, GenerateJob, error_event
 
 log = logging.getLogger("u1serve.generation.engine")
@@ -164,11 +165,25 @@ def _leader_loop(engine, comm, source, in_q, out_q, args: dict) -> None:
         for job in list(engine.running) + finished:
             out_q.put({"request_id": job.request_id, "type": "progress", "step": job.step,
                        "total": job.num_inference_steps})
+            if job.preview is not None:
+                k, frames = job.preview
+                job.preview = None
+                for i in range(job.n):
+                    out_q.put({"request_id": job.request_id, "type": "preview", "index": i,
+                               "partial_image_index": k, "step": job.step, "pixels": frames[i]})
         for job in finished:
             pixels = engine.pixels(job)
+            image_handle = None
+            if job.spec.export_image:
+                try:
+                    image_handle = float_image.export(source, job.x[0])
+                except ApiError as e:
+                    _emit_error(out_q, job.request_id, e.to_event())
+                    job.free()
+                    continue
             for i in range(job.n):
                 out_q.put({"request_id": job.request_id, "type": "image", "index": i,
-                           "pixels": pixels[i], "branch_steps": job.branch_steps})
+                           "pixels": pixels[i], "branch_steps": job.branch_steps, "image_handle": image_handle})
             out_q.put({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out_q.put({"request_id": job.request_id, "type": "done", "outcome": "ok"})
             job.free()
