@@ -50,11 +50,17 @@ class ImageStreamEvent(BaseModel):
     """One `data:` event of a streamed image request (`image_generation.*` or `image_edit.*`), then `[DONE]`;
     an `error` event (with `status`) ends a stream that failed after it started."""
     model_config = OPEN
-    type: str = Field(description="<prefix>.think_delta | .think_done | .progress | .completed | error")
+    type: str = Field(description="<prefix>.think_delta | .think_done | .progress | .partial_image | .completed | "
+                                  "error")
     text: Optional[str] = Field(None, description="think text (think_delta, think_done)")
-    step: Optional[int] = Field(None, description="progress: denoising step done, 1-based")
+    step: Optional[int] = Field(None, description="progress: denoising step done, 1-based; partial_image: the "
+                                                  "step whose estimate it shows")
     total: Optional[int] = Field(None, description="progress: steps in all")
-    index: Optional[int] = Field(None, description="completed: which of the n images")
+    index: Optional[int] = Field(None, description="completed, partial_image: which of the n images")
+    partial_image_index: Optional[int] = Field(
+        None, description="partial_image (partial_images > 0): 0-based preview number; a preview is the model's "
+                          "estimate of the final image at evenly spaced steps, at most 512 px on its long side, "
+                          "JPEG unless the request asked for WebP")
     b64_json: Optional[str] = None
     url: Optional[str] = None
     size: Optional[str] = None
