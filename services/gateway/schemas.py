@@ -73,9 +73,24 @@ class ChatResponseMessage(BaseModel):
     model_config = OPEN
     role: Literal["assistant"] = "assistant"
     content: Union[str, list[dict[str, Any]], None] = Field(
-        None, description="text, or image_url parts for modalities ['image']")
+        None, description="text; image_url parts for modalities ['image']; text and image_url parts in answer "
+                          "order for modalities ['text', 'image']")
     reasoning_content: Optional[str] = None
-    images: Optional[list[dict[str, Any]]] = Field(None, description="image_url parts (modalities ['image'])")
+    images: Optional[list[dict[str, Any]]] = Field(None, description="the generated images as image_url parts")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="natural log; -9999.0 for an impossible token")
+    bytes: Optional[list[int]] = Field(None, description="the token's bytes (it may hold part of a character)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, description="the top_logprobs most likely tokens")
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = Field(None, description="one entry per content token")
 
 
 class ChatChoice(BaseModel):
@@ -83,6 +98,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: Optional[str] = None
+    logprobs: Optional[ChoiceLogprobs] = Field(None, description="with logprobs: true")
 
 
 class ChatUsage(BaseModel):
@@ -90,6 +106,39 @@ class ChatUsage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class ChatDelta(BaseModel):
+    model_config = OPEN
+    role: Optional[str] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    images: Optional[list[dict[str, Any]]] = Field(None, description="a finished image (image_url part with its "
+                                                                     "`index` in the answer)")
+    image_progress: Optional[dict[str, int]] = Field(
+        None, description="modalities ['text', 'image']: {index, step, total} while an image denoises")
+    partial_image: Optional[dict[str, Any]] = Field(
+        None, description="image_config.partial_images > 0: {index, partial_image_index, image_url} previews")
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = OPEN
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: Optional[ChoiceLogprobs] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat; the last one before `[DONE]` carries `usage` (and no choices) with
+    stream_options.include_usage."""
+    model_config = OPEN
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[ChatUsage] = None
 
 
 class ChatCompletionResponse(BaseModel):

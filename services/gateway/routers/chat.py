@@ -26,7 +26,7 @@ from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, resolve_size
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
-from ..schemas import ERRORS, ChatCompletionResponse
+from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
                         error_from_response, is_timeout, open_stream, reading, tell)
@@ -38,7 +38,7 @@ PATH = "/v1/chat/completions"
 IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
 
 STREAM_DOC = {200: {"description": "JSON, or with stream: SSE chat.completion.chunk events then [DONE]",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                    "content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}}
 
 
 def image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
