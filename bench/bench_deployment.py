@@ -121,7 +121,8 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("stack did not become healthy in time")
 
 
-def run_profile(name: str, model_dir: str, args, port: int) -> dict:
+def run_profile(name: str, model_dir: str, args, port: int, measure=measure) -> dict:
+    """Start the profile's stack, run `measure(base, args)` against it (async), stop it."""
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(port + 1), "--gen-port", str(port + 2), "--host", "127.0.0.1",
            "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + args.up_args.split()

@@ -35,7 +35,7 @@ from .routes.responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
 
 log = logging.getLogger("u1serve.understanding.interleave")
-CACHED_IMAGES = 32      # generated images kept re-encoded here (a segment re-reads every image of its answer)
+CACHE_BYTES = 256 << 20  # re-encoded generated images kept here (a segment re-reads every image of its answer)
 
 
 class FloatImages:
@@ -71,7 +71,7 @@ class FloatImages:
             raise bad_request(f"{param}: {e}", param, "invalid_handle") from None
         with self._lock:
             self._lru[key] = image
-            while len(self._lru) > CACHED_IMAGES:
+            while sum(im.pixel_values.nbytes for im in self._lru.values()) > CACHE_BYTES and len(self._lru) > 1:
                 self._lru.popitem(last=False)
         return image
 
