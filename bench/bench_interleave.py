@@ -13,17 +13,18 @@ CPU smoke run:            python bench/bench_interleave.py --tiny --profiles cpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_deployment import ROOT, run_profile  # noqa: E402
+from bench_deployment import ROOT, prepare_model, run_all, stack_args  # noqa: E402
+
+sys.path.insert(0, ROOT)
+from services.kit import sse  # noqa: E402
 
 
 async def t2i(client, args, seed: int) -> float:
@@ -48,10 +49,7 @@ async def answer(client, args, seed: int) -> dict:
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"interleaved answer failed: {r.status_code} {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        async for ev in sse.aevents(r.aiter_lines()):
             if "error" in ev:
                 raise RuntimeError(f"interleaved answer error: {ev}")
             delta = (ev.get("choices") or [{}])[0].get("delta", {})
@@ -100,40 +98,16 @@ def table(results: dict, args) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profiles", default="colocate-1")
-    p.add_argument("--variant", default="u1-8b", help="full-size config (random weights)")
-    p.add_argument("--tiny", action="store_true", help="tiny checkpoint instead (CPU smoke run)")
+    stack_args(p, "colocate-1", 18100)
     p.add_argument("--size", default="1024x1024")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--images", type=int, default=3)
     p.add_argument("--requests", type=int, default=2, help="T2I requests and answers (medians)")
-    p.add_argument("--startup-timeout", type=float, default=600)
-    p.add_argument("--port", type=int, default=18100)
-    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile")
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
-    sys.path.insert(0, ROOT)
-    from services.model.tiny import write_full_config, write_tiny_checkpoint
+    model_dir = prepare_model(args)
     from services.model.tokenizer import NeoTokenizer
-
-    work = tempfile.mkdtemp(prefix="u1bench-il-")
-    args.log_dir = args.log_dir or os.path.join(work, "logs")
-    os.makedirs(args.log_dir, exist_ok=True)
-    model_dir = os.path.join(work, "model")
-    (write_tiny_checkpoint(model_dir, "u1") if args.tiny else write_full_config(model_dir, args.variant))
     args.img_token = NeoTokenizer.from_dir(model_dir).img_start_id
-    results = {}
-    for i, name in enumerate(args.profiles.split(",")):
-        try:
-            results[name] = run_profile(name, model_dir, args, args.port + 10 * i, make_measure(args))
-        except Exception as e:  # a failed profile is reported, the others still run
-            results[name] = {"error": repr(e)}
-        print(name, json.dumps(results[name]), flush=True)
-    print(table(results, args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f, indent=2)
+    results = run_all(args, model_dir, make_measure(args), table)
     if any("error" in r for r in results.values()):
         sys.exit(1)
 

@@ -129,27 +129,25 @@ class ChatChunkChoice(BaseModel):
     logprobs: Optional[ChoiceLogprobs] = None
 
 
-class ChatCompletionChunk(BaseModel):
+class _ChatEnvelope(BaseModel):
+    model_config = OPEN
+    id: str
+    created: int
+    model: str
+    usage: Optional[ChatUsage] = None
+
+
+class ChatCompletionChunk(_ChatEnvelope):
     """One `data:` event of a streamed chat; the last one before `[DONE]` carries `usage` (and no choices) with
     stream_options.include_usage."""
-    model_config = OPEN
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[ChatUsage] = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_ChatEnvelope):
     """POST /v1/chat/completions without stream; with stream: `chat.completion.chunk` events, then `[DONE]`."""
-    model_config = OPEN
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Optional[ChatUsage] = None
 
 
 # ------------------------------------------------------------------------------------------ ops

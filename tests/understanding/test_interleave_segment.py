@@ -13,6 +13,7 @@ from services.model import reference as R
 from services.model.sampler import SamplerParams
 
 from .conftest import HEADERS
+from .test_image_prefix import _read_back as _read
 
 MSGS = [{"role": "user", "content": "draw a cat, then tell its story"}]
 SIZE = 64
@@ -58,15 +59,6 @@ def _segment(server, rid: str, transcript: list, bias: float = BIAS, **kw) -> li
                       timeout=120) as r:
         assert r.status_code == 200, r.read()
         return list(sse.events(r.iter_lines()))
-
-
-def _read(server, handle: dict) -> torch.Tensor:
-    from shm_transfer import KVHandle, ShmKVPool, read_kv
-    pool = ShmKVPool.attach(server.pool_name)
-    try:
-        return read_kv(pool, KVHandle.from_dict(handle))
-    finally:
-        pool.close()
 
 
 def _release(server, handles: list[dict]) -> None:
