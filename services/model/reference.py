@@ -212,12 +212,12 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 @torch.no_grad()
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
             seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
-            branch_steps: dict | None = None, noise_draw: int = 0) -> torch.Tensor:
+            branch_steps: dict | None = None, noise_draw: int = 0, on_estimate=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
 
     `cache`: step caching (services/model/step_cache.py), per branch; `branch_steps`, if given, is
     filled with {branch: (computed, reused)} steps; `noise_draw`: which draw of the seeded generator the
-    noise is (S.initial_noise)."""
+    noise is (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image z + (1 - t) v."""
     cache = cache or CacheOptions()
     params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
     if width % S.BLOCK or height % S.BLOCK:
@@ -241,7 +241,10 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
                                 fb if cache.mode != "off" else None)
             if cache.mode == "off":
                 states[b].computed += 1
-        z = S.euler(z, S.combine(v, params, i, float(t)), t, t_next)
+        v = S.combine(v, params, i, float(t))
+        if on_estimate is not None:
+            on_estimate(i, S.unpatchify(z + (1 - t) * v, th, tw))
+        z = S.euler(z, v, t, t_next)
         x = S.unpatchify(z, th, tw)
         if on_step is not None:
             on_step(i + 1, params.num_inference_steps)

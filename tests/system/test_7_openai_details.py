@@ -105,3 +105,32 @@ def test_chat_logit_bias_through_the_gateway(openai_client, reference):
     r = openai_client.chat.completions.create(model="m", messages=MSGS, max_tokens=3, temperature=0,
                                               logit_bias={str(target): 100})
     assert r.choices[0].message.content == "ZZZ"
+
+
+def test_partial_image_is_the_x0_estimate(stack, reference):
+    """The preview is the model's estimate of the clean image, z + (1 - t) v, at its step (JPEG-compressed)."""
+    import json
+
+    import numpy as np
+
+    import services.model.reference as R
+    from services.generation.previews import preview_steps
+    from services.model.sampler import SamplerParams, to_uint8
+    body = {"prompt": "a kite over a field", "size": "64x64", "num_inference_steps": 8, "seed": 21, "stream": True,
+            "partial_images": 1}
+    with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    partial = [e for e in events if e["type"] == "image_generation.partial_image"]
+    assert len(partial) == 1
+    model, tok = reference
+    params = SamplerParams(num_inference_steps=8)
+    (step,) = preview_steps(8, 1)
+    seen = {}
+    pre = R.image_prefixes(model, tok, "t2i", body["prompt"], [], params)
+    R.denoise(model, pre, 64, 64, params, seed=21, on_estimate=lambda i, x0: seen.setdefault(i, x0))
+    from services.generation.encode import encode_image
+    # the reference estimate through the same JPEG encoder (noise-like tiny-model images lose much to JPEG)
+    want = np.asarray(_img(encode_image(to_uint8(seen[step])[0].numpy(), "jpeg")).convert("RGB"), np.float64)
+    got = np.asarray(_img(partial[0]["b64_json"]).convert("RGB"), np.float64)
+    assert partial[0]["step"] == step + 1
+    assert np.abs(want - got).mean() < 1.0, np.abs(want - got).mean()
