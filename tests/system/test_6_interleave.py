@@ -149,3 +149,36 @@ def test_client_gone_mid_answer_frees_everything(stack):
                    timeout=180)
     assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["images"]) == 1
     assert wait_until(idle, 60, interval=0.2)
+
+
+def test_interleaved_answer_with_an_input_image_three_branches_non_think(stack, reference):
+    """An input image (it sits in cond and in tu), g != g_i != 1 (cond, tu and iu branches), enable_thinking false
+    (the empty think block): still the reference's answer."""
+    import torch
+
+    import services.model.reference as R
+    from services.model.images import load_image
+    from services.model.sampler import SamplerParams
+    model, tok = reference
+    buf = io.BytesIO()
+    Image.fromarray((np.arange(64 * 96 * 3) % 251).astype(np.uint8).reshape(64, 96, 3)).save(buf, format="PNG")
+    png = buf.getvalue()
+    text = "Redraw this picture twice"
+    ref_msgs = [{"role": "user", "content": [{"type": "image", "image": load_image(png)}, {"type": "text", "text": text}]}]
+    params = SamplerParams(mode="edit", num_inference_steps=STEPS, guidance_scale=3.0, image_guidance_scale=2.0)
+    ans = R.interleave(model, tok, ref_msgs, params, SIZE, SIZE, seed=SEED, think=False, max_new_tokens=40,
+                       max_images=2, logit_bias={tok.img_start_id: BIAS})
+    assert len(ans.images) >= 1
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    body = _body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": text}]}],
+                 chat_template_kwargs={"enable_thinking": False},
+                 image_config={**IMAGE_CONFIG, "guidance_scale": 3.0, "image_guidance_scale": 2.0})
+    r = httpx.post(stack.base + "/v1/chat/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert "".join(p["text"] for p in msg["content"] if p["type"] == "text") == \
+        "".join(tok.decode(s, skip_special_tokens=True) for s in ans.segments)
+    assert len(msg["images"]) == len(ans.images)
+    for part, ref in zip(msg["images"], R.to_pil(torch.cat(ans.images))):
+        _close(_decode_url(part["image_url"]["url"]), ref)
