@@ -50,12 +50,15 @@ class FloatImages:
     def load(self, item: TranscriptImage, param: str) -> IM.ImageTensor:
         """Runs in the decode pool (blocking copies)."""
         from shm_transfer import HandleError, KVHandle, read_kv
-        from shm_transfer.tensors import unpack
+        from shm_transfer.tensors import tokens_for, unpack
         pool, lease_s = self.state.pool, self.state.args.kv_lease_s
         try:
             h = KVHandle.from_dict(item.image)
             if h.branch != FLOAT_IMAGE_BRANCH:
                 raise bad_request(f"{param}: not a generated image (branch {h.branch!r})", param, "invalid_handle")
+            if h.num_tokens != tokens_for(pool.layout, 3 * item.width * item.height):
+                raise bad_request(f"{param}: the handle does not hold a {item.width}x{item.height} image", param,
+                                  "invalid_handle")
             pool.extend_lease(h, lease_s)          # checks that the pages are still this handle's
             key = (h.pool_generation, h.handle_id)
             with self._lock:
