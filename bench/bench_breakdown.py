@@ -6,7 +6,8 @@ Two parts, each runs alone:
     pixels to uint8: old (uint8 on the device, permuted copy to pageable host memory, then the
     contiguous copy PIL needs) vs new (contiguous uint8 on the device, one copy into pinned memory);
     encoding one image: Pillow PNG level 0/1/3/6, JPEG q90, WebP q90 method 0, base64, and the
-    service's own PNG writer (services/generation/encode.py) on one thread and in strips; n = 4
+    service's own PNG writer (services/generation/encode.py) on one thread and in strips on 2 / 4 / 8
+    threads and the service's default count (usable CPUs: affinity and cgroup quota); n = 4
     images encoded by 1 vs 4 threads (Pillow releases the GIL while it encodes).
 --part services (the real processes: `u1serve up` machinery, fastapi/uvicorn/pyzmq needed): one
     request through the gateway (non-stream and stream), the prefix call to understanding alone and
@@ -123,13 +124,20 @@ def part_engine(args) -> dict:
             row["encode"][name] = {"seconds": sec, "bytes": len(data), "base64_s": b64}
             print(f"| {size}² | {old:.4f} | {new:.4f} | {name} | {sec:.4f} | {len(data)} | {b64:.4f} |")
         if Image is not None:   # ours: sub filter + RLE deflate in strips (services/generation/encode.py)
-            from services.generation.encode import encode_png
-            for name, par in (("u1png_1thread", False), ("u1png_strips", True)):
-                sec = _median_s(lambda: encode_png(pixels, parallel=par), max(2, args.repeat // 2))
-                data = encode_png(pixels, parallel=par)
+            from concurrent.futures import ThreadPoolExecutor
+
+            from services.generation.encode import encode_png, png_threads, usable_cpus
+            runs = [("u1png_1thread", False, None)] + [
+                (f"u1png_strips_{n}threads", True, n) for n in sorted({2, 4, 8, png_threads()}) if n > 1]
+            for name, par, n in runs:
+                with ThreadPoolExecutor(n or 1) as pool:
+                    sec = _median_s(lambda: encode_png(pixels, parallel=par, pool=pool), max(3, args.repeat))
+                    data = encode_png(pixels, parallel=par, pool=pool)
                 row["encode"][name] = {"seconds": sec, "bytes": len(data)}
                 print(f"| {size}² | | | {name} | {sec:.4f} | {len(data)} | |")
-            from concurrent.futures import ThreadPoolExecutor
+            row["png_threads_default"], row["usable_cpus"] = png_threads(), usable_cpus()
+            print(f"| {size}² | | | (service default: {png_threads()} threads; usable CPUs {usable_cpus()}, "
+                  f"os.cpu_count {os.cpu_count()}) | | | |")
 
             def encode_one(_):
                 b = io.BytesIO()

@@ -9,8 +9,11 @@ CPU smoke run (tiny geometry, seconds):
     python bench/bench_generation.py --device cpu --tiny --size 128 --steps 2
 
 Speed options (issue 12), each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
-    --part fp8        bf16 vs fp8 single-branch step at --sizes, fp8-vs-bf16 velocity error, GPU GEMM
-                      vs emulation, Triton quantiser vs torch (bits)
+    --part fp8        single-branch step at --sizes: bf16 vs fp8 (serving GemmPolicy, every GEMM fp8,
+                      fast accumulation), fp8-vs-bf16 velocity error, each layer GEMM by row count
+                      (bf16 / fp8 / fast / quantiser), kernels vs torch bit for bit, GEMM vs emulation
+    --part fp8-profile  torch.profiler of one single-branch step (--size), bf16 vs fp8: time by kernel
+                      category and the top kernels (where a step's time goes)
     --part cache      whole-job time and computed steps vs first-block threshold (--thresholds)
     --part preset     the 8-step preset (guidance 1, 8 steps, shift 3): whole job, bf16 and fp8
     --part warmstart  first vs steady step of a fresh process, with (default) or without (--no-warmup)
@@ -60,9 +63,8 @@ def parse_args():
     p.add_argument("--import-tokens", default="365,4096", help="prefix lengths for the import timing")
     p.add_argument("--cfg-parallel", type=int, default=1)
     p.add_argument("--skip-batching", action="store_true")
-    p.add_argument("--profile", default=None, help="write a torch.profiler table of one single-branch step here")
     p.add_argument("--json", default=None)
-    p.add_argument("--part", default="step", choices=["step", "fp8", "cache", "preset", "warmstart"])
+    p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")
@@ -147,25 +149,6 @@ def build(args, device, dtype):
     return model
 
 
-def profile_step(engine: Engine, spec, out_path: str | None) -> None:
-    """Top CUDA kernels of one denoising step (torch.profiler), to see where a step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    job, _ = engine.admit(spec)
-    engine.add(job)
-    engine.step()
-    _sync(engine.device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.step()
-        _sync(engine.device)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    print(table)
-    if out_path:
-        with open(out_path, "w") as f:
-            f.write(table)
-    engine.drop(job.request_id)
-
-
 def single_device(args, device, dtype) -> dict:
     model = build(args, device, dtype)
     p_cond, p_uncond = (int(x) for x in args.prefix.split(","))
@@ -181,9 +164,6 @@ def single_device(args, device, dtype) -> dict:
         h = publish(pool, {"cond": p_cond, "uncond": p_uncond}, {"cond": p_cond, "uncond": p_uncond})
         t, _ = time_steps(engine, [job_spec("cfg", h, args.size, total)], args.warmup, args.steps)
         out["cfg_step_s"] = statistics.median(t)
-        if args.profile:
-            h = publish(pool, {"cond": p_cond}, {"cond": p_cond})
-            profile_step(engine, job_spec("prof", h, args.size, total, cfg=1.0), args.profile)
         # 2) single-branch step (cond only): the per-forward number
         h = publish(pool, {"cond": p_cond}, {"cond": p_cond})
         t, _ = time_steps(engine, [job_spec("single", h, args.size, total, cfg=1.0)], args.warmup,

@@ -1,4 +1,4 @@
-"""Issue-12 parts of bench_generation.py (`--part fp8|cache|preset|warmstart`): torch only.
+"""Issue-12 parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart`): torch only.
 
 Every job is admitted with random prefix KV held in memory (`Engine.admit_local`, no pool), P = 365
 for cond and 9 for uncond as in the step benchmark. Timings synchronise the device around what they
@@ -18,6 +18,7 @@ from services.model import reference as R
 from services.model import sampler as S
 
 PREFIX = {"cond": 365, "uncond": 9}
+OTHER_PREFIX = {"cond": 517, "uncond": 23}   # a prompt length no warm-up used
 
 
 def spec(rid: str, size: int, steps: int, guidance: float, cache: dict | None = None) -> GenerateJob:
@@ -28,22 +29,23 @@ def spec(rid: str, size: int, steps: int, guidance: float, cache: dict | None = 
                        cfg_interval=(0.0, 1.0), seed=0, output_format="png", cache=cache)
 
 
-def prefix_kv(model, branches, device, dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def prefix_kv(model, lengths: dict[str, int], device, dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
-    return {b: torch.randn((model.num_layers, 2, PREFIX[b], model.num_kv_heads, model.head_dim),
-                           generator=g, device=device).to(dtype) for b in branches}
+    return {b: torch.randn((model.num_layers, 2, n, model.num_kv_heads, model.head_dim),
+                           generator=g, device=device).to(dtype) for b, n in lengths.items()}
 
 
-def admit(engine: Engine, sp: GenerateJob):
-    job = engine.admit_local(sp, prefix_kv(engine.model, sp.branches, engine.device, engine.dtype),
-                             {b: PREFIX[b] for b in sp.branches})
+def admit(engine: Engine, sp: GenerateJob, prefix: dict[str, int] = PREFIX):
+    lengths = {b: prefix[b] for b in sp.branches}
+    job = engine.admit_local(sp, prefix_kv(engine.model, lengths, engine.device, engine.dtype), lengths)
     engine.add(job)
     return job
 
 
-def step_times(engine: Engine, sp: GenerateJob, warmup: int, steps: int) -> list[float]:
+def step_times(engine: Engine, sp: GenerateJob, warmup: int, steps: int,
+               prefix: dict[str, int] = PREFIX) -> list[float]:
     """Seconds of `steps` single steps after `warmup` (sp must have more steps than both)."""
-    job = admit(engine, sp)
+    job = admit(engine, sp, prefix)
     for _ in range(warmup):
         engine.step()
     times = []
@@ -86,81 +88,318 @@ def _sizes(args) -> list[int]:
     return [args.size] if args.tiny else [int(x) for x in args.sizes.split(",")]
 
 
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ----------------------------------------------------------------------------- fp8 models and policies
+def _fp8_policies(device):
+    """name -> GemmPolicy: what serving runs (`GemmPolicy.for_device`), every GEMM in fp8 with accurate
+    accumulation, every GEMM in fp8 with fast accumulation."""
+    from services.model.quant import GemmPolicy
+    return {"serving": GemmPolicy.for_device(device), "all": GemmPolicy(0, None), "fast": GemmPolicy(0, 0)}
+
+
+def set_policy(model, policy) -> None:
+    """Switch every fp8 module of `model` to `policy` (built with the model-dtype weights kept)."""
+    from services.model.quant import Fp8Linear, Fp8RMSNorm
+    for mod in model.modules():
+        if isinstance(mod, (Fp8Linear, Fp8RMSNorm)):
+            mod.policy = policy
+
+
 def _fp8_models(args, device, dtype):
-    from services.model.quant import Fp8Linear, check_fp8_device, quantize_model
+    """(bf16 model, fp8 model) with the same random weights; the fp8 one keeps its model-dtype weights,
+    so `set_policy` can switch it between the policies of `_fp8_policies`."""
+    from services.model.quant import GemmPolicy, check_fp8_device, quantize_model
     args.quantization = "none"
     m16 = build(args, device, dtype)
     m8 = build(args, device, dtype)             # same seed: the same weights
     check_fp8_device(device, dtype)
-    quantize_model(m8, ("gen",), fast_accum=False)
-    return m16, m8, Fp8Linear
+    quantize_model(m8, ("gen",), policy=GemmPolicy(min_tokens=1))   # keeps the model-dtype weights
+    return m16, m8
+
+
+def _burn(engines, size: int, seconds: float) -> None:
+    """Run steps until the GPU is at its steady clocks (the first timed config of a process otherwise
+    reads slow: GPU run 1's first row)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for e in engines:
+            step_times(e, spec("burn", size, 3, 1.0), 0, 2)
+
+
+def _median_rounds(fn, rounds: int) -> float:
+    """Median over `rounds` calls of fn() (each a list of step seconds), configs interleaved by the caller."""
+    return statistics.median(t for _ in range(rounds) for t in fn())
 
 
 @torch.inference_mode()
 def part_fp8(args, device, dtype) -> dict:
-    from kernels.fp8_quant import quant_fp8_rowwise, quant_fp8_rowwise_ref
-    from services.model.quant import scaled_mm, scaled_mm_emulated
-    m16, m8, Fp8Linear = _fp8_models(args, device, dtype)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "steps": {}}
+    m16, m8 = _fp8_models(args, device, dtype)
+    policies = _fp8_policies(device)
+    out = {"device": _device_name(device), "torch": torch.__version__, "steps": {},
+           "serving_policy": str(policies["serving"])}
     w, n = args.warmup, args.steps
+    e16, e8 = Engine(m16, None), Engine(m8, None)
+    _burn([e16, e8], max(_sizes(args)), 0.0 if args.tiny else 3.0)
     for size in _sizes(args):
-        e16, e8 = Engine(m16, None), Engine(m8, None)
-        row = {"bf16": statistics.median(step_times(e16, spec("b", size, w + n + 1, 1.0), w, n)),
-               "fp8": statistics.median(step_times(e8, spec("f", size, w + n + 1, 1.0), w, n))}
-        for mod in m8.modules():
-            if isinstance(mod, Fp8Linear):
-                mod.fast_accum = True
-        row["fp8_fast_accum"] = statistics.median(step_times(e8, spec("a", size, w + n + 1, 1.0), w, n))
-        for mod in m8.modules():
-            if isinstance(mod, Fp8Linear):
-                mod.fast_accum = False
-        out["steps"][size] = row
-    # per-step velocity error of fp8 vs bf16 along the bf16 trajectory of an 8-step schedule
-    size = _sizes(args)[-1]
-    kv = prefix_kv(m16, ["cond"], device, dtype)["cond"]
-    x = S.initial_noise(1, size, size, 0, device, dtype, S.noise_scale(m16.cfg, (size // 32) ** 2))
-    grid = S.timesteps(8, 3.0).tolist()
-    errs = []
-    for k in range(8):
-        v16, v8 = velocity(m16, kv, x, grid[k]), velocity(m8, kv, x, grid[k])
-        errs.append(rel(v8, v16))
-        x = S.unpatchify(S.euler(S.patchify(x), v16, grid[k], grid[k + 1]), size // 32, size // 32)
-    out["velocity_rel_err"] = {"size": size, "per_step": errs, "mean": statistics.mean(errs),
-                               "max": max(errs)}
-    # the fp8 GEMM against its emulation and the quantiser against the torch reference (bits)
-    checks = []
-    g = torch.Generator(device=device).manual_seed(1)
-    h = m16.cfg.llm.hidden_size
-    inter = m16.cfg.llm.intermediate_size
-    for M, N, K in [(4096, h, h), (4096, inter, h), (4096, h, inter)] if not args.tiny else [(64, 64, 64)]:
-        a = torch.randn(M, K, generator=g, device=device).to(dtype)
-        b = (0.02 * torch.randn(N, K, generator=g, device=device)).to(dtype)
-        qa, sa = quant_fp8_rowwise(a)
-        ra, rsa = quant_fp8_rowwise_ref(a)
-        qb, sb = quant_fp8_rowwise(b)
-        got = scaled_mm(qa, qb, sa, sb.t().contiguous(), dtype).float()
-        want = scaled_mm_emulated(qa, qb, sa, sb.t(), torch.float32)
-        checks.append({"mnk": [M, N, K], "quant_bits_equal": bool(torch.equal(qa.view(torch.uint8),
-                                                                                ra.view(torch.uint8))
-                                                                    and torch.equal(sa, rsa)),
-                       "gemm_vs_emulation_rel": rel(got, want)})
-    out["checks"] = checks
-    print(f"device: {out['device']}, torch {out['torch']}")
-    print("| image | base s/step | fp8 s/step | fp8 fast-accum s/step | speedup | target (2048²) |")
-    print("|---|---:|---:|---:|---:|---|")
-    for size, r in out["steps"].items():
-        print(f"| {size}² | {r['bf16']:.4f} | {r['fp8']:.4f} | {r['fp8_fast_accum']:.4f} | "
-              f"{r['bf16'] / r['fp8']:.2f}x | {'<= 0.085 s' if size == 2048 else ''} |")
-    v = out["velocity_rel_err"]
-    print(f"\nfp8 vs bf16 velocity, {v['size']}², 8-step trajectory: mean {v['mean']:.4f}, max {v['max']:.4f} "
-          f"(per step {', '.join(f'{e:.4f}' for e in v['per_step'])})")
-    for c in checks:
-        print(f"GEMM {c['mnk']}: quantiser bits equal torch: {c['quant_bits_equal']}, "
-              f"_scaled_mm vs emulation rel {c['gemm_vs_emulation_rel']:.2e}")
+        samples = {k: [] for k in ("bf16", *policies)}
+        for _ in range(1 if args.tiny else 2):  # interleaved rounds per config
+            samples["bf16"] += step_times(e16, spec("b", size, w + n + 1, 1.0), w, n)
+            for name, pol in policies.items():
+                set_policy(m8, pol)
+                samples[name] += step_times(e8, spec(name, size, w + n + 1, 1.0), w, n)
+        out["steps"][size] = {k: statistics.median(v) for k, v in samples.items()}
+        out["steps"][size]["rows"] = (size // 32) ** 2
+    out["velocity_rel_err"] = _velocity_errors(args, m16, m8, policies, device, dtype)
+    set_policy(m8, policies["serving"])
+    out["gemm_shapes"] = _gemm_shapes(args, m16, device, dtype)
+    out["checks"] = _fp8_checks(args, m16, device, dtype)
+    _print_fp8(out)
     return out
 
 
+def _velocity_errors(args, m16, m8, policies, device, dtype) -> dict:
+    """Per-step relative velocity error of fp8 (accurate and fast accumulation) vs bf16 along the bf16
+    trajectory of an 8-step schedule at the largest size."""
+    size = max(_sizes(args))
+    kv = prefix_kv(m16, {"cond": PREFIX["cond"]}, device, dtype)["cond"]
+    x = S.initial_noise(1, size, size, 0, device, dtype, S.noise_scale(m16.cfg, (size // 32) ** 2))
+    grid = S.timesteps(8, 3.0).tolist()
+    errs = {"all": [], "fast": []}
+    for k in range(8):
+        v16 = velocity(m16, kv, x, grid[k])
+        for name in errs:
+            set_policy(m8, policies[name])
+            errs[name].append(rel(velocity(m8, kv, x, grid[k]), v16))
+        x = S.unpatchify(S.euler(S.patchify(x), v16, grid[k], grid[k + 1]), size // 32, size // 32)
+    return {"size": size, **{name: {"per_step": e, "mean": statistics.mean(e), "max": max(e)}
+                             for name, e in errs.items()}}
+
+
+def _gemm_shapes(args, model, device, dtype) -> list[dict]:
+    """Each GEMM of a layer at several row counts: bf16 vs fp8 (accurate / fast accumulation) and the
+    activation quantiser alone: the data for GemmPolicy's thresholds."""
+    import torch.nn.functional as F
+
+    from kernels.fp8_quant import quant_fp8_rowwise
+    from services.model.quant import scaled_mm
+    llm = model.cfg.llm
+    h, inter, kv = llm.hidden_size, llm.intermediate_size, llm.num_key_value_heads * llm.head_dim
+    q = llm.num_attention_heads * llm.head_dim
+    shapes = [("q", q, h), ("k|v", 2 * kv, h), ("o", h, q), ("gate|up", 2 * inter, h), ("down", h, inter)]
+    ms = (64, 128) if args.tiny else (1024, 2048, 4096, 8192)
+    g = torch.Generator(device=device).manual_seed(2)
+    rows = []
+    for M in ms:
+        for name, N, K in shapes:
+            x = torch.randn(M, K, generator=g, device=device).to(dtype)
+            wt = (0.02 * torch.randn(N, K, generator=g, device=device)).to(dtype)
+            qx, sx = quant_fp8_rowwise(x)
+            qw, sw = quant_fp8_rowwise(wt)
+            sw = sw.t().contiguous()
+            r = {"name": name, "M": M, "N": N, "K": K,
+                 "bf16_us": _time_us(lambda: F.linear(x, wt), device),
+                 "fp8_us": _time_us(lambda: scaled_mm(qx, qw, sx, sw, dtype, False), device),
+                 "fp8_fast_us": _time_us(lambda: scaled_mm(qx, qw, sx, sw, dtype, True), device),
+                 "quant_us": _time_us(lambda: quant_fp8_rowwise(x), device)}
+            r["tflops_bf16"] = 2 * M * N * K / r["bf16_us"] / 1e6
+            r["tflops_fp8"] = 2 * M * N * K / r["fp8_us"] / 1e6
+            rows.append(r)
+    return rows
+
+
+def _time_us(fn, device, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def _first_mismatches(x, got, want, limit: int = 5) -> list[dict]:
+    """The first elements where the kernel's (q, scale) and the reference's differ."""
+    (q, s), (rq, rs) = got, want
+    bad = (q.view(torch.uint8) != rq.view(torch.uint8)) | (s != rs)
+    out = []
+    for r, c in bad.nonzero()[:limit].tolist():
+        out.append({"row": r, "col": c, "input": float(x[r, c]), "kernel_scale": float(s[r, 0]),
+                    "torch_scale": float(rs[r, 0]), "kernel_byte": int(q[r, c].view(torch.uint8)),
+                    "torch_byte": int(rq[r, c].view(torch.uint8)),
+                    "input_over_torch_scale": float(x[r, c].float() / rs[r, 0])})
+    return out
+
+
+def _fp8_checks(args, model, device, dtype) -> list[dict]:
+    """Kernels vs torch on this device, bit for bit: the quantiser vs `quant_fp8_rowwise_ref`, the fused
+    producers vs their plain kernel + the quantiser; `_scaled_mm` vs its fp32 emulation."""
+    from kernels.fp8_quant import quant_fp8_rowwise, quant_fp8_rowwise_ref
+    from kernels.norm_act import rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
+    from services.model.quant import scaled_mm, scaled_mm_emulated
+    g = torch.Generator(device=device).manual_seed(1)
+    h, inter = model.cfg.llm.hidden_size, model.cfg.llm.intermediate_size
+    checks = []
+    for M, N, K in [(4096, h, h), (4096, inter, h), (4096, h, inter)] if not args.tiny else [(64, 64, 64)]:
+        a = torch.randn(M, K, generator=g, device=device).to(dtype)
+        b = (0.02 * torch.randn(N, K, generator=g, device=device)).to(dtype)
+        got, want = quant_fp8_rowwise(a), quant_fp8_rowwise_ref(a)
+        (qa, sa), (qb, sb) = got, quant_fp8_rowwise(b)
+        mm = scaled_mm(qa, qb, sa, sb.t().contiguous(), dtype).float()
+        emu = scaled_mm_emulated(qa, qb, sa, sb.t(), torch.float32)
+        checks.append({"what": f"quantiser [{M}, {K}] vs torch", "bits_equal": not _first_mismatches(a, got, want, 1),
+                       "first_mismatches": _first_mismatches(a, got, want)})
+        checks.append({"what": f"_scaled_mm [{M}, {N}, {K}] vs emulation", "rel": rel(mm, emu)})
+    M = 4096 if not args.tiny else 64
+    x = torch.randn(M, h, generator=g, device=device).to(dtype)
+    w = (torch.rand(h, generator=g, device=device) + 0.5).to(dtype)
+    fused, plain = rms_norm_fp8(x, w, 1e-6), quant_fp8_rowwise(rms_norm(x, w, 1e-6))
+    checks.append({"what": f"RMSNorm->fp8 [{M}, {h}] vs RMSNorm + quantiser",
+                   "bits_equal": not _first_mismatches(x, fused, plain, 1)})
+    gu = (3 * torch.randn(M, 2 * inter, generator=g, device=device)).to(dtype)
+    gate, up = gu[:, :inter], gu[:, inter:]
+    fused, plain = silu_mul_fp8(gate, up), quant_fp8_rowwise(silu_mul(gate.contiguous(), up.contiguous()))
+    checks.append({"what": f"silu*mul->fp8 [{M}, {inter}] vs silu*mul + quantiser",
+                   "bits_equal": not _first_mismatches(gate, fused, plain, 1)})
+    return checks
+
+
+def _print_fp8(out: dict) -> None:
+    print(f"device: {out['device']}, torch {out['torch']}; serving policy {out['serving_policy']}")
+    print("\n| image | rows | bf16 s/step | fp8 serving policy | fp8 every GEMM | fp8 every GEMM, fast accum "
+          "| speedup (serving) | target |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for size, r in out["steps"].items():
+        print(f"| {size}² | {r['rows']} | {r['bf16']:.4f} | {r['serving']:.4f} | {r['all']:.4f} | {r['fast']:.4f} | "
+              f"{r['bf16'] / r['serving']:.2f}x | {'<= 0.085 s' if size == 2048 else ''} |")
+    v = out["velocity_rel_err"]
+    for name, label in (("all", "fp8"), ("fast", "fp8 fast accum")):
+        e = v[name]
+        print(f"\n{label} vs bf16 velocity, {v['size']}², 8-step trajectory: mean {e['mean']:.4f}, max {e['max']:.4f} "
+              f"(per step {', '.join(f'{x:.4f}' for x in e['per_step'])})")
+    print("\n| GEMM | M | N | K | bf16 us | fp8 us | fp8 fast us | quantiser us | bf16 TFLOP/s | fp8 TFLOP/s "
+          "| fp8 + quantiser vs bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in out["gemm_shapes"]:
+        print(f"| {r['name']} | {r['M']} | {r['N']} | {r['K']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+              f"{r['fp8_fast_us']:.1f} | {r['quant_us']:.1f} | {r['tflops_bf16']:.0f} | {r['tflops_fp8']:.0f} | "
+              f"{r['bf16_us'] / (r['fp8_us'] + r['quant_us']):.2f}x |")
+    print()
+    for c in out["checks"]:
+        if "rel" in c:
+            print(f"{c['what']}: rel {c['rel']:.2e}")
+            continue
+        print(f"{c['what']}: bits equal {c['bits_equal']}")
+        for m in c.get("first_mismatches", []):
+            print(f"  mismatch at {m['row']},{m['col']}: input {m['input']!r} (input / torch scale "
+                  f"{m['input_over_torch_scale']!r}), scale kernel {m['kernel_scale']!r} torch {m['torch_scale']!r}, "
+                  f"byte kernel 0x{m['kernel_byte']:02x} torch 0x{m['torch_byte']:02x}")
+
+
+# ----------------------------------------------------------------------------- fp8-profile
+PROFILE_CATEGORIES = [   # (category, name fragments), first match wins
+    ("fp8 GEMM", ("e4m3", "f8f8", "fp8")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("fp8 quantiser (standalone)", ("_quant_kernel",)),
+    ("RMSNorm (-> fp8)", ("_rms_norm",)),
+    ("silu*mul (-> fp8)", ("_silu_mul",)),
+    ("Q/K norm + RoPE", ("_norm_rope",)),
+    ("conv (embedder, head)", ("conv", "implicit", "fprop", "winograd", "cudnn")),
+    ("bf16 GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "addmm", "linear", "mm")),
+    ("copy / index / cat", ("memcpy", "memset", "copy", "index", "cat", "gather", "scatter")),
+    ("torch elementwise / reduce", ("elementwise", "vectorized", "reduce", "unrolled", "add", "mul")),
+]
+
+
+def profile_category(name: str) -> str:
+    low = name.lower()
+    for cat, frags in PROFILE_CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other"
+
+
+def kernel_rows(prof, device) -> list[tuple[str, float, int]]:
+    """(kernel name, ms, launches) of one profiled step: device kernels on CUDA, CPU ops elsewhere."""
+    from torch.autograd import DeviceType
+    rows = []
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            if getattr(e, "device_type", None) != DeviceType.CUDA:
+                continue
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, us / 1e3, e.count))
+    if device.type == "cuda" and not rows:   # no kernel events: attribute each op's own device time
+        rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                if getattr(e, "self_device_time_total", 0) > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+@torch.inference_mode()
+def part_fp8_profile(args, device, dtype) -> dict:
+    """torch.profiler of one single-branch step, bf16 vs fp8 (serving policy): time per kernel category
+    and the top kernels, to see where the fp8 step spends its time above the GEMM floor."""
+    from torch.profiler import ProfilerActivity, profile
+    m16, m8 = _fp8_models(args, device, dtype)
+    set_policy(m8, _fp8_policies(device)["serving"])
+    size = args.size
+    out = {"device": _device_name(device), "size": size, "models": {}}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, model in (("bf16", m16), ("fp8", m8)):
+        engine = Engine(model, None)
+        wall = statistics.median(step_times(engine, spec("w", size, 8, 1.0), 2, 5))
+        job = admit(engine, spec("p", size, 4, 1.0))
+        engine.step()
+        _sync(device)
+        with profile(activities=acts) as prof:
+            engine.step()
+            _sync(device)
+        engine.drop(job.request_id)
+        rows = kernel_rows(prof, device)
+        cats: dict[str, list] = {}
+        for k, ms, cnt in rows:
+            c = cats.setdefault(profile_category(k), [0.0, 0])
+            c[0] += ms
+            c[1] += cnt
+        out["models"][name] = {"wall_s": wall, "kernel_ms": sum(r[1] for r in rows),
+                               "categories": {k: {"ms": v[0], "launches": v[1]} for k, v in cats.items()},
+                               "top": [{"kernel": k, "ms": ms, "launches": c} for k, ms, c in rows[:15]]}
+        del engine
+    _print_profile(out)
+    return out
+
+
+def _print_profile(out: dict) -> None:
+    b, f = out["models"]["bf16"], out["models"]["fp8"]
+    print(f"device: {out['device']}; one single-branch step at {out['size']}², P = {PREFIX['cond']} "
+          f"(torch.profiler; wall = unprofiled median step)")
+    print("\n| | bf16 | fp8 |\n|---|---:|---:|")
+    print(f"| step wall ms | {1e3 * b['wall_s']:.1f} | {1e3 * f['wall_s']:.1f} |")
+    print(f"| kernel time ms (sum) | {b['kernel_ms']:.1f} | {f['kernel_ms']:.1f} |")
+    print(f"| idle / launch-bound ms (wall - kernels) | {1e3 * b['wall_s'] - b['kernel_ms']:.1f} | "
+          f"{1e3 * f['wall_s'] - f['kernel_ms']:.1f} |")
+    cats = sorted(set(b["categories"]) | set(f["categories"]),
+                  key=lambda c: -max(b["categories"].get(c, {"ms": 0})["ms"], f["categories"].get(c, {"ms": 0})["ms"]))
+    print("\n| category | bf16 ms | bf16 launches | fp8 ms | fp8 launches | fp8 - bf16 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for c in cats:
+        x, y = b["categories"].get(c, {"ms": 0.0, "launches": 0}), f["categories"].get(c, {"ms": 0.0, "launches": 0})
+        print(f"| {c} | {x['ms']:.2f} | {x['launches']} | {y['ms']:.2f} | {y['launches']} | {y['ms'] - x['ms']:+.2f} |")
+    for name, m in (("bf16", b), ("fp8", f)):
+        print(f"\nTop kernels, {name}:\n\n| kernel | ms | launches | category |\n|---|---:|---:|---|")
+        for r in m["top"]:
+            k = r["kernel"].replace("|", "/")
+            print(f"| `{k[:110]}` | {r['ms']:.2f} | {r['launches']} | {profile_category(r['kernel'])} |")
+
+
+# ----------------------------------------------------------------------------- cache, preset, warm start
 @torch.inference_mode()
 def part_cache(args, device, dtype) -> dict:
     model = build(args, device, dtype)
@@ -188,31 +427,60 @@ def part_cache(args, device, dtype) -> dict:
 
 @torch.inference_mode()
 def part_preset(args, device, dtype) -> dict:
+    """The 8-step preset (guidance 1): whole job, bf16, fp8 as served (GemmPolicy.for_device) and fp8
+    with every GEMM in fp8 (min_tokens 0)."""
     from services.model.presets import PRESETS
     p = PRESETS["8step"]
     out = {"rows": []}
-    quants = ["none"] + (["fp8"] if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-                         else [])
+    fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     print("| image | weights | 8-step job s (incl. uint8 to host) | s/step |")
     print("|---|---|---:|---:|")
-    for q in quants:
-        args.quantization = q
-        engine = Engine(build(args, device, dtype), None)
-        for size in _sizes(args):
+    m16, m8 = _fp8_models(args, device, dtype) if fp8_ok else (build(args, device, dtype), None)
+    pols = _fp8_policies(device)
+    runs = [("bf16", m16, None)] + ([("fp8 (serving policy)", m8, pols["serving"]),
+                                     ("fp8 every GEMM", m8, pols["all"])] if m8 is not None else [])
+    engines = {id(m): Engine(m, None) for m in (m16, m8) if m is not None}
+    for size in _sizes(args):
+        for name, model, pol in runs:
+            if pol is not None:
+                set_policy(model, pol)
+            engine = engines[id(model)]
             sp = lambda rid: spec(rid, size, p.num_inference_steps, p.guidance_scale)  # noqa: E731
             job_seconds(engine, sp("warm"))
-            sec = statistics.median(job_seconds(engine, sp(f"r{i}"))[0] for i in range(3))
-            print(f"| {size}² | {q if q != 'none' else 'bf16'} | {sec:.3f} | {sec / p.num_inference_steps:.4f} |")
-            out["rows"].append({"size": size, "quantization": q, "job_s": sec})
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            sec = statistics.median(job_seconds(engine, sp(f"r{i}"))[0] for i in range(1 if args.tiny else 3))
+            print(f"| {size}² | {name} | {sec:.3f} | {sec / p.num_inference_steps:.4f} |")
+            out["rows"].append({"size": size, "weights": name, "job_s": sec})
     return out
+
+
+def _attention_check(model, size: int, device, dtype) -> float:
+    """The engine's attention (pick_denoise_attention) at a real shape (P = 365 + the image) vs the
+    fp32 reference: rel error."""
+    from kernels.denoise_attention import denoise_attention_ref
+    from services.generation.attention import pick_denoise_attention
+    attn, host_lengths = pick_denoise_attention(device)
+    m = model
+    scale = m.head_dim ** -0.5
+    n, p = (size // 32) ** 2, PREFIX["cond"]
+    g = torch.Generator(device=device).manual_seed(3)
+    q = torch.randn(n, m.num_heads, m.head_dim, generator=g, device=device).to(dtype)
+    k = torch.randn(n + p, m.num_kv_heads, m.head_dim, generator=g, device=device).to(dtype)
+    v = torch.randn(n + p, m.num_kv_heads, m.head_dim, generator=g, device=device).to(dtype)
+    cu_q = torch.tensor([0, n], dtype=torch.int32)
+    cu_k = torch.tensor([0, n + p], dtype=torch.int32)
+    lengths = (cu_q, cu_k) if host_lengths else (cu_q.to(device), cu_k.to(device))
+    got = attn(q, k, v, *lengths, n, n + p, scale)
+    want = denoise_attention_ref(q, k, v, cu_q.to(device), cu_k.to(device), n, n + p, scale)
+    return rel(got, want)
 
 
 @torch.inference_mode()
 def part_warmstart(args, device, dtype) -> dict:
-    """Run in a fresh process: the first step here is the first step of a service's life."""
+    """Run in a fresh process: the first step here is the first step of a service's life. Then the
+    first step of a job with a prompt length nobody used yet, and of a guidance-1 job."""
+    import os
+
+    from services.generation.attention import CUDNN_BUCKETED_PLANS
     from services.generation.warmup import run_warmup
     t0 = time.perf_counter()
     engine = Engine(build(args, device, dtype), None)
@@ -221,11 +489,26 @@ def part_warmstart(args, device, dtype) -> dict:
     warm = None if args.no_warmup else run_warmup(engine, [(args.size, args.size)], 2)
     times = step_times(engine, spec("first", args.size, 8, 4.0), 0, 6)
     steady = statistics.median(times[2:])
+    other = step_times(engine, spec("other", args.size, 8, 4.0), 0, 4, OTHER_PREFIX)
+    single = step_times(engine, spec("single", args.size, 8, 1.0), 0, 4)
+    single_steady = statistics.median(single[1:])
+    plans = os.environ.get(CUDNN_BUCKETED_PLANS, "unset")
     out = {"size": args.size, "warmup": warm, "build_s": load_s, "first_step_s": times[0],
-           "steady_step_s": steady, "ratio": times[0] / steady}
-    print(f"| {args.size}² CFG | {'cold (no warm-up)' if warm is None else 'warm-up ' + str(warm['seconds']) + ' s'} "
-          f"| first step {times[0]:.4f} s | steady {steady:.4f} s | ratio {out['ratio']:.2f} (goal <= 1.2) |")
+           "steady_step_s": steady, "ratio": times[0] / steady, "other_prefix_first_s": other[0],
+           "other_prefix_ratio": other[0] / steady, "single_first_s": single[0],
+           "single_steady_s": single_steady, "single_ratio": single[0] / single_steady,
+           "cudnn_bucketed_plans": plans, "attention_rel_err": _attention_check(engine.model, args.size, device, dtype)}
+    label = "cold (no warm-up)" if warm is None else f"warm-up {warm['seconds']} s"
+    print(f"{args.size}², {label}, {CUDNN_BUCKETED_PLANS}={plans}; engine attention vs fp32 reference "
+          f"rel {out['attention_rel_err']:.2e}\n")
+    print("| first step of | s | steady s | ratio (goal <= 1.2) |\n|---|---:|---:|---:|")
+    print(f"| the process (CFG, P = {PREFIX['cond']} / {PREFIX['uncond']}) | {times[0]:.4f} | {steady:.4f} | "
+          f"{out['ratio']:.2f} |")
+    print(f"| a new prompt length (CFG, P = {OTHER_PREFIX['cond']} / {OTHER_PREFIX['uncond']}) | {other[0]:.4f} | "
+          f"{steady:.4f} | {out['other_prefix_ratio']:.2f} |")
+    print(f"| the first guidance-1 job | {single[0]:.4f} | {single_steady:.4f} | {out['single_ratio']:.2f} |")
     return out
 
 
-PARTS = {"fp8": part_fp8, "cache": part_cache, "preset": part_preset, "warmstart": part_warmstart}
+PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
+         "warmstart": part_warmstart}

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue 12 on a 1- or 2-GPU H200 machine: fp8, step caching, the 8-step preset, warm start, the
-# output path. Needs only torch (+ numpy, safetensors; Pillow optional) - engine-level, no HTTP stack.
+# Issue 12 on a 2-GPU H200 machine (1 GPU: everything but cfgp): fp8, where an fp8 step's time goes,
+# warm start, the 8-step preset, the output path, CFG-parallel. Needs only torch (+ numpy, safetensors;
+# Pillow optional) - engine-level, no HTTP stack. Under 5 minutes on 2x H200 (8B random weights).
 #
-#   bash bench/gpu_genperf.sh                   # every part (< 8 min on one H200, 8B random weights)
-#   bash bench/gpu_genperf.sh --only fp8,cache  # some parts: fp8 cache preset warmstart pixels cfgp
-#   bash bench/gpu_genperf.sh --smoke           # CPU, tiny geometry, seconds (checks the script)
+#   bash bench/gpu_genperf.sh                        # the default parts (below)
+#   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache
+#   bash bench/gpu_genperf.sh --smoke                # CPU, tiny geometry (checks the script)
 #
-# Writes $OUT/<part>.md (the markdown tables) and $OUT/<part>.json, then $OUT/genperf.json (all of
+# Writes $OUT/<name>.md (the markdown tables) and $OUT/<name>.json, then $OUT/genperf.json (all of
 # them); OUT defaults to ./out. Each part runs under its own time limit; a part that fails or times
 # out is reported and the others still run (exit status 1 at the end if any failed).
 set -euo pipefail
@@ -14,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
-ONLY="fp8,cache,preset,warmstart,pixels,cfgp"
+ONLY="fp8,fp8-profile,warmstart,preset,pixels,cfgp"   # cache (step caching) only when asked for
 SMOKE=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,16 +30,16 @@ if [ "$SMOKE" = 1 ]; then
   JOBSTEPS="128:6"; PIXSIZES="256"; LIMIT=300; NGPU=0
 else
   GEO=(--device cuda --sizes 1024,2048 --size 2048 --steps 5 --warmup 2)
-  JOBSTEPS="1024:20,2048:10"; PIXSIZES="1024,2048"; LIMIT=240
+  JOBSTEPS="1024:20,2048:10"; PIXSIZES="1024,2048"; LIMIT=150
   NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
   nvidia-smi -L | tee "$OUT/gpus.txt" || true
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 FAILED=""
-run() {  # run NAME LIMIT_S CMD...: stdout to $OUT/NAME.md, JSON to $OUT/NAME.json
-  local name="$1" limit="$2"; shift 2
-  case ",$ONLY," in *",${name%%-*},"*) ;; *) return 0 ;; esac
+run() {  # run PART NAME LIMIT_S CMD...: runs if PART is in --only; stdout to $OUT/NAME.md, JSON to $OUT/NAME.json
+  local part="$1" name="$2" limit="$3"; shift 3
+  case ",$ONLY," in *",$part,"*) ;; *) return 0 ;; esac
   echo; echo "## $name"
   local t0=$SECONDS
   if timeout --signal=INT --kill-after=20 "$limit" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.md"; then
@@ -51,30 +52,36 @@ run() {  # run NAME LIMIT_S CMD...: stdout to $OUT/NAME.md, JSON to $OUT/NAME.js
 }
 
 B=bench/bench_generation.py
-# fp8 vs bf16 single-branch step (1024², 2048²), fp8 velocity error (8B, 2048², 8-step trajectory),
-# _scaled_mm vs emulation, Triton quantiser bits
-run fp8 "$LIMIT" python $B --part fp8 "${GEO[@]}"
-# whole-job time and computed steps vs first-block threshold (CFG 4)
-run cache "$LIMIT" python $B --part cache "${GEO[@]}" --thresholds 0,0.05,0.1,0.2 --job-steps "$JOBSTEPS"
-# the 8-step preset (guidance 1), bf16 and fp8
-run preset "$LIMIT" python $B --part preset "${GEO[@]}"
-# first vs steady step of a fresh process, with and without the warm-up; a fresh Triton cache each,
-# so kernels compile inside the measured process as on a new machine
-for mode in warm cold; do
+# single-branch step at 1024² / 2048²: bf16 vs fp8 (serving policy, every GEMM fp8, fast accumulation),
+# fp8 velocity error (accurate and fast accumulation), every layer GEMM by row count, kernels vs torch bits
+run fp8 fp8 "$LIMIT" python $B --part fp8 "${GEO[@]}"
+# torch.profiler of one 2048² single-branch step, bf16 vs fp8: time per kernel category, top kernels
+run fp8-profile fp8-profile "$LIMIT" python $B --part fp8-profile "${GEO[@]}"
+# first vs steady step of a fresh process (then a new prompt length, then a guidance-1 job), each with an
+# empty Triton cache so kernels compile inside the measured process as on a new machine:
+#   warm: the service's warm-up, cuDNN plans bucketed by length (the service's setting)
+#   warm-perlength: the warm-up with cuDNN's per-length plans (TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0, run 1)
+#   cold: no warm-up
+for mode in warm warm-perlength cold; do
   flag=(); [ "$mode" = cold ] && flag=(--no-warmup)
   export TRITON_CACHE_DIR; TRITON_CACHE_DIR="$(mktemp -d)"
-  run "warmstart-$mode" "$LIMIT" python $B --part warmstart "${GEO[@]}" ${flag[@]+"${flag[@]}"}
-  unset TRITON_CACHE_DIR
+  if [ "$mode" = warm-perlength ]; then export TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0; fi
+  run warmstart "warmstart-$mode" "$LIMIT" python $B --part warmstart "${GEO[@]}" ${flag[@]+"${flag[@]}"}
+  unset TRITON_CACHE_DIR TORCH_CUDNN_SDPA_AVOID_RECOMPILE
 done
+# the 8-step preset (guidance 1): bf16, fp8 as served, fp8 on every GEMM
+run preset preset "$LIMIT" python $B --part preset "${GEO[@]}"
 # pixels -> uint8 -> host, and encoders (Pillow rows only where Pillow is installed)
-run pixels 120 python bench/bench_breakdown.py --part engine --device "${GEO[1]}" --sizes "$PIXSIZES"
+run pixels pixels 120 python bench/bench_breakdown.py --part engine --device "${GEO[1]}" --sizes "$PIXSIZES"
 # CFG-parallel over 2 GPUs, bf16 and fp8 (proxy of colocate TP2+CFG2: target <= 0.095 s/step fp8)
 if [ "$NGPU" -ge 2 ]; then
-  run cfgp-bf16 "$LIMIT" python $B --cfg-parallel 2 --size 2048 --steps 5 --warmup 2
-  run cfgp-fp8 "$LIMIT" python $B --cfg-parallel 2 --size 2048 --steps 5 --warmup 2 --quantization fp8
+  run cfgp cfgp-bf16 "$LIMIT" python $B --cfg-parallel 2 --size 2048 --steps 5 --warmup 2 --skip-batching
+  run cfgp cfgp-fp8 "$LIMIT" python $B --cfg-parallel 2 --size 2048 --steps 5 --warmup 2 --skip-batching --quantization fp8
 elif [ "$SMOKE" = 1 ]; then
-  run cfgp-fp8 "$LIMIT" python $B --cfg-parallel 2 --device cpu --tiny --size 128 --steps 2 --warmup 1 --quantization fp8
+  run cfgp cfgp-fp8 "$LIMIT" python $B --cfg-parallel 2 --device cpu --tiny --size 128 --steps 2 --warmup 1 --quantization fp8
 fi
+# whole-job time and computed steps vs first-block threshold (CFG 4); not in the default set
+run cache cache "$LIMIT" python $B --part cache "${GEO[@]}" --thresholds 0,0.05,0.1,0.2 --job-steps "$JOBSTEPS"
 
 python - "$OUT" <<'EOF'
 import json, os, sys

@@ -3,6 +3,11 @@
 Both round exactly where torch does (Qwen3RMSNorm: normalise in fp32, cast to the input dtype, then
 multiply by the weight in that dtype; silu in fp32 rounded to the dtype, then the product rounded),
 so the Triton kernels give the same bits as the references; one kernel launch instead of ~6.
+
+The `_fp8` variants feed an fp8 GEMM (services/model/quant.py): the same row, rounded to the input
+dtype as above, then quantised row-wise in the same kernel (kernels/fp8_quant.py: one scale per row),
+so the activation is never written in bf16 and read back. On one backend they give the bits of the
+plain kernel followed by `quant_fp8_rowwise`; the references are exactly that composition.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import lazy_jit, next_pow2, tl, use_triton
+from .fp8_quant import FP8_ROW_HELPERS, empty_fp8_rows, quant_fp8_rowwise_ref, row_warps
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,15 +28,36 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _rms_norm_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, then row-wise fp8: (q [rows, n] e4m3, scale [rows, 1] fp32)."""
+    return quant_fp8_rowwise_ref(rms_norm_ref(x, weight, eps).reshape(-1, x.shape[-1]))
+
+
+def silu_mul_fp8_ref(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of [rows, n] operands, then row-wise fp8: (q [rows, n], scale [rows, 1])."""
+    return quant_fp8_rowwise_ref(silu_mul_ref(gate, up))
+
+
+def _rms_norm_kernel(X, W, Y, S, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+    """One row; QUANT: Y is the fp8 row and S its scale, else Y is the row in X's dtype (S unused)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    h = (x * inv).to(Y.dtype.element_ty).to(tl.float32)
+    h = (x * inv).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (h * w).to(Y.dtype.element_ty), mask=ok)
+    y = (h * w).to(X.dtype.element_ty)
+    if QUANT:
+        _store_fp8_row(y.to(tl.float32), ok, Y + row * stride_y + cols, S + row)
+    else:
+        tl.store(Y + row * stride_y + cols, y, mask=ok)
+
+
+def _silu_mul_value_fn(g, u, dt):
+    """silu(g) * u from fp32 operands, rounded like torch: silu to dt, then the product to dt (fp32 out)."""
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt).to(tl.float32)
 
 
 def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
@@ -38,26 +65,54 @@ def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + offs, (s * u).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + offs, _silu_mul_value(g, u, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=ok)
 
 
-_rms = lazy_jit(_rms_norm_kernel)
-_silu = lazy_jit(_silu_mul_kernel)
+def _silu_mul_fp8_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, BLOCK: tl.constexpr):
+    """One row of gate / up (any row strides: views of one gate|up GEMM output) -> its fp8 row + scale."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    _store_fp8_row(_silu_mul_value(g, u, G.dtype.element_ty), ok, Q + row * stride_q + cols, S + row)
+
+
+_rms = lazy_jit(_rms_norm_kernel, helpers=FP8_ROW_HELPERS)
+_silu = lazy_jit(_silu_mul_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn})
+_silu_fp8 = lazy_jit(_silu_mul_fp8_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn, **FP8_ROW_HELPERS})
+
+
+def _rms_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_contiguous() and weight.dtype == x.dtype and x.shape[-1] <= 16384
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape)."""
-    n = x.shape[-1]
-    ok = x.is_contiguous() and weight.dtype == x.dtype and n <= 16384
-    if not use_triton(x, ok):
+    if not use_triton(x, _rms_ok(x, weight)):
         return rms_norm_ref(x, weight, eps)
+    n = x.shape[-1]
     x2 = x.view(-1, n)
     y = torch.empty_like(x2)
     if x2.shape[0]:
-        _rms[(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), eps, BLOCK=next_pow2(n),
-                             num_warps=4 if n <= 2048 else 8)
+        _rms[(x2.shape[0],)](x2, weight, y, y, n, x2.stride(0), y.stride(0), eps, BLOCK=next_pow2(n),
+                             QUANT=False, num_warps=4 if n <= 2048 else 8)
     return y.view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x, quantised row-wise to fp8 in the same pass:
+    (q [rows, n] e4m3, scale [rows, 1] fp32) for rows = every leading index of x."""
+    ok = _rms_ok(x, weight) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if not use_triton(x, ok):
+        return rms_norm_fp8_ref(x, weight, eps)
+    n = x.shape[-1]
+    x2 = x.view(-1, n)
+    q, s = empty_fp8_rows(x2.shape[0], n, x.device)
+    if x2.shape[0]:
+        _rms[(x2.shape[0],)](x2, weight, q, s, n, x2.stride(0), q.stride(0), eps, BLOCK=next_pow2(n),
+                             QUANT=True, num_warps=row_warps(n))
+    return q, s
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -70,6 +125,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         block = 2048
         _silu[(triton_cdiv(n, block),)](gate, up, y, n, BLOCK=block, num_warps=4)
     return y
+
+
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantised row-wise to fp8 in one pass. gate / up: [rows, n], last dim
+    contiguous, any row stride (e.g. the two halves of one gate|up GEMM output)."""
+    ok = (gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype and gate.stride(1) == 1
+          and up.stride(1) == 1 and gate.shape[1] <= 16384
+          and gate.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    if not use_triton(gate, ok):
+        return silu_mul_fp8_ref(gate, up)
+    m, n = gate.shape
+    q, s = empty_fp8_rows(m, n, gate.device)
+    if m:
+        _silu_fp8[(m,)](gate, up, q, s, n, gate.stride(0), up.stride(0), q.stride(0), BLOCK=next_pow2(n),
+                        num_warps=row_warps(n))
+    return q, s
 
 
 def triton_cdiv(a: int, b: int) -> int:

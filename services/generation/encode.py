@@ -1,10 +1,14 @@
 """uint8 RGB arrays -> base64 PNG / JPEG / WebP (runs in the HTTP process, off the engine loop).
 
 PNG is written here rather than by Pillow: rows get PNG's "sub" filter (numpy, one pass), the
-filtered bytes are deflated with zlib level 1 / Z_RLE in horizontal strips on a thread pool (zlib
-releases the GIL), and the strips are joined into one zlib stream (sync-flushed raw deflate, one
-Adler-32). Measured on a 2048² photo-like image on a 2-core box: Pillow level 1 0.71 s / 8.1 MB,
-this 0.20 s / 7.1 MB on one thread (docs/benchmarks/generation.md, "the non-denoising path").
+filtered bytes are deflated with zlib level 1 / Z_RLE in horizontal strips of whole rows on a thread
+pool (zlib releases the GIL), and the strips are joined into one zlib stream (sync-flushed raw
+deflate, one Adler-32). Measured on a 2048² photo-like image on a 2-core box: Pillow level 1
+0.71 s / 8.1 MB, this 0.20 s / 7.1 MB on one thread (docs/benchmarks/generation.md, "the non-denoising
+path"). The pool has one thread per CPU this process may use (affinity and cgroup quota, at most 8):
+a container sees every host core but threads beyond its quota only get throttled.
+(GPU run 1 measured "strips" slower than one thread: the strips were cut from a 2-D memoryview, so
+the first one held every row and the others were empty; fixed, `_strips`.)
 """
 from __future__ import annotations
 
@@ -23,32 +27,85 @@ _SAVE_ARGS = {
     "webp": {"format": "WEBP", "quality": 90, "method": 0},
 }
 PNG_STRIP_BYTES = 1 << 20          # ~1 MB of filtered rows per deflate task
-_STRIP_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="u1-png")
+PNG_THREADS_ENV = "U1SERVE_PNG_THREADS"
+
+
+def usable_cpus() -> int:
+    """CPUs this process can keep busy: its affinity mask, capped by a cgroup CPU quota (v2 cpu.max,
+    v1 cfs_quota_us / cfs_period_us)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    for path, split in (("/sys/fs/cgroup/cpu.max", None),
+                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if split:
+                with open(split) as f:
+                    fields = fields[:1] + f.read().split()[:1]
+            quota, period = fields[0], fields[1]
+            if quota not in ("max", "-1") and int(period) > 0:
+                n = min(n, max(1, int(quota) // int(period)))
+            break
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(1, n)
+
+
+def png_threads() -> int:
+    return max(1, int(os.environ.get(PNG_THREADS_ENV, 0)) or min(8, usable_cpus()))
+
+
+_STRIP_POOL = ThreadPoolExecutor(max_workers=png_threads(), thread_name_prefix="u1-png")
 
 
 def _chunk(tag: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(tag)))
 
 
-def encode_png(pixels: np.ndarray, parallel: bool = True) -> bytes:
-    """[H, W, 3] uint8 -> PNG bytes (8-bit RGB, sub filter, deflate level 1 / RLE)."""
+def _strips(filtered: np.ndarray) -> list[memoryview]:
+    """The filtered rows [h, 1 + 3w] as byte strips of whole rows, about PNG_STRIP_BYTES each."""
+    raw = memoryview(filtered).cast("B")          # 1-D: byte offsets, not rows
+    row = filtered.shape[1]
+    per = max(1, PNG_STRIP_BYTES // row) * row
+    return [raw[i:i + per] for i in range(0, len(raw), per)]
+
+
+def _adler32_combine(adler1: int, adler2: int, len2: int) -> int:
+    """Adler-32 of A + B from those of A and B (len2 = len(B)); zlib's adler32_combine."""
+    base = 65521
+    rem = len2 % base
+    s1 = adler1 & 0xFFFF
+    s2 = (rem * s1) % base
+    s1 = (s1 + (adler2 & 0xFFFF) + base - 1) % base
+    s2 = (s2 + (adler1 >> 16) + (adler2 >> 16) + base - rem) % base
+    return s1 | (s2 << 16)
+
+
+def encode_png(pixels: np.ndarray, parallel: bool = True, pool: ThreadPoolExecutor | None = None) -> bytes:
+    """[H, W, 3] uint8 -> PNG bytes (8-bit RGB, sub filter, deflate level 1 / RLE). `parallel`: strips
+    deflated on `pool` (default: the module's pool of `png_threads()`), else on this thread."""
     h, w, _ = pixels.shape
     rows = pixels.reshape(h, w * 3)
     filtered = np.empty((h, w * 3 + 1), dtype=np.uint8)
     filtered[:, 0] = 1                                    # filter type "sub"
     filtered[:, 1:4] = rows[:, :3]
     np.subtract(rows[:, 3:], rows[:, :-3], out=filtered[:, 4:])   # wraps mod 256, as PNG wants
-    raw = filtered.data
-    per = max(1, PNG_STRIP_BYTES // (w * 3 + 1)) * (w * 3 + 1)
-    strips = [raw[i:i + per] for i in range(0, filtered.nbytes, per)]
+    strips = _strips(filtered)
 
-    def deflate(i: int) -> bytes:
+    def deflate(i: int) -> tuple[bytes, int]:
         c = zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_RLE)
-        return c.compress(strips[i]) + c.flush(zlib.Z_FINISH if i == len(strips) - 1 else zlib.Z_SYNC_FLUSH)
+        data = c.compress(strips[i]) + c.flush(zlib.Z_FINISH if i == len(strips) - 1 else zlib.Z_SYNC_FLUSH)
+        return data, zlib.adler32(strips[i])
 
-    parts = list(_STRIP_POOL.map(deflate, range(len(strips)))) if parallel and len(strips) > 1 \
+    parts = list((pool or _STRIP_POOL).map(deflate, range(len(strips)))) if parallel and len(strips) > 1 \
         else [deflate(i) for i in range(len(strips))]
-    stream = b"\x78\x01" + b"".join(parts) + struct.pack(">I", zlib.adler32(raw))
+    adler = parts[0][1]
+    for (_, a), s in zip(parts[1:], strips[1:]):
+        adler = _adler32_combine(adler, a, s.nbytes)
+    stream = b"\x78\x01" + b"".join(p for p, _ in parts) + struct.pack(">I", adler)
     return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
             + _chunk(b"IDAT", stream) + _chunk(b"IEND", b""))
 

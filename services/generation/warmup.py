@@ -1,10 +1,20 @@
 """Warm start: before the service reports ready, run a few denoising steps at the configured sizes.
 
 The first step of a process pays for what later steps reuse: Triton JIT (norm, RoPE, SwiGLU, fp8
-quantisation), cuBLAS / cuDNN / `_scaled_mm` handles and kernel selection, the caching allocator growing
-to the step's working set, the pinned host buffer of the output copy. A warm-up job per size (all CFG
-branches, local prefix KV of zeros, no pool) pays that while /health is still 503, so the first request
-runs at steady-state speed. Every CFG rank runs the same jobs (their steps are collective).
+quantisation), cuBLAS / `_scaled_mm` kernel selection and lazy module loads per GEMM shape, cuDNN
+attention execution plans, the caching allocator growing to the step's working set, the pinned host
+buffer of the output copy. Per size the warm-up runs (local prefix KV of zeros, no pool) a CFG job
+(2 branches: the GEMMs see 2N rows) and a guidance-1 job (N rows: the 8-step preset's shapes; with fp8
+below `GemmPolicy.min_tokens` rows that is the model-dtype path), so the first request of either kind
+runs at steady-state speed while /health is still 503. Every CFG rank runs the same jobs (their steps
+are collective).
+
+Attention plans: cuDNN builds one per (query length, key length) and keeps it in a thread-local cache,
+so (1) this must run on the thread that later runs the steps, (2) a prompt length the warm-up did not
+see builds a plan on its first step (~40 ms each at 2048², GPU run 1: first step 1.32x steady after a
+warm-up whose prefix length differed from the request's). services/generation/attention.py turns on
+torch's length-bucketed cuDNN plans (lengths rounded up to a power of two), so the one prefix length
+here covers every prompt up to the image's own token count.
 """
 from __future__ import annotations
 
@@ -37,21 +47,26 @@ def parse_sizes(*texts: str | None) -> list[tuple[int, int]]:
 
 
 def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateJob:
-    return GenerateJob(request_id=f"warmup-{width}x{height}", handles={b: {} for b in branches},
+    return GenerateJob(request_id=f"warmup-{width}x{height}-{len(branches)}", handles={b: {} for b in branches},
                        mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
                        guidance_scale=4.0 if len(branches) > 1 else 1.0, image_guidance_scale=1.0,
                        cfg_norm="none", timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
                        output_format="png")
 
 
+def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateJob]:
+    """Per size: a CFG job, then a guidance-1 job (module doc)."""
+    return [warmup_job(w, h, steps, branches) for w, h in sizes if steps > 0
+            for branches in (BRANCH_ORDER[:2], BRANCH_ORDER[:1])]
+
+
 @torch.inference_mode()
 def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
-    """Run one CFG job of `steps` steps per size through `engine` (nothing else may be running).
-    Returns {"sizes", "steps", "seconds"}."""
+    """Run `warmup_jobs(sizes, steps)` through `engine`, one after the other (nothing else may be
+    running). Returns {"sizes", "steps", "seconds"}."""
     t0 = time.perf_counter()
     m = engine.model
-    for w, h in sizes if steps > 0 else []:
-        spec = warmup_job(w, h, steps)
+    for spec in warmup_jobs(sizes, steps):
         kv = torch.zeros((m.num_layers, 2, WARMUP_PREFIX_TOKENS, m.num_kv_heads, m.head_dim),
                          device=engine.device, dtype=engine.dtype)
         job = engine.admit_local(spec, {b: kv for b in spec.branches},

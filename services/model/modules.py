@@ -101,9 +101,12 @@ class MoTAttention(nn.Module):
     def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
         T = x.shape[0]
         d = self.head_dim
-        q = getattr(self, "q_proj" + sfx)(x).view(T, self.num_heads, d)
-        k = getattr(self, "k_proj" + sfx)(x).view(T, self.num_kv_heads, d)
-        v = getattr(self, "v_proj" + sfx)(x).view(T, self.num_kv_heads, d)
+        fused = getattr(self, "qkv_proj" + sfx, None)   # fp8: one module for all three (model/quant.py)
+        q, k, v = fused(x) if fused is not None else (getattr(self, n + sfx)(x) for n in ("q_proj", "k_proj",
+                                                                                           "v_proj"))
+        q = q.view(T, self.num_heads, d)
+        k = k.view(T, self.num_kv_heads, d)
+        v = v.view(T, self.num_kv_heads, d)
         norm = lambda n: getattr(self, n + sfx)  # noqa: E731
         # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU)
         kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight, norm("k_norm").weight,

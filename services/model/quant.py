@@ -7,24 +7,51 @@ accumulate, bf16 out); elsewhere the same fp8 values are multiplied in fp32 and 
 (emulation: same quantised operands, only the summation order differs), so the path runs and is
 tested on CPU.
 
-What stays in bf16: attention itself (softmax(QK^T)V), norms, RoPE, the gen embedder convs, the time
+`quantize_model` swaps modules of a decoder layer; the model's forward code is the same for bf16 and fp8:
+  input_layernorm           -> Fp8RMSNorm: RMSNorm + per-token quantisation in one kernel (its output
+                               feeds only the q and k|v GEMMs, which share that one quantised activation)
+  q_proj, k_proj, v_proj    -> qkv_proj (Fp8QKV): a q GEMM and one k|v GEMM (concatenated output
+                               channels). q keeps its own GEMM so it leaves contiguous ([T, Hq, D]):
+                               cuDNN attention reuses one plan for every prefix length only for
+                               contiguous q (services/generation/attention.py)
+  o_proj                    -> Fp8Linear (quantises the attention output itself)
+  post_attention_layernorm  -> Fp8RMSNorm
+  mlp (SwiGLU)              -> Fp8SwiGLU: one gate|up GEMM, silu(gate) * up quantised in one kernel for
+                               the down GEMM
+Layers whose dims are not multiples of 16 (`_scaled_mm`'s rule) stay in the model dtype.
+
+`GemmPolicy` decides per GEMM from its row count M alone (a pure function of the shape, so the same
+batch shape always gets the same numerics): below `min_tokens` rows the layer runs the model-dtype
+weights it kept (fp8 loses there: quantiser passes and `_scaled_mm` launch costs are not repaid by the
+faster GEMM; measured 1024² single-branch, 1,024 rows: fp8 0.042 s/step vs bf16 0.035 s), at or above
+`fast_accum_min_tokens` rows `_scaled_mm` uses fast accumulation (faster at 4,096 rows, much slower at
+1,024 on H200, run 1). Keeping the model-dtype weights costs their memory (2x the fp8 weights); with
+`min_tokens` 0 they are dropped. Env: U1SERVE_FP8_MIN_TOKENS, U1SERVE_FP8_FAST_ACCUM (0 | 1 | auto).
+
+What stays in bf16: attention itself (softmax(QK^T)V), RoPE, the gen embedder convs, the time
 embedders, the output head (fm_head: it writes the pixels), and MoE experts and routers (A3B: only the
 attention projections of a MoE layer are quantised).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_quant import FP8_DTYPE, quant_fp8_rowwise
+from kernels.norm_act import rms_norm_fp8, silu_mul, silu_mul_fp8
 
-from .modules import BRANCH_SUFFIX, SwiGLU
+from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
 QUANTIZATIONS = ("none", "fp8")
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
+MIN_TOKENS_ENV = "U1SERVE_FP8_MIN_TOKENS"
 FAST_ACCUM_ENV = "U1SERVE_FP8_FAST_ACCUM"
+CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
+CUDA_FAST_ACCUM_MIN_TOKENS = 4096
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -33,10 +60,62 @@ class Fp8Unsupported(RuntimeError):
     """fp8 was asked for where it cannot run (GPU generation, dtype, torch)."""
 
 
+@dataclass(frozen=True)
+class GemmPolicy:
+    """Which GEMM a quantised layer runs for M rows: model dtype below `min_tokens`, else fp8, with
+    `_scaled_mm`'s fast accumulation from `fast_accum_min_tokens` rows (None: never)."""
+    min_tokens: int = 0
+    fast_accum_min_tokens: int | None = None
+
+    def fp8(self, rows: int) -> bool:
+        return rows >= self.min_tokens
+
+    def fast_accum(self, rows: int) -> bool:
+        return self.fast_accum_min_tokens is not None and rows >= self.fast_accum_min_tokens
+
+    @classmethod
+    def for_device(cls, device) -> "GemmPolicy":
+        """The serving default: the thresholds above on CUDA (env overrides), plain fp8 elsewhere
+        (the CPU emulation has no launch costs to avoid and no fast accumulation)."""
+        cuda = torch.device(device).type == "cuda"
+        min_tokens = int(os.environ.get(MIN_TOKENS_ENV, CUDA_MIN_TOKENS if cuda else 0))
+        fast = os.environ.get(FAST_ACCUM_ENV, "auto").strip().lower()
+        if fast not in ("0", "1", "auto"):
+            raise ValueError(f"{FAST_ACCUM_ENV} must be 0, 1 or auto, got {fast!r}")
+        fast_min = {"0": None, "1": 0, "auto": CUDA_FAST_ACCUM_MIN_TOKENS if cuda else None}[fast]
+        return cls(max(0, min_tokens), fast_min)
+
+
+class Fp8Activation:
+    """A [rows, K] activation already quantised by its producer (q e4m3, scale [rows, 1] fp32), standing
+    in for the tensor of shape `lead + (K,)` and dtype `dtype` it replaces."""
+    __slots__ = ("q", "scale", "dtype", "lead")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, lead: tuple = ()):
+        self.q, self.scale, self.dtype = q, scale, dtype
+        self.lead = tuple(lead) or (q.shape[0],)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.lead + (self.q.shape[1],))
+
+
+def quantize_input(x, policy: GemmPolicy):
+    """x for the fp8 GEMMs of one input: an Fp8Activation (quantised here unless its producer did),
+    or x itself when its row count runs in the model dtype."""
+    if isinstance(x, Fp8Activation):
+        return x
+    x2 = x.reshape(-1, x.shape[-1])
+    if not policy.fp8(x2.shape[0]):
+        return x
+    return Fp8Activation(*quant_fp8_rowwise(x2), x.dtype, x.shape[:-1])
+
+
 def scaled_mm_emulated(q_x, q_w, scale_x, scale_w, out_dtype) -> torch.Tensor:
     """What `_scaled_mm` computes, in fp32 on any device: (q_x @ q_w^T) * scale_x * scale_w.
     q_x [M, K] / q_w [N, K] fp8; scale_x [M, 1], scale_w [1, N] fp32. Products of two e4m3 values are
-    exact in fp32, so only the accumulation order can differ from the tensor-core result."""
+    exact in fp32, so only the accumulation order can differ from the tensor-core result (whose
+    epilogue also multiplies by scale_x first, then scale_w, then rounds once)."""
     acc = q_x.float() @ q_w.float().t()
     return (acc * scale_x * scale_w).to(out_dtype)
 
@@ -50,38 +129,127 @@ def scaled_mm(q_x, q_w, scale_x, scale_w, out_dtype, fast_accum: bool = False) -
     return scaled_mm_emulated(q_x, q_w, scale_x, scale_w, out_dtype)
 
 
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W in e4m3 and one fp32 scale per output channel."""
+    """y = x W^T (+ b) with W in e4m3 and one fp32 scale per output channel. With `splits` the weight
+    holds several Linear layers' rows (one GEMM for all of them) and the result is their outputs.
+    `weight_hp` (model dtype, kept when the policy has a `min_tokens`) serves the row counts that run
+    unquantised: one GEMM per part there, exactly the unquantised layers' computation."""
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 fast_accum: bool = False):
+                 policy: GemmPolicy = GemmPolicy(), weight_hp: torch.Tensor | None = None,
+                 splits: tuple[int, ...] | None = None):
         super().__init__()
         if weight_q.dtype != FP8_DTYPE:
             raise ValueError(f"weight must be {FP8_DTYPE}, got {weight_q.dtype}")
+        if policy.min_tokens > 0 and weight_hp is None:
+            raise ValueError("a policy with min_tokens > 0 needs the model-dtype weights (weight_hp)")
         self.out_features, self.in_features = weight_q.shape
+        self.splits = tuple(splits) if splits else None
+        if self.splits and sum(self.splits) != self.out_features:
+            raise ValueError(f"splits {self.splits} do not add up to {self.out_features} rows")
         self.register_buffer("weight", weight_q.contiguous())
         self.register_buffer("weight_scale", weight_scale.reshape(1, -1).float().contiguous())
+        self.register_buffer("weight_hp", None if weight_hp is None else weight_hp.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.fast_accum = fast_accum
+        self.policy = policy
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fast_accum: bool = False) -> "Fp8Linear":
-        q, s = quant_fp8_rowwise(linear.weight.detach())
-        return cls(q, s, linear.bias, fast_accum)
+    def from_linears(cls, linears: list[nn.Linear], quantized: list | None = None,
+                     policy: GemmPolicy = GemmPolicy()) -> "Fp8Linear":
+        """One layer from the rows of `linears` (one: a plain layer). `quantized`: per linear its
+        (q, scale) from an fp8 checkpoint, or None to quantise its weight here."""
+        qs, ss = [], []
+        for lin, pre in zip(linears, quantized or [None] * len(linears)):
+            q, s = pre if pre is not None else quant_fp8_rowwise(lin.weight.detach())
+            qs.append(q.to(lin.weight.device))
+            ss.append(s.reshape(-1).to(lin.weight.device))
+        biases = [lin.bias for lin in linears]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("fused layers must all have a bias or none")
+        hp = _cat([lin.weight.detach() for lin in linears]) if policy.min_tokens > 0 else None
+        bias = None if biases[0] is None else _cat([b.detach() for b in biases])
+        splits = tuple(q.shape[0] for q in qs) if len(linears) > 1 else None
+        return cls(_cat(qs), _cat(ss), bias, policy, hp, splits)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, policy: GemmPolicy = GemmPolicy()) -> "Fp8Linear":
+        return cls.from_linears([linear], policy=policy)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float() * self.weight_scale.t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        q_x, s_x = quant_fp8_rowwise(x.reshape(-1, self.in_features))
-        y = scaled_mm(q_x, self.weight, s_x, self.weight_scale, x.dtype, self.fast_accum)
+    def forward(self, x):
+        """x: a tensor [..., K] or an Fp8Activation. Returns [..., N] (or one tensor per split)."""
+        x = quantize_input(x, self.policy)
+        if not isinstance(x, Fp8Activation):
+            return self._forward_unquantized(x)
+        rows = x.q.shape[0]
+        y = scaled_mm(x.q, self.weight, x.scale, self.weight_scale, x.dtype, self.policy.fast_accum(rows))
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*lead, self.out_features)
+        y = y.view(*x.lead, self.out_features)
+        return y.split(self.splits, dim=-1) if self.splits else y
+
+    def _forward_unquantized(self, x: torch.Tensor):
+        if not self.splits:
+            return F.linear(x, self.weight_hp, self.bias)
+        ws = self.weight_hp.split(self.splits)
+        bs = self.bias.split(self.splits) if self.bias is not None else [None] * len(ws)
+        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3 row-wise"
+        parts = f", parts={list(self.splits)}" if self.splits else ""
+        return f"in={self.in_features}, out={self.out_features}{parts}, fp8 e4m3 row-wise, {self.policy}"
+
+
+class Fp8QKV(nn.Module):
+    """The q, k and v projections of one attention on one (quantised once) activation: a q GEMM and a
+    k|v GEMM. `MoTAttention.qkv` calls it in place of the three Linear layers."""
+
+    def __init__(self, q_proj: Fp8Linear, kv_proj: Fp8Linear):
+        super().__init__()
+        self.q_proj, self.kv_proj = q_proj, kv_proj
+
+    def forward(self, x):
+        x = quantize_input(x, self.q_proj.policy)
+        k, v = self.kv_proj(x)
+        return self.q_proj(x), k, v
+
+
+class Fp8SwiGLU(nn.Module):
+    """SwiGLU with gate|up as one fp8 GEMM and silu(gate) * up quantised in the same kernel (its
+    only consumer is the down GEMM)."""
+
+    def __init__(self, gate_up_proj: Fp8Linear, down_proj: Fp8Linear):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x)
+        lead, n = gate.shape[:-1], gate.shape[-1]
+        g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+        if self.down_proj.policy.fp8(g2.shape[0]):
+            return self.down_proj(Fp8Activation(*silu_mul_fp8(g2, u2), gate.dtype, lead))
+        return self.down_proj(silu_mul(gate, up))
+
+
+class Fp8RMSNorm(RMSNorm):
+    """RMSNorm whose output feeds only fp8 GEMMs: normalised and quantised per token in one kernel."""
+
+    def __init__(self, norm: RMSNorm, policy: GemmPolicy):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor):
+        n = x.shape[-1]
+        if not self.policy.fp8(x.numel() // max(n, 1)):
+            return super().forward(x)
+        return Fp8Activation(*rms_norm_fp8(x, self.weight, self.eps), x.dtype, x.shape[:-1])
 
 
 def require_fp8(capability: tuple[int, int], name: str) -> None:
@@ -119,10 +287,6 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
                              f"with torch {torch.__version__}")
 
 
-def fast_accum_default() -> bool:
-    return os.environ.get(FAST_ACCUM_ENV, "0") == "1"
-
-
 def target_linears(model, branches=("gen",)):
     """(owner module, attribute name, full parameter name) of every dense Linear to quantise."""
     out = []
@@ -145,25 +309,51 @@ def fp8_eligible(lin) -> bool:
 
 
 def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
-                   fast_accum: bool | None = None) -> int:
-    """Swap the branch's dense Linear layers for Fp8Linear in place. `prequantized`: {param name
-    without '.weight': (q, scale)} from an fp8 checkpoint (used as is). Returns layers swapped;
-    a layer whose dims are not multiples of 16 (the fp8 GEMM's rule) stays in the model dtype."""
-    fast = fast_accum_default() if fast_accum is None else fast_accum
-    prequantized = prequantized or {}
+                   policy: GemmPolicy | None = None) -> int:
+    """Swap the branch's dense Linear layers (and the norms / activation feeding them) for their fp8
+    versions in place (module doc). `prequantized`: {param name without '.weight': (q, scale)} from an
+    fp8 checkpoint (used as is). `policy`: GemmPolicy.for_device(the model's device) by default.
+    Returns the Linear layers now running in fp8."""
+    policy = policy or GemmPolicy.for_device(model.device)
+    pre = prequantized or {}
     n = 0
-    for owner, attr, name in target_linears(model, branches):
-        lin = getattr(owner, attr)
-        if not fp8_eligible(lin):
-            continue
-        if name in prequantized:
-            q, s = prequantized[name]
-            new = Fp8Linear(q.to(lin.weight.device), s.to(lin.weight.device), lin.bias, fast)
-        else:
-            new = Fp8Linear.from_linear(lin, fast)
-        setattr(owner, attr, new)
-        n += 1
+    for i, layer in enumerate(model.language_model.model.layers):
+        prefix = f"language_model.model.layers.{i}."
+        for b in branches:
+            sfx = BRANCH_SUFFIX[b]
+            attn, mlp = layer.self_attn, getattr(layer, "mlp" + sfx, None)
+            qkv = [x + sfx for x in ("q_proj", "k_proj", "v_proj")]
+            if hasattr(attn, qkv[0]) and all(fp8_eligible(getattr(attn, x)) for x in qkv):
+                attn_pre = prefix + "self_attn."
+                setattr(attn, "qkv_proj" + sfx, Fp8QKV(_fp8_layer(attn, qkv[:1], attn_pre, pre, policy),
+                                                       _fp8_layer(attn, qkv[1:], attn_pre, pre, policy)))
+                for x in qkv:
+                    delattr(attn, x)
+                _quantize_norm(layer, "input_layernorm" + sfx, policy)
+                n += 3
+            o = "o_proj" + sfx
+            if hasattr(attn, o) and fp8_eligible(getattr(attn, o)):
+                setattr(attn, o, _fp8_layer(attn, [o], prefix + "self_attn.", pre, policy))
+                n += 1
+            if isinstance(mlp, SwiGLU) and all(fp8_eligible(getattr(mlp, x)) for x in _MLP):
+                mlp_pre = f"{prefix}mlp{sfx}."
+                gate_up = _fp8_layer(mlp, ["gate_proj", "up_proj"], mlp_pre, pre, policy)
+                setattr(layer, "mlp" + sfx, Fp8SwiGLU(gate_up, _fp8_layer(mlp, ["down_proj"], mlp_pre, pre, policy)))
+                _quantize_norm(layer, "post_attention_layernorm" + sfx, policy)
+                n += 3
     return n
+
+
+def _fp8_layer(owner, names: list[str], prefix: str, prequantized: dict, policy: GemmPolicy) -> Fp8Linear:
+    """One Fp8Linear from the Linear layers `names` of `owner` (checkpoint names `prefix + name`)."""
+    return Fp8Linear.from_linears([getattr(owner, x) for x in names],
+                                  [prequantized.get(prefix + x) for x in names], policy)
+
+
+def _quantize_norm(layer, name: str, policy: GemmPolicy) -> None:
+    norm = getattr(layer, name)
+    if type(norm) is RMSNorm:
+        setattr(layer, name, Fp8RMSNorm(norm, policy))
 
 
 def write_fp8_checkpoint(src_dir: str, out_dir: str, branches=("gen",)) -> str:

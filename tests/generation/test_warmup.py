@@ -51,6 +51,21 @@ def test_warmup_sizes_parse():
             parse_sizes(bad)
 
 
+def test_warmup_runs_a_cfg_and_a_guidance_1_job_per_size(tiny_checkpoint):
+    """Both row counts a request brings (2N with CFG, N without: different GEMM shapes, and for fp8
+    possibly different GEMM paths) are warmed; nothing is left running."""
+    from services.generation.engine import Engine
+    from services.generation.warmup import run_warmup, warmup_jobs
+    from services.model.loader import load_model
+    jobs = warmup_jobs([(64, 64), (96, 64)], 2)
+    assert [(j.width, j.height, len(j.branches), j.guidance_scale) for j in jobs] == [
+        (64, 64, 2, 4.0), (64, 64, 1, 1.0), (96, 64, 2, 4.0), (96, 64, 1, 1.0)]
+    assert len({j.request_id for j in jobs}) == 4 and warmup_jobs([(64, 64)], 0) == []
+    engine = Engine(load_model(tiny_checkpoint("u1"), "gen", quantization="fp8"), None)
+    warm = run_warmup(engine, [(64, 64)], 1)
+    assert warm["sizes"] == ["64x64"] and warm["steps"] == 1 and not engine.running
+
+
 def test_understanding_runner_warmup_uses_only_scratch(tiny_checkpoint):
     from services.model.loader import load_model
     from services.understanding.model_runner import ModelRunner

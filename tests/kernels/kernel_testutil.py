@@ -21,7 +21,7 @@ def assert_close(out, ref, dtype=None):
 
 # (mantissa bits, smallest normal exponent) per dtype: the spacing of representable numbers
 _FLOAT_BITS = {torch.float16: (10, -14), torch.bfloat16: (7, -126), torch.float32: (23, -126),
-               torch.float64: (52, -1022)}
+               torch.float64: (52, -1022), torch.float8_e4m3fn: (3, -6)}
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
