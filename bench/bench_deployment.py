@@ -8,6 +8,8 @@ Each profile is a `u1serve up` command line; the stack serves a full-size geomet
     alone and while M image requests run (the case for `separate`: image jobs must not slow text).
 
 GPU (2 H200): python bench/bench_deployment.py --profiles colocate-tp2-cfg2,separate-1+1
+GPU (2 H200), colocate QoS (issue 13): --profiles colocate-tp2-cfg2-yield (image s/step is also measured
+  while the chats run: the progress gaps of the loading image requests inside the chat window)
 GPU (4 H200): python bench/bench_deployment.py --profiles separate-tp2-cfg2,colocate-tp2-cfg2
 CPU smoke run: python bench/bench_deployment.py --tiny --profiles cpu-colocate,cpu-separate \\
                  --size 64x64 --steps 2 --chat-tokens 8
@@ -31,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROFILES = {  # name -> u1serve up flags
     "colocate-tp2-cfg2": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2",
+    "colocate-tp2-cfg2-yield": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --qos-yield-share 0.5",
     "separate-tp2-cfg2": "--mode separate --und-gpus 0,1 --gen-gpus 2,3 --und-tp 2 --gen-cfg-parallel 2",
     "separate-1+1": "--mode separate --und-gpus 0 --gen-gpus 1",
     "colocate-1": "--mode colocate --und-gpus 0",
@@ -63,7 +66,13 @@ async def image_request(client, size: str, steps: int, seed: int) -> dict:
                 raise RuntimeError(f"image stream error: {ev}")
     total = time.perf_counter() - t0
     gaps = [b - a for a, b in zip(progress, progress[1:])]
-    return {"e2e_s": total, "step_s": statistics.median(gaps) if gaps else None, "steps_seen": len(progress)}
+    return {"e2e_s": total, "step_s": statistics.median(gaps) if gaps else None, "steps_seen": len(progress),
+            "progress": progress}
+
+
+def gaps_within(results: list[dict], t0: float, t1: float) -> list[float]:
+    """Step gaps of image requests that lie inside [t0, t1] (while the chats ran)."""
+    return [b - a for r in results for a, b in zip(r["progress"], r["progress"][1:]) if t0 <= a and b <= t1]
 
 
 async def chat_stream(client, tokens: int, i: int) -> list[float]:
@@ -100,10 +109,13 @@ async def measure(base: str, args) -> dict:
         load = [asyncio.create_task(image_request(client, args.size, args.steps, 200 + i))
                 for i in range(args.image_load)]
         await asyncio.sleep(args.load_delay)
+        t0 = time.perf_counter()
         loaded = await chats(client, args.chat_streams, args.chat_tokens)
-        await asyncio.gather(*load)
+        t1 = time.perf_counter()
+        during = gaps_within(await asyncio.gather(*load), t0, t1)
     return {"image": {"e2e_s": statistics.median(s["e2e_s"] for s in singles),
-                      "step_s": statistics.median(s["step_s"] for s in singles if s["step_s"])},
+                      "step_s": statistics.median(s["step_s"] for s in singles if s["step_s"]),
+                      "step_s_with_chat": statistics.median(during) if during else None},
             "chat_alone": alone, "chat_with_images": loaded}
 
 
@@ -150,14 +162,17 @@ def table(results: dict, args) -> str:
     rows = [f"Image: {args.size}, {args.steps} steps, CFG 4, one request at a time ({args.requests} requests, "
             f"median). Chat: {args.chat_streams} concurrent streams of {args.chat_tokens} tokens, alone and with "
             f"{args.image_load} concurrent image requests.", "",
-            "| profile | s/step | image e2e s | chat ITL p50 / p90 ms (alone) | chat ITL p50 / p90 ms (with images) |",
-            "|---|---:|---:|---:|---:|"]
+            "| profile | s/step | s/step (load, while chats run) | image e2e s | chat ITL p50 / p90 ms (alone) | "
+            "chat ITL p50 / p90 ms (with images) |",
+            "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:80]} | | | |")
+            rows.append(f"| {name} | failed: {r['error'][:80]} | | | | |")
             continue
         a, w = r["chat_alone"], r["chat_with_images"]
-        rows.append(f"| {name} | {r['image']['step_s']:.3f} | {r['image']['e2e_s']:.2f} | "
+        during = r["image"].get("step_s_with_chat")
+        during = f"{during:.3f}" if during else "n/a"
+        rows.append(f"| {name} | {r['image']['step_s']:.3f} | {during} | {r['image']['e2e_s']:.2f} | "
                     f"{a['itl_p50_ms']:.1f} / {a['itl_p90_ms']:.1f} | {w['itl_p50_ms']:.1f} / {w['itl_p90_ms']:.1f} |")
     return "\n".join(rows)
 

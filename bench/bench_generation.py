@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.generation.engine import Engine  # noqa: E402
 from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.generation.request import GenerateJob  # noqa: E402
+from services.contract.image import GenerateRequest  # noqa: E402
 from services.model.tiny import build_random_model, full_config, tiny_config  # noqa: E402
 from shm_transfer import KVLayout, ShmKVPool, write_kv  # noqa: E402
 
@@ -95,11 +95,11 @@ def publish(pool: ShmKVPool, lengths: dict[str, int], t_offsets: dict[str, int])
     return handles
 
 
-def job_spec(rid, handles, size, steps, cfg=4.0, n=1) -> GenerateJob:
-    return GenerateJob(request_id=rid, handles=handles, mode="t2i", width=size, height=size, n=n,
-                       num_inference_steps=steps, guidance_scale=cfg, image_guidance_scale=1.0, cfg_norm="none",
-                       timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
-                       output_format="png")
+def job_spec(rid, handles, size, steps, cfg=4.0, n=1) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, handles=handles, mode="t2i", width=size, height=size, n=n,
+                           num_inference_steps=steps, guidance_scale=cfg, image_guidance_scale=1.0, cfg_norm="none",
+                           timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
+                           output_format="png")
 
 
 def time_steps(engine: Engine, specs, warmup: int, steps: int) -> tuple[list[float], list[dict]]:

@@ -130,7 +130,8 @@ def summarize(name, tokens, nbytes, times):
 def consumer(args, lay: KVLayout, name: str):
     if args.transport == "network":
         from shm_transfer.nixl_transport import NixlTransport
-        return NixlTransport.connect(expected_fingerprint="bench")
+        # the network path itself: on one host the consumer would otherwise read the pool through shm
+        return NixlTransport.connect(expected_fingerprint="bench", same_host_shm=False)
     return LocalShmTransport.attach(name, expected_fingerprint="bench", pin=args.device == "cuda")
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from image_quality import psnr, ssim  # noqa: E402
 from services.generation.engine import Engine  # noqa: E402
-from services.generation.request import GenerateJob  # noqa: E402
+from services.contract.image import GenerateRequest  # noqa: E402
 from services.model import reference as R  # noqa: E402
 from services.model import sampler as S  # noqa: E402
 
@@ -94,10 +94,9 @@ class Runner:
     def generate(self, prompt, size, steps, guidance, shift, seed, cache=None):
         params = S.SamplerParams(num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift)
         pre = R.image_prefixes(self.model, self.tok, "t2i", prompt, [], params)
-        spec = GenerateJob(request_id="q", handles={b: {} for b in pre}, mode="t2i", width=size, height=size,
-                           n=1, num_inference_steps=steps, guidance_scale=guidance, image_guidance_scale=1.0,
-                           cfg_norm="none", timestep_shift=shift, t_eps=0.02, cfg_interval=(0.0, 1.0),
-                           seed=seed, output_format="png", cache=cache)
+        spec = GenerateRequest(request_id="q", handles={b: {} for b in pre}, mode="t2i", width=size, height=size,
+                               n=1, num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift,
+                               seed=seed, cache=cache)
         job = self.engine.admit_local(spec, {b: p.kv for b, p in pre.items()},
                                       {b: p.t_offset for b, p in pre.items()})
         self.engine.add(job)

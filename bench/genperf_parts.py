@@ -13,7 +13,7 @@ import torch
 
 from bench_generation import _sync, build
 from services.generation.engine import Engine
-from services.generation.request import GenerateJob
+from services.contract.image import GenerateRequest
 from services.model import reference as R
 from services.model import sampler as S
 
@@ -21,12 +21,11 @@ PREFIX = {"cond": 365, "uncond": 9}
 OTHER_PREFIX = {"cond": 517, "uncond": 23}   # a prompt length no warm-up used
 
 
-def spec(rid: str, size: int, steps: int, guidance: float, cache: dict | None = None) -> GenerateJob:
+def spec(rid: str, size: int, steps: int, guidance: float, cache: dict | None = None) -> GenerateRequest:
     branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
-    return GenerateJob(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=size,
-                       height=size, n=1, num_inference_steps=steps, guidance_scale=guidance,
-                       image_guidance_scale=1.0, cfg_norm="none", timestep_shift=3.0, t_eps=0.02,
-                       cfg_interval=(0.0, 1.0), seed=0, output_format="png", cache=cache)
+    return GenerateRequest(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=size,
+                           height=size, n=1, num_inference_steps=steps, guidance_scale=guidance, seed=0,
+                           cache=cache)
 
 
 def prefix_kv(model, lengths: dict[str, int], device, dtype, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -35,14 +34,14 @@ def prefix_kv(model, lengths: dict[str, int], device, dtype, seed: int = 0) -> d
                            generator=g, device=device).to(dtype) for b, n in lengths.items()}
 
 
-def admit(engine: Engine, sp: GenerateJob, prefix: dict[str, int] = PREFIX):
-    lengths = {b: prefix[b] for b in sp.branches}
+def admit(engine: Engine, sp: GenerateRequest, prefix: dict[str, int] = PREFIX):
+    lengths = {b: prefix[b] for b in sp.handles}
     job = engine.admit_local(sp, prefix_kv(engine.model, lengths, engine.device, engine.dtype), lengths)
     engine.add(job)
     return job
 
 
-def step_times(engine: Engine, sp: GenerateJob, warmup: int, steps: int,
+def step_times(engine: Engine, sp: GenerateRequest, warmup: int, steps: int,
                prefix: dict[str, int] = PREFIX) -> list[float]:
     """Seconds of `steps` single steps after `warmup` (sp must have more steps than both)."""
     job = admit(engine, sp, prefix)
@@ -59,7 +58,7 @@ def step_times(engine: Engine, sp: GenerateJob, warmup: int, steps: int,
     return times
 
 
-def job_seconds(engine: Engine, sp: GenerateJob) -> tuple[float, dict]:
+def job_seconds(engine: Engine, sp: GenerateRequest) -> tuple[float, dict]:
     """Whole job (every step and the uint8 pixels on the host). Returns (seconds, branch_steps)."""
     job = admit(engine, sp)
     _sync(engine.device)

@@ -13,17 +13,8 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
-ONLY="fp8,fp8-profile,warmstart,preset,pixels,cfgp"   # cache (step caching) only when asked for
-SMOKE=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --only) ONLY="$2"; shift 2 ;;
-    --smoke) SMOKE=1; shift ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
-  esac
-done
+. bench/parts.sh
+parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching) only when asked for
 
 if [ "$SMOKE" = 1 ]; then
   GEO=(--device cpu --tiny --size 128 --sizes 128 --steps 2 --warmup 1)
@@ -36,20 +27,6 @@ else
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
-FAILED=""
-run() {  # run PART NAME LIMIT_S CMD...: runs if PART is in --only; stdout to $OUT/NAME.md, JSON to $OUT/NAME.json
-  local part="$1" name="$2" limit="$3"; shift 3
-  case ",$ONLY," in *",$part,"*) ;; *) return 0 ;; esac
-  echo; echo "## $name"
-  local t0=$SECONDS
-  if timeout --signal=INT --kill-after=20 "$limit" "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.md"; then
-    echo "($name: $((SECONDS - t0)) s)"
-  else
-    echo "PART $name FAILED or timed out after $((SECONDS - t0)) s; last lines of $OUT/$name.err:"
-    tail -n 20 "$OUT/$name.err" || true
-    FAILED="$FAILED $name"
-  fi
-}
 
 B=bench/bench_generation.py
 # single-branch step at 1024² / 2048²: bf16 vs fp8 (serving policy, every GEMM fp8, fast accumulation),
@@ -83,20 +60,4 @@ fi
 # whole-job time and computed steps vs first-block threshold (CFG 4); not in the default set
 run cache cache "$LIMIT" python $B --part cache "${GEO[@]}" --thresholds 0,0.05,0.1,0.2 --job-steps "$JOBSTEPS"
 
-python - "$OUT" <<'EOF'
-import json, os, sys
-out = sys.argv[1]
-res = {}
-for name in sorted(os.listdir(out)):
-    if name.endswith(".json") and name != "genperf.json":
-        try:
-            res[name[:-5]] = json.load(open(os.path.join(out, name)))
-        except ValueError:
-            pass
-json.dump(res, open(os.path.join(out, "genperf.json"), "w"), indent=2, default=str)
-print(f"\nwrote {os.path.join(out, 'genperf.json')} ({', '.join(res)})")
-EOF
-if [ -n "$FAILED" ]; then
-  echo "failed parts:$FAILED"
-  exit 1
-fi
+finish genperf

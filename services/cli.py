@@ -148,15 +148,56 @@ def build_gateway(args, ctx) -> "ServiceSpec":
         argv += ["--default-guidance", str(preset.guidance_scale),
                  "--default-timestep-shift", str(preset.timestep_shift)]
     env = dict(ctx["env"])
-    if args.api_key:
-        env["U1SERVE_API_KEY"] = args.api_key
+    if ctx.get("api_key"):
+        env["U1SERVE_API_KEY"] = ctx["api_key"]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
     return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
 
 
 SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
+SECRET_ENV = ("U1SERVE_INTERNAL_TOKEN", "U1SERVE_API_KEY")   # never printed, never on a command line
+_SECRET_FLAGS = ("--internal-token", "--api-key")
 
 
-def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True):
+def resolve_ports(args: argparse.Namespace, probe: bool = True) -> None:
+    """The engines' ports follow --port (+100, +200) unless given; a derived port that is taken is replaced by
+    a free one, a given port that is taken is an error naming its flag. Sets args.und_port / args.gen_port."""
+    from .launcher import port_free
+    if probe and not port_free(args.host, args.port):
+        raise SystemExit(f"port {args.port} (--port, the gateway) is already in use: pass another --port, or stop "
+                         f"what listens there (a running stack lists its pids in {cache_dir()}/run-PORT/stack.json)")
+    taken = {args.port}
+    for flag, attr, offset in (("--und-port", "und_port", 100), ("--gen-port", "gen_port", 200)):
+        given = getattr(args, attr)
+        port = given or args.port + offset
+        if probe and (port in taken or not port_free("127.0.0.1", port)):
+            if given:
+                raise SystemExit(f"port {port} ({flag}) is already in use: pass another {flag}, or leave it out "
+                                 "to get a free one")
+            port = free_port()
+        taken.add(port)
+        setattr(args, attr, port)
+
+
+def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(internal token, API key): from --x-file, --x or the environment; a random token when none is given.
+    They reach the services through the environment only: argv is readable by every local user in /proc.
+    An --api-key-file (one key per line) goes to the gateway as a path, checked here."""
+    from services.kit.config import read_secret, read_secrets
+    for extra in (args.und_args, args.gen_args, args.gateway_args):
+        if any(flag in (extra or "") for flag in _SECRET_FLAGS):
+            raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
+                             "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
+    token = read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN")
+    if args.api_key_file:
+        read_secrets(None, args.api_key_file, "U1SERVE_API_KEY")     # readable, with at least one key
+        args.api_key_file = os.path.abspath(args.api_key_file)
+        return token or secrets.token_hex(16), None
+    return token or secrets.token_hex(16), read_secret(args.api_key, None, "U1SERVE_API_KEY")
+
+
+def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
     from .launcher import Stack
     model = args.model
     tiny = model in TINY_ALIASES
@@ -165,21 +206,23 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     elif not os.path.isdir(model):
         raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
     placement = Placement(args)
+    resolve_ports(args, probe=not dry_run)
+    token, api_key = resolve_secrets(args)
     pool = args.kv_pool_name or f"u1serve-kv-{os.getpid()}-{args.port}"
     pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else 16.0)
-    token = args.internal_token or os.environ.get("U1SERVE_INTERNAL_TOKEN") or secrets.token_hex(16)
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
-        "env": {"U1SERVE_INTERNAL_TOKEN": token},
+        "env": {"U1SERVE_INTERNAL_TOKEN": token}, "api_key": api_key,
         "model_name": args.model_name or ("sensenova-u1-tiny" if tiny else
                                           os.path.basename(os.path.abspath(model))),
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
     }
-    specs = [b(args, ctx) for b in SERVICE_BUILDERS]
+    from .stack_replicas import replicate
+    specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
-    return Stack(specs, out=out, log_dir=os.path.join(run_dir, "logs"), shm_names=[pool],
-                 grace_s=args.grace, startup_timeout_s=args.startup_timeout,
-                 state_file=args.state_file or os.path.join(run_dir, "stack.json"),
+    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=pools,
+                 grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
+                 state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
                  echo_logs=echo_logs)
 
 
@@ -201,14 +244,27 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="colocate: GPU memory share of generation")
     p.add_argument("--host", default="0.0.0.0", help="gateway bind address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--und-port", type=int, default=8100)
-    p.add_argument("--gen-port", type=int, default=8200)
+    p.add_argument("--und-port", type=int, default=None,
+                   help="understanding port (default: --port + 100, or a free one if that is taken)")
+    p.add_argument("--gen-port", type=int, default=None,
+                   help="generation port (default: --port + 200, or a free one if that is taken)")
+    p.add_argument("--und-replicas", type=int, default=1,
+                   help="understanding replicas on this host (own port, GPUs, KV pool each); the gateway routes "
+                        "over them")
+    p.add_argument("--gen-replicas", type=int, default=1, help="generation replicas on this host (own port, GPUs)")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
     p.add_argument("--kv-pool-gb", type=float, default=None,
                    help="KV pool size (default 0.25 on cpu, 16 on cuda)")
-    p.add_argument("--internal-token", default=None, help="default: a random token per stack")
-    p.add_argument("--api-key", default=os.environ.get("U1SERVE_API_KEY"),
-                   help="require this Bearer key on the public API")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file whose first line is the engines' internal token (default: U1SERVE_INTERNAL_TOKEN, "
+                        "else a random token per stack)")
+    p.add_argument("--internal-token", default=None,
+                   help="the token itself (visible in /proc to local users: prefer the file or the environment)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file with the Bearer keys accepted on the public API, one per line "
+                        "(default: U1SERVE_API_KEY, else open)")
+    p.add_argument("--api-key", default=None,
+                   help="the key itself (visible in /proc to local users: prefer the file or the environment)")
     p.add_argument("--model-name", default=None, help="name served in /v1/models")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
@@ -225,7 +281,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--run-dir", default=None, help="logs and stack.json (default ~/.cache/u1serve/run-PORT)")
     p.add_argument("--state-file", default=None, help="where to write pids/ports as JSON")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a service may take to get healthy (loading 8B weights takes a while)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="shut everything down when a service dies instead of restarting it")
 
 
 # ------------------------------------------------------------------------------------- commands
@@ -234,32 +293,32 @@ def add_up(sub) -> None:
     add_stack_flags(p, model_default=None)
     p.add_argument("--dry-run", action="store_true",
                    help="print each service's command line and GPU placement, start nothing")
-    p.add_argument("--no-restart", action="store_true",
-                   help="shut everything down when a service dies instead of restarting it")
     p.set_defaults(func=cmd_up)
 
 
 def print_plan(stack, out=sys.stdout) -> None:
     """The placement of `u1serve up` without starting it (checks a multi-GPU profile anywhere)."""
-    for spec in (p.spec for p in stack.procs):
-        env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()) if k != "U1SERVE_INTERNAL_TOKEN")
+    for spec in (s.spec for s in stack.services):
+        env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()) if k not in SECRET_ENV)
         out.write(f"{spec.name}: {env} {shlex.join(spec.argv)}\n")
 
 
 def cmd_up(args) -> int:
     from .launcher import run_until_signal
-    stack = build_stack(args)
+    stack = build_stack(args, dry_run=args.dry_run)
     if args.dry_run:
         print_plan(stack)
         return 0
     host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
-    return run_until_signal(stack, restart=not args.no_restart, on_ready=lambda: stack.say(
-        f"ready: http://{host}:{args.port}/v1 (mode {args.mode})"))
+    return run_until_signal(stack, on_ready=lambda: stack.say(
+        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}; engines on 127.0.0.1:{args.und_port} and "
+        f":{args.gen_port})"))
 
 
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="tiny checkpoint + whole stack on CPU + one chat and one image")
-    p.add_argument("--out", default="u1serve-demo.png", help="where to save the image")
+    p.add_argument("--out", default=None,
+                   help="where to save the image (default: u1serve-demo.png in the cache dir, ~/.cache/u1serve)")
     p.add_argument("--prompt", default="a red fox in the snow, watercolor")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--verbose", action="store_true", help="also print the services' logs")
@@ -272,6 +331,8 @@ def cmd_demo(args) -> int:
         from openai import OpenAI
     except ImportError:
         raise SystemExit("u1serve demo uses the openai SDK: pip install openai")
+    out_path = os.path.abspath(args.out or os.path.join(cache_dir(), "u1serve-demo.png"))
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     stack_args = ns.parse_args(["--device", "cpu", "--host", "127.0.0.1",
@@ -286,6 +347,7 @@ def cmd_demo(args) -> int:
         stack.start()
     except StartupError as exc:
         print(f"[demo] the stack did not start: {exc}")
+        stack.stop()
         return 1
     try:
         t_up = time.monotonic() - t0
@@ -302,11 +364,11 @@ def cmd_demo(args) -> int:
                                      response_format="b64_json",
                                      extra_body={"num_inference_steps": args.steps, "seed": 42})
         t_img = time.monotonic() - t2
-        with open(args.out, "wb") as f:
+        with open(out_path, "wb") as f:
             f.write(base64.b64decode(img.data[0].b64_json))
         print("\n[demo] chat reply (random tiny weights, so the text is noise):")
         print("       " + repr(chat.choices[0].message.content))
-        print(f"[demo] image saved to {os.path.abspath(args.out)} (64x64, {args.steps} steps)")
+        print(f"[demo] image saved to {out_path} (64x64, {args.steps} steps)")
         print(f"[demo] timings: stack up {t_up:.1f}s, chat {t_chat:.2f}s, image {t_img:.2f}s")
         return 0
     finally:

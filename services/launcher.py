@@ -1,16 +1,23 @@
-"""Process management for `u1serve up`: start the engines and the gateway, watch, shut down.
+"""Process management for `u1serve up`: start the services in order, keep them running, stop them.
 
-Each service runs in its own process group (its ranks included), so shutdown can signal the whole
-group: SIGTERM, a grace period, then SIGKILL. Children also get PR_SET_PDEATHSIG so a launcher
-killed with SIGKILL does not leave them behind. The understanding service owns the KV pool segment
-(/dev/shm/<pool name>); the launcher unlinks it after shutdown in case that service was killed.
+Each service runs as its own process group (its engine ranks included) under the one supervisor
+(services.kit.supervisor): a service that dies is restarted with exponential backoff within a restart budget;
+one that never became healthy (it exited, its /health says its engine failed, or the start-up timeout passed)
+is not restarted: the stack stops and `u1serve up` exits non-zero, printing that service's last log lines.
+Stop: SIGTERM to each service's leader process (it shuts its own engines down; a group-wide signal would look
+like a crash to them), a grace period, then SIGKILL to whatever is left of the group. Children get
+PR_SET_PDEATHSIG, so a launcher killed with SIGKILL does not leave them behind. The understanding service owns
+the KV pool segment (/dev/shm/<pool name>); the launcher unlinks it after shutdown in case that service was
+killed.
 """
 from __future__ import annotations
 
-import ctypes
+import collections
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,18 +25,16 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import Callable, Optional, TextIO
+
+from services.kit.proc import preexec_die_with_parent
+from services.kit.restart import RestartPolicy
+from services.kit.supervisor import Supervisor
 
 SHM_DIR = "/dev/shm"
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM this child when the launcher dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+TAIL_LINES = 20
+SERVICE_RESTARTS = RestartPolicy(base_delay_s=1.0, max_delay_s=30.0, max_failures=5, window_s=600.0)
+_FAILED_HEALTH = ("error", "failed")     # /health statuses of a service whose engine cannot run
 
 
 @dataclass
@@ -40,34 +45,26 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-class ManagedProcess:
-    def __init__(self, spec: ServiceSpec, out: TextIO | None, log_dir: str | None):
-        self.spec = spec
-        self.out = out              # None: log file only
-        self.log_path = os.path.join(log_dir, f"{spec.name}.log") if log_dir else None
-        self.proc: subprocess.Popen | None = None
-        self.restarts = 0
+class ServiceLog:
+    """A service's output across restarts: a log file, optional echo with a `[name]` prefix, the last lines."""
+
+    def __init__(self, name: str, out: Optional[TextIO], log_dir: Optional[str]):
+        self.name = name
+        self.out = out
+        self.path = os.path.join(log_dir, f"{name}.log") if log_dir else None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._lock = threading.Lock()
 
-    def start(self) -> None:
-        env = {**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            self.spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-        threading.Thread(target=self._pump, args=(self.proc,), daemon=True,
-                         name=f"log-{self.spec.name}").start()
-
-    def _pump(self, proc: subprocess.Popen) -> None:
-        """Copy the child's output, each line prefixed with its name; keep a log file."""
-        logf = open(self.log_path, "a", buffering=1) if self.log_path else None
-        prefix = f"[{self.spec.name}] "
+    def pump(self, stream) -> None:
+        logf = open(self.path, "a", buffering=1) if self.path else None
         try:
-            for raw in iter(proc.stdout.readline, b""):
+            for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                if self.out is not None:
-                    with self._lock:
+                with self._lock:
+                    self.tail.append(line)
+                    if self.out is not None:
                         try:
-                            self.out.write(prefix + line + "\n")
+                            self.out.write(f"[{self.name}] {line}\n")
                             self.out.flush()
                         except (ValueError, OSError):
                             pass
@@ -77,24 +74,74 @@ class ManagedProcess:
             if logf:
                 logf.close()
 
+    def last_lines(self) -> list[str]:
+        with self._lock:
+            return list(self.tail)
+
+
+class ServiceProcess:
+    """One run of a service, in its own process group (a kit.supervisor Unit)."""
+
+    def __init__(self, spec: ServiceSpec, log: ServiceLog, grace_s: float):
+        self.spec = spec
+        self.grace_s = grace_s
+        self.failure: Optional[str] = None      # set when we killed it for failing its health check
+        self._asked_to_stop = False
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=preexec_die_with_parent)
+        self.pump = threading.Thread(target=log.pump, args=(self.proc.stdout,), daemon=True,
+                                     name=f"log-{spec.name}")
+        self.pump.start()
+
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def pid(self) -> int:
+        return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc.poll() is None
 
-    def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
+    def exit_reason(self) -> str:
+        if self.failure:
+            return self.failure
+        code = self.proc.poll()
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stopped_on_purpose(self) -> bool:
+        return self._asked_to_stop
+
+    def fail(self, reason: str) -> None:
+        """It is up but cannot serve (its /health says so, or it never got healthy): kill it."""
+        self.failure = reason
+        self._signal_group(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM the leader when it still runs, wait up to the grace period for the group, then SIGKILL it."""
+        if self.alive() and not self._asked_to_stop:
+            self._asked_to_stop = True
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + self.grace_s
+            while time.monotonic() < deadline and self.group_alive():
+                time.sleep(0.1)
+        self._signal_group(signal.SIGKILL)      # ranks left behind by a dead leader, or a stuck one
         try:
-            os.killpg(self.proc.pid, sig)   # pgid == pid (start_new_session)
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)        # pgid == pid (start_new_session)
         except (ProcessLookupError, PermissionError):
             pass
 
     def group_alive(self) -> bool:
-        if self.proc is None:
-            return False
         self.proc.poll()
         try:
             os.killpg(self.proc.pid, 0)
@@ -103,47 +150,95 @@ class ManagedProcess:
             return False
 
 
-def port_in_use(url: str) -> bool:
-    """Something already answers on the host:port of `url` (a stale server would fake health)."""
-    import socket
-    from urllib.parse import urlparse
-    u = urlparse(url)
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((u.hostname or "127.0.0.1", u.port or 80)) == 0
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def health(url: str, timeout: float = 2.0) -> tuple[Optional[int], dict]:
+    """(HTTP status or None when nothing answers, JSON body or {})."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
+            return r.status, _json(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _json(e.read())
     except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return None, {}
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 class StartupError(RuntimeError):
     pass
 
 
+class Service:
+    """A service kept running by its own kit.supervisor; a thread per run waits for it to get healthy."""
+
+    def __init__(self, spec: ServiceSpec, log: ServiceLog, *, grace_s: float, startup_timeout_s: float,
+                 policy: RestartPolicy, on_give_up: Callable[["Service", str], None], on_change: Callable[[], None]):
+        self.spec = spec
+        self.log = log
+        self.grace_s = grace_s
+        self.startup_timeout_s = startup_timeout_s
+        self.on_change = on_change
+        self.sup = Supervisor(spec.name, self._spawn, policy=policy,
+                              on_give_up=lambda why: on_give_up(self, why))
+
+    @property
+    def unit(self) -> Optional[ServiceProcess]:
+        return self.sup.unit  # type: ignore[return-value]
+
+    def _spawn(self) -> ServiceProcess:
+        unit = ServiceProcess(self.spec, self.log, self.grace_s)
+        threading.Thread(target=self._until_healthy, args=(unit,), daemon=True,
+                         name=f"health-{self.spec.name}").start()
+        return unit
+
+    def _until_healthy(self, unit: ServiceProcess) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while self.sup.unit is not unit and unit.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)                    # the supervisor records the new run right after _spawn
+        self.on_change()
+        while unit.alive() and self.sup.state not in (Supervisor.STOPPED, Supervisor.FAILED):
+            status, body = health(self.spec.health_url)
+            if status == 200:
+                self.sup.mark_ready(unit)
+                return
+            if status == 503 and body.get("status") in _FAILED_HEALTH:
+                unit.fail(f"its /health reports {body.get('status')}: "
+                          f"{body.get('error') or body.get('failure') or body.get('last_error') or 'no detail'}")
+                return
+            if time.monotonic() > deadline:
+                unit.fail(f"not healthy at {self.spec.health_url} after {self.startup_timeout_s:.0f} s")
+                return
+            time.sleep(0.25)
+
+
 class Stack:
     """An ordered set of services: started in order (each healthy before the next), stopped in reverse."""
 
     def __init__(self, specs: list[ServiceSpec], *, out: TextIO = sys.stdout,
-                 log_dir: str | None = None, shm_names: list[str] | None = None,
-                 grace_s: float = 10.0, startup_timeout_s: float = 600.0,
-                 restart_delay_s: float = 1.0, state_file: str | None = None,
+                 log_dir: Optional[str] = None, shm_names: Optional[list[str]] = None,
+                 grace_s: float = 10.0, startup_timeout_s: float = 900.0, restart: bool = True,
+                 policy: Optional[RestartPolicy] = None, state_file: Optional[str] = None,
                  echo_logs: bool = True):
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        self.procs = [ManagedProcess(s, out if echo_logs else None, log_dir) for s in specs]
         self.out = out
         self.shm_names = shm_names or []
-        self.grace_s = grace_s
-        self.startup_timeout_s = startup_timeout_s
-        self.restart_delay_s = restart_delay_s
         self.state_file = state_file
+        policy = policy or (SERVICE_RESTARTS if restart else RestartPolicy(max_failures=1))
+        self.services = [Service(s, ServiceLog(s.name, out if echo_logs else None, log_dir), grace_s=grace_s,
+                                 startup_timeout_s=startup_timeout_s, policy=policy,
+                                 on_give_up=self._gave_up, on_change=self.write_state) for s in specs]
+        self.failed: Optional[tuple[Service, str]] = None
         self._stopping = threading.Event()
         self._stopped = False
+        self._log_handler = _SayHandler(self.say)
+        logging.getLogger("u1serve.supervisor").addHandler(self._log_handler)
+        logging.getLogger("u1serve.supervisor").propagate = False
 
     def say(self, text: str) -> None:
         try:
@@ -152,100 +247,77 @@ class Stack:
         except (ValueError, OSError):
             pass
 
-    def by_name(self, name: str) -> ManagedProcess:
-        return next(p for p in self.procs if p.spec.name == name)
+    def by_name(self, name: str) -> Service:
+        return next(s for s in self.services if s.spec.name == name)
 
-    def wait_healthy(self, mp: ManagedProcess, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._stopping.is_set():
-                raise StartupError("stopped during startup")
-            if not mp.alive():
-                raise StartupError(f"{mp.spec.name} exited with code {mp.proc.returncode} "
-                                   f"during startup (see its log lines above)")
-            if http_ok(mp.spec.health_url):
-                return
-            time.sleep(0.25)
-        raise StartupError(f"{mp.spec.name} not healthy at {mp.spec.health_url} after {timeout_s:.0f}s")
+    def _gave_up(self, service: Service, why: str) -> None:
+        if self.failed is None and not self._stopping.is_set():
+            self.failed = (service, why)
+        self._stopping.set()
+
+    def failure_report(self) -> str:
+        """Which service failed, why, and its last log lines (printed before anything is stopped)."""
+        if self.failed is None:
+            return ""
+        service, why = self.failed
+        lines = service.log.last_lines()
+        where = f" (log: {service.log.path})" if service.log.path else ""
+        text = f"{service.spec.name} failed: {why}{where}"
+        if lines:
+            text += f"\n[u1serve] last {len(lines)} lines of {service.spec.name}:\n" + \
+                "\n".join(f"    {ln}" for ln in lines)
+        return text
 
     def start(self) -> None:
-        try:
-            for mp in self.procs:
-                if port_in_use(mp.spec.health_url):
-                    raise StartupError(f"cannot start {mp.spec.name}: the port of "
-                                       f"{mp.spec.health_url} is already in use")
-            for mp in self.procs:
-                t0 = time.monotonic()
-                self.say(f"starting {mp.spec.name}: {' '.join(mp.spec.argv)}")
-                mp.start()
-                self.write_state()
-                self.wait_healthy(mp, self.startup_timeout_s)
-                self.say(f"{mp.spec.name} healthy in {time.monotonic() - t0:.1f}s (pid {mp.pid})")
-        except BaseException:
-            self.stop()
-            raise
+        """Start each service and wait until it is healthy. StartupError (the stack still runs: call stop())."""
+        for s in self.services:
+            if self._stopping.is_set():
+                break
+            t0 = time.monotonic()
+            self.say(f"starting {s.spec.name}")
+            s.sup.start()
+            while not s.sup.ready:
+                if self._stopping.wait(0.1):
+                    break
+            if s.sup.ready:
+                self.say(f"{s.spec.name} healthy in {time.monotonic() - t0:.1f}s (pid {s.unit.pid})")
+        if self.failed is not None:
+            raise StartupError(self.failure_report())
+        if self._stopping.is_set():
+            raise StartupError("stopped during start-up")
 
     def write_state(self) -> None:
         if not self.state_file:
             return
         state = {"launcher_pid": os.getpid(),
-                 "services": {p.spec.name: {"pid": p.pid, "health_url": p.spec.health_url,
-                                            "restarts": p.restarts} for p in self.procs},
+                 "services": {s.spec.name: {"pid": s.unit.pid if s.unit else None, "health_url": s.spec.health_url,
+                                            "restarts": s.sup.restarts} for s in self.services},
                  "shm": self.shm_names}
         tmp = self.state_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)
         os.replace(tmp, self.state_file)
 
-    def supervise(self, restart: bool = True, poll_s: float = 0.5) -> None:
-        """Until stop(): restart a service that died (its clients get 503s meanwhile)."""
-        while not self._stopping.wait(poll_s):
-            for mp in self.procs:
-                if mp.alive() or self._stopping.is_set():
-                    continue
-                code = mp.proc.returncode if mp.proc else None
-                if not restart:
-                    self.say(f"{mp.spec.name} exited with code {code}; shutting down")
-                    return
-                self.say(f"{mp.spec.name} exited with code {code}; restarting in "
-                         f"{self.restart_delay_s:.0f}s")
-                mp.signal_group(signal.SIGKILL)   # ranks left behind by the dead leader
-                if self._stopping.wait(self.restart_delay_s):
-                    return
-                mp.restarts += 1
-                mp.start()
-                self.write_state()
-                try:
-                    self.wait_healthy(mp, self.startup_timeout_s)
-                    self.say(f"{mp.spec.name} healthy again (pid {mp.pid})")
-                except StartupError as exc:
-                    self.say(f"restart of {mp.spec.name} failed: {exc}")
+    def supervise(self) -> int:
+        """Until stop is requested (0) or a service is down for good (1; the reason is printed)."""
+        self._stopping.wait()
+        if self.failed is not None:
+            self.say(self.failure_report())
+            return 1
+        return 0
 
     def request_stop(self) -> None:
         self._stopping.set()
 
     def stop(self) -> None:
-        """SIGTERM every group (gateway first), wait the grace period, SIGKILL what is left."""
+        """Stop every service (gateway first): SIGTERM to its leader, grace period, SIGKILL to its group."""
         self._stopping.set()
         if self._stopped:
             return
         self._stopped = True
-        for mp in reversed(self.procs):
-            if mp.proc is not None:
-                mp.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and any(mp.group_alive() for mp in self.procs):
-            time.sleep(0.1)
-        for mp in self.procs:
-            if mp.group_alive():
-                self.say(f"{mp.spec.name} did not stop in {self.grace_s:.0f}s; killing it")
-                mp.signal_group(signal.SIGKILL)
-        for mp in self.procs:
-            if mp.proc is not None:
-                try:
-                    mp.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+        for s in reversed(self.services):
+            if s.sup.unit is not None:
+                s.sup.stop()
         for name in self.shm_names:
             unlink_shm(name)
         if self.state_file:
@@ -253,7 +325,31 @@ class Stack:
                 os.unlink(self.state_file)
             except FileNotFoundError:
                 pass
+        logging.getLogger("u1serve.supervisor").removeHandler(self._log_handler)
         self.say("stopped")
+
+
+class _SayHandler(logging.Handler):
+    """The supervisors' log lines (died, restarting, ready again, gave up) on the launcher's output."""
+
+    def __init__(self, say: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self._say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.funcName != "_give_up":      # a give-up is printed with the service's last lines instead
+            self._say(record.getMessage())
+
+
+def port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port (a server binding it would succeed)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def unlink_shm(name: str) -> None:
@@ -266,9 +362,9 @@ def unlink_shm(name: str) -> None:
         pass  # not a segment name, or not ours to remove
 
 
-def run_until_signal(stack: Stack, restart: bool = True,
-                     on_ready: Callable[[], None] | None = None) -> int:
-    """Start the stack, supervise it until SIGINT/SIGTERM, shut down cleanly. Returns an exit code."""
+def run_until_signal(stack: Stack, on_ready: Optional[Callable[[], None]] = None) -> int:
+    """Start the stack, supervise it until SIGINT/SIGTERM or a service is down for good, shut down cleanly.
+    Returns the exit code (1 when a service failed: its reason and last lines are printed first)."""
     def handler(signum, frame):
         stack.say(f"received {signal.Signals(signum).name}; shutting down")
         stack.request_stop()
@@ -278,12 +374,11 @@ def run_until_signal(stack: Stack, restart: bool = True,
         try:
             stack.start()
         except StartupError as exc:
-            stack.say(f"startup failed: {exc}")
+            stack.say(f"start-up failed: {exc}")
             return 1
         if on_ready:
             on_ready()
-        stack.supervise(restart=restart)
-        return 0
+        return stack.supervise()
     finally:
         stack.stop()
         for s, h in old.items():

@@ -15,6 +15,11 @@ release / extend_lease are notifications; claim() renews a short lease from a he
 long as this process lives, so a killed consumer's claims lapse within `claim_lease_s` (a remote claimer's
 liveness cannot be tested through a lock as on one host).
 
+Same host: when the consumer shares the producer's /dev/shm (same host, or the same pod) it maps the
+handle's pool and moves the bytes through shared memory like LocalShmTransport (full speed, lock-based
+claims) instead of the network: the transport is chosen per pair by whether the pool can be seen here. The
+environment variable U1SERVE_KV_SAME_HOST_SHM=0 (or same_host_shm=False) always uses the network.
+
 The agent's name carries the pool generation, so a restarted producer never answers an old handle
 (HandleError producer_unreachable). Notes: NIXL's metadata listener binds every interface of the
 producer; set `advertise_host` to the address consumers reach it by.
@@ -45,6 +50,11 @@ log = logging.getLogger(__name__)
 # UCX's TCP transport moves 8 KiB segments by default (~0.35 GB/s on loopback here); 512 KiB gives ~1.8.
 _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 _PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages", "page_bytes")
+SAME_HOST_SHM_ENV = "U1SERVE_KV_SAME_HOST_SHM"
+
+
+def same_host_shm_default() -> bool:
+    return os.environ.get(SAME_HOST_SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def nixl_available() -> bool:
@@ -71,10 +81,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(name: str, port: int):
+def _agent(name: str, port: int, progress_thread: bool = True):
     nixl_agent, nixl_agent_config = _nixl()
-    conf = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True, listen_port=port or _free_port(),
-                             backends=["UCX"])
+    conf = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=True,
+                             listen_port=port or _free_port(), backends=["UCX"])
     return nixl_agent(name, conf)
 
 
@@ -99,7 +109,7 @@ class NixlTransport(Transport):
 
     def __init__(self, agent, *, local: LocalShmTransport | None = None, producer: dict | None = None,
                  expected_fingerprint: str | None = None, claim_lease_s: float = 5.0, heartbeat_s: float = 1.0,
-                 connect_timeout_s: float = 5.0, poll_s: float = 0.01):
+                 connect_timeout_s: float = 5.0, poll_s: float = 0.01, same_host_shm: bool | None = None):
         self._agent = agent
         self._local = local
         self._producer = producer or {}
@@ -112,6 +122,8 @@ class NixlTransport(Transport):
         self._staging: dict[str, tuple] = {}  # device -> (uint8 buffer, registration) for page reads
         self._claims: dict[tuple[str, int], KVHandle] = {}
         self._pool_reg = None                # the producer's registered segment
+        self.same_host_shm = same_host_shm_default() if same_host_shm is None else same_host_shm
+        self._near: dict[tuple[str, str], LocalShmTransport | None] = {}  # (pool, generation) -> shm, if here
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.metrics = CopyMetrics()
@@ -144,8 +156,13 @@ class NixlTransport(Transport):
     @classmethod
     def connect(cls, *, expected_fingerprint: str | None = None, listen_port: int = 0, **kw) -> "NixlTransport":
         """Consumer: an agent of our own (NIXL answers metadata requests through its listener)."""
-        agent = _agent(f"u1kv-consumer-{os.getpid()}-{uuid.uuid4().hex[:8]}", listen_port)
-        return cls(agent, expected_fingerprint=expected_fingerprint, **kw)
+        # No UCX progress thread here: it spins (a fifth of a core per idle agent, measured), and a consumer
+        # needs progress only while it reads (its reads poll to completion) and to flush the messages it sends
+        # (the flush thread below).
+        agent = _agent(f"u1kv-consumer-{os.getpid()}-{uuid.uuid4().hex[:8]}", listen_port, progress_thread=False)
+        t = cls(agent, expected_fingerprint=expected_fingerprint, **kw)
+        t._start(t._flush_messages, "u1kv-nixl-flush")
+        return t
 
     @property
     def pool(self):
@@ -156,8 +173,45 @@ class NixlTransport(Transport):
     def layout(self) -> KVLayout:
         return self._local.layout
 
+    @property
+    def num_pages(self) -> int:
+        return self._local.num_pages
+
     def _mine(self, handle: KVHandle) -> bool:
         return self._local is not None and handle.producer.get("agent") == self._producer.get("agent")
+
+    def _shm_for(self, handle: KVHandle) -> LocalShmTransport | None:
+        """The shm transport that moves this handle when its pool is mapped here: the producer's own pool, or
+        (consumer) the pool of a producer that shares our /dev/shm. None: over the network."""
+        if self._mine(handle):
+            return self._local
+        if not self.same_host_shm or self._local is not None or not isinstance(handle, KVHandle):
+            return None
+        key = (handle.pool_name, handle.pool_generation)
+        with self._lock:
+            self._drop_replaced()
+            if key not in self._near:
+                # absent now means absent for good: a handle's pool exists before its handle is issued
+                self._near[key] = self._attach_near(handle)
+            return self._near[key]
+
+    def _attach_near(self, handle: KVHandle) -> LocalShmTransport | None:
+        try:
+            t = LocalShmTransport.attach(handle.pool_name, expected_fingerprint=self._expected, timeout_s=0)
+        except (PoolError, ValueError, OSError):
+            return None
+        if t.pool.generation != handle.pool_generation:   # a namesake on this host, or a restarted producer
+            t.close()
+            return None
+        log.info("KV pool %s is on this host: its handles move through shared memory", handle.pool_name)
+        return t
+
+    def _drop_replaced(self) -> None:
+        """Unmap near pools whose producer restarted or went away (one stat each; caller holds the lock)."""
+        for key, t in list(self._near.items()):
+            if t is not None and (t.pool.closed or t.pool.is_stale()):
+                t.close()
+                self._near[key] = None
 
     # ------------------------------------------------------------------ producer
     def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
@@ -281,8 +335,9 @@ class NixlTransport(Transport):
 
     def import_kv(self, handle, dst, stream=None, *, heads=None):
         """Synchronous (a `stream` is ignored); returns a finished CopyDone-like object."""
-        if self._mine(handle):
-            return self._local.import_kv(handle, dst, stream, heads=heads)
+        shm = self._shm_for(handle)
+        if shm is not None:
+            return shm.import_kv(handle, dst, stream, heads=heads)
         prod = self._check(handle)
         lay = handle.kv_layout
         h0, h1 = kvcopy.check_import_dst(lay, handle, dst, heads)
@@ -319,21 +374,24 @@ class NixlTransport(Transport):
                 return False
 
     def release(self, handle):
-        if self._mine(handle):
-            return self._local.release(handle)
+        shm = self._shm_for(handle)
+        if shm is not None:
+            return shm.release(handle)
         self._claims.pop((handle.producer.get("agent"), handle.handle_id), None)
         return len(handle.page_ids) if self._notify(handle, "release") else 0
 
     def extend_lease(self, handle, seconds):
-        if self._mine(handle):
-            return self._local.extend_lease(handle, seconds)
+        shm = self._shm_for(handle)
+        if shm is not None:
+            return shm.extend_lease(handle, seconds)
         if not self._notify(handle, "lease", seconds=float(seconds)):
             raise HandleError(f"KV producer {handle.producer.get('agent')} does not answer", "producer_unreachable")
         return handle.replace(lease_deadline=max(handle.lease_deadline, time.time() + float(seconds)))
 
     def claim(self, handle):
-        if self._mine(handle):
-            return self._local.claim(handle)
+        shm = self._shm_for(handle)
+        if shm is not None:
+            return shm.claim(handle)
         self.validate(handle)
         with self._lock:
             self._claims[(handle.producer["agent"], handle.handle_id)] = handle
@@ -341,14 +399,26 @@ class NixlTransport(Transport):
                 self._start(self._renew_claims, "u1kv-nixl-claims")
         return self.extend_lease(handle, self.claim_lease_s)
 
+    def _flush_messages(self) -> None:
+        """Drive UCX's progress now and then, so release / lease messages leave although nothing else runs."""
+        while not self._stop.wait(self._poll_s):
+            with self._lock:
+                if self._agent is None:
+                    return
+                try:
+                    self._agent.get_new_notifs()
+                except Exception:  # pragma: no cover - agent going away
+                    pass
+
     def _renew_claims(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             for handle in list(self._claims.values()):
                 self._notify(handle, "lease", seconds=self.claim_lease_s)
 
     def validate(self, handle):
-        if self._mine(handle):
-            return self._local.validate(handle)
+        shm = self._shm_for(handle)
+        if shm is not None:
+            return shm.validate(handle)
         prod = self._check(handle)
         with self._lock:
             self._check_rows(handle, self._rows(handle, prod, self._peer(prod)), time.time())
@@ -359,10 +429,18 @@ class NixlTransport(Transport):
         t.start()
         self._threads.append(t)
 
+    def is_stale(self) -> bool:
+        """Never: the agent does not go stale, and near pools of a restarted producer are dropped here."""
+        with self._lock:
+            self._drop_replaced()
+        return False
+
     def stats(self):
         out = self._local.stats() if self._local is not None else {}
-        out.update(transport=self.kind, agent=self._producer.get("agent"), producers_known=len(self._peers),
-                   claims=len(self._claims))
+        out.update(transport=self.kind, agent=self._producer.get("agent"),
+                   listen=(f"{self._producer['host']}:{self._producer['port']}" if self._producer else None),
+                   producers_known=len(self._peers),
+                   claims=len(self._claims), near_pools=sum(t is not None for t in self._near.values()))
         if self._local is None:
             out["process"] = self.metrics.snapshot()
         return out
@@ -382,6 +460,10 @@ class NixlTransport(Transport):
                     pass
             self._tables.clear()
             self._staging.clear()
+            for t in self._near.values():
+                if t is not None:
+                    t.close()
+            self._near.clear()
             self._agent = None  # the agent (its listener too) goes away before the pool is unmapped
         if self._local is not None:
             self._local.close()

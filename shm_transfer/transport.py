@@ -8,7 +8,7 @@ import threading
 import torch
 
 from . import copy as kvcopy
-from .errors import HandleError
+from .errors import HandleError, PoolError
 from .handle import KVHandle
 from .layout import KVLayout
 from .pool import ShmKVPool
@@ -115,6 +115,7 @@ class LocalShmTransport(Transport):
         self._pool = pool
         self._expected = expected_fingerprint
         self._lock = threading.Lock()
+        self._others: dict[str, ShmKVPool] = {}  # consumer: other producers' pools on this host, by name
 
     @classmethod
     def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
@@ -134,6 +135,10 @@ class LocalShmTransport(Transport):
     @property
     def layout(self) -> KVLayout:
         return self._pool.layout
+
+    @property
+    def num_pages(self) -> int:
+        return self._pool.num_pages
 
     def is_stale(self) -> bool:
         pool = self._pool
@@ -157,11 +162,34 @@ class LocalShmTransport(Transport):
                                   "pool_unavailable") from e
 
     def _pool_for(self, handle: KVHandle) -> ShmKVPool:
-        """The pool, re-attached first if the handle is from a newer generation than the one we mapped."""
+        """The pool, re-attached first if the handle is from a newer generation than the one we mapped. A
+        consumer follows a handle of another pool on this host too (several understanding replicas, one
+        pool each): that pool is attached on first use."""
         pool = self._pool
+        if handle.pool_name != pool.name and not pool.is_creator and isinstance(handle, KVHandle):
+            return self._other(handle)
         if handle.pool_name == pool.name and handle.pool_generation != pool.generation and self.is_stale():
             self.reattach()
         return self._pool
+
+    def _other(self, handle: KVHandle) -> ShmKVPool:
+        """Another producer's pool on this host, (re-)attached when needed. HandleError pool_unavailable when
+        no such pool is here (it lives on another host, or its producer is gone)."""
+        with self._lock:
+            for name, other in list(self._others.items()):   # drop replaced pools (producer restarted)
+                if other.closed or other.is_stale():
+                    other.close()
+                    del self._others[name]
+            pool = self._others.get(handle.pool_name)
+            if pool is None:
+                try:
+                    pool = ShmKVPool.attach(handle.pool_name, expected_fingerprint=self._expected,
+                                            pin=self._pool.pinned, timeout_s=0)
+                except (PoolError, ValueError, OSError) as e:
+                    raise HandleError(f"KV pool {handle.pool_name!r} is not on this host: {e}",
+                                      "pool_unavailable") from e
+                self._others[handle.pool_name] = pool
+            return pool
 
     def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
         return self._pool.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
@@ -191,4 +219,8 @@ class LocalShmTransport(Transport):
         return self._pool.stats()
 
     def close(self):
+        with self._lock:
+            for other in self._others.values():
+                other.close()
+            self._others.clear()
         self._pool.close()

@@ -7,7 +7,7 @@ import contextlib
 
 from fastapi import FastAPI
 
-from services.kit import errors
+from services.kit import errors, live
 from services.kit.middleware import ApiKeyAuth, ServiceMiddleware
 
 from .admission import AdmissionMiddleware
@@ -25,6 +25,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        await state.start()
         try:
             yield
         finally:
@@ -34,7 +35,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                   redoc_url=None)
     app.state.gateway = state
     errors.install(app, "gateway")
-    for module in (chat, images, ops):
+    for module in (chat, images, ops, live):
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)

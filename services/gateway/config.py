@@ -59,7 +59,10 @@ class GatewayConfig:
     idle_timeout_s: float = 300.0             # no byte from an engine for this long -> 504 upstream_timeout
     request_timeout_s: float = 3600.0         # total deadline of one request -> 504 deadline_exceeded
     health_timeout_s: float = 2.0
-    retry_down_after_s: float = 2.0
+    retry_down_after_s: float = 2.0           # first ejection of a replica that failed; doubles per failure
+    eject_max_s: float = 30.0                 # ... up to this
+    health_interval_s: float = 1.0            # replica probes (readiness, queue depth, KV pairing); 0 = off
+    dns_refresh_s: float = 10.0               # re-resolve engine URLs (one replica per address); 0 = once
     max_concurrent_requests: int = 256        # POSTs in flight; more -> 429 + Retry-After
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class GatewayConfig:
             raise ValueError("cache_salt_by_api_key needs API keys (--api-key / --api-key-file)")
         if min(self.connect_timeout_s, self.idle_timeout_s, self.request_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if min(self.health_interval_s, self.dns_refresh_s) < 0 or self.retry_down_after_s <= 0:
+            raise ValueError("health_interval_s and dns_refresh_s must be >= 0, retry_down_after_s > 0")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 
@@ -116,9 +121,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--host", env="U1SERVE_GATEWAY_HOST", default="0.0.0.0")
     _add(p, "--port", env="U1SERVE_GATEWAY_PORT", default=8000, type=int)
     p.add_argument("--und-url", action="append", default=None,
-                   help="understanding endpoint (repeat or comma-separate); env U1SERVE_UND_URLS")
+                   help="understanding replica (repeat or comma-separate; a host name with several addresses is one "
+                        "replica per address); env U1SERVE_UND_URLS")
     p.add_argument("--gen-url", action="append", default=None,
-                   help="generation endpoint (repeat or comma-separate); env U1SERVE_GEN_URLS")
+                   help="generation replica (as --und-url); env U1SERVE_GEN_URLS")
     _add(p, "--model-name", default="sensenova-u1")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (env U1SERVE_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
@@ -152,6 +158,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
          help="an engine that sends nothing for this long -> 504 upstream_timeout, its work is cancelled")
     _add(p, "--request-timeout-s", type=float, default=3600.0,
          help="total deadline of one request -> 504 deadline_exceeded, its work is cancelled")
+    _add(p, "--health-interval-s", type=float, default=1.0,
+         help="probe every replica's /health this often (readiness, queue depth, KV pairing); 0 = off")
+    _add(p, "--dns-refresh-s", type=float, default=10.0, help="re-resolve the engine URLs this often; 0 = at start only")
+    _add(p, "--retry-down-after-s", type=float, default=2.0,
+         help="a replica that failed is skipped this long, doubling with each further failure")
+    _add(p, "--eject-max-s", type=float, default=30.0, help="... up to this long")
     _add(p, "--max-concurrent-requests", type=int, default=256,
          help="requests in flight; beyond it 429 with Retry-After")
     _add(p, "--log-level", default="info")
@@ -188,6 +200,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                 formats=tuple(f.strip().lower() for f in args.image_formats.split(",") if f.strip())),
             image_workers=args.image_workers,
             connect_timeout_s=args.connect_timeout_s, idle_timeout_s=args.upstream_idle_timeout_s,
-            request_timeout_s=args.request_timeout_s, max_concurrent_requests=args.max_concurrent_requests)
+            request_timeout_s=args.request_timeout_s, max_concurrent_requests=args.max_concurrent_requests,
+            health_interval_s=args.health_interval_s, dns_refresh_s=args.dns_refresh_s,
+            retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s)
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

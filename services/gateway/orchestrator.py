@@ -23,6 +23,7 @@ from .config import GatewayConfig
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
+from .routing import image_key
 from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, engine_headers,
                        error_from_event, error_from_response, is_timeout, open_stream, reading, tell)
 
@@ -45,7 +46,7 @@ class Orchestrator:
         rid = job.request_id
         hdrs = engine_headers(self.cfg.internal_token, rid)
         handles = PrefixHandles()
-        und, gen = Target(), Target()
+        und, gen = Target(key=image_key(job.prefix_body())), Target()
         working: Optional[str] = None          # the engine that may still be working on the job
         phase = UND
         started = time.monotonic()
@@ -86,6 +87,7 @@ class Orchestrator:
 
             phase = GEN
             working = GEN
+            gen.source = und.ep                # a generation replica that can read this replica's KV
             gen_pool = self._pool(self.gen, pins)
             resp = await self._open(gen_pool, "/internal/generate", job.generate_body(handles.handles), hdrs,
                                     deadline, gen, pins)

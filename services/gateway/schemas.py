@@ -173,8 +173,9 @@ class EngineProbe(BaseModel):
 
 
 class HealthReport(BaseModel):
-    """200 when every engine endpoint is healthy, else 503 with the same body."""
-    status: Literal["ok", "unavailable"]
+    """200 when every engine service has a healthy replica ("degraded": some replica is not), else 503 with the
+    same body."""
+    status: Literal["ok", "degraded", "unavailable"]
     understanding: list[EngineProbe]
     generation: list[EngineProbe]
 

@@ -1,5 +1,5 @@
 """The gateway's app state: one typed object the routers work over (config, the HTTP client to the engines,
-the endpoint pools, the image-job orchestrator, the input-image checker, admission, metrics)."""
+the replica pools and their monitor, the image-job orchestrator, the input-image checker, admission, metrics)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,8 @@ from .config import GatewayConfig
 from .inputs import ImageChecker
 from .metrics import GatewayMetrics
 from .orchestrator import Orchestrator
-from .upstream import CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor
+from .routing import EndpointPool, ReplicaMonitor
+from .upstream import CONTROL_TIMEOUT_S, Deadline, Janitor, engine_headers
 
 
 @dataclass
@@ -26,6 +27,7 @@ class GatewayState:
     images: ImageChecker
     admission: AdmissionGate
     janitor: Janitor               # abort / cancel / release calls after early ends
+    monitor: ReplicaMonitor        # replica discovery, health, load
 
     @classmethod
     def create(cls, cfg: GatewayConfig) -> "GatewayState":
@@ -34,19 +36,27 @@ class GatewayState:
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
                                  timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s,
                                                        pool=cfg.connect_timeout_s))
-        und = EndpointPool("understanding", cfg.und_urls, cfg.retry_down_after_s)
-        gen = EndpointPool("generation", cfg.gen_urls, cfg.retry_down_after_s)
+        und = EndpointPool("understanding", cfg.und_urls, cfg.retry_down_after_s, cfg.eject_max_s)
+        gen = EndpointPool("generation", cfg.gen_urls, cfg.retry_down_after_s, cfg.eject_max_s)
         janitor = Janitor()
+        monitor = ReplicaMonitor(http, [und, gen], engine_headers(cfg.internal_token),
+                                 interval_s=cfg.health_interval_s, timeout_s=cfg.health_timeout_s,
+                                 dns_refresh_s=cfg.dns_refresh_s)
         return cls(config=cfg, metrics=metrics, http=http, und=und, gen=gen,
                    orchestrator=Orchestrator(cfg, http, und, gen, metrics, janitor),
                    images=ImageChecker(cfg.images, cfg.image_workers),
-                   admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor)
+                   admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor,
+                   monitor=monitor)
+
+    async def start(self) -> None:
+        await self.monitor.start()
 
     def deadline(self) -> Deadline:
         """The time limits of one request, starting now."""
         return Deadline(self.config.idle_timeout_s, self.config.request_timeout_s)
 
     async def close(self) -> None:
+        await self.monitor.close()
         await self.janitor.drain(3 * CONTROL_TIMEOUT_S)
         await self.http.aclose()
         self.images.close()

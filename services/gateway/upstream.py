@@ -1,15 +1,15 @@
-"""The engines as HTTP peers: endpoint pools (least busy first, skip the ones that just failed), the internal
-headers, a time limit on every wait for an engine, and engine answers turned into APIErrors."""
+"""The engines as HTTP peers: a request opened on a replica the routing picks (moving on while it has not
+started), the internal headers, a time limit on every wait for an engine, and engine answers turned into
+APIErrors. Replicas and the routing rules: routing.py."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Optional
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
@@ -19,63 +19,12 @@ from services.kit import sse
 from services.kit.errors import APIError, from_event, from_upstream, unavailable
 from services.kit.middleware import TOKEN_HEADER
 
+from .routing import Endpoint, EndpointPool
+
 T = TypeVar("T")
 log = logging.getLogger("u1serve.gateway")
 DEFAULT_RETRY_AFTER = "1"
 CONTROL_TIMEOUT_S = 5.0          # abort / cancel / release calls
-
-
-@dataclass
-class Endpoint:
-    url: str
-    in_flight: int = 0
-    down_until: float = 0.0   # monotonic time; routing skips it until then
-
-    def mark_down(self, seconds: float) -> None:
-        self.down_until = time.monotonic() + seconds
-
-    def mark_up(self) -> None:
-        self.down_until = 0.0
-
-    @property
-    def looks_up(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-
-class EndpointPool:
-    def __init__(self, service: str, urls: list[str], retry_down_after_s: float):
-        if not urls:
-            raise ValueError(f"no {service} endpoints configured")
-        self.service = service
-        self.endpoints = [Endpoint(u) for u in urls]
-        self._rr = itertools.count()
-        self.retry_down_after_s = retry_down_after_s
-
-    def pick(self, exclude: set[str] | frozenset = frozenset()) -> Endpoint:
-        """Least busy of the endpoints that look up; if all look down, try them anyway."""
-        candidates = [e for e in self.endpoints if e.url not in exclude] or self.endpoints
-        live = [e for e in candidates if e.looks_up] or candidates
-        start = next(self._rr) % len(live)
-        rotated = live[start:] + live[:start]
-        return min(rotated, key=lambda e: e.in_flight)
-
-    @contextlib.contextmanager
-    def use(self, ep: Endpoint):
-        ep.in_flight += 1
-        try:
-            yield ep
-        finally:
-            ep.in_flight -= 1
-
-    def down(self, ep: Endpoint) -> None:
-        ep.mark_down(self.retry_down_after_s)
-
-    def pinned(self, url: str) -> "EndpointPool":
-        """This pool narrowed to the endpoint at `url` (the same Endpoint object: busy count and down state are
-        shared), for work that must stay where an earlier part of it ran (an interleaved answer's KV pool)."""
-        view = copy.copy(self)
-        view.endpoints = [e for e in self.endpoints if e.url == url] or [Endpoint(url)]
-        return view
 
 
 def engine_headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:
@@ -147,26 +96,36 @@ def is_timeout(err: APIError) -> bool:
 @dataclass
 class Target:
     """Where one engine call went, known from the moment an endpoint is picked (so a request that ends while
-    waiting for the head can still abort the work there)."""
+    waiting for the head can still abort the work there), and what routes it: the affinity `key` (a
+    conversation's start) and the `source` replica whose KV the call will read."""
     ep: Endpoint | None = None
+    key: Optional[int] = None
+    source: Optional[Endpoint] = None
+
+
+RETRY_ELSEWHERE = (429, 503)      # a replica that answers these did not start the request: another may take it
 
 
 async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict, hdrs: dict[str, str],
                       deadline: Deadline, target: Target, idle: bool = True) -> httpx.Response:
-    """POST to the least busy endpoint and return its streaming response (head read).
+    """POST to the replica the routing picks (target.key, target.source) and return its streaming response
+    (head read).
 
-    A refused connection moves on to the next endpoint. A connection that breaks before the response head
-    (typically a pooled keep-alive connection to a process that has since died or restarted) is retried once
-    on a fresh connection, then counts as down. All down: a 503 (the request reached no engine). No head in
-    time: a 504 (that endpoint counts as down for a moment)."""
+    A request that has not started moves on to another replica: a refused connection, a connection that breaks
+    before the response head (after one retry on a fresh connection: typically a pooled keep-alive connection to
+    a process that has since died or restarted), a 503 head (ejected) or a 429 head (it is busy). When every
+    replica was tried: a 503 for no connection at all, else the last answer. No head in time: a 504 (that
+    replica counts as down for a moment)."""
     tried: set[str] = set()
+    last: Exception | None = None
     while True:
-        ep = target.ep = pool.pick(exclude=tried)
-        last: Exception | None = None
+        ep = target.ep = pool.pick(exclude=tried, key=target.key, source=target.source)
+        resp: httpx.Response | None = None
         for _attempt in (1, 2):
             try:
                 req = http.build_request("POST", ep.url + path, json=body, headers=hdrs)
-                return await deadline.wait(http.send(req, stream=True), pool.service, idle)
+                resp = await deadline.wait(http.send(req, stream=True), pool.service, idle)
+                break
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 last = exc
                 break
@@ -175,9 +134,18 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
             except APIError:
                 pool.down(ep)
                 raise
-        pool.down(ep)
         tried.add(ep.url)
-        if len(tried) >= len(pool.endpoints):
+        last_one = not pool.untried(tried, target.source)
+        if resp is not None and (resp.status_code not in RETRY_ELSEWHERE or last_one):
+            return resp
+        if resp is not None:
+            log.info("%s at %s answered %d before starting the request; trying another replica",
+                     pool.service, ep.url, resp.status_code)
+            await resp.aclose()
+            if resp.status_code == 429:
+                continue
+        pool.down(ep)
+        if last_one:
             raise connection_error(pool.service, ep.url, last) from None
 
 

@@ -5,10 +5,13 @@ packed varlen; attention per job over its own KV buffer; then per job: head, vel
 velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave between steps.
 With step caching on for some job (its `cache` options), the forward gets a FirstBlockCache whose
 groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (model.gen_forward).
+With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
+rows; attention sees whole segments for its heads, and the hidden rows are gathered before the head.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -20,12 +23,29 @@ from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
-from .request import ApiError, GenerateJob
+from .qos import YieldGate
+from .request import ApiError, GenerateRequest
+
+
+class _Rows(NamedTuple):
+    """One job in a step: its active local branches, its rows [a, b) of the whole forward (canonical)
+    and [la, lb) of this rank's rows (the same without sequence parallelism), its patchified state."""
+    job: JobState
+    act: list
+    a: int
+    b: int
+    la: int
+    lb: int
+    z: torch.Tensor
 
 
 class Engine:
-    def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None):
+    def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
+                 yield_gate: YieldGate | None = None):
+        """yield_gate (colocate QoS, qos.py): before each layer's attention, give the GPU to a
+        waiting decode step of the understanding engine."""
         self.model = model
+        self.gate = yield_gate
         self.device = model.device
         self.dtype = model.dtype
         self.source = prefix_source
@@ -33,48 +53,64 @@ class Engine:
         self.running: list[JobState] = []
         self.scale = 1.0 / math.sqrt(model.head_dim)
         self._attn, self._host_lengths = pick_denoise_attention(self.device)
+        self.sp = self.comm.sp
+        self.sp.heads(model.num_heads)                       # both head counts must split evenly
+        self._kv_heads = self.sp.heads(model.num_kv_heads)   # this rank's KV-head slice
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, spec: GenerateJob) -> tuple[JobState, list[dict]]:
+    def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
         """Build the job and import this rank's prefixes. Returns (job, stats). Raises ApiError."""
-        handles = {b: self.source.parse(spec.handles[b]) for b in spec.branches}
+        handles = {b: self.source.parse(spec.handles[b]) for b in spec.handles}
         for b, h in handles.items():
             if h.branch not in (b, "") and h.branch in ("cond", "uncond", "img_cond"):
                 raise ApiError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
                                param=f"handles.{b}", code="kv_branch_mismatch")
-        job = self._new_job(spec, {b: h.num_tokens for b, h in handles.items()},
-                            {b: h.t_offset for b, h in handles.items()})
-        stats = []
+        job, stats = None, []
+        sp = self.sp.world > 1
+        h0, h1 = self._kv_heads
         try:
+            job = self._new_job(spec, {b: h.num_tokens for b, h in handles.items()},
+                                {b: h.t_offset for b, h in handles.items()})
             for b in job.local:
                 # The pool import wants a contiguous [L, 2, P, Hkv, D] destination; our buffer packs
                 # every segment of a layer together (one attention call per layer and job), so the
                 # prefix lands in a device-local staging tensor first: one extra on-device copy per
-                # job and branch, never per step.
-                staging = torch.empty((self.model.num_layers, 2, handles[b].num_tokens,
-                                       self.model.num_kv_heads, self.model.head_dim),
-                                      device=self.device, dtype=self.dtype)
-                nbytes, seconds = self.source.import_into(handles[b], staging)
+                # job and branch, never per step. SP: each rank imports its KV-head slice.
+                staging = torch.empty((self.model.num_layers, 2, handles[b].num_tokens, h1 - h0,
+                                       self.model.head_dim), device=self.device, dtype=self.dtype)
+                nbytes, seconds = self.source.import_into(handles[b], staging,
+                                                          heads=(h0, h1) if sp else None,
+                                                          release=not sp)
                 job.set_prefix(b, staging)
                 del staging
                 stats.append({"stat": "kv_import", "bytes": nbytes, "seconds": seconds})
         except BaseException:
-            job.free()
+            if job is not None:
+                job.free()
             raise
+        finally:
+            if sp:   # the SP ranks of a CFG rank read the same pages: free them once all have read
+                self.sp.barrier()
+                if self.sp.rank == 0:
+                    self.source.release([spec.handles[b] for b in self._local(spec)])
         return job, stats
 
-    def admit_local(self, spec: GenerateJob, prefixes: dict[str, torch.Tensor],
+    def admit_local(self, spec: GenerateRequest, prefixes: dict[str, torch.Tensor],
                     t_offsets: dict[str, int]) -> JobState:
         """A job whose prefix KV [L, 2, P, Hkv, D] per branch is already in memory (warm-up,
         benchmarks, quality runs): no pool. `spec.handles` only names the branches."""
         job = self._new_job(spec, {b: kv.shape[2] for b, kv in prefixes.items()}, t_offsets)
+        h0, h1 = self._kv_heads
         for b in job.local:
-            job.set_prefix(b, prefixes[b].to(self.device, self.dtype))
+            job.set_prefix(b, prefixes[b][:, :, :, h0:h1].to(self.device, self.dtype))
         return job
 
-    def _new_job(self, spec: GenerateJob, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
-        job = JobState(spec, local_branches(spec.branches, self.comm.rank, self.comm.world),
-                       self.model, self.device, self.dtype)
+    def _local(self, spec: GenerateRequest) -> list[str]:
+        return local_branches(list(spec.handles), self.comm.cfg_rank, self.comm.cfg_world)
+
+    def _new_job(self, spec: GenerateRequest, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
+        h0, h1 = self._kv_heads
+        job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
         job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
         return job
 
@@ -94,54 +130,59 @@ class Engine:
     def step(self) -> tuple[list[JobState], int]:
         """Advance every running job by one step. Returns (finished jobs, rows in the forward)."""
         jobs = list(self.running)
-        plan = []                     # (job, active_local, row_start, row_end, z)
-        rows, positions, groups = [], [], []
-        r = 0
+        sp = self.sp
+        plan: list[_Rows] = []
+        rows, positions, groups, segments = [], [], [], []
+        r = c = 0                     # rows on this rank, rows of the whole forward (canonical)
         for job in jobs:
             act = job.active_local()
             z = sampler.patchify(job.x)
-            if act:
-                # Embeddings once per job and step, shared by its branches (rows branch-major).
-                x_in = self.model.gen_embed(job.x, job.t, job.noise_scale)
-                meta = job.meta(act)
-                rows.append(x_in.reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
-                positions.append(meta.positions)
-                per = job.n * job.N
-                groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
-                                      job.step, key=(job, b)) for i, b in enumerate(act)]
-                plan.append((job, act, r, r + meta.write_idx.numel(), z))
-                r += meta.write_idx.numel()
-            else:
-                plan.append((job, act, r, r, z))
+            if not act:
+                plan.append(_Rows(job, act, c, c, r, r, z))
+                continue
+            # Embeddings once per job and step, shared by its branches (rows branch-major); this
+            # rank's rows of each (branch, image) segment are its tokens [lo, hi).
+            x_in = self.model.gen_embed(job.x, job.t, job.noise_scale)
+            lo, hi = sp.bounds(job.N)
+            meta = job.meta(act)
+            rows.append(x_in[:, lo:hi].reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
+            pos = meta.positions
+            positions.append(pos if sp.world == 1 else
+                             pos.view(3, -1, job.N)[:, :, lo:hi].reshape(3, -1))
+            per = job.n * (hi - lo)
+            groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
+                                  job.step, key=(job, b)) for i, b in enumerate(act)]
+            segments += [job.N] * (len(act) * job.n)
+            plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
+            r += per * len(act)
+            c += meta.write_idx.numel()
 
         local_v: list[torch.Tensor] = []
-        if r:
+        if c:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
             packed = torch.cat(rows) if len(rows) > 1 else rows[0]
             rope = self.model.rope(torch.cat(positions, dim=1))
-            spans = [(job, act, a, b) for job, act, a, b, _ in plan if act]
+            spans = [(p.job, p.act, p.a, p.b) for p in plan if p.act]
+            layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
             if any(j.cache.mode != "off" for j in jobs):
-                cache = FirstBlockCache(groups, self._attend_for_groups)
-            hidden = self.model.gen_forward(packed, rope, self._make_attend(spans), cache)
+                cache = FirstBlockCache(groups, self._attend_for_groups,
+                                        reduce=sp.sum_over_ranks if sp.world > 1 else None)
+            hidden = self.model.gen_forward(packed, rope, self._attend(spans, layout), cache)
             if cache is None:
                 for g in groups:
                     g.state.computed += 1
-            for job, act, a, b, z in plan:
-                if not act:
-                    continue
-                h = hidden[a:b].view(len(act), job.n, job.N, -1)
-                for i in range(len(act)):
-                    # Head per branch, [n, N, H] as the reference: same GEMM shapes, same bits.
-                    x_hat = self.model.gen_head(h[i], job.th, job.tw)
-                    local_v.append(sampler.velocity(x_hat, z, job.t, job.spec.t_eps))
+            for p, x_hat in self._heads(plan, hidden, layout):
+                for i in range(len(p.act)):
+                    local_v.append(sampler.velocity(x_hat[i], p.z, p.job.t, p.job.spec.t_eps))
 
         v_all = self.comm.gather_velocities(jobs, local_v)
         finished = []
-        for (job, _, _, _, z) in plan:
+        for p in plan:
+            job = p.job
             v = sampler.combine(v_all[job.request_id], job.params, job.step,
                                 job.t_values[job.step])
-            job.preview = previews.capture(job, z, v) if self.comm.rank == 0 else None
-            z = sampler.euler(z, v, job.t, job.t_next)
+            job.preview = previews.capture(job, p.z, v) if self.comm.rank == 0 else None
+            z = sampler.euler(p.z, v, job.t, job.t_next)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1
             if job.done:
@@ -150,6 +191,27 @@ class Engine:
             self.running.remove(job)
         self._record_branch_steps(finished)
         return finished, r
+
+    def _heads(self, plan: list["_Rows"], hidden: torch.Tensor, layout):
+        """(rows, x_hat per active branch [n, N, 3072]) of every job that ran. Without SP: the head per
+        branch on [n, N, H] as the reference (same GEMM shapes, same bits). SP: the per-token MLP head
+        (U1) runs on this rank's rows and its output is gathered (narrower than the hidden); the pixel
+        head (U1.5) mixes neighbouring tokens, so the hidden rows are gathered first."""
+        model, ran = self.model, [p for p in plan if p.act]
+        if layout is not None and not model.cfg.use_pixel_head:
+            parts = []
+            for p in ran:
+                h = hidden[p.la:p.lb].view(len(p.act), p.job.n, -1, hidden.shape[-1])
+                parts += [model.gen_head(h[i], p.job.th, p.job.tw).flatten(0, 1) for i in range(len(p.act))]
+            full = self.sp.gather_rows(layout, torch.cat(parts))
+            return [(p, full[p.a:p.b].view(len(p.act), p.job.n, p.job.N, -1)) for p in ran]
+        if layout is not None:
+            hidden = self.sp.gather_rows(layout, hidden)
+        out = []
+        for p in ran:
+            h = hidden[p.a:p.b].view(len(p.act), p.job.n, p.job.N, -1)
+            out.append((p, [model.gen_head(h[i], p.job.th, p.job.tw) for i in range(len(p.act))]))
+        return out
 
     def _record_branch_steps(self, finished: list[JobState]) -> None:
         """Each finished job's {branch: {"computed", "reused"}} over every rank's branches."""
@@ -166,17 +228,25 @@ class Engine:
 
     def _attend_for_groups(self, groups: list[CacheGroup]):
         """Attention of a subset of (job, branch) groups whose rows are packed in order."""
-        spans, r = [], 0
+        spans, r, segments = [], 0, []
         for g in groups:
             job, b = g.key
-            n = g.stop - g.start
+            n = job.n * job.N          # the group's rows over every SP rank
             if spans and spans[-1][0] is job:
                 j, act, a, _ = spans[-1]
                 spans[-1] = (j, act + [b], a, r + n)
             else:
                 spans.append((job, [b], r, r + n))
             r += n
-        return self._make_attend(spans)
+            segments += [job.N] * job.n
+        return self._attend(spans, self.sp.layout(segments, self.device) if self.sp.world > 1 else None)
+
+    def _attend(self, spans, layout):
+        """The forward's attend: per-job attention over canonical rows (this rank's heads under SP)."""
+        attend = self._make_attend(spans)
+        if layout is not None:
+            attend = self.sp.wrap_attend(layout, attend)
+        return attend if self.gate is None else self.gate.wrap(attend)
 
     def _make_attend(self, spans):
         attn, scale, host = self._attn, self.scale, self._host_lengths

@@ -3,6 +3,7 @@
 KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
 branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
 each step writes the new image K/V into the N slots of every active segment (no per-step copies).
+With sequence parallelism the buffer holds only this rank's KV-head slice (`kv_heads`), all N slots.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
-from .request import GenerateJob
-from .sampling import sampler_params
+from .request import GenerateRequest
 
 
 @dataclass
@@ -42,13 +42,14 @@ class StepMeta:
 
 
 class JobState:
-    def __init__(self, spec: GenerateJob, local_branches: list[str], model, device, dtype):
+    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype,
+                 kv_heads: int | None = None):
         self.spec = spec
         self.request_id = spec.request_id
-        self.params = sampler_params(spec)
+        self.params = spec.sampler()
         self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
         self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
-        self.branches = spec.branches                 # all branches (every rank knows them)
+        self.branches = list(spec.handles)  # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
         self.branch_state = {b: BranchState() for b in self.local}   # step cache + step counters
         self.th, self.tw = spec.height // 32, spec.width // 32
@@ -64,7 +65,7 @@ class JobState:
         self.step = 0
         self.device = device
         self.dtype = dtype
-        self._model_geom = (model.num_layers, model.num_kv_heads, model.head_dim)
+        self._model_geom = (model.num_layers, kv_heads or model.num_kv_heads, model.head_dim)
         self.kv: torch.Tensor | None = None
         self.segments: list[_Segment] = []
         self.t_offsets: dict[str, int] = {}

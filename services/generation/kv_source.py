@@ -120,23 +120,27 @@ class PrefixSource:
         except HandleError as e:
             raise handle_error_to_api(e) from e
 
-    def import_into(self, handle, dst: torch.Tensor) -> tuple[int, float]:
-        """Copy the handle's prefix into dst[:, :, :num_tokens] (dst [L, 2, cap, Hkv, D]) and free its
-        pages at once (the engine owns its copy from here on). Returns (bytes, seconds)."""
+    def import_into(self, handle, dst: torch.Tensor, heads: tuple[int, int] | None = None,
+                    release: bool = True) -> tuple[int, float]:
+        """Copy the handle's prefix (KV heads [h0, h1) when `heads` is given; dst [L, 2, cap, h1-h0, D])
+        into dst[:, :, :num_tokens] and free its pages at once (the engine owns its copy from here on)
+        unless release=False (several ranks read the same pages). Returns (bytes, seconds)."""
         from shm_transfer.errors import HandleError
         if handle.transport != "shm":
             self._check_geometry(handle.kv_layout)
         t = self.transport(handle.transport)
         t0 = time.perf_counter()
         try:
-            t.import_kv(handle, dst)
+            t.import_kv(handle, dst, heads=heads)
         except HandleError as e:
             raise handle_error_to_api(e) from e
         if dst.is_cuda:
             torch.cuda.current_stream(dst.device).synchronize()
         seconds = time.perf_counter() - t0
-        t.release(handle)
-        return handle.num_tokens * handle.kv_layout.bytes_per_token, seconds
+        if release:
+            t.release(handle)
+        share = 1.0 if heads is None else (heads[1] - heads[0]) / handle.kv_layout.num_kv_heads
+        return int(handle.num_tokens * handle.kv_layout.bytes_per_token * share), seconds
 
     def _each(self, handle_dicts, op) -> None:
         """Best effort: op(transport, handle) for each handle; a missing pool or a gone handle is skipped

@@ -19,7 +19,8 @@ _IMPORT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 class GenerationMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("u1_gen_queue_depth", "jobs waiting for admission", registry=r)
+        self.queue_depth = Gauge("u1_gen_queue_depth", "jobs waiting for the engine (set by the HTTP process)",
+                                 registry=r)
         self.running_jobs = Gauge("u1_gen_running_jobs", "jobs in the running batch", registry=r)
         self.steps = Counter("u1_gen_steps", "denoising steps (batched forwards) run", registry=r)
         self.job_steps = Counter("u1_gen_job_steps", "per-job denoising steps completed",
@@ -38,7 +39,8 @@ class GenerationMetrics:
         self.peak_gpu_memory = Gauge("u1_gen_peak_gpu_memory_bytes",
                                      "peak allocated device memory of the engine (rank 0)",
                                      registry=r)
-        self.requests = Counter("u1_gen_requests", "finished requests by outcome", ["outcome"],
+        self.requests = Counter("u1_gen_requests", "requests by outcome (ok, an error code, disconnected)",
+                                ["outcome"],
                                 registry=r)
         self.engine_restarts = Counter("u1_gen_engine_restarts", "engine process restarts",
                                        registry=r)
@@ -54,7 +56,6 @@ class GenerationMetrics:
             self.step_seconds.observe(msg["seconds"])
             self.batch_rows.set(msg.get("tokens", 0))
             self.running_jobs.set(msg.get("running", 0))
-            self.queue_depth.set(msg.get("queued", 0))
             if msg.get("peak_memory") is not None:
                 self.peak_gpu_memory.set(msg["peak_memory"])
             now = time.monotonic()
@@ -69,7 +70,6 @@ class GenerationMetrics:
             self.kv_import_bytes.inc(msg["bytes"])
         elif kind == "idle":
             self.running_jobs.set(msg.get("running", 0))
-            self.queue_depth.set(msg.get("queued", 0))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,245 +1,274 @@
-"""Runs the engine rank processes for the HTTP process: submit/cancel, event fan-out, crash recovery.
+"""The engine side of the HTTP process: runs the rank processes under the one supervisor (kit.supervisor),
+admits jobs (bounded queue -> 429), routes each engine event to its job, and ends every job exactly once.
 
-Every engine incarnation has its own queues; when any rank dies, the incarnation is torn down, every
-job in flight gets a 503 error event (never a hang), and a fresh incarnation is started.
+Threads and what they may block on: the event loop only queues (link outbox, KV keeper, the stream's
+asyncio queue); the link's writer thread blocks on the command pipe; its reader thread on the event pipe
+(and never on a lock held across I/O); the kit supervisor's watcher on process liveness; the expiry thread
+on nothing but its timer. No cycle of waits exists, so no burst of requests or images can deadlock them.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import queue
 import threading
 import time
-from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Optional
 
-from .request import GenerateJob, error_event
+from services.kit.errors import APIError, overloaded, unavailable
+from services.kit.restart import RestartPolicy
+from services.kit.supervisor import Supervisor
 from services.netutil import free_port
+
+from .capacity import queue_limit
+from .jobs import END, Deliver, JobTable, Ticket
+from .leases import HandleKeeper
+from .link import Outbox, start_reader
+from .request import GenerateRequest
 
 log = logging.getLogger("u1serve.generation")
 
-Sink = Callable[[dict], None]
+_EXPIRY_EVERY_S = 0.5
 
 
-class _Channel:
-    """One direction of a pipe with a queue-like face (pipes: no feeder threads, no semaphores to
-    leak, and a peer killed mid-message only breaks this incarnation's pipe)."""
+class EngineRanks:
+    """One incarnation: the rank processes and the link to rank 0 (a kit.supervisor Unit)."""
 
-    def __init__(self, reader, writer):
-        self._r, self._w = reader, writer
-        self._lock = threading.Lock()
-
-    def __getstate__(self):  # sent to the spawned rank: the lock is per process
-        return {"_r": self._r, "_w": self._w}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def put(self, obj) -> None:
-        with self._lock:
-            self._w.send(obj)
-
-    def get(self, timeout: float | None = None):
-        if timeout is not None and not self._r.poll(timeout):
-            raise queue.Empty
-        return self._r.recv()
-
-    def get_nowait(self):
-        return self.get(0)
-
-    def close(self) -> None:
-        for c in (self._r, self._w):
-            try:
-                c.close()
-            except OSError:
-                pass
-
-
-def channel(ctx) -> _Channel:
-    r, w = ctx.Pipe(duplex=False)
-    return _Channel(r, w)
-
-
-class _Incarnation:
-    """One set of engine rank processes and their channels."""
-
-    def __init__(self, ctx, engine_args: dict, world: int):
-        self.in_q = channel(ctx)
-        self.out_q = channel(ctx)
-        port = free_port()
+    def __init__(self, ctx, engine_args: dict, world: int, on_message: Callable[["EngineRanks", dict], None],
+                 grace_s: float = 5.0):
         from .worker import run_rank
+        cmd_r, cmd_w = ctx.Pipe(duplex=False)     # HTTP process -> rank 0
+        evt_r, evt_w = ctx.Pipe(duplex=False)     # rank 0 -> HTTP process
+        port = free_port() if world > 1 else 0
         self.procs = [ctx.Process(target=run_rank, name=f"u1-gen-rank{r}", daemon=True,
-                                  args=(r, world, port, engine_args,
-                                        self.in_q if r == 0 else None,
-                                        self.out_q if r == 0 else None))
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
+                                  args=(r, world, port, engine_args, cmd_r if r == 0 else None,
+                                        evt_w if r == 0 else None)) for r in range(world)]
+        self.started_at = time.monotonic()
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            cmd_r.close()       # rank 0 holds the only other ends: its death is EOF / EPIPE here
+            evt_w.close()
+        self.outbox = Outbox(cmd_w, "u1-gen-commands")
+        self.reader = start_reader(evt_r, lambda msg: on_message(self, msg), "u1-gen-events")
+        self.grace_s = grace_s
         self.ready = False
         self.dead = False
+        self.fatal: Optional[str] = None
+        self.capacity: Optional[dict] = None
+        self._asked_to_stop = False
 
+    def send(self, msg: tuple) -> None:
+        if not self.dead:
+            self.outbox.send(msg)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    # -- kit.supervisor.Unit ---------------------------------------------------------------------
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def kill(self) -> None:
+    def exit_reason(self) -> str:
+        if self.fatal:
+            return self.fatal
+        return "engine rank exit codes " + str([p.exitcode for p in self.procs])
+
+    def stopped_on_purpose(self) -> bool:
+        return self._asked_to_stop
+
+    def stop(self) -> None:
+        """All ranks alive: ask rank 0 to stop (it stops the others) and wait up to the grace period; then
+        kill whatever is left. Idempotent."""
+        if self.alive() and not self._asked_to_stop:
+            self._asked_to_stop = True
+            self.outbox.send(("stop",))
+            deadline = time.monotonic() + self.grace_s
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self.dead = True
         for p in self.procs:
             if p.is_alive():
                 p.kill()
         for p in self.procs:
-            p.join(timeout=5)
-        self.in_q.close()
-        self.out_q.close()
+            p.join(5)
+        self.outbox.close(timeout=2)    # the readers are dead: a blocked write has failed by now
+        self.reader.join(5)
 
 
 class EngineSupervisor:
-    def __init__(self, engine_args: dict, world: int = 1, on_stats: Callable[[dict], None] = None,
-                 restart_delay: float = 0.5, release: Callable[[list[dict]], None] = None):
+    def __init__(self, engine_args: dict, world: int, keeper: HandleKeeper, *,
+                 on_stats: Callable[[dict], None] = lambda msg: None,
+                 on_give_up: Callable[[str], None] = lambda why: None,
+                 max_queued: int = 0, max_queue_wait_s: float = 600.0,
+                 policy: RestartPolicy = RestartPolicy()):
         self.engine_args = engine_args
         self.world = world
-        self.on_stats = on_stats or (lambda m: None)
-        self.restart_delay = restart_delay
-        self.restarts = 0
-        self.last_error: str | None = None
+        self.keeper = keeper
+        self.on_stats = on_stats
+        self.on_give_up = on_give_up
+        self.configured_queue = max_queued
+        self.max_queued = max_queued or None          # resolved when the engine reports its memory
+        self.max_queue_wait_s = max_queue_wait_s
+        self.table = JobTable()
+        self.rejected = 0
+        self._job_seconds = 10.0                      # running mean of job time: the Retry-After hint
         self._ctx = mp.get_context("spawn")
-        self._lock = threading.Lock()
-        self._sinks: dict[str, Sink] = {}
-        self._handles: dict[str, list[dict]] = {}  # in-flight jobs' KV handles (for crash cleanup)
-        self.release = release or (lambda handles: None)
-        self._inc: _Incarnation | None = None
-        self._stopping = False
-        self._threads: list[threading.Thread] = []
+        self.sup = Supervisor("generation engine", self._spawn, policy=policy, on_death=self._on_death,
+                              on_give_up=self._gave_up)
+        self._stop = threading.Event()
+        self._expiry: Optional[threading.Thread] = None
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        self._spawn()
-        t = threading.Thread(target=self._monitor, name="u1-gen-monitor", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self.keeper.start()
+        self.sup.start()
+        self._expiry = threading.Thread(target=self._expire_loop, name="u1-gen-queue-timeout", daemon=True)
+        self._expiry.start()
+
+    def end_all(self) -> None:
+        """Shutting down: every job in flight ends now with a 503 (its stream closes, so the server need not
+        wait for long jobs); never blocks."""
+        for t in self.table.take_all():
+            self._end(t, unavailable("the generation service is shutting down; retry the request",
+                                     code="shutting_down"), release=True)
+            t.unit.send(("cancel", t.request_id))
 
     def stop(self) -> None:
-        self._stopping = True
-        inc = self._inc
-        if inc is not None:
-            try:
-                inc.in_q.put(("stop",))
-            except Exception:
-                pass
-            deadline = time.monotonic() + 5
-            for p in inc.procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-            inc.kill()
+        """Fail what is in flight (503), stop the ranks gracefully, stop the threads."""
+        self._stop.set()
+        self.end_all()
+        self.sup.stop()
+        self.keeper.stop()
+        if self._expiry is not None:
+            self._expiry.join(2)
+
+    @property
+    def unit(self) -> Optional[EngineRanks]:
+        return self.sup.unit  # type: ignore[return-value]
 
     @property
     def ready(self) -> bool:
-        inc = self._inc
-        return bool(inc and inc.ready and not inc.dead)
+        u = self.unit
+        return self.sup.ready and u is not None and u.ready and not u.dead
 
-    @property
-    def pids(self) -> list[int]:
-        inc = self._inc
-        return [p.pid for p in inc.procs] if inc else []
+    def status(self) -> dict:
+        queued, running = self.table.counts()
+        u = self.unit
+        s = self.sup.status()
+        state = "ok" if self.ready else ("starting" if s["state"] in ("starting", "ready") else s["state"])
+        return {"status": state, "queued": queued, "running": running, "max_queued": self.max_queued,
+                "restarts": s["restarts"], "last_error": s["last_error"], "failure": s["failure"],
+                "engine_pids": u.pids if u is not None and not u.dead else [],
+                "pending_commands": u.outbox.pending() if u is not None else 0,
+                "kv_commands": self.keeper.pending()}
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._sinks)
+    # -- jobs (event loop) ---------------------------------------------------------------------
+    def submit(self, job: GenerateRequest, deliver: Deliver) -> None:
+        """Queue a job; `deliver` gets its events, from any thread. Raises APIError 503 / 409 / 429 (the job's
+        KV is then still the caller's)."""
+        unit = self.unit
 
-    # -- jobs ----------------------------------------------------------------------------------
-    def submit(self, job: GenerateJob, sink: Sink) -> None:
-        """Queue a job; `sink` receives every event for it (from a background thread)."""
-        with self._lock:
-            inc = self._inc
-            if inc is None or inc.dead or not inc.ready:
-                raise RuntimeError("generation engine is not ready")
-            self._sinks[job.request_id] = sink
-            self._handles[job.request_id] = list(job.handles.values())
-            inc.in_q.put(("job", asdict(job)))
+        def admit(queued: int, duplicate: bool) -> None:
+            if unit is None or not self.ready or unit is not self.unit:
+                raise unavailable("the generation engine is not ready"
+                                  + (f" ({self.sup.failure})" if self.sup.failure else ""),
+                                  code="engine_unavailable")
+            if duplicate:
+                raise APIError(409, f"request_id {job.request_id!r} is already running", param="request_id",
+                               code="duplicate")
+            if self.max_queued is not None and queued >= self.max_queued:
+                self.rejected += 1
+                raise overloaded(f"the generation queue is full ({queued} jobs wait for the engine, limit "
+                                 f"{self.max_queued}); retry later", self.retry_after_s(),
+                                 code="queue_full")
 
-    def is_active(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._sinks
+        self.table.add_if(Ticket(job, deliver, unit), admit)
+        self.keeper.hold(job.handles.values())
+        unit.send(("job", job))
 
-    def cancel(self, request_id: str) -> bool:
-        with self._lock:
-            inc = self._inc
-            known = request_id in self._sinks
-            if known and inc is not None and not inc.dead:
-                inc.in_q.put(("cancel", request_id))
-            return known
+    def cancel(self, request_id: str, reason: str = "request cancelled") -> bool:
+        """End the job now (its stream gets 499 cancelled); the engine drops it before its next step."""
+        t = self.table.finish(request_id, APIError(499, reason, type="cancelled", code="cancelled").event())
+        if t is None:
+            return False
+        self._after_end(t)
+        return True
 
-    # -- internals -----------------------------------------------------------------------------
-    def _spawn(self) -> None:
-        inc = _Incarnation(self._ctx, self.engine_args, self.world)
-        self._inc = inc
-        t = threading.Thread(target=self._read_events, args=(inc,), name="u1-gen-events",
-                             daemon=True)
-        t.start()
+    def retry_after_s(self) -> float:
+        return min(60.0, max(1.0, self._job_seconds))
 
-    def _read_events(self, inc: _Incarnation) -> None:
-        while not inc.dead:
-            try:
-                msg = inc.out_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            except (EOFError, OSError, ValueError):
-                return
-            self._dispatch(inc, msg)
+    # -- internals -------------------------------------------------------------------------------
+    def _spawn(self) -> EngineRanks:
+        if self.sup.unit is not None:
+            self.on_stats({"stat": "restart"})
+        return EngineRanks(self._ctx, self.engine_args, self.world, self._on_message)
 
-    def _dispatch(self, inc: _Incarnation, msg: dict) -> None:
+    def _end(self, t: Ticket, err: APIError, release: bool) -> None:
+        t.deliver(err.event())
+        t.deliver(END)
+        if release:
+            self.keeper.release(t.handles)
+
+    def _after_end(self, t: Ticket) -> None:
+        """A job ended on this side: stop it in the engine and free its pages if it never imported them."""
+        t.unit.send(("cancel", t.request_id))
+        if t.started is None:
+            self.keeper.release(t.handles)
+
+    def _on_message(self, unit: EngineRanks, msg: dict) -> None:
+        """The link reader thread: route one engine event (no blocking here)."""
         kind = msg.get("type")
-        if kind == "ready":
-            inc.ready = True
-            log.info("generation engine ready (%d rank(s))", self.world)
-            return
-        if kind == "stats":
-            self.on_stats(msg)
-            return
-        if kind == "fatal":
-            self.last_error = msg.get("message")
-            log.error("generation engine fatal error: %s", self.last_error)
-            return
         rid = msg.get("request_id")
-        with self._lock:
-            sink = self._sinks.get(rid)
-            if kind == "done":
-                self._sinks.pop(rid, None)
-                self._handles.pop(rid, None)
-        if sink is not None:
-            sink(msg)
+        if rid is None:
+            if kind == "stats":
+                self.on_stats(msg)
+            elif kind == "ready":
+                unit.capacity = msg.get("capacity")
+                self.max_queued = queue_limit(self.configured_queue, unit.capacity,
+                                              self.engine_args.get("max_running_jobs", 16))
+                unit.ready = True
+                self.sup.mark_ready(unit)
+                log.info("generation engine ready: %d rank(s), %.1f s, queue limit %d", self.world,
+                         time.monotonic() - unit.started_at, self.max_queued)
+            elif kind == "fatal":     # the rank logged it with its traceback; the supervisor reports it
+                unit.fatal = msg.get("message")
+            return
+        t = self.table.get(rid)
+        if t is None or t.unit is not unit:
+            return                                  # ended already (cancelled, timed out) or a stale unit
+        if kind == "started":
+            self.table.mark_started(rid)
+        elif kind in ("progress", "preview", "image"):
+            t.deliver(msg)
+        elif kind == "done":
+            if self.table.finish(rid) is not None:
+                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
+        elif kind == "error":
+            if self.table.finish(rid, {k: v for k, v in msg.items() if k != "request_id"}) is not None:
+                self.keeper.release(t.handles)   # the engine freed them too; idempotent
 
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            sinks, self._sinks = self._sinks, {}
-            handles, self._handles = self._handles, {}
-        # Jobs still queued in the dead engine never imported their prefixes: free their pages now
-        # rather than at lease expiry (idempotent: pages already imported and freed are not touched).
-        try:
-            self.release([h for hs in handles.values() for h in hs])
-        except Exception:
-            log.exception("releasing the KV handles of failed jobs")
-        for rid, sink in sinks.items():
-            sink({"request_id": rid, **error_event(503, message, code="engine_failed")})
-            sink({"request_id": rid, "type": "done", "outcome": "error"})
+    def _on_death(self, reason: str) -> None:
+        """kit watcher thread: the incarnation died. Fail its jobs (503) and free their pages."""
+        unit = self.unit
+        if unit is not None:
+            unit.dead = True
+        tickets = self.table.take_all()
+        if tickets:
+            log.error("failing %d job(s) of the dead generation engine", len(tickets))
+        for t in tickets:
+            self._end(t, unavailable(f"the generation engine died mid-job ({reason}); retry the request",
+                                     code="engine_failed"), release=True)
 
-    def _monitor(self) -> None:
-        while not self._stopping:
-            inc = self._inc
-            if inc is not None and not inc.alive() and not self._stopping:
-                codes = [p.exitcode for p in inc.procs]
-                inc.dead = True
-                reason = self.last_error or f"engine rank exit codes {codes}"
-                log.error("generation engine died (%s); restarting", reason)
-                inc.kill()
-                self._fail_all(f"generation engine died mid-job ({reason}); retry the request")
-                self.last_error = None
-                self.restarts += 1
-                if self._stopping:
-                    return
-                time.sleep(self.restart_delay)
-                self._spawn()
-                self.on_stats({"stat": "restart"})
-            time.sleep(0.1)
+    def _gave_up(self, why: str) -> None:
+        if not self._stop.is_set():
+            self.on_give_up(why)
 
-    def engine_pid_env(self) -> dict:
-        return {"pids": self.pids, "parent": os.getpid()}
+    def _expire_loop(self) -> None:
+        while not self._stop.wait(_EXPIRY_EVERY_S):
+            for t in self.table.waiting_longer_than(self.max_queue_wait_s):
+                err = overloaded(f"waited {self.max_queue_wait_s:.0f} s for the generation engine "
+                                 "(--max-queue-wait-s); retry later", self.retry_after_s(), code="queue_timeout")
+                if self.table.finish(t.request_id, err.event()) is not None:
+                    self._after_end(t)

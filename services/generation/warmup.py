@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .request import BRANCH_ORDER, GenerateJob
+from .request import BRANCH_ORDER, GenerateRequest
 
 WARMUP_PREFIX_TOKENS = 64
 
@@ -46,15 +46,13 @@ def parse_sizes(*texts: str | None) -> list[tuple[int, int]]:
     return out
 
 
-def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateJob:
-    return GenerateJob(request_id=f"warmup-{width}x{height}-{len(branches)}", handles={b: {} for b in branches},
-                       mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
-                       guidance_scale=4.0 if len(branches) > 1 else 1.0, image_guidance_scale=1.0,
-                       cfg_norm="none", timestep_shift=3.0, t_eps=0.02, cfg_interval=(0.0, 1.0), seed=0,
-                       output_format="png")
+def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateRequest:
+    return GenerateRequest(request_id=f"warmup-{width}x{height}-{len(branches)}",
+                           handles={b: {} for b in branches}, mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
+                           guidance_scale=4.0 if len(branches) > 1 else 1.0, seed=0)
 
 
-def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateJob]:
+def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateRequest]:
     """Per size: a CFG job, then a guidance-1 job (module doc)."""
     return [warmup_job(w, h, steps, branches) for w, h in sizes if steps > 0
             for branches in (BRANCH_ORDER[:2], BRANCH_ORDER[:1])]
@@ -69,8 +67,8 @@ def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
     for spec in warmup_jobs(sizes, steps):
         kv = torch.zeros((m.num_layers, 2, WARMUP_PREFIX_TOKENS, m.num_kv_heads, m.head_dim),
                          device=engine.device, dtype=engine.dtype)
-        job = engine.admit_local(spec, {b: kv for b in spec.branches},
-                                 {b: WARMUP_PREFIX_TOKENS for b in spec.branches})
+        job = engine.admit_local(spec, {b: kv for b in spec.handles},
+                                 {b: WARMUP_PREFIX_TOKENS for b in spec.handles})
         engine.add(job)
         while not job.done:
             engine.step()

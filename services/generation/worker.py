@@ -1,8 +1,12 @@
 """Engine rank process: load the gen branch, then loop admission -> one batched step -> events.
 
-Rank 0 (the leader) talks to the HTTP process through two queues and decides, between steps, which
-jobs join (FIFO within `max_batch_tokens`) and which leave (cancelled); it broadcasts that plan to the
-other CFG ranks, so every rank runs the same job list in lock step.
+Rank 0 (the leader) talks to the HTTP process over the link (link.py): a reader thread fills its inbox and an
+outbox thread writes its events, so the engine loop never waits on a pipe. Between steps it decides which jobs
+join (FIFO within `max_batch_tokens`) and which leave (cancelled) and broadcasts that plan to the other CFG
+ranks, so every rank runs the same job list in lock step.
+
+Messages in: ("job", GenerateRequest), ("cancel", request_id), ("stop",). Events out (dicts): ready, stats,
+fatal, and per job started -> progress ... -> image (pixels as a raw frame) ... -> done, or one error (final).
 """
 from __future__ import annotations
 
@@ -10,30 +14,20 @@ import collections
 import logging
 import os
 import queue
-import signal
 import time
 import traceback
-from dataclasses import asdict
 
 import torch
 
+from services.kit.proc import die_with_parent, ignore_stop_signals
+
 from . import float_image
-from .request import ApiError, GenerateJob, error_event
+from .request import APIError, GenerateRequest, busiest_rank_tokens
 
 log = logging.getLogger("u1serve.generation.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _job_from_dict(d: dict) -> GenerateJob:
-    d = dict(d)
-    d["cfg_interval"] = tuple(d["cfg_interval"])
-    return GenerateJob(**d)
-
-
-def _emit_error(out_q, rid: str, event: dict) -> None:
-    out_q.put({"request_id": rid, **event})
-    out_q.put({"request_id": rid, "type": "done", "outcome": "error"})
+_IDLE_WAIT_S = 0.5
 
 
 class Scheduler:
@@ -43,13 +37,12 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running_jobs = max_running_jobs
         self.world = world
-        self.pending: collections.deque[GenerateJob] = collections.deque()
+        self.pending: collections.deque[GenerateRequest] = collections.deque()
 
-    def tokens(self, spec: GenerateJob) -> int:
-        per_rank = -(-len(spec.branches) // self.world)  # the busiest rank's share
-        return spec.num_tokens * spec.n * per_rank
+    def tokens(self, spec: GenerateRequest) -> int:
+        return busiest_rank_tokens(spec, self.world)
 
-    def pick(self, running_tokens: int, running_jobs: int) -> list[GenerateJob]:
+    def pick(self, running_tokens: int, running_jobs: int) -> list[GenerateRequest]:
         out = []
         budget = self.max_batch_tokens - running_tokens
         while self.pending and running_jobs + len(out) < self.max_running_jobs:
@@ -60,7 +53,7 @@ class Scheduler:
             budget -= need
         return out
 
-    def remove(self, request_id: str) -> GenerateJob | None:
+    def remove(self, request_id: str) -> GenerateRequest | None:
         for spec in self.pending:
             if spec.request_id == request_id:
                 self.pending.remove(spec)
@@ -68,26 +61,24 @@ class Scheduler:
         return None
 
 
-def _apply_plan(engine, comm, plan: dict, stats_out: list) -> tuple[dict, list]:
-    """Drop and admit as rank 0 decided; agree on failures across ranks. Returns (errors, admitted)."""
+def _apply_plan(engine, comm, plan: dict, stats_out: list) -> dict:
+    """Drop and admit as rank 0 decided; agree on failures across ranks. Returns {request_id: error event}."""
     for rid in plan["drop"]:
         engine.drop(rid)
     admitted, errors = [], {}
-    for d in plan["admit"]:
-        spec = _job_from_dict(d)
+    for spec in plan["admit"]:
         try:
             job, stats = engine.admit(spec)
             admitted.append(job)
             stats_out.extend(stats)
-        except ApiError as e:
-            errors[spec.request_id] = e.to_event()
+        except APIError as e:
+            errors[spec.request_id] = e.event()
         except torch.cuda.OutOfMemoryError:
-            errors[spec.request_id] = error_event(503, "out of device memory for this job's KV "
-                                                  "buffer; retry later", code="engine_oom")
+            errors[spec.request_id] = APIError(503, "out of device memory for this job's KV buffer; retry later",
+                                               code="engine_oom").event()
         except Exception as e:  # a bug or a broken handle: fail the job, keep serving
             log.exception("admission of %s failed", spec.request_id)
-            errors[spec.request_id] = error_event(500, f"admission failed: {e!r}",
-                                                  code="engine_error")
+            errors[spec.request_id] = APIError(500, f"admission failed: {e!r}", code="engine_error").event()
     merged = {}
     for part in comm.all_gather_objects(errors):
         for rid, ev in part.items():
@@ -97,102 +88,89 @@ def _apply_plan(engine, comm, plan: dict, stats_out: list) -> tuple[dict, list]:
             job.free()
         else:
             engine.add(job)
-    return merged, [j for j in admitted if j.request_id not in merged]
+    return merged
 
 
-def _drain(in_q, block: bool) -> list:
+def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
     msgs = []
     try:
-        msgs.append(in_q.get(timeout=0.5) if block else in_q.get_nowait())
+        msgs.append(inbox.get(timeout=_IDLE_WAIT_S) if block else inbox.get_nowait())
         while True:
-            msgs.append(in_q.get_nowait())
+            msgs.append(inbox.get_nowait())
     except queue.Empty:
         pass
     return msgs
 
 
-QUEUED_LEASE_S = 5.0  # a queued job's prefix pages stay leased at least this far ahead (short: a dead
-# service must not hold them long)
-_KEEP_ALIVE_EVERY_S = 1.5
-
-
-def _leader_loop(engine, comm, source, in_q, out_q, args: dict) -> None:
+def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
     sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.world)
     stop = False
-    last_keep_alive = 0.0
     while not stop:
-        if sched.pending and time.monotonic() - last_keep_alive > _KEEP_ALIVE_EVERY_S:
-            source.keep_alive([h for spec in sched.pending for h in spec.handles.values()], QUEUED_LEASE_S)
-            last_keep_alive = time.monotonic()
         drop = []
-        for msg in _drain(in_q, block=not engine.running and not sched.pending):
+        for msg in _drain(inbox, block=not engine.running and not sched.pending):
             if msg[0] == "stop":
                 stop = True
             elif msg[0] == "job":
-                spec = _job_from_dict(msg[1])
-                sched.pending.append(spec)
-                source.keep_alive(spec.handles.values(), QUEUED_LEASE_S)  # at once: its lease may be short
-            elif msg[0] == "cancel":
-                rid = msg[1]
-                spec = sched.remove(rid)
+                sched.pending.append(msg[1])
+            elif msg[0] == "cancel":  # the HTTP process already ended the stream; just stop the work
+                spec = sched.remove(msg[1])
                 if spec is not None:  # never imported: free its pages now, not at lease expiry
                     source.release(spec.handles.values())
-                if spec is not None or any(j.request_id == rid for j in engine.running):
-                    if spec is None:
-                        drop.append(rid)
-                    _emit_error(out_q, rid, error_event(499, "request cancelled",
-                                                        code="cancelled", type="cancelled"))
+                elif any(j.request_id == msg[1] for j in engine.running):
+                    drop.append(msg[1])
         running_tokens = sum(sched.tokens(j.spec) for j in engine.running)
         admit = [] if stop else sched.pick(running_tokens, len(engine.running))
-        plan = comm.broadcast({"admit": [asdict(s) for s in admit], "drop": drop, "stop": stop})
+        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop})
         stats: list = []
-        errors, _ = _apply_plan(engine, comm, plan, stats)
+        errors = _apply_plan(engine, comm, plan, stats)
         for s in stats:
-            out_q.put({"type": "stats", **s})
+            out.send({"type": "stats", **s})
         for spec in admit:
             if spec.request_id in errors:
                 source.release(spec.handles.values())
-                _emit_error(out_q, spec.request_id, errors[spec.request_id])
+                out.send({"request_id": spec.request_id, **errors[spec.request_id]})
+            else:
+                out.send({"request_id": spec.request_id, "type": "started"})
         if stop:
             break
         if not engine.running:
-            out_q.put({"type": "stats", "stat": "idle", "running": 0,
-                       "queued": len(sched.pending)})
+            source.drop_stale()   # unmap a pool the producer replaced, not only at the next job
+            out.send({"type": "stats", "stat": "idle", "running": 0, "queued": len(sched.pending)})
             continue
         t0 = time.perf_counter()
         finished, rows = engine.step()
         seconds = time.perf_counter() - t0
         for job in list(engine.running) + finished:
-            out_q.put({"request_id": job.request_id, "type": "progress", "step": job.step,
-                       "total": job.num_inference_steps})
+            out.send({"request_id": job.request_id, "type": "progress", "step": job.step,
+                      "total": job.num_inference_steps})
             if job.preview is not None:
                 k, frames = job.preview
                 job.preview = None
                 for i in range(job.n):
-                    out_q.put({"request_id": job.request_id, "type": "preview", "index": i,
-                               "partial_image_index": k, "step": job.step, "pixels": frames[i]})
+                    out.send({"request_id": job.request_id, "type": "preview", "index": i,
+                              "partial_image_index": k, "step": job.step}, pixels=frames[i])
         for job in finished:
             pixels = engine.pixels(job)
             image_handle = None
             if job.spec.export_image:
                 try:
                     image_handle = float_image.export(source, job.x[0])
-                except ApiError as e:
-                    _emit_error(out_q, job.request_id, e.to_event())
+                except APIError as e:
+                    out.send({"request_id": job.request_id, **e.event()})
                     job.free()
                     continue
             for i in range(job.n):
-                out_q.put({"request_id": job.request_id, "type": "image", "index": i,
-                           "pixels": pixels[i], "branch_steps": job.branch_steps, "image_handle": image_handle})
-            out_q.put({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
-            out_q.put({"request_id": job.request_id, "type": "done", "outcome": "ok"})
+                out.send({"request_id": job.request_id, "type": "image", "index": i,
+                          "branch_steps": job.branch_steps, "image_handle": image_handle}, pixels=pixels[i])
+            out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
+            out.send({"request_id": job.request_id, "type": "done"})
             job.free()
-        out_q.put({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
-                   "jobs": len(engine.running) + len(finished), "running": len(engine.running),
-                   "queued": len(sched.pending), "peak_memory": engine.peak_memory()})
+        out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
+                  "jobs": len(engine.running) + len(finished), "running": len(engine.running),
+                  "queued": len(sched.pending), "peak_memory": engine.peak_memory()})
 
 
-def _follower_loop(engine, comm) -> None:
+def _follower_loop(engine, comm, source) -> None:
     while True:
         plan = comm.broadcast(None)
         _apply_plan(engine, comm, plan, [])
@@ -201,25 +179,18 @@ def _follower_loop(engine, comm) -> None:
         if engine.running:
             for job in engine.step()[0]:
                 job.free()
+        else:
+            source.drop_stale()
 
 
-def _tie_to_parent() -> None:
-    """Exit with the HTTP process: die with it (Linux PDEATHSIG) and leave SIGINT/SIGTERM to it, so a
-    group-wide signal shuts down through the server (which stops us) instead of looking like a crash."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def run_rank(rank: int, world: int, port: int, args: dict, in_q, out_q) -> None:
-    """Process entry point (spawned by the supervisor)."""
-    _tie_to_parent()
-    logging.basicConfig(level=os.environ.get("U1SERVE_LOG_LEVEL", "INFO"),
+def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_conn) -> None:
+    """Process entry point (spawned by the supervisor); rank 0 gets the two pipe ends."""
+    die_with_parent()
+    ignore_stop_signals()   # a group-wide SIGTERM shuts down through the server, which stops us
+    logging.basicConfig(level=str(args.get("log_level", "info")).upper(),
                         format=f"%(asctime)s %(levelname)s gen-rank{rank}: %(message)s")
+    from .link import Outbox, start_reader
+    out = Outbox(outbox_conn, "u1-gen-events") if rank == 0 else None
     try:
         if args.get("threads"):
             torch.set_num_threads(int(args["threads"]))
@@ -230,6 +201,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, in_q, out_q) -> None:
             device = torch.device("cpu")
         from services.model.loader import load_model
 
+        from .capacity import measure
         from .cfg_parallel import CfgComm
         from .engine import Engine
         from .kv_source import PrefixSource
@@ -246,19 +218,21 @@ def run_rank(rank: int, world: int, port: int, args: dict, in_q, out_q) -> None:
         warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
                           int(args.get("warmup_steps", 0)))
         if rank == 0:
-            out_q.put({"type": "stats", "stat": "warmup", **warm})
-            out_q.put({"type": "ready"})
-            _leader_loop(engine, comm, source, in_q, out_q, args)
+            out.send({"type": "stats", "stat": "warmup", **warm})
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(("stop",)))
+            out.send({"type": "ready", "capacity": measure(model, device, world)})
+            _leader_loop(engine, comm, source, inbox, out, args)
         else:
-            _follower_loop(engine, comm)
+            _follower_loop(engine, comm, source)
         source.close()
         comm.close()
+        if out is not None:
+            out.close()
     except BaseException as e:
         msg = f"rank {rank}: {e!r}"
         log.error("engine failed: %s\n%s", msg, traceback.format_exc())
-        if out_q is not None:
-            try:
-                out_q.put({"type": "fatal", "message": msg})
-            except Exception:
-                pass
+        if out is not None:
+            out.send({"type": "fatal", "message": msg})
+            out.close(timeout=2)
         os._exit(1)

@@ -14,13 +14,15 @@ import time
 from typing import Iterable, Optional, Protocol
 
 from .errors import APIError
+from .live import LIVE_PATH
 from .logsafe import safe
 from .web import parse_json, remember_json
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TOKEN_HEADER = "x-u1-internal-token"
-_QUIET = ("/health", "/metrics")
+_PROBES = ("/health", LIVE_PATH)      # polled all the time: logged at debug
+_QUIET = (*_PROBES, "/metrics")
 
 
 class RequestIdFilter(logging.Filter):
@@ -77,10 +79,10 @@ class ApiKeyAuth:
 
 
 class InternalTokenAuth:
-    """The engines: every route but the open ones needs the stack's internal token, as X-U1-Internal-Token or
-    `Authorization: Bearer` (what a Prometheus scrape config sends)."""
+    """The engines: every route but the open ones (the probes) needs the stack's internal token, as
+    X-U1-Internal-Token or `Authorization: Bearer` (what a Prometheus scrape config sends)."""
 
-    def __init__(self, token: str, open_paths: tuple[str, ...] = ("/health",)):
+    def __init__(self, token: str, open_paths: tuple[str, ...] = _PROBES):
         if not token:
             raise ValueError("an internal token is required")
         self.token = token.encode("utf-8")
@@ -182,7 +184,7 @@ class ServiceMiddleware:
                 self.hooks.end(path, status["code"])
             # /health answers 503 by design while a service loads or restarts (polled every fraction of a
             # second by the launcher): its state is on the page and in the service's own log, not per poll
-            level = logging.DEBUG if path == "/health" or (path in _QUIET and status["code"] < 500) else logging.INFO
+            level = logging.DEBUG if path in _PROBES or (path in _QUIET and status["code"] < 500) else logging.INFO
             self.log.log(level, "%s %s -> %s %.3fs", scope.get("method"), safe(path), status["code"],
                          time.monotonic() - started)
             request_id_var.reset(token)

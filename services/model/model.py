@@ -125,6 +125,14 @@ class NeoModel(nn.Module):
     def gen_layers(self, x: torch.Tensor, rope: Rope, attend: Attend, start: int = 0,
                    stop: int | None = None) -> torch.Tensor:
         """Gen-branch decoder layers [start, stop) over packed tokens (no final norm)."""
+        if x.shape[0] == 0:
+            # A sequence-parallel rank may hold no rows of a tiny forward yet must join every
+            # layer's collectives (inside `attend`): run one zero row that attention never shows to
+            # anyone (its own attention output is zero), then drop it.
+            def ghost_attend(i, q, k, v):
+                return torch.cat([attend(i, q[:0], k[:0], v[:0]), torch.zeros_like(q)])
+            one = self.rope(torch.zeros((3, 1), dtype=torch.long))
+            return self.gen_layers(x.new_zeros((1, x.shape[1])), one, ghost_attend, start, stop)[:0]
         layers = self.language_model.model.layers
         for i in range(start, len(layers) if stop is None else stop):
             x = layers[i](x, rope, attend, i, "gen")
@@ -145,7 +153,7 @@ class NeoModel(nn.Module):
             h = self.gen_layers(h1, rope, attend, start=1)
         else:
             rest = None
-            if rows.numel():
+            if any(g.compute for g in cache.groups):   # not rows.numel(): an SP rank may hold none
                 rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
                                        cache.attend_subset(), start=1)
             h = cache.fill(h1, rest)

@@ -64,14 +64,23 @@ def relative_change(r1: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     return num / torch.mean(prev.abs(), dtype=torch.float32).clamp_min(1e-12)
 
 
+def change_sums(r1: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """[sum|r1 - prev|, sum|prev|] fp32: relative_change's parts, to be summed over ranks."""
+    return torch.stack([torch.sum((r1 - prev).abs(), dtype=torch.float32),
+                        torch.sum(prev.abs(), dtype=torch.float32)])
+
+
 class FirstBlockCache:
     """The cache's part of one forward (see NeoModel.gen_forward): decide which groups compute the
     rest of the stack, assemble the output, remember the residuals of the groups that computed.
-    `attend_for(groups)` gives the attention callback of a subset of groups' rows, packed in order."""
+    `attend_for(groups)` gives the attention callback of a subset of groups' rows, packed in order.
+    `reduce` (sequence parallel: each rank holds a slice of every group's rows) sums a [k, 2] tensor of
+    change_sums over the ranks, identically on each, so every rank takes the same decision."""
 
-    def __init__(self, groups: list[CacheGroup], attend_for=None):
+    def __init__(self, groups: list[CacheGroup], attend_for=None, reduce=None):
         self.groups = groups
         self.attend_for = attend_for
+        self.reduce = reduce
         self._r1: torch.Tensor | None = None
 
     def decide(self, first_residual: torch.Tensor) -> torch.Tensor | None:
@@ -81,9 +90,7 @@ class FirstBlockCache:
         for g in self.groups:
             g.compute = True
         if cand:
-            changes = torch.stack([relative_change(first_residual[g.start:g.stop], g.state.prev_first)
-                                   for g in cand]).tolist()
-            for g, c in zip(cand, changes):
+            for g, c in zip(cand, self._changes(cand, first_residual)):
                 g.state.last_change = c
                 g.compute = not c < g.options.threshold
         if all(g.compute for g in self.groups):
@@ -91,6 +98,13 @@ class FirstBlockCache:
         dev = first_residual.device
         idx = [torch.arange(g.start, g.stop, device=dev) for g in self.groups if g.compute]
         return torch.cat(idx) if idx else torch.empty(0, dtype=torch.long, device=dev)
+
+    def _changes(self, cand: list[CacheGroup], r1: torch.Tensor) -> list[float]:
+        if self.reduce is None:
+            return torch.stack([relative_change(r1[g.start:g.stop], g.state.prev_first)
+                                for g in cand]).tolist()
+        sums = self.reduce(torch.stack([change_sums(r1[g.start:g.stop], g.state.prev_first) for g in cand]))
+        return (sums[:, 0] / sums[:, 1].clamp_min(1e-12)).tolist()
 
     def attend_subset(self):
         return self.attend_for([g for g in self.groups if g.compute])

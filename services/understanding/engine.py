@@ -39,6 +39,7 @@ class EngineConfig:
     kv_pool_name: str | None = None
     cuda_graph_max_bs: int = 128
     max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
+    yield_signal: str = ""            # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
     log_level: str = "WARNING"
     in_addr: str = ""       # HTTP -> engine (PULL here)
     out_addr: str = ""      # engine -> HTTP (PUSH here)
@@ -103,9 +104,13 @@ class Engine:
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
-        if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes
-            from shm_transfer import ShmKVPool
-            self.pool = ShmKVPool.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+        if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)
+            from shm_transfer import LocalShmTransport
+            self.pool = LocalShmTransport.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+        self.yield_signal = None
+        if rank == 0 and cfg.yield_signal:
+            from services.kit.yield_signal import YieldSignal
+            self.yield_signal = YieldSignal.create(cfg.yield_signal)
         if rank == 0:
             self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
@@ -191,10 +196,18 @@ class Engine:
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
-        self._broadcast(plan)
-        logits = self.runner.forward(plan)
-        exported = self._export(plan)
-        sampled, logprobs = self._sample(logits, entries)
+        # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
+        decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows
+        if decode:
+            self.yield_signal.set_busy()
+        try:
+            self._broadcast(plan)
+            logits = self.runner.forward(plan)
+            exported = self._export(plan)
+            sampled, logprobs = self._sample(logits, entries)
+        finally:
+            if decode:
+                self.yield_signal.set_idle()
         self.sched.process(entries, sampled, exported, logprobs)
 
     def _broadcast(self, obj) -> None:
@@ -225,12 +238,13 @@ class Engine:
         return sampled, logprobs
 
     def _export(self, plan) -> dict:
-        """Write each finished prefix into its shm pages (trimmed to the real token count). With TP every
+        """Write each finished prefix into its pages through the Transport (trimmed to the real token count;
+        the handle keeps its transport fields, so a network handle stays one). With TP every
         rank writes its own KV-head slice of the same pages, then the ranks agree (all-reduce MIN) that
         every slice landed before rank 0 publishes the handle (docs/kv_contract.md, TP note)."""
         if not plan.exports:
             return {}
-        from shm_transfer import KVHandle, export_kv
+        from shm_transfer import KVHandle
         results = {}
         for rid, slots, handle_dict, t_offset in plan.exports:
             handle, err = None, None
@@ -249,7 +263,7 @@ class Engine:
                 if self.tp is not None:
                     h = self.runner.num_kv_heads
                     heads = (self.rank * h, (self.rank + 1) * h)
-                export_kv(self.pool, handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
+                self.pool.export_kv(handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
             except Exception as e:
                 log.exception("export of %s failed", rid)
                 err = f"{type(e).__name__}: {e}"

@@ -49,7 +49,7 @@ class FloatImages:
 
     def load(self, item: TranscriptImage, param: str) -> IM.ImageTensor:
         """Runs in the decode pool (blocking copies)."""
-        from shm_transfer import HandleError, KVHandle, read_kv
+        from shm_transfer import HandleError, KVHandle
         from shm_transfer.tensors import tokens_for, unpack
         pool, lease_s = self.state.pool, self.state.args.kv_lease_s
         try:
@@ -65,7 +65,7 @@ class FloatImages:
                 if key in self._lru:
                     self._lru.move_to_end(key)
                     return self._lru[key]
-            x = unpack(read_kv(pool, h), (3, item.height, item.width))
+            x = unpack(pool.read_kv(h), (3, item.height, item.width))
             image = IM.generated_image_tensor(x)
         except HandleError as e:
             gone = e.code in ("stale_generation", "pages_freed", "lease_expired")

@@ -16,7 +16,7 @@ import sys
 from fastapi import FastAPI
 
 from services.contract import limits as CL
-from services.kit import errors
+from services.kit import errors, live
 from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
 from services.model import images as IM
@@ -42,7 +42,7 @@ def create_app(args) -> FastAPI:
     app = FastAPI(title="u1serve understanding", lifespan=lifespan)
     app.state.u1 = state
     errors.install(app, "understanding")
-    for r in (ops.router, chat.router, native.router, internal.router):
+    for r in (ops.router, chat.router, native.router, internal.router, live.router):
         app.include_router(r)
     app.add_middleware(ServiceMiddleware, service="understanding", max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        auth=InternalTokenAuth(args.internal_token))
@@ -59,7 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine processes")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
+    p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
+                   "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
+    p.add_argument("--kv-transport", choices=["shm", "nixl"], default="shm",
+                   help="how generation reads the prefixes: shm (same host) or nixl (over the network with NIXL; "
+                        "a consumer that shares this host's /dev/shm still uses shared memory)")
+    p.add_argument("--kv-listen-port", type=int, default=0,
+                   help="nixl: port of the transport's metadata listener (0: a free one)")
+    p.add_argument("--kv-advertise-host", default=None,
+                   help="nixl: the address generation services reach this host by (default: --host unless it "
+                        "is a wildcard, else this host's name resolved; env POD_IP in Kubernetes)")
     p.add_argument("--kv-page-tokens", type=int, default=64, help="tokens per shared-memory pool page")
     p.add_argument("--kv-lease-s", type=float, default=300.0,
                    help="lease of exported prefix pages (reclaimed after it if nobody releases them)")
@@ -114,7 +124,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"an internal token is required: pass --internal-token-file PATH, set {TOKEN_ENV}, or "
                 "--internal-token (u1serve up makes one per stack)")
     args.max_model_len = min(args.max_model_len, args.kv_cache_tokens)
+    if args.kv_transport == "nixl":
+        if not args.kv_pool_name:
+            p.error("--kv-transport nixl needs --kv-pool-name (the pool it serves)")
+        args.kv_advertise_host = args.kv_advertise_host or advertise_host(args.host)
     return args
+
+
+def advertise_host(bind_host: str) -> str:
+    """The address consumers on other hosts reach this one by: the bind address unless it is a wildcard,
+    else POD_IP (Kubernetes downward API), else this host's name resolved."""
+    import os
+    import socket
+    if bind_host not in ("", "0.0.0.0", "::"):
+        return bind_host
+    if os.environ.get("POD_IP"):
+        return os.environ["POD_IP"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _configure_logging(level: str) -> None:

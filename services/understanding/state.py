@@ -1,5 +1,5 @@
-"""The understanding service's typed app state: tokenizer, limits, engine client, KV pool, image decoder,
-admission gate. The routers read it through `app_state(request)`; `create_app` builds it once."""
+"""The understanding service's typed app state: tokenizer, limits, engine client, KV transport (`pool`: the
+producer side of shm_transfer's Transport), image decoder, admission gate. The routers read it through `app_state(request)`; `create_app` builds it once."""
 from __future__ import annotations
 
 import contextlib
@@ -68,23 +68,35 @@ class AppState:
     async def start(self) -> None:
         a = self.args
         if a.kv_pool_name:
-            from shm_transfer import KVLayout, ShmKVPool
-            llm = self.cfg.llm
-            layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
-                              head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
-            # the HTTP process only allocates/releases pages; the engines (which copy) pin the mapping
-            self.pool = ShmKVPool.create(a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
-                                         model_fingerprint(a.model, self.cfg), pin=False)
+            self.pool = self._create_transport()
         ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
                             kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
                             max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
                             enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
                             cuda_graph_max_bs=a.cuda_graph_max_bs, max_queue_wait_s=a.max_queue_wait_s,
-                            log_level=a.log_level)
+                            log_level=a.log_level, yield_signal=a.yield_signal)
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
         self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
         self.engine.start()
+
+    def _create_transport(self):
+        """The producer side of the KV handoff (shm_transfer.create_producer): the shm pool, served over the
+        network too with --kv-transport nixl. The HTTP process only allocates/releases pages; the engine ranks
+        (which copy) attach the pool and pin it."""
+        from shm_transfer import KVLayout
+        from shm_transfer.transport import create_producer
+        a, llm = self.args, self.cfg.llm
+        layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
+                          head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
+        network = ({"listen_port": a.kv_listen_port, "advertise_host": a.kv_advertise_host}
+                   if a.kv_transport == "nixl" else {})
+        t = create_producer(a.kv_transport, a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
+                            model_fingerprint(a.model, self.cfg), pin=False, **network)
+        if a.kv_transport == "nixl":
+            s = t.stats()
+            log.info("KV transport nixl: agent %s, metadata at %s", s["agent"], s["listen"])
+        return t
 
     def _engine_ready(self, engine: EngineClient) -> None:
         # the engine may have shrunk its KV cache to fit GPU memory: the context limit and the queue follow
@@ -100,9 +112,7 @@ class AppState:
         self.prefixes.close_all()
         if self.engine is not None:
             await self.engine.shutdown()
-        if self.pool is not None:
-            with contextlib.suppress(Exception):
-                self.pool.unlink()
+        if self.pool is not None:       # the creator's close unlinks the segment (and stops a NIXL agent)
             with contextlib.suppress(Exception):
                 self.pool.close()
 

@@ -10,7 +10,9 @@ from services import cli
 def up_args(*extra):
     p = argparse.ArgumentParser()
     cli.add_stack_flags(p, model_default=None)
-    return p.parse_args(["--model", "/m", *extra])
+    args = p.parse_args(["--model", "/m", *extra])
+    cli.resolve_ports(args, probe=False)
+    return args
 
 
 def ctx_for(args):
@@ -70,3 +72,56 @@ def test_tiny_checkpoint_command(tmp_path):
     assert e.value.code == 0
     files = os.listdir(tmp_path / "cfg")
     assert "config.json" in files and not any(f.endswith(".safetensors") for f in files)
+
+
+def test_engine_ports_follow_the_gateway_port():
+    args = up_args("--device", "cpu", "--port", "9000")
+    assert (args.und_port, args.gen_port) == (9100, 9200)
+    args = up_args("--device", "cpu", "--port", "9000", "--gen-port", "9300")
+    assert (args.und_port, args.gen_port) == (9100, 9300)
+
+
+def test_taken_ports_free_ones_or_an_error_that_names_the_flag():
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        p = argparse.ArgumentParser()
+        cli.add_stack_flags(p, model_default=None)
+        args = p.parse_args(["--model", "/m", "--host", "127.0.0.1", "--port", str(taken - 100)])
+        cli.resolve_ports(args)                  # the derived understanding port is taken: a free one
+        assert args.und_port != taken and args.gen_port == taken + 100
+        for flags, flag in ((["--port", str(taken)], "--port"), (["--und-port", str(taken)], "--und-port"),
+                            (["--gen-port", str(taken)], "--gen-port")):
+            args = p.parse_args(["--model", "/m", "--host", "127.0.0.1", *flags])
+            with pytest.raises(SystemExit) as e:
+                cli.resolve_ports(args)
+            assert f"({flag}" in str(e.value) and "already in use" in str(e.value)
+
+
+def test_secrets_come_from_files_or_the_environment_and_stay_off_command_lines(tmp_path, monkeypatch):
+    monkeypatch.delenv("U1SERVE_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("U1SERVE_API_KEY", raising=False)
+    (tmp_path / "key").write_text("sk-file\n")
+    (tmp_path / "tok").write_text("tok-file\n")
+    args = up_args("--device", "cpu", "--api-key-file", str(tmp_path / "key"),
+                   "--internal-token-file", str(tmp_path / "tok"))
+    assert cli.resolve_secrets(args) == ("tok-file", None)   # the key file goes to the gateway as a path
+    ctx = {**ctx_for(args), "env": {"U1SERVE_INTERNAL_TOKEN": "tok-file"}, "api_key": None}
+    specs = [b(args, ctx) for b in cli.SERVICE_BUILDERS]
+    for spec in specs:
+        assert not any("sk-file" in a or "tok-file" in a for a in spec.argv), spec.argv
+        assert spec.env["U1SERVE_INTERNAL_TOKEN"] == "tok-file"
+    assert specs[-1].argv[specs[-1].argv.index("--api-key-file") + 1] == str(tmp_path / "key")
+    monkeypatch.setenv("U1SERVE_API_KEY", "sk-env")
+    args = up_args("--device", "cpu")
+    token, key = cli.resolve_secrets(args)
+    assert key == "sk-env" and len(token) == 32            # always an internal token: a random one
+    gateway = cli.build_gateway(args, {**ctx_for(args), "api_key": key})
+    assert gateway.env["U1SERVE_API_KEY"] == "sk-env" and "--api-key-file" not in gateway.argv
+    with pytest.raises(SystemExit):
+        cli.resolve_secrets(up_args("--device", "cpu", "--gateway-args", "--api-key sk"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit):
+        cli.resolve_secrets(up_args("--device", "cpu", "--api-key-file", str(tmp_path / "empty")))

@@ -1,21 +1,107 @@
-"""`u1serve up --dry-run` shows the placement of a multi-GPU profile without starting anything."""
+"""`u1serve up --dry-run` shows the placement of every documented profile (README, docs/deployment.md,
+deploy/*.sh) without starting anything; bad placements are refused with the reason."""
+import os
+import shlex
 import subprocess
 import sys
 
+import pytest
 
-def test_separate_four_gpu_placement_dry_run(tmp_path):
-    model = tmp_path / "u1-8b"
-    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(model), "--variant", "u1-8b"],
-                   check=True, capture_output=True)
-    assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", str(model), "--mode", "separate",
-                          "--device", "cuda", "--und-gpus", "0,1", "--gen-gpus", "2,3", "--und-tp", "2",
-                          "--gen-cfg-parallel", "2", "--dry-run"], check=True, capture_output=True, text=True).stdout
-    lines = {ln.split(":", 1)[0]: ln for ln in out.splitlines()}
-    assert "CUDA_VISIBLE_DEVICES=0,1" in lines["und"] and "--tp 2" in lines["und"]
-    assert "CUDA_VISIBLE_DEVICES=2,3" in lines["gen"] and "--cfg-parallel 2" in lines["gen"]
-    assert "U1SERVE_GPU_MEMORY_FRACTION" not in out  # separate: each engine owns its GPUs
-    bad = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", str(model), "--mode", "separate",
-                          "--device", "cuda", "--und-gpus", "0,1", "--gen-gpus", "1,2", "--dry-run"],
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "disjoint" in bad.stderr + bad.stdout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("u1-8b")
+    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
+                   check=True, capture_output=True, cwd=ROOT)
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    return str(d)
+
+
+def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model, "--device", "cuda",
+                           *flags, "--dry-run"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+
+
+# (flags of the documented command, und GPUs, gen GPUs, und TP, gen CFG ranks, memory fractions?)
+PROFILES = {
+    "1 GPU colocate": ("--mode colocate --und-gpus 0", "0", "0", 1, 1, True),
+    "2 GPUs colocate TP2 + CFG2": ("--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2",
+                                   "0,1", "0,1", 2, 2, True),
+    "2 GPUs separate 1 + 1": ("--mode separate --und-gpus 0 --gen-gpus 1 --und-tp 1 --gen-cfg-parallel 1",
+                              "0", "1", 1, 1, False),
+    "4 GPUs separate TP2 + CFG2": ("--mode separate --und-gpus 0,1 --gen-gpus 2,3 --und-tp 2 --gen-cfg-parallel 2",
+                                   "0,1", "2,3", 2, 2, False),
+}
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_documented_profile(model, name):
+    flags, und_gpus, gen_gpus, tp, cfg, fractions = PROFILES[name]
+    r = dry_run(model, *shlex.split(flags), "--port", "9000", "--api-key", "sk-secret",
+                env={"U1SERVE_INTERNAL_TOKEN": "tok-secret"})
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split(":", 1)[0]: ln for ln in r.stdout.splitlines()}
+    assert set(lines) == {"und", "gen", "gateway"}
+    assert f"CUDA_VISIBLE_DEVICES={und_gpus} " in lines["und"] and f"--tp {tp}" in lines["und"]
+    assert f"CUDA_VISIBLE_DEVICES={gen_gpus} " in lines["gen"] and f"--cfg-parallel {cfg}" in lines["gen"]
+    assert ("U1SERVE_GPU_MEMORY_FRACTION" in r.stdout) == fractions
+    # engine ports follow --port; secrets never appear (they travel in the environment)
+    assert "--port 9100" in lines["und"] and "--port 9200" in lines["gen"]
+    assert "http://127.0.0.1:9100" in lines["gateway"] and "http://127.0.0.1:9200" in lines["gateway"]
+    assert "secret" not in r.stdout
+
+
+def _plan(stdout: str) -> tuple:
+    """(und GPUs, gen GPUs, und TP, gen CFG ranks, memory fractions?) of a dry-run's output."""
+    import re
+    lines = {ln.split(":", 1)[0]: ln for ln in stdout.splitlines()}
+    def grab(pattern, line):
+        return re.search(pattern, lines[line]).group(1)
+    return (grab(r"CUDA_VISIBLE_DEVICES=(\S+)", "und"), grab(r"CUDA_VISIBLE_DEVICES=(\S+)", "gen"),
+            int(grab(r"--tp (\d+)", "und")), int(grab(r"--cfg-parallel (\d+)", "gen")),
+            "U1SERVE_GPU_MEMORY_FRACTION" in stdout)
+
+
+def test_every_documented_command_is_a_valid_profile(model):
+    """Each `u1serve up` command in README.md and docs/deployment.md dry-runs to one of PROFILES."""
+    import re
+    text = "".join(open(os.path.join(ROOT, p)).read() for p in ("README.md", "docs/deployment.md"))
+    commands = re.findall(r"^u1serve up --model \S+ ((?:[^\n]*\\\n)*[^\n]*)$", text, re.M)
+    assert len(commands) >= 3, commands
+    want = {v[1:] for v in PROFILES.values()}
+    for cmd in commands:
+        r = dry_run(model, *shlex.split(cmd.replace("\\\n", " ")))
+        assert r.returncode == 0, (cmd, r.stderr)
+        assert _plan(r.stdout) in want, (cmd, r.stdout)
+
+
+def test_every_documented_deploy_script_profile(model, tmp_path):
+    """The runbook's profile table runs deploy/start_*.sh with env settings; each is one of PROFILES."""
+    import re
+    shim = tmp_path / "bin" / "u1serve"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m services.cli \"$@\" --device cuda --dry-run\n")
+    shim.chmod(0o755)
+    table = open(os.path.join(ROOT, "docs", "deployment.md")).read()
+    rows = re.findall(r"`((?:[A-Z_]+=\S+ )*)MODEL=\.\.\. (deploy/start_\w+\.sh)`", table)
+    assert len(rows) >= 4, rows
+    want = {v[1:] for v in PROFILES.values()}
+    for assignments, script in rows:
+        env = dict(a.split("=", 1) for a in assignments.split())
+        r = subprocess.run([os.path.join(ROOT, script)], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT, "MODEL": model,
+                                "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", **env})
+        assert r.returncode == 0, (script, env, r.stderr)
+        assert _plan(r.stdout) in want, (script, env, r.stdout)
+
+
+def test_bad_placements_are_refused(model):
+    r = dry_run(model, "--mode", "separate", "--und-gpus", "0,1", "--gen-gpus", "1,2")
+    assert r.returncode != 0 and "disjoint" in r.stderr + r.stdout
+    r = dry_run(model, "--und-gpus", "0", "--und-tp", "2")
+    assert r.returncode != 0 and "--und-tp 2 needs 2 GPUs" in r.stderr + r.stdout
+    r = dry_run(model, "--gen-args", "--internal-token x")
+    assert r.returncode != 0 and "--internal-token-file" in r.stderr + r.stdout

@@ -29,13 +29,18 @@ class GenServer:
         self.argv = [sys.executable, "-m", "services.generation.server", "--model", model_dir,
                      "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                      "--dtype", "float32", "--cfg-parallel", str(cfg_parallel),
-                     "--kv-pool-name", pool_name, "--internal-token", TOKEN,
-                     "--max-batch-tokens", "4096", "--log-level", "warning", *extra]
+                     "--kv-pool-name", pool_name, "--max-batch-tokens", "4096", "--log-level", "warning",
+                     *extra]
         self.proc: subprocess.Popen | None = None
 
+    @staticmethod
+    def env() -> dict:
+        """The environment the services run with (the internal token travels here, not in argv)."""
+        return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    U1SERVE_INTERNAL_TOKEN=TOKEN)
+
     def start(self, timeout: float = 120.0) -> "GenServer":
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True)
         self.wait_healthy(timeout)
         return self
 
@@ -58,7 +63,7 @@ class GenServer:
         return r.status_code, r.json()
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+        text = httpx.get(self.url + "/metrics", headers=HEADERS, timeout=5).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -176,6 +181,7 @@ class UndServer:
                      "--internal-token", TOKEN, "--log-level", "warning"]
         self.proc = None
 
+    env = staticmethod(GenServer.env)
     start = GenServer.start
     wait_healthy = GenServer.wait_healthy
     stop = GenServer.stop

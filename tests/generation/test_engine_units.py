@@ -10,29 +10,52 @@ from .genhelp import publish
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
-from services.generation.request import ApiError, parse_generate
+from services.generation.request import ApiError, check_handles, parse_job
 from services.generation.worker import Scheduler
 from services.model import reference as R
 from services.model import sampler as S
 
-H = {"cond": {"model_fingerprint": "f"}, "uncond": {"model_fingerprint": "f"}}
+
+def _handles(fingerprint: str = "f") -> dict:
+    from shm_transfer import LAYOUT_VERSION, KVHandle
+    layout = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "page_tokens": 16}
+    return {b: KVHandle(handle_id=i + 1, pool_name="p", pool_generation="g", page_ids=(i,), num_tokens=9,
+                        t_offset=9, model_fingerprint=fingerprint, layout_version=LAYOUT_VERSION, layout=layout, branch=b,
+                        lease_deadline=0.0).to_dict() for i, b in enumerate(("cond", "uncond"))}
+
+
+H = _handles()
+
+
+def spec(rid, side, handles=H):
+    return parse_job({"request_id": rid, "handles": handles, "width": side, "height": side, "seed": 1})
 
 
 def test_parse_defaults_and_errors():
-    job = parse_generate({"request_id": "r", "handles": H, "width": 64, "height": 96})
+    """The body is the contract's GenerateRequest (+ the server's cache defaults); the engine adds handle parsing
+    and the fingerprint."""
+    job = parse_job({"request_id": "r", "handles": H, "width": 64, "height": 96, "seed": 3})
     assert (job.n, job.num_inference_steps, job.guidance_scale, job.cfg_norm, job.output_format) == (1, 50, 4.0, "none", "png")
-    assert job.num_tokens == 6 and job.branches == ["cond", "uncond"] and 0 <= job.seed < 2**31
+    assert job.num_tokens == 6 and list(job.handles) == ["cond", "uncond"]
     for bad, param in [({"width": 33}, "width"), ({"n": 0}, "n"), ({"num_inference_steps": 1.5},
                        "num_inference_steps"), ({"cfg_interval": [0.9, 0.1]}, "cfg_interval"),
-                       ({"seed": -1}, "seed"), ({"output_format": "gif"}, "output_format"),
+                       ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"output_format": "gif"}, "output_format"),
                        ({"mode": "edit", "cfg_norm": "cfg_zero_star"}, "cfg_norm"),
-                       ({"handles": {"uncond": {}}}, "handles"), ({"guidance_scale": "x"}, "guidance_scale")]:
+                       ({"guidance_scale": "x"}, "guidance_scale"), ({"bogus": 1}, "bogus")]:
         with pytest.raises(ApiError) as e:
-            parse_generate({"request_id": "r", "handles": H, **bad})
-        assert e.value.status == 400 and e.value.param == param
+            parse_job({"request_id": "r", "handles": H, "seed": 1, "width": 64, "height": 64, **bad})
+        assert e.value.status == 400 and e.value.param == param, (bad, e.value.body())
+    with pytest.raises(ApiError) as e:   # guidance 4 needs uncond too
+        parse_job({"request_id": "r", "handles": {"cond": H["cond"]}, "seed": 1, "width": 64, "height": 64})
+    assert e.value.status == 400 and "need handles" in e.value.message
+    check_handles(job, "f")
     with pytest.raises(ApiError) as e:
-        parse_generate({"request_id": "r", "handles": H}, fingerprint="g")
-    assert e.value.code == "kv_fingerprint_mismatch"
+        check_handles(job, "g")
+    assert e.value.code == "kv_fingerprint_mismatch" and e.value.param == "handles.cond"
+    with pytest.raises(ApiError) as e:
+        check_handles(parse_job({"request_id": "r", "handles": {**H, "cond": {"page_ids": [1]}}, "seed": 1,
+                                 "width": 64, "height": 64}), None)
+    assert e.value.code == "kv_malformed_handle"
 
 
 def test_branch_placement():
@@ -44,8 +67,6 @@ def test_branch_placement():
 
 
 def test_scheduler_fifo_within_token_budget():
-    def spec(rid, side):
-        return parse_generate({"request_id": rid, "handles": H, "width": side, "height": side})
     s = Scheduler(max_batch_tokens=200, max_running_jobs=3, world=1)
     s.pending.extend([spec("a", 256), spec("big", 512), spec("c", 64)])  # 64*2, 256*2, 4*2 tokens
     assert [j.request_id for j in s.pick(0, 0)] == ["a"]          # big does not fit; c waits (FIFO)
@@ -71,9 +92,9 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
     want = R.denoise(ref_model, pre, 128, 160, params, seed=5, n=2)
     pool = make_pool(gen, dtype="bfloat16")
     try:
-        job = parse_generate({"request_id": "bf", "handles": publish(pool, pre), "width": 128,
-                              "height": 160, "n": 2, "num_inference_steps": 3, "seed": 5,
-                              "cfg_norm": "global"})
+        job = parse_job({"request_id": "bf", "handles": publish(pool, pre), "width": 128,
+                         "height": 160, "n": 2, "num_inference_steps": 3, "seed": 5,
+                         "cfg_norm": "global"})
         engine = Engine(gen, PrefixSource(pool.name, gen.fingerprint, torch.device("cpu")))
         state, stats = engine.admit(job)
         assert pool.stats()["pages_used"] == 0 and [s["stat"] for s in stats] == ["kv_import"] * 2

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.generation.engine import Engine
-from services.generation.request import ApiError, parse_generate
+from services.generation.request import ApiError, parse_job
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import CacheOptions
@@ -58,9 +58,9 @@ def test_threshold_zero_is_exact_through_http(gen_server, pool, ref_model):
 def _engine(ref_model, cache: dict | None, steps=5, guidance=4.0, rid="job"):
     model = ref_model[0]
     pre = prefixes(ref_model, guidance_scale=guidance)
-    spec = parse_generate({"request_id": rid, "handles": {b: {} for b in pre}, "width": 128,
-                           "height": 128, "num_inference_steps": steps, "guidance_scale": guidance,
-                           "seed": 3, **({"cache": cache} if cache else {})})
+    spec = parse_job({"request_id": rid, "handles": {b: {} for b in pre}, "width": 128,
+                      "height": 128, "num_inference_steps": steps, "guidance_scale": guidance,
+                      "seed": 3, **({"cache": cache} if cache else {})})
     engine = Engine(model, prefix_source=None)
     job = engine.admit_local(spec, {b: p.kv for b, p in pre.items()},
                              {b: p.t_offset for b, p in pre.items()})
@@ -136,29 +136,28 @@ def test_cfg_truncation_reuses_the_interval_rule(ref_model):
 
 
 def test_cache_options_validation():
-    h = {"cond": {}}
-    ok = parse_generate({"request_id": "r", "handles": h, "cache": {"mode": "first_block",
-                                                                     "threshold": 0.1}})
-    assert ok.cache["mode"] == "first_block" and ok.cache["warmup_steps"] == 1
+    base = {"request_id": "r", "handles": {"cond": {}}, "guidance_scale": 1.0, "width": 64, "height": 64, "seed": 1}
+    ok = parse_job({**base, "cache": {"mode": "first_block", "threshold": 0.1}})
+    assert ok.cache.mode == "first_block" and ok.cache.warmup_steps == 1
     defaults = CacheOptions(mode="first_block", threshold=0.2)
-    assert parse_generate({"request_id": "r", "handles": h}, cache_defaults=defaults).cache["threshold"] == 0.2
-    assert parse_generate({"request_id": "r", "handles": h, "cache": {"mode": "off"}},
-                          cache_defaults=defaults).cache == {**defaults.model_dump(), "mode": "off"}
+    assert parse_job(base, cache_defaults=defaults).cache.threshold == 0.2
+    assert parse_job({**base, "cache": {"mode": "off"}},
+                     cache_defaults=defaults).cache.model_dump() == {**defaults.model_dump(), "mode": "off"}
     for bad in [{"mode": "teacache"}, {"threshold": -1}, {"threshold": "x"}, {"warmup_steps": 1.5},
                 {"bogus": 1}, "fast", {"cfg_truncation": 2}]:
         with pytest.raises(ApiError) as e:
-            parse_generate({"request_id": "r", "handles": h, "cache": bad})
-        assert e.value.status == 400 and e.value.param == "cache"
+            parse_job({**base, "cache": bad})
+        assert e.value.status == 400 and e.value.param.startswith("cache")
     with pytest.raises(ApiError, match="editing ignores"):
-        parse_generate({"request_id": "r", "mode": "edit", "handles": {"cond": {}, "img_cond": {}},
-                        "cache": {"cfg_truncation": 0.5}})
+        parse_job({**base, "mode": "edit", "guidance_scale": 4.0, "handles": {"cond": {}, "img_cond": {}},
+                   "cache": {"cfg_truncation": 0.5}})
 
 
 def test_bad_cache_is_a_400_over_http(gen_server, pool, ref_model):
     pre = prefixes(ref_model, guidance_scale=4.0)
     handles = publish(pool, pre)
     status, err = generate(gen_server.url, {**body("bad-cache", handles), "cache": {"threshold": -0.5}})
-    assert status == 400 and err["error"]["param"] == "cache"
+    assert status == 400 and err["error"]["param"].startswith("cache")
     from shm_transfer import KVHandle
     for h in handles.values():   # a rejected job never owned its pages
         pool.release(KVHandle.from_dict(h))

@@ -2,7 +2,6 @@
 runner's warm-up touches only its scratch slot."""
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -19,8 +18,7 @@ def test_health_waits_for_the_warmup(tiny_dir, pool):
     server = GenServer(tiny_dir, pool.name, "--default-size", "64x64", "--warmup-sizes",
                        "512x512,64x64", "--warmup-steps", "3")
     # started by hand: /health is watched from the first moment
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=env, start_new_session=True)
+    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=server.env(), start_new_session=True)
     seen = []
     try:
         deadline = time.monotonic() + 120
@@ -58,7 +56,7 @@ def test_warmup_runs_a_cfg_and_a_guidance_1_job_per_size(tiny_checkpoint):
     from services.generation.warmup import run_warmup, warmup_jobs
     from services.model.loader import load_model
     jobs = warmup_jobs([(64, 64), (96, 64)], 2)
-    assert [(j.width, j.height, len(j.branches), j.guidance_scale) for j in jobs] == [
+    assert [(j.width, j.height, len(j.handles), j.guidance_scale) for j in jobs] == [
         (64, 64, 2, 4.0), (64, 64, 1, 1.0), (96, 64, 2, 4.0), (96, 64, 1, 1.0)]
     assert len({j.request_id for j in jobs}) == 4 and warmup_jobs([(64, 64)], 0) == []
     engine = Engine(load_model(tiny_checkpoint("u1"), "gen", quantization="fp8"), None)

@@ -28,14 +28,17 @@ LAY = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_t
 
 @pytest.fixture(scope="module", autouse=True)
 def tcp_only():
-    """Force UCX onto TCP, as between two hosts without RDMA (the peers inherit it at spawn)."""
-    old = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = "tcp"
+    """Force UCX onto TCP and the consumer off the shared pool, as between two hosts without RDMA (the peers
+    inherit both at spawn)."""
+    forced = {"UCX_TLS": "tcp", "U1SERVE_KV_SAME_HOST_SHM": "0"}
+    old = {k: os.environ.get(k) for k in forced}
+    os.environ.update(forced)
     yield
-    if old is None:
-        os.environ.pop("UCX_TLS")
-    else:
-        os.environ["UCX_TLS"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +172,27 @@ def test_a_restarted_producer_does_not_answer_old_handles(consumer):
         kv = torch.randn(LAY.kv_shape(3))
         second.write_kv(h, kv)
         assert torch.equal(consumer.call("net_import", wire(h))[:, :, :3], kv)
+
+
+def test_same_host_consumer_moves_the_bytes_through_shared_memory(producer):
+    """A consumer that sees the producer's /dev/shm maps the pool and imports like LocalShmTransport: the pool's
+    shared import counter moves (a network read never touches it), claims are lock-based, release is at once."""
+    peer = Peer()
+    try:
+        peer.call("net_connect", expected_fingerprint=FP, same_host_shm=True)
+        kv = torch.randn(LAY.kv_shape(7))
+        h = producer.allocate(7, lease_s=30)
+        producer.write_kv(h, kv)
+        peer.call("net", "claim", wire(h))
+        assert producer.stats()["pages_claimed"] == 2
+        got = peer.call("net_import", wire(h))
+        assert torch.equal(got[:, :, :7], kv)
+        assert producer.stats()["pages_used"] == 0          # released synchronously, not by a notification
+        assert producer.stats()["bytes_imported_total"] == 7 * LAY.bytes_per_token
+        h2 = producer.allocate(3, lease_s=30)
+        peer.call("net", "claim", wire(h2))
+        peer.kill()                                         # a killed same-host claimer: the lock tells
+        assert producer.allocate(1, lease_s=30) is not None
+        assert wait_until(lambda: producer.stats()["pages_used"] == 1)
+    finally:
+        peer.stop()

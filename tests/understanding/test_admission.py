@@ -44,14 +44,15 @@ def _prefix(rid, **kw):
 
 
 class _LongStream(threading.Thread):
-    """A streaming chat that runs until closed; it holds the only running slot."""
+    """A streaming chat that runs until closed (or ~8000 tokens, minutes on CPU); it holds the only running
+    slot."""
 
     def __init__(self, url):
         super().__init__(daemon=True)
         self.url, self.started, self.stop = url, threading.Event(), threading.Event()
 
     def run(self):
-        body = _chat(3000, ignore_eos=True, stream=True)
+        body = _chat(8000, ignore_eos=True, stream=True)
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=120) as r:
             for line in r.iter_lines():
                 if '"content"' in line:
@@ -106,6 +107,7 @@ def test_full_queue_is_429_and_a_long_wait_times_out(small):
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout", r.text
             assert int(r.headers["retry-after"]) >= 1 and box["t"] - t0 >= QUEUE_WAIT_S - 0.5
         # an image prefix queued behind the hog times out too, and gives its pages back
+        assert hog.is_alive(), "the hog must still hold the running slot"
         r = _post(small, "/internal/image_prefix", _prefix("queued-prefix"))
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout", r.text
         assert small.health()["shm_pages_used"] == 0

@@ -26,6 +26,7 @@ from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, resolve_size
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
+from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
@@ -116,7 +117,7 @@ async def _open(state: GatewayState, body: dict, hdrs: dict, deadline: Deadline,
 
 async def proxy(request: Request, state: GatewayState, body: dict):
     """A non-streamed chat: the answer comes in one piece, so only the request deadline bounds the wait."""
-    rid, deadline, target = request_id(request), state.deadline(), Target()
+    rid, deadline, target = request_id(request), state.deadline(), Target(key=conversation_key(body))
     hdrs = engine_headers(state.config.internal_token, rid)
 
     async def call() -> bytes:
@@ -152,7 +153,7 @@ def _first_event_error(line: str) -> Optional[APIError]:
 async def proxy_stream(request: Request, state: GatewayState, body: dict):
     """A streamed chat, relayed line by line. No line within the idle limit (or the deadline passing) ends it
     with an error event and [DONE] and aborts the engine's work, as a client that goes away does."""
-    rid, deadline, target = request_id(request), state.deadline(), Target()
+    rid, deadline, target = request_id(request), state.deadline(), Target(key=conversation_key(body))
     hdrs = engine_headers(state.config.internal_token, rid)
     resp: Optional[httpx.Response] = None
     try:

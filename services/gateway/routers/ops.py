@@ -42,11 +42,13 @@ async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:
 
 @router.get("/health", response_model=HealthReport, responses={503: {"model": HealthReport}})
 async def health(state: GatewayState = Depends(gateway)):
-    """Every engine endpoint's /health; 503 when one is down."""
+    """Every engine replica's /health; 503 when a service has no healthy replica ("degraded" while only some
+    replicas are down: the others serve)."""
     und, gen = await asyncio.gather(_probe(state, state.und), _probe(state, state.gen))
-    healthy = all(p["status"] == "ok" for p in und + gen)
-    return JSONResponse({"status": "ok" if healthy else "unavailable", "understanding": und, "generation": gen},
-                        status_code=200 if healthy else 503)
+    serving = all(any(p["status"] == "ok" for p in probes) for probes in (und, gen))
+    status = "unavailable" if not serving else ("ok" if all(p["status"] == "ok" for p in und + gen) else "degraded")
+    return JSONResponse({"status": status, "understanding": und, "generation": gen},
+                        status_code=200 if serving else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})

@@ -31,7 +31,8 @@ async def health(request: Request):
     if st.pool is not None:
         pool = st.pool.stats()
         body.update(shm_pages_used=pool["pages_used"], shm_pages_total=pool["pages_total"],
-                    shm_handles_live=pool["handles_live"], shm_pool_generation=pool["generation"])
+                    shm_handles_live=pool["handles_live"], shm_pool_generation=pool["generation"],
+                    kv={"transport": st.args.kv_transport, "pool": pool["pool_name"]})
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Sustained mixed load through the gateway: N concurrent clients for T seconds, each sending chat, streamed
+chat, images, streamed images, edits, cancelled streams and bad inputs (weighted, seeded), back to back.
+
+    python bench/bench_load.py --base http://127.0.0.1:8000 --clients 32 --duration 300 \
+        --size 1024x1024 --steps 8 [--api-key KEY] [--json out.json] [--markdown out.md]
+    python bench/bench_load.py --smoke        # CPU: a tiny `u1serve up` stack, 8 clients for 8 s
+
+Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind, the 429 rate and every 5xx by code.
+Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
+Retry-After (at most 2 s) before its next request.
+
+Importable (the CI load test builds on it):
+    outcomes = run_load(base_url, clients=32, duration_s=60)      # list[Outcome]
+    summary = summarize(outcomes, duration_s=60)
+    outcomes = run_burst(base_url, n=32)                          # one request per client, all at once
+
+Needs httpx and the repository's services/kit/sse.py (input images are written with zlib).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import struct
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from services.kit import sse  # noqa: E402  (the one SSE decoder; imports nothing heavy)
+
+KINDS = ("chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad")
+DEFAULT_MIX = {"chat": 3, "chat_stream": 2, "image": 2, "image_stream": 2, "edit": 1, "cancel": 1, "bad": 1}
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int                  # HTTP status, the status of an error event in a stream, 499 for a cancel we
+    latency_s: float             # made, 0 when the connection failed
+    error_code: Optional[str] = None
+    images: int = 0
+    tokens: int = 0
+    started_s: float = 0.0       # since the run began
+    retry_after_s: float = 0.0   # a 429's Retry-After
+
+
+@dataclass
+class LoadConfig:
+    size: str = "64x64"
+    steps: int = 2
+    max_tokens: int = 16
+    api_key: Optional[str] = None
+    mix: dict = field(default_factory=lambda: dict(DEFAULT_MIX))
+    timeout_s: float = 600.0
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------------------- inputs
+def png(width: int, height: int, rgb: tuple[int, int, int] = (200, 80, 40)) -> bytes:
+    """A solid-colour RGB PNG."""
+    row = b"\x00" + bytes(rgb) * width
+    return _png(width, height, zlib.compress(row * height))
+
+
+def bomb_png(side: int = 30000) -> bytes:
+    """A decompression bomb: a tiny file declaring side x side pixels (900 M at the default)."""
+    c = zlib.compressobj()
+    row = b"\x00" + b"\x00" * 3 * side
+    data = b"".join(c.compress(row) for _ in range(64)) + c.flush()
+    return _png(side, side, data)
+
+
+def _png(width: int, height: int, idat: bytes) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def hostile_requests() -> list[tuple[str, str, bytes, dict]]:
+    """(name, path, raw body, extra headers) of inputs that must get a 4xx (never a 5xx)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return [
+        ("seed 2**64", "/v1/images/generations", json.dumps({"prompt": "x", "seed": 2**64}).encode(), {}),
+        ("NaN", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', {}),
+        ("Infinity", "/v1/images/generations", b'{"prompt": "x", "guidance_scale": Infinity}', {}),
+        ("nested JSON", "/v1/chat/completions", b'{"a":' * 64 + b"1" + b"}" * 64, {}),
+        ("bad size", "/v1/images/generations", json.dumps({"prompt": "x", "size": "100x100"}).encode(), {}),
+        ("decompression bomb", "/v1/images/edits",
+         json.dumps({"prompt": "x", "image": [data_url(bomb_png())]}).encode(), {}),
+        ("empty messages", "/v1/chat/completions", json.dumps({**chat, "messages": []}).encode(), {}),
+    ]
+
+
+# ----------------------------------------------------------------------------------------- one request
+class Client:
+    def __init__(self, http: httpx.AsyncClient, cfg: LoadConfig, t0: float):
+        self.http, self.cfg, self.t0 = http, cfg, t0
+        self.edit_image = data_url(png(64, 64))
+        self.hostile = hostile_requests()
+
+    async def run(self, kind: str, rng: random.Random) -> Outcome:
+        start = time.monotonic()
+        try:
+            out = await getattr(self, "_" + kind)(rng)
+        except httpx.HTTPError as exc:
+            out = Outcome(kind, 0, 0.0, type(exc).__name__)
+        out.kind = kind
+        out.latency_s = time.monotonic() - start      # a cancel: until it left, at the first progress event
+        out.started_s = start - self.t0
+        return out
+
+    def _image_body(self, rng, **kw) -> dict:
+        return {"prompt": f"a lighthouse at dusk, variant {rng.randrange(10**6)}", "size": self.cfg.size,
+                "num_inference_steps": self.cfg.steps, "seed": rng.randrange(2**31), **kw}
+
+    async def _chat(self, rng) -> Outcome:
+        r = await self.http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": f"Describe a fox, take {rng.randrange(10**6)}."}],
+            "max_tokens": self.cfg.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31)})
+        if r.status_code != 200:
+            return _failed("chat", r)
+        return Outcome("chat", 200, 0.0, tokens=int(r.json().get("usage", {}).get("completion_tokens", 0)))
+
+    async def _chat_stream(self, rng) -> Outcome:
+        body = {"messages": [{"role": "user", "content": f"Count to ten, take {rng.randrange(10**6)}."}],
+                "max_tokens": self.cfg.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        tokens = chunks = 0
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _failed("chat_stream", r)
+            async for ev in _events(r):
+                if ev.get("error"):
+                    return _stream_error("chat_stream", ev)
+                if ev.get("usage"):
+                    tokens = int(ev["usage"].get("completion_tokens", 0))
+                elif ev.get("choices"):
+                    chunks += 1
+        return Outcome("chat_stream", 200, 0.0, tokens=tokens or chunks)
+
+    async def _image(self, rng) -> Outcome:
+        r = await self.http.post("/v1/images/generations", json=self._image_body(rng))
+        if r.status_code != 200:
+            return _failed("image", r)
+        return Outcome("image", 200, 0.0, images=len(r.json().get("data", [])))
+
+    async def _image_stream(self, rng, cancel: bool = False) -> Outcome:
+        kind = "cancel" if cancel else "image_stream"
+        images = 0
+        async with self.http.stream("POST", "/v1/images/generations", json=self._image_body(rng, stream=True)) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _failed(kind, r)
+            async for ev in _events(r):
+                t = ev.get("type", "")
+                if t == "error" or ev.get("error"):
+                    return _stream_error(kind, ev)
+                if cancel and (t.endswith(".progress") or t.endswith(".queued")):
+                    return Outcome(kind, 499, 0.0, "cancelled_by_client")   # leave mid-job: the stack cancels
+                if t.endswith(".completed"):
+                    images += 1
+        return Outcome(kind, 200, 0.0, images=images)
+
+    async def _cancel(self, rng) -> Outcome:
+        return await self._image_stream(rng, cancel=True)
+
+    async def _edit(self, rng) -> Outcome:
+        r = await self.http.post("/v1/images/edits", json={
+            "prompt": "make it blue", "image": [self.edit_image], "size": self.cfg.size,
+            "num_inference_steps": self.cfg.steps, "seed": rng.randrange(2**31)})
+        if r.status_code != 200:
+            return _failed("edit", r)
+        return Outcome("edit", 200, 0.0, images=len(r.json().get("data", [])))
+
+    async def _bad(self, rng) -> Outcome:
+        name, path, raw, headers = rng.choice(self.hostile)
+        r = await self.http.post(path, content=raw, headers={"content-type": "application/json", **headers})
+        out = _failed("bad", r) if r.status_code != 200 else Outcome("bad", 200, 0.0, "accepted")
+        out.error_code = f"{name}: {out.error_code}"
+        return out
+
+
+def _failed(kind: str, r: httpx.Response) -> Outcome:
+    try:
+        code = r.json().get("error", {}).get("code")
+    except ValueError:
+        code = None
+    out = Outcome(kind, r.status_code, 0.0, code or f"http_{r.status_code}")
+    ra = r.headers.get("retry-after", "")
+    if r.status_code == 429 and ra.isdigit():
+        out.retry_after_s = float(ra)
+    return out
+
+
+def _stream_error(kind: str, ev: dict) -> Outcome:
+    err = ev.get("error") if isinstance(ev.get("error"), dict) else {}
+    return Outcome(kind, int(ev.get("status") or err.get("status") or 500), 0.0, err.get("code") or "stream_error")
+
+
+def _events(r: httpx.Response):
+    return sse.aevents(r.aiter_lines())
+
+
+# ----------------------------------------------------------------------------------------- drivers
+def _http(base_url: str, cfg: LoadConfig, clients: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return httpx.AsyncClient(base_url=base_url, headers=headers,
+                             timeout=httpx.Timeout(cfg.timeout_s, connect=30.0),
+                             limits=httpx.Limits(max_connections=clients * 2 + 4))
+
+
+async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: LoadConfig) -> list[Outcome]:
+    kinds = [k for k in KINDS if cfg.mix.get(k, 0) > 0]
+    weights = [cfg.mix[k] for k in kinds]
+    t0 = time.monotonic()
+    deadline = t0 + duration_s
+    outcomes: list[Outcome] = []
+    async with _http(base_url, cfg, clients) as http:
+        client = Client(http, cfg, t0)
+
+        async def one_client(i: int) -> None:
+            rng = random.Random(cfg.seed * 1000 + i)
+            kind = kinds[i % len(kinds)]           # first requests cover every kind, then the weighted mix
+            while time.monotonic() < deadline:
+                out = await client.run(kind, rng)
+                kind = rng.choices(kinds, weights)[0]
+                outcomes.append(out)
+                if out.status == 429:
+                    await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
+
+        await asyncio.gather(*(one_client(i) for i in range(clients)))
+    return outcomes
+
+
+async def run_burst_async(base_url: str, n: int, cfg: LoadConfig) -> list[Outcome]:
+    kinds = [k for k in KINDS if cfg.mix.get(k, 0) > 0]
+    rng = random.Random(cfg.seed)
+    plan = [kinds[i % len(kinds)] for i in range(n)]          # every kind, then round-robin
+    t0 = time.monotonic()
+    async with _http(base_url, cfg, n) as http:
+        client = Client(http, cfg, t0)
+        outs = await asyncio.gather(*(client.run(k, random.Random(rng.random())) for k in plan))
+    return list(outs)
+
+
+def run_load(base_url: str, clients: int = 32, duration_s: float = 60.0, cfg: Optional[LoadConfig] = None,
+             **kw) -> list[Outcome]:
+    """N clients, back to back, for `duration_s` (requests in flight at the deadline finish)."""
+    return asyncio.run(run_load_async(base_url, clients, duration_s, cfg or LoadConfig(**kw)))
+
+
+def run_burst(base_url: str, n: int = 32, cfg: Optional[LoadConfig] = None, **kw) -> list[Outcome]:
+    """n requests at once, one of each kind in turn."""
+    return asyncio.run(run_burst_async(base_url, n, cfg or LoadConfig(**kw)))
+
+
+# ----------------------------------------------------------------------------------------- report
+def _pct(xs: list[float], p: float) -> Optional[float]:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+
+def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
+    by_kind = {}
+    for kind in KINDS:
+        rows = [o for o in outcomes if o.kind == kind]
+        if not rows:
+            continue
+        ok = [o for o in rows if o.status == 200]
+        statuses: dict[str, int] = {}
+        for o in rows:
+            statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
+        by_kind[kind] = {"n": len(rows), "ok": len(ok), "statuses": statuses,
+                         "p50_s": _pct([o.latency_s for o in ok], 0.5), "p99_s": _pct([o.latency_s for o in ok], 0.99)}
+    five = [o for o in outcomes if o.status >= 500]
+    codes: dict[str, int] = {}
+    for o in five:
+        codes[f"{o.status} {o.error_code}"] = codes.get(f"{o.status} {o.error_code}", 0) + 1
+    images = sum(o.images for o in outcomes if o.status == 200)
+    tokens = sum(o.tokens for o in outcomes if o.status == 200 and o.kind.startswith("chat"))
+    return {"duration_s": duration_s, "requests": len(outcomes), "images": images,
+            "images_per_min": 60.0 * images / duration_s if duration_s else None,
+            "tokens_per_s": tokens / duration_s if duration_s else None,
+            "rate_429": sum(o.status == 429 for o in outcomes) / max(1, len(outcomes)),
+            "count_5xx": len(five), "codes_5xx": codes,
+            "transport_errors": sum(o.status == 0 for o in outcomes), "by_kind": by_kind}
+
+
+def markdown(summary: dict, title: str = "load") -> str:
+    lines = [f"### {title}", "",
+             f"{summary['requests']} requests in {summary['duration_s']:.0f} s: "
+             f"{summary['images_per_min']:.1f} images/min, {summary['tokens_per_s']:.1f} chat tokens/s, "
+             f"429 rate {100 * summary['rate_429']:.1f}%, 5xx {summary['count_5xx']}"
+             + (f" {summary['codes_5xx']}" if summary["codes_5xx"] else "")
+             + f", connection errors {summary['transport_errors']}", "",
+             "| kind | requests | ok | p50 s | p99 s | statuses |", "|---|---:|---:|---:|---:|---|"]
+    for kind, k in summary["by_kind"].items():
+        fmt = (lambda v: f"{v:.2f}" if v is not None else "-")
+        lines.append(f"| {kind} | {k['n']} | {k['ok']} | {fmt(k['p50_s'])} | {fmt(k['p99_s'])} | "
+                     f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- smoke mode
+def smoke(args) -> int:
+    """A tiny CPU stack (`u1serve up --model tiny`), a short run, and the invariants CI checks."""
+    import shutil
+
+    from deploy.gpu_smoke import Stack
+    stack = Stack(profile="cpu", out_dir=args.out_dir)
+    try:
+        with stack:
+            cfg = LoadConfig(size="64x64", steps=2, max_tokens=8, api_key=stack.api_key, seed=args.seed)
+            outcomes = run_load(stack.base, args.clients, args.duration, cfg)
+            summary = summarize(outcomes, args.duration)
+            problems = stack.settle_problems()
+        problems += [] if stack.exit_code == 0 else [f"u1serve up exited {stack.exit_code}"]
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(stack.dir, ignore_errors=True)
+    print(markdown(summary, "bench_load --smoke (CPU, tiny checkpoint)"))
+    _write(args, summary, outcomes)
+    missing = [k for k in KINDS if not summary["by_kind"].get(k, {}).get("n")]
+    bad_ok = summary["by_kind"].get("bad", {}).get("ok", 0)
+    problems += [f"no {k} request ran" for k in missing]
+    problems += [f"{summary['count_5xx']} 5xx: {summary['codes_5xx']}"] if summary["count_5xx"] else []
+    problems += [f"{bad_ok} hostile inputs were accepted"] if bad_ok else []
+    for p in problems:
+        print(f"FAIL {p}")
+    return 1 if problems else 0
+
+
+def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(markdown(summary, args.title) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=os.environ.get("U1SERVE_API_KEY"))
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds")
+    p.add_argument("--size", default="1024x1024")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--mix", default=None, help="weights, e.g. chat=3,image=1,bad=0 (default: every kind)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="summary + every outcome")
+    p.add_argument("--markdown", default=None, help="append the result table here")
+    p.add_argument("--title", default="load")
+    p.add_argument("--smoke", action="store_true", help="CPU: start a tiny stack, 8 clients for 8 s, check")
+    p.add_argument("--out-dir", default=None, help="--smoke: where the stack's run dir goes")
+    args = p.parse_args(argv)
+    if args.smoke:
+        if args.clients == 32:
+            args.clients = 8
+        if args.duration == 120.0:
+            args.duration = 8.0
+        return smoke(args)
+    mix = dict(DEFAULT_MIX)
+    if args.mix:
+        mix = {k: 0 for k in KINDS}
+        for item in args.mix.split(","):
+            k, _, v = item.partition("=")
+            if k not in KINDS:
+                raise SystemExit(f"--mix: unknown kind {k!r} (kinds: {', '.join(KINDS)})")
+            mix[k] = float(v)
+    cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
+                     seed=args.seed)
+    outcomes = run_load(args.base, args.clients, args.duration, cfg)
+    summary = summarize(outcomes, args.duration)
+    print(markdown(summary, args.title))
+    _write(args, summary, outcomes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

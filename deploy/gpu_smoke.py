@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""Smoke test of one deployment profile through the public API (deploy/gpu_smoke.sh runs every profile).
+
+    python3 deploy/gpu_smoke.py run --profile colocate-1 --out OUT/colocate-1.json
+    python3 deploy/gpu_smoke.py report OUT          # markdown table of OUT/*.json, OUT/summary.json
+    python3 deploy/gpu_smoke.py profiles --gpus 2   # the profiles a machine with 2 GPUs can hold
+
+A run starts `u1serve up` (GPU profiles: the random-weight 8B geometry, `u1serve tiny-checkpoint DIR --variant
+u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with an API key from a file, then checks: chat,
+a chat stream, an image stream, a 1024² image (256² on CPU), an edit, hostile inputs (temperature 1e-40,
+repetition_penalty 1e-300, seed 2**64, NaN, Infinity, nesting deeper than 32, a decompression-bomb image,
+non-ASCII and wrong keys: a 4xx, never a 5xx), a burst of 32 mixed requests with cancels (bench_load), then
+/health, empty KV pools (understanding's shm_pages_used, generation's queue) and clean logs (no Traceback, no
+500), and stops the stack (exit code 0, nothing left running).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+from bench_load import LoadConfig, bomb_png, data_url, png, run_burst, summarize  # noqa: E402
+
+from services.kit import sse  # noqa: E402
+
+PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
+    "cpu": (0, ["--device", "cpu"]),
+    "colocate-1": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0"]),
+    "colocate-tp2-cfg2": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
+                              "--gen-cfg-parallel", "2"]),
+    "separate-1-1": (2, ["--device", "cuda", "--mode", "separate", "--und-gpus", "0", "--gen-gpus", "1"]),
+}
+STEPS = 4
+_BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
+
+
+def profiles_for(gpus: int) -> list[str]:
+    return [name for name, (need, _) in PROFILES.items() if 1 <= need <= gpus]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """`u1serve up` of one profile as a real process tree; a context manager that stops it cleanly."""
+
+    def __init__(self, profile: str, out_dir: Optional[str] = None, startup_timeout_s: float = 600.0):
+        self.profile = profile
+        self.gpus, self.flags = PROFILES[profile]
+        self.dir = out_dir or tempfile.mkdtemp(prefix=f"u1smoke-{profile}-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.run_dir = os.path.join(self.dir, f"run-{profile}")
+        self.api_key = "sk-smoke-" + os.urandom(6).hex()
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None
+        self.exit_code: Optional[int] = None
+        self.urls: dict[str, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "Stack":
+        model = os.path.join(self.dir, "model")
+        variant = ["u1"] if self.gpus == 0 else ["u1-8b"]
+        if not os.path.exists(os.path.join(model, "config.json")):
+            subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", model, "--variant", *variant],
+                           cwd=ROOT, check=True, capture_output=True, env=self._env())
+        key_file = os.path.join(self.dir, "api-key")
+        with open(key_file, "w") as f:
+            f.write(self.api_key + "\n")
+        os.chmod(key_file, 0o600)
+        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, *self.flags, "--host", "127.0.0.1",
+                "--port", str(self.port), "--api-key-file", key_file, "--run-dir", self.run_dir,
+                "--kv-pool-gb", "0.25" if self.gpus == 0 else "8", "--grace", "10",
+                "--default-size", "64x64" if self.gpus == 0 else "1024x1024"]
+        from services.kit.proc import preexec_die_with_parent
+        self.log = open(os.path.join(self.dir, f"launcher-{self.profile}.out"), "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=self._env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec_die_with_parent)
+        while time.monotonic() - t0 < self.startup_timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"u1serve up exited with {self.proc.returncode}:\n{self.launcher_output()}")
+            if _status(self.base + "/health") == 200:
+                self.startup_s = time.monotonic() - t0
+                with open(os.path.join(self.run_dir, "stack.json")) as f:
+                    services = json.load(f)["services"]
+                self.urls = {k: v["health_url"].rsplit("/health", 1)[0] for k, v in services.items()}
+                return self
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the stack was not healthy after {self.startup_timeout_s:.0f} s:\n{self.launcher_output()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.exit_code = self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.exit_code = self.proc.wait()
+        elif self.proc is not None:
+            self.exit_code = self.proc.returncode
+        if hasattr(self, "log"):
+            self.log.close()
+
+    def _env(self) -> dict:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+        env.pop("U1SERVE_API_KEY", None)
+        if self.gpus:
+            env["U1SERVE_RANDOM_WEIGHTS"] = "1"
+        return env
+
+    def launcher_output(self) -> str:
+        try:
+            with open(os.path.join(self.dir, f"launcher-{self.profile}.out")) as f:
+                return f.read()[-6000:]
+        except OSError:
+            return ""
+
+    # -- checks ----------------------------------------------------------------------------------
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=600, headers={"Authorization": f"Bearer {self.api_key}"},
+                            **kw)
+
+    def settle_problems(self, timeout_s: float = 60.0) -> list[str]:
+        """Wait for the stack to be idle and empty; what is not."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            problems = []
+            if _status(self.base + "/health") != 200:
+                problems.append("gateway /health is not 200")
+            und = _json(self.urls.get("und", "") + "/health")
+            if und.get("shm_pages_used", 0) != 0:
+                problems.append(f"understanding holds {und.get('shm_pages_used')} KV pool pages")
+            gen = _json(self.urls.get("gen", "") + "/health")
+            if gen.get("queued", 0) or gen.get("running", 0):
+                problems.append(f"generation not idle: queued {gen.get('queued')} running {gen.get('running')}")
+            if not problems or time.monotonic() > deadline:
+                return problems
+            time.sleep(0.5)
+
+    def log_problems(self) -> list[str]:
+        bad = []
+        for path in sorted(glob.glob(os.path.join(self.run_dir, "logs", "*.log"))):
+            with open(path, errors="replace") as f:
+                for line in f:
+                    if _BAD_LOG.search(line):
+                        bad.append(f"{os.path.basename(path)}: {line.strip()[:200]}")
+        return bad
+
+
+def _status(url: str) -> Optional[int]:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _json(url: str) -> dict:
+    try:
+        body = httpx.get(url, timeout=5).json()
+        return body if isinstance(body, dict) else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _png_size(b64: str) -> tuple[int, int]:
+    raw = base64.b64decode(b64)
+    return int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
+    """(name, check) pairs; a check returns a detail string or raises AssertionError."""
+    side = 256 if stack.gpus == 0 else 1024
+    chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+
+    def status_of(c, path, *, raw=None, body=None, headers=None, want=(400,)):
+        r = c.post(path, content=raw, json=body, headers={"content-type": "application/json", **(headers or {})})
+        assert r.status_code in want, f"HTTP {r.status_code} (want {want}): {r.text[:300]}"
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "code"}, r.text[:300]
+            return f"{r.status_code} {err['code']}"
+        return str(r.status_code)
+
+    def c_chat(c):
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text[:300]
+        return f"{r.json()['usage']['completion_tokens']} tokens"
+
+    def c_chat_stream(c):
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            assert r.status_code == 200, r.read()[:300]
+            lines = list(r.iter_lines())
+        events = list(sse.events(lines))
+        assert events and sse.encode(sse.DONE).decode().strip() in lines, lines[-3:]
+        return f"{len(events)} events"
+
+    def c_image_stream(c):
+        body = {"prompt": "a red fox", "size": "256x256", "num_inference_steps": STEPS, "stream": True}
+        with c.stream("POST", "/v1/images/generations", json=body) as r:
+            assert r.status_code == 200, r.read()[:300]
+            kinds = [ev.get("type") for ev in sse.events(r.iter_lines())]
+        assert kinds.count("image_generation.progress") == STEPS and kinds[-1] == "image_generation.completed", kinds
+        return f"{len(kinds)} events"
+
+    def c_image(c):
+        t0 = time.monotonic()
+        r = c.post("/v1/images/generations", json={"prompt": "a lighthouse", "size": f"{side}x{side}",
+                                                    "num_inference_steps": STEPS, "seed": 7})
+        assert r.status_code == 200, r.text[:300]
+        assert _png_size(r.json()["data"][0]["b64_json"]) == (side, side)
+        return f"{side}x{side}, {STEPS} steps, {time.monotonic() - t0:.1f} s"
+
+    def c_edit(c):
+        r = c.post("/v1/images/edits", files=[("image[]", ("in.png", png(96, 64), "image/png"))],
+                   data={"prompt": "make it blue", "num_inference_steps": str(STEPS), "size": "256x256"})
+        assert r.status_code == 200, r.text[:300]
+        return "200"
+
+    hostile = [
+        ("temperature 1e-40", lambda c: status_of(c, "/v1/chat/completions", body={**chat, "temperature": 1e-40},
+                                                  want=(200,))),
+        ("repetition_penalty 1e-300", lambda c: status_of(c, "/v1/chat/completions",
+                                                          body={**chat, "repetition_penalty": 1e-300},
+                                                          want=(200, 400))),
+        ("seed 2**64", lambda c: status_of(c, "/v1/images/generations", raw=json.dumps(
+            {"prompt": "x", "size": "64x64", "seed": 2**64}).encode())),
+        ("NaN", lambda c: status_of(c, "/v1/chat/completions",
+                                    raw=b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}')),
+        ("Infinity", lambda c: status_of(c, "/v1/images/generations",
+                                         raw=b'{"prompt": "x", "guidance_scale": Infinity}')),
+        ("nesting 64 deep", lambda c: status_of(c, "/v1/chat/completions", raw=b'{"a":' * 64 + b"1" + b"}" * 64)),
+        ("decompression bomb", lambda c: status_of(c, "/v1/images/edits", body={
+            "prompt": "x", "image": [data_url(bomb_png())]}, want=(400, 413))),
+        ("non-ASCII API key", lambda c: status_of(c, "/v1/chat/completions", body=chat, want=(401,),
+                                                  headers={"Authorization": "Bearer sk-t\u00e9st".encode()})),
+        ("wrong API key", lambda c: status_of(c, "/v1/chat/completions", body=chat, want=(401,),
+                                              headers={"Authorization": "Bearer sk-wrong"})),
+    ]
+
+    def c_burst(c):
+        outs = run_burst(stack.base, 32, LoadConfig(size="64x64" if stack.gpus == 0 else "256x256", steps=STEPS,
+                                                    max_tokens=8, api_key=stack.api_key))
+        s = summarize(outs, 1.0)
+        assert s["count_5xx"] == 0 and s["transport_errors"] == 0, s["codes_5xx"]
+        kinds = s["by_kind"]
+        assert kinds["cancel"]["n"] >= 4 and kinds["bad"]["ok"] == 0, kinds
+        for k in ("chat", "chat_stream", "image", "image_stream", "edit"):
+            assert kinds[k]["ok"] == kinds[k]["n"], (k, kinds[k])
+        return f"{s['requests']} requests, {s['images']} images, statuses " + \
+            ", ".join(f"{k} {v['statuses']}" for k, v in kinds.items())
+
+    return [("chat", c_chat), ("chat stream", c_chat_stream), ("image stream", c_image_stream),
+            ("image", c_image), ("edit", c_edit), *hostile, ("burst of 32 with cancels", c_burst)]
+
+
+def run_profile(profile: str, out: Optional[str], work_dir: Optional[str] = None) -> dict:
+    t0 = time.monotonic()
+    result = {"profile": profile, "checks": [], "ok": False}
+    stack = Stack(profile, work_dir)
+    try:
+        with stack:
+            result["startup_s"] = round(stack.startup_s, 1)
+            with stack.client() as c:
+                for name, check in checks(stack):
+                    t = time.monotonic()
+                    try:
+                        detail, ok = check(c), True
+                    except Exception as exc:
+                        detail, ok = f"{type(exc).__name__}: {exc}"[:500], False
+                    result["checks"].append({"name": name, "ok": ok, "detail": detail,
+                                             "seconds": round(time.monotonic() - t, 2)})
+                    print(f"{'ok  ' if ok else 'FAIL'} {profile}: {name}: {detail}", flush=True)
+            problems = stack.settle_problems()
+            result["checks"].append({"name": "idle, KV pools empty", "ok": not problems,
+                                     "detail": "; ".join(problems) or "gateway 200, shm_pages_used 0, queue 0"})
+    except Exception as exc:
+        result["checks"].append({"name": "start-up", "ok": False, "detail": f"{exc}"[-3000:]})
+    logs = stack.log_problems()
+    result["checks"].append({"name": "clean logs", "ok": not logs, "detail": "; ".join(logs[:5]) or "no Traceback, no 500"})
+    result["checks"].append({"name": "clean stop", "ok": stack.exit_code == 0,
+                             "detail": f"u1serve up exited {stack.exit_code}"})
+    result["ok"] = all(c["ok"] for c in result["checks"])
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    if work_dir is None:
+        shutil.rmtree(stack.dir, ignore_errors=True)
+    return result
+
+
+def report(out_dir: str, expected: list[str]) -> int:
+    results = {}
+    for name in expected:
+        path = os.path.join(out_dir, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[name] = json.load(f)
+        else:
+            results[name] = {"profile": name, "ok": False, "checks": [
+                {"name": "time limit", "ok": False, "detail": "no result: killed at its time limit or crashed"}]}
+    lines = ["| profile | check | result | detail |", "|---|---|---|---|"]
+    for name, r in results.items():
+        head = f"{name} ({r.get('seconds', '?')} s, up in {r.get('startup_s', '?')} s)"
+        for i, c in enumerate(r["checks"]):
+            detail = str(c["detail"]).replace("|", "/").replace("\n", " ")[:160]
+            lines.append(f"| {head if i == 0 else ''} | {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {detail} |")
+    print("\n".join(lines))
+    summary = {"ok": all(r["ok"] for r in results.values()), "profiles": results}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0 if summary["ok"] else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--profile", choices=list(PROFILES), required=True)
+    r.add_argument("--out", default=None)
+    r.add_argument("--work-dir", default=None, help="keep the model, logs and run dir here")
+    rep = sub.add_parser("report")
+    rep.add_argument("out_dir")
+    rep.add_argument("--profiles", required=True, help="comma-separated: the profiles that should have run")
+    pr = sub.add_parser("profiles")
+    pr.add_argument("--gpus", type=int, required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        return 0 if run_profile(args.profile, args.out, args.work_dir)["ok"] else 1
+    if args.cmd == "report":
+        return report(args.out_dir, [x for x in args.profiles.split(",") if x])
+    print(",".join(profiles_for(args.gpus)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The CPU modes of deploy/gpu_smoke.sh and bench/bench_load.py, run as CI runs them (real stacks, tiny model)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.system.stackproc import ROOT
+
+CHECKS = ["chat", "chat stream", "image stream", "image", "edit", "temperature 1e-40", "repetition_penalty 1e-300",
+          "seed 2**64", "NaN", "Infinity", "nesting 64 deep", "decompression bomb", "non-ASCII API key",
+          "wrong API key", "burst of 32 with cancels", "idle, KV pools empty", "clean logs", "clean stop"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-smoke")
+    r = subprocess.run([os.path.join(ROOT, "deploy", "gpu_smoke.sh"), "--cpu", "--out", str(out)], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=420)
+    assert (out / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| profile | check | result | detail |" in r.stdout
+    return json.loads((out / "summary.json").read_text())["profiles"]["cpu"]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_gpu_smoke_cpu_mode(smoke, name):
+    check = next((c for c in smoke["checks"] if c["name"] == name), None)
+    assert check is not None, [c["name"] for c in smoke["checks"]]
+    assert check["ok"], check["detail"]
+
+
+def test_bench_load_smoke(tmp_path):
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_load.py"), "--smoke", "--json", str(out),
+                        "--out-dir", str(tmp_path / "stack")], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=300)
+    assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    summary, outcomes = data["summary"], data["outcomes"]
+    assert set(summary["by_kind"]) == {"chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad"}
+    assert summary["transport_errors"] == 0 and summary["images"] > 0 and summary["tokens_per_s"] > 0
+    assert {"kind", "status", "latency_s", "error_code"} <= set(outcomes[0])
+    assert summary["count_5xx"] == 0, summary["codes_5xx"]
+    assert r.returncode == 0, r.stdout[-3000:]

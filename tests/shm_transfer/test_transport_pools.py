@@ -1,0 +1,43 @@
+"""One consumer, several producers on one host (understanding replicas, one pool each): a LocalShmTransport
+consumer follows each handle to its own pool, and says clearly when that pool is not on this host."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shm_transfer import LocalShmTransport, KVLayout
+from shm_peer import Peer, PeerError
+
+pytestmark = pytest.mark.timeout(120)
+
+FP = "tiny-u1:test-fingerprint"
+LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_tokens=4)
+
+
+def wire(h) -> dict:
+    return json.loads(json.dumps(h.to_dict()))
+
+
+def test_a_consumer_imports_from_every_pool_of_its_host(shm_name):
+    a, b = shm_name + "-a", shm_name + "-b"
+    peer = Peer()
+    try:
+        with LocalShmTransport.create(a, LAY, 8 * LAY.page_bytes, FP) as pa, \
+                LocalShmTransport.create(b, LAY, 8 * LAY.page_bytes, FP) as pb:
+            peer.call("attach", a, expected_fingerprint=FP, transport=True)
+            torch.manual_seed(0)
+            for producer in (pa, pb):
+                kv = torch.randn(LAY.kv_shape(6))
+                h = producer.allocate(6, lease_s=30)
+                producer.write_kv(h, kv)
+                got, _ = peer.call("import_via_transport", a, wire(h))
+                assert torch.equal(got, kv)
+                assert producer.stats()["pages_used"] == 0       # released into the right pool
+            h = pb.allocate(2, lease_s=30)
+            with pytest.raises(PeerError) as e:
+                peer.call("import_via_transport", a, {**wire(h), "pool_name": shm_name + "-elsewhere"})
+            assert e.value.code == "pool_unavailable" and "not on this host" in e.value.message
+    finally:
+        peer.stop()

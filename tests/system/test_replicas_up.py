@@ -1,0 +1,57 @@
+"""`u1serve up --und-replicas 2 --gen-replicas 2` on one host: five services, a pool per understanding replica,
+the gateway over all of them; a dry run shows the placement on GPUs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from .stackproc import ROOT, RunningStack, shm_entries
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_dry_run_places_each_replica_on_its_own_gpus_ports_and_pool(tmp_path):
+    model = tmp_path / "u1-8b"
+    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(model), "--variant", "u1-8b"],
+                   check=True, capture_output=True, cwd=ROOT)
+    base = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--mode", "separate", "--device", "cuda",
+            "--und-replicas", "2", "--gen-replicas", "2", "--kv-pool-name", "kvp", "--dry-run"]
+    out = subprocess.run(base + ["--und-gpus", "0,1", "--gen-gpus", "2,3"], check=True, capture_output=True,
+                         text=True, cwd=ROOT).stdout
+    lines = {ln.split(":", 1)[0]: ln for ln in out.splitlines()}
+    assert set(lines) == {"und", "und1", "gen", "gen1", "gateway"}
+    assert "CUDA_VISIBLE_DEVICES=0 " in lines["und"] and "CUDA_VISIBLE_DEVICES=1 " in lines["und1"]
+    assert "CUDA_VISIBLE_DEVICES=2 " in lines["gen"] and "CUDA_VISIBLE_DEVICES=3 " in lines["gen1"]
+    assert "--kv-pool-name kvp " in lines["und"] and "--kv-pool-name kvp-1 " in lines["und1"]
+    assert "--kv-pool-name kvp-1 " in lines["gen1"]
+    ports = {name: ln.split("--port ")[1].split()[0] for name, ln in lines.items()}
+    assert len(set(ports.values())) == 5
+    for name in ("und", "und1", "gen", "gen1"):
+        assert f"http://127.0.0.1:{ports[name]}" in lines["gateway"]
+    bad = subprocess.run(base + ["--und-gpus", "0", "--gen-gpus", "2,3"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "--und-gpus" in bad.stderr + bad.stdout
+
+
+def test_two_by_two_replicas_on_one_host_serve_and_stop_clean(tiny_model, tmp_path):
+    s = RunningStack(tiny_model, "colocate", str(tmp_path), extra=["--und-replicas", "2", "--gen-replicas", "2"])
+    try:
+        s.wait_ready()
+        assert set(s.pids) == {"und", "und1", "gen", "gen1", "gateway"}
+        for i in range(4):
+            r = httpx.post(s.base + "/v1/images/generations", timeout=120,
+                           json={"prompt": f"a boat {i}", "num_inference_steps": 2})
+            assert r.status_code == 200, r.text
+            r = httpx.post(s.base + "/v1/chat/completions", timeout=120,
+                           json={"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        health = httpx.get(s.base + "/health", timeout=10).json()
+        assert health["status"] == "ok" and len(health["understanding"]) == len(health["generation"]) == 2
+        assert {s.pool, s.pool + "-1"} <= shm_entries()
+    finally:
+        code = s.stop()
+    groups, shm = s.leftovers()
+    assert code == 0, s.output()
+    assert not groups and not shm, (groups, shm)
