@@ -134,7 +134,8 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("stack did not become healthy in time")
 
 
-def run_profile(name: str, model_dir: str, args, port: int) -> dict:
+def run_profile(name: str, model_dir: str, args, port: int, measure=measure) -> dict:
+    """Start the profile's stack, run `measure(base, args)` against it (async), stop it."""
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(port + 1), "--gen-port", str(port + 2), "--host", "127.0.0.1",
            "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + args.up_args.split()
@@ -177,11 +178,49 @@ def table(results: dict, args) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profiles", default="colocate-tp2-cfg2,separate-1+1")
+def stack_args(p: argparse.ArgumentParser, profiles: str, port: int) -> None:
+    """The flags of every whole-stack benchmark (this one, bench_interleave.py)."""
+    p.add_argument("--profiles", default=profiles)
     p.add_argument("--variant", default="u1-8b", help="full-size config (random weights)")
     p.add_argument("--tiny", action="store_true", help="tiny checkpoint instead (CPU smoke run)")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile, e.g. --kv-pool-gb 4")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--json", default=None)
+
+
+def prepare_model(args) -> str:
+    """The checkpoint directory (tiny, or a full-size config with random weights) and the log directory."""
+    sys.path.insert(0, ROOT)
+    from services.model.tiny import write_full_config, write_tiny_checkpoint
+    work = tempfile.mkdtemp(prefix="u1bench-")
+    args.log_dir = args.log_dir or os.path.join(work, "logs")
+    os.makedirs(args.log_dir, exist_ok=True)
+    model_dir = os.path.join(work, "model")
+    (write_tiny_checkpoint(model_dir, "u1") if args.tiny else write_full_config(model_dir, args.variant))
+    return model_dir
+
+
+def run_all(args, model_dir: str, measure, table) -> dict:
+    """Every profile in turn (a failed one is reported, the others still run); prints the table, writes --json."""
+    results = {}
+    for i, name in enumerate(args.profiles.split(",")):
+        try:
+            results[name] = run_profile(name, model_dir, args, args.port + 10 * i, measure)
+        except Exception as e:
+            results[name] = {"error": repr(e)}
+        print(name, json.dumps(results[name]), flush=True)
+    print(table(results, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    stack_args(p, "colocate-tp2-cfg2,separate-1+1", 18000)
     p.add_argument("--size", default="2048x2048")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--requests", type=int, default=2)
@@ -189,32 +228,8 @@ def main() -> None:
     p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--image-load", type=int, default=2)
     p.add_argument("--load-delay", type=float, default=3.0, help="seconds between image load and chats")
-    p.add_argument("--startup-timeout", type=float, default=600)
-    p.add_argument("--port", type=int, default=18000)
-    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile, e.g. --kv-pool-gb 4")
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
-    sys.path.insert(0, ROOT)
-    from services.model.tiny import write_full_config, write_tiny_checkpoint
-
-    work = tempfile.mkdtemp(prefix="u1bench-")
-    args.log_dir = args.log_dir or os.path.join(work, "logs")
-    os.makedirs(args.log_dir, exist_ok=True)
-    model_dir = os.path.join(work, "model")
-    (write_tiny_checkpoint(model_dir, "u1") if args.tiny else write_full_config(model_dir, args.variant))
-    results = {}
-    for i, name in enumerate(args.profiles.split(",")):
-        try:
-            results[name] = run_profile(name, model_dir, args, args.port + 10 * i)
-        except Exception as e:  # a failed profile is reported, the others still run
-            results[name] = {"error": repr(e)}
-        print(name, json.dumps(results[name]), flush=True)
-    out = table(results, args)
-    print(out)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    run_all(args, prepare_model(args), measure, table)
 
 
 if __name__ == "__main__":

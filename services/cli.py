@@ -262,8 +262,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
         "env": {"U1SERVE_INTERNAL_TOKEN": token}, "api_key": api_key,
-        "model_name": args.model_name or ("sensenova-u1-tiny" if tiny else
-                                          os.path.basename(os.path.abspath(model))),
+        "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
         "yield_page": qos_page(args, pool),
         # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
@@ -324,7 +323,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "(default: U1SERVE_API_KEY, else open)")
     p.add_argument("--api-key", default=None,
                    help="the key itself (visible in /proc to local users: prefer the file or the environment)")
-    p.add_argument("--model-name", default=None, help="name served in /v1/models")
+    p.add_argument("--model-name", default=None,
+                   help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",

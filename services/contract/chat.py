@@ -49,7 +49,32 @@ class ChatMessage(BaseModel):
         return self
 
 
-class TextSampling(BaseModel):
+class LogitBias(BaseModel):
+    """OpenAI's logit_bias (chat sampling, and the greedy text of interleaved answers)."""
+    logit_bias: Optional[dict[str, Float]] = Field(
+        None, description=f"token id -> bias in [-{L.MAX_LOGIT_BIAS:g}, {L.MAX_LOGIT_BIAS:g}] added to its logit "
+                          f"(at most {L.MAX_LOGIT_BIAS_ENTRIES} ids)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v):
+        if v is None:
+            return v
+        if len(v) > L.MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {L.MAX_LOGIT_BIAS_ENTRIES} token ids")
+        for key, bias in v.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers), got {key!r}")
+            if not -L.MAX_LOGIT_BIAS <= bias <= L.MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{L.MAX_LOGIT_BIAS:g}, {L.MAX_LOGIT_BIAS:g}]")
+        return v
+
+    @property
+    def bias_map(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+
+
+class TextSampling(LogitBias):
     """Sampling fields (OpenAI + vLLM names). temperature below 1e-5 means greedy."""
     model_config = PUBLIC
     max_tokens: Optional[Int] = Field(None, ge=1, description="default: what is left of the context")
@@ -91,7 +116,16 @@ class StreamOptions(BaseModel):
 
 class ChatTemplateKwargs(BaseModel):
     model_config = PUBLIC
-    enable_thinking: Optional[bool] = None
+    enable_thinking: Optional[bool] = Field(
+        None, description="absent: the official prompt (ends at 'assistant\\n', the model decides); "
+                          "false: an empty think block; true: the prompt opens <think>")
+
+
+class ChatImageOptions(ImageOptions):
+    """`image_config` of a chat request: the image options, plus the cap of an interleaved answer."""
+    max_images: Int = Field(L.DEFAULT_INTERLEAVE_IMAGES, ge=0, le=L.MAX_INTERLEAVE_IMAGES,
+                            description="modalities ['text', 'image']: the most images in one answer (an <img> "
+                                        "past it ends the answer)")
 
 
 class ChatCompletionRequest(TextSampling):
@@ -99,12 +133,18 @@ class ChatCompletionRequest(TextSampling):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Int] = Field(None, ge=1)
-    n: Int = Field(1, ge=1, le=1, description="choices per request")
+    n: Int = Field(1, ge=1, le=L.MAX_CHAT_CHOICES,
+                   description="choices: independent samples of one prompt (seeds seed, seed+1, ... when seeded)")
+    logprobs: bool = Field(False, description="the log probability of each output token")
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=L.MAX_TOP_LOGPROBS,
+                                        description="also the most likely tokens at each position (needs logprobs)")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
-    modalities: Optional[list[Literal["text", "image"]]] = None
-    image_config: Optional[ImageOptions] = Field(None, description="image options when modalities has 'image'")
+    modalities: Optional[list[Literal["text", "image"]]] = Field(
+        None, description="['image']: an image from the last user turn; ['text', 'image']: an interleaved "
+                          "answer, text and generated images in order")
+    image_config: Optional[ChatImageOptions] = Field(None, description="image options when modalities has 'image'")
     return_token_ids: bool = Field(False, description="add the output token ids to each choice / chunk")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation: only requests with the same salt share")
@@ -115,8 +155,21 @@ class ChatCompletionRequest(TextSampling):
             raise ValueError("messages must contain at least one user message")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     @property
     def wants_image(self) -> bool:
-        return bool(self.modalities) and "image" in self.modalities
+        """modalities ['image']: one image job, no text."""
+        return bool(self.modalities) and "image" in self.modalities and "text" not in self.modalities
+
+    @property
+    def wants_interleave(self) -> bool:
+        """modalities ['text', 'image']: text and generated images interleaved in one answer."""
+        return bool(self.modalities) and {"text", "image"} <= set(self.modalities)
+
+    @property
+    def thinking(self) -> Optional[bool]:
+        """chat_template_kwargs.enable_thinking: None when absent (the official prompt)."""
+        return self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None

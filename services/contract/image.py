@@ -160,6 +160,8 @@ class ImageOptions(BaseModel):
     think: bool = Field(False, description="reason before drawing (think text comes back as revised_prompt)")
     max_think_tokens: Optional[Int] = Field(None, ge=1, le=L.MAX_THINK_TOKENS)
     stream: bool = False
+    partial_images: Int = Field(0, ge=0, le=L.MAX_PARTIAL_IMAGES,
+                                description="previews streamed while denoising (x0 estimates at evenly spaced steps)")
     cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
 
     @model_validator(mode="before")
@@ -254,6 +256,13 @@ class GenerateRequest(SamplerParams):
     seed: Int = Field(ge=0, le=L.SEED_MAX)
     output_format: OutputFormat = "png"
     cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
+    partial_images: Int = Field(0, ge=0, le=L.MAX_PARTIAL_IMAGES,
+                                description="`partial_image` events: the x0 estimate at evenly spaced steps")
+    noise_draw: Int = Field(0, ge=0, le=L.MAX_INTERLEAVE_IMAGES,
+                            description="draws of this shape taken from the seeded generator before the noise "
+                                        "(an interleaved answer's image k is draw k of one generator)")
+    export_image: bool = Field(False, description="also write the final float image into the KV pool and return "
+                                                  "its handle (`image_handle`): an interleaved answer reads it back")
 
     @field_validator("width", "height")
     @classmethod
@@ -269,6 +278,8 @@ class GenerateRequest(SamplerParams):
             raise ValueError(f"these sampling parameters need handles {sorted(need)}, got {sorted(self.handles)}")
         self.handles = {b: self.handles[b] for b in BRANCH_ORDER if b in self.handles}
         check_cache_for(self.mode, self.cfg_interval, self.cache)
+        if self.export_image and self.n != 1:
+            raise ValueError("export_image takes n = 1")
         return self
 
     def sampler(self) -> SamplerParams:

@@ -22,6 +22,15 @@ MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PENALTY = 2.0             # presence / frequency
 MAX_TOP_LOGPROBS = 20
+MAX_CHAT_CHOICES = 16             # n of a chat request
+MAX_LOGIT_BIAS = 100.0            # |bias| (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+# images: live previews (OpenAI's partial_images) and interleaved text-and-image answers
+MAX_PARTIAL_IMAGES = 3            # OpenAI's range 0..3
+MAX_INTERLEAVE_IMAGES = 16
+DEFAULT_INTERLEAVE_IMAGES = 10    # the official interleave_gen's cap
+DEFAULT_INTERLEAVE_TOKENS = 8192  # the official interleave_gen's max_new_tokens
 
 # JSON bodies
 MAX_JSON_DEPTH = 32

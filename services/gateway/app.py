@@ -1,5 +1,6 @@
-"""The public OpenAI-compatible API: `create_app` wires the routers (chat, images, ops) over one GatewayState,
-behind the kit's request middleware (ids, access log, body limit, strict JSON, API key) and admission."""
+"""The public OpenAI-compatible API: `create_app` wires the routers (chat, images, ops, the playground page) over
+one GatewayState, behind the kit's request middleware (ids, access log, body limit, strict JSON, API key) and
+admission."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ from services.kit.middleware import ApiKeyAuth, ServiceMiddleware
 from .admission import AdmissionMiddleware
 from .config import GatewayConfig
 from .openapi import install_openapi
-from .routers import chat, images, ops
+from .routers import chat, images, ops, playground
 from .state import GatewayState
 
 DESCRIPTION = ("OpenAI-compatible chat and image API of u1serve (SenseNova-U1). Errors are "
@@ -36,6 +37,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     errors.install(app, "gateway")
     for module in (chat, images, ops, live):
         app.include_router(module.router)
+    playground.install(app)
     install_openapi(app, cfg)
     # added last = outermost: ids, access log, limits and the API key first, then admission
     app.add_middleware(AdmissionMiddleware, gate=state.admission)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
@@ -23,6 +23,7 @@ class ImageJob:
     generate: dict[str, Any]         # GenerateRequest fields but the handles (checked with placeholder handles)
     response_format: str
     stream: bool
+    prefix_path: ClassVar[str] = "/internal/image_prefix"
 
     @property
     def request_id(self) -> str:
@@ -142,7 +143,7 @@ def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
                            stream=True, cache_salt=cache_salt)
     generate = {**sampler.model_dump(), "request_id": request_id, "width": width, "height": height, "n": opts.n,
                 "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
-                "output_format": opts.output_format}
+                "output_format": opts.output_format, "partial_images": opts.partial_images}
     if opts.cache is not None:       # only the fields the client set: generation fills in its own defaults
         generate["cache"] = opts.cache.model_dump(exclude_unset=True)
     # the generation body is checked now (placeholder handles, one per CFG branch), not after the prefix work

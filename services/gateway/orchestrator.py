@@ -1,4 +1,6 @@
-"""One image job across the two engines: prefix handles from understanding, denoise on generation.
+"""One image job across the two engines: prefix handles from understanding, denoise on generation. A segment of
+an interleaved answer (interleave.py) is the same job whose understanding stream also carries the answer's text
+and may end it without an image (`answer_done`).
 
 However a job ends early (client gone, upstream timeout or deadline, an engine error, a 429, a broken
 connection), one path undoes it: the engine still working on it is told to stop (`/internal/abort` on
@@ -35,9 +37,12 @@ class Orchestrator:
         self.cfg, self.http, self.und, self.gen, self.metrics = cfg, http, und, gen, metrics
         self.janitor = janitor
 
-    async def run(self, job: ImageJob, deadline: Deadline) -> AsyncIterator[dict]:
-        """Yield the engines' events: think_delta, think_done, then generation's (queued, progress, image, and
-        whatever else it sends). Raises APIError; cancelling or closing the iterator undoes the job."""
+    async def run(self, job: ImageJob, deadline: Deadline, pins: Optional[dict] = None) -> AsyncIterator[dict]:
+        """Yield the engines' events: think_delta (or a segment's `text`), think_done (with the rest of the
+        handles event under `prefix`), then generation's (queued, progress, partial_image, image, and whatever else
+        it sends); or `answer_done` when an interleave segment ends the answer. `pins` {service: url} keeps the
+        job on the endpoints an earlier part of the same answer used (filled in here). Raises APIError;
+        cancelling or closing the iterator undoes the job."""
         rid = job.request_id
         hdrs = engine_headers(self.cfg.internal_token, rid)
         handles = PrefixHandles()
@@ -48,9 +53,10 @@ class Orchestrator:
         self.metrics.image_jobs_running.inc()
         try:
             working = UND
-            resp = await self._open(self.und, "/internal/image_prefix", job.prefix_body(), hdrs, deadline, und)
-            think_text = None
-            async with reading(self.und, und.ep, resp):
+            und_pool = self._pool(self.und, pins)
+            resp = await self._open(und_pool, job.prefix_path, job.prefix_body(), hdrs, deadline, und, pins)
+            think_text, prefix, ended = None, {}, None
+            async with reading(und_pool, und.ep, resp):
                 if resp.status_code != 200:
                     working = None
                     raise await error_from_response(resp, UND, deadline)
@@ -59,25 +65,34 @@ class Orchestrator:
                     kind = ev.get("type")
                     if kind == "think_delta":
                         yield {"type": "think_delta", "text": ev.get("text") or ""}
+                    elif kind == "text":
+                        yield ev
                     elif kind == "handles":
                         handles.received(ev.get("handles"))
                         think_text = ev.get("think_text")
+                        prefix = {k: v for k, v in ev.items() if k not in ("type", "handles", "think_text")}
+                    elif kind == "done":
+                        ended = ev
                     elif kind == "error":
                         working = None
                         raise error_from_event(ev, UND)
             working = None
+            if ended is not None and handles.owner != GATEWAY:
+                yield {**ended, "type": "answer_done"}
+                return
             if handles.owner != GATEWAY:
                 raise unavailable("understanding service ended the prefix stream without handles",
                                   code="upstream_protocol_error")
-            yield {"type": "think_done", "think_text": think_text}
+            yield {"type": "think_done", "think_text": think_text, "prefix": prefix}
 
             phase = GEN
             working = GEN
             gen.source = und.ep                # a generation replica that can read this replica's KV
-            resp = await self._open(self.gen, "/internal/generate", job.generate_body(handles.handles), hdrs,
-                                    deadline, gen)
+            gen_pool = self._pool(self.gen, pins)
+            resp = await self._open(gen_pool, "/internal/generate", job.generate_body(handles.handles), hdrs,
+                                    deadline, gen, pins)
             images = 0
-            async with reading(self.gen, gen.ep, resp):
+            async with reading(gen_pool, gen.ep, resp):
                 if resp.status_code != 200:
                     working = None
                     raise await error_from_response(resp, GEN, deadline)
@@ -99,7 +114,7 @@ class Orchestrator:
             working = None
             if images < job.n:
                 handles.returned()
-                self.gen.down(gen.ep)
+                gen_pool.down(gen.ep)
                 raise unavailable(f"generation service stopped after {images} of {job.n} images",
                                   code="generation_unavailable")
         except (asyncio.CancelledError, GeneratorExit):
@@ -115,14 +130,22 @@ class Orchestrator:
             self.metrics.image_job_seconds.observe(time.monotonic() - started)
             self._undo_later(rid, hdrs, working, und, gen, handles)
 
+    @staticmethod
+    def _pool(pool: EndpointPool, pins: Optional[dict]) -> EndpointPool:
+        url = (pins or {}).get(pool.service)
+        return pool if url is None else pool.pinned(url)
+
     async def _open(self, pool: EndpointPool, path: str, body: dict, hdrs: dict, deadline: Deadline,
-                    target: Target) -> httpx.Response:
+                    target: Target, pins: Optional[dict] = None) -> httpx.Response:
         try:
-            return await open_stream(self.http, pool, path, body, hdrs, deadline, target)
+            resp = await open_stream(self.http, pool, path, body, hdrs, deadline, target)
         except APIError as err:
             if not is_timeout(err):
                 target.ep = None         # refused everywhere: no engine got the request
             raise
+        if pins is not None:
+            pins[pool.service] = target.ep.url
+        return resp
 
     # ------------------------------------------------------------------------------------------ undo
     def _undo_later(self, rid: str, hdrs: dict, working: Optional[str], und: Target, gen: Target,

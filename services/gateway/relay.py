@@ -63,7 +63,13 @@ async def collect_job(request: Request, state: GatewayState, job: ImageJob) -> O
 async def stream_job(request: Request, state: GatewayState, job: ImageJob, convert: Convert,
                      head: Iterable[dict] = (), tail: Iterable[dict] = ()) -> Response:
     """The job as SSE: `head`, the converted events, `tail`, [DONE]."""
-    events = state.orchestrator.run(job, state.deadline())
+    return await stream_events(request, state.orchestrator.run(job, state.deadline()), convert, head, tail)
+
+
+async def stream_events(request: Request, events: AsyncIterator[dict], convert: Convert,
+                        head: Iterable[dict] = (), tail: Iterable[dict] = ()) -> Response:
+    """Engine events (an orchestrator run, or an interleaved answer) as SSE: `head`, the converted events,
+    `tail`, [DONE]; the response starts with the first visible event or generation's `queued`."""
 
     async def first_visible() -> list[dict]:
         async for ev in events:

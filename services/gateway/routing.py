@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import ipaddress
 import itertools
@@ -123,6 +124,13 @@ class EndpointPool:
         """Eject after a failure, for a backoff that doubles with each consecutive failure."""
         ep.failures += 1
         ep.mark_down(min(self.eject_max_s, self.retry_down_after_s * 2 ** (ep.failures - 1)))
+
+    def pinned(self, url: str) -> "EndpointPool":
+        """This pool narrowed to the replica at `url` (the same Endpoint object: load and down state are shared),
+        for work that must stay where an earlier part of it ran (an interleaved answer's KV pool)."""
+        view = copy.copy(self)
+        view.endpoints = [e for e in self.endpoints if e.url == url] or [Endpoint(url)]
+        return view
 
     # ------------------------------------------------------------------------------------------ membership
     def set_urls(self, urls: Iterable[str]) -> None:

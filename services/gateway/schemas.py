@@ -50,11 +50,17 @@ class ImageStreamEvent(BaseModel):
     """One `data:` event of a streamed image request (`image_generation.*` or `image_edit.*`), then `[DONE]`;
     an `error` event (with `status`) ends a stream that failed after it started."""
     model_config = OPEN
-    type: str = Field(description="<prefix>.think_delta | .think_done | .progress | .completed | error")
+    type: str = Field(description="<prefix>.think_delta | .think_done | .progress | .partial_image | .completed | "
+                                  "error")
     text: Optional[str] = Field(None, description="think text (think_delta, think_done)")
-    step: Optional[int] = Field(None, description="progress: denoising step done, 1-based")
+    step: Optional[int] = Field(None, description="progress: denoising step done, 1-based; partial_image: the "
+                                                  "step whose estimate it shows")
     total: Optional[int] = Field(None, description="progress: steps in all")
-    index: Optional[int] = Field(None, description="completed: which of the n images")
+    index: Optional[int] = Field(None, description="completed, partial_image: which of the n images")
+    partial_image_index: Optional[int] = Field(
+        None, description="partial_image (partial_images > 0): 0-based preview number; a preview is the model's "
+                          "estimate of the final image at evenly spaced steps, at most 512 px on its long side, "
+                          "JPEG unless the request asked for WebP")
     b64_json: Optional[str] = None
     url: Optional[str] = None
     size: Optional[str] = None
@@ -67,9 +73,24 @@ class ChatResponseMessage(BaseModel):
     model_config = OPEN
     role: Literal["assistant"] = "assistant"
     content: Union[str, list[dict[str, Any]], None] = Field(
-        None, description="text, or image_url parts for modalities ['image']")
+        None, description="text; image_url parts for modalities ['image']; text and image_url parts in answer "
+                          "order for modalities ['text', 'image']")
     reasoning_content: Optional[str] = None
-    images: Optional[list[dict[str, Any]]] = Field(None, description="image_url parts (modalities ['image'])")
+    images: Optional[list[dict[str, Any]]] = Field(None, description="the generated images as image_url parts")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="natural log; -9999.0 for an impossible token")
+    bytes: Optional[list[int]] = Field(None, description="the token's bytes (it may hold part of a character)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list, description="the top_logprobs most likely tokens")
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = Field(None, description="one entry per content token")
 
 
 class ChatChoice(BaseModel):
@@ -77,6 +98,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: Optional[str] = None
+    logprobs: Optional[ChoiceLogprobs] = Field(None, description="with logprobs: true")
 
 
 class ChatUsage(BaseModel):
@@ -86,15 +108,46 @@ class ChatUsage(BaseModel):
     total_tokens: int = 0
 
 
-class ChatCompletionResponse(BaseModel):
-    """POST /v1/chat/completions without stream; with stream: `chat.completion.chunk` events, then `[DONE]`."""
+class ChatDelta(BaseModel):
+    model_config = OPEN
+    role: Optional[str] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    images: Optional[list[dict[str, Any]]] = Field(None, description="a finished image (image_url part with its "
+                                                                     "`index` in the answer)")
+    image_progress: Optional[dict[str, int]] = Field(
+        None, description="modalities ['text', 'image']: {index, step, total} while an image denoises")
+    partial_image: Optional[dict[str, Any]] = Field(
+        None, description="image_config.partial_images > 0: {index, partial_image_index, image_url} previews")
+
+
+class ChatChunkChoice(BaseModel):
+    model_config = OPEN
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: Optional[ChoiceLogprobs] = None
+
+
+class _ChatEnvelope(BaseModel):
     model_config = OPEN
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Optional[ChatUsage] = None
+
+
+class ChatCompletionChunk(_ChatEnvelope):
+    """One `data:` event of a streamed chat; the last one before `[DONE]` carries `usage` (and no choices) with
+    stream_options.include_usage."""
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ChatCompletionResponse(_ChatEnvelope):
+    """POST /v1/chat/completions without stream; with stream: `chat.completion.chunk` events, then `[DONE]`."""
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 # ------------------------------------------------------------------------------------------ ops

@@ -18,6 +18,7 @@ import torch
 from services.model import sampler
 from services.model.step_cache import CacheGroup, FirstBlockCache
 
+from . import previews
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
@@ -181,6 +182,7 @@ class Engine:
             job = p.job
             v = sampler.combine(v_all[job.request_id], job.params, job.step,
                                 job.t_values[job.step])
+            job.preview = previews.capture(job, p.z, v) if self.comm.rank == 0 else None
             z = sampler.euler(p.z, v, job.t, job.t_next)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1

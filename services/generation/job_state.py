@@ -60,7 +60,8 @@ class JobState:
         self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
-                                       self.noise_scale)
+                                       self.noise_scale, getattr(spec, "noise_draw", 0))
+        self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
         self.step = 0
         self.device = device
         self.dtype = dtype

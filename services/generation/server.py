@@ -31,6 +31,7 @@ from .image_limits import checkpoint_max_tokens, size_error
 from .leases import HandleKeeper
 from .metrics import GenerationMetrics
 from .perf_options import EnginePerfMetrics, add_perf_flags, cache_defaults, perf_engine_args
+from .previews import preview_format
 from .rank_options import add_rank_flags, check_rank_flags, engine_world, rank_engine_args
 from .request import GenerateRequest, check_handles, handles_of, parse_job
 from .supervisor import EngineSupervisor
@@ -149,6 +150,8 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
     async def _stream(job: GenerateRequest, events: asyncio.Queue, loop):
         started = time.monotonic()
         outcome = "disconnected"
+        delivered = False
+        exported = []                          # float images (export_image) handed to this stream
         try:
             yield sse.encode({"type": "queued"})
             while True:
@@ -158,18 +161,32 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
                     break
                 if kind == "progress":
                     yield sse.encode({"type": "progress", "step": ev["step"], "total": ev["total"]})
+                elif kind == "preview":
+                    fmt = preview_format(job.output_format)
+                    b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], fmt)
+                    yield sse.encode({"type": "partial_image", "index": ev["index"],
+                                      "partial_image_index": ev["partial_image_index"], "step": ev["step"],
+                                      "b64": b64, "format": fmt, "width": ev["pixels"].shape[1],
+                                      "height": ev["pixels"].shape[0]})
                 elif kind == "image":
                     b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], job.output_format)
-                    yield sse.encode({"type": "image", "index": ev["index"], "b64": b64,
-                                      "format": job.output_format, "width": job.width, "height": job.height,
-                                      "seed": job.seed, "branch_steps": ev.get("branch_steps")})
+                    event = {"type": "image", "index": ev["index"], "b64": b64, "format": job.output_format,
+                             "width": job.width, "height": job.height, "seed": job.seed,
+                             "branch_steps": ev.get("branch_steps")}
+                    if ev.get("image_handle"):
+                        exported.append(ev["image_handle"])
+                        event["image_handle"] = ev["image_handle"]
+                    yield sse.encode(event)
                 elif kind == "error":
                     outcome = str(ev.get("error", {}).get("code") or "error")
                     yield sse.encode(ev)
             if outcome == "disconnected":
                 outcome = "ok"
             yield sse.encode(sse.DONE)
+            delivered = True
         finally:
+            if exported and not delivered:     # nobody will read the float image back: free it now
+                keeper.release(exported)
             if outcome == "disconnected":      # the client went away: stop the job at the next step
                 engine.cancel(job.request_id, "client disconnected")
             metrics.requests.labels(outcome=outcome).inc()

@@ -240,7 +240,7 @@ class EngineSupervisor:
             return                                  # ended already (cancelled, timed out) or a stale unit
         if kind == "started":
             self.table.mark_started(rid)
-        elif kind in ("progress", "image"):
+        elif kind in ("progress", "preview", "image"):
             t.deliver(msg)
         elif kind == "done":
             if self.table.finish(rid) is not None:

@@ -21,6 +21,7 @@ import torch
 
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
+from . import float_image
 from .request import APIError, GenerateRequest, busiest_rank_tokens
 
 log = logging.getLogger("u1serve.generation.engine")
@@ -143,11 +144,25 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
         for job in list(engine.running) + finished:
             out.send({"request_id": job.request_id, "type": "progress", "step": job.step,
                       "total": job.num_inference_steps})
+            if job.preview is not None:
+                k, frames = job.preview
+                job.preview = None
+                for i in range(job.n):
+                    out.send({"request_id": job.request_id, "type": "preview", "index": i,
+                              "partial_image_index": k, "step": job.step}, pixels=frames[i])
         for job in finished:
             pixels = engine.pixels(job)
+            image_handle = None
+            if job.spec.export_image:
+                try:
+                    image_handle = float_image.export(source, job.x[0])
+                except APIError as e:
+                    out.send({"request_id": job.request_id, **e.event()})
+                    job.free()
+                    continue
             for i in range(job.n):
                 out.send({"request_id": job.request_id, "type": "image", "index": i,
-                          "branch_steps": job.branch_steps}, pixels=pixels[i])
+                          "branch_steps": job.branch_steps, "image_handle": image_handle}, pixels=pixels[i])
             out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out.send({"request_id": job.request_id, "type": "done"})
             job.free()

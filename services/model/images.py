@@ -125,6 +125,21 @@ def patchify16(x: torch.Tensor) -> torch.Tensor:
     return x.view(c, gh, PATCH, gw, PATCH).permute(1, 3, 0, 2, 4).reshape(gh * gw, c * PATCH * PATCH)
 
 
+def generated_image_tensor(x: torch.Tensor) -> ImageTensor:
+    """A generated image [3, H, W] (the final Euler state in [-1, 1], unclamped, at its own size) as input of the
+    und embedder, as the official interleave_gen feeds it back (interleave_spec §2.6): x*0.5+0.5, then ImageNet
+    mean/std, every op rounded to bf16 whatever the model dtype; no uint8 round trip, no resize."""
+    if x.dim() != 3 or x.shape[0] != 3 or x.shape[1] % FACTOR or x.shape[2] % FACTOR:
+        raise ImageError(f"a generated image is [3, H, W] with sides multiple of {FACTOR}, got {tuple(x.shape)}")
+    bf = torch.bfloat16
+    y = x.detach().to(bf) * 0.5 + 0.5
+    mean = torch.tensor(IMAGENET_MEAN, dtype=bf, device=y.device).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=bf, device=y.device).view(3, 1, 1)
+    y = (y - mean) / std
+    return ImageTensor(pixel_values=patchify16(y).float().cpu().contiguous(),
+                       grid_hw=(x.shape[1] // PATCH, x.shape[2] // PATCH))
+
+
 def preprocess(img: Image.Image, min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS) -> ImageTensor:
     h, w = smart_resize(img.height, img.width, min_pixels, max_pixels)
     if (w, h) != img.size:

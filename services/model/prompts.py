@@ -15,6 +15,8 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 THINK_OPEN = "<think>\n"
 THINK_TAIL = "\n\n" + IMG_START  # appended after a think block, as a causal block
 GEN_SYSTEM_MESSAGE_FILE = "gen_system_message.txt"
+# the system prompt of the official interleave driver (think / non-think protocol); interleave_spec §1.1
+INTERLEAVE_SYSTEM_MESSAGE_FILE = "interleave_system_message.txt"
 
 
 @dataclass
@@ -31,16 +33,26 @@ def default_gen_system_message() -> str:
     return resources.files("services.model").joinpath("data", GEN_SYSTEM_MESSAGE_FILE).read_text()
 
 
-def gen_system_message(model_dir: str | None = None, override: str | None = None) -> str:
-    """The generation system message the checkpoint was trained with: option > checkpoint file > data file."""
+def _system_message(name: str, model_dir: str | None, override: str | None) -> str:
+    """option > the checkpoint's file > our data file."""
     if override is not None:
         return override
     if model_dir:
-        path = os.path.join(model_dir, GEN_SYSTEM_MESSAGE_FILE)
+        path = os.path.join(model_dir, name)
         if os.path.exists(path):
             with open(path) as f:
                 return f.read()
-    return default_gen_system_message()
+    return resources.files("services.model").joinpath("data", name).read_text()
+
+
+def gen_system_message(model_dir: str | None = None, override: str | None = None) -> str:
+    """The generation system message the checkpoint was trained with: option > checkpoint file > data file."""
+    return _system_message(GEN_SYSTEM_MESSAGE_FILE, model_dir, override)
+
+
+def interleave_system_message(model_dir: str | None = None, override: str | None = None) -> str:
+    """The system prompt of interleaved answers: option > checkpoint file > the official driver's."""
+    return _system_message(INTERLEAVE_SYSTEM_MESSAGE_FILE, model_dir, override)
 
 
 def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
@@ -138,3 +150,38 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
     if "uncond" in needed:
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
     return out
+
+
+# ---- interleaved text-and-image answers (interleave_spec.md) ---------------------------------------------
+def interleave_heads(tok: NeoTokenizer, messages: list[dict], think: bool, system_message: str,
+                     images_max_pixels: int | None = None) -> tuple[PromptInput, PromptInput]:
+    """The two growing branches of an interleaved answer before its first token (spec §2.1):
+    cond = system + the conversation (input images at the edit sizes) + `assistant\\n` (+ the empty think block
+    unless think mode: the model then opens <think> itself); tu ("text-uncond") = one user turn holding only the
+    input images, no system, no text, no think block. A system message in `messages` wins over `system_message`."""
+    if not any(m.get("role") == "system" for m in messages) and system_message:
+        messages = [{"role": "system", "content": system_message}, *messages]
+    n = sum(1 for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") == "image")
+    cond = chat_input(tok, messages, None if think else False, EDIT_MIN_PIXELS,
+                      images_max_pixels or edit_max_pixels(max(1, n)))
+    tu = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(cond.images))]), cond.images)
+    return cond, tu
+
+
+def image_span_ids(tok: NeoTokenizer, image: ImageTensor) -> list[int]:
+    """`<img>` + one `<IMG_CONTEXT>` per token + `</img>`: how an image (input or generated) sits in a prompt."""
+    return [tok.img_start_id] + [tok.img_context_id] * image.num_tokens + [tok.img_end_id]
+
+
+def extend_prompt(tok: NeoTokenizer, head: PromptInput, items: list, with_text: bool = True) -> PromptInput:
+    """`head` followed by an answer's transcript: token-id lists (dropped when not `with_text`: the tu branch
+    never sees text) and generated images (ImageTensor), each as its image span."""
+    ids, images = list(head.input_ids), list(head.images)
+    for item in items:
+        if isinstance(item, ImageTensor):
+            ids += image_span_ids(tok, item)
+            images.append(item)
+        elif with_text:
+            ids += list(item)
+    return PromptInput(ids, images)

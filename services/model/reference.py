@@ -212,18 +212,19 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 @torch.no_grad()
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
             seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
-            branch_steps: dict | None = None) -> torch.Tensor:
+            branch_steps: dict | None = None, noise_draw: int = 0, on_estimate=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
 
     `cache`: step caching (services/model/step_cache.py), per branch; `branch_steps`, if given, is
-    filled with {branch: (computed, reused)} steps."""
+    filled with {branch: (computed, reused)} steps; `noise_draw`: which draw of the seeded generator the
+    noise is (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image z + (1 - t) v."""
     cache = cache or CacheOptions()
     params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
     if width % S.BLOCK or height % S.BLOCK:
         raise ValueError(f"width and height must be multiples of {S.BLOCK}")
     th, tw = height // S.BLOCK, width // S.BLOCK
     s = S.noise_scale(model.cfg, th * tw)
-    x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s)
+    x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s, noise_draw)
     grid = S.timesteps(params.num_inference_steps, params.timestep_shift, device=model.device)
     needed = S.branches_needed(params)
     kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
@@ -240,7 +241,10 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
                                 fb if cache.mode != "off" else None)
             if cache.mode == "off":
                 states[b].computed += 1
-        z = S.euler(z, S.combine(v, params, i, float(t)), t, t_next)
+        v = S.combine(v, params, i, float(t))
+        if on_estimate is not None:
+            on_estimate(i, S.unpatchify(z + (1 - t) * v, th, tw))
+        z = S.euler(z, v, t, t_next)
         x = S.unpatchify(z, th, tw)
         if on_step is not None:
             on_step(i + 1, params.num_inference_steps)
@@ -269,3 +273,74 @@ def edit(model, tok, prompt: str, images: list, width: int, height: int, params:
     params = params or S.SamplerParams(mode="edit")
     pre = image_prefixes(model, tok, "edit", prompt, images, params, think, max_think_tokens)
     return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text
+
+
+# ---- interleaved text-and-image answers: the spec's loop, one persistent cache per branch -------------------
+@dataclass
+class InterleaveAnswer:
+    segments: list[list[int]]          # the text token ids between images (greedy)
+    images: list[torch.Tensor]         # [1, 3, H, W] in [-1, 1], unclamped (the final Euler states)
+    finish_reason: str                 # "stop" (<|im_end|>, or <img> past the cap) | "length"
+
+
+def _append_image(model: NeoModel, tok: NeoTokenizer, cache: _Cache, image, t_img: int):
+    """A re-encoded image + `</img>` into a branch's cache at the positions its gen tokens had: image rows
+    t_img + 1 (grid h, w) seeing each other and the whole cache, `</img>` at t_img + 2 (spec §2.6, §3.3)."""
+    ids = torch.tensor([tok.img_context_id] * image.num_tokens + [tok.img_end_id])
+    positions = thw_indexes(ids, tok.img_context_id, [image.grid_hw], t_start=t_img + 1).to(model.device)
+    hidden = _forward_und(model, cache, model.embed(ids, [image]), positions, prefill_mask(positions))
+    return hidden, t_img + 2
+
+
+@torch.no_grad()
+def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params: S.SamplerParams, width: int,
+               height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192, max_images: int = 10,
+               system_message: str | None = None, logit_bias: dict[int, float] | None = None,
+               on_image=None) -> InterleaveAnswer:
+    """interleave_gen as interleave_spec §2.8 describes it: cond and tu caches that grow, a static iu; greedy text
+    until `<img>` / `<|im_end|>` / the budget; each image denoised over the CFG branches of `params` (edit rule:
+    cond, img_cond = tu, uncond = iu), its noise the k-th draw of one seeded generator, re-encoded from the float
+    image into cond and tu. `messages` as prompts.chat_input takes them (PIL images); `logit_bias` is added to the
+    logits before the argmax (tests force `<img>` with it); `on_image(k, prefixes)` sees each image's prefixes."""
+    from . import prompts as P
+    from .images import generated_image_tensor
+    system = P.interleave_system_message() if system_message is None else system_message
+    cond_head, tu_head = P.interleave_heads(tok, messages, think, system)
+    cond, pos, hidden = prefill(model, cond_head)
+    t_cond = int(pos[0].max())
+    tu, pos_tu, _ = prefill(model, tu_head)
+    t_tu = int(pos_tu[0].max())
+    iu = build_prefix(model, tok, P.PromptInput(tok.encode(P.UNCOND_TEXT)))
+    bias = torch.zeros(model.cfg.llm.vocab_size)
+    for t, b in (logit_bias or {}).items():
+        bias[t] += b
+
+    def argmax(h) -> int:
+        return int(torch.argmax(model.lm_logits(h[-1:])[0].cpu() + bias))
+
+    segments, images, text_tokens = [], [], 0
+    nxt = argmax(hidden)
+    while True:
+        seg: list[int] = []
+        while nxt not in (tok.im_end_id, tok.img_start_id) and text_tokens < max_new_tokens:
+            seg.append(nxt)
+            text_tokens += 1
+            hidden, t_cond = _append_text(model, cond, [nxt], t_cond)
+            nxt = argmax(hidden)
+        segments.append(seg)
+        if text_tokens >= max_new_tokens:
+            return InterleaveAnswer(segments, images, "length")
+        if nxt == tok.im_end_id or len(images) >= max_images:
+            return InterleaveAnswer(segments, images, "stop")
+        _, t_cond = _append_text(model, cond, [tok.img_start_id], t_cond)
+        _, t_tu = _append_text(model, tu, [tok.img_start_id], t_tu)
+        prefixes = {"cond": PrefixKV(cond.stacked(), t_cond + 1), "img_cond": PrefixKV(tu.stacked(), t_tu + 1),
+                    "uncond": iu}
+        if on_image is not None:
+            on_image(len(images), prefixes)
+        x = denoise(model, prefixes, width, height, params, seed, 1, noise_draw=len(images))
+        images.append(x)
+        image = generated_image_tensor(x[0])
+        hidden, t_cond = _append_image(model, tok, cond, image, t_cond)
+        _, t_tu = _append_image(model, tok, tu, image, t_tu)
+        nxt = argmax(hidden)

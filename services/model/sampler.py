@@ -32,9 +32,14 @@ def noise_scale(cfg, num_tokens: int) -> float:
     return min(s, float(cfg.noise_scale_max_value))
 
 
-def initial_noise(n: int, height: int, width: int, seed: int, device, dtype, scale: float) -> torch.Tensor:
-    """One draw for the whole batch from a fresh generator on the model's device (as upstream)."""
+def initial_noise(n: int, height: int, width: int, seed: int, device, dtype, scale: float,
+                  draw: int = 0) -> torch.Tensor:
+    """One draw for the whole batch from a fresh generator on the model's device (as upstream). `draw` > 0 takes
+    the draw-th draw of that shape instead: an interleaved answer's k-th image is the k-th draw of one seeded
+    generator (the official interleave_gen draws in sequence)."""
     g = torch.Generator(device=device).manual_seed(int(seed))
+    for _ in range(draw):
+        torch.randn((n, 3, height, width), device=device, dtype=dtype, generator=g)
     return scale * torch.randn((n, 3, height, width), device=device, dtype=dtype, generator=g)
 
 

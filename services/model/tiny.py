@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from .config import parse_config
 from .model import NeoModel
+from .tokenizer import byte_unicode as _byte_unicode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<IMG_CONTEXT>",
                   "<img>", "</img>"]
@@ -85,19 +86,6 @@ def tiny_config(variant: str) -> dict:
     elif variant != "u1":
         raise ValueError(f"variant must be one of {VARIANTS}")
     return _finish(top, llm, vision)
-
-
-def _byte_unicode() -> dict[int, str]:
-    """GPT-2 byte -> printable unicode map (what byte-level BPE vocabularies are written in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def write_tokenizer(out_dir: str) -> None:

@@ -16,6 +16,22 @@ class TokenizerError(ValueError):
     pass
 
 
+def byte_unicode() -> dict[int, str]:
+    """GPT-2 byte -> printable unicode map (what byte-level BPE vocabularies are written in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_BYTE = {ch: b for b, ch in byte_unicode().items()}
+
+
 class NeoTokenizer:
     def __init__(self, tokenizer: Tokenizer, tokenizer_config: dict | None = None):
         self._tok = tokenizer
@@ -43,8 +59,9 @@ class NeoTokenizer:
         if isinstance(pad, dict):
             pad = pad.get("content", ENDOFTEXT)
         self.pad_id = self._tok.token_to_id(pad)
-        self.special_ids = {t.id if hasattr(t, "id") else i for i, t in self._tok.get_added_tokens_decoder().items()
-                            if t.special} if hasattr(self._tok, "get_added_tokens_decoder") else set()
+        added = self._tok.get_added_tokens_decoder() if hasattr(self._tok, "get_added_tokens_decoder") else {}
+        self.special_ids = {i for i, t in added.items() if t.special}
+        self._added = set(added)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "NeoTokenizer":
@@ -72,3 +89,12 @@ class NeoTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) in self._added or not all(ch in _UNICODE_BYTE for ch in piece):
+            return piece.encode("utf-8")
+        return bytes(_UNICODE_BYTE[ch] for ch in piece)

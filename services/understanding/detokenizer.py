@@ -55,11 +55,13 @@ class OutputText:
         self.content_sent = 0                 # chars of content_text already emitted
         self.reasoning_text = ""
         self.stopped = False
+        self.content_positions: list[int] = []   # which of the last push's ids went into the content
 
     def push(self, ids: list[int]) -> tuple[str, str]:
         """Returns (reasoning_delta, content_delta)."""
         r_delta = ""
-        for tid in ids:
+        self.content_positions = []
+        for pos, tid in enumerate(ids):
             if self.stopped:
                 break
             first = not self.seen_any
@@ -77,6 +79,7 @@ class OutputText:
                 r_delta += self.reasoning.push([tid])
             else:
                 self.content_text += self.content.push([tid])
+                self.content_positions.append(pos)
         self.reasoning_text += r_delta
         return r_delta, self._content_delta(final=False)
 
@@ -101,3 +104,28 @@ class OutputText:
         delta = self.content_text[self.content_sent:end]
         self.content_sent = end
         return delta
+
+
+MIN_LOGPROB = -9999.0     # what OpenAI reports for an impossible token (JSON has no -inf)
+
+
+class LogprobEntries:
+    """Engine log probabilities -> OpenAI's `logprobs.content` entries: {token, logprob, bytes, top_logprobs}."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def _one(self, token_id: int, logprob: float) -> dict:
+        raw = self.tok.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(MIN_LOGPROB, float(logprob)),
+                "bytes": list(raw)}
+
+    def entries(self, ids: list[int], logprobs: list, positions: list[int]) -> list[dict]:
+        """The entries of ids[p] for p in positions (the tokens that became content)."""
+        out = []
+        for p in positions:
+            if p >= len(logprobs):
+                break
+            chosen, alts = logprobs[p]
+            out.append({**self._one(ids[p], chosen), "top_logprobs": [self._one(t, lp) for t, lp in alts]})
+        return out

@@ -17,7 +17,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .devices import rank_device
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
-from .sampling import GREEDY, is_fatal_device_error, sample
+from .sampling import GREEDY, SamplingFailure, is_fatal_device_error, sample, token_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("u1serve.understanding.engine")
@@ -204,21 +204,22 @@ class Engine:
             self._broadcast(plan)
             logits = self.runner.forward(plan)
             exported = self._export(plan)
-            sampled = self._sample(logits, entries)
+            sampled, logprobs = self._sample(logits, entries)
         finally:
             if decode:
                 self.yield_signal.set_idle()
-        self.sched.process(entries, sampled, exported)
+        self.sched.process(entries, sampled, exported, logprobs)
 
     def _broadcast(self, obj) -> None:
         if self.tp is not None:
             box = [obj]
             dist.broadcast_object_list(box, src=0, group=self.tp.ctrl_group)
 
-    def _sample(self, logits, entries) -> dict:
+    def _sample(self, logits, entries) -> tuple[dict, dict]:
+        """(rid -> token, rid -> (logprob, top alternatives) for the requests that asked for logprobs)."""
         reqs = self.sched.sampling_requests(entries)
         if not reqs:
-            return {}
+            return {}, {}
         for r in reqs:
             if r.generator is None and not r.params.greedy:
                 r.generator = r.params.make_generator(logits.device)
@@ -226,7 +227,15 @@ class Engine:
         # repetition penalty looks at prompt + output: r.tokens holds both (no per-step copies)
         toks = sample(logits, params, [r.generator for r in reqs], [r.tokens for r in reqs],
                       [r.output_ids for r in reqs])
-        return {r.rid: t for r, t in zip(reqs, toks)}
+        sampled = {r.rid: t for r, t in zip(reqs, toks)}
+        want = [i for i, (r, t) in enumerate(zip(reqs, toks))
+                if r.kind == "text" and r.params.logprobs is not None and not isinstance(t, SamplingFailure)]
+        logprobs = {}
+        if want:
+            rows = logits[torch.tensor(want, dtype=torch.long, device=logits.device)]
+            lps = token_logprobs(rows, [toks[i] for i in want], [reqs[i].params.logprobs for i in want])
+            logprobs = {reqs[i].rid: lp for i, lp in zip(want, lps)}
+        return sampled, logprobs
 
     def _export(self, plan) -> dict:
         """Write each finished prefix into its pages through the Transport (trimmed to the real token count;

@@ -66,16 +66,17 @@ class PrefixPages:
 class PrefixJob:
     """One image-prefix request in the engine: its branches, their output queues, its pages."""
 
-    def __init__(self, svc: "ImagePrefixService", req: PrefixRequest, pages: PrefixPages, admission):
+    def __init__(self, svc: "ImagePrefixService", request_id: str, think: bool, pages: PrefixPages, admission):
         self.svc = svc
-        self.req = req
+        self.request_id = request_id
+        self.think = think               # the cond branch decodes a think block (think_delta events)
         self.pages = pages
         self.admission = admission       # ExitStack holding the admission slot
         self.queues: dict[str, asyncio.Queue] = {}
         self.t0 = time.monotonic()
 
     def engine_rid(self, branch: str) -> str:
-        return f"{self.req.request_id}:{branch}"
+        return f"{self.request_id}:{branch}"
 
     def submit(self, msgs: dict[str, SubmitRequest]) -> None:
         engine = self.svc.state.engine
@@ -96,9 +97,9 @@ class PrefixJob:
         self.queues = {}
         freed = self.pages.close()
         if freed:
-            log.info("prefix %s: released %d shm pages", self.req.request_id, freed)
-        if self.svc.jobs.get(self.req.request_id) is self:
-            del self.svc.jobs[self.req.request_id]
+            log.info("prefix %s: released %d shm pages", self.request_id, freed)
+        if self.svc.jobs.get(self.request_id) is self:
+            del self.svc.jobs[self.request_id]
         self.admission.close()
 
     async def events(self):
@@ -135,7 +136,7 @@ class PrefixJob:
             # now leaks them only until their lease expires)
             self.pages.hand_out()
             yield {"type": "handles", "handles": done,
-                   "think_text": tok.decode(think_ids) if self.req.think else None}
+                   "think_text": tok.decode(think_ids) if self.think else None}
         finally:
             for f in pending.values():
                 f.cancel()
@@ -154,11 +155,9 @@ class ImagePrefixService:
             return PR.t2i_inputs(st.tok, req.prompt, req, req.think, system)
         return PR.edit_inputs(st.tok, req.prompt, pils, req, req.think, system)
 
-    def _reserve(self, req: PrefixRequest, inputs: dict, tail_len: int) -> tuple[PrefixPages, dict]:
-        """Pages for every branch (prompt, + think budget and tail on cond), all or nothing."""
+    def _reserve(self, sizes: dict[str, int]) -> tuple[PrefixPages, dict]:
+        """Pages for every branch (its prompt, + think budget and tail on a thinking cond), all or nothing."""
         st, pool = self.state, self.state.pool
-        sizes = {b: len(inp.input_ids) + (req.max_think_tokens + tail_len if req.think and b == "cond" else 0)
-                 for b, inp in inputs.items()}
         for branch, n in sizes.items():
             if n >= st.limits.max_model_len:
                 raise bad_request(f"the {branch} prefix needs up to {n} tokens, over the context limit of "
@@ -189,11 +188,16 @@ class ImagePrefixService:
             raise APIError(409, f"request_id {request_id!r} is already running", param="request_id",
                            code="duplicate")
 
-    async def _start(self, req: PrefixRequest) -> PrefixJob:
+    def require_pool(self):
         st = self.state
         st.require_engine()
         if st.pool is None:
             raise unavailable("this server was started without --kv-pool-name", "no_kv_pool")
+        return st.pool
+
+    async def _start(self, req: PrefixRequest) -> PrefixJob:
+        st = self.state
+        self.require_pool()
         self._check_unique(req.request_id)
         if req.max_think_tokens > st.args.max_think_tokens:
             raise bad_request(f"max_think_tokens: at most {st.args.max_think_tokens} on this server",
@@ -206,22 +210,35 @@ class ImagePrefixService:
                 pils = await st.images.decode([(f"images[{i}]", im) for i, im in enumerate(req.images)],
                                               IM.EDIT_MIN_PIXELS, IM.edit_max_pixels(n))
             inputs = await st.images.run(self._branch_inputs, req, pils)
-            tail = st.tok.encode(PR.THINK_TAIL)
-            self._check_unique(req.request_id)      # again: the same id may have arrived meanwhile
-            pages, handles = self._reserve(req, inputs, len(tail))
         except BaseException:
             admission.close()
             raise
-        job = PrefixJob(self, req, pages, admission)
-        self.jobs[req.request_id] = job
+        return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens)
+
+    def start_job(self, request_id: str, inputs: dict, admission, cache_salt: Optional[str] = None,
+                  think: bool = False, max_think_tokens: int = 0) -> PrefixJob:
+        """Reserve the pages of every branch's prefix and submit them (think: the cond branch decodes a think
+        block first). The job owns `admission` from here on, also when this raises."""
+        st = self.state
+        try:
+            tail = st.tok.encode(PR.THINK_TAIL) if think else []
+            self._check_unique(request_id)      # again: the same id may have arrived meanwhile
+            pages, handles = self._reserve({b: len(inp.input_ids) + (max_think_tokens + len(tail) if think and
+                                                                      b == "cond" else 0)
+                                            for b, inp in inputs.items()})
+        except BaseException:
+            admission.close()
+            raise
+        job = PrefixJob(self, request_id, think, pages, admission)
+        self.jobs[request_id] = job
         msgs = {}
         for branch, inp in inputs.items():
-            think = req.think and branch == "cond"
+            thinks = think and branch == "cond"
             msgs[branch] = SubmitRequest(
                 job.engine_rid(branch), list(inp.input_ids), list(inp.images), SamplingParams(max_tokens=1),
-                "prefix", think=think, max_think_tokens=req.max_think_tokens if think else 0,
-                think_tail_ids=tail if think else [], think_stop_id=st.tok.im_end_id,
-                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=req.cache_salt)
+                "prefix", think=thinks, max_think_tokens=max_think_tokens if thinks else 0,
+                think_tail_ids=tail if thinks else [], think_stop_id=st.tok.im_end_id,
+                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=cache_salt)
         try:
             job.submit(msgs)
         except EngineDead as e:

@@ -47,9 +47,10 @@ def prompt_messages(messages: list[ChatMessage], pils: list) -> list[dict]:
     return out
 
 
-def text_params(req: TextSampling, prompt_len: int, limits: Limits, param: str = "messages") -> SamplingParams:
+def text_params(req: TextSampling, prompt_len: int, limits: Limits, param: str = "messages",
+                logprobs: Optional[int] = None) -> SamplingParams:
     """The engine's SamplingParams: the prompt must leave room in the context, max_tokens is clamped to what
-    is left (default: all of it), stop token ids must be in the vocabulary."""
+    is left (default: all of it), stop token ids and logit_bias ids must be in the vocabulary."""
     if prompt_len >= limits.max_model_len:
         raise bad_request(f"the prompt is {prompt_len} tokens, over the context limit of {limits.max_model_len} "
                           "tokens", param, "context_length_exceeded")
@@ -57,8 +58,12 @@ def text_params(req: TextSampling, prompt_len: int, limits: Limits, param: str =
     if bad:
         raise bad_request(f"stop_token_ids: {bad[0]} is not a token id; ids are 0..{limits.vocab_size - 1}",
                           "stop_token_ids")
+    bad = [t for t in req.bias_map if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise bad_request(f"logit_bias: {bad[0]} is not a token id; ids are 0..{limits.vocab_size - 1}",
+                          "logit_bias")
     room = limits.max_model_len - prompt_len
-    return SamplingParams.from_request(req, min(req.max_tokens, room) if req.max_tokens else room)
+    return SamplingParams.from_request(req, min(req.max_tokens, room) if req.max_tokens else room, logprobs)
 
 
 # ---- the LightLLM-style native API (/generate, /generate_stream) -----------------------------------------

@@ -48,6 +48,7 @@ class RequestOutput:
     cached_tokens: int = 0
     handle: Optional[dict] = None            # prefix requests: the filled handle
     think_ids: Optional[list[int]] = None    # prefix requests: the whole think block
+    logprobs: Optional[list] = None          # text requests that asked: (logprob, [(id, logprob)]) per new id
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Req:
         self.think_done = not msg.think
         self.finished: Optional[str] = None
         self.new_ids: list[int] = []            # produced this step, not yet reported
+        self.new_logprobs: Optional[list] = [] if msg.params.logprobs is not None else None
         self.generator = None
         if msg.kind == "prefix" and msg.think and msg.max_think_tokens <= 0:
             self.think_done = True

@@ -33,15 +33,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    logprobs: Optional[int] = None    # None: none; k: the sampled token's log probability and the top k
 
     @classmethod
-    def from_request(cls, req, max_tokens: int) -> "SamplingParams":
+    def from_request(cls, req, max_tokens: int, logprobs: Optional[int] = None) -> "SamplingParams":
         """From a validated `TextSampling` (chat body or native parameters)."""
         return cls(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                    top_k=req.top_k if req.top_k > 0 else -1, min_p=req.min_p,
                    repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                    frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop_list,
-                   stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos)
+                   stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                   logit_bias=req.bias_map, logprobs=logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +52,9 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+        """Anything that changes the logits before the choice (penalties, logit_bias)."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+                or bool(self.logit_bias))
 
     def make_generator(self, device) -> Optional[torch.Generator]:
         if self.greedy:
@@ -78,6 +83,12 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
     vocab = row.shape[0]
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if 0 <= t < vocab]
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.long, device=row.device)
+            bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
+            row = _finite(row.index_add(0, idx, bias))
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
         seen = seen[(seen >= 0) & (seen < vocab)]
@@ -127,6 +138,20 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text
                                               or "illegal memory access" in text)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[tuple]:
+    """Per row: (log probability of the sampled token, [(id, log probability)] of the `top[i]` most likely
+    tokens), from the model's own distribution (the raw logits, before penalties and sampling filters)."""
+    lp = torch.log_softmax(_finite(logits.float()), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    k = min(max(top, default=0), lp.shape[-1])
+    best_v, best_i = torch.topk(lp, k, dim=-1) if k else (None, None)
+    out = []
+    for i, (c, n) in enumerate(zip(chosen, top)):
+        alts = list(zip(best_i[i, :n].tolist(), best_v[i, :n].tolist())) if n else []
+        out.append((c, alts))
+    return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list,

@@ -127,11 +127,19 @@ class Scheduler:
         self.reqs.pop(req.rid, None)
         req.finished = reason
         out = RequestOutput(req.rid, req.new_ids, reason, error=error, error_code=code,
-                            prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle)
+                            prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle,
+                            logprobs=self._take_logprobs(req))
         if req.kind == "prefix":
             out.think_ids = list(req.output_ids)
         req.new_ids = []
         self.outputs.append(out)
+
+    @staticmethod
+    def _take_logprobs(req: Req) -> Optional[list]:
+        if req.new_logprobs is None:
+            return None
+        out, req.new_logprobs = req.new_logprobs, []
+        return out
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
@@ -332,8 +340,10 @@ class Scheduler:
         """Requests owning plan.logit_rows, in row order."""
         return [r for r, _, e in entries if e == len(r.tokens) and self._needs_logits(r)]
 
-    def process(self, entries, sampled: dict, exported: dict) -> None:
-        """Advance requests after the forward. sampled: rid -> token; exported: rid -> (handle | error)."""
+    def process(self, entries, sampled: dict, exported: dict, logprobs: Optional[dict] = None) -> None:
+        """Advance requests after the forward. sampled: rid -> token; exported: rid -> (handle | error);
+        logprobs: rid -> (logprob, top alternatives) of the sampled token, for requests that asked."""
+        logprobs = logprobs or {}
         self.stats.steps += 1
         for r, s, e in entries:
             r.num_computed = e
@@ -345,6 +355,8 @@ class Scheduler:
             if isinstance(tok, SamplingFailure):
                 self._finish(r, "error", tok.message, "sampling_error")
             elif r.kind == "text":
+                if r.new_logprobs is not None and r.rid in logprobs:
+                    r.new_logprobs.append(logprobs[r.rid])
                 self._advance_text(r, tok)
             elif not r.think_done:
                 self._advance_think(r, tok)
@@ -390,7 +402,7 @@ class Scheduler:
         for r in self.running:
             if r.new_ids:
                 outs.append(RequestOutput(r.rid, r.new_ids, prompt_tokens=r.prompt_len,
-                                          cached_tokens=r.hit_tokens))
+                                          cached_tokens=r.hit_tokens, logprobs=self._take_logprobs(r)))
                 r.new_ids = []
         self.outputs = []
         return outs

@@ -24,6 +24,7 @@ from .engine_client import EngineClient
 from .image_inputs import ImageBudget, ImageDecoder
 from .image_prefix import ImagePrefixService
 from .inputs import Limits
+from .interleave import InterleaveService
 from .metrics import Metrics
 
 log = logging.getLogger("u1serve.understanding")
@@ -54,6 +55,7 @@ class AppState:
         self.pool = None
         self.engine: Optional[EngineClient] = None
         self.prefixes = ImagePrefixService(self)
+        self.interleave = InterleaveService(self)
         self.started = time.time()
         self.exit_error: Optional[str] = None          # the engine never started: the server exits with it
         self.request_exit: Callable[[], None] = lambda: None
@@ -122,12 +124,17 @@ class AppState:
             raise unavailable(s["failure"] or f"the engine is not ready ({s['state']})", "engine_unavailable")
         return e
 
-    def admit(self) -> contextlib.ExitStack:
-        """An admission slot (429 + Retry-After when the running + queued limit is reached), held until the
-        returned stack is closed (idempotent: every exit path may close it)."""
-        self.gate.acquire()
+    def admit(self, slots: int = 1) -> contextlib.ExitStack:
+        """Admission slots, one per engine request (429 + Retry-After when the running + queued limit is reached;
+        all or none), held until the returned stack is closed (idempotent: every exit path may close it)."""
         scope = contextlib.ExitStack()
-        scope.callback(self.gate.release)
+        try:
+            for _ in range(slots):
+                self.gate.acquire()
+                scope.callback(self.gate.release)
+        except BaseException:
+            scope.close()
+            raise
         return scope
 
     async def build_prompt(self, fn, *args):

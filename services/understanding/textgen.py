@@ -8,7 +8,7 @@ from typing import Optional
 from services.kit.errors import APIError, bad_request, overloaded, unavailable
 from services.model import prompts as PR
 
-from .detokenizer import OutputText
+from .detokenizer import LogprobEntries, OutputText
 from .engine_client import EngineDead
 from .protocol import RequestOutput, SubmitRequest
 from .sampling import SamplingParams
@@ -31,13 +31,15 @@ def output_error(o: RequestOutput) -> APIError:
 
 async def generate(state, rid: str, inp: PR.PromptInput, params: SamplingParams, think: Optional[bool],
                    cache_salt: Optional[str] = None):
-    """Async iterator of dicts: {"reasoning", "content", "ids", "finish_reason"?, "usage"?}; a failure raises
-    APIError. Closing it early aborts the engine request."""
+    """Async iterator of dicts: {"reasoning", "content", "ids", "logprobs"?, "finish_reason"?, "usage"?} (logprobs:
+    OpenAI entries of the tokens that became content, when the params ask); a failure raises APIError. Closing it
+    early aborts the engine request."""
     engine = state.require_engine()
     stop_ids = state.stop_ids(params)
     msg = SubmitRequest(rid, list(inp.input_ids), list(inp.images), params, "text", stop_token_ids=stop_ids,
                         cache_salt=cache_salt)
     out = OutputText(state.tok, think, params.stop, set(stop_ids))
+    entries = LogprobEntries(state.tok) if params.logprobs is not None else None
     metrics = state.metrics
     t0 = time.monotonic()
     last = None
@@ -60,6 +62,9 @@ async def generate(state, rid: str, inp: PR.PromptInput, params: SamplingParams,
             n_out += len(o.new_ids)
             cached = o.cached_tokens
             r_delta, c_delta = out.push(o.new_ids)
+            extra = {}
+            if entries is not None:
+                extra["logprobs"] = entries.entries(o.new_ids, o.logprobs or [], out.content_positions)
             reason = o.finish_reason
             if out.stopped and reason is None:
                 engine.abort(rid)      # a stop string ended it; free the KV at the next iteration
@@ -73,11 +78,11 @@ async def generate(state, rid: str, inp: PR.PromptInput, params: SamplingParams,
                          "total_tokens": len(inp.input_ids) + n_out,
                          "prompt_tokens_details": {"cached_tokens": cached}}
                 metrics.e2e.observe(now - t0)
-                yield {"reasoning": r_delta + r2, "content": c_delta + c2, "ids": o.new_ids,
+                yield {"reasoning": r_delta + r2, "content": c_delta + c2, "ids": o.new_ids, **extra,
                        "finish_reason": "stop" if out.stopped else reason, "usage": usage}
                 return
             if r_delta or c_delta or o.new_ids:
-                yield {"reasoning": r_delta, "content": c_delta, "ids": o.new_ids}
+                yield {"reasoning": r_delta, "content": c_delta, "ids": o.new_ids, **extra}
     finally:
         if not finished:
             engine.abort(rid)

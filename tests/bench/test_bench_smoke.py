@@ -22,6 +22,8 @@ SMOKE = {
     "kernels": ["bench/bench_kernels.py", "--smoke", "--out", "{tmp}"],
     "deployment": ["bench/bench_deployment.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--chat-tokens", "8", "--requests", "1", "--log-dir", "{tmp}"],
+    "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
+                   "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }
 
 

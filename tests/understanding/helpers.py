@@ -41,7 +41,7 @@ def reference_ids(ref, req: dict) -> list[int]:
     from services.model import prompts as PR
     from services.model import reference as R
     model, tok = ref
-    inp = PR.chat_input(tok, req["ref_messages"], False, IMG_MIN, IMG_MAX)
+    inp = PR.chat_input(tok, req["ref_messages"], None, IMG_MIN, IMG_MAX)   # the official prompt (no think block)
     return R.generate_text(model, tok, inp, max_new_tokens=req["max_tokens"])
 
 

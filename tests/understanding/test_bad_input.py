@@ -29,7 +29,7 @@ CHAT_CASES = {
     "negative max_tokens": ({**OK, "max_tokens": -5}, "max_tokens"),
     "temperature out of range": ({**OK, "temperature": 3.5}, "temperature"),
     "top_p out of range": ({**OK, "top_p": 0.0}, "top_p"),
-    "n > 1": ({**OK, "n": 2}, "n"),
+    "n over the limit": ({**OK, "n": 17}, "n"),
     "bad content part": ({**OK, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "type"),
     "no user message": ({**OK, "messages": [{"role": "system", "content": "s"}]}, "user"),
     "seed over int64": ({**OK, "seed": 2**64}, "seed"),

@@ -1,10 +1,12 @@
 """POST /v1/chat/completions. A text chat is validated here (ChatCompletionRequest, every image part checked)
 and proxied to understanding as the original body, so extension fields reach it. `modalities: ["image"]` makes
-an image from the last user turn instead (its images make it an edit)."""
+an image from the last user turn instead (its images make it an edit); `modalities: ["text", "image"]` an
+interleaved answer (interleave.py): text and generated images in order."""
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from typing import Any, Optional
 
@@ -13,18 +15,19 @@ import httpx
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from services.contract.chat import ChatCompletionRequest, ImagePart, TextPart
+from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ImagePart, TextPart
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
 from services.kit.web import json_body, until_disconnect
 
+from .. import interleave
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
-from ..jobs import build_job, check_options
-from ..relay import OwnedStream, client_gone, collect_job, stream_job
+from ..jobs import build_job, check_options, resolve_size
+from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
-from ..schemas import ERRORS, ChatCompletionResponse
+from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
                         error_from_response, is_timeout, open_stream, reading, tell)
@@ -36,7 +39,7 @@ PATH = "/v1/chat/completions"
 IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
 
 STREAM_DOC = {200: {"description": "JSON, or with stream: SSE chat.completion.chunk events then [DONE]",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                    "content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}}
 
 
 def image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
@@ -58,7 +61,7 @@ def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str
     return text, images
 
 
-def chat_image_options(body: dict, req: ChatCompletionRequest) -> ImageOptions:
+def chat_image_options(body: dict, req: ChatCompletionRequest) -> ChatImageOptions:
     """The image options of a chat request: image fields at the top level or under extra_body (aliases such as
     flow_shift included), overridden by `image_config`; `think` follows chat_template_kwargs.enable_thinking
     unless given."""
@@ -73,7 +76,7 @@ def chat_image_options(body: dict, req: ChatCompletionRequest) -> ImageOptions:
     if "think" not in opts and thinking is not None:
         opts["think"] = thinking
     opts["stream"] = req.stream
-    return ImageOptions.model_validate(opts)
+    return ChatImageOptions.model_validate(opts)
 
 
 @router.post(PATH, response_model=ChatCompletionResponse, response_model_exclude_none=True,
@@ -82,6 +85,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
+    if req.wants_interleave:
+        return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
         return await chat_image(request, state, req, body, salt)
     await state.images.check(image_parts(req))
@@ -251,3 +256,94 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
 
     return await stream_job(request, state, job, convert, head=[chunk({"role": "assistant", "content": ""})],
                             tail=[chunk({}, "stop")])
+
+
+# ------------------------------------------------------------------------------------------ interleaved answers
+async def chat_interleave(request: Request, state: GatewayState, req: ChatCompletionRequest, body: dict,
+                          salt: Optional[str]):
+    """modalities ['text', 'image']: text and generated images in one answer (greedy text as the official
+    interleave_gen; think mode unless enable_thinking is false; one image size for the whole answer)."""
+    opts = chat_image_options(body, req)
+    if opts.n != 1:
+        raise bad_request("an interleaved answer makes its images one at a time: image_config.n must be 1",
+                          param="image_config.n")
+    if req.n != 1:
+        raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
+    sampler = check_options(state.config, opts, "edit", "")         # before any image is decoded
+    checked = await state.images.check(image_parts(req))
+    width, height = resolve_size(state.config, opts, (checked[0].width, checked[0].height) if checked else None)
+    generate = {**sampler.model_dump(), "width": width, "height": height, "n": 1,
+                "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
+                "output_format": opts.output_format, "partial_images": opts.partial_images}
+    if opts.cache is not None:
+        generate["cache"] = opts.cache.model_dump(exclude_unset=True)
+    interleave.check_generate(generate)
+    answer = interleave.Answer(
+        request_id=request_id(request), messages=[m.model_dump(mode="json", exclude_none=True) for m in req.messages],
+        think=opts.think if "think" in opts.model_fields_set else True,
+        max_tokens=interleave.default_max_tokens(req.max_tokens), max_images=opts.max_images, generate=generate,
+        logit_bias=req.logit_bias, cache_salt=salt)
+    cid, created, model = "chatcmpl-" + answer.request_id, int(time.time()), req.model or state.config.model_name
+    fmt = opts.output_format
+
+    def image_part(ev: dict) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_url(ev["b64"], ev.get("format", fmt))}}
+
+    if not req.stream:
+        async def work():
+            reasoning, parts, images, done = [], [], [], None
+            async for ev in interleave.run(state, answer, state.deadline()):
+                kind = ev["type"]
+                if kind == "text":
+                    reasoning.append(ev.get("reasoning") or "")
+                    if ev.get("content"):
+                        if parts and parts[-1]["type"] == "text":
+                            parts[-1]["text"] += ev["content"]
+                        else:
+                            parts.append({"type": "text", "text": ev["content"]})
+                elif kind == "image":
+                    images.append(image_part(ev))
+                    parts.append(images[-1])
+                elif kind == "done":
+                    done = ev
+            return "".join(reasoning), parts, images, done
+
+        finished, result = await until_disconnect(request, work)
+        if not finished:
+            return client_gone()
+        reasoning, parts, images, done = result
+        message: dict[str, Any] = {"role": "assistant", "content": parts, "images": images}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": done["finish_reason"]}],
+                "usage": done["usage"]}
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(delta: dict, finish: Optional[str] = None) -> dict:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def convert(ev: dict) -> list[dict]:
+        kind = ev["type"]
+        if kind == "text":
+            delta = {k: ev[v] for k, v in (("reasoning_content", "reasoning"), ("content", "content")) if ev.get(v)}
+            return [chunk(delta)] if delta else []
+        if kind == "image":
+            return [chunk({"images": [{**image_part(ev), "index": ev["image"]}]})]
+        if kind == "image_progress":
+            return [chunk({"image_progress": {"index": ev["image"], "step": ev["step"], "total": ev["total"]}})]
+        if kind == "partial_image":
+            return [chunk({"partial_image": {"index": ev["image"], "partial_image_index": ev["partial_image_index"],
+                                             "image_url": {"url": data_url(ev["b64"], ev.get("format", "jpeg"))}}})]
+        if kind == "done":
+            out = [chunk({}, ev["finish_reason"])]
+            if include_usage:
+                out.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": ev["usage"]})
+            return out
+        return []
+
+    return await stream_events(request, interleave.run(state, answer, state.deadline()), convert,
+                               head=[chunk({"role": "assistant", "content": ""})])

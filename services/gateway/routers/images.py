@@ -72,6 +72,11 @@ def stream_events(job: ImageJob, prefix: str, created: int):
         if kind == "progress":
             return [{**{k: v for k, v in ev.items() if k not in ("type", "request_id")},
                      "type": f"{prefix}.progress"}]
+        if kind == "partial_image":      # OpenAI's partial_images: a preview (x0 estimate) while denoising
+            return [{"type": f"{prefix}.partial_image", "partial_image_index": ev.get("partial_image_index", 0),
+                     "index": ev.get("index", 0), "b64_json": ev["b64"], "created_at": created,
+                     "output_format": ev.get("format", "jpeg"), "size": f"{ev.get('width')}x{ev.get('height')}",
+                     "step": ev.get("step"), "background": "opaque", "quality": "auto"}]
         if kind == "image":
             fmt = ev.get("format", job.output_format)
             out = {k: v for k, v in ev.items() if k not in _OWN_IMAGE_FIELDS}

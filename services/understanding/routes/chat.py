@@ -13,7 +13,7 @@ from services.kit.errors import APIError, bad_request
 from services.kit.web import json_body
 from services.model import prompts as PR
 
-from .. import textgen
+from ..choices import Choices, merged_usage
 from ..inputs import image_refs, prompt_messages, text_params
 from ..state import app_state
 from .responses import sse_response, until_done_or_gone
@@ -21,100 +21,109 @@ from .responses import sse_response, until_done_or_gone
 router = APIRouter()
 
 
-def _enable_thinking(req: ChatCompletionRequest):
-    """False unless asked: True opens <think> in the prompt, an explicit null lets the model decide."""
-    kw = req.chat_template_kwargs
-    return kw.enable_thinking if kw is not None and "enable_thinking" in kw.model_fields_set else False
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = app_state(request)
     req = ChatCompletionRequest.model_validate(await json_body(request))
-    if req.wants_image:
+    if req.wants_image or req.wants_interleave:
         raise bad_request("image output is served by the gateway's /v1/chat/completions, not by the "
                           "understanding service", "modalities")
-    think = _enable_thinking(req)
+    # absent: the official prompt (ends at 'assistant\n'); false: the empty think block; true: opens <think>
+    think = req.thinking
     st.require_engine()
-    admission = st.admit()
+    admission = st.admit(req.n)
     try:
         pils = await st.images.decode(image_refs(req.messages), st.limits.min_pixels, st.limits.max_pixels)
         inp = await st.build_prompt(PR.chat_input, st.tok, prompt_messages(req.messages, pils), think,
                                     st.limits.min_pixels, st.limits.max_pixels)
-        params = text_params(req, len(inp.input_ids), st.limits)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = text_params(req, len(inp.input_ids), st.limits, logprobs=logprobs)
         rid = st.engine_rid(request.state.request_id)
-        gen = textgen.generate(st, rid, inp, params, think, req.cache_salt)
+        choices = Choices(st, rid, inp, params, think, req.n, req.cache_salt)
+        events = choices.events()
         if req.stream:
             # run up to the first event so an immediate error is still a plain 4xx/5xx response
-            first = await anext(gen, None)
+            first = await anext(events)
     except BaseException:
         admission.close()
         raise
     created, model, resp_id = int(time.time()), st.model_name, f"chatcmpl-{uuid.uuid4().hex}"
 
     async def cleanup():
-        await gen.aclose()       # aborts the engine request if it did not finish
+        await events.aclose()
+        await choices.close()     # aborts the engine requests that did not finish
         admission.close()
+
+    def logprobs_of(ev: dict):
+        return {"content": ev["logprobs"]} if "logprobs" in ev else None
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta, finish=None):
+        def chunk(i: int, delta: dict, finish=None, lp=None):
             return {"id": resp_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                    "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
 
-        async def events():
-            usage = None
+        async def stream():
+            finals: dict[int, dict] = {}
             try:
-                yield sse.encode(chunk({"role": "assistant", "content": ""}))
-                ev = first
-                while ev is not None:
+                for i in range(req.n):
+                    yield sse.encode(chunk(i, {"role": "assistant", "content": ""}))
+                pending = first
+                while pending is not None:
+                    i, ev = pending
                     delta = {}
                     if ev["reasoning"]:
                         delta["reasoning_content"] = ev["reasoning"]
                     if ev["content"]:
                         delta["content"] = ev["content"]
-                    if delta or (req.return_token_ids and ev["ids"]):
-                        c = chunk(delta)
+                    lp = logprobs_of(ev) if ev.get("logprobs") else None
+                    if delta or lp or (req.return_token_ids and ev["ids"]):
+                        c = chunk(i, delta, lp=lp)
                         if req.return_token_ids:
                             c["choices"][0]["token_ids"] = ev["ids"]
                         yield sse.encode(c)
                     if "finish_reason" in ev:
-                        usage = ev["usage"]
+                        finals[i] = ev
                         st.metrics.requests.labels("chat", ev["finish_reason"]).inc()
-                        yield sse.encode(chunk({}, ev["finish_reason"]))
-                        break
-                    ev = await anext(gen, None)
-                if include_usage and usage:
+                        yield sse.encode(chunk(i, {}, ev["finish_reason"]))
+                    pending = await anext(events, None)
+                if include_usage and finals:
                     yield sse.encode({"id": resp_id, "object": "chat.completion.chunk", "created": created,
-                                      "model": model, "choices": [], "usage": usage})
+                                      "model": model, "choices": [], "usage": merged_usage(finals)})
             except APIError as e:
                 yield sse.encode(e.body())
             yield sse.encode(sse.DONE)
 
-        return sse_response(events(), cleanup)
+        return sse_response(stream(), cleanup)
 
     async def collect():
-        reasoning, content, ids, final = [], [], [], None
-        async for ev in gen:
-            reasoning.append(ev["reasoning"])
-            content.append(ev["content"])
-            ids.extend(ev["ids"])
+        got = {i: {"reasoning": [], "content": [], "ids": [], "logprobs": [], "final": None} for i in range(req.n)}
+        async for i, ev in events:
+            g = got[i]
+            g["reasoning"].append(ev["reasoning"])
+            g["content"].append(ev["content"])
+            g["ids"].extend(ev["ids"])
+            g["logprobs"].extend(ev.get("logprobs") or [])
             if "finish_reason" in ev:
-                final = ev
-        return "".join(reasoning), "".join(content), ids, final
+                g["final"] = ev
+        return got
 
-    finished, res = await until_done_or_gone(request, collect, cleanup)
+    finished, got = await until_done_or_gone(request, collect, cleanup)
     if not finished:
         return Response(status_code=499)
-    reasoning, content, ids, final = res
-    st.metrics.requests.labels("chat", final["finish_reason"]).inc()
-    message = {"role": "assistant", "content": content}
-    if think is not False:
-        message["reasoning_content"] = reasoning or None
-    choice = {"index": 0, "message": message, "finish_reason": final["finish_reason"], "logprobs": None}
-    if req.return_token_ids:
-        stop_ids = set(st.stop_ids(params))
-        choice["token_ids"] = [t for t in ids if t not in stop_ids]
-    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": final["usage"]}
+    stop_ids = set(st.stop_ids(params))
+    out = []
+    for i in range(req.n):
+        g = got[i]
+        st.metrics.requests.labels("chat", g["final"]["finish_reason"]).inc()
+        message = {"role": "assistant", "content": "".join(g["content"])}
+        if think is not False:
+            message["reasoning_content"] = "".join(g["reasoning"]) or None
+        choice = {"index": i, "message": message, "finish_reason": g["final"]["finish_reason"],
+                  "logprobs": {"content": g["logprobs"]} if req.logprobs else None}
+        if req.return_token_ids:
+            choice["token_ids"] = [t for t in g["ids"] if t not in stop_ids]
+        out.append(choice)
+    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": merged_usage({i: got[i]["final"] for i in range(req.n)})}

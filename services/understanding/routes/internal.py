@@ -1,4 +1,5 @@
-"""The gateway's internal calls: POST /internal/image_prefix, /internal/release, /internal/abort."""
+"""The gateway's internal calls: POST /internal/image_prefix, /internal/interleave_segment, /internal/release,
+/internal/abort."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from services.contract import limits as L
 from services.contract.image import PrefixRequest
+from services.contract.interleave import InterleaveSegmentRequest
 from services.contract.types import INTERNAL
 from services.kit.web import json_body
 
@@ -31,6 +33,13 @@ async def image_prefix(request: Request):
     st = app_state(request)
     req = PrefixRequest.model_validate(await json_body(request))
     return await st.prefixes.handle(request, req)
+
+
+@router.post("/internal/interleave_segment")
+async def interleave_segment(request: Request):
+    st = app_state(request)
+    req = InterleaveSegmentRequest.model_validate(await json_body(request))
+    return await st.interleave.handle(request, req)
 
 
 @router.post("/internal/release")

@@ -1,0 +1,35 @@
+"""The float result of an interleaved answer's image, handed back through the KV pool.
+
+The answer continues from the image exactly as denoised (interleave_spec §2.6: no uint8 round trip), so the
+final Euler state goes into pool pages this service allocates (`shm_transfer.tensors` packs it into a handle's
+shape); understanding reads it back and releases it when the answer ends. Nobody left to use it (the stream ended
+early) -> release it here; a crash -> the lease reclaims it.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.contract.interleave import FLOAT_IMAGE_BRANCH
+
+from .request import ApiError
+
+IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read extends it)
+
+
+def export(source, x: torch.Tensor) -> dict:
+    """x [3, H, W] (the model's dtype) into new pool pages; returns the KVHandle dict. ApiError when the pool is
+    full or unavailable."""
+    from shm_transfer import PoolFull
+    from shm_transfer.tensors import pack, tokens_for
+    t = source.transport("shm")
+    try:
+        h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH)
+    except PoolFull as e:
+        raise ApiError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
+                       code="kv_pool_full") from None
+    try:
+        t.write_kv(h, pack(x, t.layout))
+    except BaseException:
+        t.release(h)
+        raise
+    return h.to_dict()

@@ -1,0 +1,202 @@
+"""POST /internal/interleave_segment: one text segment of an interleaved text-and-image answer.
+
+The gateway drives the answer (docs/architecture.md, "Interleaved answers"); each segment is stateless here: the
+body carries the conversation and the answer so far (text token ids, and each generated image as a handle of its
+float pixels in the KV pool). One segment is
+1. a greedy text request over `cond` = the conversation + the answer so far, until `<img>`, `<|im_end|>` or the
+   budget (the prefix cache holds the earlier segments, so only the newest image and what follows it is
+   computed): `text` events;
+2. at `<img>` (and images left): the prefix KV of every CFG branch the image needs, exported like an image
+   prefix (`PrefixPages` owns the pages until the `handles` event): cond = all of it + `<img>`; tu = the input
+   and generated images only + `<img>`; iu = the static 9-token prefix (interleave_spec §2.1); else `done`.
+Generated images re-enter at the positions their gen tokens had (`<img>` t, image t + 1, `</img>` t + 2: an
+ordinary image span) from the float image, bf16-rounded as the official code does (images.generated_image_tensor).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from services.contract.interleave import (ALL_UNCOND, FLOAT_IMAGE_BRANCH, TEXT_FREE, InterleaveSegmentRequest,
+                                          TranscriptImage)
+from services.kit import sse
+from services.kit.errors import APIError, bad_request
+from services.model import images as IM
+from services.model import prompts as PR
+
+from . import textgen
+from .inputs import image_refs, prompt_messages
+from .routes.responses import sse_response, until_done_or_gone
+from .sampling import SamplingParams
+
+log = logging.getLogger("u1serve.understanding.interleave")
+CACHE_BYTES = 256 << 20  # re-encoded generated images kept here (a segment re-reads every image of its answer)
+
+
+class FloatImages:
+    """Generated images read back from the KV pool, as und-embedder inputs. Each read also extends the handle's
+    lease (the answer uses it again at every later segment); a small LRU saves the re-reads."""
+
+    def __init__(self, state):
+        self.state = state
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, item: TranscriptImage, param: str) -> IM.ImageTensor:
+        """Runs in the decode pool (blocking copies)."""
+        from shm_transfer import HandleError, KVHandle
+        from shm_transfer.tensors import tokens_for, unpack
+        pool, lease_s = self.state.pool, self.state.args.kv_lease_s
+        try:
+            h = KVHandle.from_dict(item.image)
+            if h.branch != FLOAT_IMAGE_BRANCH:
+                raise bad_request(f"{param}: not a generated image (branch {h.branch!r})", param, "invalid_handle")
+            if h.num_tokens != tokens_for(pool.layout, 3 * item.width * item.height):
+                raise bad_request(f"{param}: the handle does not hold a {item.width}x{item.height} image", param,
+                                  "invalid_handle")
+            pool.extend_lease(h, lease_s)          # checks that the pages are still this handle's
+            key = (h.pool_generation, h.handle_id)
+            with self._lock:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    return self._lru[key]
+            x = unpack(pool.read_kv(h), (3, item.height, item.width))
+            image = IM.generated_image_tensor(x)
+        except HandleError as e:
+            gone = e.code in ("stale_generation", "pages_freed", "lease_expired")
+            raise APIError(410 if gone else 400, f"{param}: {e}", param=param, code=f"kv_{e.code}") from None
+        except ValueError as e:          # the handle is too small for the size it claims
+            raise bad_request(f"{param}: {e}", param, "invalid_handle") from None
+        with self._lock:
+            self._lru[key] = image
+            while sum(im.pixel_values.nbytes for im in self._lru.values()) > CACHE_BYTES and len(self._lru) > 1:
+                self._lru.popitem(last=False)
+        return image
+
+
+def reasoning_state(tok, think: bool, segments: list[list[int]]) -> Optional[bool]:
+    """How the next segment's text splits into reasoning and content (detokenizer.OutputText's `think`). Think
+    mode: the answer's first token may open <think> (None: the segment starts the answer), a later </think>
+    closes it (True: the segment starts inside the block). Non-think mode never splits (False)."""
+    if not think:
+        return False
+    if not segments:
+        return None
+    opened = segments[0][:1] == [tok.think_id]
+    return opened and all(tok.end_think_id not in seg for seg in segments)
+
+
+class InterleaveService:
+    def __init__(self, state):
+        self.state = state
+        self.images = FloatImages(state)
+
+    async def _inputs(self, req: InterleaveSegmentRequest):
+        """(cond prompt of the segment, tu head + generated images, the transcript's text segments)."""
+        st = self.state
+        refs = image_refs(req.messages)
+        pils = await st.images.decode(refs, IM.EDIT_MIN_PIXELS, IM.edit_max_pixels(max(1, len(refs))))
+        items, texts = [], []
+        for i, item in enumerate(req.transcript):
+            if isinstance(item, TranscriptImage):
+                items.append(await st.images.run(self.images.load, item, f"transcript[{i}].image"))
+            else:
+                items.append(list(item.token_ids))
+                texts.append(list(item.token_ids))
+        system = PR.interleave_system_message(st.args.model, req.system_message)
+        cond_head, tu_head = await st.build_prompt(PR.interleave_heads, st.tok, prompt_messages(req.messages, pils),
+                                                   req.think, system)
+        cond = PR.extend_prompt(st.tok, cond_head, items)
+        tu = PR.extend_prompt(st.tok, tu_head, items, with_text=False)
+        return cond, tu, texts
+
+    def _text_params(self, req: InterleaveSegmentRequest, prompt_len: int) -> SamplingParams:
+        """Greedy (as the official loop), stopping at <img> as well as at <|im_end|>."""
+        room = self.state.limits.max_model_len - prompt_len
+        if room <= 1:
+            raise bad_request(f"the answer reached the context limit of {self.state.limits.max_model_len} tokens",
+                              "messages", "context_length_exceeded")
+        bad = [t for t in req.bias_map if not 0 <= t < self.state.limits.vocab_size]
+        if bad:
+            raise bad_request(f"logit_bias: {bad[0]} is not a token id", "logit_bias")
+        return SamplingParams(max_tokens=min(req.max_tokens, room), temperature=0.0, logit_bias=req.bias_map,
+                              stop_token_ids=[self.state.tok.img_start_id])
+
+    async def handle(self, request: Request, req: InterleaveSegmentRequest):
+        st = self.state
+        tok = st.tok
+        st.prefixes.require_pool()
+        admission = st.admit()
+        try:
+            cond, tu, texts = await self._inputs(req)
+            params = self._text_params(req, len(cond.input_ids))
+            rid = st.engine_rid(req.request_id)
+            gen = textgen.generate(st, rid, cond, params, reasoning_state(tok, req.think, texts), req.cache_salt)
+            first = await anext(gen)       # an immediate error is still a plain 4xx/5xx response
+        except BaseException:
+            admission.close()
+            raise
+        job = None
+
+        async def cleanup():
+            await gen.aclose()
+            if job is not None:
+                job.close()
+            admission.close()
+
+        async def events():
+            nonlocal job
+            ev, ids = first, []
+            while True:
+                ids.extend(ev["ids"])
+                if ev["reasoning"] or ev["content"]:
+                    yield {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
+                if "finish_reason" in ev:
+                    break
+                ev = await anext(gen)
+            final = ev
+            stop = ids[-1] if final["finish_reason"] == "stop" and ids else None
+            seg = ids[:-1] if stop in (tok.img_start_id, tok.im_end_id) else ids
+            usage = {**final["usage"], "completion_tokens": len(seg)}
+            if stop != tok.img_start_id or req.images_left <= 0:
+                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage}
+                return
+            inputs = {"cond": PR.PromptInput(cond.input_ids + seg + [tok.img_start_id], cond.images),
+                      TEXT_FREE: PR.PromptInput(tu.input_ids + [tok.img_start_id], tu.images),
+                      ALL_UNCOND: PR.PromptInput(tok.encode(PR.UNCOND_TEXT))}
+            inputs = {b: inputs[b] for b in req.branches()}
+            # the prefix job takes over the segment's admission slot (the text request is done)
+            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt)
+            async for pev in job.events():
+                if isinstance(pev, APIError):
+                    raise pev
+                if pev["type"] == "handles":
+                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage}
+
+        if req.stream:
+            async def stream():
+                try:
+                    async for ev in events():
+                        yield sse.encode(ev)
+                except APIError as e:
+                    yield sse.encode(e.event())
+                yield sse.encode(sse.DONE)
+            return sse_response(stream(), cleanup)
+
+        async def collect() -> dict:
+            out = {"text": [], "reasoning": []}
+            async for ev in events():
+                if ev["type"] == "text":
+                    out["text"].append(ev["content"])
+                    out["reasoning"].append(ev["reasoning"])
+                else:
+                    return {**ev, "content": "".join(out["text"]), "reasoning": "".join(out["reasoning"])}
+            raise APIError(500, "interleave segment ended without a result", code="internal")
+
+        finished, result = await until_done_or_gone(request, collect, cleanup)
+        return result if finished else Response(status_code=499)
