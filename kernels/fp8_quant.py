@@ -1,22 +1,43 @@
 """Row-wise fp8 (e4m3) quantisation: one scale per row, `q = round(x / s)`, `s = amax(|row|) / 448`.
 
 Used for activations (one scale per token, dynamic) and weights (one scale per output channel).
-The Triton kernel reads the row once and writes the fp8 row and its scale (the torch reference is
+The Triton kernels read the row once and write the fp8 row and its scale (the torch reference is
 ~6 passes over the row). Both compute, bit for bit:
   s = max(amax, 1e-12) * INV_FP8_MAX      (fp32 product; INV_FP8_MAX = fl32(1/448))
   y = clamp(x_fp32 / s, -448, 448)        (correctly rounded division)
   q = round-to-nearest-even of y to the e4m3 grid (3 mantissa bits; subnormals below 2^-6), signed
       zero kept (a negative value that rounds to 0 is -0, as torch's cast gives)
-The scale is a product with the fp32 reciprocal, not a division by 448, because that is what torch
-computes on CUDA for `tensor / 448.0` (a CPU-scalar divisor becomes a multiply by its reciprocal), while
-on CPU it divides: the first GPU run found every row's scale 1 ulp apart in ~half the rows (2026-11-30).
-The product is the same everywhere. The kernel rounds to the grid in fp32 arithmetic before the (then
-exact) cast, so its result does not depend on how a backend converts fp32 -> fp8 (the Triton
-interpreter's cast carries wrongly at a binade edge; PTX `cvt.rn.satfinite` and torch's cast are RNE
-like the explicit rounding).
+(rows holding inf / NaN are unspecified). The scale is a product with the fp32 reciprocal, not a
+division by 448, because that is what torch computes on CUDA for `tensor / 448.0` (a CPU-scalar divisor
+becomes a multiply by its reciprocal), while on CPU it divides: the first GPU run found every row's
+scale 1 ulp apart in ~half the rows (2026-11-30). The product is the same everywhere.
 
-`store_fp8_row` is the quantising tail as a Triton helper: producers that already hold a row in
-registers (RMSNorm, silu*mul: kernels/norm_act.py) quantise it without writing it out first.
+How the kernels get those bits without a division per value (`tl.math.div_rn` is a long PTX sequence
+with a slow-path call; two per value made the producers compute-bound, 2026-12):
+- x / s: r = RN(1/s) once per row (div_rn), then for a = |x|: q0 = RN(a r); q1 = RN(q0 + RN(a - s q0) r);
+  q2 = RN(q1 + (a - s q1) r) with both residuals FMAs. q0 is within 1.5 ulp of a / s (r carries a relative
+  error < 2^-24, the product rounds once more); q1 is then faithful (the residual's own rounding error is
+  2^-24 of a 1.5-ulp quantity, so q0 + e r is within ~2^-22 ulp of a / s before rounding). For a faithful
+  q1 and r = RN(1/s), Markstein's theorem (Markstein 1990; Muller et al., Handbook of Floating-Point
+  Arithmetic, "Newton-Raphson-based division with an FMA") gives a - s q1 exactly representable and q2 =
+  RN(a / s). No over/underflow where it matters: |a / s| <= 448 (1 + 2^-23), s >= 2^-49, and quotients
+  below 2^-11 (residuals may underflow) round to 0 in e4m3 either way. The sign is x's sign bit put back
+  last (OR of the bit), so -0 and negatives that round to 0 give -0 (`-r` compiled as `0 - r` lost it).
+  tests/kernels/interpreted/check_fp8.py checks rows where RN(a r) alone rounds differently.
+- the e4m3 rounding: on the GPU the cast does it (PTX `cvt.rn.satfinite.e4m3x2.f32`: RNE, +-448
+  saturation = the clamp); where the cast is not trusted (the Triton interpreter's carries wrongly at a
+  binade edge and mangles fp32 subnormals; U1SERVE_FP8_ROUND=explicit) the value is rounded to the grid in
+  fp32 first: times the exact reciprocal of its power-of-two quantum, +- 1.5 * 2^23, times the quantum.
+
+Launch variants (`fp8_launch`; `U1SERVE_FP8_VARIANT`, or the `variant` argument of the producers; every
+variant gives the same bits): `legacy` (the first kernel: the row padded to a power of two in registers,
+two div_rn per value; for timing comparisons), `row` (the same layout, no division), `pieces` (default:
+the row in registers as <= 4 unmasked power-of-two pieces, e.g. 12288 = 3 x 4096: no padded lanes),
+`twopass` (column chunks: pass 1 the amax, pass 2 re-reads, mostly from L2, and stores: small programs,
+many per SM). A spec may add the block (`twopass-1024`, `pieces-2048`) and the warps (`-w8`).
+
+The helpers (`_fp8_scale`, `_fp8_value`, `_fp8_load`, `_fp8_put`, `_fp8_store_pieces`) are shared with
+the producers that quantise what they compute (RMSNorm, silu*mul: kernels/norm_act.py).
 """
 from __future__ import annotations
 

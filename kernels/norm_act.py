@@ -8,6 +8,10 @@ The `_fp8` variants feed an fp8 GEMM (services/model/quant.py): the same row, ro
 dtype as above, then quantised row-wise in the same kernel (kernels/fp8_quant.py: one scale per row),
 so the activation is never written in bf16 and read back. On one backend they give the bits of the
 plain kernel followed by `quant_fp8_rowwise`; the references are exactly that composition.
+silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`pieces` by default: the 12288-wide
+row as 3 x 4096 in registers); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
+of squares, whose order follows the layout, must stay the same bits), so only its arithmetic follows the
+variant (`legacy` divides).
 """
 from __future__ import annotations
 
