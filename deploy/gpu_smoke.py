@@ -36,6 +36,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 from bench_load import LoadConfig, bomb_png, data_url, png, run_burst, summarize  # noqa: E402
 
 from services.kit import sse  # noqa: E402
+from services.netutil import free_port  # noqa: E402
 
 PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "cpu": (0, ["--device", "cpu"]),
@@ -52,24 +53,20 @@ def profiles_for(gpus: int) -> list[str]:
     return [name for name, (need, _) in PROFILES.items() if 1 <= need <= gpus]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Stack:
     """`u1serve up` of one profile as a real process tree; a context manager that stops it cleanly."""
 
-    def __init__(self, profile: str, out_dir: Optional[str] = None, startup_timeout_s: float = 600.0):
+    def __init__(self, profile: str, out_dir: Optional[str] = None, startup_timeout_s: float = 600.0,
+                 extra_flags: tuple[str, ...] = ()):
         self.profile = profile
-        self.gpus, self.flags = PROFILES[profile]
+        self.gpus, flags = PROFILES[profile]
+        self.flags = [*flags, *extra_flags]
         self.dir = out_dir or tempfile.mkdtemp(prefix=f"u1smoke-{profile}-")
         os.makedirs(self.dir, exist_ok=True)
         self.run_dir = os.path.join(self.dir, f"run-{profile}")
         self.api_key = "sk-smoke-" + os.urandom(6).hex()
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self.proc: Optional[subprocess.Popen] = None

@@ -6,7 +6,7 @@ class KVTransferError(Exception):
 
 
 class PoolFull(KVTransferError):
-    """Not enough free pages right now (never blocks). Services answer 503 `kv_pool_full`."""
+    """Not enough free pages right now (never blocks). Services answer 429 `kv_pool_full` with Retry-After."""
 
     def __init__(self, message: str, *, pages_needed: int, pages_free: int, pages_total: int):
         super().__init__(message)
