@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -108,6 +107,18 @@ def n_bad(got, want) -> int:
     return int((got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum()) + int((got[1] != want[1]).sum())
 
 
+def producer_runs(variants, x, xr, w, gate, up):
+    """(kernel, variant spec, fn(variant)) for each producer and variant: the quantiser on x, RMSNorm -> fp8
+    on xr with weight w, silu*mul -> fp8 on gate / up (RMSNorm only where the variant changes it)."""
+    for kern in ("quant", "rms", "silu"):
+        for spec in variants:
+            if kern == "rms" and spec.split("-")[0].split("+")[0] not in RMS_VARIANTS:
+                continue
+            yield kern, spec, {"quant": lambda v: quant_fp8_rowwise(x, v),
+                               "rms": lambda v: rms_norm_fp8(xr, w, EPS, v),
+                               "silu": lambda v: silu_mul_fp8(gate, up, v)}[kern]
+
+
 def check_bits(variants, dev, gen, shapes) -> list[dict]:
     res = []
     for rows, n in shapes:
@@ -122,12 +133,7 @@ def check_bits(variants, dev, gen, shapes) -> list[dict]:
                 "silu": quant_fp8_rowwise_ref(silu_mul(gate.contiguous(), up.contiguous()))}
         torch_ref = {"rms": rms_norm_fp8_ref(xr, w, EPS), "silu": silu_mul_fp8_ref(gate, up)}
         inputs = {"quant": x, "rms": xr, "silu": gate}
-        for kern in ("quant", "rms", "silu"):
-            for spec in variants:
-                if kern == "rms" and spec.split("-")[0].split("+")[0] not in RMS_VARIANTS:
-                    continue
-                fn = {"quant": lambda v: quant_fp8_rowwise(x, v), "rms": lambda v: rms_norm_fp8(xr, w, EPS, v),
-                      "silu": lambda v: silu_mul_fp8(gate, up, v)}[kern]
+        for kern, spec, fn in producer_runs(variants, x, xr, w, gate, up):
                 got = run_variant(fn, spec)
                 if dev != "cpu":
                     torch.cuda.synchronize()
@@ -163,17 +169,11 @@ def time_all(variants, dev, gen, row_list, col_list) -> list[dict]:
                 ms = bench_ms(fn, dev)
                 res.append({"kernel": "baseline", "variant": name, "rows": rows, "n": n, "ms": ms,
                             "GBps": nbytes / ms / 1e6})
-            for kern in ("quant", "rms", "silu"):
-                for spec in variants:
-                    if kern == "rms" and spec.split("-")[0].split("+")[0] not in RMS_VARIANTS:
-                        continue
-                    fn = {"quant": lambda v: quant_fp8_rowwise(x, v), "rms": lambda v: rms_norm_fp8(x, w, EPS, v),
-                          "silu": lambda v: silu_mul_fp8(gate, up, v)}[kern]
-                    ms = bench_ms(lambda: run_variant(fn, spec), dev)
-                    launch = fp8_launch(n, spec.partition("+")[0])
-                    res.append({"kernel": kern, "variant": spec, "launch": launch.spec(), "rows": rows, "n": n,
-                                "ms": ms, "GBps": io[kern] / ms / 1e6})
-            del x, gu, gate, up, gc, uc
+            for kern, spec, fn in producer_runs(variants, x, x, w, gate, up):
+                ms = bench_ms(lambda: run_variant(fn, spec), dev)
+                launch = fp8_launch(n, spec.partition("+")[0])
+                res.append({"kernel": kern, "variant": spec, "launch": launch.spec(), "rows": rows, "n": n,
+                            "ms": ms, "GBps": io[kern] / ms / 1e6})
     return res
 
 
