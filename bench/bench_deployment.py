@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -138,7 +139,7 @@ def run_profile(name: str, model_dir: str, args, port: int, measure=measure) -> 
     """Start the profile's stack, run `measure(base, args)` against it (async), stop it."""
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(port + 1), "--gen-port", str(port + 2), "--host", "127.0.0.1",
-           "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + args.up_args.split()
+           "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + shlex.split(args.up_args)
     env = dict(os.environ, U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", PYTHONUNBUFFERED="1")
     log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -185,7 +186,8 @@ def stack_args(p: argparse.ArgumentParser, profiles: str, port: int) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny checkpoint instead (CPU smoke run)")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--port", type=int, default=port)
-    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile, e.g. --kv-pool-gb 4")
+    p.add_argument("--up-args", default="", help="extra `u1serve up` flags for every profile (shell quoting), e.g. "
+                        "--quantization fp8 --gen-args '--cache-mode first_block --cache-threshold 0.1'")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
 

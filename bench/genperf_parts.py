@@ -299,13 +299,17 @@ def _print_fp8(out: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- fp8-profile
-PROFILE_CATEGORIES = [   # (category, name fragments), first match wins
-    ("fp8 GEMM", ("e4m3", "f8f8", "fp8")),
-    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
-    ("fp8 quantiser (standalone)", ("_quant_kernel",)),
-    ("RMSNorm (-> fp8)", ("_rms_norm",)),
-    ("silu*mul (-> fp8)", ("_silu_mul",)),
+PROFILE_CATEGORIES = [   # (category, name fragments), first match wins: our kernels by name before generic words
+    ("silu*mul -> fp8", ("_silu_mul_fp8",)),              # _silu_mul_fp8_kernel, _silu_mul_fp8_twopass_kernel
+    ("silu*mul (bf16)", ("_silu_mul_kernel",)),
+    ("RMSNorm (bf16 and -> fp8)", ("_rms_norm",)),          # one kernel name for both (QUANT constexpr)
+    ("fp8 quantiser (standalone)", ("_quant_kernel", "_quant_twopass")),
     ("Q/K norm + RoPE", ("_norm_rope",)),
+    # fp8 GEMMs: cuBLASLt nvjet "qq" (e4m3 x e4m3: nvjet_sm90_qqtst_...), CUTLASS / xmma names with an fp8 type;
+    # a tuple needs all its fragments (a torch elementwise kernel templated on Float8_e4m3fn is no GEMM)
+    ("fp8 GEMM", ("qqtst", ("nvjet", "_qq"), *((g, t) for g in ("gemm", "cutlass", "xmma", "matmul")
+                                               for t in ("e4m3", "f8")))),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
     ("conv (embedder, head)", ("conv", "implicit", "fprop", "winograd", "cudnn")),
     ("bf16 GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "addmm", "linear", "mm")),
     ("copy / index / cat", ("memcpy", "memset", "copy", "index", "cat", "gather", "scatter")),
@@ -314,9 +318,11 @@ PROFILE_CATEGORIES = [   # (category, name fragments), first match wins
 
 
 def profile_category(name: str) -> str:
+    """The PROFILE_CATEGORIES category of a kernel name (a fragment: a string, or a tuple of strings that
+    must all occur)."""
     low = name.lower()
     for cat, frags in PROFILE_CATEGORIES:
-        if any(f in low for f in frags):
+        if any(f in low if isinstance(f, str) else all(p in low for p in f) for f in frags):
             return cat
     return "other"
 

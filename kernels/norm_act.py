@@ -8,6 +8,10 @@ The `_fp8` variants feed an fp8 GEMM (services/model/quant.py): the same row, ro
 dtype as above, then quantised row-wise in the same kernel (kernels/fp8_quant.py: one scale per row),
 so the activation is never written in bf16 and read back. On one backend they give the bits of the
 plain kernel followed by `quant_fp8_rowwise`; the references are exactly that composition.
+silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`pieces` by default: the 12288-wide
+row as 3 x 4096 in registers); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
+of squares, whose order follows the layout, must stay the same bits), so only its arithmetic follows the
+variant (`legacy` divides).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import lazy_jit, next_pow2, tl, use_triton
-from .fp8_quant import FP8_ROW_HELPERS, empty_fp8_rows, quant_fp8_rowwise_ref, row_warps
+from .fp8_quant import FP8_ROW_HELPERS, bind_fp8_helpers, empty_fp8_rows, fp8_launch, quant_fp8_rowwise_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +42,8 @@ def silu_mul_fp8_ref(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor
     return quant_fp8_rowwise_ref(silu_mul_ref(gate, up))
 
 
-def _rms_norm_kernel(X, W, Y, S, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+def _rms_norm_kernel(X, W, Y, S, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                     DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
     """One row; QUANT: Y is the fp8 row and S its scale, else Y is the row in X's dtype (S unused)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -49,7 +54,8 @@ def _rms_norm_kernel(X, W, Y, S, n_cols, stride_x, stride_y, eps, BLOCK: tl.cons
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     y = (h * w).to(X.dtype.element_ty)
     if QUANT:
-        _store_fp8_row(y.to(tl.float32), ok, Y + row * stride_y + cols, S + row)
+        yf = y.to(tl.float32)
+        _fp8_store_pieces(Y + row * stride_y, S + row, cols, n_cols, yf, yf, yf, yf, BLOCK, 1, False, DIV_RN, HW_CVT)
     else:
         tl.store(Y + row * stride_y + cols, y, mask=ok)
 
@@ -68,23 +74,69 @@ def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
     tl.store(Y + offs, _silu_mul_value(g, u, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=ok)
 
 
-def _silu_mul_fp8_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, BLOCK: tl.constexpr):
-    """One row of gate / up (any row strides: views of one gate|up GEMM output) -> its fp8 row + scale."""
+def _silu_mul_fp8_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, BLOCK: tl.constexpr, NP: tl.constexpr,
+                         EVEN: tl.constexpr, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
+    """One row of gate / up (any row strides: views of one gate|up GEMM output) -> its fp8 row + scale; the
+    row's silu*mul values stay in registers as NP pieces of BLOCK columns."""
     row = tl.program_id(0).to(tl.int64)
+    G += row * stride_g
+    U += row * stride_u
+    dt = G.dtype.element_ty
     cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    _store_fp8_row(_silu_mul_value(g, u, G.dtype.element_ty), ok, Q + row * stride_q + cols, S + row)
+    y0 = _silu_mul_value(_fp8_load(G, cols, n_cols, EVEN, ""), _fp8_load(U, cols, n_cols, EVEN, ""), dt)
+    y1 = y0
+    y2 = y0
+    y3 = y0
+    if NP > 1:
+        c1 = BLOCK + cols
+        y1 = _silu_mul_value(_fp8_load(G, c1, n_cols, EVEN, ""), _fp8_load(U, c1, n_cols, EVEN, ""), dt)
+    if NP > 2:
+        c2 = 2 * BLOCK + cols
+        y2 = _silu_mul_value(_fp8_load(G, c2, n_cols, EVEN, ""), _fp8_load(U, c2, n_cols, EVEN, ""), dt)
+    if NP > 3:
+        c3 = 3 * BLOCK + cols
+        y3 = _silu_mul_value(_fp8_load(G, c3, n_cols, EVEN, ""), _fp8_load(U, c3, n_cols, EVEN, ""), dt)
+    _fp8_store_pieces(Q + row * stride_q, S + row, cols, n_cols, y0, y1, y2, y3, BLOCK, NP, EVEN, DIV_RN, HW_CVT)
+
+
+def _silu_mul_fp8_twopass_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, CHUNK: tl.constexpr,
+                                 EVEN: tl.constexpr, HW_CVT: tl.constexpr):
+    """`_silu_mul_fp8_kernel` in column chunks: pass 1 the amax of the rounded silu*mul values, pass 2
+    recomputes them from a second read (mostly L2 hits) and stores."""
+    row = tl.program_id(0).to(tl.int64)
+    G += row * stride_g
+    U += row * stride_u
+    Q += row * stride_q
+    dt = G.dtype.element_ty
+    cols = tl.arange(0, CHUNK)
+    m = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, n_cols, CHUNK):
+        g = _fp8_load(G, c + cols, n_cols, EVEN, "evict_last")
+        m = tl.maximum(m, tl.abs(_silu_mul_value(g, _fp8_load(U, c + cols, n_cols, EVEN, "evict_last"), dt)))
+    s = _fp8_scale(tl.max(m, axis=0))
+    r = tl.math.div_rn(tl.full([], 1.0, tl.float32), s)
+    for c in range(0, n_cols, CHUNK):
+        g = _fp8_load(G, c + cols, n_cols, EVEN, "evict_first")
+        y = _silu_mul_value(g, _fp8_load(U, c + cols, n_cols, EVEN, "evict_first"), dt)
+        _fp8_put(Q, c + cols, n_cols, y, s, r, EVEN, False, HW_CVT)
+    tl.store(S + row, s)
 
 
 _rms = lazy_jit(_rms_norm_kernel, helpers=FP8_ROW_HELPERS)
 _silu = lazy_jit(_silu_mul_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn})
 _silu_fp8 = lazy_jit(_silu_mul_fp8_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn, **FP8_ROW_HELPERS})
+_silu_fp8_twopass = lazy_jit(_silu_mul_fp8_twopass_kernel,
+                             helpers={"_silu_mul_value": _silu_mul_value_fn, **FP8_ROW_HELPERS})
 
 
 def _rms_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_contiguous() and weight.dtype == x.dtype and x.shape[-1] <= 16384
+
+
+def _rms_warps(n: int) -> int:
+    """Warps of both RMSNorm launches: the same for the plain and the fp8 kernel, so that the row sum
+    (whose order follows the layout) and hence the normalised row are the same bits."""
+    return 4 if n <= 2048 else 8 if n <= 8192 else 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,13 +148,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x2)
     if x2.shape[0]:
         _rms[(x2.shape[0],)](x2, weight, y, y, n, x2.stride(0), y.stride(0), eps, BLOCK=next_pow2(n),
-                             QUANT=False, num_warps=4 if n <= 2048 else 8)
+                             QUANT=False, DIV_RN=False, HW_CVT=False, num_warps=_rms_warps(n))
     return y.view(x.shape)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x, quantised row-wise to fp8 in the same pass:
-    (q [rows, n] e4m3, scale [rows, 1] fp32) for rows = every leading index of x."""
+    (q [rows, n] e4m3, scale [rows, 1] fp32) for rows = every leading index of x.
+    `variant` (kernels/fp8_quant.py `fp8_launch`): only `legacy` differs here (it divides); the row
+    always stays in registers with the plain kernel's layout (its sum of squares is the same bits)."""
     ok = _rms_ok(x, weight) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if not use_triton(x, ok):
         return rms_norm_fp8_ref(x, weight, eps)
@@ -110,8 +165,10 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     x2 = x.view(-1, n)
     q, s = empty_fp8_rows(x2.shape[0], n, x.device)
     if x2.shape[0]:
-        _rms[(x2.shape[0],)](x2, weight, q, s, n, x2.stride(0), q.stride(0), eps, BLOCK=next_pow2(n),
-                             QUANT=True, num_warps=row_warps(n))
+        bind_fp8_helpers()
+        launch = fp8_launch(n, variant)
+        _rms[(x2.shape[0],)](x2, weight, q, s, n, x2.stride(0), q.stride(0), eps, BLOCK=next_pow2(n), QUANT=True,
+                             DIV_RN=launch.div_rn, HW_CVT=launch.hw_cvt, num_warps=_rms_warps(n))
     return q, s
 
 
@@ -127,19 +184,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu(gate) * up quantised row-wise to fp8 in one pass. gate / up: [rows, n], last dim
-    contiguous, any row stride (e.g. the two halves of one gate|up GEMM output)."""
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantised row-wise to fp8 in one kernel. gate / up: [rows, n], last dim
+    contiguous, any row stride (e.g. the two halves of one gate|up GEMM output). `variant`: the launch
+    (kernels/fp8_quant.py `fp8_launch`); every variant gives the same bits."""
     ok = (gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype and gate.stride(1) == 1
           and up.stride(1) == 1 and gate.shape[1] <= 16384
           and gate.dtype in (torch.bfloat16, torch.float16, torch.float32))
     if not use_triton(gate, ok):
         return silu_mul_fp8_ref(gate, up)
     m, n = gate.shape
+    launch = fp8_launch(n, variant)
     q, s = empty_fp8_rows(m, n, gate.device)
     if m:
-        _silu_fp8[(m,)](gate, up, q, s, n, gate.stride(0), up.stride(0), q.stride(0), BLOCK=next_pow2(n),
-                        num_warps=row_warps(n))
+        bind_fp8_helpers()
+        args = (gate, up, q, s, n, gate.stride(0), up.stride(0), q.stride(0))
+        if launch.twopass:
+            _silu_fp8_twopass[(m,)](*args, CHUNK=launch.block, EVEN=launch.even, HW_CVT=launch.hw_cvt,
+                                    num_warps=launch.warps)
+        else:
+            _silu_fp8[(m,)](*args, BLOCK=launch.block, NP=launch.pieces, EVEN=launch.even, DIV_RN=launch.div_rn,
+                            HW_CVT=launch.hw_cvt, num_warps=launch.warps)
     return q, s
 
 

@@ -20,6 +20,7 @@ SMOKE = {
                       "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",
                       "--ref-tokens", "4"],
     "kernels": ["bench/bench_kernels.py", "--smoke", "--out", "{tmp}"],
+    "fp8-kernels": ["bench/bench_fp8_kernels.py", "--smoke"],
     "deployment": ["bench/bench_deployment.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--chat-tokens", "8", "--requests", "1", "--log-dir", "{tmp}"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
