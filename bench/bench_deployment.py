@@ -12,7 +12,7 @@ GPU (2 H200), colocate QoS (issue 13): --profiles colocate-tp2-cfg2-yield (image
   while the chats run: the progress gaps of the loading image requests inside the chat window)
 GPU (4 H200): python bench/bench_deployment.py --profiles separate-tp2-cfg2,colocate-tp2-cfg2
 CPU smoke run: python bench/bench_deployment.py --tiny --profiles cpu-colocate,cpu-separate \\
-                 --size 64x64 --steps 2 --chat-tokens 8
+                 --size 64x64 --steps 2 --chat-tokens 8   (cpu-colocate-yield: the QoS wiring)
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ PROFILES = {  # name -> u1serve up flags
     "separate-1+1": "--mode separate --und-gpus 0 --gen-gpus 1",
     "colocate-1": "--mode colocate --und-gpus 0",
     "cpu-colocate": "--mode colocate --device cpu",
+    "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",
 }
 

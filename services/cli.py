@@ -62,6 +62,9 @@ class Placement:
         self.und_gpus: list[str] = []
         self.gen_gpus: list[str] = []
         self.und_fraction = self.gen_fraction = None
+        self.gen_world = args.gen_cfg_parallel * args.gen_sp     # generation ranks, one GPU each
+        if args.gen_cfg_parallel < 1 or args.gen_sp < 1:
+            raise SystemExit("--gen-cfg-parallel and --gen-sp must be >= 1")
         if self.device != "cuda":
             return
         und = gpu_list(args.und_gpus) or [str(i) for i in range(args.und_tp)]
@@ -69,14 +72,15 @@ class Placement:
             gen = gpu_list(args.gen_gpus) or und
             self.und_fraction, self.gen_fraction = args.und_memory_fraction, args.gen_memory_fraction
         else:
-            gen = gpu_list(args.gen_gpus) or [str(len(und) + i) for i in range(args.gen_cfg_parallel)]
+            gen = gpu_list(args.gen_gpus) or [str(len(und) + i) for i in range(self.gen_world)]
             if set(und) & set(gen):
                 raise SystemExit(f"--mode separate needs disjoint GPUs: und {und}, gen {gen}")
         if len(und) < args.und_tp:
             raise SystemExit(f"--und-tp {args.und_tp} needs {args.und_tp} GPUs, got {und}")
-        if len(gen) < args.gen_cfg_parallel:
-            raise SystemExit(f"--gen-cfg-parallel {args.gen_cfg_parallel} needs that many GPUs, "
-                             f"got {gen}")
+        if len(gen) < self.gen_world:
+            need = f"--gen-cfg-parallel {args.gen_cfg_parallel}" + \
+                (f" x --gen-sp {args.gen_sp}" if args.gen_sp > 1 else "")
+            raise SystemExit(f"{need} needs {self.gen_world} GPUs, got {gen}")
         self.und_gpus, self.gen_gpus = und, gen
 
     def env(self, gpus: list[str], fraction: float | None) -> dict[str, str]:
@@ -92,7 +96,10 @@ def build_und(args, ctx) -> "ServiceSpec":
     argv = [sys.executable, "-m", "services.understanding.server", "--model", ctx["model"],
             "--host", "127.0.0.1", "--port", str(args.und_port), "--device", pl.device,
             "--dtype", pl.dtype, "--tp", str(args.und_tp), "--kv-pool-name", ctx["pool"],
-            "--kv-pool-gb", str(ctx["pool_gb"])] + shlex.split(args.und_args or "")
+            "--kv-pool-gb", str(ctx["pool_gb"])]
+    if ctx.get("yield_page"):
+        argv += ["--yield-signal", ctx["yield_page"]]
+    argv += shlex.split(args.und_args or "")
     env = {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)}
     if args.lora:   # the loader merges the adapters that name und weights (services/model/loader.py)
         env["U1SERVE_LORA"] = ",".join(lora_specs(args))
@@ -104,8 +111,10 @@ def build_gen(args, ctx) -> "ServiceSpec":
     pl: Placement = ctx["placement"]
     argv = [sys.executable, "-m", "services.generation.server", "--model", ctx["model"],
             "--host", "127.0.0.1", "--port", str(args.gen_port), "--device", pl.device,
-            "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel),
+            "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel), "--sp", str(args.gen_sp),
             "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
+    if ctx.get("yield_page"):
+        argv += ["--yield-to", ctx["yield_page"], "--yield-share", str(args.qos_yield_share)]
     if args.quantization != "none":
         argv += ["--quantization", args.quantization]
     for spec in lora_specs(args):
@@ -139,7 +148,10 @@ def build_gateway(args, ctx) -> "ServiceSpec":
     argv = [sys.executable, "-m", "services.gateway.server", "--host", args.host,
             "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
             "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
-            "--default-size", ctx["default_size"]] + shlex.split(args.gateway_args or "")
+            "--default-size", ctx["default_size"]]
+    if ctx.get("max_pixels"):    # before --gateway-args: an operator may tighten it further
+        argv += ["--max-pixels", str(ctx["max_pixels"])]
+    argv += shlex.split(args.gateway_args or "")
     preset = preset_values(args.preset)
     steps = args.default_steps or (preset.num_inference_steps if preset else None)
     if steps:
@@ -197,7 +209,43 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
     return token or secrets.token_hex(16), read_secret(args.api_key, None, "U1SERVE_API_KEY")
 
 
+def check_gen_sp(args, model: str) -> None:
+    """--gen-sp must divide the checkpoint's head counts (said here, before anything starts)."""
+    if args.gen_sp <= 1:
+        return
+    from services.model.config import ConfigError, load_config
+    try:
+        llm = load_config(model).llm
+    except ConfigError as e:
+        raise SystemExit(f"--model: {e}") from None
+    from services.generation.sequence_parallel import check_heads   # imports torch: only with --gen-sp
+    try:
+        check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.gen_sp)
+    except ValueError as e:
+        raise SystemExit(f"--gen-sp {args.gen_sp}: {e}") from None
+
+
+def qos_page(args, pool: str) -> str | None:
+    """--qos-yield-share F: the shm page both engines share (understanding raises it while it decodes,
+    generation yields to it), named after the KV pool; None without the flag."""
+    share = args.qos_yield_share
+    if share is None:
+        return None
+    if args.mode != "colocate":
+        raise SystemExit("--qos-yield-share is for --mode colocate (engines sharing GPUs); in separate mode "
+                         "each engine owns its GPUs")
+    if not 0 < share <= 1:
+        raise SystemExit(f"--qos-yield-share must be in (0, 1], got {share}")
+    if args.und_replicas > 1 or args.gen_replicas > 1:
+        raise SystemExit("--qos-yield-share works with one understanding and one generation replica")
+    from services.kit.yield_signal import signal_name
+    return signal_name(pool)
+
+
 def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
+    from services.contract.limits import IMAGE_BLOCK
+    from services.generation.image_limits import checkpoint_max_tokens
+
     from .launcher import Stack
     model = args.model
     tiny = model in TINY_ALIASES
@@ -206,6 +254,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     elif not os.path.isdir(model):
         raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
     placement = Placement(args)
+    check_gen_sp(args, model)
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
     pool = args.kv_pool_name or f"u1serve-kv-{os.getpid()}-{args.port}"
@@ -215,11 +264,15 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         "env": {"U1SERVE_INTERNAL_TOKEN": token}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
+        "yield_page": qos_page(args, pool),
+        # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
+        "max_pixels": checkpoint_max_tokens(model) * IMAGE_BLOCK ** 2,
     }
     from .stack_replicas import replicate
     specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
-    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=pools,
+    shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # unlinked at stop, whoever died how
+    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
                  grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
                  state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
                  echo_logs=echo_logs)
@@ -237,6 +290,12 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--gen-gpus", default=None, help="GPU ids for generation, e.g. 2,3")
     p.add_argument("--und-tp", type=int, default=1, help="understanding tensor parallel size")
     p.add_argument("--gen-cfg-parallel", type=int, default=1, help="generation CFG-parallel ranks")
+    p.add_argument("--gen-sp", type=int, default=1,
+                   help="generation sequence-parallel ranks per CFG rank (one image's tokens over N GPUs; "
+                        "generation uses --gen-cfg-parallel x --gen-sp GPUs)")
+    p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
+                   help="colocate QoS: generation yields the shared GPUs to understanding's decode steps "
+                        "between its layers, at most F of its time (0 < F <= 1)")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,

@@ -54,7 +54,7 @@ def replicate(specs: list, args, ctx: dict, probe: bool = True) -> tuple[list, l
     taken = {args.port, args.und_port, args.gen_port}
     pools = [pool] + [f"{pool}-{i}" for i in range(1, n)]
     und_gpus = _gpu_groups("und", pl.und_gpus, args.und_tp, n)
-    gen_gpus = _gpu_groups("gen", pl.gen_gpus, args.gen_cfg_parallel, m)
+    gen_gpus = _gpu_groups("gen", pl.gen_gpus, pl.gen_world, m)
     out, urls = [], {"--und-url": [], "--gen-url": []}
     for kind, spec, count, groups, flag in (("und", und, n, und_gpus, "--und-url"),
                                             ("gen", gen, m, gen_gpus, "--gen-url")):

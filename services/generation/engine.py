@@ -25,6 +25,7 @@ from .job_state import JobState
 from .kv_source import PrefixSource
 from .qos import YieldGate
 from .request import ApiError, GenerateRequest
+from .sequence_parallel import check_heads
 
 
 class _Rows(NamedTuple):
@@ -54,7 +55,7 @@ class Engine:
         self.scale = 1.0 / math.sqrt(model.head_dim)
         self._attn, self._host_lengths = pick_denoise_attention(self.device)
         self.sp = self.comm.sp
-        self.sp.heads(model.num_heads)                       # both head counts must split evenly
+        check_heads(model.num_heads, model.num_kv_heads, self.sp.world)
         self._kv_heads = self.sp.heads(model.num_kv_heads)   # this rank's KV-head slice
 
     # -- admission -----------------------------------------------------------------------------

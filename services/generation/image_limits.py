@@ -23,6 +23,16 @@ def max_image_tokens(cfg) -> int:
     return min(ceiling, (side // L.IMAGE_BLOCK) ** 2)
 
 
+def checkpoint_max_tokens(model_dir: str) -> int:
+    """`max_image_tokens` of a checkpoint directory (cheap: config.json only, no torch). A config that
+    does not load gives the contract's ceiling: the engine reports the broken checkpoint itself."""
+    from services.model.config import ConfigError, load_config
+    try:
+        return max_image_tokens(load_config(model_dir))
+    except (ConfigError, OSError, KeyError, TypeError, ValueError):
+        return (L.MAX_IMAGE_SIDE // L.IMAGE_BLOCK) ** 2
+
+
 def size_error(width: int, height: int, max_tokens: int) -> str | None:
     """A message for a size over the limit (None if it fits)."""
     tokens = (width // L.IMAGE_BLOCK) * (height // L.IMAGE_BLOCK)

@@ -53,6 +53,7 @@ def handles_of(body: Any) -> list[dict]:
     return [h for h in handles.values() if isinstance(h, dict)]
 
 
-def busiest_rank_tokens(job: GenerateRequest, world: int) -> int:
-    """Image tokens this job adds to every forward on the rank holding most of its branches."""
-    return job.num_tokens * job.n * -(-len(job.handles) // world)
+def busiest_rank_tokens(job: GenerateRequest, world: int, sp: int = 1) -> int:
+    """Image tokens this job adds to every forward on the rank holding most of its branches (`world` CFG
+    ranks; with `sp` sequence-parallel ranks each holds at most ceil(N / sp) tokens of a segment)."""
+    return -(-job.num_tokens // sp) * job.n * -(-len(job.handles) // world)

@@ -26,6 +26,16 @@ def split(n: int, world: int) -> list[int]:
     return [q + (r < rem) for r in range(world)]
 
 
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
+    """Each SP rank attends with whole heads: sp must divide both head counts (ValueError naming the
+    values that work)."""
+    if sp >= 1 and num_heads % sp == 0 and num_kv_heads % sp == 0:
+        return
+    ok = [d for d in range(1, num_kv_heads + 1) if num_heads % d == 0 and num_kv_heads % d == 0]
+    raise ValueError(f"sequence parallel {sp} must divide the model's {num_heads} attention heads and "
+                     f"{num_kv_heads} KV heads (sizes this model takes: {', '.join(map(str, ok))})")
+
+
 def bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     """[lo, hi) of an n-row segment held by `rank`."""
     sizes = split(n, world)

@@ -27,10 +27,12 @@ from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceM
 from services.kit.web import json_body
 
 from .encode import encode_image
+from .image_limits import checkpoint_max_tokens, size_error
 from .leases import HandleKeeper
 from .metrics import GenerationMetrics
 from .perf_options import EnginePerfMetrics, add_perf_flags, cache_defaults, perf_engine_args
 from .previews import preview_format
+from .rank_options import add_rank_flags, check_rank_flags, engine_world, rank_engine_args
 from .request import GenerateRequest, check_handles, handles_of, parse_job
 from .supervisor import EngineSupervisor
 
@@ -62,11 +64,12 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "kv_pool_name": args.kv_pool_name, "max_batch_tokens": args.max_batch_tokens,
         "max_running_jobs": args.max_running_jobs, "threads": args.threads, "log_level": args.log_level,
-        **perf_engine_args(args),
+        **perf_engine_args(args), **rank_engine_args(args),
     }
     fingerprint = _model_fingerprint(args.model)
     keeper = HandleKeeper(args.kv_pool_name, fingerprint)
-    engine = EngineSupervisor(engine_args, args.cfg_parallel, keeper, on_stats=on_stats, on_give_up=on_give_up,
+    max_tokens = checkpoint_max_tokens(args.model)     # the trained size limit (image_limits.py)
+    engine = EngineSupervisor(engine_args, engine_world(args), keeper, on_stats=on_stats, on_give_up=on_give_up,
                               max_queued=args.max_queued_requests, max_queue_wait_s=args.max_queue_wait_s)
     encoder = ThreadPoolExecutor(max_workers=args.encode_threads, thread_name_prefix="u1-encode")
 
@@ -96,7 +99,8 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
 
     @app.get("/health")
     async def health():
-        body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "warmup": perf_metrics.warmup}
+        body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "sp": args.sp,
+                "max_image_tokens": max_tokens, "warmup": perf_metrics.warmup}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
@@ -121,6 +125,9 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
             request.headers.get("x-request-id", "-")
         try:
             job = parse_job(body, cache_opts)
+            too_big = size_error(job.width, job.height, max_tokens)
+            if too_big:
+                raise bad_request(too_big, param="size", code="invalid_size")
             check_handles(job, fingerprint)
         except APIError as err:
             raise reject(err, rid, handles_of(body)) from None
@@ -213,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per engine rank (0: default)")
     p.add_argument("--log-level", default="info")
     add_perf_flags(p)
+    add_rank_flags(p)
     return p
 
 
@@ -220,6 +228,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.cfg_parallel < 1:
         raise SystemExit("--cfg-parallel must be >= 1")
+    check_rank_flags(args)
     token = read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN")
     if not token:
         raise SystemExit("the generation service needs the stack's internal token: --internal-token-file PATH "

@@ -33,14 +33,15 @@ _IDLE_WAIT_S = 0.5
 class Scheduler:
     """Step-level admission: FIFO, bounded by image tokens per forward and by job count."""
 
-    def __init__(self, max_batch_tokens: int, max_running_jobs: int, world: int):
+    def __init__(self, max_batch_tokens: int, max_running_jobs: int, world: int, sp: int = 1):
         self.max_batch_tokens = max_batch_tokens
         self.max_running_jobs = max_running_jobs
-        self.world = world
+        self.world = world      # CFG ranks
+        self.sp = sp
         self.pending: collections.deque[GenerateRequest] = collections.deque()
 
     def tokens(self, spec: GenerateRequest) -> int:
-        return busiest_rank_tokens(spec, self.world)
+        return busiest_rank_tokens(spec, self.world, self.sp)
 
     def pick(self, running_tokens: int, running_jobs: int) -> list[GenerateRequest]:
         out = []
@@ -103,7 +104,7 @@ def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
 
 
 def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
-    sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.world)
+    sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.cfg_world, comm.sp.world)
     stop = False
     while not stop:
         drop = []
@@ -205,7 +206,9 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         from .cfg_parallel import CfgComm
         from .engine import Engine
         from .kv_source import PrefixSource
-        comm = CfgComm.init(rank, world, port, device) if world > 1 else CfgComm.single()
+        from .rank_options import yield_gate
+        comm = CfgComm.init(rank, world, port, device, sp=int(args.get("sp", 1))) if world > 1 \
+            else CfgComm.single()
         model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device,
                            lora=[tuple(x) for x in args.get("lora") or ()],
                            quantization=args.get("quantization"))
@@ -213,7 +216,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
-        engine = Engine(model, source, comm)
+        engine = Engine(model, source, comm, yield_gate=yield_gate(args, device))
         from .warmup import parse_sizes, run_warmup
         warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
                           int(args.get("warmup_steps", 0)))
@@ -221,7 +224,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
             out.send({"type": "stats", "stat": "warmup", **warm})
             inbox: queue.SimpleQueue = queue.SimpleQueue()
             start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(("stop",)))
-            out.send({"type": "ready", "capacity": measure(model, device, world)})
+            out.send({"type": "ready", "capacity": measure(model, device, comm.cfg_world, comm.sp.world)})
             _leader_loop(engine, comm, source, inbox, out, args)
         else:
             _follower_loop(engine, comm, source)

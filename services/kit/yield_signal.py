@@ -33,7 +33,7 @@ def signal_name(kv_pool_name: str) -> str:
     return f"{kv_pool_name}-yield"
 
 
-def _path(name: str) -> str:
+def page_path(name: str) -> str:
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"bad yield signal name {name!r}")
     return os.path.join(SHM_DIR, name)
@@ -56,7 +56,7 @@ class YieldSignal:
     @classmethod
     def create(cls, name: str) -> "YieldSignal":
         """Create (or take over) the page, lowered. The creator unlinks it at close()."""
-        path = _path(name)
+        path = page_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, PAGE)
@@ -81,7 +81,7 @@ class YieldSignal:
     @classmethod
     def open(cls, name: str) -> "YieldSignal | None":
         """The page if a writer created it (None otherwise)."""
-        path = _path(name)
+        path = page_path(name)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:

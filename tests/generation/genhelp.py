@@ -104,6 +104,23 @@ def generate(url: str, body: dict, on_event=None, timeout: float = 120.0):
     return 200, events
 
 
+def generate_all(url: str, bodies: dict, timeout: float = 180.0) -> dict:
+    """POST every body at once (one thread each, released together) -> {request_id: generate(...)}."""
+    import threading
+    results, start = {}, threading.Barrier(len(bodies))
+
+    def one(rid):
+        start.wait()
+        results[rid] = generate(url, bodies[rid], timeout=timeout)
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
+
+
 def images_of(events) -> list[np.ndarray]:
     from services.generation.encode import decode_image
     imgs = sorted((e for e in events if isinstance(e, dict) and e.get("type") == "image"),
