@@ -44,6 +44,10 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "colocate-tp2-cfg2": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                               "--gen-cfg-parallel", "2"]),
     "separate-1-1": (2, ["--device", "cuda", "--mode", "separate", "--und-gpus", "0", "--gen-gpus", "1"]),
+    "colocate-tp2-sp2": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
+                             "--gen-sp", "2"]),
+    "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
+                                  "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
 }
 STEPS = 4
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")

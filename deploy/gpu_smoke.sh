@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Smoke test of every deployment profile this machine can hold, through the public API (deploy/gpu_smoke.py
-# has the checks): 1 GPU: colocate; 2+ GPUs: also colocate TP2 + CFG2 and separate 1 + 1. GPU profiles run the
+# has the checks): 1 GPU: colocate; 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and
+# colocate TP2 + CFG2 with QoS (--qos-yield-share). GPU profiles run the
 # random-weight 8B geometry (`u1serve tiny-checkpoint DIR --variant u1-8b` + U1SERVE_RANDOM_WEIGHTS=1); --cpu runs
 # the tiny checkpoint on CPU (what CI runs, a minute or two).
 #
 #   deploy/gpu_smoke.sh [--cpu] [--profiles colocate-1,separate-1-1] [--out DIR]
 #
-# Each profile gets a time limit (PROFILE_LIMIT_S, default 170 s on GPU: the three profiles of a 2-GPU machine
-# finish in under 9 minutes; 240 s on CPU). Results: a markdown table on stdout, OUT/<profile>.json, OUT/summary.json
+# Each profile gets a time limit (PROFILE_LIMIT_S, default 170 s on GPU: the five profiles of a 2-GPU machine
+# finish in about 7 minutes: under a 10-minute limit, run them in two calls with --profiles; 240 s on CPU).
+# Results: a markdown table on stdout, OUT/<profile>.json, OUT/summary.json
 # and OUT/summary.md (OUT defaults to $OUT, else /tmp/u1serve-gpu-smoke). Exit code 0 only if every check passed.
 #
 # Needs python3 (3.11+) with torch 2.11-2.14 (+ triton on GPU), numpy, pillow, safetensors, tokenizers, jinja2,
