@@ -8,7 +8,7 @@ Each profile is a `u1serve up` command line; the stack serves a full-size geomet
     alone and while M image requests run (the case for `separate`: image jobs must not slow text).
 
 GPU (2 H200): python bench/bench_deployment.py --profiles colocate-tp2-cfg2,separate-1+1
-GPU (2 H200), colocate QoS (issue 13): --profiles colocate-tp2-cfg2-yield (image s/step is also measured
+GPU (2 H200), colocate QoS: --profiles colocate-tp2-cfg2-yield (image s/step is also measured
   while the chats run: the progress gaps of the loading image requests inside the chat window)
 GPU (4 H200): python bench/bench_deployment.py --profiles separate-tp2-cfg2,colocate-tp2-cfg2
 CPU smoke run: python bench/bench_deployment.py --tiny --profiles cpu-colocate,cpu-separate \\

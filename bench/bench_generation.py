@@ -8,7 +8,7 @@ GPU, CFG-parallel over 2 H200 (one branch per GPU, velocities all-gathered):
 CPU smoke run (tiny geometry, seconds):
     python bench/bench_generation.py --device cpu --tiny --size 128 --steps 2
 
-Speed options (issue 12), each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
+Speed options, each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
     --part fp8        single-branch step at --sizes: bf16 vs fp8 (serving GemmPolicy, every GEMM fp8,
                       fast accumulation), fp8-vs-bf16 velocity error, each layer GEMM by row count
                       (bf16 / fp8 / fast / quantiser), kernels vs torch bit for bit, GEMM vs emulation
@@ -21,7 +21,7 @@ Speed options (issue 12), each a part that runs alone (`--part`, torch only; see
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
-(../shared/reference/h200_measurements.md): single-branch 42-layer forward floor 0.124 s at 2048²
+(measured on an H200): single-branch 42-layer forward floor 0.124 s at 2048²
 (plain PyTorch layer loop); published H200 TP2+CFG2 step 0.152 s. Targets: single-branch step <= 0.135 s,
 CFG-parallel step <= 0.14 s.
 """
@@ -260,7 +260,7 @@ def main():
     device = torch.device(args.device)
     dtype = _dtype(args)
     if args.part != "step":
-        from genperf_parts import PARTS   # the issue-12 parts (bench/genperf_parts.py)
+        from genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
         res = PARTS[args.part](args, device, dtype)
     elif args.cfg_parallel > 1:
         res = cfg_parallel(args, dtype)

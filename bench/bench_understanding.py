@@ -8,7 +8,7 @@ CPU smoke run (tiny checkpoint, small sizes):
     python bench/bench_understanding.py --tiny --device cpu --dtype float32 --batches 1,4 \\
         --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
 
-Targets (issue 4): batch-64 decode >= 20x the reference's tokens/s (the reference serves one request at a
+Targets: batch-64 decode >= 20x the reference's tokens/s (the reference serves one request at a
 time, so its tokens/s does not grow with the batch); batch-1 decode within 1.3x of the HBM bound (all
 weights read once per token, at the device-to-device copy bandwidth measured in this run).
 """

@@ -1,4 +1,4 @@
-"""Issue-12 parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart`): torch only.
+"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart`): torch only.
 
 Every job is admitted with random prefix KV held in memory (`Engine.admit_local`, no pool), P = 365
 for cond and 9 for uncond as in the step benchmark. Timings synchronise the device around what they

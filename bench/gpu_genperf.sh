@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on a 2-GPU H200 machine (1 GPU: everything but cfgp): fp8, where an fp8 step's time goes,
+# The speed options on a 2-GPU H200 machine (1 GPU: everything but cfgp): fp8, where an fp8 step's time goes,
 # warm start, the 8-step preset, the output path, CFG-parallel. Engine-level, no HTTP stack: torch, numpy,
 # safetensors, pydantic (the request contract; carried in .whl/ where the GPU image lacks it), Pillow
 # optional. Under 5 minutes on 2x H200 (8B random weights).

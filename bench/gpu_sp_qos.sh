@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on a 2-GPU H200 machine (< 6 min): sequence parallelism, 4K, colocate QoS.
+# Multi-GPU images on a 2-GPU H200 machine (< 6 min): sequence parallelism, 4K, colocate QoS.
 #
 #   bash bench/gpu_sp_qos.sh                 # every part: sp 4k comm qos
 #   bash bench/gpu_sp_qos.sh --only sp,4k    # torch-only parts (no HTTP stack needed)
@@ -13,7 +13,7 @@
 #   comm  the SP collectives alone: one layer's all-to-all there and back, the per-step gather
 #   qos   the whole stack colocated (TP2 + CFG2 on 2 GPUs) with the generation engine yielding to
 #         decode steps: chat ITL p50/p90 alone and with 2 concurrent 2048² image jobs, image s/step
-#         alone and while the chats run (needs fastapi/uvicorn/pyzmq/pydantic/httpx: the lead's .whl/)
+#         alone and while the chats run (needs fastapi/uvicorn/pyzmq/pydantic/httpx: wheels in .whl/ are installed first)
 #
 # Writes $OUT/<part>.md and $OUT/<part>.json, then $OUT/sp_qos.json; OUT defaults to ./out.
 set -euo pipefail

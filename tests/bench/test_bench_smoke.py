@@ -12,7 +12,7 @@ SMOKE = {
     "generation": ["bench/bench_generation.py", "--device", "cpu", "--tiny", "--size", "128", "--steps", "2"],
     "generation-cfg-parallel": ["bench/bench_generation.py", "--device", "cpu", "--tiny", "--size", "128",
                                 "--steps", "2", "--cfg-parallel", "2", "--skip-batching"],
-    # the issue-12 parts (bench/genperf_parts.py, what bench/gpu_genperf.sh runs on the GPU)
+    # the speed-option parts (bench/genperf_parts.py, what bench/gpu_genperf.sh runs on the GPU)
     **{f"generation-{part}": ["bench/bench_generation.py", "--part", part, "--device", "cpu", "--tiny", "--size", "128",
                               "--steps", "1", "--warmup", "1"] for part in ("fp8", "fp8-profile", "warmstart", "preset")},
     "handoff": ["bench/bench_handoff.py", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3"],
