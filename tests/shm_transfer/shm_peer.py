@@ -5,6 +5,7 @@ The parent sends (function name, args); the peer runs that function of this modu
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -17,6 +18,11 @@ from shm_transfer import (HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, 
 from shm_transfer.transport import LocalShmTransport
 
 _CTX = mp.get_context("spawn")
+
+
+def wire(handle: KVHandle) -> dict:
+    """A handle as it crosses HTTP between the engines (through JSON)."""
+    return json.loads(json.dumps(handle.to_dict()))
 _pools: dict[str, ShmKVPool] = {}
 
 

@@ -2,7 +2,6 @@
 process (the understanding side), consumer = a spawned peer (the generation side)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -12,7 +11,7 @@ import torch
 
 from shm_transfer import KVLayout
 from shm_transfer.nixl_transport import NixlTransport, nixl_available
-from shm_peer import Peer, PeerError
+from shm_peer import Peer, PeerError, wire
 from tests.waiting import wait_until
 
 if not nixl_available():
@@ -56,10 +55,6 @@ def producer():
     yield t
     t.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-
-
-def wire(h) -> dict:
-    return json.loads(json.dumps(h.to_dict()))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,7 +1,6 @@
 """KV handoff between two real processes: producer (this process) and a spawned consumer peer."""
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, export_kv,
                           import_kv, read_kv, write_kv)
-from shm_peer import Peer, PeerError
+from shm_peer import Peer, PeerError, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,10 +25,6 @@ def peer():
 
 def layout(dtype=torch.float32, page_tokens=4):
     return KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, page_tokens=page_tokens)
-
-
-def wire(handle: KVHandle) -> dict:
-    return json.loads(json.dumps(handle.to_dict()))  # what really crosses HTTP
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

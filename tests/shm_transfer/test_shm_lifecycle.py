@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVHandle, KVLayout, ShmKVPool, read_kv, write_kv
-from shm_peer import Peer, PeerError
+from shm_peer import Peer, PeerError, wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,7 +74,7 @@ def test_killed_creator_is_replaced_and_its_handles_rejected(shm_name):
             h = pool.allocate(6, 30)
             kv = torch.randn(LAY.kv_shape(6))
             write_kv(pool, h, kv)
-            got, gen = consumer.call("import_via_transport", shm_name, json.loads(json.dumps(h.to_dict())))
+            got, gen = consumer.call("import_via_transport", shm_name, wire(h))
             assert gen == pool.generation and torch.equal(got, kv)
             with pytest.raises(PeerError) as pe:
                 consumer.call("import_via_transport", shm_name, old_handle)

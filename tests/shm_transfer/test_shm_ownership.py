@@ -1,7 +1,6 @@
 """Who may replace, unlink and reclaim what: owner checks with real (and really killed) processes."""
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -9,17 +8,13 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVLayout, PoolError, PoolFull, ShmKVPool, read_kv, unlink_exact, write_kv
-from shm_peer import Peer
+from shm_peer import Peer, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 FP = "tiny-u1:test-fingerprint"
 LAY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_tokens=4)
-
-
-def wire(h) -> dict:
-    return json.loads(json.dumps(h.to_dict()))
 
 
 def test_create_refuses_a_live_creators_pool_and_reclaims_a_killed_ones(shm_name):

@@ -2,22 +2,16 @@
 consumer follows each handle to its own pool, and says clearly when that pool is not on this host."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from shm_transfer import LocalShmTransport, KVLayout
-from shm_peer import Peer, PeerError
+from shm_peer import Peer, PeerError, wire
 
 pytestmark = pytest.mark.timeout(120)
 
 FP = "tiny-u1:test-fingerprint"
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_tokens=4)
-
-
-def wire(h) -> dict:
-    return json.loads(json.dumps(h.to_dict()))
 
 
 def test_a_consumer_imports_from_every_pool_of_its_host(shm_name):
