@@ -96,7 +96,7 @@ def build_und(args, ctx) -> "ServiceSpec":
     argv = [sys.executable, "-m", "services.understanding.server", "--model", ctx["model"],
             "--host", "127.0.0.1", "--port", str(args.und_port), "--device", pl.device,
             "--dtype", pl.dtype, "--tp", str(args.und_tp), "--kv-pool-name", ctx["pool"],
-            "--kv-pool-gb", str(ctx["pool_gb"])]
+            "--kv-pool-gb", str(ctx["pool_gb"]), "--served-model-name", ctx["model_name"]]
     if ctx.get("yield_page"):
         argv += ["--yield-signal", ctx["yield_page"]]
     argv += shlex.split(args.und_args or "")

@@ -36,12 +36,13 @@ def close_to(a: Image.Image, b: Image.Image):
 
 def test_models(openai_client):
     ids = [m.id for m in openai_client.models.list().data]
-    assert ids and ids[0]
+    assert ids == ["sensenova-u1"]      # the name the README's examples use
 
 
 def test_chat(openai_client):
     r = openai_client.chat.completions.create(
         model="m", max_tokens=8, messages=[{"role": "user", "content": "Hello there"}])
+    assert r.model == "sensenova-u1"    # one model name through the stack (understanding serves it too)
     assert r.choices[0].message.role == "assistant"
     assert isinstance(r.choices[0].message.content, str)
     assert r.choices[0].finish_reason in ("stop", "length")
