@@ -8,6 +8,7 @@ drains (no KV pool pages held, generation idle) and the resident memory of every
 between the first and the second half of the run (nothing grows per request)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -61,7 +62,7 @@ def test_sustained_mixed_load_over_capacity(tmp_path):
         first = run_load(stack.base, CLIENTS, HALF_S, cfg)
         pids = _service_pids(stack)
         rss_mid = {name: _rss_mb(pid) for name, pid in pids.items()}
-        second = run_load(stack.base, CLIENTS, HALF_S, LoadConfig(**{**cfg.__dict__, "seed": 8}))
+        second = run_load(stack.base, CLIENTS, HALF_S, dataclasses.replace(cfg, seed=8))
         rss_end = {name: _rss_mb(pid) for name, pid in pids.items()}
         problems = stack.settle_problems()
         log_problems = stack.log_problems()
