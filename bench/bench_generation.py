@@ -18,6 +18,9 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
     --part preset     the 8-step preset (guidance 1, 8 steps, shift 3): whole job, bf16 and fp8
     --part warmstart  first vs steady step of a fresh process, with (default) or without (--no-warmup)
                       the service's warm-up
+    --part graphs     the denoise layer stack replayed from a CUDA graph vs eager (--sizes; guidance 1
+                      and 4; bf16, fp8 at the largest size): s/step, speedup, final x bit-equal; two
+                      jobs together; a cancel then a new job
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
@@ -64,7 +67,8 @@ def parse_args():
     p.add_argument("--cfg-parallel", type=int, default=1)
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
-    p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart"])
+    p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
+                                                     "graphs"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")

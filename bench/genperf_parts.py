@@ -1,4 +1,4 @@
-"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart`): torch only.
+"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart|graphs`): torch only.
 
 Every job is admitted with random prefix KV held in memory (`Engine.admit_local`, no pool), P = 365
 for cond and 9 for uncond as in the step benchmark. Timings synchronise the device around what they
@@ -515,5 +515,123 @@ def part_warmstart(args, device, dtype) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- CUDA graphs
+def run_to_end(engine: Engine, specs: list[GenerateRequest]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Jobs admitted together and stepped to the end: ({request_id: final x}, seconds of each step)."""
+    jobs = [admit(engine, sp) for sp in specs]
+    times = []
+    while engine.running:
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        for job in engine.step()[0]:
+            job.free()
+        _sync(engine.device)
+        times.append(time.perf_counter() - t0)
+    return {j.request_id: j.x.clone() for j in jobs}, times
+
+
+def _graph_counts(engine: Engine) -> dict:
+    g = engine.graphs
+    return {"captures": g.captures, "replays": g.replays, "failure": g.failure}
+
+
+def _graphs_row(model, device, size: int, guidance: float, args) -> dict:
+    """One configuration: s/step eager vs graphs (interleaved rounds, steady steps after the capture),
+    and the final x of one whole job each (same seed and prefix) compared bit for bit."""
+    eager, graphs = Engine(model, None, cuda_graphs="off"), Engine(model, None, cuda_graphs="on")
+    w, n = max(args.warmup, 2), args.steps      # graphs capture on a composition's 2nd step
+    samples: dict[str, list] = {"eager": [], "graphs": []}
+    for r in range(1 if args.tiny else 2):
+        for name, engine in (("eager", eager), ("graphs", graphs)):
+            samples[name] += step_times(engine, spec(f"{name}{r}", size, w + n + 1, guidance), w, n)
+    job = spec("equal", size, max(4, w + 2), guidance)
+    want, _ = run_to_end(eager, [job])
+    got, _ = run_to_end(graphs, [job])
+    e, g = statistics.median(samples["eager"]), statistics.median(samples["graphs"])
+    return {"size": size, "guidance": guidance, "eager_s": e, "graphs_s": g, "speedup": e / g,
+            "bits_equal": torch.equal(got["equal"], want["equal"]), **_graph_counts(graphs)}
+
+
+def _two_jobs(model, device, size: int, args) -> dict:
+    """Two CFG jobs running together (one key: both jobs, both branches): s/step and the final x of each,
+    eager vs graphs; a job that joins later changes the key (a new capture)."""
+    steps = max(6, args.steps + 3)
+    out = {"size": size, "steps": steps}
+    xs = {}
+    for name, mode in (("eager", "off"), ("graphs", "on")):
+        engine = Engine(model, None, cuda_graphs=mode)
+        run_to_end(engine, [spec("warm", size, 3, 4.0)])
+        xs[name], times = run_to_end(engine, [spec("j1", size, steps, 4.0),
+                                                spec("j2", size, steps, 4.0).model_copy(update={"seed": 1})])
+        out[f"{name}_s"] = statistics.median(times[2:])
+        out[f"{name}_counts"] = _graph_counts(engine)
+    out["bits_equal"] = all(torch.equal(xs["graphs"][k], xs["eager"][k]) for k in xs["eager"])
+    return out
+
+
+def _cancel_then_new(model, device, size: int, args) -> dict:
+    """A job dropped mid-way (engine.drop: its graph must go before its KV is freed), then a new job of
+    the same shape (new KV addresses: a stale graph would read the freed buffer): its final x vs eager."""
+    steps = 6
+    xs, counts = {}, {}
+    for name, mode in (("eager", "off"), ("graphs", "on")):
+        engine = Engine(model, None, cuda_graphs=mode)
+        first = admit(engine, spec("cancelled", size, steps, 4.0))
+        for _ in range(4):                # eager, capture, replay, replay
+            engine.step()
+        engine.drop(first.request_id)
+        xs[name], _ = run_to_end(engine, [spec("next", size, steps, 4.0)])
+        counts[name] = _graph_counts(engine)
+    return {"size": size, "steps": steps, "bits_equal": torch.equal(xs["graphs"]["next"], xs["eager"]["next"]),
+            "graphs_counts": counts["graphs"]}
+
+
+@torch.inference_mode()
+def part_graphs(args, device, dtype) -> dict:
+    """The denoise step's layer stack replayed from a CUDA graph (services/generation/step_graph.py) vs
+    eager: s/step at each size, guidance 1 (one branch) and 4 (two branches in one engine), bf16 and (at
+    the largest size) fp8 as served; bit-equality of the final x; two jobs together; a cancel then a new
+    job. On CPU graphs never apply ("n/a on cpu"): the same runs go through the eager path."""
+    sizes = _sizes(args)
+    fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    m16, m8 = _fp8_models(args, device, dtype) if fp8_ok else (build(args, device, dtype), None)
+    if m8 is not None:
+        set_policy(m8, _fp8_policies(device)["serving"])
+    graphs_apply = device.type == "cuda"
+    out = {"device": _device_name(device), "torch": torch.__version__,
+           "graphs": "cuda" if graphs_apply else "n/a on cpu", "rows": []}
+    _burn([Engine(m16, None)], max(sizes), 0.0 if args.tiny else 3.0)
+    for size in sizes:
+        runs = [("bf16", m16)] + ([("fp8", m8)] if m8 is not None and size == max(sizes) else [])
+        for weights, model in runs:
+            for guidance in (1.0, 4.0):
+                out["rows"].append({"weights": weights, **_graphs_row(model, device, size, guidance, args)})
+    small = min(sizes)
+    out["two_jobs"] = _two_jobs(m16, device, small, args)
+    out["cancel"] = _cancel_then_new(m16, device, small, args)
+    _print_graphs(out)
+    return out
+
+
+def _print_graphs(out: dict) -> None:
+    print(f"device: {out['device']}, torch {out['torch']}; CUDA graphs: {out['graphs']}")
+    print("\n| image | weights | guidance (branches) | eager s/step | graphs s/step | speedup | final x equal "
+          "| captures / replays | capture failure |")
+    print("|---|---|---|---:|---:|---:|---|---|---|")
+    for r in out["rows"]:
+        print(f"| {r['size']}² | {r['weights']} | {r['guidance']:g} ({2 if r['guidance'] > 1 else 1}) | "
+              f"{r['eager_s']:.4f} | {r['graphs_s']:.4f} | {r['speedup']:.3f}x | {r['bits_equal']} | "
+              f"{r['captures']} / {r['replays']} | {r['failure'] or ''} |")
+    t = out["two_jobs"]
+    gc = t["graphs_counts"]
+    print(f"\ntwo {t['size']}² CFG jobs together, {t['steps']} steps: eager {t['eager_s']:.4f} s/step, graphs "
+          f"{t['graphs_s']:.4f} s/step ({t['eager_s'] / t['graphs_s']:.3f}x); final x equal {t['bits_equal']}; "
+          f"captures {gc['captures']}, replays {gc['replays']}{'; failure ' + gc['failure'] if gc['failure'] else ''}")
+    c = out["cancel"]
+    cc = c["graphs_counts"]
+    print(f"a {c['size']}² job dropped after 4 steps, then a new one: final x of the new job equal {c['bits_equal']}; "
+          f"captures {cc['captures']}, replays {cc['replays']}{'; failure ' + cc['failure'] if cc['failure'] else ''}")
+
+
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
-         "warmstart": part_warmstart}
+         "warmstart": part_warmstart, "graphs": part_graphs}

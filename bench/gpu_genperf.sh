@@ -5,7 +5,7 @@
 # optional. Under 5 minutes on 2x H200 (8B random weights).
 #
 #   bash bench/gpu_genperf.sh                        # the default parts (below)
-#   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache
+#   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache graphs
 #   bash bench/gpu_genperf.sh --smoke                # CPU, tiny geometry (checks the script)
 #
 # Writes $OUT/<name>.md (the markdown tables) and $OUT/<name>.json, then $OUT/genperf.json (all of
@@ -15,7 +15,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 . bench/parts.sh
-parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching) only when asked for
+parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching), graphs only when asked for
 . deploy/carried_wheels.sh
 use_carried_wheels
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -63,5 +63,8 @@ elif [ "$SMOKE" = 1 ]; then
 fi
 # whole-job time and computed steps vs first-block threshold (CFG 4); not in the default set
 run cache cache "$LIMIT" python $B --part cache "${GEO[@]}" --thresholds 0,0.05,0.1,0.2 --job-steps "$JOBSTEPS"
+# CUDA graphs of the denoise layer stack vs eager (1024², 2048²; guidance 1 and 4; bf16, fp8 at 2048²): s/step,
+# speedup, final x bit-equal, capture failures; two 1024² jobs together; a job dropped mid-way then a new one
+run graphs graphs 300 python $B --part graphs "${GEO[@]}"
 
 finish genperf

@@ -7,6 +7,8 @@ With step caching on for some job (its `cache` options), the forward gets a Firs
 groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (model.gen_forward).
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
 rows; attention sees whole segments for its heads, and the hidden rows are gathered before the head.
+Where the step is graphable (step_graph.py: CUDA, no step cache, no SP, no yield gate) the layer stack
+runs from a CUDA graph captured on the second step of a composition and replayed after.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .kv_source import PrefixSource
 from .qos import YieldGate
 from .request import ApiError, GenerateRequest
 from .sequence_parallel import check_heads
+from .step_graph import StepGraphs, composition_key, graphable
 
 
 class _Rows(NamedTuple):
@@ -42,9 +45,10 @@ class _Rows(NamedTuple):
 
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
-                 yield_gate: YieldGate | None = None):
+                 yield_gate: YieldGate | None = None, cuda_graphs: str = "off"):
         """yield_gate (colocate QoS, qos.py): before each layer's attention, give the GPU to a
-        waiting decode step of the understanding engine."""
+        waiting decode step of the understanding engine. cuda_graphs: auto | on | off (step_graph.py;
+        the server passes --cuda-graphs, default auto)."""
         self.model = model
         self.gate = yield_gate
         self.device = model.device
@@ -57,6 +61,7 @@ class Engine:
         self.sp = self.comm.sp
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world)
         self._kv_heads = self.sp.heads(model.num_kv_heads)   # this rank's KV-head slice
+        self.graphs = StepGraphs(self.device, cuda_graphs)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
@@ -122,6 +127,7 @@ class Engine:
         for i, job in enumerate(self.running):
             if job.request_id == request_id:
                 del self.running[i]
+                self.graphs.forget(job)     # before free(): a graph may point at its KV
                 job.free()
                 return job
         return None
@@ -161,14 +167,20 @@ class Engine:
         local_v: list[torch.Tensor] = []
         if c:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
             packed = torch.cat(rows) if len(rows) > 1 else rows[0]
-            rope = self.model.rope(torch.cat(positions, dim=1))
+            pos = torch.cat(positions, dim=1)
             spans = [(p.job, p.act, p.a, p.b) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
-            if any(j.cache.mode != "off" for j in jobs):
-                cache = FirstBlockCache(groups, self._attend_for_groups,
-                                        reduce=sp.sum_over_ranks if sp.world > 1 else None)
-            hidden = self.model.gen_forward(packed, rope, self._attend(spans, layout), cache)
+            if self.graphs.enabled and graphable(self.device, sp.world, self.gate is not None,
+                                                 [j.cache.mode for j in jobs]):
+                hidden = self._graphed_forward(spans, packed, pos)
+            else:
+                self.graphs.not_graphable()
+                if any(j.cache.mode != "off" for j in jobs):
+                    cache = FirstBlockCache(groups, self._attend_for_groups,
+                                            reduce=sp.sum_over_ranks if sp.world > 1 else None)
+                hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
+                                                cache)
             if cache is None:
                 for g in groups:
                     g.state.computed += 1
@@ -190,8 +202,18 @@ class Engine:
                 finished.append(job)
         for job in finished:
             self.running.remove(job)
+            self.graphs.forget(job)         # the caller frees its KV next
         self._record_branch_steps(finished)
         return finished, r
+
+    def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The layer stack without step cache or SP, through the engine's CUDA graph (step_graph.py).
+        What the attend closure bakes in (job.kv, each job's cached StepMeta and its host ints) is
+        fixed by the key."""
+        attend = self._attend(spans, None)
+        model = self.model
+        return self.graphs.run(composition_key(spans, packed.shape[0]),
+                               lambda x, p: model.gen_forward(x, model.rope(p), attend), packed, pos)
 
     def _heads(self, plan: list["_Rows"], hidden: torch.Tensor, layout):
         """(rows, x_hat per active branch [n, N, 3072]) of every job that ran. Without SP: the head per

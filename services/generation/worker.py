@@ -168,7 +168,8 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
             job.free()
         out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
                   "jobs": len(engine.running) + len(finished), "running": len(engine.running),
-                  "queued": len(sched.pending), "peak_memory": engine.peak_memory()})
+                  "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
+                  "graph": engine.graphs.last})
 
 
 def _follower_loop(engine, comm, source) -> None:
@@ -216,7 +217,8 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
-        engine = Engine(model, source, comm, yield_gate=yield_gate(args, device))
+        engine = Engine(model, source, comm, yield_gate=yield_gate(args, device),
+                        cuda_graphs=args.get("cuda_graphs", "off"))
         from .warmup import parse_sizes, run_warmup
         warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
                           int(args.get("warmup_steps", 0)))

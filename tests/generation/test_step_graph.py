@@ -1,0 +1,177 @@
+"""CUDA graphs of the denoise step (services/generation/step_graph.py), what a CPU can check.
+
+- the rules: which steps may run from a graph, the flag and its environment override;
+- the keying: eager on the first step of a composition, capture on the second, replay after; a new
+  composition or a job of the key leaving releases the graph (before its KV is freed);
+- the engine and the real server with `--cuda-graphs on` on CPU run eagerly and give exactly the images of
+  `off` (the reference's); a capture that fails falls back to the eager step, bit for bit, and turns graphs
+  off for the engine's life. Whether capture and replay work on CUDA is measured on the GPU
+  (bench/gpu_genperf.sh --only graphs: replay vs eager, torch.equal of the final image).
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from services.generation import engine as engine_mod
+from services.generation.engine import Engine
+from services.generation.request import GenerateRequest
+from services.generation.step_graph import (CAPTURE, EAGER, ENV, REPLAY, GraphPlan, StepGraphs,
+                                            composition_key, graphable, resolve_mode)
+
+from .genhelp import REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+def test_flag_and_environment_override():
+    assert [resolve_mode(m, {}) for m in ("auto", "on", "off")] == ["auto", "on", "off"]
+    assert resolve_mode("auto", {ENV: "0"}) == "off" and resolve_mode("off", {ENV: "1"}) == "on"
+    assert resolve_mode("on", {ENV: " "}) == "on"
+    with pytest.raises(ValueError, match="0 or 1"):
+        resolve_mode("auto", {ENV: "yes"})
+    with pytest.raises(ValueError, match="--cuda-graphs"):
+        resolve_mode("sometimes", {})
+
+
+def test_which_steps_are_graphable():
+    assert graphable(CUDA, 1, False, ["off", "off"])
+    assert graphable(CUDA, 1, False, [])
+    assert not graphable(CPU, 1, False, ["off"])                    # eager on CPU, whatever the flag
+    assert not graphable(CUDA, 2, False, ["off"])                   # sequence parallelism
+    assert not graphable(CUDA, 1, True, ["off"])                    # QoS yield gate
+    assert not graphable(CUDA, 1, False, ["off", "first_block"])    # any job with a step cache
+
+
+class _Job:   # only identity matters to the key
+    pass
+
+
+def test_key_is_job_identity_branches_and_rows():
+    a, b = _Job(), _Job()
+    k = composition_key([(a, ["cond", "uncond"], 0, 8), (b, ["cond"], 8, 12)], 12)
+    assert k == composition_key([(a, ("cond", "uncond")), (b, ("cond",))], 12)
+    assert k != composition_key([(a, ["cond"]), (b, ["cond"])], 12)               # active branches
+    assert k != composition_key([(b, ["cond", "uncond"]), (a, ["cond"])], 12)     # order
+    assert k != composition_key([(a, ["cond", "uncond"]), (_Job(), ["cond"])], 12)  # another job object
+    assert k != composition_key([(a, ["cond", "uncond"]), (b, ["cond"])], 16)     # row count
+
+
+def test_plan_eager_then_capture_then_replay_and_invalidation():
+    a, b = _Job(), _Job()
+    ka, kab = composition_key([(a, ["cond"])], 4), composition_key([(a, ["cond"]), (b, ["cond"])], 8)
+    plan = GraphPlan()
+    assert plan.action(ka) == EAGER            # first step of the composition: also the warm-up
+    assert plan.action(ka) == CAPTURE          # second in a row
+    plan.captured(ka)
+    assert [plan.action(ka) for _ in range(3)] == [REPLAY] * 3
+    # b joins: the held graph goes, the new composition starts over
+    assert plan.release_needed(kab) and not plan.release_needed(ka)
+    plan.released()
+    assert plan.action(kab) == EAGER and plan.action(kab) == CAPTURE
+    plan.captured(kab)
+    # a job of the key leaves (finished / dropped / cancelled): release before its KV is freed
+    assert not plan.forget(_Job())
+    assert plan.forget(b)
+    plan.released()
+    assert plan.action(ka) == EAGER
+    # a job seen only on an eager step is forgotten too: no capture for a composition that never repeated
+    assert not plan.forget(a) and plan.action(ka) == EAGER
+    # a composition that alternates never captures
+    plan = GraphPlan()
+    assert [plan.action(k) for k in (ka, kab, ka, kab)] == [EAGER] * 4
+
+
+def test_graphs_are_off_on_cpu_whatever_the_flag(caplog):
+    with caplog.at_level(logging.INFO, logger="u1serve.generation.engine"):
+        g = StepGraphs(CPU, "on")
+    assert not g.enabled and "not a CUDA device" in caplog.text
+    assert not StepGraphs(CPU, "auto").enabled and not StepGraphs(CUDA, "off").enabled
+    with pytest.raises(ValueError):
+        StepGraphs(CPU, "maybe")
+
+
+def _spec(rid: str, guidance: float, steps: int = 4, size: int = 128) -> GenerateRequest:
+    branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
+    return GenerateRequest(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=size,
+                           height=size, n=1, num_inference_steps=steps, guidance_scale=guidance, seed=5)
+
+
+def _run_jobs(engine: Engine, ref_model, specs) -> dict[str, torch.Tensor]:
+    """Run jobs together to the end (reference prefix KV, no pool); {request_id: final x}."""
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    jobs = []
+    for sp in specs:
+        job = engine.admit_local(sp, {b: pre[b].kv for b in sp.handles}, {b: pre[b].t_offset for b in sp.handles})
+        engine.add(job)
+        jobs.append(job)
+    while engine.running:
+        for job in engine.step()[0]:
+            job.free()
+    return {j.request_id: j.x for j in jobs}
+
+
+def test_engine_with_graphs_on_runs_eagerly_on_cpu_bit_for_bit(ref_model):
+    torch.manual_seed(0)
+    specs = [_spec("cfg", 4.0), _spec("single", 1.0, steps=3)]
+    off = _run_jobs(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs)
+    engine = Engine(ref_model[0], None, cuda_graphs="on")
+    on = _run_jobs(engine, ref_model, specs)
+    assert all(torch.equal(on[k], off[k]) for k in off)
+    g = engine.graphs
+    assert (g.captures, g.replays, g.last, g.failure) == (0, 0, EAGER, None)
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_turns_graphs_off(ref_model, monkeypatch, caplog):
+    """The fallback path, not a claim about CUDA: on a CPU every capture fails for real (no CUDA), so with
+    the graphability rule forced open the engine's second step tries one and must recompute the step
+    eagerly; the images stay exactly those of `off`, one warning, and no capture is tried again."""
+    torch.manual_seed(0)
+    specs = [_spec("a", 4.0, steps=5), _spec("b", 1.0, steps=3)]
+    off = _run_jobs(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs)
+    monkeypatch.setattr(engine_mod, "graphable", lambda *a: True)
+    engine = Engine(ref_model[0], None, cuda_graphs="off")
+    engine.graphs.enabled = True      # what `on` means on a CUDA device
+    with caplog.at_level(logging.WARNING, logger="u1serve.generation.engine"):
+        got = _run_jobs(engine, ref_model, specs)
+    assert all(torch.equal(got[k], off[k]) for k in off)
+    g = engine.graphs
+    assert not g.enabled and g.failure and (g.captures, g.replays) == (0, 0)
+    assert caplog.text.count("CUDA graphs turned off") == 1
+
+
+def test_server_with_graphs_on_gives_the_reference_images_on_cpu(tiny_dir, pool, ref_model):
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    server = GenServer(tiny_dir, pool.name, "--cuda-graphs", "on").start()
+    try:
+        b = body("graphs-on", publish(pool, pre), num_inference_steps=3, n=2)
+        status, events = generate(server.url, b)
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    assert status == 200 and not errors_of(events), events
+    for got, want in zip(images_of(events), reference_pixels(ref_model[0], pre, b)):
+        assert np.array_equal(got, want)
+    assert metrics["u1_gen_graph_replays_total"] == 0 and metrics["u1_gen_graph_captures_total"] == 0
+
+
+def test_bad_environment_value_stops_the_server_at_start(tiny_dir, pool):
+    env = dict(GenServer.env(), **{ENV: "maybe"})
+    argv = GenServer(tiny_dir, pool.name).argv
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and f"{ENV} must be 0 or 1" in proc.stderr
+
+
+def test_u1serve_up_passes_the_flag_only_when_set():
+    def gen_line(*extra):
+        out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+                              "--dry-run", *extra], cwd=REPO, check=True, capture_output=True, text=True).stdout
+        return next(ln for ln in out.splitlines() if ln.startswith("gen:"))
+    assert "--cuda-graphs off" in gen_line("--cuda-graphs", "off")
+    assert "--cuda-graphs" not in gen_line()
