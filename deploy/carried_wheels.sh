@@ -1,9 +1,9 @@
 # Sourced by the GPU hand-off scripts: the wheels carried in .whl/ (the GPU machine has no package index) are
 # installed into a private site dir and put on PYTHONPATH. Wheels built for another Python (a CPU machine
 # running a --smoke/--cpu mode) are skipped: the packages installed there are used.
-# .whl/*-cpXY.site.tar.xz: a package trimmed to what we import (a native wheel too large to carry whole,
-# e.g. NIXL: its bindings, core and UCX plugin with their libraries), unpacked as is into the same site dir
-# when the Python matches.
+# .whl/*-cpXY.site.tar.xz: a native wheel too large to carry whole, trimmed to what we import by
+# deploy/trim_wheel.py (NIXL: its bindings, core and UCX plugin with their libraries; the command is in its
+# docstring), unpacked as is into the same site dir when the Python matches.
 use_carried_wheels() {
     compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl/*.site.tar.xz" >/dev/null || return 0
     local site=/tmp/u1serve-site tag bundle
