@@ -1,10 +1,18 @@
 # Sourced by the GPU hand-off scripts: the wheels carried in .whl/ (the GPU machine has no package index) are
 # installed into a private site dir and put on PYTHONPATH. Wheels built for another Python (a CPU machine
 # running a --smoke/--cpu mode) are skipped: the packages installed there are used.
+# .whl/*-cpXY.site.tar.xz: a native wheel too large to carry whole, trimmed to what we import by
+# deploy/trim_wheel.py (NIXL: its bindings, core and UCX plugin with their libraries; the command is in its
+# docstring), unpacked as is into the same site dir when the Python matches.
 use_carried_wheels() {
-    compgen -G ".whl/*.whl" >/dev/null || return 0
-    local site=/tmp/u1serve-site
-    if python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>/dev/null; then
+    compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl/*.site.tar.xz" >/dev/null || return 0
+    local site=/tmp/u1serve-site tag bundle
+    tag=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    if ! compgen -G ".whl/*.whl" >/dev/null ||
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>/dev/null; then
+        for bundle in .whl/*-"$tag".site.tar.xz; do
+            [ -e "$bundle" ] && mkdir -p "$site" && tar xJf "$bundle" -C "$site"
+        done
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     else
         echo "carried wheels in .whl/ do not fit $(python3 -V); using the installed packages" >&2

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Trim a native wheel to what we import, for machines without a package index that take a size-limited copy of
+the repository (the GPU machine: 64 MiB in all). The NIXL CUDA wheel is 59 MB, mostly plugins we never load
+(object stores, GPUDirect Storage, ...) and their libraries.
+
+    python deploy/trim_wheel.py nixl_cu13-1.5.1-cp312-*.whl --also nixl-1.5.1-py3-none-any.whl \\
+        --root 'nixl_cu13/*.so' --root '*/libplugin_UCX.so' --root 'nixl_cu13.libs/ucx/libuct_*.so*' \\
+        --out .whl/nixl_cu13-1.5.1-slim-cp312.site.tar.xz
+
+Keeps every pure-Python file and .dist-info, the --root shared objects, and every library they need (DT_NEEDED,
+transitively, found among the wheel's own files; read with `readelf` from binutils); writes a .tar.xz to unpack
+into a site directory (deploy/carried_wheels.sh does that when the cpXY tag matches the Python).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import subprocess
+import tarfile
+import tempfile
+import zipfile
+
+
+def needed(path: str) -> list[str]:
+    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\).*\[(.+)\]", out)
+
+
+def keep_set(root: str, patterns: list[str]) -> set[str]:
+    files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
+    by_name: dict[str, str] = {}
+    for f in files:
+        by_name.setdefault(os.path.basename(f), f)
+    keep = {f for f in files if f.endswith(".py") or ".dist-info/" in f or f.endswith("py.typed")}
+    todo = [f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    if not todo:
+        raise SystemExit(f"no file matches {patterns}")
+    while todo:
+        f = todo.pop()
+        if f in keep:
+            continue
+        keep.add(f)
+        todo += [by_name[n] for n in needed(os.path.join(root, f)) if n in by_name]
+    return keep
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("wheel")
+    p.add_argument("--also", action="append", default=[], help="more (pure-Python) wheels to include whole")
+    p.add_argument("--root", action="append", required=True, help="glob of shared objects to keep (repeatable)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in [args.wheel, *args.also]:
+            zipfile.ZipFile(w).extractall(tmp)
+        keep = keep_set(tmp, args.root)
+        with tarfile.open(args.out, "w:xz") as tar:
+            for f in sorted(keep):
+                tar.add(os.path.join(tmp, f), arcname=f)
+        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in keep)
+    print(f"{args.out}: {len(keep)} files, {size / 1e6:.1f} MB unpacked, {os.path.getsize(args.out) / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
