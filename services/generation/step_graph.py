@@ -12,8 +12,11 @@ GemmPolicy's choice (a function of the row count). The first step of a key runs 
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
 frequencies), the second captures, the later ones replay. One graph per engine: a new key, or a job of
 the key leaving (finished, dropped, cancelled), releases it first — BEFORE job.free() frees the KV the
-graph points at. Every capture of an engine uses one side stream and one memory pool (held by the
-engine), so a released graph's activation memory serves the next capture instead of staying reserved.
+graph points at. Every capture of an engine uses one side stream; each graph has its own private memory
+pool (torch's default). One pool shared by successive captures (a held `torch.cuda.MemPool`) breaks the
+second capture on torch 2.11 (an internal assert in the pinned-host allocator's per-pool bookkeeping,
+measured on the H200), so a released graph's pool goes back to the caching allocator as torch frees private
+pools: reserved until an allocation needs it or the cache is emptied.
 
 Used only where the step is graphable (`graphable`): CUDA, no step cache for any running job (its
 decisions are made on the host), no sequence parallelism (collectives and host-side layouts inside the
@@ -124,7 +127,7 @@ class StepGraphs:
             log.info("--cuda-graphs on: %s is not a CUDA device; steps run eagerly", device)
         self.plan = GraphPlan()
         self._graph: _Captured | None = None
-        self._side = self._pool = None       # the capture stream and the memory pool every capture reuses
+        self._side = None                    # the capture stream every capture uses
         self.captures = 0
         self.replays = 0
         self.failure: str | None = None      # why graphs were turned off (a failed capture)
@@ -163,19 +166,18 @@ class StepGraphs:
         return forward(x, positions)
 
     def _capture(self, key: tuple, forward: Forward, x: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Record forward on static copies of the inputs into a new graph (in the engine's pool). False
+        """Record forward on static copies of the inputs into a new graph (in its own pool). False
         (and graphs off for good) when the capture fails."""
         static_x, static_pos = x.clone(), positions.clone()
         error = None
         try:
             if self._side is None:
-                self._side, self._pool = self._capture_resources()
+                self._side = torch.cuda.Stream(self.device)
             graph = torch.cuda.CUDAGraph()
             main = torch.cuda.current_stream(self.device)
             self._side.wait_stream(main)      # the static copies (and the job's KV writes so far) first
             with torch.cuda.stream(self._side):   # restores the stream even if capture_end raises
-                graph.capture_begin(pool=None if self._pool is None else self._pool.id,
-                                    capture_error_mode="thread_local")
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     out = forward(static_x, static_pos)
                 except BaseException as e:
@@ -194,20 +196,6 @@ class StepGraphs:
         self.plan.captured(key)
         self.captures += 1
         return True
-
-    def _capture_resources(self):
-        """The engine's capture stream and memory pool. The pool is held here (a MemPool keeps its use
-        count above 0), so the blocks a released graph gave back serve the next capture; a private pool per
-        graph would instead stay reserved until an allocation fails, memory a colocated understanding
-        process cannot get back."""
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream(self.device)
-            try:
-                pool = torch.cuda.MemPool()
-            except Exception as e:   # a torch without MemPool: a private pool per capture
-                log.info("CUDA graphs: no shared memory pool (%s); each capture gets its own", e)
-                pool = None
-        return stream, pool
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
@@ -228,6 +216,6 @@ class StepGraphs:
             self.release()
 
     def release(self) -> None:
-        """Drop the held graph and its memory pool (back to the caching allocator)."""
+        """Drop the held graph (its private pool goes back to the caching allocator)."""
         self._graph = None
         self.plan.released()
