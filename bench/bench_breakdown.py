@@ -158,6 +158,7 @@ def part_services(args) -> dict:
     import httpx
 
     from services.cli import add_stack_flags, build_stack
+    from services.contract.image import GenerateRequest, PrefixRequest
     from services.netutil import free_port
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
@@ -196,14 +197,17 @@ def part_services(args) -> dict:
             res["step_s"] = statistics.median(b - a for a, b in zip(prog, prog[1:]))
             res["tail_s"] = done - prog[-1]
             # the two engines alone (same prompt, the gateway's internal bodies)
-            pre = {"request_id": "bd-pre", "kind": "t2i", "prompt": body["prompt"], "images": [],
-                   "guidance_scale": 4.0, "image_guidance_scale": 1.0, "think": False,
-                   "max_think_tokens": 16, "stream": False}
+            # the gateway's internal bodies, declared once in the request contract
+            pre = PrefixRequest(request_id="bd-pre", mode="t2i", prompt=body["prompt"],
+                                guidance_scale=4.0).model_dump(exclude_none=True)
             t0 = time.perf_counter()
-            handles = c.post(und + "/internal/image_prefix", json=pre, headers=hdr).json()["handles"]
+            r = c.post(und + "/internal/image_prefix", json=pre, headers=hdr)
+            assert r.status_code == 200, r.text
+            handles = r.json()["handles"]
             res["prefix_s"] = time.perf_counter() - t0
-            gb = {"request_id": "bd-gen", "handles": handles, "width": args.size, "height": args.size,
-                  "num_inference_steps": args.steps, "guidance_scale": 4.0, "seed": 1}
+            gb = GenerateRequest(request_id="bd-gen", handles=handles, width=args.size, height=args.size,
+                                 num_inference_steps=args.steps, guidance_scale=4.0,
+                                 seed=1).model_dump(exclude_none=True)
             t0 = time.perf_counter()
             with c.stream("POST", gen + "/internal/generate", json=gb, headers=hdr) as s:
                 for line in s.iter_lines():

@@ -24,6 +24,11 @@ SMOKE = {
     "fp8-kernels": ["bench/bench_fp8_kernels.py", "--smoke"],
     "deployment": ["bench/bench_deployment.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--chat-tokens", "8", "--requests", "1", "--log-dir", "{tmp}"],
+    "quality": ["bench/bench_quality.py", "--smoke"],
+    "breakdown-engine": ["bench/bench_breakdown.py", "--part", "engine", "--device", "cpu", "--sizes", "256",
+                         "--repeat", "2"],
+    "breakdown-services": ["bench/bench_breakdown.py", "--part", "services", "--model", "tiny", "--device", "cpu",
+                           "--size", "64", "--steps", "4"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }
