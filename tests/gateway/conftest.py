@@ -16,6 +16,7 @@ import threading
 import httpx
 import pytest
 from services.netutil import free_port
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
 from tests.waiting import wait_until
 
@@ -39,7 +40,7 @@ class GatewayProc:
         self.log_path = os.path.join(log_dir, f"gateway-{self.port}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent)
 
     def wait_up(self, timeout: float = 60.0) -> "GatewayProc":
         def up() -> bool:

@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import torch
 from services.netutil import free_port
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +41,8 @@ class GenServer:
                     U1SERVE_INTERNAL_TOKEN=TOKEN)
 
     def start(self, timeout: float = 120.0) -> "GenServer":
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True,
+                                     preexec_fn=preexec_die_with_parent)
         self.wait_healthy(timeout)
         return self
 

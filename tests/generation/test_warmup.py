@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.generation.warmup import parse_sizes
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
 from .genhelp import REPO, GenServer
 
@@ -18,7 +19,8 @@ def test_health_waits_for_the_warmup(tiny_dir, pool):
     server = GenServer(tiny_dir, pool.name, "--default-size", "64x64", "--warmup-sizes",
                        "512x512,64x64", "--warmup-steps", "3")
     # started by hand: /health is watched from the first moment
-    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=server.env(), start_new_session=True)
+    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=server.env(), start_new_session=True,
+                                   preexec_fn=preexec_die_with_parent)
     seen = []
     try:
         deadline = time.monotonic() + 120

@@ -10,6 +10,7 @@ import time
 import httpx
 
 from services.netutil import free_port
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import wait_until
 
 from .stackproc import ROOT, group_alive
@@ -33,7 +34,7 @@ class Service:
     def start(self) -> "Service":
         log = open(os.path.join(self.run_dir, f"{self.name}.log"), "a")
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec_die_with_parent)
         log.close()
         self.pgid = self.proc.pid
         return self

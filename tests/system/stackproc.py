@@ -10,6 +10,7 @@ import time
 
 import httpx
 from services.netutil import free_port
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,7 +60,7 @@ class RunningStack:
                 "--grace", "8", "--default-size", "64x64"] + (extra or [])
         self.log = open(os.path.join(run_dir, "launcher.out"), "w")
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": ROOT})
+                                     env={**os.environ, "PYTHONPATH": ROOT}, preexec_fn=preexec_die_with_parent)
         self.base = f"http://127.0.0.1:{self.port}"
         self.pids: dict[str, int] = {}
 

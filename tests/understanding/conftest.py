@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 from services.netutil import free_port
+from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "und-test-token"
@@ -39,7 +40,7 @@ class UndServer:
         self.log_path = os.path.join(log_dir, f"und-server-{self.port}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec_die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> "UndServer":
         deadline = time.monotonic() + timeout
