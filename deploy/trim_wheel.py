@@ -5,27 +5,46 @@ the repository (the GPU machine: 64 MiB in all). The NIXL CUDA wheel is 59 MB, m
 
     python deploy/trim_wheel.py nixl_cu13-1.5.1-cp312-*.whl --also nixl-1.5.1-py3-none-any.whl \\
         --root 'nixl_cu13/*.so' --root '*/libplugin_UCX.so' --root 'nixl_cu13.libs/ucx/libuct_*.so*' \\
-        --out .whl/nixl_cu13-1.5.1-slim-cp312.site.tar.xz
+        --root 'nixl_cu13.libs/ucx/libucm_*.so*' --out .whl/nixl_cu13-1.5.1-slim-cp312.site.tar.xz
 
 Keeps every pure-Python file and .dist-info, the --root shared objects, and every library they need (DT_NEEDED,
-transitively, found among the wheel's own files; read with `readelf` from binutils); writes a .tar.xz to unpack
-into a site directory (deploy/carried_wheels.sh does that when the cpXY tag matches the Python).
+transitively, found among the wheel's own files; read from the ELF dynamic section here, no binutils needed);
+writes a .tar.xz to unpack into a site directory (deploy/carried_wheels.sh does that when the cpXY tag matches the
+Python).
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
 import os
-import re
-import subprocess
+import struct
 import tarfile
 import tempfile
 import zipfile
 
 
 def needed(path: str) -> list[str]:
-    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"\(NEEDED\).*\[(.+)\]", out)
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared object (what wheels for x86_64 / aarch64 hold)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+        if kind != 6:                                    # SHT_DYNAMIC
+            continue
+        strtab = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            tag, value = struct.unpack_from("<qQ", data, at)
+            if tag == 0:                                 # DT_NULL
+                break
+            if tag == 1:                                 # DT_NEEDED: an offset into the dynamic string table
+                start = strtab + value
+                names.append(data[start:data.index(b"\0", start)].decode())
+    return names
 
 
 def keep_set(root: str, patterns: list[str]) -> set[str]:
