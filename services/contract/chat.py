@@ -2,6 +2,7 @@
 sampling fields shared with the native /generate API. Validated by the gateway and again by understanding."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -9,6 +10,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from . import limits as L
 from .image import ImageOptions
 from .types import PUBLIC, Float, Int
+
+_TOKEN_ID = re.compile(r"\s*[0-9]{1,10}\s*")   # a non-negative token id, in ASCII digits
 
 
 class TextPart(BaseModel):
@@ -63,8 +66,9 @@ class LogitBias(BaseModel):
         if len(v) > L.MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias takes at most {L.MAX_LOGIT_BIAS_ENTRIES} token ids")
         for key, bias in v.items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys are token ids (non-negative integers), got {key!r}")
+            # ASCII digits only: str.isdigit() also accepts '²' and other digits int() cannot parse
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers), got {key[:20]!r}")
             if not -L.MAX_LOGIT_BIAS <= bias <= L.MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-{L.MAX_LOGIT_BIAS:g}, {L.MAX_LOGIT_BIAS:g}]")
         return v

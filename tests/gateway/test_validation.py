@@ -209,7 +209,7 @@ def test_chat_bad_bodies(client, body):
     ("top_k", -2), ("min_p", 1.5), ("presence_penalty", -3), ("frequency_penalty", 2.5),
     ("repetition_penalty", 0), ("seed", -1), ("seed", L.SEED_MAX + 1), ("max_tokens", 0), ("n", 0),
     ("n", L.MAX_CHAT_CHOICES + 1), ("top_logprobs", L.MAX_TOP_LOGPROBS + 1), ("logit_bias", {"x": 1}),
-    ("logit_bias", {"5": 101}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"\u00b2": 1}), ("logit_bias", {"9" * 5000: 1}),
     ("stop", [""]), ("stop", ["s"] * (L.MAX_STOP_STRINGS + 1)), ("stop", 5), ("cache_salt", ""),
 ])
 def test_chat_sampling_out_of_range(client, field, value):
