@@ -147,8 +147,9 @@ def run_profile(name: str, model_dir: str, args, port: int, measure=measure) -> 
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, args.startup_timeout)
+        startup_s = time.time() - t0
         res = asyncio.run(measure(base, args))
-        res["startup_s"] = time.time() - t0
+        res["startup_s"] = startup_s
         res["command"] = "u1serve up " + PROFILES[name]
         return res
     finally:

@@ -89,8 +89,9 @@ class Orchestrator:
             working = GEN
             gen.source = und.ep                # a generation replica that can read this replica's KV
             gen_pool = self._pool(self.gen, pins)
+            # not moved on after a 429 / 503 head: generation frees the pages of a job it refuses
             resp = await self._open(gen_pool, "/internal/generate", job.generate_body(handles.handles), hdrs,
-                                    deadline, gen, pins)
+                                    deadline, gen, pins, retry_refused=False)
             images = 0
             async with reading(gen_pool, gen.ep, resp):
                 if resp.status_code != 200:
@@ -136,9 +137,10 @@ class Orchestrator:
         return pool if url is None else pool.pinned(url)
 
     async def _open(self, pool: EndpointPool, path: str, body: dict, hdrs: dict, deadline: Deadline,
-                    target: Target, pins: Optional[dict] = None) -> httpx.Response:
+                    target: Target, pins: Optional[dict] = None, retry_refused: bool = True) -> httpx.Response:
         try:
-            resp = await open_stream(self.http, pool, path, body, hdrs, deadline, target)
+            resp = await open_stream(self.http, pool, path, body, hdrs, deadline, target,
+                                     retry_refused=retry_refused)
         except APIError as err:
             if not is_timeout(err):
                 target.ep = None         # refused everywhere: no engine got the request

@@ -276,7 +276,10 @@ class ReplicaMonitor:
         await asyncio.gather(*(self.probe(pool, ep) for pool in self.pools for ep in list(pool.endpoints)
                                if ep.looks_up or ep.failures == 0))
 
-    async def probe(self, pool: EndpointPool, ep: Endpoint) -> bool:
+    async def probe(self, pool: EndpointPool, ep: Endpoint) -> dict:
+        """One replica's /health into its routing state; returns what the gateway's /health reports of it
+        (status "ok" | "unavailable", the engine's HTTP status or the connection error)."""
+        report = {"service": pool.service, "url": ep.url}
         try:
             r = await self.http.get(ep.url + "/health", headers=self.headers, timeout=self.timeout_s)
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -284,19 +287,20 @@ class ReplicaMonitor:
                 live = await self.http.get(ep.url + LIVE_PATH, headers=self.headers, timeout=self.timeout_s)
                 if live.status_code == 200:
                     ep.shm_domain = live.json().get("shm_domain")
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError) as exc:
             pool.down(ep)
             ep.shm_domain = None       # it may come back elsewhere (a new pod at the same address)
-            return False
+            return {**report, "status": "unavailable", "detail": type(exc).__name__}
         ep.reported_load = _load(body)
         kv = body.get("kv") if isinstance(body, dict) else None
         if isinstance(kv, dict):
             ep.kv_transport = kv.get("transport")
+        report["http_status"] = r.status_code
         if r.status_code == 200:
             ep.mark_up()
-            return True
+            return {**report, "status": "ok"}
         ep.mark_down(pool.retry_down_after_s)   # loading or restarting: not ready, asked again next round
-        return False
+        return {**report, "status": "unavailable"}
 
 
 def _load(body: Any) -> int:

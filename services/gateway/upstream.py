@@ -107,7 +107,8 @@ RETRY_ELSEWHERE = (429, 503)      # a replica that answers these did not start t
 
 
 async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, body: dict, hdrs: dict[str, str],
-                      deadline: Deadline, target: Target, idle: bool = True) -> httpx.Response:
+                      deadline: Deadline, target: Target, idle: bool = True,
+                      retry_refused: bool = True) -> httpx.Response:
     """POST to the replica the routing picks (target.key, target.source) and return its streaming response
     (head read).
 
@@ -115,7 +116,8 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
     before the response head (after one retry on a fresh connection: typically a pooled keep-alive connection to
     a process that has since died or restarted), a 503 head (ejected) or a 429 head (it is busy). When every
     replica was tried: a 503 for no connection at all, else the last answer. No head in time: a 504 (that
-    replica counts as down for a moment)."""
+    replica counts as down for a moment). retry_refused=False: a 429 / 503 head is the answer (a body that is
+    spent once an engine has read it: generation frees the prefix pages of a job it refuses)."""
     tried: set[str] = set()
     last: Exception | None = None
     while True:
@@ -136,7 +138,7 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
                 raise
         tried.add(ep.url)
         last_one = not pool.untried(tried, target.source)
-        if resp is not None and (resp.status_code not in RETRY_ELSEWHERE or last_one):
+        if resp is not None and (resp.status_code not in RETRY_ELSEWHERE or last_one or not retry_refused):
             return resp
         if resp is not None:
             log.info("%s at %s answered %d before starting the request; trying another replica",

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from ..context import gateway
 from ..schemas import ERRORS, HealthReport, ModelList
 from ..state import GatewayState
-from ..upstream import EndpointPool, engine_headers
+from ..upstream import EndpointPool
 
 router = APIRouter(tags=["ops"])
 
@@ -22,22 +21,8 @@ async def models(state: GatewayState = Depends(gateway)):
 
 
 async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:
-    async def one(ep) -> dict:
-        out = {"service": pool.service, "url": ep.url}
-        try:
-            r = await state.http.get(ep.url + "/health", timeout=state.config.health_timeout_s,
-                                     headers=engine_headers(state.config.internal_token))
-            up = r.status_code == 200
-            out.update(status="ok" if up else "unavailable", http_status=r.status_code)
-        except httpx.HTTPError as exc:
-            up = False
-            out.update(status="unavailable", detail=type(exc).__name__)
-        if up:
-            ep.mark_up()
-        else:
-            pool.down(ep)
-        return out
-    return list(await asyncio.gather(*(one(ep) for ep in pool.endpoints)))
+    """Every replica of one service, probed as the replica monitor probes (the same routing state updates)."""
+    return list(await asyncio.gather(*(state.monitor.probe(pool, ep) for ep in list(pool.endpoints))))
 
 
 @router.get("/health", response_model=HealthReport, responses={503: {"model": HealthReport}})
