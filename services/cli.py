@@ -117,7 +117,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
         argv += ["--yield-to", ctx["yield_page"], "--yield-share", str(args.qos_yield_share)]
     if args.quantization != "none":
         argv += ["--quantization", args.quantization]
-    if args.cuda_graphs != "auto":
+    if args.cuda_graphs != "off":
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
@@ -331,9 +331,9 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs)")
-    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="generation: replay each job's denoise layer stack from a CUDA graph (auto: on CUDA "
-                        "where the step allows it)")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="off",
+                   help="generation: replay each job's denoise layer stack from a CUDA graph where the step "
+                        "allows it (auto = on; off by default, see docs/deployment.md)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
     p.add_argument("--preset", choices=["8step"], default=None,

@@ -41,7 +41,7 @@ def add_perf_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-sizes", default="", help="more sizes to warm up, e.g. 1024x1024,1536x2720")
     p.add_argument("--warmup-steps", type=int, default=2,
                    help="denoising steps per warm-up size (0: no warm-up)")
-    p.add_argument("--cuda-graphs", default="auto", choices=list(CUDA_GRAPH_MODES),
+    p.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPH_MODES),
                    help="replay each job's denoise layer stack from a CUDA graph (captured on its second "
                         "step) where the step allows it: CUDA, no step cache, no --sp, no --yield-to. "
                         f"auto/on: where it allows it (eager on cpu); {CUDA_GRAPHS_ENV}=0|1 overrides")

@@ -15,8 +15,7 @@ the key leaving (finished, dropped, cancelled), releases it first — BEFORE job
 graph points at. Every capture of an engine uses one side stream; each graph has its own private memory
 pool (torch's default). One pool shared by successive captures (a held `torch.cuda.MemPool`) breaks the
 second capture on torch 2.11 (an internal assert in the pinned-host allocator's per-pool bookkeeping,
-measured on the H200), so a released graph's pool goes back to the caching allocator as torch frees private
-pools: reserved until an allocation needs it or the cache is emptied.
+measured on the H200); a released graph's pool is handed back with `torch.cuda.empty_cache()` (`release`).
 
 Used only where the step is graphable (`graphable`): CUDA, no step cache for any running job (its
 decisions are made on the host), no sequence parallelism (collectives and host-side layouts inside the
@@ -216,6 +215,11 @@ class StepGraphs:
             self.release()
 
     def release(self) -> None:
-        """Drop the held graph (its private pool goes back to the caching allocator)."""
+        """Drop the held graph and return its private pool's memory: torch frees a released graph pool only
+        when an ordinary allocation fails (never during a capture), so without this every change of the
+        batch's composition would leave one step's working set reserved, and a later capture could run out."""
+        held = self._graph is not None
         self._graph = None
         self.plan.released()
+        if held and self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -173,5 +173,5 @@ def test_u1serve_up_passes_the_flag_only_when_set():
         out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
                               "--dry-run", *extra], cwd=REPO, check=True, capture_output=True, text=True).stdout
         return next(ln for ln in out.splitlines() if ln.startswith("gen:"))
-    assert "--cuda-graphs off" in gen_line("--cuda-graphs", "off")
+    assert "--cuda-graphs on" in gen_line("--cuda-graphs", "on")
     assert "--cuda-graphs" not in gen_line()
