@@ -18,17 +18,25 @@ IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read ex
 
 def export(source, x: torch.Tensor) -> dict:
     """x [3, H, W] (the model's dtype) into new pool pages; returns the KVHandle dict. ApiError when the pool is
-    full or unavailable."""
+    full or unavailable: the job fails alone, the engine goes on."""
     from shm_transfer import PoolFull
+    from shm_transfer.errors import KVTransferError
     from shm_transfer.tensors import pack, tokens_for
-    t = source.transport("shm")
     try:
+        t = source.transport("shm")
         h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH)
     except PoolFull as e:
         raise ApiError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
                        code="kv_pool_full") from None
+    except (KVTransferError, ValueError) as e:      # no pool attached, replaced, or of another layout
+        raise ApiError(503, f"the KV pool cannot take the generated image: {e}", type="server_error",
+                       code="kv_pool_unavailable") from None
     try:
         t.write_kv(h, pack(x, t.layout))
+    except (KVTransferError, ValueError) as e:
+        t.release(h)
+        raise ApiError(503, f"the generated image could not be written to the KV pool: {e}", type="server_error",
+                       code="kv_pool_unavailable") from None
     except BaseException:
         t.release(h)
         raise

@@ -185,10 +185,14 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
             yield sse.encode(sse.DONE)
             delivered = True
         finally:
+            if outcome == "disconnected":      # the client went away: stop the job at the next step (what
+                engine.cancel(job.request_id, "client disconnected")   # the engine sends after: supervisor)
+            while not events.empty():          # images the stream never took (the client went first)
+                left = events.get_nowait()
+                if left.get("image_handle"):
+                    exported.append(left["image_handle"])
             if exported and not delivered:     # nobody will read the float image back: free it now
                 keeper.release(exported)
-            if outcome == "disconnected":      # the client went away: stop the job at the next step
-                engine.cancel(job.request_id, "client disconnected")
             metrics.requests.labels(outcome=outcome).inc()
             log.info("request %s %s in %.2fs", safe(job.request_id), outcome, time.monotonic() - started)
 

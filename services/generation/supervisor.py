@@ -236,8 +236,10 @@ class EngineSupervisor:
                 unit.fatal = msg.get("message")
             return
         t = self.table.get(rid)
-        if t is None or t.unit is not unit:
-            return                                  # ended already (cancelled, timed out) or a stale unit
+        if t is None or t.unit is not unit:         # ended already (cancelled, timed out) or a stale unit:
+            if msg.get("image_handle"):             # a float image nobody will read back
+                self.keeper.release([msg["image_handle"]])
+            return
         if kind == "started":
             self.table.mark_started(rid)
         elif kind in ("progress", "preview", "image"):
