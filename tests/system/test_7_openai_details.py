@@ -88,8 +88,7 @@ def test_chat_stream_stop_strings_and_usage(openai_client):
                                                  extra_body={"ignore_eos": True})
     text = base.choices[0].message.content
     cut = next((i for i, ch in enumerate(text) if i > 0 and ch.isalnum()), None)
-    if cut is None:
-        pytest.skip("no usable stop string in this random output")
+    assert cut is not None, f"the seeded tiny checkpoint's answer has no alphanumeric character after the first: {text!r}"
     chunks = list(openai_client.chat.completions.create(
         model="m", messages=MSGS, max_tokens=16, temperature=0, stop=[text[cut]], stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
