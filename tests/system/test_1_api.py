@@ -5,6 +5,7 @@ import json
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
@@ -190,15 +191,21 @@ def test_chat_modalities_image_stream(openai_client):
     chunks = list(openai_client.chat.completions.create(
         model="m", modalities=["image"], stream=True,
         messages=[{"role": "user", "content": "a tree"}],
-        extra_body={"image_config": {"size": "64x64", "num_inference_steps": 2},
+        extra_body={"image_config": {"size": "64x64", "num_inference_steps": 4, "partial_images": 2},
                     "chat_template_kwargs": {"enable_thinking": True}, "max_think_tokens": 4}))
-    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
-                        for c in chunks if c.choices)
-    images = [img for c in chunks if c.choices
-              for img in (c.choices[0].delta.model_extra or {}).get("images") or []]
+    deltas = [c.choices[0].delta.model_extra or {} for c in chunks if c.choices]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    images = [img for d in deltas for img in d.get("images") or []]
+    previews = [d["partial_image"] for d in deltas if d.get("partial_image")]
     assert reasoning
     assert len(images) == 1 and images[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert [p["partial_image_index"] for p in previews] == [0, 1] and all(p["index"] == 0 for p in previews)
+    assert all(p["image_url"]["url"].startswith("data:image/jpeg;base64,") for p in previews)
     assert chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(model="m", modalities=["image"], n=2,
+                                              messages=[{"role": "user", "content": "a tree"}])
+    assert err.value.body["param"] == "n"
 
 
 def test_sdk_streaming_images(openai_client):

@@ -215,9 +215,18 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
 
 
 # ------------------------------------------------------------------------------------------ image modality
+def partial_image_delta(index: int, ev: dict) -> dict:
+    """A generation preview (partial_images) as a chat delta: {index, partial_image_index, image_url}."""
+    return {"partial_image": {"index": index, "partial_image_index": ev["partial_image_index"],
+                              "image_url": {"url": data_url(ev["b64"], ev.get("format", "jpeg"))}}}
+
+
 async def chat_image(request: Request, state: GatewayState, req: ChatCompletionRequest, body: dict,
                      salt: Optional[str]):
     opts = chat_image_options(body, req)
+    if req.n != 1:
+        raise bad_request("an image answer has one choice (image_config.n sets the images): n must be 1",
+                          param="n")
     prompt, parts = last_user_turn(req)
     mode = "edit" if parts else "t2i"
     check_options(state.config, opts, mode, prompt)            # before any image is decoded
@@ -252,6 +261,8 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
             return [chunk({"reasoning_content": ev["text"]})]
         if ev.get("type") == "image":
             return [chunk({"images": [part(ev)]})]
+        if ev.get("type") == "partial_image":
+            return [chunk(partial_image_delta(ev.get("index", 0), ev))]
         return []
 
     return await stream_job(request, state, job, convert, head=[chunk({"role": "assistant", "content": ""})],
@@ -335,8 +346,7 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
         if kind == "image_progress":
             return [chunk({"image_progress": {"index": ev["image"], "step": ev["step"], "total": ev["total"]}})]
         if kind == "partial_image":
-            return [chunk({"partial_image": {"index": ev["image"], "partial_image_index": ev["partial_image_index"],
-                                             "image_url": {"url": data_url(ev["b64"], ev.get("format", "jpeg"))}}})]
+            return [chunk(partial_image_delta(ev["image"], ev))]
         if kind == "done":
             out = [chunk({}, ev["finish_reason"])]
             if include_usage:
