@@ -23,6 +23,7 @@ from services.contract.image import GenerateRequest
 from services.contract.interleave import InterleaveSegmentRequest
 from services.kit.errors import APIError
 
+from .routing import conversation_key
 from .upstream import CONTROL_TIMEOUT_S, Deadline, engine_headers, tell
 
 
@@ -66,6 +67,11 @@ class Segment:
             max_tokens=a.max_tokens - a.text_tokens, images_left=a.max_images - a.images,
             guidance_scale=g["guidance_scale"], image_guidance_scale=g["image_guidance_scale"],
             logit_bias=a.logit_bias, cache_salt=a.cache_salt).model_dump(mode="json", exclude_none=True)
+
+    @staticmethod
+    def route_key(prefix_body: dict) -> int:
+        """The answer's conversation: every segment goes where its earlier turns are cached."""
+        return conversation_key(prefix_body)
 
     def generate_body(self, handles: dict) -> dict[str, Any]:
         try:

@@ -15,6 +15,7 @@ from services.contract.image import GenerateRequest, ImageOptions, PrefixRequest
 from services.kit.errors import APIError, bad_request
 
 from .config import GatewayConfig, parse_size
+from .routing import image_key
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class ImageJob:
 
     def prefix_body(self) -> dict[str, Any]:
         return self.prefix.model_dump(mode="json")
+
+    @staticmethod
+    def route_key(prefix_body: dict) -> int:
+        """Which understanding replica's prefix cache to prefer: what the prompt starts with."""
+        return image_key(prefix_body)
 
     def generate_body(self, handles: dict) -> dict[str, Any]:
         """The /internal/generate body with understanding's handles (which must match the CFG branches)."""

@@ -23,7 +23,6 @@ from .config import GatewayConfig
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
-from .routing import image_key
 from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, engine_headers,
                        error_from_event, error_from_response, is_timeout, open_stream, reading, tell)
 
@@ -46,7 +45,8 @@ class Orchestrator:
         rid = job.request_id
         hdrs = engine_headers(self.cfg.internal_token, rid)
         handles = PrefixHandles()
-        und, gen = Target(key=image_key(job.prefix_body())), Target()
+        prefix_body = job.prefix_body()       # a full dump (input images, a segment's transcript): once
+        und, gen = Target(key=job.route_key(prefix_body)), Target()
         working: Optional[str] = None          # the engine that may still be working on the job
         phase = UND
         started = time.monotonic()
@@ -54,7 +54,7 @@ class Orchestrator:
         try:
             working = UND
             und_pool = self._pool(self.und, pins)
-            resp = await self._open(und_pool, job.prefix_path, job.prefix_body(), hdrs, deadline, und, pins)
+            resp = await self._open(und_pool, job.prefix_path, prefix_body, hdrs, deadline, und, pins)
             think_text, prefix, ended = None, {}, None
             async with reading(und_pool, und.ep, resp):
                 if resp.status_code != 200:

@@ -119,3 +119,21 @@ def test_dns_names_expand_to_one_replica_per_address():
     assert expand("http://u1:8100", lambda h, p: ["fd00::1", "fd00::2"]) == ["http://[fd00::1]:8100",
                                                                              "http://[fd00::2]:8100"]
     assert expand("http://localhost:8100") == ["http://localhost:8100"]        # the real resolver
+
+
+def test_an_interleaved_answer_routes_by_its_conversation():
+    """Each segment goes where the conversation's chat turns went; two conversations are two keys (the segment's
+    prefix body names no prompt or image, so a key from those alone would send every answer to one replica)."""
+    from services.gateway.interleave import Answer, Segment
+
+    def segment(question: str, k: int = 0) -> Segment:
+        answer = Answer(request_id="a", messages=[{"role": "user", "content": question}], think=False,
+                        max_tokens=64, max_images=2, generate={"guidance_scale": 4.0, "image_guidance_scale": 1.0})
+        return Segment(answer, k)
+
+    a, b = segment("draw a fox"), segment("draw a lighthouse")
+    ka, kb = a.route_key(a.prefix_body()), b.route_key(b.prefix_body())
+    assert ka != kb
+    assert ka == conversation_key({"messages": [{"role": "user", "content": "draw a fox"}]})
+    later = segment("draw a fox", k=1)
+    assert later.route_key(later.prefix_body()) == ka
