@@ -60,7 +60,6 @@ class Orchestrator:
                 if resp.status_code != 200:
                     working = None
                     raise await error_from_response(resp, UND, deadline)
-                und.ep.mark_up()
                 async for ev in deadline.events(resp, UND):
                     kind = ev.get("type")
                     if kind == "think_delta":
@@ -98,7 +97,6 @@ class Orchestrator:
                     working = None
                     raise await error_from_response(resp, GEN, deadline)
                 handles.accepted()
-                gen.ep.mark_up()
                 async for ev in deadline.events(resp, GEN):
                     kind = ev.get("type")
                     if kind == "error":

@@ -138,6 +138,8 @@ async def open_stream(http: httpx.AsyncClient, pool: EndpointPool, path: str, bo
                 raise
         tried.add(ep.url)
         last_one = not pool.untried(tried, target.source)
+        if resp is not None and resp.status_code == 200:
+            ep.mark_up()                   # a served request ends an ejection backoff, as a good probe does
         if resp is not None and (resp.status_code not in RETRY_ELSEWHERE or last_one or not retry_refused):
             return resp
         if resp is not None:
