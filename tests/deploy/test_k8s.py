@@ -94,3 +94,28 @@ def test_paired_pods_share_shm_and_the_network_layout_uses_nixl(rendered):
     assert shm["understanding"] == shm["generation"]          # one /dev/shm: the pool is shared
     gen_svc = objects(rendered["overlays/paired"], "Service")["u1-generation"]
     assert gen_svc["spec"]["selector"]["app.kubernetes.io/component"] == "understanding"
+
+
+PARSERS = {"services.understanding.server": ("services.understanding.server", "build_parser"),
+           "services.generation.server": ("services.generation.server", "build_parser"),
+           "services.gateway.server": ("services.gateway.config", "build_arg_parser")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_container_command_line_parses_with_its_service(rendered, layout):
+    """The manifests' flags are the services' flags (a renamed or removed flag fails here, not at deploy time);
+    the paired overlay patches args by list index, so this also catches a patch landing on the wrong flag."""
+    import importlib
+    seen = set()
+    for dep in objects(rendered[layout], "Deployment").values():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            module = c["command"][c["command"].index("-m") + 1]
+            mod, factory = PARSERS[module]
+            parser = getattr(importlib.import_module(mod), factory)()
+            parser.exit_on_error = False
+            try:
+                parser.parse_args(c["args"])
+            except (SystemExit, Exception) as e:   # argparse exits on unknown flags even with exit_on_error off
+                pytest.fail(f"{layout}: {dep['metadata']['name']}/{c['name']}: {c['args']} -> {e!r}")
+            seen.add(module)
+    assert seen == set(PARSERS) if layout == "base" else seen <= set(PARSERS) and seen
