@@ -67,6 +67,10 @@ def test_engines_have_gpus_probes_grace_and_a_memory_backed_shm(rendered, layout
                 assert c["readinessProbe"]["httpGet"]["path"] == "/health"
                 mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
                 assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+                if c["name"] == "generation":   # jobs in flight finish before SIGTERM (services/generation/drain.py)
+                    hook = c["lifecycle"]["preStop"]["exec"]["command"]
+                    assert hook[:3] == ["python", "-m", "services.generation.drain"]
+                    assert float(hook[hook.index("--timeout-s") + 1]) < spec["terminationGracePeriodSeconds"]
                 token = [e for e in c["env"] if e["name"] == "U1SERVE_INTERNAL_TOKEN"][0]
                 assert token["valueFrom"]["secretKeyRef"]["name"] == "u1serve-secrets"
     secret = objects(docs, "Secret")["u1serve-secrets"]
