@@ -214,9 +214,9 @@ class NixlTransport(Transport):
                 self._near[key] = None
 
     # ------------------------------------------------------------------ producer
-    def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
-        if self._local is None:
-            raise PoolError("a consumer NixlTransport has no pool to allocate from")
+    def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0, near=None):
+        if self._local is None or near is not None:
+            raise PoolError("a NIXL transport allocates only in its own producer pool")
         h = self._local.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
         return h.replace(transport=self.kind, producer=dict(self._producer))
 

@@ -25,8 +25,10 @@ class Transport(abc.ABC):
     kind: str = ""  # the value of KVHandle.transport this implementation moves
 
     @abc.abstractmethod
-    def allocate(self, num_tokens: int, lease_s: float, *, branch: str = "cond", t_offset: int = 0) -> KVHandle:
-        """Reserve room; raises PoolFull at once when there is none."""
+    def allocate(self, num_tokens: int, lease_s: float, *, branch: str = "cond", t_offset: int = 0,
+                 near: KVHandle | None = None) -> KVHandle:
+        """Reserve room; raises PoolFull at once when there is none. `near`: in the pool that holds that
+        handle (a consumer answering a producer in that producer's pool), else this transport's own."""
 
     @abc.abstractmethod
     def export_kv(self, handle: KVHandle, kv_pool: torch.Tensor, slots: torch.Tensor, stream=None, *,
@@ -191,8 +193,9 @@ class LocalShmTransport(Transport):
                 self._others[handle.pool_name] = pool
             return pool
 
-    def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0):
-        return self._pool.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
+    def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0, near=None):
+        pool = self._pool if near is None else self._pool_for(near)
+        return pool.allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset)
 
     def export_kv(self, handle, kv_pool, slots, stream=None, *, heads=None):
         return kvcopy.export_kv(self._pool_for(handle), handle, kv_pool, slots, stream, heads=heads)

@@ -16,15 +16,18 @@ from .request import ApiError
 IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read extends it)
 
 
-def export(source, x: torch.Tensor) -> dict:
-    """x [3, H, W] (the model's dtype) into new pool pages; returns the KVHandle dict. ApiError when the pool is
-    full or unavailable: the job fails alone, the engine goes on."""
-    from shm_transfer import PoolFull
+def export(source, x: torch.Tensor, near: dict) -> dict:
+    """x [3, H, W] (the model's dtype) into new pages of the pool that holds `near` (the job's cond handle: the
+    understanding replica that reads the image back is the one that made the prefix; with replicas that is not
+    necessarily this service's own pool); returns the KVHandle dict. ApiError when the pool is full or unavailable
+    (it is on another host: interleaved answers need generation beside understanding): the job fails alone."""
+    from shm_transfer import KVHandle, PoolFull
     from shm_transfer.errors import KVTransferError
     from shm_transfer.tensors import pack, tokens_for
     try:
         t = source.transport("shm")
-        h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH)
+        h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH,
+                       near=KVHandle.from_dict(near))
     except PoolFull as e:
         raise ApiError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
                        code="kv_pool_full") from None

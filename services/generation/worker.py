@@ -155,7 +155,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
             image_handle = None
             if job.spec.export_image:
                 try:
-                    image_handle = float_image.export(source, job.x[0])
+                    image_handle = float_image.export(source, job.x[0], job.spec.handles["cond"])
                 except APIError as e:
                     out.send({"request_id": job.request_id, **e.event()})
                     job.free()

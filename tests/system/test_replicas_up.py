@@ -47,6 +47,14 @@ def test_two_by_two_replicas_on_one_host_serve_and_stop_clean(tiny_model, tmp_pa
             r = httpx.post(s.base + "/v1/chat/completions", timeout=120,
                            json={"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
             assert r.status_code == 200, r.text
+            # an interleaved answer: its float images go into the pool of the understanding replica that
+            # reads them back, whichever generation replica denoised them (token 262 = <img>, forced)
+            r = httpx.post(s.base + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": f"draw two boats {i}"}], "modalities": ["text", "image"],
+                "max_tokens": 8, "logit_bias": {"262": 100},
+                "image_config": {"size": "64x64", "num_inference_steps": 2, "max_images": 2}})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["message"]["images"]) == 2
         health = httpx.get(s.base + "/health", timeout=10).json()
         assert health["status"] == "ok" and len(health["understanding"]) == len(health["generation"]) == 2
         assert {s.pool, s.pool + "-1"} <= shm_entries()
