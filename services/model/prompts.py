@@ -30,7 +30,7 @@ class PromptInput:
 
 
 def default_gen_system_message() -> str:
-    return resources.files("services.model").joinpath("data", GEN_SYSTEM_MESSAGE_FILE).read_text()
+    return _system_message(GEN_SYSTEM_MESSAGE_FILE, None, None)
 
 
 def _system_message(name: str, model_dir: str | None, override: str | None) -> str:

@@ -183,7 +183,8 @@ class ImagePrefixService:
             raise
         return pages, handles
 
-    def _check_unique(self, request_id: str) -> None:
+    def check_unique(self, request_id: str) -> None:
+        """409 when a prefix job with this id is running (before any work is done for the new one)."""
         if request_id in self.jobs:
             raise APIError(409, f"request_id {request_id!r} is already running", param="request_id",
                            code="duplicate")
@@ -198,7 +199,7 @@ class ImagePrefixService:
     async def _start(self, req: PrefixRequest) -> PrefixJob:
         st = self.state
         self.require_pool()
-        self._check_unique(req.request_id)
+        self.check_unique(req.request_id)
         if req.max_think_tokens > st.args.max_think_tokens:
             raise bad_request(f"max_think_tokens: at most {st.args.max_think_tokens} on this server",
                               "max_think_tokens")
@@ -222,7 +223,7 @@ class ImagePrefixService:
         st = self.state
         try:
             tail = st.tok.encode(PR.THINK_TAIL) if think else []
-            self._check_unique(request_id)      # again: the same id may have arrived meanwhile
+            self.check_unique(request_id)      # again: the same id may have arrived meanwhile
             pages, handles = self._reserve({b: len(inp.input_ids) + (max_think_tokens + len(tail) if think and
                                                                       b == "cond" else 0)
                                             for b, inp in inputs.items()})

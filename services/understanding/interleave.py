@@ -131,6 +131,7 @@ class InterleaveService:
         st = self.state
         tok = st.tok
         st.prefixes.require_pool()
+        st.prefixes.check_unique(req.request_id)      # not after the segment's text was decoded and streamed
         admission = st.admit()
         try:
             cond, tu, texts = await self._inputs(req)

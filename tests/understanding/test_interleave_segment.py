@@ -109,10 +109,19 @@ def test_bad_float_handles_are_refused(server):
     r = httpx.post(server.url + "/internal/interleave_segment", headers=HEADERS, timeout=30, json={
         "request_id": "bad", "messages": MSGS, "max_tokens": 4, "images_left": 1,
         "transcript": [{"token_ids": []}, {"image": gone, "width": 64, "height": 64}]})
-    assert r.status_code in (400, 410), r.text
-    assert r.json()["error"]["param"] == "transcript[1].image"
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_handle" and err["param"] == "transcript[1].image", r.text
+    from shm_transfer import KVLayout
+    from shm_transfer.tensors import tokens_for
+    stale = {**gone, "num_tokens": tokens_for(KVLayout(**gone["layout"]), 3 * 64 * 64)}
+    r = httpx.post(server.url + "/internal/interleave_segment", headers=HEADERS, timeout=30, json={
+        "request_id": "bad1", "messages": MSGS, "max_tokens": 4, "images_left": 1,
+        "transcript": [{"image": stale, "width": 64, "height": 64}]})
+    err = r.json()["error"]
+    assert r.status_code == 410 and err["code"] == "kv_stale_generation" and err["param"] == "transcript[0].image"
     r = httpx.post(server.url + "/internal/interleave_segment", headers=HEADERS, timeout=30, json={
         "request_id": "bad2", "messages": MSGS, "max_tokens": 4, "images_left": 1,
-        "transcript": [{"image": {}, "width": 33, "height": 64}]})
-    assert r.status_code == 400
+        "transcript": [{"image": {}, "width": 64, "height": 64}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "kv_malformed_handle" and err["param"] == "transcript[0].image"
     server.wait_idle()
