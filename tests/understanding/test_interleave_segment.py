@@ -11,6 +11,8 @@ import torch
 from services.kit import sse
 from services.model import reference as R
 from services.model.sampler import SamplerParams
+from shm_transfer import KVLayout
+from shm_transfer.tensors import tokens_for
 
 from .conftest import HEADERS
 from .test_image_prefix import _read_back as _read
@@ -111,8 +113,6 @@ def test_bad_float_handles_are_refused(server):
         "transcript": [{"token_ids": []}, {"image": gone, "width": 64, "height": 64}]})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "invalid_handle" and err["param"] == "transcript[1].image", r.text
-    from shm_transfer import KVLayout
-    from shm_transfer.tensors import tokens_for
     stale = {**gone, "num_tokens": tokens_for(KVLayout(**gone["layout"]), 3 * 64 * 64)}
     r = httpx.post(server.url + "/internal/interleave_segment", headers=HEADERS, timeout=30, json={
         "request_id": "bad1", "messages": MSGS, "max_tokens": 4, "images_left": 1,
