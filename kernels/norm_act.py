@@ -1,13 +1,16 @@
 """RMSNorm and the SwiGLU gate (silu(gate) * up): elementwise hot paths of every decoder layer.
 
 Both round exactly where torch does (Qwen3RMSNorm: normalise in fp32, cast to the input dtype, then
-multiply by the weight in that dtype; silu in fp32 rounded to the dtype, then the product rounded),
-so the Triton kernels give the same bits as the references; one kernel launch instead of ~6.
+multiply by the weight in that dtype; silu in fp32 rounded to the dtype, then the product rounded);
+one kernel launch instead of ~6. silu*mul gives torch's bits; RMSNorm's sum of squares is reduced in the
+order the launch layout gives, so on the GPU the plain kernel can differ from torch by a few ULPs of the
+rsqrt (measured on the H200, docs/benchmarks/kernels.md).
 
 The `_fp8` variants feed an fp8 GEMM (services/model/quant.py): the same row, rounded to the input
 dtype as above, then quantised row-wise in the same kernel (kernels/fp8_quant.py: one scale per row),
-so the activation is never written in bf16 and read back. On one backend they give the bits of the
-plain kernel followed by `quant_fp8_rowwise`; the references are exactly that composition.
+so the activation is never written in bf16 and read back. Measured on the H200: silu*mul -> fp8 gives the
+bits of the plain kernel followed by `quant_fp8_rowwise`; RMSNorm -> fp8 gives the torch reference's bits
+(torch RMSNorm + quantiser), not those of the plain Triton RMSNorm + quantiser (the reduction above).
 silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`pieces` by default: the 12288-wide
 row as 3 x 4096 in registers); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
 of squares, whose order follows the layout, must stay the same bits), so only its arithmetic follows the
