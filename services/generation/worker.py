@@ -150,6 +150,11 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 for i in range(job.n):
                     out.send({"request_id": job.request_id, "type": "preview", "index": i,
                               "partial_image_index": k, "step": job.step}, pixels=frames[i])
+        # the step's stats before its images: a client that got its last image finds the step in /metrics
+        out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
+                  "jobs": len(engine.running) + len(finished), "running": len(engine.running),
+                  "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
+                  "graph": engine.graphs.last})
         for job in finished:
             pixels = engine.pixels(job)
             image_handle = None
@@ -166,10 +171,6 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
             out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out.send({"request_id": job.request_id, "type": "done"})
             job.free()
-        out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
-                  "jobs": len(engine.running) + len(finished), "running": len(engine.running),
-                  "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
-                  "graph": engine.graphs.last})
 
 
 def _follower_loop(engine, comm, source) -> None:
