@@ -17,7 +17,7 @@ from .kv_copy import (
     register_host_memory,
     unregister_host_memory,
 )
-from .norm_act import rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
+from .norm_act import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_
 
@@ -27,7 +27,7 @@ __all__ = [
     "denoise_attention", "denoise_attention_ref",
     "decode_attention", "decode_attention_ref",
     "qk_norm_rope_", "qk_norm_rope_ref_",
-    "rms_norm", "rms_norm_ref", "silu_mul", "silu_mul_ref",
+    "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "silu_mul", "silu_mul_ref",
     "kv_export", "kv_export_ref", "kv_import", "kv_import_ref",
     "register_host_memory", "unregister_host_memory", "device_view", "HostMappedView",
 ]

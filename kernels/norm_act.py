@@ -15,6 +15,14 @@ silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`pieces` b
 row as 3 x 4096 in registers); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
 of squares, whose order follows the layout, must stay the same bits), so only its arithmetic follows the
 variant (`legacy` divides).
+
+`add_rms_norm` / `add_rms_norm_fp8` fuse the residual add in front of the norm (a decoder layer's
+`x = x + o; norm(x)`): the same kernel (ADD) reads x and the delta, writes the new residual and
+normalises it (and quantises) in one pass. The residual is torch's `x + delta` bit for bit (fp32 sum
+rounded once to x's dtype; bf16 rounded to nearest even in fp32 integer arithmetic, because the
+Triton interpreter's bf16 cast truncates), and the normalised row is that of the plain kernel run on
+it (the plain kernel's code, block and warps; the fp8 variant: `rms_norm_fp8`'s), so the fused and
+unfused layer give the same bits (bench/bench_generation.py --part addnorm checks that on the GPU).
 """
 from __future__ import annotations
 
@@ -40,18 +48,48 @@ def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     return quant_fp8_rowwise_ref(rms_norm_ref(x, weight, eps).reshape(-1, x.shape[-1]))
 
 
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it)."""
+    s = x + delta
+    return s, rms_norm_ref(s, weight, eps)
+
+
+def add_rms_norm_fp8_ref(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + delta, then its RMSNorm quantised row-wise: q [rows, n] e4m3, scale [rows, 1] fp32)."""
+    s = x + delta
+    return (s, *rms_norm_fp8_ref(s, weight, eps))
+
+
 def silu_mul_fp8_ref(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of [rows, n] operands, then row-wise fp8: (q [rows, n], scale [rows, 1])."""
     return quant_fp8_rowwise_ref(silu_mul_ref(gate, up))
 
 
-def _rms_norm_kernel(X, W, Y, S, n_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                     DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
-    """One row; QUANT: Y is the fp8 row and S its scale, else Y is the row in X's dtype (S unused)."""
+def _rne_bf16_fn(v):
+    """fp32 v rounded to the nearest bf16 (ties to even), as an fp32 value: what torch's cast gives, in
+    integer arithmetic, so that the cast after it is exact on any backend (the interpreter's truncates)."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))   # NaN stays NaN
+
+
+def _rms_norm_kernel(X, D, R, W, Y, S, n_cols, stride_x, stride_d, stride_r, stride_y, eps, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr, QUANT: tl.constexpr, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
+    """One row. ADD: the row is X + D (fp32 sum rounded once to X's dtype, as torch rounds), stored to R,
+    then normalised. QUANT: Y is the fp8 row and S its scale, else Y is the row in X's dtype (S unused)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if ADD:
+        x = x + tl.load(D + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)
+        if X.dtype.element_ty == tl.bfloat16:
+            x = _rne_bf16(x)
+        r = x.to(X.dtype.element_ty)
+        tl.store(R + row * stride_r + cols, r, mask=ok)
+        x = r.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     h = (x * inv).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
@@ -125,34 +163,68 @@ def _silu_mul_fp8_twopass_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_
     tl.store(S + row, s)
 
 
-_rms = lazy_jit(_rms_norm_kernel, helpers=FP8_ROW_HELPERS)
+_rms = lazy_jit(_rms_norm_kernel, helpers={"_rne_bf16": _rne_bf16_fn, **FP8_ROW_HELPERS})
 _silu = lazy_jit(_silu_mul_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn})
 _silu_fp8 = lazy_jit(_silu_mul_fp8_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn, **FP8_ROW_HELPERS})
 _silu_fp8_twopass = lazy_jit(_silu_mul_fp8_twopass_kernel,
                              helpers={"_silu_mul_value": _silu_mul_value_fn, **FP8_ROW_HELPERS})
 
 
-def _rms_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.is_contiguous() and weight.dtype == x.dtype and x.shape[-1] <= 16384
+def _rms_ok(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    """Shapes and dtypes the kernel takes; with `delta` any strides (made contiguous first, as `x + delta` is)."""
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        return False
+    return (delta is not None or x.is_contiguous()) and weight.dtype == x.dtype and x.shape[-1] <= 16384
 
 
 def _rms_warps(n: int) -> int:
-    """Warps of both RMSNorm launches: the same for the plain and the fp8 kernel, so that the row sum
-    (whose order follows the layout) and hence the normalised row are the same bits."""
+    """Warps of every RMSNorm launch: the same for the plain, the fp8 and the ADD kernels, so that the
+    row sum (whose order follows the layout) and hence the normalised row are the same bits."""
     return 4 if n <= 2048 else 8 if n <= 8192 else 16
+
+
+def _rms_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, y: torch.Tensor,
+                scale: torch.Tensor | None, variant: str | None = None) -> torch.Tensor | None:
+    """`_rms_norm_kernel` over the rows of x (contiguous) into y ([rows, n]: x's dtype, or fp8 with its
+    `scale`); with `delta` (x's shape) also the residual x + delta, which it returns."""
+    n = x.shape[-1]
+    x2 = x.view(-1, n)
+    d2 = x2 if delta is None else delta.view(-1, n)
+    r = x2 if delta is None else torch.empty_like(x2)
+    launch = fp8_launch(n, variant) if scale is not None else None
+    if x2.shape[0]:
+        if launch is not None:
+            bind_fp8_helpers()
+        _rms[(x2.shape[0],)](x2, d2, r, weight, y, y if scale is None else scale, n, x2.stride(0), d2.stride(0),
+                             r.stride(0), y.stride(0), eps, BLOCK=next_pow2(n), ADD=delta is not None,
+                             QUANT=launch is not None, DIV_RN=launch is not None and launch.div_rn,
+                             HW_CVT=launch is not None and launch.hw_cvt, num_warps=_rms_warps(n))
+    return None if delta is None else r.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape)."""
     if not use_triton(x, _rms_ok(x, weight)):
         return rms_norm_ref(x, weight, eps)
-    n = x.shape[-1]
-    x2 = x.view(-1, n)
-    y = torch.empty_like(x2)
-    if x2.shape[0]:
-        _rms[(x2.shape[0],)](x2, weight, y, y, n, x2.stride(0), y.stride(0), eps, BLOCK=next_pow2(n),
-                             QUANT=False, DIV_RN=False, HW_CVT=False, num_warps=_rms_warps(n))
-    return y.view(x.shape)
+    y = torch.empty_like(x)
+    _rms_launch(x, None, weight, eps, y.view(-1, x.shape[-1]), None)
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it) in one pass: the sum is torch's `x + delta` bit for bit and the norm
+    `rms_norm`'s of that sum. x, delta: the same shape and dtype."""
+    if not use_triton(x, _rms_ok(x, weight, delta)):
+        s = x + delta            # the unfused ops: the same results wherever the fused kernel does not run
+        return s, rms_norm(s, weight, eps)
+    x, delta = x.contiguous(), delta.contiguous()
+    y = torch.empty_like(x)
+    return _rms_launch(x, delta, weight, eps, y.view(-1, x.shape[-1]), None), y
+
+
+def _fp8_ok(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    return _rms_ok(x, weight, delta) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -161,18 +233,25 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (q [rows, n] e4m3, scale [rows, 1] fp32) for rows = every leading index of x.
     `variant` (kernels/fp8_quant.py `fp8_launch`): only `legacy` differs here (it divides); the row
     always stays in registers with the plain kernel's layout (its sum of squares is the same bits)."""
-    ok = _rms_ok(x, weight) and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    if not use_triton(x, ok):
+    if not use_triton(x, _fp8_ok(x, weight)):
         return rms_norm_fp8_ref(x, weight, eps)
     n = x.shape[-1]
-    x2 = x.view(-1, n)
-    q, s = empty_fp8_rows(x2.shape[0], n, x.device)
-    if x2.shape[0]:
-        bind_fp8_helpers()
-        launch = fp8_launch(n, variant)
-        _rms[(x2.shape[0],)](x2, weight, q, s, n, x2.stride(0), q.stride(0), eps, BLOCK=next_pow2(n), QUANT=True,
-                             DIV_RN=launch.div_rn, HW_CVT=launch.hw_cvt, num_warps=_rms_warps(n))
+    q, s = empty_fp8_rows(x.shape[:-1].numel(), n, x.device)
+    _rms_launch(x, None, weight, eps, q, s, variant)
     return q, s
+
+
+def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + delta, q, scale) in one pass: the sum is torch's `x + delta` bit for bit, (q, scale)
+    `rms_norm_fp8` of that sum. `variant` as there."""
+    if not use_triton(x, _fp8_ok(x, weight, delta)):
+        s = x + delta            # the unfused ops (see add_rms_norm)
+        return (s, *rms_norm_fp8(s, weight, eps, variant))
+    x, delta = x.contiguous(), delta.contiguous()
+    n = x.shape[-1]
+    q, s = empty_fp8_rows(x.shape[:-1].numel(), n, x.device)
+    return _rms_launch(x, delta, weight, eps, q, s, variant), q, s
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

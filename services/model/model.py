@@ -13,7 +13,7 @@ from torch import nn
 
 from .config import NeoConfig
 from .modules import (BRANCH_SUFFIX, ConvDecoder, MoTDecoderLayer, RMSNorm, Rope, TimestepEmbedder,
-                      VisionModel, token_mlp_head)
+                      VisionModel, add_norm, fused_add_norm, token_mlp_head)
 from .parallel import TPContext
 
 # attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
@@ -85,10 +85,19 @@ class NeoModel(nn.Module):
         llm = self.cfg.llm
         return Rope(positions.to(self.device, torch.long), self.head_dim, llm.rope_theta, llm.rope_theta_hw)
 
-    def _run_layers(self, x, rope, attend: Attend, branch: str):
-        for i, layer in enumerate(self.language_model.model.layers):
-            x = layer(x, rope, attend, i, branch)
-        return x
+    def _run_layers(self, x, rope, attend: Attend, branch: str, start: int = 0, stop: int | None = None,
+                    norm: RMSNorm | None = None) -> torch.Tensor:
+        """Decoder layers [start, stop) of `branch` on the residual x -> the residual after them, or with
+        `norm` its norm. Each layer's MLP output is added in the next layer's input norm (and the last one
+        in `norm`), fused into its kernel (`modules.fused_add_norm`); without `norm` the last add is plain."""
+        layers = self.language_model.model.layers
+        fused = fused_add_norm()
+        pending = None
+        for i in range(start, len(layers) if stop is None else stop):
+            x, pending = layers[i](x, rope, attend, i, branch, pending, fused)
+        if norm is not None:
+            return add_norm(norm, x, pending, fused)[1]
+        return x if pending is None else x + pending
 
     # ------------------------------------------------------------------ understanding branch
     def embed(self, input_ids: torch.Tensor, images=()) -> torch.Tensor:
@@ -116,15 +125,16 @@ class NeoModel(nn.Module):
         return self.vision_model(image.pixel_values.to(self.device), [image.grid_hw])
 
     def und_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
-        return self.language_model.model.norm(self._run_layers(x, rope, attend, "und"))
+        return self._run_layers(x, rope, attend, "und", norm=self.language_model.model.norm)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.lm_head(hidden).float()
 
     # ------------------------------------------------------------------ generation branch
     def gen_layers(self, x: torch.Tensor, rope: Rope, attend: Attend, start: int = 0,
-                   stop: int | None = None) -> torch.Tensor:
-        """Gen-branch decoder layers [start, stop) over packed tokens (no final norm)."""
+                   stop: int | None = None, final_norm: bool = False) -> torch.Tensor:
+        """Gen-branch decoder layers [start, stop) over packed tokens -> the residual, or with
+        `final_norm` its `norm_mot_gen` (the last residual add fused into that norm)."""
         if x.shape[0] == 0:
             # A sequence-parallel rank may hold no rows of a tiny forward yet must join every
             # layer's collectives (inside `attend`): run one zero row that attention never shows to
@@ -132,11 +142,9 @@ class NeoModel(nn.Module):
             def ghost_attend(i, q, k, v):
                 return torch.cat([attend(i, q[:0], k[:0], v[:0]), torch.zeros_like(q)])
             one = self.rope(torch.zeros((3, 1), dtype=torch.long))
-            return self.gen_layers(x.new_zeros((1, x.shape[1])), one, ghost_attend, start, stop)[:0]
-        layers = self.language_model.model.layers
-        for i in range(start, len(layers) if stop is None else stop):
-            x = layers[i](x, rope, attend, i, "gen")
-        return x
+            return self.gen_layers(x.new_zeros((1, x.shape[1])), one, ghost_attend, start, stop, final_norm)[:0]
+        norm = self.language_model.model.norm_mot_gen if final_norm else None
+        return self._run_layers(x, rope, attend, "gen", start, stop, norm)
 
     def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend, cache=None) -> torch.Tensor:
         """Gen-branch forward -> hidden after `norm_mot_gen`.
@@ -146,10 +154,10 @@ class NeoModel(nn.Module):
         branches that reuse take their last computed residual, layers 1.. run on the other rows only.
         """
         if cache is None:
-            return self.gen_norm(self.gen_layers(x, rope, attend))
+            return self.gen_layers(x, rope, attend, final_norm=True)
         h1 = self.gen_layers(x, rope, attend, stop=1)
         rows = cache.decide(h1 - x)
-        if rows is None:   # every branch computes: the same ops as without the cache
+        if rows is None:   # every branch computes: the bits of the forward without the cache
             h = self.gen_layers(h1, rope, attend, start=1)
         else:
             rest = None

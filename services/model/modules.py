@@ -5,6 +5,7 @@ Module and parameter names follow the official checkpoint keys exactly, so a sta
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,33 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm) in one kernel pass: the bits of `x + delta` then `forward`."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+
+
+FUSED_ADD_NORM_ENV = "U1SERVE_FUSED_ADD_NORM"
+
+
+def fused_add_norm() -> bool:
+    """Whether a residual add runs fused into the RMSNorm that follows it (`RMSNorm.add_forward`;
+    default); U1SERVE_FUSED_ADD_NORM=0 runs the add and the norm separately (the same bits: for
+    comparing speed and bits on the GPU)."""
+    value = os.environ.get(FUSED_ADD_NORM_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_ADD_NORM_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, fused: bool):
+    """(x + delta, norm of it); delta None: (x, norm(x)). `fused`: in one kernel (`fused_add_norm`)."""
+    if delta is None:
+        return x, norm(x)
+    if fused:
+        return norm.add_forward(x, delta)
+    x = x + delta
+    return x, norm(x)
 
 
 # ----------------------------------------------------------------------------- 3-D RoPE
@@ -147,15 +175,19 @@ class MoTDecoderLayer(nn.Module):
             self.tp.all_reduce(x)
         return x
 
-    def forward(self, x: torch.Tensor, rope: Rope, attend, layer_idx: int, branch: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, attend, layer_idx: int, branch: str,
+                pending: torch.Tensor | None = None, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual x + `pending` (the previous layer's MLP output, not added yet; None:
+        x is the whole residual). Returns (the residual after attention, the MLP output): the caller
+        adds them, in the next layer's input norm or after the last layer. `fused`: each residual add
+        runs in the kernel of the norm after it (`add_norm`)."""
         sfx = BRANCH_SUFFIX[branch]
-        h = getattr(self, "input_layernorm" + sfx)(x)
+        x, h = add_norm(getattr(self, "input_layernorm" + sfx), x, pending, fused)
         q, k, v = self.self_attn.qkv(h, rope, sfx)
         o = attend(layer_idx, q, k, v)
         o = getattr(self.self_attn, "o_proj" + sfx)(o.reshape(x.shape[0], -1))
-        x = x + self._reduce(o)
-        h = getattr(self, "post_attention_layernorm" + sfx)(x)
-        return x + self._reduce(getattr(self, "mlp" + sfx)(h))
+        x, h = add_norm(getattr(self, "post_attention_layernorm" + sfx), x, self._reduce(o), fused)
+        return x, self._reduce(getattr(self, "mlp" + sfx)(h))
 
 
 # ----------------------------------------------------------------------------- vision embedder

@@ -9,7 +9,8 @@ tested on CPU.
 
 `quantize_model` swaps modules of a decoder layer; the model's forward code is the same for bf16 and fp8:
   input_layernorm           -> Fp8RMSNorm: RMSNorm + per-token quantisation in one kernel (its output
-                               feeds only the q and k|v GEMMs, which share that one quantised activation)
+                               feeds only the q and k|v GEMMs, which share that one quantised activation);
+                               the residual add before it runs in the same kernel (`add_forward`)
   q_proj, k_proj, v_proj    -> qkv_proj (Fp8QKV): a q GEMM and one k|v GEMM (concatenated output
                                channels). q keeps its own GEMM so it leaves contiguous ([T, Hq, D]):
                                cuDNN attention reuses one plan for every prefix length only for
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_quant import FP8_DTYPE, quant_fp8_rowwise
-from kernels.norm_act import rms_norm_fp8, silu_mul, silu_mul_fp8
+from kernels.norm_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul, silu_mul_fp8
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
@@ -246,10 +247,19 @@ class Fp8RMSNorm(RMSNorm):
         self.policy = policy
 
     def forward(self, x: torch.Tensor):
-        n = x.shape[-1]
-        if not self.policy.fp8(x.numel() // max(n, 1)):
+        if not self._fp8(x):
             return super().forward(x)
         return Fp8Activation(*rms_norm_fp8(x, self.weight, self.eps), x.dtype, x.shape[:-1])
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor):
+        """(x + delta, its norm quantised) in one kernel pass: the bits of `x + delta` then `forward`."""
+        if not self._fp8(x):
+            return super().add_forward(x, delta)
+        s, q, scale = add_rms_norm_fp8(x, delta, self.weight, self.eps)
+        return s, Fp8Activation(q, scale, x.dtype, x.shape[:-1])
+
+    def _fp8(self, x: torch.Tensor) -> bool:
+        return self.policy.fp8(x.numel() // max(x.shape[-1], 1))
 
 
 def require_fp8(capability: tuple[int, int], name: str) -> None:

@@ -48,6 +48,37 @@ def assert_close_ulp(out, ref, ulps: float | None = None):
     assert worst <= ulps, f"{int((in_ulps > ulps).sum())} element(s) off by more than {ulps} ULP (worst {worst:.2f})"
 
 
+_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def assert_same_bits(got, want):
+    """Bit for bit (the sign of zero too), same shape and dtype."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    diff = got.view(_INT_OF[got.dtype]) != want.view(_INT_OF[want.dtype])
+    assert not diff.any(), f"{int(diff.sum())} element(s) differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def residual_pair(shape, dtype):
+    """(x, delta) of `shape` whose sum needs rounding to `dtype` almost everywhere (magnitudes up to 2^16
+    apart); the first row, where long enough, holds exact ties both ways (to even: down from an even, up
+    from an odd mantissa), a cancellation to +0 and -0 + -0; the last row of several an overflow to +-inf."""
+    n = shape[-1]
+    x = (torch.randn(shape) * 2.0 ** torch.randint(-8, 9, shape)).to(dtype)
+    d = (torch.randn(shape) * 2.0 ** torch.randint(-8, 9, shape)).to(dtype)
+    rows_x, rows_d = x.view(-1, n), d.view(-1, n)
+    if rows_x.shape[0] and n >= 6:
+        half_ulp = torch.finfo(dtype).eps / 2     # of 1.0
+        ties = [(1.0, half_ulp), (1.0 + 2 * half_ulp, half_ulp), (-1.0, -half_ulp),
+                (-(1.0 + 2 * half_ulp), -half_ulp), (3.0, -3.0), (-0.0, -0.0)]
+        for i, (a, b) in enumerate(ties):
+            rows_x[0, i], rows_d[0, i] = a, b
+    if rows_x.shape[0] > 1:
+        big = torch.finfo(dtype).max
+        rows_x[-1, :2] = torch.tensor([big, -big])
+        rows_d[-1, :2] = torch.tensor([big, -big])
+    return x, d
+
+
 def poisoned(like):
     return torch.full_like(like, float("nan"))
 

@@ -1,5 +1,5 @@
 """fp8 Triton kernels vs their references (run under TRITON_INTERPRET=1): the row quantiser, and the
-producers that quantise what they compute (RMSNorm -> fp8, silu*mul -> fp8).
+producers that quantise what they compute (RMSNorm -> fp8, with the residual add in front too, silu*mul -> fp8).
 
 The fused kernels must give the bits of the plain kernel followed by the quantiser (same backend, any
 dtype); against the torch references the plain kernels differ by a few ULPs of the input dtype (fp32
@@ -9,11 +9,11 @@ fp32 -> bf16 cast truncates (docs/kernels.md), the GPU's rounds.
 """
 import pytest
 import torch
-from kernel_testutil import ULPS, assert_close_ulp
+from kernel_testutil import ULPS, assert_close_ulp, assert_same_bits, residual_pair
 
 from kernels.fp8_quant import INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
-from kernels.norm_act import (rms_norm, rms_norm_fp8, rms_norm_fp8_ref, silu_mul, silu_mul_fp8,
-                              silu_mul_fp8_ref)
+from kernels.norm_act import (add_rms_norm_fp8, add_rms_norm_fp8_ref, rms_norm, rms_norm_fp8, rms_norm_fp8_ref,
+                              silu_mul, silu_mul_fp8, silu_mul_fp8_ref)
 
 _MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
@@ -56,6 +56,22 @@ def test_rms_norm_fp8_is_norm_then_quantiser(rng, dtype, shape):
     assert_bits_equal(got, quant_fp8_rowwise(rms_norm(x, w, 1e-6).reshape(-1, shape[-1])))
     if dtype != torch.bfloat16:
         assert_close_fp8(got, rms_norm_fp8_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(0, 64), (1, 64), (7, 96), (3, 5, 130), (4, 333)])
+@pytest.mark.parametrize("variant", [None, "legacy"])
+def test_add_rms_norm_fp8_is_torch_add_then_rms_norm_fp8(rng, dtype, shape, variant):
+    """The residual is torch's `x + delta` bit for bit, (q, scale) those of rms_norm_fp8 on it (rows of the
+    residual on e4m3 ties: tests/kernels/interpreted/check_norm_act.py has the add's own ties)."""
+    x, d = residual_pair(shape, dtype)
+    w = (torch.rand(shape[-1]) + 0.5).to(dtype)
+    w[::3] *= -1
+    s, q, scale = add_rms_norm_fp8(x, d, w, 1e-6, variant)
+    assert_same_bits(s, x + d)
+    assert_bits_equal((q, scale), rms_norm_fp8(x + d, w, 1e-6, variant))
+    assert_same_bits(s, add_rms_norm_fp8_ref(x, d, w, 1e-6)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
