@@ -21,6 +21,9 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
     --part graphs     the denoise layer stack replayed from a CUDA graph vs eager (--sizes; guidance 1
                       and 4; bf16, fp8 at the largest size): s/step, speedup, final x bit-equal; two
                       jobs together; a cancel then a new job
+    --part addnorm    the residual add fused into the next RMSNorm vs apart (U1SERVE_FUSED_ADD_NORM flipped;
+                      --sizes; bf16 and fp8 as served; eager and CUDA graphs): s/step, speedup, final x
+                      bit-equal; the fused kernels vs add + norm kernel at [4096, hidden]: bits and us
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
@@ -68,7 +71,7 @@ def parse_args():
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs"])
+                                                     "graphs", "addnorm"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")

@@ -1,4 +1,5 @@
-"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart|graphs`): torch only.
+"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart|graphs|addnorm`):
+torch only.
 
 Every job is admitted with random prefix KV held in memory (`Engine.admit_local`, no pool), P = 365
 for cond and 9 for uncond as in the step benchmark. Timings synchronise the device around what they
@@ -6,6 +7,8 @@ time, never inside a step.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
@@ -483,8 +486,6 @@ def _attention_check(model, size: int, device, dtype) -> float:
 def part_warmstart(args, device, dtype) -> dict:
     """Run in a fresh process: the first step here is the first step of a service's life. Then the
     first step of a job with a prompt length nobody used yet, and of a guidance-1 job."""
-    import os
-
     from services.generation.attention import CUDNN_BUCKETED_PLANS
     from services.generation.warmup import run_warmup
     t0 = time.perf_counter()
@@ -633,5 +634,110 @@ def _print_graphs(out: dict) -> None:
           f"captures {cc['captures']}, replays {cc['replays']}{'; failure ' + cc['failure'] if cc['failure'] else ''}")
 
 
+# ----------------------------------------------------------------------------- fused residual add + RMSNorm
+@contextlib.contextmanager
+def addnorm_switch(on: bool):
+    """The model's residual adds fused into the next RMSNorm (on) or run apart (U1SERVE_FUSED_ADD_NORM=0);
+    read by every forward, so an engine's next eager step or capture follows it (a held graph keeps what
+    it captured: each timed run below admits a new job, i.e. a new capture)."""
+    from services.model.modules import FUSED_ADD_NORM_ENV
+    old = os.environ.get(FUSED_ADD_NORM_ENV)
+    os.environ[FUSED_ADD_NORM_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FUSED_ADD_NORM_ENV)
+        else:
+            os.environ[FUSED_ADD_NORM_ENV] = old
+
+
+def _addnorm_row(model, size: int, graphs: str, args) -> dict:
+    """Single-branch s/step unfused vs fused (rounds interleaved; with graphs the timed steps are replays)
+    and the final x of one whole job each, compared bit for bit."""
+    engine = Engine(model, None, cuda_graphs=graphs)
+    w, n = max(args.warmup, 2), args.steps
+    samples: dict[str, list] = {"unfused": [], "fused": []}
+    for r in range(1 if args.tiny else 2):
+        for name in samples:
+            with addnorm_switch(name == "fused"):
+                samples[name] += step_times(engine, spec(f"{name}{r}", size, w + n + 1, 1.0), w, n)
+    xs = {}
+    for name in samples:
+        with addnorm_switch(name == "fused"):
+            xs[name], _ = run_to_end(engine, [spec(f"equal-{name}", size, max(4, w + 2), 1.0)])
+    u, f = statistics.median(samples["unfused"]), statistics.median(samples["fused"])
+    return {"size": size, "graphs": graphs, "unfused_s": u, "fused_s": f, "speedup": u / f,
+            "bits_equal": torch.equal(xs["fused"]["equal-fused"], xs["unfused"]["equal-unfused"]),
+            **_graph_counts(engine)}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def _addnorm_kernels(args, model, device, dtype) -> list[dict]:
+    """At a layer's shape [rows, hidden]: the fused kernels vs torch's add then the norm kernel, bit for bit
+    (the sum, the normalised row / its fp8 q and scale) and us per call (L2 not flushed)."""
+    from kernels.norm_act import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8
+    M, h = (64 if args.tiny else 4096), model.cfg.llm.hidden_size
+    g = torch.Generator(device=device).manual_seed(4)
+    x = (4 * torch.randn(M, h, generator=g, device=device)).to(dtype)
+    d = torch.randn(M, h, generator=g, device=device).to(dtype)
+    w = (torch.rand(h, generator=g, device=device) + 0.5).to(dtype)
+    eps = model.cfg.llm.rms_norm_eps
+    s = x + d
+    s1, y1 = add_rms_norm(x, d, w, eps)
+    s8, q8, sc8 = add_rms_norm_fp8(x, d, w, eps)
+    q, sc = rms_norm_fp8(s, w, eps)
+    return [{"kernel": f"add + RMSNorm [{M}, {h}]",
+             "bits_equal": _same_bits(s1, s) and _same_bits(y1, rms_norm(s, w, eps)),
+             "unfused_us": _time_us(lambda: rms_norm(x + d, w, eps), device),
+             "fused_us": _time_us(lambda: add_rms_norm(x, d, w, eps), device)},
+            {"kernel": f"add + RMSNorm -> fp8 [{M}, {h}]",
+             "bits_equal": _same_bits(s8, s) and _same_bits(q8, q) and _same_bits(sc8, sc),
+             "unfused_us": _time_us(lambda: rms_norm_fp8(x + d, w, eps), device),
+             "fused_us": _time_us(lambda: add_rms_norm_fp8(x, d, w, eps), device)}]
+
+
+@torch.inference_mode()
+def part_addnorm(args, device, dtype) -> dict:
+    """The residual add fused into the next RMSNorm (kernels/norm_act.py add_rms_norm*) vs separate (the env
+    switch flipped, same engine and model): single-branch s/step at --sizes, bf16 and fp8 as served, eager and
+    (CUDA) with CUDA graphs; the final x of a whole job fused vs unfused bit for bit; the kernels alone."""
+    sizes = _sizes(args)
+    fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    m16, m8 = _fp8_models(args, device, dtype) if fp8_ok else (build(args, device, dtype), None)
+    if m8 is not None:
+        set_policy(m8, _fp8_policies(device)["serving"])
+    out = {"device": _device_name(device), "torch": torch.__version__, "rows": [],
+           "kernels": _addnorm_kernels(args, m16, device, dtype)}
+    _burn([Engine(m16, None)], max(sizes), 0.0 if args.tiny else 3.0)
+    for size in sizes:
+        for weights, model in [("bf16", m16)] + ([("fp8", m8)] if m8 is not None else []):
+            for graphs in ("off", "on") if device.type == "cuda" else ("off",):
+                out["rows"].append({"weights": weights, **_addnorm_row(model, size, graphs, args)})
+    _print_addnorm(out)
+    return out
+
+
+def _print_addnorm(out: dict) -> None:
+    print(f"device: {out['device']}, torch {out['torch']}; residual add fused into the next RMSNorm "
+          f"(U1SERVE_FUSED_ADD_NORM=1) vs apart (=0), single-branch step")
+    print("\n| image | weights | CUDA graphs | unfused s/step | fused s/step | speedup | final x equal | target |")
+    print("|---|---|---|---:|---:|---:|---|---|")
+    for r in out["rows"]:
+        target = "<= 0.085 s" if r["size"] == 2048 and r["weights"] == "fp8" else ""
+        fail = f" (capture failure: {r['failure']})" if r["failure"] else ""
+        print(f"| {r['size']}² | {r['weights']} | {r['graphs']}{fail} | {r['unfused_s']:.4f} | {r['fused_s']:.4f} | "
+              f"{r['speedup']:.3f}x | {r['bits_equal']} | {target} |")
+    print("\n| kernel | unfused us (torch add + norm kernel) | fused us | bits equal |\n|---|---:|---:|---|")
+    for k in out["kernels"]:
+        print(f"| {k['kernel']} | {k['unfused_us']:.1f} | {k['fused_us']:.1f} | {k['bits_equal']} |")
+
+
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
-         "warmstart": part_warmstart, "graphs": part_graphs}
+         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm}

@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_genperf.sh                        # the default parts (below)
 #   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache graphs
+#                                                    # addnorm
 #   bash bench/gpu_genperf.sh --smoke                # CPU, tiny geometry (checks the script)
 #
 # Writes $OUT/<name>.md (the markdown tables) and $OUT/<name>.json, then $OUT/genperf.json (all of
@@ -15,7 +16,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 . bench/parts.sh
-parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching), graphs only when asked for
+parse_args "fp8,fp8-profile,warmstart,preset,pixels,cfgp" "$@"   # cache (step caching), graphs, addnorm when asked for
 . deploy/carried_wheels.sh
 use_carried_wheels
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -66,5 +67,9 @@ run cache cache "$LIMIT" python $B --part cache "${GEO[@]}" --thresholds 0,0.05,
 # CUDA graphs of the denoise layer stack vs eager (1024², 2048²; guidance 1 and 4; bf16, fp8 at 2048²): s/step,
 # speedup, final x bit-equal, capture failures; two 1024² jobs together; a job dropped mid-way then a new one
 run graphs graphs 300 python $B --part graphs "${GEO[@]}"
+# the residual add fused into the next RMSNorm (-> fp8) vs apart (U1SERVE_FUSED_ADD_NORM flipped): single-branch
+# s/step at 1024² / 2048², bf16 and fp8 as served, eager and CUDA graphs; final x bit-equal; the kernels alone
+# (bits vs torch add + norm kernel, us); not in the default set
+run addnorm addnorm 300 python $B --part addnorm "${GEO[@]}"
 
 finish genperf
