@@ -305,7 +305,7 @@ def _print_fp8(out: dict) -> None:
 PROFILE_CATEGORIES = [   # (category, name fragments), first match wins: our kernels by name before generic words
     ("silu*mul -> fp8", ("_silu_mul_fp8",)),              # _silu_mul_fp8_kernel, _silu_mul_fp8_twopass_kernel
     ("silu*mul (bf16)", ("_silu_mul_kernel",)),
-    ("RMSNorm (bf16 and -> fp8)", ("_rms_norm",)),          # one kernel name for both (QUANT constexpr)
+    ("RMSNorm (bf16 and -> fp8)", ("_rms_norm",)),          # one kernel name for all (QUANT, ADD constexprs)
     ("fp8 quantiser (standalone)", ("_quant_kernel", "_quant_twopass")),
     ("Q/K norm + RoPE", ("_norm_rope",)),
     # fp8 GEMMs: cuBLASLt nvjet "qq" (e4m3 x e4m3: nvjet_sm90_qqtst_...), CUTLASS / xmma names with an fp8 type;
