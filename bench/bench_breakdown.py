@@ -9,16 +9,16 @@ Two parts, each runs alone:
     service's own PNG writer (services/generation/encode.py) on one thread and in strips on 2 / 4 / 8
     threads and the service's default count (usable CPUs: affinity and cgroup quota); n = 4
     images encoded by 1 vs 4 threads (Pillow releases the GIL while it encodes).
---part services (the real processes: `u1serve up` machinery, fastapi/uvicorn/pyzmq needed): one
-    request through the gateway (non-stream and stream), the prefix call to understanding alone and
-    the generate call to generation alone; the breakdown: prefix prefill + export, handoff / import,
-    steps, and the tail (last step -> image on the client: uint8, pipe, encode, base64, SSE, gateway).
+--part services (the real processes: `u1serve up` machinery, fastapi/uvicorn/pyzmq needed): image
+    requests through the gateway, one at a time, with the services' stage marks on (U1SERVE_TIMELINE=1,
+    services/kit/timeline.py); the median time of each stage: gateway, prefix prefill + export, admission
+    (KV import), the steps (measured on the device), pixels, pipe, encode, SSE, transfers, response.
 
     python bench/bench_breakdown.py --part engine --device cuda --sizes 1024,2048
     python bench/bench_breakdown.py --part services --model DIR_OR_tiny --device cuda --size 2048
 CPU smoke (seconds):
     python bench/bench_breakdown.py --part engine --device cpu --sizes 256
-    python bench/bench_breakdown.py --part services --model tiny --device cpu --size 64 --steps 4
+    python bench/bench_breakdown.py --part services --model tiny --device cpu --size 64 --steps 4 --repeat 2
 Target (GPU): everything but the steps <= 0.35 s for one 2048² image.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -48,6 +49,8 @@ def parse_args():
     p.add_argument("--model", default="tiny", help="--part services: checkpoint dir or 'tiny'")
     p.add_argument("--size", type=int, default=2048, help="--part services")
     p.add_argument("--steps", type=int, default=8, help="--part services")
+    p.add_argument("--up-args", default="", help="--part services: extra `u1serve up` flags (shell quoting), "
+                   "e.g. '--quantization fp8'")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -153,13 +156,48 @@ def part_engine(args) -> dict:
     return out
 
 
+# (label, from mark, to mark): consecutive stages of one request; marks are (service, stage), see
+# services/kit/timeline.py. "steps" is measured, not estimated: admission -> the last step's end on the device.
+STAGES = [
+    ("client -> gateway (HTTP, validation)", ("client", "start"), ("gateway", "request")),
+    ("prefix: understanding prefill + KV export", ("gateway", "request"), ("gateway", "prefix_done")),
+    ("gateway -> generation", ("gateway", "prefix_done"), ("gen", "request")),
+    ("admission: queue, KV import, job set-up", ("gen", "request"), ("gen", "admitted")),
+    ("denoising steps", ("gen", "admitted"), ("gen", "step_done#last")),
+    ("pixels -> uint8 on the device -> pinned host", ("gen", "step_done#last"), ("gen", "pixels")),
+    ("engine -> HTTP process (pipe)", ("gen", "pixels"), ("gen", "image_event")),
+    ("encode (PNG + base64)", ("gen", "image_event"), ("gen", "encoded")),
+    ("SSE event", ("gen", "encoded"), ("gen", "sse_event")),
+    ("generation -> gateway (HTTP, parse)", ("gen", "sse_event"), ("gateway", "image_event")),
+    ("gateway response built", ("gateway", "image_event"), ("gateway", "response")),
+    ("response -> client (serialise, transfer, read)", ("gateway", "response"), ("client", "done")),
+]
+
+
+def stage_times(marks: list[tuple[float, str, str]]) -> dict[str, float]:
+    """Seconds per stage of one request from its marks (time-ordered (t, service, stage))."""
+    at: dict[tuple[str, str], float] = {}
+    steps = [t for t, svc, st in marks if (svc, st) == ("gen", "step_done")]
+    for t, svc, st in marks:
+        at.setdefault((svc, st), t)
+    at[("gen", "step_done#last")] = steps[-1]
+    out = {label: at[b] - at[a] for label, a, b in STAGES}
+    out["steps"] = len(steps)
+    out["step_s_median"] = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 0.0
+    return out
+
+
 def part_services(args) -> dict:
-    """The real stack (`u1serve up` machinery): gateway, understanding, generation processes."""
+    """The real stack (`u1serve up` machinery) with stage marks on (U1SERVE_TIMELINE=1): one non-stream request at
+    a time through the gateway; each stage's median over --repeat requests."""
+    import glob
+
     import httpx
 
     from services.cli import add_stack_flags, build_stack
-    from services.contract.image import GenerateRequest, PrefixRequest
+    from services.kit import timeline
     from services.netutil import free_port
+    os.environ[timeline.ENV] = "1"           # the services inherit it
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     port = free_port()
@@ -167,64 +205,48 @@ def part_services(args) -> dict:
     stack_args = ns.parse_args(["--model", args.model, "--device", dev, "--host", "127.0.0.1",
                                 "--port", str(port), "--und-port", str(free_port()),
                                 "--gen-port", str(free_port()), "--grace", "5",
-                                "--default-size", f"{args.size}x{args.size}",
-                                "--internal-token", "bench-token"])
+                                "--default-size", f"{args.size}x{args.size}"] + shlex.split(args.up_args))
     stack_args.run_dir = os.path.join("/tmp", f"u1-breakdown-{port}")
     stack = build_stack(stack_args, echo_logs=False)
     stack.start()
-    hdr = {"X-U1-Internal-Token": "bench-token"}
-    und, gen = f"http://127.0.0.1:{stack_args.und_port}", f"http://127.0.0.1:{stack_args.gen_port}"
     body = {"prompt": "a lighthouse at dusk", "size": f"{args.size}x{args.size}", "seed": 1,
             "num_inference_steps": args.steps, "guidance_scale": 4.0}
-    res = {"size": args.size, "steps": args.steps}
+    windows = []   # (client start, client done, response bytes)
     try:
         with httpx.Client(timeout=600) as c:
-            c.post(f"http://127.0.0.1:{port}/v1/images/generations", json=body)   # warm
-            t0 = time.perf_counter()
-            r = c.post(f"http://127.0.0.1:{port}/v1/images/generations", json=body)
-            res["total_s"] = time.perf_counter() - t0
-            assert r.status_code == 200, r.text
-            marks = []   # (event type, seconds since the request)
-            t0 = time.perf_counter()
-            with c.stream("POST", f"http://127.0.0.1:{port}/v1/images/generations",
-                          json={**body, "stream": True}) as s:
-                for line in s.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        marks.append((json.loads(line[6:])["type"], time.perf_counter() - t0))
-            prog = [t for k, t in marks if k.endswith(".progress")]
-            done = [t for k, t in marks if k.endswith(".completed")][0]
-            res["first_progress_s"] = prog[0]
-            res["step_s"] = statistics.median(b - a for a, b in zip(prog, prog[1:]))
-            res["tail_s"] = done - prog[-1]
-            # the two engines alone (same prompt, the gateway's internal bodies)
-            # the gateway's internal bodies, declared once in the request contract
-            pre = PrefixRequest(request_id="bd-pre", mode="t2i", prompt=body["prompt"],
-                                guidance_scale=4.0).model_dump(exclude_none=True)
-            t0 = time.perf_counter()
-            r = c.post(und + "/internal/image_prefix", json=pre, headers=hdr)
-            assert r.status_code == 200, r.text
-            handles = r.json()["handles"]
-            res["prefix_s"] = time.perf_counter() - t0
-            gb = GenerateRequest(request_id="bd-gen", handles=handles, width=args.size, height=args.size,
-                                 num_inference_steps=args.steps, guidance_scale=4.0,
-                                 seed=1).model_dump(exclude_none=True)
-            t0 = time.perf_counter()
-            with c.stream("POST", gen + "/internal/generate", json=gb, headers=hdr) as s:
-                for line in s.iter_lines():
-                    if '"progress"' in line and "first" not in res:
-                        res["first"] = time.perf_counter() - t0
-            res["generate_s"] = time.perf_counter() - t0
-            res["import_and_first_step_s"] = res.pop("first")
+            for i in range(args.repeat + 1):             # the first one warms up
+                t0 = time.time()
+                r = c.post(f"http://127.0.0.1:{port}/v1/images/generations", json={**body, "seed": 1 + i})
+                windows.append((t0, time.time(), len(r.content)))
+                assert r.status_code == 200, r.text
+                time.sleep(0.3)                          # no overlap between requests' marks
     finally:
         stack.stop()
-    steps_total = res["step_s"] * args.steps
-    res["non_steps_s"] = res["total_s"] - steps_total
-    res["gateway_s"] = res["total_s"] - res["prefix_s"] - res["generate_s"]
-    print(f"| {args.size}² x {args.steps} steps | seconds |\n|---|---:|")
-    for k in ("total_s", "prefix_s", "import_and_first_step_s", "step_s", "tail_s", "generate_s",
-              "gateway_s", "non_steps_s"):
-        print(f"| {k} | {res[k]:.4f} |")
-    print(f"non-denoising share (total - steps x median step): {res['non_steps_s']:.3f} s (target <= 0.35 s on GPU)")
+    marks = []
+    for path in glob.glob(os.path.join(stack_args.run_dir, "**", "*.log"), recursive=True):
+        with open(path, errors="replace") as f:
+            marks += timeline.parse(f)
+    per_request = []
+    for t0, t1, _ in windows[1:]:
+        mine = [(t0, "client", "start")] + [m for m in marks if t0 <= m[0] <= t1] + [(t1, "client", "done")]
+        per_request.append(stage_times(mine))
+    res = {"size": args.size, "steps": args.steps, "up_args": args.up_args, "requests": len(per_request),
+           "response_bytes": windows[-1][2], "stages": {}}
+    for label, _, _ in STAGES:
+        res["stages"][label] = statistics.median(p[label] for p in per_request)
+    res["total_s"] = statistics.median(t1 - t0 for t0, t1, _ in windows[1:])
+    res["step_s"] = statistics.median(p["step_s_median"] for p in per_request)
+    res["non_steps_s"] = statistics.median(t1 - t0 - p["denoising steps"]
+                                           for (t0, t1, _), p in zip(windows[1:], per_request))
+    print(f"{args.size}² x {args.steps} steps {args.up_args}, median of {len(per_request)} requests, "
+          f"response {res['response_bytes'] / 1e6:.1f} MB\n")
+    print("| stage | seconds |\n|---|---:|")
+    for label, v in res["stages"].items():
+        print(f"| {label} | {v:.4f} |")
+    print(f"| **total** (client) | {res['total_s']:.4f} |")
+    print(f"| **everything but the steps** | **{res['non_steps_s']:.4f}** |")
+    print(f"\nmedian step {res['step_s']:.4f} s (device end to device end); target for everything but the "
+          f"steps: <= 0.35 s on GPU")
     return res
 
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
+from services.kit import timeline
 from services.kit.errors import APIError, unavailable
 
 from .config import GatewayConfig
@@ -84,6 +85,7 @@ class Orchestrator:
                                   code="upstream_protocol_error")
             yield {"type": "think_done", "think_text": think_text, "prefix": prefix}
 
+            timeline.mark("gateway", "prefix_done")
             phase = GEN
             working = GEN
             gen.source = und.ep                # a generation replica that can read this replica's KV

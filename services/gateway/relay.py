@@ -12,7 +12,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from services.kit import sse
+from services.kit import sse, timeline
 from services.kit.errors import APIError
 from services.kit.web import until_disconnect
 
@@ -52,6 +52,7 @@ async def collect_job(request: Request, state: GatewayState, job: ImageJob) -> O
                 if ev["type"] == "think_done":
                     think_text = ev.get("think_text")
                 elif ev["type"] == "image":
+                    timeline.mark("gateway", "image_event")
                     images.append(ev)
         images.sort(key=lambda e: e.get("index", 0))
         return think_text, images

@@ -120,9 +120,10 @@ def encode_bytes(pixels: np.ndarray, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def encode_image(pixels: np.ndarray, fmt: str) -> str:
-    """`pixels`: [H, W, 3] uint8. Returns the encoded image as base64 text."""
-    return base64.b64encode(encode_bytes(pixels, fmt)).decode("ascii")
+def encode_image(pixels: np.ndarray, fmt: str) -> bytes:
+    """`pixels`: [H, W, 3] uint8. Returns the encoded image as base64 (ASCII bytes: `sse.encode` splices
+    them into an event without a pass through `json.dumps`)."""
+    return base64.b64encode(encode_bytes(pixels, fmt))
 
 
 def decode_image(b64: str) -> np.ndarray:

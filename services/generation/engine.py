@@ -294,6 +294,10 @@ class Engine:
         device (a quarter of the bytes cross PCIe), one copy into pinned host memory."""
         return sampler.to_host(sampler.to_uint8_device(job.x)).numpy()
 
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def peak_memory(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))

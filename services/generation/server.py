@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.kit import errors, sse
+from services.kit import errors, sse, timeline
 from services.kit.config import read_secret
 from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
@@ -120,6 +120,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
 
     @app.post("/internal/generate")
     async def generate(request: Request):
+        timeline.mark("gen", "request")
         body = await json_body(request)
         rid = body.get("request_id") if isinstance(body.get("request_id"), str) else \
             request.headers.get("x-request-id", "-")
@@ -169,14 +170,18 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
                                       "b64": b64, "format": fmt, "width": ev["pixels"].shape[1],
                                       "height": ev["pixels"].shape[0]})
                 elif kind == "image":
+                    timeline.mark("gen", "image_event")
                     b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], job.output_format)
+                    timeline.mark("gen", "encoded")
                     event = {"type": "image", "index": ev["index"], "b64": b64, "format": job.output_format,
                              "width": job.width, "height": job.height, "seed": job.seed,
                              "branch_steps": ev.get("branch_steps")}
                     if ev.get("image_handle"):
                         exported.append(ev["image_handle"])
                         event["image_handle"] = ev["image_handle"]
-                    yield sse.encode(event)
+                    data = sse.encode(event)
+                    timeline.mark("gen", "sse_event")
+                    yield data
                 elif kind == "error":
                     outcome = str(ev.get("error", {}).get("code") or "error")
                     yield sse.encode(ev)

@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from services.kit import timeline
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from . import float_image
@@ -132,6 +133,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 out.send({"request_id": spec.request_id, **errors[spec.request_id]})
             else:
                 out.send({"request_id": spec.request_id, "type": "started"})
+                timeline.mark("gen", "admitted")
         if stop:
             break
         if not engine.running:
@@ -140,6 +142,9 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
             continue
         t0 = time.perf_counter()
         finished, rows = engine.step()
+        if timeline.ENABLED:       # the step's end on the device, not its launch
+            engine.synchronize()
+            timeline.mark("gen", "step_done")
         seconds = time.perf_counter() - t0
         for job in list(engine.running) + finished:
             out.send({"request_id": job.request_id, "type": "progress", "step": job.step,
@@ -157,6 +162,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                   "graph": engine.graphs.last})
         for job in finished:
             pixels = engine.pixels(job)
+            timeline.mark("gen", "pixels")
             image_handle = None
             if job.spec.export_image:
                 try:

@@ -6,12 +6,31 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "[DONE]"
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 
 def encode(data: Any) -> bytes:
-    """`data: <json>\\n\\n` (a str is sent as is, e.g. "[DONE]")."""
+    """`data: <json>\\n\\n` (a str is sent as is, e.g. "[DONE]").
+
+    A dict's `bytes` values (top level) are base64 text, spliced in as JSON strings without passing through
+    `json.dumps`: an image's 17 MB of base64 would otherwise be scanned for escapes and copied three times
+    (~40 ms of the path from the last step to the client)."""
+    if isinstance(data, dict) and any(isinstance(v, bytes) for v in data.values()):
+        return _encode_spliced(data)
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"data: {text}\n\n".encode()
+
+
+def _encode_spliced(data: dict) -> bytes:
+    rest = {k: v for k, v in data.items() if not isinstance(v, bytes)}
+    parts = [b"data: ", json.dumps(rest, separators=(",", ":"), ensure_ascii=False).encode()[:-1]]
+    for key, blob in data.items():
+        if isinstance(blob, bytes):
+            if blob.translate(None, _BASE64):
+                raise ValueError(f"{key!r}: a bytes value must be base64 text")
+            parts += [b"," if len(parts) > 2 or rest else b"", json.dumps(key).encode(), b':"', blob, b'"']
+    parts.append(b"}\n\n")
+    return b"".join(parts)
 
 
 def _parse(line: str):

@@ -126,7 +126,11 @@ class AppState:
 
     def admit(self, slots: int = 1) -> contextlib.ExitStack:
         """Admission slots, one per engine request (429 + Retry-After when the running + queued limit is reached;
-        all or none), held until the returned stack is closed (idempotent: every exit path may close it)."""
+        all or none), held until the returned stack is closed (idempotent: every exit path may close it). More slots
+        than the gate ever holds (a chat's `n` choices) is the client's error: a 429 would never clear."""
+        if slots > self.gate.limit:
+            raise bad_request(f"n={slots} choices need more engine slots than this server admits at once "
+                              f"({self.gate.limit}); ask for at most {self.gate.limit}", param="n")
         scope = contextlib.ExitStack()
         try:
             for _ in range(slots):

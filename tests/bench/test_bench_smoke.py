@@ -28,7 +28,7 @@ SMOKE = {
     "breakdown-engine": ["bench/bench_breakdown.py", "--part", "engine", "--device", "cpu", "--sizes", "256",
                          "--repeat", "2"],
     "breakdown-services": ["bench/bench_breakdown.py", "--part", "services", "--model", "tiny", "--device", "cpu",
-                           "--size", "64", "--steps", "4"],
+                           "--size", "64", "--steps", "4", "--repeat", "2"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }

@@ -181,3 +181,14 @@ def test_supervisor_never_ready_is_not_restarted():
     s.start()
     wait_until(lambda: gave_up, timeout=20)
     assert s.state == "failed" and s.restarts == 0 and "failed to start" in s.failure and "7" in s.failure
+
+
+def test_sse_splices_base64_bytes():
+    import base64
+    blob = base64.b64encode(bytes(range(256)) * 3)
+    for ev in ({"type": "image", "b64": blob, "index": 0}, {"b64": blob}, {"b64": blob, "preview": blob[:8]}):
+        want = {k: v.decode() if isinstance(v, bytes) else v for k, v in ev.items()}
+        assert list(sse.events(sse.encode(ev).decode().splitlines())) == [want]
+    for bad in (b'ab"c', b"ab\\c", b"ab\nc", "é".encode()):
+        with pytest.raises(ValueError, match="base64"):
+            sse.encode({"b64": bad})

@@ -81,6 +81,13 @@ def test_health_reports_admission(small):
     assert a["limit"] == 3 and a["in_flight"] == 0 and a["queued"] == 0 and a["queue_wait_limit_s"] == QUEUE_WAIT_S
 
 
+def test_more_choices_than_the_gate_holds_is_400(small):
+    r = _post(small, "/v1/chat/completions", _chat(n=4))        # limit 3: a 429 here could never clear
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert _post(small, "/v1/chat/completions", _chat(n=3)).status_code == 200
+    assert _admission(small)["in_flight"] == 0
+
+
 def test_full_queue_is_429_and_a_long_wait_times_out(small):
     hog = _LongStream(small.url)
     hog.start()

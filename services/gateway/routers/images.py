@@ -10,6 +10,7 @@ from starlette.datastructures import UploadFile
 
 from services.contract import limits as L
 from services.contract.image import ImageEditRequest, ImageGenerationRequest
+from services.kit import timeline
 from services.kit.errors import bad_request
 from services.kit.web import json_body
 
@@ -74,7 +75,7 @@ def stream_events(job: ImageJob, prefix: str, created: int):
                      "type": f"{prefix}.progress"}]
         if kind == "partial_image":      # OpenAI's partial_images: a preview (x0 estimate) while denoising
             return [{"type": f"{prefix}.partial_image", "partial_image_index": ev.get("partial_image_index", 0),
-                     "index": ev.get("index", 0), "b64_json": ev["b64"], "created_at": created,
+                     "index": ev.get("index", 0), "b64_json": ev["b64"].encode(), "created_at": created,
                      "output_format": ev.get("format", "jpeg"), "size": f"{ev.get('width')}x{ev.get('height')}",
                      "step": ev.get("step"), "background": "opaque", "quality": "auto"}]
         if kind == "image":
@@ -87,7 +88,7 @@ def stream_events(job: ImageJob, prefix: str, created: int):
             if job.response_format == "url":
                 out["url"] = data_url(ev["b64"], fmt)
             else:
-                out["b64_json"] = ev["b64"]
+                out["b64_json"] = ev["b64"].encode()   # bytes: sse.encode splices base64 in without json.dumps
             return [out]
         return []
     return convert
@@ -95,6 +96,7 @@ def stream_events(job: ImageJob, prefix: str, created: int):
 
 async def serve(request: Request, state: GatewayState, job: ImageJob, prefix: str):
     created = int(time.time())
+    timeline.mark("gateway", "request")
     if job.stream:
         return await stream_job(request, state, job, stream_events(job, prefix, created))
     result = await collect_job(request, state, job)
@@ -105,6 +107,7 @@ async def serve(request: Request, state: GatewayState, job: ImageJob, prefix: st
            "size": job.size, "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
     if think_text:
         out["think_text"] = think_text
+    timeline.mark("gateway", "response")
     return out
 
 
