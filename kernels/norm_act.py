@@ -19,8 +19,8 @@ variant (`legacy` divides).
 `add_rms_norm` / `add_rms_norm_fp8` fuse the residual add in front of the norm (a decoder layer's
 `x = x + o; norm(x)`): the same kernel (ADD) reads x and the delta, writes the new residual and
 normalises it (and quantises) in one pass. The residual is torch's `x + delta` bit for bit (fp32 sum
-rounded once to x's dtype; bf16 rounded to nearest even in fp32 integer arithmetic, because the
-Triton interpreter's bf16 cast truncates), and the normalised row is that of the plain kernel run on
+rounded once to x's dtype; for bf16 rounded to nearest even by integer arithmetic on the fp32 bits,
+because the Triton interpreter's bf16 cast truncates), and the normalised row is that of the plain kernel run on
 it (the plain kernel's code, block and warps; the fp8 variant: `rms_norm_fp8`'s), so the fused and
 unfused layer give the same bits (bench/bench_generation.py --part addnorm checks that on the GPU).
 """
