@@ -41,6 +41,7 @@ the producers that quantise what they compute (RMSNorm, silu*mul: kernels/norm_a
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -100,8 +101,13 @@ class Fp8Launch:
 def fp8_launch(n: int, variant: str | None = None) -> Fp8Launch:
     """The launch for rows of n columns from a spec `name[-block][-wWARPS]` (name in FP8_VARIANTS;
     block: chunk / piece width, a power of two), else $U1SERVE_FP8_VARIANT, else auto: `pieces` (the
-    row in registers as <= 4 pieces of up to 4096 columns)."""
+    row in registers as <= 4 pieces of up to 4096 columns). Cached: it runs before every fp8 launch."""
     spec = (variant or os.environ.get(VARIANT_ENV, "") or "auto").strip().lower()
+    return _launch(n, spec, interpreting(), os.environ.get(ROUND_ENV, "hw").strip().lower())
+
+
+@functools.lru_cache(maxsize=256)
+def _launch(n: int, spec: str, interpreted: bool, rounding: str) -> Fp8Launch:
     name, *opts = ("pieces" if spec == "auto" else spec).split("-")
     block = warps = None
     for o in opts:
@@ -129,7 +135,7 @@ def fp8_launch(n: int, variant: str | None = None) -> Fp8Launch:
         warps = row_warps(n) if name == "legacy" else min(8 if name == "twopass" else 32,
                                                           max(4, _floor_pow2(block * pieces // (32 * per_thread))))
     legacy = name == "legacy"
-    hw = not legacy and not interpreting() and os.environ.get(ROUND_ENV, "hw").strip().lower() != "explicit"
+    hw = not legacy and not interpreted and rounding != "explicit"
     return Fp8Launch(name, block, pieces, n % block == 0, warps, legacy, hw)
 
 
