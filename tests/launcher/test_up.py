@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -86,8 +87,12 @@ def test_stack_ports_secrets_and_restart(tiny_checkpoint, tmp_path, busy_port):
             "--api-key-file", str(key_file), "--run-dir", str(run), "--kv-pool-gb", "0.05", "--grace", "5",
             env={"U1SERVE_INTERNAL_TOKEN": "tok-from-env"})
     base = f"http://127.0.0.1:{port}"
+    output = _Output(p)
     try:
-        assert wait_until(lambda: _ok(base + "/health"), 240), p.stdout.read() if p.poll() is not None else ""
+        # the launcher's start-up is over (not only the gateway answering): a service killed before that ends
+        # the start-up instead of being restarted
+        assert wait_until(lambda: output.has("[u1serve] ready:") or p.poll() is not None, 240), output.text()
+        assert _ok(base + "/health"), output.text()
         state = json.loads((run / "stack.json").read_text())
         und_url = state["services"]["und"]["health_url"]
         assert f":{busy_port}/" not in und_url                              # a free port instead of the taken one
@@ -116,13 +121,34 @@ def test_stack_ports_secrets_and_restart(tiny_checkpoint, tmp_path, busy_port):
         groups = [s["pid"] for s in json.loads((run / "stack.json").read_text())["services"].values()]
     finally:
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=120)
+        p.wait(timeout=120)
+        out = output.text()
     assert p.returncode == 0, out
     assert "gen died (killed by SIGKILL); restarting in" in out and "gen ready again (restart 1)" in out, out
     assert out.rstrip().endswith("[u1serve] stopped"), out[-2000:]
     assert not any(group_alive(g) or pid_alive(g) for g in groups)
     logs = "".join((run / "logs" / f).read_text() for f in os.listdir(run / "logs"))
     assert "terminated by a signal" not in logs and "Traceback" not in logs
+
+
+class _Output:
+    """A process's stdout read as it comes, so a test can wait for a line (and a full pipe never blocks it)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._reader.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def has(self, text: str) -> bool:
+        return any(text in line for line in list(self.lines))
+
+    def text(self) -> str:
+        self._reader.join(timeout=30)
+        return "".join(self.lines)
 
 
 def _free(port: int) -> bool:

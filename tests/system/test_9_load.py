@@ -9,6 +9,7 @@ between the first and the second half of the run (nothing grows per request)."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -33,6 +34,18 @@ def _rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     return 0.0
+
+
+def _tracebacks(run_dir: str, limit: int = 3) -> str:
+    """The first tracebacks in the services' logs (what a 5xx came from), for the failure message."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "logs", "*.log"))):
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if "Traceback" in line and len(found) < limit:
+                found.append(f"--- {os.path.basename(path)}:\n" + "\n".join(lines[max(0, i - 2):i + 30]))
+    return "\n".join(found)
 
 
 def _service_pids(stack: Stack) -> dict[str, int]:
@@ -71,7 +84,7 @@ def test_sustained_mixed_load_over_capacity(tmp_path):
     print("RSS MB mid -> end:", {k: (round(rss_mid[k]), round(rss_end[k])) for k in rss_mid})
 
     assert stack.exit_code == 0
-    assert summary["count_5xx"] == 0, summary["codes_5xx"]
+    assert summary["count_5xx"] == 0, (summary["codes_5xx"], _tracebacks(stack.run_dir))
     assert summary["transport_errors"] == 0
     for kind in KINDS:
         row = summary["by_kind"].get(kind, {})
