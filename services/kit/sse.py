@@ -23,12 +23,14 @@ def encode(data: Any) -> bytes:
 
 def _encode_spliced(data: dict) -> bytes:
     rest = {k: v for k, v in data.items() if not isinstance(v, bytes)}
-    parts = [b"data: ", json.dumps(rest, separators=(",", ":"), ensure_ascii=False).encode()[:-1]]
+    parts = [b"data: ", json.dumps(rest, separators=(",", ":"), ensure_ascii=False).encode()[:-1]]   # "{...", no "}"
+    sep = b"," if rest else b""
     for key, blob in data.items():
         if isinstance(blob, bytes):
             if blob.translate(None, _BASE64):
                 raise ValueError(f"{key!r}: a bytes value must be base64 text")
-            parts += [b"," if len(parts) > 2 or rest else b"", json.dumps(key).encode(), b':"', blob, b'"']
+            parts += [sep, json.dumps(key).encode(), b':"', blob, b'"']
+            sep = b","
     parts.append(b"}\n\n")
     return b"".join(parts)
 

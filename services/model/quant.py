@@ -10,7 +10,7 @@ tested on CPU.
 `quantize_model` swaps modules of a decoder layer; the model's forward code is the same for bf16 and fp8:
   input_layernorm           -> Fp8RMSNorm: RMSNorm + per-token quantisation in one kernel (its output
                                feeds only the q and k|v GEMMs, which share that one quantised activation);
-                               the residual add before it runs in the same kernel (`add_forward`)
+                               the residual add before it runs apart (`add_forward`: faster on the H200)
   q_proj, k_proj, v_proj    -> qkv_proj (Fp8QKV): a q GEMM and one k|v GEMM (concatenated output
                                channels). q keeps its own GEMM so it leaves contiguous ([T, Hq, D]):
                                cuDNN attention reuses one plan for every prefix length only for
