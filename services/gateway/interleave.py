@@ -16,13 +16,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, ClassVar, Optional
 
-from pydantic import ValidationError
-
 from services.contract import limits as L
-from services.contract.image import GenerateRequest
 from services.contract.interleave import InterleaveSegmentRequest
 from services.kit.errors import APIError
 
+from .jobs import generate_body
 from .routing import conversation_key
 from .upstream import CONTROL_TIMEOUT_S, Deadline, engine_headers, tell
 
@@ -35,7 +33,7 @@ class Answer:
     think: bool
     max_tokens: int                    # text tokens over the whole answer
     max_images: int
-    generate: dict                     # GenerateRequest fields but request_id, handles, noise_draw
+    generate: dict                     # jobs.generate_fields: GenerateRequest fields but the per-image ones
     logit_bias: Optional[dict] = None
     cache_salt: Optional[str] = None
     transcript: list[dict] = field(default_factory=list)
@@ -74,23 +72,8 @@ class Segment:
         return conversation_key(prefix_body)
 
     def generate_body(self, handles: dict) -> dict[str, Any]:
-        try:
-            body = GenerateRequest(**self.answer.generate, request_id=self.request_id, handles=handles,
-                                   noise_draw=self.answer.images, export_image=True).model_dump(mode="json")
-        except ValidationError as exc:
-            raise APIError(502, f"understanding service sent handles that do not fit the image: "
-                           f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None
-        if "cache" not in self.answer.generate:
-            body.pop("cache", None)
-        return body
-
-
-def check_generate(generate: dict) -> None:
-    """The generation body of the answer's images, checked before any work (placeholder handles)."""
-    from services.contract.image import Guidance
-    branches = Guidance(mode="edit", guidance_scale=generate["guidance_scale"],
-                        image_guidance_scale=generate["image_guidance_scale"]).branches()
-    GenerateRequest(**generate, request_id="check", handles={b: {} for b in branches}, export_image=True)
+        return generate_body(self.answer.generate, handles, request_id=self.request_id,
+                             noise_draw=self.answer.images, export_image=True)
 
 
 async def run(state, answer: Answer, deadline: Deadline) -> AsyncIterator[dict]:

@@ -50,16 +50,7 @@ class ImageJob:
 
     def generate_body(self, handles: dict) -> dict[str, Any]:
         """The /internal/generate body with understanding's handles (which must match the CFG branches)."""
-        try:
-            body = GenerateRequest(**self.generate, handles=handles).model_dump(mode="json")
-        except ValidationError as exc:
-            raise APIError(502, f"understanding service sent handles that do not fit the job: "
-                           f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None
-        if "cache" in self.generate:
-            body["cache"] = self.generate["cache"]
-        else:
-            body.pop("cache", None)
-        return body
+        return generate_body(self.generate, handles)
 
 
 def _at_most(value: int | None, limit: int, param: str) -> None:
@@ -137,21 +128,48 @@ def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str
     return opts.sampler(mode, cfg.sampler)
 
 
+def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
+                    first_image_wh: tuple[int, int] | None = None, **extra: Any) -> dict[str, Any]:
+    """The GenerateRequest fields of a validated request but request_id and handles: the one declaration of
+    how an image's generation body is made (image jobs and each image of an interleaved answer). The sampler
+    parameters over the server's defaults, the size, the seed (random when absent), the output, the step cache
+    (only the fields the client set: generation fills in its own defaults). Checked now with placeholder handles
+    (one per CFG branch) and `extra` (fields the caller adds per image), not after the prefix work."""
+    sampler = check_options(cfg, opts, mode, prompt)
+    width, height = resolve_size(cfg, opts, first_image_wh)
+    fields = {**sampler.model_dump(), "width": width, "height": height, "n": opts.n,
+              "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
+              "output_format": opts.output_format, "partial_images": opts.partial_images}
+    if opts.cache is not None:
+        fields["cache"] = opts.cache.model_dump(exclude_unset=True)
+    GenerateRequest(**{"request_id": "check", **fields, **extra}, handles={b: {} for b in sampler.branches()})
+    return fields
+
+
+def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[str, Any]:
+    """The /internal/generate body: `fields` (generate_fields) with understanding's handles, which must match
+    the CFG branches (else a 502: understanding broke the protocol)."""
+    try:
+        body = GenerateRequest(**fields, **extra, handles=handles).model_dump(mode="json")
+    except ValidationError as exc:
+        raise APIError(502, f"understanding service sent handles that do not fit the job: "
+                       f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None
+    if "cache" in fields:      # as the client set it, not the model's defaults (generation has its own)
+        body["cache"] = fields["cache"]
+    else:
+        body.pop("cache", None)
+    return body
+
+
 def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
               images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
               cache_salt: str | None = None) -> ImageJob:
     """The job of a validated request (see check_options for what is refused)."""
-    sampler = check_options(cfg, opts, mode, prompt)
-    width, height = resolve_size(cfg, opts, first_image_wh)
+    generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh),
+                "request_id": request_id}
     prefix = PrefixRequest(request_id=request_id, mode=mode, prompt=prompt, images=images or [],
-                           guidance_scale=sampler.guidance_scale, image_guidance_scale=sampler.image_guidance_scale,
-                           think=opts.think, max_think_tokens=opts.max_think_tokens or cfg.default_think_tokens,
-                           stream=True, cache_salt=cache_salt)
-    generate = {**sampler.model_dump(), "request_id": request_id, "width": width, "height": height, "n": opts.n,
-                "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
-                "output_format": opts.output_format, "partial_images": opts.partial_images}
-    if opts.cache is not None:       # only the fields the client set: generation fills in its own defaults
-        generate["cache"] = opts.cache.model_dump(exclude_unset=True)
-    # the generation body is checked now (placeholder handles, one per CFG branch), not after the prefix work
-    GenerateRequest(**generate, handles={b: {} for b in sampler.branches()})
+                           guidance_scale=generate["guidance_scale"],
+                           image_guidance_scale=generate["image_guidance_scale"], think=opts.think,
+                           max_think_tokens=opts.max_think_tokens or cfg.default_think_tokens, stream=True,
+                           cache_salt=cache_salt)
     return ImageJob(prefix, generate, opts.response_format, opts.stream)

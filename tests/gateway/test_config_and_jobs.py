@@ -8,7 +8,7 @@ from services.contract import limits as L
 from services.contract.chat import ChatCompletionRequest
 from services.contract.image import ImageGenerationRequest, ImageOptions, SamplerParams, default
 from services.gateway.config import GatewayConfig, build_arg_parser, config_from_args
-from services.gateway.jobs import build_job, size_for_aspect
+from services.gateway.jobs import build_job, generate_fields, size_for_aspect
 from services.gateway.routers.chat import chat_image_options
 from services.kit.errors import APIError
 
@@ -156,3 +156,30 @@ def test_prefix_body_is_a_prefix_request():
     assert PrefixRequest.model_validate(body).mode == "t2i"
     with pytest.raises(ValidationError):          # internal bodies take no unknown fields
         PrefixRequest.model_validate({**body, "kind": "edit"})
+
+
+def test_an_interleaved_answers_images_use_the_image_job_fields():
+    """One builder (jobs.generate_fields) for an image job and each image of an interleaved answer: the same
+    options give the same generation body, plus the per-image fields; the step cache carries only what the
+    client set (generation fills in its own defaults), in both."""
+    from services.contract.chat import ChatImageOptions
+    from services.gateway.interleave import Answer, Segment
+    cfg = GatewayConfig()
+    options = {"size": "96x64", "num_inference_steps": 3, "guidance_scale": 3.0, "image_guidance_scale": 2.0,
+               "seed": 5, "output_format": "jpeg", "cache": {"mode": "first_block", "threshold": 0.1}}
+    handles = {"cond": {}, "img_cond": {}, "uncond": {}}
+    image_job = job(options, cfg, mode="edit", images=["x"])
+    answer = Answer(request_id="rid-1", messages=[], think=False, max_tokens=8, max_images=2,
+                    generate=generate_fields(cfg, ChatImageOptions.model_validate(options), mode="edit", prompt="",
+                                             export_image=True))
+    answer.floats.append({})                               # the answer's second image
+    seg = Segment(answer, 1).generate_body(handles)
+    assert seg == {**image_job.generate_body(handles), "request_id": "rid-1-1", "noise_draw": 1,
+                   "export_image": True}
+    assert seg["cache"] == {"mode": "first_block", "threshold": 0.1}
+    with pytest.raises(APIError) as e:                     # understanding sent the wrong branches
+        Segment(answer, 1).generate_body({"cond": {}})
+    assert e.value.status == 502 and e.value.code == "upstream_protocol_error"
+    with pytest.raises(ValidationError):                   # checked before any work: export_image takes n = 1
+        generate_fields(cfg, ChatImageOptions.model_validate({**options, "n": 2}), mode="edit", prompt="",
+                        export_image=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ from services.kit.web import json_body, until_disconnect
 from .. import interleave
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
-from ..jobs import build_job, check_options, resolve_size
+from ..jobs import build_job, check_options, generate_fields
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
@@ -280,15 +279,11 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
                           param="image_config.n")
     if req.n != 1:
         raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
-    sampler = check_options(state.config, opts, "edit", "")         # before any image is decoded
+    check_options(state.config, opts, "edit", "")         # before any image is decoded
     checked = await state.images.check(image_parts(req))
-    width, height = resolve_size(state.config, opts, (checked[0].width, checked[0].height) if checked else None)
-    generate = {**sampler.model_dump(), "width": width, "height": height, "n": 1,
-                "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
-                "output_format": opts.output_format, "partial_images": opts.partial_images}
-    if opts.cache is not None:
-        generate["cache"] = opts.cache.model_dump(exclude_unset=True)
-    interleave.check_generate(generate)
+    generate = generate_fields(state.config, opts, mode="edit", prompt="",
+                               first_image_wh=(checked[0].width, checked[0].height) if checked else None,
+                               export_image=True)
     answer = interleave.Answer(
         request_id=request_id(request), messages=[m.model_dump(mode="json", exclude_none=True) for m in req.messages],
         think=opts.think if "think" in opts.model_fields_set else True,
