@@ -56,7 +56,6 @@ class InterleaveSegmentRequest(Guidance, LogitBias):
     max_tokens: Int = Field(ge=1, description="text tokens this segment may decode")
     images_left: Int = Field(ge=0, le=L.MAX_INTERLEAVE_IMAGES, description="0: an <img> ends the answer")
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS)
-    stream: bool = True
 
     @property
     def images(self) -> list[TranscriptImage]:

@@ -19,9 +19,7 @@ import logging
 import threading
 from typing import Optional
 
-from fastapi import Request
-from fastapi.responses import Response
-
+from services.contract.chat import TextSampling
 from services.contract.interleave import (ALL_UNCOND, FLOAT_IMAGE_BRANCH, TEXT_FREE, InterleaveSegmentRequest,
                                           TranscriptImage)
 from services.kit import sse
@@ -30,8 +28,8 @@ from services.model import images as IM
 from services.model import prompts as PR
 
 from . import textgen
-from .inputs import image_refs, prompt_messages
-from .routes.responses import sse_response, until_done_or_gone
+from .inputs import image_refs, prompt_messages, text_params
+from .routes.responses import sse_response
 from .sampling import SamplingParams
 
 log = logging.getLogger("u1serve.understanding.interleave")
@@ -116,18 +114,14 @@ class InterleaveService:
         return cond, tu, texts
 
     def _text_params(self, req: InterleaveSegmentRequest, prompt_len: int) -> SamplingParams:
-        """Greedy (as the official loop), stopping at <img> as well as at <|im_end|>."""
-        room = self.state.limits.max_model_len - prompt_len
-        if room <= 1:
-            raise bad_request(f"the answer reached the context limit of {self.state.limits.max_model_len} tokens",
-                              "messages", "context_length_exceeded")
-        bad = [t for t in req.bias_map if not 0 <= t < self.state.limits.vocab_size]
-        if bad:
-            raise bad_request(f"logit_bias: {bad[0]} is not a token id", "logit_bias")
-        return SamplingParams(max_tokens=min(req.max_tokens, room), temperature=0.0, logit_bias=req.bias_map,
+        """Greedy (as the official loop), stopping at <img> as well as at <|im_end|>; the chat checks (room
+        left in the context, logit_bias ids in the vocabulary)."""
+        greedy = TextSampling(max_tokens=req.max_tokens, temperature=0.0, logit_bias=req.logit_bias,
                               stop_token_ids=[self.state.tok.img_start_id])
+        return text_params(greedy, prompt_len, self.state.limits)
 
-    async def handle(self, request: Request, req: InterleaveSegmentRequest):
+    async def handle(self, req: InterleaveSegmentRequest):
+        """The segment as SSE (the gateway reads its text as it comes)."""
         st = self.state
         tok = st.tok
         st.prefixes.require_pool()
@@ -179,25 +173,11 @@ class InterleaveService:
                 if pev["type"] == "handles":
                     yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage}
 
-        if req.stream:
-            async def stream():
-                try:
-                    async for ev in events():
-                        yield sse.encode(ev)
-                except APIError as e:
-                    yield sse.encode(e.event())
-                yield sse.encode(sse.DONE)
-            return sse_response(stream(), cleanup)
-
-        async def collect() -> dict:
-            out = {"text": [], "reasoning": []}
-            async for ev in events():
-                if ev["type"] == "text":
-                    out["text"].append(ev["content"])
-                    out["reasoning"].append(ev["reasoning"])
-                else:
-                    return {**ev, "content": "".join(out["text"]), "reasoning": "".join(out["reasoning"])}
-            raise APIError(500, "interleave segment ended without a result", code="internal")
-
-        finished, result = await until_done_or_gone(request, collect, cleanup)
-        return result if finished else Response(status_code=499)
+        async def stream():
+            try:
+                async for ev in events():
+                    yield sse.encode(ev)
+            except APIError as e:
+                yield sse.encode(e.event())
+            yield sse.encode(sse.DONE)
+        return sse_response(stream(), cleanup)

@@ -14,7 +14,7 @@ from services.model.sampler import SamplerParams
 from shm_transfer import KVLayout
 from shm_transfer.tensors import tokens_for
 
-from .conftest import HEADERS
+from .conftest import HEADERS, MAX_LEN
 from .test_image_prefix import _read_back as _read
 
 MSGS = [{"role": "user", "content": "draw a cat, then tell its story"}]
@@ -124,4 +124,18 @@ def test_bad_float_handles_are_refused(server):
         "transcript": [{"image": {}, "width": 64, "height": 64}]})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "kv_malformed_handle" and err["param"] == "transcript[0].image"
+    server.wait_idle()
+
+
+def test_a_segment_is_checked_as_a_chat_is(server):
+    """The segment's text is an ordinary text request: the chat's checks (inputs.text_params) answer for it."""
+    def post(**kw):
+        body = {"request_id": "chk", "messages": MSGS, "max_tokens": 4, "images_left": 1, **kw}
+        return httpx.post(server.url + "/internal/interleave_segment", headers=HEADERS, timeout=60, json=body)
+    r = post(logit_bias={"99999999": 1.0})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logit_bias" and "ids are 0.." in err["message"], r.text
+    r = post(messages=[{"role": "user", "content": "fox " * MAX_LEN}])
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
     server.wait_idle()

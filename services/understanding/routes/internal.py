@@ -39,7 +39,7 @@ async def image_prefix(request: Request):
 async def interleave_segment(request: Request):
     st = app_state(request)
     req = InterleaveSegmentRequest.model_validate(await json_body(request))
-    return await st.interleave.handle(request, req)
+    return await st.interleave.handle(req)
 
 
 @router.post("/internal/release")
