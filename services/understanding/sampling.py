@@ -35,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     logprobs: Optional[int] = None    # None: none; k: the sampled token's log probability and the top k
+    # logit_bias as device tensors, built at the request's first sampled step and reused at every later one
+    _bias: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_request(cls, req, max_tokens: int, logprobs: Optional[int] = None) -> "SamplingParams":
@@ -55,6 +57,18 @@ class SamplingParams:
         """Anything that changes the logits before the choice (penalties, logit_bias)."""
         return (self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
                 or bool(self.logit_bias))
+
+    def bias_tensors(self, vocab: int, device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(token ids, biases) of logit_bias on `device`, ids outside the vocabulary dropped; None without any.
+        Built once per request (these params are the request's own: the engine samples every step with them)."""
+        key = (vocab, str(device))
+        if self._bias is None or self._bias[0] != key:
+            ids = [t for t in self.logit_bias if 0 <= t < vocab]
+            tensors = (torch.tensor(ids, dtype=torch.long, device=device),
+                       torch.tensor([self.logit_bias[t] for t in ids], dtype=torch.float32, device=device)) \
+                if ids else None
+            self._bias = (key, tensors)
+        return self._bias[1]
 
     def make_generator(self, device) -> Optional[torch.Generator]:
         if self.greedy:
@@ -83,12 +97,9 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]):
     vocab = row.shape[0]
-    if p.logit_bias:
-        ids = [t for t in p.logit_bias if 0 <= t < vocab]
-        if ids:
-            idx = torch.tensor(ids, dtype=torch.long, device=row.device)
-            bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
-            row = _finite(row.index_add(0, idx, bias))
+    bias = p.bias_tensors(vocab, row.device) if p.logit_bias else None
+    if bias is not None:
+        row = _finite(row.index_add(0, *bias))
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
         seen = seen[(seen >= 0) & (seen < vocab)]

@@ -143,3 +143,23 @@ def test_engine_devices_always_carry_a_cuda_index():
         rank_device("cuda:x", 1, 0, current)
     for device in ("cuda", "cuda:0", "cuda:7"):
         assert torch.device(rank_device(device, 1, 0, current)).index is not None
+
+
+def test_logit_bias_is_built_once_per_request_with_the_same_tokens():
+    """The engine samples every step with the request's own params: its logit_bias tensors are made at the
+    first step and reused (ids outside the vocabulary dropped), and the tokens equal a rebuild at every step."""
+    logits = torch.randn(20, V, generator=torch.Generator().manual_seed(4))
+    bias = {5: 3.0, 9: -100.0, 40: 2.5, V + 7: 1.0}
+    kept = SamplingParams(temperature=1.0, seed=11, logit_bias=bias, presence_penalty=0.5)
+    g_kept, g_fresh = kept.make_generator("cpu"), kept.make_generator("cpu")
+    out: list[int] = []
+    for row in logits:
+        fresh = SamplingParams(temperature=1.0, seed=11, logit_bias=dict(bias), presence_penalty=0.5)
+        a = sample(row[None].clone(), [kept], [g_kept], [[1, 2]], [out])[0]
+        b = sample(row[None].clone(), [fresh], [g_fresh], [[1, 2]], [out])[0]
+        assert a == b and a != 9
+        out.append(a)
+    first = kept.bias_tensors(V, "cpu")
+    assert first[0].tolist() == [5, 9, 40] and kept.bias_tensors(V, "cpu") is first
+    assert SamplingParams(logit_bias={V: 1.0}).bias_tensors(V, "cpu") is None
+    assert kept == fresh and "tensor" not in repr(kept)         # a cache, not a parameter
