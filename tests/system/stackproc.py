@@ -1,4 +1,5 @@
-"""Run `u1serve up` as a real process tree and take it down again (helpers for the system tests)."""
+"""Real service processes for the system tests: one service (`Service`: its own process group, its log, its
+health) or a whole `u1serve up` tree (`RunningStack`), started and taken down again."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import httpx
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
+from tests.waiting import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,6 +48,78 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def wait_ok(url: str, proc: subprocess.Popen, output: Callable[[], str], timeout: float,
+            what: str = "service") -> httpx.Response:
+    """Poll `url` until it answers 200 (the response); RuntimeError with the output when the process exits or
+    the time is up."""
+    def ok():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{output()}")
+        try:
+            r = httpx.get(url, timeout=2)
+        except httpx.HTTPError:
+            return None
+        return r if r.status_code == 200 else None
+    try:
+        return wait_until(ok, timeout, interval=0.3)
+    except TimeoutError:
+        raise RuntimeError(f"{what} not up in time:\n{output()}") from None
+
+
+class Service:
+    """One service process on loopback (`python -m services.<name>.server ...`): its own process group, which
+    dies with the test run; its output in run_dir/<name>.log."""
+
+    def __init__(self, name: str, argv: list[str], run_dir: str, env: dict | None = None, port: int | None = None):
+        self.name, self.run_dir = name, run_dir
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = argv + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+        self.log_path = os.path.join(run_dir, f"{name}.log")
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+
+    def start(self) -> "Service":
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=preexec_die_with_parent)
+        self.pgid = self.proc.pid
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-6000:]
+
+    def wait_healthy(self, timeout: float = 240.0, path: str = "/health") -> dict:
+        """Until `path` answers 200 (a gateway whose engines are down answers /v1/models, not /health)."""
+        return wait_ok(self.url + path, self.proc, self.log, timeout, self.name).json()
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to the whole process group."""
+        os.killpg(self.pgid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, SIGKILL to the group after `timeout`; returns once nothing of the group is left."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pgid, signal.SIGKILL)
+                self.proc.wait(10)
+        deadline = time.monotonic() + 15
+        while group_alive(self.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.proc.returncode
+
+
 class RunningStack:
     def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None):
         self.port, self.und_port, self.gen_port = free_port(), free_port(), free_port()
@@ -65,19 +140,13 @@ class RunningStack:
         self.pids: dict[str, int] = {}
 
     def wait_ready(self, timeout: float = 240.0) -> "RunningStack":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"u1serve up exited ({self.proc.returncode}):\n{self.output()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    self.pids = self.service_pids()
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("stack not healthy in time:\n" + self.output())
+        try:
+            wait_ok(self.base + "/health", self.proc, self.output, timeout, "u1serve up")
+        except RuntimeError:
+            self.stop()
+            raise
+        self.pids = self.service_pids()
+        return self
 
     def service_pids(self) -> dict[str, int]:
         with open(self.state_file) as f:

@@ -2,14 +2,13 @@
 import json
 import os
 import signal
+import sys
 
 import httpx
 
 from tests.waiting import wait_until
 
-from .stackproc import ROOT, free_port
-
-
+from .stackproc import Service, free_port
 
 
 def gateway_metric(stack, name: str) -> float:
@@ -18,20 +17,21 @@ def gateway_metric(stack, name: str) -> float:
                or l.startswith(name + "{"))
 
 
-def test_second_gateway_fails_over_from_dead_endpoints(stack):
+def _gateway(run_dir, und_url: str, gen_url: str, token: str) -> Service:
+    """An extra gateway process in front of the stack's engines (or dead addresses)."""
+    return Service("gateway", [sys.executable, "-m", "services.gateway.server", "--und-url", und_url,
+                               "--gen-url", gen_url, "--default-size", "64x64"], str(run_dir),
+                   env={"U1SERVE_INTERNAL_TOKEN": token}).start()
+
+
+def test_second_gateway_fails_over_from_dead_endpoints(stack, tmp_path):
     """Several endpoints per engine: a refused connection moves on to the next one."""
-    import subprocess
-    import sys
-    port = free_port()
     dead = f"http://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1", "--port", str(port),
-            "--und-url", f"{dead},http://127.0.0.1:{stack.und_port}",
-            "--gen-url", f"{dead},http://127.0.0.1:{stack.gen_port}", "--default-size", "64x64"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": stack.token}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gw = _gateway(tmp_path, f"{dead},http://127.0.0.1:{stack.und_port}",
+                  f"{dead},http://127.0.0.1:{stack.gen_port}", stack.token)
     try:
-        base = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _up(base + "/v1/models"), 60)
+        gw.wait_healthy(60, path="/v1/models")
+        base = gw.url
         for _ in range(3):
             r = httpx.post(base + "/v1/images/generations", timeout=60,
                            json={"prompt": "x", "num_inference_steps": 1})
@@ -44,33 +44,18 @@ def test_second_gateway_fails_over_from_dead_endpoints(stack):
         assert h.status_code == 200 and h.json()["status"] == "degraded", h.text
         assert [p["status"] for p in h.json()["understanding"]] == ["unavailable", "ok"]
     finally:
-        proc.terminate()
-        proc.wait(10)
+        gw.stop()
 
 
-def test_gateway_with_a_wrong_internal_token_gets_a_clear_5xx(stack):
-    import subprocess
-    import sys
-    port = free_port()
-    argv = [sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1", "--port", str(port),
-            "--und-url", f"http://127.0.0.1:{stack.und_port}", "--gen-url", f"http://127.0.0.1:{stack.gen_port}"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": "wrong"}
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_gateway_with_a_wrong_internal_token_gets_a_clear_5xx(stack, tmp_path):
+    gw = _gateway(tmp_path, f"http://127.0.0.1:{stack.und_port}", f"http://127.0.0.1:{stack.gen_port}",
+                  "wrong")
     try:
-        base = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _up(base + "/v1/models"), 60)
-        r = httpx.post(base + "/v1/images/generations", timeout=60, json={"prompt": "x", "size": "64x64"})
+        gw.wait_healthy(60, path="/v1/models")
+        r = httpx.post(gw.url + "/v1/images/generations", timeout=60, json={"prompt": "x", "size": "64x64"})
         assert r.status_code == 502 and r.json()["error"]["code"] == "internal_auth_failed", r.text
     finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _up(url):
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+        gw.stop()
 
 
 def test_client_disconnect_cancels_and_stack_keeps_serving(stack):

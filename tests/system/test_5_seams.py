@@ -2,14 +2,13 @@
 and who frees the prefix pages when generation cannot take them (not the lease: that is minutes)."""
 import concurrent.futures as cf
 import os
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from .stackproc import ROOT, free_port
+from .stackproc import Service, free_port
 
 
 def pages_used(stack) -> int:
@@ -30,33 +29,9 @@ def settles_to_zero(stack, timeout=5.0) -> bool:
     return False
 
 
-def _wait_up(url, timeout=90.0, proc=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not up in time")
-
-
-def _spawn(argv, stack, log_name):
-    env = {**os.environ, "PYTHONPATH": ROOT, "U1SERVE_INTERNAL_TOKEN": stack.token}
-    log = open(os.path.join(stack.run_dir, log_name), "w")
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+def _spawn(name: str, argv: list[str], stack) -> Service:
+    """A service process beside the stack (its engines' token), logged in the stack's run directory."""
+    return Service(name, argv, stack.run_dir, env={"U1SERVE_INTERNAL_TOKEN": stack.token}).start()
 
 
 @pytest.fixture()
@@ -65,17 +40,15 @@ def side_gateway(stack):
     procs = []
 
     def start(gen_url: str) -> str:
-        port = free_port()
-        procs.append(_spawn([sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1",
-                             "--port", str(port), "--und-url", f"http://127.0.0.1:{stack.und_port}",
-                             "--gen-url", gen_url, "--default-size", "64x64"], stack, f"gw-{port}.out"))
-        base = f"http://127.0.0.1:{port}"
-        _wait_up(base + "/v1/models", 60, procs[-1])
-        return base
+        procs.append(_spawn(f"gw-side-{len(procs)}", [sys.executable, "-m", "services.gateway.server",
+                                                       "--und-url", f"http://127.0.0.1:{stack.und_port}",
+                                                       "--gen-url", gen_url, "--default-size", "64x64"], stack))
+        procs[-1].wait_healthy(60, path="/v1/models")
+        return procs[-1].url
 
     yield start
     for p in procs:
-        _stop(p)
+        p.stop()
 
 
 def test_reused_client_request_id_does_not_cross_requests(stack):
@@ -121,13 +94,12 @@ def test_stream_with_generation_down_is_a_503_and_frees_the_prefix(stack, side_g
 def test_generation_without_the_pool_fails_fast_and_pages_are_freed(stack, side_gateway):
     """Generation accepted the job but cannot attach the pool (so it cannot free the pages either):
     the gateway gives them back at once instead of leaving them to the lease."""
-    port = free_port()
-    gen = _spawn([sys.executable, "-m", "services.generation.server", "--model", stack_model(stack),
-                  "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                  "--kv-pool-name", stack.pool + "-absent", "--threads", "1"], stack, "gen-nopool.out")
+    gen = _spawn("gen-nopool", [sys.executable, "-m", "services.generation.server", "--model", stack_model(stack),
+                                "--device", "cpu", "--dtype", "float32", "--kv-pool-name", stack.pool + "-absent",
+                                "--threads", "1"], stack)
     try:
-        _wait_up(f"http://127.0.0.1:{port}/health", 120, gen)
-        base = side_gateway(f"http://127.0.0.1:{port}")
+        gen.wait_healthy(120)
+        base = side_gateway(gen.url)
         r = httpx.post(base + "/v1/images/generations", json={"prompt": "x", "num_inference_steps": 1},
                        timeout=60)
         assert r.status_code == 503, r.text
@@ -140,7 +112,7 @@ def test_generation_without_the_pool_fails_fast_and_pages_are_freed(stack, side_
         assert lines[-1] == "data: [DONE]"
         assert settles_to_zero(stack)
     finally:
-        _stop(gen)
+        gen.stop()
 
 
 def stack_model(stack) -> str:
