@@ -21,6 +21,8 @@ class Metrics:
         self.hit_rate = Gauge(p + "prefix_cache_hit_rate", "cached prompt tokens / prompt tokens", registry=r)
         self.preemptions = Gauge(p + "preemptions_total", "requests preempted (recompute)", registry=r)
         self.prompt_tokens = Gauge(p + "prompt_tokens_total", "prompt tokens admitted", registry=r)
+        self.cached_prompt_tokens = Gauge(p + "prompt_tokens_cached_total",
+                                          "prompt tokens found in the prefix cache (not computed)", registry=r)
         self.generated_tokens = Gauge(p + "generation_tokens_total", "tokens generated", registry=r)
         self.shm_pages_used = Gauge(p + "shm_pool_pages_used", "pages of the shared-memory KV pool in use",
                                     registry=r)
@@ -53,6 +55,7 @@ class Metrics:
         self.hit_rate.set(stats.cached_prompt_tokens / max(1, stats.prompt_tokens))
         self.preemptions.set(stats.preemptions)
         self.prompt_tokens.set(stats.prompt_tokens)
+        self.cached_prompt_tokens.set(stats.cached_prompt_tokens)
         self.generated_tokens.set(stats.generated_tokens)
         if pool_stats:
             self.shm_pages_used.set(pool_stats["pages_used"])

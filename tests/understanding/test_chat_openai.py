@@ -136,3 +136,27 @@ def test_n_choices_stream_with_usage(server):
     usage = [ev["usage"] for ev in events if ev.get("usage")]
     assert len(usage) == 1 and usage[0]["completion_tokens"] == 8
     assert events[-1]["choices"] == [] and server.wait_idle()["running"] == 0
+
+
+def _prefilled_prompt_tokens(server) -> tuple[float, float]:
+    """(prompt tokens admitted, of them found in the prefix cache) from the service's /metrics."""
+    text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
+    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if not line.startswith("#")}
+    return values["u1_und_prompt_tokens_total"], values["u1_und_prompt_tokens_cached_total"]
+
+
+def test_n_choices_prefill_the_prompt_once(server):
+    """The n choices share the prompt's KV: choice 0 computes it, every other one finds it in the prefix cache
+    and computes only the last prompt token (a cache match always leaves one), so n = 3 costs two tokens more
+    than n = 1 (each in its own cache_salt domain: nothing cached before)."""
+    computed = {}
+    for n, salt in ((1, "n-once-a"), (3, "n-once-b")):
+        admitted, cached = _prefilled_prompt_tokens(server)
+        out = _chat(server, messages=MSGS, temperature=1.0, seed=5, max_tokens=4, n=n, cache_salt=salt)
+        assert len(out["choices"]) == n
+        admitted2, cached2 = _prefilled_prompt_tokens(server)
+        prompt = out["usage"]["prompt_tokens"]
+        assert admitted2 - admitted == n * prompt
+        computed[n] = (admitted2 - admitted) - (cached2 - cached)
+    assert computed[1] == prompt and computed[3] == prompt + 2, computed
+    server.wait_idle()
