@@ -12,6 +12,7 @@ from services.kit.middleware import ApiKeyAuth, ServiceMiddleware
 
 from .admission import AdmissionMiddleware
 from .config import GatewayConfig
+from .drain import DrainMiddleware
 from .openapi import install_openapi
 from .routers import chat, images, ops, playground
 from .state import GatewayState
@@ -39,8 +40,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)
-    # added last = outermost: ids, access log, limits and the API key first, then admission
+    # added last = outermost: ids, access log, limits and the API key first, then the shutdown drain, admission
     app.add_middleware(AdmissionMiddleware, gate=state.admission)
+    app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(ServiceMiddleware, service="gateway", max_body_bytes=cfg.max_body_bytes,
                        auth=ApiKeyAuth(cfg.api_keys) if cfg.api_keys else None, unique_ids=True,
                        hooks=state.metrics)

@@ -64,6 +64,7 @@ class GatewayConfig:
     health_interval_s: float = 1.0            # replica probes (readiness, queue depth, KV pairing); 0 = off
     dns_refresh_s: float = 10.0               # re-resolve engine URLs (one replica per address); 0 = once
     max_concurrent_requests: int = 256        # POSTs in flight; more -> 429 + Retry-After
+    graceful_shutdown_s: float = 5.0          # on SIGTERM, what requests in flight have left (drain.py)
 
     def __post_init__(self) -> None:
         tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
@@ -84,8 +85,8 @@ class GatewayConfig:
             raise ValueError(f"default think tokens must be in [1, {self.max_think_tokens}]")
         if self.cache_salt_by_api_key and not self.api_keys:
             raise ValueError("cache_salt_by_api_key needs API keys (--api-key / --api-key-file)")
-        if min(self.connect_timeout_s, self.idle_timeout_s, self.request_timeout_s) <= 0:
-            raise ValueError("timeouts must be positive")
+        if min(self.connect_timeout_s, self.idle_timeout_s, self.request_timeout_s, self.graceful_shutdown_s) <= 0:
+            raise ValueError("timeouts (and graceful_shutdown_s) must be positive")
         if min(self.health_interval_s, self.dns_refresh_s) < 0 or self.retry_down_after_s <= 0:
             raise ValueError("health_interval_s and dns_refresh_s must be >= 0, retry_down_after_s > 0")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
@@ -166,6 +167,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--eject-max-s", type=float, default=30.0, help="... up to this long")
     _add(p, "--max-concurrent-requests", type=int, default=256,
          help="requests in flight; beyond it 429 with Retry-After")
+    _add(p, "--graceful-shutdown-s", type=float, default=5.0,
+         help="on SIGTERM, requests in flight may finish within this; then they end with a 503 shutting_down "
+              "(streams: an error event and [DONE])")
     _add(p, "--log-level", default="info")
     return p
 
@@ -202,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             connect_timeout_s=args.connect_timeout_s, idle_timeout_s=args.upstream_idle_timeout_s,
             request_timeout_s=args.request_timeout_s, max_concurrent_requests=args.max_concurrent_requests,
             health_interval_s=args.health_interval_s, dns_refresh_s=args.dns_refresh_s,
-            retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s)
+            retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s,
+            graceful_shutdown_s=args.graceful_shutdown_s)
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

@@ -9,6 +9,7 @@ import uvicorn
 from services.kit.middleware import RequestIdFilter
 
 from .app import create_app
+from .drain import Drain
 from .config import build_arg_parser, config_from_args
 
 
@@ -22,6 +23,19 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn, telling the app's Drain when shutdown begins (so what is still running near the end of the grace
+    period ends cleanly, drain.py)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin()
+        await super().shutdown(sockets)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
     cfg = config_from_args(args)
@@ -29,8 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("u1serve.gateway").info(
         "gateway on %s:%d -> understanding %s, generation %s (API key %s)", args.host, args.port, cfg.und_urls,
         cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off")
-    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    app = create_app(cfg)
+    server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                          access_log=False, timeout_graceful_shutdown=cfg.graceful_shutdown_s),
+                           app.state.gateway.drain)
+    server.run()
+    if not server.started:
+        sys.exit(3)               # as uvicorn.run: the server could not start (e.g. the port is taken)
 
 
 if __name__ == "__main__":

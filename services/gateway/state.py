@@ -9,6 +9,7 @@ import httpx
 from services.kit.admission import AdmissionGate
 
 from .config import GatewayConfig
+from .drain import Drain
 from .inputs import ImageChecker
 from .metrics import GatewayMetrics
 from .orchestrator import Orchestrator
@@ -28,6 +29,7 @@ class GatewayState:
     admission: AdmissionGate
     janitor: Janitor               # abort / cancel / release calls after early ends
     monitor: ReplicaMonitor        # replica discovery, health, load
+    drain: Drain                   # on SIGTERM: when requests in flight must end
 
     @classmethod
     def create(cls, cfg: GatewayConfig) -> "GatewayState":
@@ -46,7 +48,7 @@ class GatewayState:
                    orchestrator=Orchestrator(cfg, http, und, gen, metrics, janitor),
                    images=ImageChecker(cfg.images, cfg.image_workers),
                    admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor,
-                   monitor=monitor)
+                   monitor=monitor, drain=Drain(cfg.graceful_shutdown_s))
 
     async def start(self) -> None:
         await self.monitor.start()

@@ -27,6 +27,12 @@ def und_health(stack) -> dict:
     return httpx.get(stack.und + "/health", timeout=10).json()
 
 
+def und_generated_tokens(stack) -> float:
+    text = httpx.get(stack.und + "/metrics", headers={"X-U1-Internal-Token": stack.token}, timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("u1_und_generation_tokens_total "))
+
+
 def pool_empty(stack) -> bool:
     h = und_health(stack)
     return h.get("shm_pages_used") == 0 and h.get("inflight", 0) == 0
@@ -215,3 +221,63 @@ def test_client_going_away_in_each_phase_leaves_no_pages(client, stack):
     r = client.post("/v1/images/generations", json={"prompt": "done", "size": "64x64", "num_inference_steps": 1})
     assert r.status_code == 200
     assert wait_until(lambda: pool_empty(stack), 30)
+
+
+def _stream_chat(g, max_tokens: int, on_first) -> list:
+    """A streamed chat through gateway `g`, `on_first()` called at its first event; its events."""
+    body = {"messages": [{"role": "user", "content": "count slowly"}], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", g.base + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for ev in sse_lines(r):
+            events.append(ev)
+            if len(events) == 1:
+                on_first()
+    return events
+
+
+def test_sigterm_drains_a_streamed_chat_within_the_grace_period(stack, side_gateway):
+    """--graceful-shutdown-s: a chat in flight when SIGTERM comes (understanding frozen a moment meanwhile, so it
+    surely is) is relayed to its end, then the gateway exits."""
+    g = side_gateway(stack.und, stack.gen, "--graceful-shutdown-s", "30", env={"U1SERVE_INTERNAL_TOKEN": stack.token})
+
+    def sigterm_while_in_flight():
+        with stopped(stack.service_pids()["und"]):
+            g.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert g.proc.poll() is None          # draining, not gone
+    events = _stream_chat(g, 24, sigterm_while_in_flight)
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 24
+    assert g.proc.wait(30) in (0, -signal.SIGTERM)       # uvicorn re-raises the signal it handled
+
+
+def test_sigterm_ends_a_stream_that_outlasts_the_grace_period_cleanly(stack, side_gateway):
+    """A stream still running near the end of the grace period ends with a 503 shutting_down error event and
+    [DONE] (not a cut connection), before uvicorn would cancel it; understanding's work is aborted."""
+    grace = 2.0
+    g = side_gateway(stack.und, stack.gen, "--graceful-shutdown-s", str(grace),
+                     env={"U1SERVE_INTERNAL_TOKEN": stack.token})
+    und_pid = stack.service_pids()["und"]
+    t0 = []
+    tokens_before = und_generated_tokens(stack)
+
+    def hang_then_sigterm():
+        os.kill(und_pid, signal.SIGSTOP)
+        t0.append(time.monotonic())
+        g.proc.send_signal(signal.SIGTERM)
+    try:
+        events = _stream_chat(g, 2000, hang_then_sigterm)
+        elapsed = time.monotonic() - t0[0]
+    finally:
+        os.kill(und_pid, signal.SIGCONT)
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert err["type"] == "error" and err["status"] == 503 and err["error"]["code"] == "shutting_down", err
+    assert grace / 2 < elapsed < grace + 1, elapsed
+    assert g.proc.wait(30) in (0, -signal.SIGTERM)
+    # understanding sees the relay gone and aborts the chat instead of decoding its 2000 tokens
+    assert wait_until(lambda: und_health(stack)["running"] == 0, 30), und_health(stack)
+    assert und_generated_tokens(stack) - tokens_before < 2000
