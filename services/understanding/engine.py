@@ -186,11 +186,11 @@ class Engine:
                 self.execute(scheduled)
             except Exception as e:
                 # A broken CUDA context must not keep serving (exit; the server restarts the engine); with TP
-                # the ranks would diverge. Anything else fails only this step's requests.
+                # the ranks would diverge. Anything else fails only the request that broke the step.
                 if self.tp is not None or is_fatal_device_error(e):
                     raise
-                log.exception("engine step failed; failing its requests")
-                self.sched.fail_step(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
+                log.exception("engine step of %d request(s) failed", len(scheduled[1]))
+                self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
             self._send(self.sched.take_outputs())
 
     def execute(self, scheduled) -> None:

@@ -54,6 +54,7 @@ class Req:
         self.prompt_cached = False              # prompt inserted into the prefix cache
         self.hit_tokens = 0                     # prefix-cache hit at first admission
         self.admitted_once = False
+        self.strikes = 0                        # failed shared steps it was in (scheduler.step_failed)
         self.enqueued_at = 0.0                  # when the scheduler queued it (queue-wait timeout)
         self.think_done = not msg.think
         self.finished: Optional[str] = None

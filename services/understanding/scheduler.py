@@ -20,6 +20,7 @@ from .sampling import SamplingFailure
 from .step_plan import StepPlan
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+MAX_STRIKES = 2     # failed shared steps after which a request fails even though it ran alone fine
 
 
 class Scheduler:
@@ -40,6 +41,7 @@ class Scheduler:
         self._table_writes: list = []
         self.outputs: list[RequestOutput] = []
         self.stats = EngineStats(kv_total=num_slots)
+        self._suspects: set[str] = set()   # requests of a failed step, each to run one step alone (step_failed)
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, msg: SubmitRequest) -> None:
@@ -125,6 +127,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.reqs.pop(req.rid, None)
+        self._suspects.discard(req.rid)
         req.finished = reason
         out = RequestOutput(req.rid, req.new_ids, reason, error=error, error_code=code,
                             prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle,
@@ -220,6 +223,8 @@ class Scheduler:
         return None
 
     def _schedule_once(self):
+        if self._suspects:
+            return self._schedule_alone()
         decodes = [r for r in self.running if self._is_decode(r)]
         while decodes and self.available() < len(decodes):
             victim = max(self.running, key=lambda r: r.arrival)
@@ -263,6 +268,24 @@ class Scheduler:
         for r, slot in zip(decodes, d_slots.tolist()):
             r.slots[r.num_computed] = slot
         return self._build_plan(entries, decodes, d_slots)
+
+    def _schedule_alone(self):
+        """The next step of one suspect with nothing else in it (see step_failed); without room for it, back to
+        ordinary steps (isolation is best effort, never a stall)."""
+        r = next((r for r in [*self.running, *self.waiting] if r.rid in self._suspects), None)
+        if r is not None and r in self.waiting and not self._try_admit(r, 0):
+            r = None
+        if r is not None and self._is_decode(r) and self.available() >= 1:
+            d_slots = self._alloc(1)
+            r.slots[r.num_computed] = int(d_slots[0])
+            return self._build_plan([], [r], d_slots)
+        if r is not None and not self._is_decode(r):
+            end = r.chunk_end(self.chunk_size)
+            if end - r.num_computed <= self.available():
+                self._assign_slots(r, r.num_computed, end)
+                return self._build_plan([(r, r.num_computed, end)], [], _EMPTY)
+        self._suspects.clear()
+        return self._schedule_once()
 
     def _assign_slots(self, r: Req, start: int, end: int) -> None:
         slots = self._alloc(end - start)
@@ -326,8 +349,29 @@ class Scheduler:
         self._table_writes = []
         return plan, all_entries
 
+    def step_failed(self, entries, error: str) -> None:
+        """A step that raised (TP=1, not a device fault). With one request, or once the step had advanced some
+        (the failure came after the forward), its requests fail (`engine_error`) and the others go on. With several
+        and nothing advanced (the packed forward, the export or the sampling raised), which one broke it cannot be
+        told: every running request goes back to the queue (a preemption: its computed tokens stay in the prefix
+        cache, only this step is recomputed) and each request of the step then runs one step alone, which fails
+        only the one that breaks its own step. A request in MAX_STRIKES failed shared steps fails anyway."""
+        live = [(r, s, e) for r, s, e in entries if r.rid in self.reqs]
+        if len(live) <= 1 or len(live) < len(entries) or any(r.num_computed > s for r, s, _ in live):
+            return self.fail_step(entries, error)
+        for r, s, e in live:
+            self.alloc.free(r.slots[s:e])     # assigned for this step only
+            r.strikes += 1
+        for r in list(self.running):
+            self._preempt(r)
+        for r, _, _ in live:
+            if r.strikes >= MAX_STRIKES:
+                self._finish(r, "error", error, "engine_error")
+            else:
+                self._suspects.add(r.rid)
+
     def fail_step(self, entries, error: str) -> None:
-        """A step that raised: free the slots it had assigned and fail its requests (others go on)."""
+        """Fail the requests of a step that raised and free the slots it had assigned (others go on)."""
         for r, s, e in entries:
             if r.rid not in self.reqs:
                 continue
@@ -346,6 +390,7 @@ class Scheduler:
         logprobs = logprobs or {}
         self.stats.steps += 1
         for r, s, e in entries:
+            self._suspects.discard(r.rid)     # its step ran
             r.num_computed = e
             if not r.prompt_cached and r.num_computed >= r.prompt_len:
                 self._cache_prompt(r)

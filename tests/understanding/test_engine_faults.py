@@ -2,7 +2,8 @@
 error fails that step's requests and the engine goes on; an error that leaves the CUDA context unusable
 (reported by CUDA as `CUDA error: ...`, e.g. a device-side assert) ends the loop, so the process exits and
 the server's supervisor restarts it — never a broken engine that looks healthy. The failure is injected at
-the step boundary (`Engine.execute`): a CPU machine cannot produce a real CUDA error."""
+the step boundary (`Engine.execute`): a CPU machine cannot produce a real CUDA error. A step of several requests
+that fails is isolated: each runs alone once, so only the request that breaks its own step fails."""
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,8 @@ class _Loop:
         except BaseException as e:   # what run_engine would report as fatal before the process exits
             self.error = e
 
-    def submit(self, rid: str):
-        self.inp.send_pyobj(SubmitRequest(rid, [1, 2, 3, 4], [], SamplingParams(max_tokens=3, temperature=0.0)))
+    def submit(self, rid: str, ids: tuple[int, ...] = (1, 2, 3, 4)):
+        self.inp.send_pyobj(SubmitRequest(rid, list(ids), [], SamplingParams(max_tokens=3, temperature=0.0)))
 
     def finished(self, rid: str, timeout_ms: int = 30000):
         while self.out.poll(timeout_ms):
@@ -79,6 +80,63 @@ def test_an_ordinary_step_error_fails_the_step_and_the_engine_goes_on(loop):
     loop.inp.send_pyobj(Shutdown())
     loop.thread.join(30)
     assert not loop.thread.is_alive() and loop.error is None
+
+
+GOOD = {"g0": (1, 2, 3, 4), "g1": (5, 6, 7), "g2": (9, 8, 7, 6, 5)}
+
+
+def _reference_tokens(ref) -> dict[str, list[int]]:
+    from services.model import prompts as PR
+    from services.model import reference as R
+    model, tok = ref
+    return {rid: R.generate_text(model, tok, PR.PromptInput(list(ids), []), max_new_tokens=3)
+            for rid, ids in GOOD.items()}
+
+
+def _outputs(loop, rids, timeout_ms: int = 60000) -> dict:
+    """rid -> (finish_reason, error_code, all new ids, error) once every rid finished."""
+    got = {rid: [] for rid in rids}
+    done = {}
+    while len(done) < len(rids) and loop.out.poll(timeout_ms):
+        for o in loop.out.recv_pyobj().get("outs", []):
+            if o.rid in got:
+                got[o.rid] += o.new_ids
+                if o.finish_reason is not None:
+                    done[o.rid] = (o.finish_reason, o.error_code, got[o.rid], o.error)
+    assert len(done) == len(rids), done
+    return done
+
+
+def test_a_request_that_breaks_a_shared_step_fails_alone(loop, ref):
+    """A prompt with a token id outside the vocabulary (the HTTP side never lets one through) makes the packed
+    forward raise: it fails, its batch-mates are recomputed and answer exactly as without it."""
+    for rid, ids in GOOD.items():
+        loop.submit(rid, ids)
+    loop.submit("bad", (1, 2, 10**7, 4))
+    loop.thread.start()                       # all four arrive before the first step: one packed batch
+    out = _outputs(loop, [*GOOD, "bad"])
+    assert out["bad"][:2] == ("error", "engine_error") and "IndexError" in out["bad"][3], out["bad"]
+    want = _reference_tokens(ref)
+    for rid in GOOD:
+        assert out[rid][0] == "length" and out[rid][2] == want[rid], (rid, out[rid])
+    assert loop.engine.sched.stats.preemptions >= len(GOOD)     # the isolation round
+    loop.inp.send_pyobj(Shutdown())
+    loop.thread.join(30)
+    assert loop.error is None and not loop.engine.sched.has_work
+
+
+def test_a_shared_step_that_fails_once_fails_nobody(loop, ref):
+    """A failure nobody reproduces alone (transient): every request of the step runs alone once and all finish."""
+    for rid, ids in GOOD.items():
+        loop.submit(rid, ids)
+    _fail_once(loop.engine, RuntimeError("transient"))
+    loop.thread.start()
+    out = _outputs(loop, list(GOOD))
+    want = _reference_tokens(ref)
+    assert {rid: (o[0], o[2]) for rid, o in out.items()} == {rid: ("length", want[rid]) for rid in GOOD}
+    loop.inp.send_pyobj(Shutdown())
+    loop.thread.join(30)
+    assert loop.error is None
 
 
 @pytest.mark.parametrize("message", ["CUDA error: device-side assert triggered",
