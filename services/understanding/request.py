@@ -26,6 +26,10 @@ class Req:
         self.prompt_len = len(ids)
         grids = [tuple(im.grid_hw) for im in msg.images]
         ids_t = torch.tensor(ids, dtype=torch.long)
+        runs = P._runs(ids_t == img_context_id)
+        if len(runs[0]) != len(grids):
+            raise ValueError(f"the prompt has {len(runs[0])} image-context runs for {len(grids)} images (text may not "
+                             "contain the image placeholder token)")
         self.prompt_pos = P.thw_indexes(ids_t, img_context_id, grids)       # [3, P]
         self.prompt_iend = P.image_end(ids_t, img_context_id)               # [P] int32
         self.prompt_t = self.prompt_pos[0].tolist()
@@ -38,7 +42,7 @@ class Req:
         # Cache keys: token ids, with image-context tokens replaced by content-hash keys, in the salt's domain.
         keys: list = list(ids)
         self.spans: list[tuple[int, int, int]] = []  # (start, end, image index)
-        starts, ends = P._runs(ids_t == img_context_id)
+        starts, ends = runs
         for i, (s, e) in enumerate(zip(starts, ends)):
             im = msg.images[i]
             keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)

@@ -41,6 +41,8 @@ CHAT_CASES = {
     "top_k below -1": ({**OK, "top_k": -2}, "top_k"),
     "boolean max_tokens": ({**OK, "max_tokens": True}, "max_tokens"),
     "image output": ({**OK, "modalities": ["image"]}, "modalities"),
+    "image placeholder in text": ({**OK, "messages": [{"role": "user", "content": "a <IMG_CONTEXT> b"}]},
+                                  "placeholder"),
 }
 
 

@@ -168,3 +168,51 @@ def test_many_small_prefills_never_overcommit_the_cache():
     plan, entries = sch.schedule()
     assert sum(e - s for _, s, e in entries) <= 100 and len(entries) == 2
     assert sch.alloc.num_free + sum(e - s for _, s, e in entries) == 100
+
+
+def test_a_generated_image_context_token_is_text_beside_an_image_prefill(ref):
+    """A sampled <IMG_CONTEXT> (here forced by logit_bias; a random or hostile-biased model can emit it) is fed
+    back as text, as the reference decodes it. A step that also prefilled an input image counted it as an image row
+    and failed whole ("N <IMG_CONTEXT> tokens but N-1 image tokens": the intermittent 500s of the load test)."""
+    from services.model import prompts as PR
+    from services.model import reference as R
+    from services.understanding.model_runner import ModelRunner
+    from services.understanding.protocol import SubmitRequest
+    from services.understanding.scheduler import Scheduler
+
+    from .conftest import IMG_MAX, IMG_MIN
+    from .helpers import make_image
+    model, tok = ref
+    ctx = tok.img_context_id
+    pil, _ = make_image(3, 64, 48)
+    text = PR.chat_input(tok, [{"role": "user", "content": "say it"}], False)
+    image = PR.chat_input(tok, [{"role": "user", "content": [{"type": "image", "image": pil},
+                                                             {"type": "text", "text": "what is it"}]}],
+                          False, IMG_MIN, IMG_MAX)
+    slots = 512
+    sch = Scheduler(slots, 4, slots, 0, ctx)
+    runner = ModelRunner(model, slots, 4, slots, "cpu", torch.float32, img_context_id=ctx)
+    sch.add(SubmitRequest("text", text.input_ids, [], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                     logit_bias={ctx: 100.0})))
+    got: dict[str, list[int]] = {}
+    shared = 0
+    for step in range(50):
+        if step == 2:                         # "text" is decoding <IMG_CONTEXT> by now
+            sch.add(SubmitRequest("image", image.input_ids, image.images, SamplingParams(max_tokens=4, temperature=0.0),
+                                  stop_token_ids=[tok.im_end_id]))
+        scheduled = sch.schedule()
+        if scheduled is None:
+            break
+        plan, entries = scheduled
+        shared += bool(plan.images) and bool(((plan.input_ids == ctx) & (plan.image_end == 0)).any())
+        logits = runner.forward(plan)
+        reqs = sch.sampling_requests(entries)
+        toks = sample(logits, [r.params for r in reqs], [None] * len(reqs), [r.tokens for r in reqs],
+                      [r.output_ids for r in reqs]) if reqs else []
+        sch.process(entries, {r.rid: t for r, t in zip(reqs, toks)}, {})
+        for o in sch.take_outputs():
+            assert o.finish_reason != "error", o
+            got.setdefault(o.rid, []).extend(o.new_ids)
+    assert shared, "the image prefill never shared a step with a generated <IMG_CONTEXT>"
+    assert got["text"] == [ctx] * 6
+    assert [t for t in got["image"] if t != tok.im_end_id] == R.generate_text(model, tok, image, max_new_tokens=4)
