@@ -6,12 +6,10 @@ upstream work is undone by the routes' own cleanup, which runs on the cancellati
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
-import anyio
 
 from services.kit import sse
 from services.kit.errors import unavailable
+from services.kit.web import until
 
 
 class Drain:
@@ -46,7 +44,6 @@ class DrainMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         response = {"started": False, "stream": False, "done": False}
-        box: dict[str, Any] = {}
 
         async def tracked(message):
             if message["type"] == "http.response.start":
@@ -57,24 +54,8 @@ class DrainMiddleware:
                 response["done"] = True
             await send(message)
 
-        async with anyio.create_task_group() as tg:
-            async def serve():
-                try:
-                    await self.app(scope, receive, tracked)
-                except Exception as exc:     # re-raised below, not wrapped in an exception group
-                    box["error"] = exc
-                tg.cancel_scope.cancel()
-
-            async def cutoff():
-                await self.drain.cutoff()
-                box["cut"] = True
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(serve)
-            tg.start_soon(cutoff)
-        if "error" in box:
-            raise box["error"]
-        if not box.get("cut") or response["done"]:
+        finished, _ = await until(self.drain.cutoff, lambda: self.app(scope, receive, tracked))
+        if finished or response["done"]:
             return
         if not response["started"]:
             return await shutting_down().response()(scope, receive, send)

@@ -75,19 +75,16 @@ def remember_json(scope: dict, obj: Any) -> None:
     scope.setdefault("state", {})[_STATE_KEY] = obj
 
 
-async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
-    """Run `work()`, cancelling it when the client disconnects. Returns (finished, result); an exception of
+async def until(stop: Callable[[], Awaitable[Any]], work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run `work()`, cancelling it when `stop()` returns first. Returns (finished, result); an exception of
     `work` propagates (outside the task group, unwrapped)."""
     box: dict[str, Any] = {}
 
     async with anyio.create_task_group() as tg:
         async def watch():
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    box["gone"] = True
-                    tg.cancel_scope.cancel()
-                    return
+            await stop()
+            box["stopped"] = True
+            tg.cancel_scope.cancel()
 
         async def run():
             try:
@@ -100,6 +97,15 @@ async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -
         tg.start_soon(run)
     if "error" in box:
         raise box["error"]
-    if box.get("gone") and "result" not in box:
+    if box.get("stopped") and "result" not in box:
         return False, None
     return True, box.get("result")
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run `work()`, cancelling it when the client disconnects. Returns (finished, result); an exception of
+    `work` propagates (outside the task group, unwrapped)."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    return await until(disconnected, work)
