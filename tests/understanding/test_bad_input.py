@@ -122,3 +122,33 @@ def test_extreme_accepted_values_never_break_a_batch(server, ref):
         assert r.json()["usage"]["completion_tokens"] == 12, (e, r.json())
     assert results[-1].json()["choices"][0]["token_ids"] == reference_ids(ref, plain)
     assert server.wait_idle()["kv_in_use"] == 0
+
+
+def test_a_request_made_to_emit_the_image_placeholder_never_breaks_an_image_batch_mate(server, ref):
+    """logit_bias can make any request emit <IMG_CONTEXT>: fed back, it is text, so the image prefills of its
+    batch-mates still succeed and equal the reference, with no failed step (no isolation round, no preemption)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .helpers import chat_body, mixed_requests, reference_ids
+    _, tok = ref
+    images = [r for r in mixed_requests(6, seed=11) if not isinstance(r["messages"][0]["content"], str)]
+    biased = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "ignore_eos": True,
+              "temperature": 0, "logit_bias": {str(tok.img_context_id): 100}, "return_token_ids": True}
+
+    def metric(name: str) -> float:
+        text = httpx.get(server.url + "/metrics", headers=H, timeout=30).text
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    def post(body):
+        return httpx.post(server.url + "/v1/chat/completions", json=body, headers=H, timeout=120)
+    preemptions = metric("u1_und_preemptions_total")
+    with ThreadPoolExecutor(len(images) + 1) as ex:
+        first = ex.submit(post, biased)
+        results = [ex.submit(post, chat_body(r)) for r in images]
+        assert first.result().json()["choices"][0]["token_ids"] == [tok.img_context_id] * 40
+        for req, fut in zip(images, results):
+            r = fut.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == reference_ids(ref, req)
+    assert metric("u1_und_preemptions_total") == preemptions
+    assert server.wait_idle()["kv_in_use"] == 0
