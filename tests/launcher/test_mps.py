@@ -286,3 +286,22 @@ def _read(path: str) -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def test_gpu_smoke_and_bench_mps_profiles_plan_an_mps_stack(config_model):
+    """deploy/gpu_smoke.py's and bench/bench_deployment.py's mps profiles dry-run to a daemon + capped generation;
+    gpu_smoke runs them only when named (--profiles)."""
+    sys.path[:0] = [os.path.join(ROOT, "deploy"), os.path.join(ROOT, "bench")]
+    try:
+        import bench_deployment
+        import gpu_smoke
+    finally:
+        del sys.path[:2]
+    assert set(gpu_smoke.ON_REQUEST) == {"colocate-1-mps", "colocate-tp2-cfg2-mps"}
+    assert not set(gpu_smoke.profiles_for(8)) & set(gpu_smoke.ON_REQUEST)
+    for flags in [gpu_smoke.PROFILES[n][1] for n in gpu_smoke.ON_REQUEST] + \
+            [bench_deployment.PROFILES[n].split() for n in gpu_smoke.ON_REQUEST]:
+        r = dry_run(config_model, *flags)
+        assert r.returncode == 0, (flags, r.stderr)
+        lines = _lines(r.stdout)
+        assert "nvidia-cuda-mps-control -d" in lines["mps"] and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
