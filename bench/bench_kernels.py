@@ -550,6 +550,34 @@ def norm_rope_table(gen, peak, sweep):
     return rows
 
 
+def kv_write_table(gen, peak):
+    say("\n## A denoising step's K/V rows into the job's KV buffer (bf16, 8 kv heads x 128; k, v strided views of "
+        "one fused [q | k | v] projection)")
+    rows = ["| rows | torch index_copy_ x2 ms | kv_write_ ms | GB moved | kv_write_ TB/s | % of copy bw | equal |",
+            "|---:|---:|---:|---:|---:|---:|---|"]
+    out = []
+    for T in (1024, 4096, 8192):
+        T = sz(T)
+        fused = torch.randn(T, (HQ + 2 * HKV) * D, device=DEV, dtype=DT, generator=gen)
+        _, k, v = fused.split([HQ * D, HKV * D, HKV * D], dim=1)
+        k, v = k.view(T, HKV, D), v.view(T, HKV, D)
+        want = torch.zeros(2, T + 365, HKV, D, device=DEV, dtype=DT)
+        got = want.clone()
+        slots = torch.arange(T, device=DEV) + 365
+        kvc.kv_write_ref_(want, slots, k, v)
+        kvc.kv_write_(got, slots, k, v)
+        t_ref, _ = bench(lambda: kvc.kv_write_ref_(want, slots, k, v), rep=50)
+        t, _ = bench(lambda: kvc.kv_write_(got, slots, k, v), rep=50)
+        nbytes = 2 * 2 * k.numel() * k.element_size()
+        bw = nbytes / (t * 1e-3) / 1e12
+        out.append(dict(T=T, ref_ms=t_ref, ms=t, tbps=bw, equal=torch.equal(got, want)))
+        rows.append(f"| {T} | {t_ref:.4f} | {t:.4f} | {nbytes / 1e9:.3f} | {bw:.2f} | {bw / peak * 100:.0f}% | "
+                    f"{torch.equal(got, want)} |")
+        say(rows[-1])
+    RESULTS["kv_write"] = out
+    return rows
+
+
 def shm_tensor(nbytes, dtype, shape):
     """A tensor over a /dev/shm mapping, like shm_transfer's page pool."""
     path = f"/dev/shm/u1bench_{os.getpid()}"
@@ -624,7 +652,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     ap.add_argument("--max-rows", type=int, default=len(PREFILL_TABLE_ROWS))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,denoise,decode,norm,kv")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,denoise,decode,norm,kv,kvwrite")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global LOG_FILE, SMOKE, DEV, HQ, HKV, D
@@ -655,7 +683,8 @@ def main():
             ("prefill", prefill_section),
             ("denoise", lambda: denoise_table(gen, args.sweep)),
             ("decode", lambda: decode_table(gen, peak, args.sweep)),
-            ("kv", lambda: kv_copy_table(gen))]
+            ("kv", lambda: kv_copy_table(gen)),
+            ("kvwrite", lambda: kv_write_table(gen, peak))]
     for name, fn in plan:
         if name not in skip:
             rows = guarded(fn)

@@ -14,6 +14,8 @@ from .kv_copy import (
     kv_export_ref,
     kv_import,
     kv_import_ref,
+    kv_write_,
+    kv_write_ref_,
     register_host_memory,
     unregister_host_memory,
 )
@@ -28,6 +30,6 @@ __all__ = [
     "decode_attention", "decode_attention_ref",
     "qk_norm_rope_", "qk_norm_rope_ref_",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "silu_mul", "silu_mul_ref",
-    "kv_export", "kv_export_ref", "kv_import", "kv_import_ref",
+    "kv_export", "kv_export_ref", "kv_import", "kv_import_ref", "kv_write_", "kv_write_ref_",
     "register_host_memory", "unregister_host_memory", "device_view", "HostMappedView",
 ]

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import kv_write_
 from services.model import sampler
 from services.model.step_cache import CacheGroup, FirstBlockCache
 
@@ -279,8 +280,7 @@ class Engine:
             for job, act, a, b in spans:
                 m = job.meta(act)
                 kv = job.kv[layer]
-                kv[0].index_copy_(0, m.write_idx, k[a:b])
-                kv[1].index_copy_(0, m.write_idx, v[a:b])
+                kv_write_(kv, m.write_idx, k[a:b], v[a:b])
                 cu_q, cu_k = (m.cu_q_host, m.cu_k_host) if host else (m.cu_q, m.cu_k)
                 outs.append(attn(q[a:b], kv[0, m.k_start:m.k_end], kv[1, m.k_start:m.k_end], cu_q, cu_k,
                                  m.max_q, m.max_k, scale))

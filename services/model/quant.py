@@ -10,7 +10,7 @@ tested on CPU.
 `quantize_model` swaps modules of a decoder layer; the model's forward code is the same for bf16 and fp8:
   input_layernorm           -> Fp8RMSNorm: RMSNorm + per-token quantisation in one kernel (its output
                                feeds only the q and k|v GEMMs, which share that one quantised activation);
-                               the residual add before it runs apart (`add_forward`: faster on the H200)
+                               `add_forward` runs the residual add before it in the same kernel
   q_proj, k_proj, v_proj    -> qkv_proj (Fp8QKV): a q GEMM and one k|v GEMM (concatenated output
                                channels). q keeps its own GEMM so it leaves contiguous ([T, Hq, D]):
                                cuDNN attention reuses one plan for every prefix length only for
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_quant import FP8_DTYPE, quant_fp8_rowwise
-from kernels.norm_act import rms_norm_fp8, silu_mul, silu_mul_fp8
+from kernels.norm_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul, silu_mul_fp8
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
@@ -252,14 +252,12 @@ class Fp8RMSNorm(RMSNorm):
         return Fp8Activation(*rms_norm_fp8(x, self.weight, self.eps), x.dtype, x.shape[:-1])
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor):
-        """(x + delta, its norm quantised). Below the fp8 row threshold: the bf16 norm with the add fused.
-        Above it the add runs apart: on the H200 the fused add + RMSNorm -> fp8 kernel (`add_rms_norm_fp8`,
-        same bits) took 90.6 us against 85.7 us for torch's add + `rms_norm_fp8` at [4096, 4096], and the fp8
-        2048² step 0.0906 s against 0.0902 s (docs/benchmarks/generation.md), while the bf16 fusion wins."""
+        """(x + delta, its norm quantised) in one kernel (`add_rms_norm_fp8`: the sum is torch's x + delta, the
+        quantised norm `rms_norm_fp8`'s of it). Below the fp8 row threshold: the bf16 norm, add fused too."""
         if not self._fp8(x):
             return super().add_forward(x, delta)
-        s = x + delta
-        return s, self.forward(s)
+        s, q, scale = add_rms_norm_fp8(x, delta, self.weight, self.eps)
+        return s, Fp8Activation(q, scale, x.dtype, x.shape[:-1])
 
     def _fp8(self, x: torch.Tensor) -> bool:
         return self.policy.fp8(x.numel() // max(x.shape[-1], 1))

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kernels.kv_copy import kv_export, kv_export_ref, kv_export_triton, kv_import, kv_import_ref, kv_import_triton
+from kernels.kv_copy import (kv_export, kv_export_ref, kv_export_triton, kv_import, kv_import_ref, kv_import_triton,
+                             kv_write_, kv_write_ref_)
 from kernels.qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, qk_norm_rope_triton_
 
 from kernel_testutil import assert_close
@@ -71,3 +72,20 @@ def test_kv_copy_dispatch_forced_triton(rng, monkeypatch):
     dst = torch.zeros(L, 2, T, hkv, d).half()
     kv_import(pages, page_ids, T, dst)
     assert torch.equal(dst, kv[:, :, slots.long()])
+
+
+@pytest.mark.parametrize("T,hkv,d", [(1, 2, 16), (37, 2, 16), (70, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_matches_index_copy(rng, monkeypatch, T, hkv, d, dtype):
+    """A step's K/V rows, strided views of one fused projection [q | k | v], written at their slots."""
+    S, hq = T + 20, 2 * hkv
+    fused = torch.randn(T, (hq + 2 * hkv) * d).to(dtype)
+    q, k, v = fused.split([hq * d, hkv * d, hkv * d], dim=1)
+    k, v = k.view(T, hkv, d), v.view(T, hkv, d)
+    slots = torch.randperm(S)[:T]
+    want = torch.randn(2, S, hkv, d).to(dtype)
+    got = want.clone()
+    kv_write_ref_(want, slots, k, v)
+    monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    kv_write_(got, slots, k, v)
+    assert torch.equal(got, want)
