@@ -244,18 +244,65 @@ def qos_page(args, pool: str) -> str | None:
     return signal_name(pool)
 
 
+def usage_error(text: str) -> None:
+    """A flag combination `u1serve up` refuses: the reason on stderr, exit status 2 (as argparse's errors)."""
+    sys.stderr.write(f"u1serve up: error: {text}\n")
+    raise SystemExit(2)
+
+
+def sm_percent(text: str) -> int:
+    """--gen-sm-percent: an integer 1..100."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100 (a share of the GPU's SMs), got {text!r}")
+    return value
+
+
+def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
+    """--gpu-sharing mps: the deployment's MPS control daemon (services/mps.py), or None for time slicing.
+    Refused (exit 2) where nothing is shared or nothing is CUDA."""
+    from .mps import CPU_TEST_ENV, DEFAULT_GEN_SM_PERCENT, SM_PERCENT_ENV, MpsDaemon
+    if args.gpu_sharing != "mps":
+        if args.gen_sm_percent is not None:
+            usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
+        return None
+    if args.mode != "colocate":
+        usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
+                    "owns its GPUs and there is nothing to share")
+    if placement.device != "cuda" and os.environ.get(CPU_TEST_ENV) != "1":
+        usage_error("--gpu-sharing mps needs CUDA GPUs (--device cuda, or auto on a machine with an NVIDIA "
+                    f"driver); this stack runs on {placement.device}")
+    if SM_PERCENT_ENV in os.environ:
+        usage_error(f"{SM_PERCENT_ENV} is set in this environment and would cap understanding too: unset it "
+                    "(--gen-sm-percent sets it for generation only)")
+    gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
+    return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT)
+
+
+def under_mps(specs: list, mps) -> list:
+    """Every GPU service (all but the gateway) as a client of the deployment's MPS daemon; generation capped."""
+    import dataclasses
+    return [s if s.name == "gateway" else
+            dataclasses.replace(s, env=mps.client_env(s.env, capped=s.name.startswith("gen"))) for s in specs]
+
+
 def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
     from services.contract.limits import IMAGE_BLOCK
     from services.generation.image_limits import checkpoint_max_tokens
 
     from .launcher import Stack
+    placement = Placement(args)
+    run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
+    mps = mps_daemon(args, placement, run_dir)
     model = args.model
     tiny = model in TINY_ALIASES
     if tiny:
         model = ensure_tiny_checkpoint(tiny_variant(model), out=out)
     elif not os.path.isdir(model):
         raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
-    placement = Placement(args)
     check_gen_sp(args, model)
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
@@ -272,12 +319,13 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     }
     from .stack_replicas import replicate
     specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
-    run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
+    if mps is not None:
+        specs = under_mps(specs, mps)
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # unlinked at stop, whoever died how
     return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
                  grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
                  state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
-                 echo_logs=echo_logs)
+                 echo_logs=echo_logs, daemons=[mps] if mps else [])
 
 
 def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
@@ -298,6 +346,13 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
                    help="colocate QoS: generation yields the shared GPUs to understanding's decode steps "
                         "between its layers, at most F of its time (0 < F <= 1)")
+    p.add_argument("--gpu-sharing", choices=["time-slice", "mps"], default="time-slice",
+                   help="colocate on CUDA: how the engines share a GPU. time-slice: the driver alternates them; mps: "
+                        "their kernels run side by side under a CUDA MPS control daemon that u1serve up starts for "
+                        "this stack (nvidia-cuda-mps-control), generation capped by --gen-sm-percent")
+    p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
+                   help="with --gpu-sharing mps: the share of each GPU's SMs generation may use "
+                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,
@@ -361,7 +416,10 @@ def add_up(sub) -> None:
 
 
 def print_plan(stack, out=sys.stdout) -> None:
-    """The placement of `u1serve up` without starting it (checks a multi-GPU profile anywhere)."""
+    """The placement of `u1serve up` without starting it (checks a multi-GPU profile anywhere): the daemons it
+    starts first, then each service."""
+    for d in stack.daemons:
+        out.write(f"{d.name}: {' '.join(f'{k}={v}' for k, v in sorted(d.env().items()))} {shlex.join(d.argv)}\n")
     for spec in (s.spec for s in stack.services):
         env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()) if k not in SECRET_ENV)
         out.write(f"{spec.name}: {env} {shlex.join(spec.argv)}\n")
@@ -374,8 +432,10 @@ def cmd_up(args) -> int:
         print_plan(stack)
         return 0
     host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
+    sharing = f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs" \
+        if stack.daemons else ""
     return run_until_signal(stack, on_ready=lambda: stack.say(
-        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}; engines on 127.0.0.1:{args.und_port} and "
+        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}{sharing}; engines on 127.0.0.1:{args.und_port} and "
         f":{args.gen_port})"))
 
 

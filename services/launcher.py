@@ -9,6 +9,8 @@ like a crash to them), a grace period, then SIGKILL to whatever is left of the g
 PR_SET_PDEATHSIG, so a launcher killed with SIGKILL does not leave them behind. The understanding service owns
 the KV pool segment (/dev/shm/<pool name>); the launcher unlinks it after shutdown in case that service was
 killed.
+Daemons the services need (the deployment's CUDA MPS control daemon, services/mps.py) are started before the
+first service and stopped after the last one, on every exit path.
 """
 from __future__ import annotations
 
@@ -223,12 +225,13 @@ class Stack:
                  log_dir: Optional[str] = None, shm_names: Optional[list[str]] = None,
                  grace_s: float = 10.0, startup_timeout_s: float = 900.0, restart: bool = True,
                  policy: Optional[RestartPolicy] = None, state_file: Optional[str] = None,
-                 echo_logs: bool = True):
+                 echo_logs: bool = True, daemons: Optional[list] = None):
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         self.out = out
         self.shm_names = shm_names or []
         self.state_file = state_file
+        self.daemons = daemons or []      # each: name, argv, env(), start(say) (StartupError), stop(say), state()
         policy = policy or (SERVICE_RESTARTS if restart else RestartPolicy(max_failures=1))
         self.services = [Service(s, ServiceLog(s.name, out if echo_logs else None, log_dir), grace_s=grace_s,
                                  startup_timeout_s=startup_timeout_s, policy=policy,
@@ -269,7 +272,11 @@ class Stack:
         return text
 
     def start(self) -> None:
-        """Start each service and wait until it is healthy. StartupError (the stack still runs: call stop())."""
+        """Start the daemons, then each service and wait until it is healthy. StartupError (the stack still runs:
+        call stop())."""
+        for d in self.daemons:
+            if not self._stopping.is_set():
+                d.start(self.say)
         for s in self.services:
             if self._stopping.is_set():
                 break
@@ -292,7 +299,7 @@ class Stack:
         state = {"launcher_pid": os.getpid(),
                  "services": {s.spec.name: {"pid": s.unit.pid if s.unit else None, "health_url": s.spec.health_url,
                                             "restarts": s.sup.restarts} for s in self.services},
-                 "shm": self.shm_names}
+                 "shm": self.shm_names, **{d.name: d.state() for d in self.daemons}}
         tmp = self.state_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)
@@ -310,7 +317,8 @@ class Stack:
         self._stopping.set()
 
     def stop(self) -> None:
-        """Stop every service (gateway first): SIGTERM to its leader, grace period, SIGKILL to its group."""
+        """Stop every service (gateway first): SIGTERM to its leader, grace period, SIGKILL to its group; then the
+        daemons."""
         self._stopping.set()
         if self._stopped:
             return
@@ -318,6 +326,8 @@ class Stack:
         for s in reversed(self.services):
             if s.sup.unit is not None:
                 s.sup.stop()
+        for d in reversed(self.daemons):
+            d.stop(self.say)
         for name in self.shm_names:
             unlink_shm(name)
         if self.state_file:
