@@ -153,6 +153,8 @@ def build_gateway(args, ctx) -> "ServiceSpec":
             "--default-size", ctx["default_size"]]
     if ctx.get("max_pixels"):    # before --gateway-args: an operator may tighten it further
         argv += ["--max-pixels", str(ctx["max_pixels"])]
+    # the gateway's drain on SIGTERM ends inside the launcher's --grace (its cleanup after the drain takes ~1 s)
+    argv += ["--graceful-shutdown-s", f"{max(0.5, min(5.0, args.grace - 3.0)):g}"]
     argv += shlex.split(args.gateway_args or "")
     preset = preset_values(args.preset)
     steps = args.default_steps or (preset.num_inference_steps if preset else None)
