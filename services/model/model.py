@@ -100,8 +100,10 @@ class NeoModel(nn.Module):
         return x if pending is None else x + pending
 
     # ------------------------------------------------------------------ understanding branch
-    def embed(self, input_ids: torch.Tensor, images=()) -> torch.Tensor:
-        """[T] ids -> [T, H]; <IMG_CONTEXT> rows are replaced, in order, by the und vision embedder."""
+    def embed(self, input_ids: torch.Tensor, images=(), image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] ids -> [T, H]; the image rows are replaced, in order, by the und vision embedder. `image_rows`:
+        [T] bool, which rows the images fill (default: every <IMG_CONTEXT> row). The understanding engine passes
+        its input images' rows, so an <IMG_CONTEXT> the model generated stays text, as the reference decodes it."""
         ids = torch.as_tensor(input_ids, device=self.device).flatten()
         x = self.language_model.model.embed_tokens(ids)
         if images:
@@ -110,7 +112,8 @@ class NeoModel(nn.Module):
             ctx = self._img_context_id
             if ctx is None:
                 raise ValueError("image context token id unknown: call set_image_context_id()")
-            sel = (ids == ctx).nonzero().flatten()
+            rows = (ids == ctx) if image_rows is None else torch.as_tensor(image_rows, device=ids.device).flatten()
+            sel = rows.nonzero().flatten()
             if sel.numel() != vis.shape[0]:
                 raise ValueError(f"{sel.numel()} <IMG_CONTEXT> tokens but {vis.shape[0]} image tokens")
             x = x.clone()

@@ -101,8 +101,7 @@ class Engine:
         cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         cfg.max_model_len = min(cfg.max_model_len, cfg.kv_cache_tokens)
         self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
-                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-                                  img_context_id=tok.img_context_id)
+                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)

@@ -20,9 +20,8 @@ log = logging.getLogger("u1serve.understanding.runner")
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype,
-                 cuda_graph_max_bs: int = 0, warmup: bool | None = None, img_context_id: int | None = None):
+                 cuda_graph_max_bs: int = 0, warmup: bool | None = None):
         self.model = model
-        self.img_context_id = img_context_id
         self.device = torch.device(device)
         self.dtype = dtype
         self.num_layers = model.num_layers
@@ -82,9 +81,10 @@ class ModelRunner:
             dev = self.device
             self.req_to_token[plan.tw_rows.to(dev), plan.tw_cols.to(dev)] = plan.tw_vals.to(dev, torch.int32)
 
-    def core(self, input_ids, positions, images, out_slots, n_p: int, p_meta, d_meta, logit_rows, stray=None):
-        """The forward on device tensors. d_meta["rows"] is gathered from the table here (graph-safe). `stray`:
-        rows whose <IMG_CONTEXT> id is text (see forward)."""
+    def core(self, input_ids, positions, images, out_slots, n_p: int, p_meta, d_meta, logit_rows,
+             image_rows=None):
+        """The forward on device tensors. d_meta["rows"] is gathered from the table here (graph-safe).
+        `image_rows`: the rows the images fill (see forward)."""
         kv_pool, scale, table = self.kv_pool, self.scale, self.req_to_token
         d_table = table.index_select(0, d_meta["rows"]) if d_meta is not None else None
 
@@ -104,11 +104,7 @@ class ModelRunner:
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         model = self.model
-        if stray is None:
-            x = model.embed(input_ids, images)
-        else:
-            x = model.embed(input_ids.masked_fill(stray, 1 if self.img_context_id == 0 else 0), images)
-            x[stray] = model.embed(input_ids[stray])        # as text, as the reference decodes it
+        x = model.embed(input_ids, images, image_rows)
         hidden = model.und_forward(x, model.rope(positions), attend)
         if logit_rows is None:
             return model.lm_logits(hidden)
@@ -140,11 +136,7 @@ class ModelRunner:
                 from kernels.decode_attention import default_num_splits
                 d_meta["num_splits"] = default_num_splits(int(plan.d_rows.numel()), self.num_kv_heads,
                                                           int(plan.d_seq_len.max()), dev)
-        stray = None
-        if plan.images and self.img_context_id is not None:
-            # A generated <IMG_CONTEXT> (a sampled token, not a row of an input image) is text; model.embed would
-            # take it for an image row and refuse the whole step (more image rows than image tokens).
-            rows = (plan.input_ids == self.img_context_id) & (plan.image_end == 0)
-            stray = rows.to(dev) if bool(rows.any()) else None
+        # the input images' rows are the prompt's image spans (image_end > 0); a generated <IMG_CONTEXT> is text
+        image_rows = (plan.image_end > 0).to(dev) if plan.images else None
         return self.core(plan.input_ids.to(dev), plan.positions.to(dev), plan.images, plan.out_slots.to(dev),
-                         n_p, p_meta, d_meta, plan.logit_rows.to(dev), stray)
+                         n_p, p_meta, d_meta, plan.logit_rows.to(dev), image_rows)

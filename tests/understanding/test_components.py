@@ -191,7 +191,7 @@ def test_a_generated_image_context_token_is_text_beside_an_image_prefill(ref):
                           False, IMG_MIN, IMG_MAX)
     slots = 512
     sch = Scheduler(slots, 4, slots, 0, ctx)
-    runner = ModelRunner(model, slots, 4, slots, "cpu", torch.float32, img_context_id=ctx)
+    runner = ModelRunner(model, slots, 4, slots, "cpu", torch.float32)
     sch.add(SubmitRequest("text", text.input_ids, [], SamplingParams(max_tokens=6, temperature=0.0,
                                                                      logit_bias={ctx: 100.0})))
     got: dict[str, list[int]] = {}
