@@ -529,16 +529,17 @@ def norm_rope_table(gen, peak, sweep):
         k = torch.randn(T, HKV, D, device=DEV, dtype=DT, generator=gen)
         ws = [(torch.rand(D // 2, device=DEV, generator=gen) + 0.5).to(DT) for _ in range(4)]
         pos = torch.randint(0, 4000, (3, T), device=DEV, generator=gen)
-        nbytes = 2 * (q.numel() + k.numel()) * 2 + pos.numel() * 8
-        # (tokens per program, warps, heads per step)
-        variants = [(1, 4, 8)] + ([(1, 4, 16), (2, 4, 8), (1, 8, 16), (1, 8, 32), (1, 2, 8), (4, 4, 8)]
-                                  if sweep else [])
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + T * 2 * D * 2   # q, k read + written; the table read
+        table = nr.rope_table(pos, D, 5e6, 1e4, DT)   # one per forward in the model
+        # (tokens per program, warps, heads per program)
+        variants = [(nr.BLOCK_T, nr.NUM_WARPS, nr.HEADS_PER_PROGRAM)] + (
+            [(1, 4, 8), (4, 4, 8), (2, 4, 16), (1, 2, 8), (2, 8, 8)] if sweep else [])
         best = None
         for bt, nw, hc in variants:
-            t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=bt, num_warps=nw,
-                                                         heads_per_step=hc), rep=50)
+            t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, table, block_t=bt,
+                                                         num_warps=nw, heads_per_program=hc), rep=50)
             if sweep:
-                say(f"  T{T} block_t={bt} warps={nw} heads_per_step={hc}: {t:.4f} ms")
+                say(f"  T{T} block_t={bt} warps={nw} heads_per_program={hc}: {t:.4f} ms")
             if best is None or t < best[0]:
                 best = (t, (bt, nw, hc))
         t = best[0]

@@ -21,14 +21,14 @@ from .kv_copy import (
 )
 from .norm_act import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
-from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_
+from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, rope_table
 
 __all__ = [
     "HAS_TRITON", "HAS_FLASH_ATTN", "kernel_mode",
     "prefill_attention", "prefill_attention_ref",
     "denoise_attention", "denoise_attention_ref",
     "decode_attention", "decode_attention_ref",
-    "qk_norm_rope_", "qk_norm_rope_ref_",
+    "qk_norm_rope_", "qk_norm_rope_ref_", "rope_table",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "silu_mul", "silu_mul_ref",
     "kv_export", "kv_export_ref", "kv_import", "kv_import_ref", "kv_write_", "kv_write_ref_",
     "register_host_memory", "unregister_host_memory", "device_view", "HostMappedView",

@@ -65,6 +65,14 @@ class Rope:
         self.head_dim = head_dim
         self.theta_t = theta_t
         self.theta_hw = theta_hw
+        self._table: torch.Tensor | None = None
+
+    def table(self, dtype: torch.dtype) -> torch.Tensor:
+        """cos / sin of these positions ([T, 2, D], kernels.rope_table): built by the first layer of a forward,
+        read by every layer."""
+        if self._table is None or self._table.dtype != dtype:
+            self._table = kernels.rope_table(self.positions, self.head_dim, self.theta_t, self.theta_hw, dtype)
+        return self._table
 
 
 # ----------------------------------------------------------------------------- MLPs
@@ -139,7 +147,7 @@ class MoTAttention(nn.Module):
         # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU)
         kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight, norm("k_norm").weight,
                               norm("k_norm_hw").weight, rope.positions, rope.theta_t, rope.theta_hw,
-                              norm("q_norm").eps)
+                              norm("q_norm").eps, rope.table(q.dtype))
         return q, k, v
 
 

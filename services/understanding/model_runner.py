@@ -11,6 +11,7 @@ import logging
 import torch
 
 from kernels.decode_attention import decode_attention
+from kernels.kv_copy import kv_write_
 from kernels.prefill_attention import prefill_attention
 
 from .step_plan import StepPlan
@@ -90,8 +91,7 @@ class ModelRunner:
 
         def attend(layer: int, q, k, v):
             kv = kv_pool[layer]
-            kv[0].index_copy_(0, out_slots, k.to(kv.dtype))
-            kv[1].index_copy_(0, out_slots, v.to(kv.dtype))
+            kv_write_(kv, out_slots, k.to(kv.dtype), v.to(kv.dtype))   # one launch for K and V
             outs = []
             if p_meta is not None:
                 m = p_meta

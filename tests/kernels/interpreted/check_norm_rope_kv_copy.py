@@ -28,6 +28,24 @@ def test_norm_rope_matches_reference(rng, hq, hkv, d, dtype):
     assert_close(k2, k1)
 
 
+@pytest.mark.parametrize("block_t,heads", [(1, 8), (2, 4), (4, 2)])
+def test_norm_rope_head_groups_and_strided_views(rng, block_t, heads):
+    """Head counts a group does not divide (12 q, 3 kv heads), q and k strided views of one fused [q | k | v]
+    projection, a token count the block does not divide."""
+    T, hq, hkv, d = 9, 12, 3, 32
+    qkv = torch.randn(T, (hq + 2 * hkv) * d).to(torch.float16)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(T, hq, d), k.view(T, hkv, d)
+    _, _, ws, pos = _norm_rope_inputs(T, hq, hkv, d, torch.float16)
+    q1, k1 = q.clone(), k.clone()
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    qk_norm_rope_ref_(q1, k1, *ws, pos, 5e6, 1e4, 1e-6)
+    qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, block_t=block_t, heads_per_program=heads)
+    assert_close(q, q1)
+    assert_close(k, k1)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+
+
 def test_norm_rope_dispatch_forced_triton(rng, monkeypatch):
     q, k, ws, pos = _norm_rope_inputs(5, 8, 2, 16, torch.float32)
     q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
