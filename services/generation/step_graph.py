@@ -21,7 +21,9 @@ Used only where the step is graphable (`graphable`): CUDA, no step cache for any
 decisions are made on the host), no sequence parallelism (collectives and host-side layouts inside the
 attend), no QoS yield gate (it yields on the host between layers). A capture that fails (an op that is not
 capturable, e.g. a host sync) logs one warning, turns graphs off for the engine's life, and the step is
-computed eagerly (a capture records the work, it does not run it).
+computed eagerly (a capture records the work, it does not run it). A capture that runs out of device memory
+is not a property of the code but of the moment (other jobs' KV, a large batch): that composition runs eagerly
+to its end and later compositions capture again; only after `MAX_OOM_CAPTURES` such failures are graphs off.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ MODES = ("auto", "on", "off")
 ENV = "U1SERVE_CUDA_GRAPHS"       # 0 | 1: overrides --cuda-graphs (off | on)
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+MAX_OOM_CAPTURES = 3              # captures that ran out of memory before graphs are off for the engine's life
 
 
 def resolve_mode(flag: str, env: dict | None = None) -> str:
@@ -73,6 +76,7 @@ class GraphPlan:
     def __init__(self) -> None:
         self.graph_key: tuple | None = None
         self.seen: tuple | None = None
+        self.refused: tuple | None = None    # a key whose capture ran out of memory: eager while it runs
 
     def action(self, key: tuple) -> str:
         """REPLAY the held graph, CAPTURE one (the second step in a row with this key; the caller then
@@ -80,6 +84,8 @@ class GraphPlan:
         it (`release_needed` before calling this)."""
         if key == self.graph_key:
             return REPLAY
+        if key == self.refused:
+            return EAGER
         if key == self.seen:
             return CAPTURE
         self.seen = key
@@ -95,11 +101,17 @@ class GraphPlan:
         """The held graph is gone; the next key starts over with an eager step."""
         self.graph_key = self.seen = None
 
+    def refuse(self, key: tuple) -> None:
+        """`key`'s capture failed for a passing reason: run it eagerly from now on (other keys may capture)."""
+        self.refused, self.seen = key, None
+
     def forget(self, job) -> bool:
         """`job` leaves the engine: True when the held graph must be released (the job is in its key).
-        A job in `seen` is forgotten too, so a later job reusing its object identity starts over."""
+        A job in `seen` (or `refused`) is forgotten too, so a later job reusing its object identity starts over."""
         if self.seen is not None and any(j is job for j in key_jobs(self.seen)):
             self.seen = None
+        if self.refused is not None and any(j is job for j in key_jobs(self.refused)):
+            self.refused = None
         return self.graph_key is not None and any(j is job for j in key_jobs(self.graph_key))
 
 
@@ -130,6 +142,7 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.failure: str | None = None      # why graphs were turned off (a failed capture)
+        self.oom_captures = 0                # captures that ran out of device memory (MAX_OOM_CAPTURES)
         self.last = EAGER                    # how the last step ran (the worker's step stats)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -189,12 +202,23 @@ class StepGraphs:
         if error is not None:
             if not isinstance(error, Exception):
                 raise error                   # KeyboardInterrupt and the like are not capture failures
-            self._disable(f"{type(error).__name__}: {error}")
+            reason = f"{type(error).__name__}: {error}"
+            if out_of_memory(error) and self.oom_captures + 1 < MAX_OOM_CAPTURES:
+                self._refuse(key, reason)
+            else:
+                self._disable(reason)
             return False
         self._graph = _Captured(graph, static_x, static_pos, out)
         self.plan.captured(key)
         self.captures += 1
         return True
+
+    def _refuse(self, key: tuple, reason: str) -> None:
+        self.oom_captures += 1
+        self.plan.refuse(key)
+        torch.cuda.empty_cache()              # the failed capture's pool
+        log.warning("CUDA graph capture of the denoise step ran out of memory (%s); this batch runs eagerly, "
+                    "later ones capture again (%d of %d)", reason, self.oom_captures, MAX_OOM_CAPTURES)
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
@@ -223,3 +247,8 @@ class StepGraphs:
         self.plan.released()
         if held and self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A device allocation failed (torch's OutOfMemoryError, or the CUDA error a capture may surface instead)."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

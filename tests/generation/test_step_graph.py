@@ -21,8 +21,8 @@ import torch
 from services.generation import engine as engine_mod
 from services.generation.engine import Engine
 from services.generation.request import GenerateRequest
-from services.generation.step_graph import (CAPTURE, EAGER, ENV, REPLAY, GraphPlan, StepGraphs,
-                                            composition_key, graphable, resolve_mode)
+from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
+                                            composition_key, graphable, out_of_memory, resolve_mode)
 
 from .genhelp import REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels
 
@@ -86,6 +86,28 @@ def test_plan_eager_then_capture_then_replay_and_invalidation():
     # a composition that alternates never captures
     plan = GraphPlan()
     assert [plan.action(k) for k in (ka, kab, ka, kab)] == [EAGER] * 4
+
+
+def test_plan_a_composition_whose_capture_ran_out_of_memory_stays_eager_and_others_still_capture():
+    a, b = _Job(), _Job()
+    ka, kab = composition_key([(a, ["cond"])], 4), composition_key([(a, ["cond"]), (b, ["cond"])], 8)
+    plan = GraphPlan()
+    assert plan.action(ka) == EAGER and plan.action(ka) == CAPTURE
+    plan.refuse(ka)                                   # the capture ran out of memory
+    assert [plan.action(ka) for _ in range(3)] == [EAGER] * 3
+    assert plan.action(kab) == EAGER and plan.action(kab) == CAPTURE   # b joins: a new composition captures
+    plan.captured(kab)
+    assert plan.forget(b)
+    plan.released()
+    assert plan.action(ka) == EAGER and plan.action(ka) == EAGER        # still refused while a runs
+    assert not plan.forget(a) and plan.refused is None                  # a leaves: forgotten
+
+
+def test_out_of_memory_is_told_from_other_capture_failures():
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not out_of_memory(RuntimeError("operation not permitted when stream is capturing"))
+    assert MAX_OOM_CAPTURES >= 2
 
 
 def test_graphs_are_off_on_cpu_whatever_the_flag(caplog):
