@@ -533,7 +533,7 @@ def norm_rope_table(gen, peak, sweep):
         table = nr.rope_table(pos, D, 5e6, 1e4, DT)   # one per forward in the model
         # (tokens per program, warps, heads per program)
         variants = [(nr.BLOCK_T, nr.NUM_WARPS, nr.HEADS_PER_PROGRAM)] + (
-            [(1, 4, 8), (4, 4, 8), (2, 4, 16), (1, 2, 8), (2, 8, 8)] if sweep else [])
+            [(1, 2, 8), (2, 1, 4), (1, 1, 8), (4, 4, 8), (2, 4, 16), (2, 8, 8)] if sweep else [])
         best = None
         for bt, nw, hc in variants:
             t, _ = bench(lambda: nr.qk_norm_rope_triton_(q, k, *ws, pos, 5e6, 1e4, 1e-6, table, block_t=bt,

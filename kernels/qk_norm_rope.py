@@ -167,7 +167,7 @@ def _norm_rope_kernel(
 
 _norm_rope = lazy_jit(_norm_rope_kernel)
 # launch defaults: tokens and heads per program, warps (bench/bench_kernels.py --sweep)
-BLOCK_T, HEADS_PER_PROGRAM, NUM_WARPS = 1, 8, 2
+BLOCK_T, HEADS_PER_PROGRAM, NUM_WARPS = 1, 4, 1
 
 
 def qk_norm_rope_triton_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t, theta_hw, eps, table=None,
