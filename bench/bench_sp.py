@@ -1,11 +1,13 @@
-"""Sequence parallelism (Ulysses) and 4K: denoising step time of one image over 1, 2 (and 4) GPUs,
+"""Sequence parallelism and 4K: denoising step time of one image over 1, 2 (and 4) GPUs,
 engine level (torch only: the real Engine, rank processes, NCCL), full-size geometry, random weights.
 
     python bench/bench_sp.py --part sp        # u1-8b 2048², guidance 1: SP1 vs SP2 (target SP2 <= 0.072 s)
     python bench/bench_sp.py --part 4k        # u1.5-8b 4096²: SP1, SP2, CFG, CFG2, SP2 x CFG; peak memory
-    python bench/bench_sp.py --part comm      # the collectives alone at 2048² / 4096² (all-to-all, gather)
-    python bench/bench_sp.py --smoke          # CPU, tiny geometry, gloo (checks the script)
+    python bench/bench_sp.py --part comm      # the collectives alone at 2048² / 4096² (per layer, per step)
+    python bench/bench_sp.py --smoke          # CPU, tiny geometry, gloo (checks the script; both modes)
 
+`--sp-mode ulysses|kv-gather|both` (default both): which SP mode(s) the SP cases run (sequence_parallel.py:
+Ulysses' two all-to-alls a layer, or one all-gather of K/V); in `comm`, each mode's per-layer collective.
 Each world size runs in one set of processes (rank r on cuda:r) that builds each model once and runs its
 cases one after the other: `sp` = one CFG group sharded over all ranks, `cfg` = CFG-parallel, `cfgxsp`
 = CFG 2 x SP (4+ GPUs). Prints a markdown table; --json writes the numbers.
@@ -24,6 +26,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PREFIX = {"cond": 365, "uncond": 9}
+SP_LAYOUTS = ("sp", "cfgxsp")
+
+
+def sp_modes(flag: str) -> list[str]:
+    from services.generation.sequence_parallel import MODES
+    return list(MODES) if flag == "both" else [flag]
+
+
+def with_modes(cases: list[dict], modes: list[str]) -> list[dict]:
+    """Each SP case once per mode (its name ends with the mode); the others as they are."""
+    out = []
+    for c in cases:
+        if c["layout"] in SP_LAYOUTS:
+            out += [dict(c, name=f"{c['name']} {m}", sp_mode=m) for m in modes]
+        else:
+            out.append(c)
+    return out
 
 
 def cases_for(part: str, smoke: bool) -> list[dict]:
@@ -85,15 +104,29 @@ def _time_case(engine, case, args, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+    stride = max(1, case["size"] // 64)          # a 64x64 probe of the final state, to compare layouts
+    probe = job.x[:, :, ::stride, ::stride].float().cpu().flatten().tolist()
     engine.drop(job.request_id)
-    out = {"step_s": statistics.median(times), "steps": times}
+    out = {"step_s": statistics.median(times), "steps": times, "probe": probe}
     if device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
 
 
-def _comm_for(layout: str, rank: int, world: int, port: int, device, cache: dict):
-    """One process group per process; the SP2 and CFG2 views share it."""
+def _diff_vs_one_gpu(cases: list[dict], res: dict) -> None:
+    """Each multi-GPU case's max |x - x of one GPU| / max |x of one GPU| over the probes of the final state
+    (same seed and steps; bf16 rounding differs, a wrong layout shows as O(1)). Drops the probes."""
+    probes = {name: r.pop("probe") for name, r in res.items() if "probe" in r}
+    ref = {(c["size"], c["guidance"]): probes.get(c["name"]) for c in cases if c["world"] == 1}
+    for c in cases:
+        p, b = probes.get(c["name"]), ref.get((c["size"], c["guidance"]))
+        if c["world"] > 1 and p and b:
+            scale = max(max(abs(y) for y in b), 1e-12)
+            res[c["name"]]["diff_vs_one_gpu"] = max(abs(x - y) for x, y in zip(p, b)) / scale
+
+
+def _comm_for(case: dict, rank: int, world: int, port: int, device, cache: dict):
+    """One process group per process; the SP views (one per mode) and the CFG2 view share it."""
     import torch.distributed as dist
     from services.generation.cfg_parallel import CfgComm
     if world == 1:
@@ -101,9 +134,16 @@ def _comm_for(layout: str, rank: int, world: int, port: int, device, cache: dict
     if "base" not in cache:
         cache["base"] = CfgComm.init(rank, world, port, device, sp=world if world <= 2 else 2)
     base = cache["base"]
-    if layout in ("sp", "cfgxsp"):
-        return base
+    if case["layout"] in SP_LAYOUTS:
+        return CfgComm(rank, world, base.control_group, base.data_group, device,
+                       _sp_view(base.sp, case["sp_mode"]))
     return CfgComm(rank, world, base.control_group, dist.group.WORLD, device)   # CFG-parallel view
+
+
+def _sp_view(sp, mode: str):
+    """The same SP groups, attending in `mode`."""
+    from services.generation.sequence_parallel import SeqParallel
+    return SeqParallel(sp.rank, sp.world, sp.group, sp.ctrl_group, mode)
 
 
 def _rank_main(rank: int, world: int, port: int, cases: list[dict], args, q) -> None:
@@ -118,7 +158,7 @@ def _rank_main(rank: int, world: int, port: int, cases: list[dict], args, q) -> 
         for case in cases:
             if case["variant"] not in models:
                 models[case["variant"]] = build_random_model(_config(case["variant"]), "gen", dtype, device)
-            comm = _comm_for(case["layout"], rank, world, port, device, comms)
+            comm = _comm_for(case, rank, world, port, device, comms)
             try:
                 res[case["name"]] = _time_case(Engine(models[case["variant"]], None, comm), case, args, device)
             except torch.cuda.OutOfMemoryError as e:
@@ -152,7 +192,8 @@ def spawn(world: int, target, args, *extra) -> dict:
 
 
 def _comm_rank(rank, world, port, args, q) -> None:
-    """All-to-all of one layer's q/k/v (and back) and the per-step gather, SP2, one branch."""
+    """Each mode's per-layer collective (Ulysses: the all-to-all of q/k/v and back; kv-gather: the
+    all-gather of K/V) and the per-step gather, SP2, one branch."""
     from services.generation.cfg_parallel import CfgComm
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -162,19 +203,20 @@ def _comm_rank(rank, world, port, args, q) -> None:
     sp = comm.sp
     hq, hkv, d, hidden = (4, 2, 16, 64) if args.smoke else (32, 8, 128, 4096)
     out = {}
+    labels = {"ulysses": "attention all-to-all (there and back), one layer, ulysses",
+              "kv-gather": "K/V all-gather, one layer, kv-gather"}
     for side in ([256] if args.smoke else [2048, 4096]):
         n = (side // 32) ** 2
         lay = sp.layout([n], device)
         t = lay.local
         q_, k_, v_ = (torch.randn(t, h, d, device=device, dtype=dtype) for h in (hq, hkv, hkv))
         x = torch.randn(t, hidden, device=device, dtype=dtype)
-
-        def a2a():
-            qc, kc, vc = sp._to_heads(lay, q_, k_, v_)
-            sp._to_rows(lay, qc.contiguous(), q_.shape)
-
-        for label, fn in (("attention all-to-all (there and back), one layer", a2a),
-                          ("hidden gather, once per step", lambda: sp.gather_rows(lay, x))):
+        # the mode's wrapper around an attention that costs nothing (Ulysses: its output made contiguous,
+        # as a real attention's is)
+        layer = {m: _sp_view(sp, m).wrap_attend(lay, lambda i, qq, kk, vv: qq.contiguous())
+                 for m in sp_modes(args.sp_mode)}
+        fns = [(labels[m], lambda f=f: f(0, q_, k_, v_)) for m, f in layer.items()]
+        for label, fn in fns + [("hidden gather, once per step", lambda: sp.gather_rows(lay, x))]:
             for _ in range(3):
                 fn()
             if device.type == "cuda":
@@ -196,6 +238,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", default="sp", choices=["sp", "4k", "comm"])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny geometry")
+    p.add_argument("--sp-mode", default="both", choices=["ulysses", "kv-gather", "both"],
+                   help="the SP mode(s) of the SP cases and of the comm part")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-gpus", type=int, default=None)
@@ -212,7 +256,7 @@ def main() -> None:
         for k, v in rows:
             print(f"| {k} | {1e3 * v['step_s']:.3f} |")
     else:
-        cases = cases_for(args.part, args.smoke)
+        cases = with_modes(cases_for(args.part, args.smoke), sp_modes(args.sp_mode))
         res = {}
         for world in sorted({c["world"] for c in cases}):
             mine = [c for c in cases if c["world"] == world]
@@ -221,14 +265,17 @@ def main() -> None:
                     res[c["name"]] = {"skipped": f"needs {world} GPUs"}
                 continue
             res.update(spawn(world, _rank_main, args, mine))
-        print("| case | GPUs | s/step | peak GiB (rank 0) |\n|---|---:|---:|---:|")
+        _diff_vs_one_gpu(cases, res)
+        print("| case | GPUs | s/step | peak GiB (rank 0) | max abs diff of the state vs one GPU, relative |\n"
+              "|---|---:|---:|---:|---:|")
         for c in cases:
             r = res.get(c["name"], {"error": "missing"})
             if "step_s" in r:
                 peak = f"{r['peak_gb']:.1f}" if "peak_gb" in r else "n/a"
-                print(f"| {c['name']} | {c['world']} | {r['step_s']:.4f} | {peak} |")
+                diff = f"{r['diff_vs_one_gpu']:.2e}" if "diff_vs_one_gpu" in r else ""
+                print(f"| {c['name']} | {c['world']} | {r['step_s']:.4f} | {peak} | {diff} |")
             else:
-                print(f"| {c['name']} | {c['world']} | {r.get('skipped') or r.get('error')} | |")
+                print(f"| {c['name']} | {c['world']} | {r.get('skipped') or r.get('error')} | | |")
         base = {(c["size"], c["guidance"]): res.get(c["name"], {}).get("step_s")
                 for c in cases if c["world"] == 1}
         for c in cases:

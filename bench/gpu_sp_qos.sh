@@ -4,13 +4,17 @@
 #   bash bench/gpu_sp_qos.sh                 # every part: sp 4k comm qos
 #   bash bench/gpu_sp_qos.sh --only sp,4k    # torch-only parts (no HTTP stack needed)
 #   bash bench/gpu_sp_qos.sh --smoke         # CPU, tiny geometry, seconds (checks the script; no qos)
+#   bash bench/gpu_sp_qos.sh --only sp,comm --sp-mode kv-gather   # one SP mode (default both)
 #   QOS_PROFILES=colocate-tp2-cfg2,colocate-tp2-cfg2-yield bash bench/gpu_sp_qos.sh --only qos
 #
 # Parts (each under its own time limit; a failed part is reported and the others still run):
 #   sp    u1-8b 2048²: guidance 1 SP1 vs SP2 (target SP2 <= 0.072 s/step; 0.132 s on one GPU), CFG over
-#         SP2 and over CFG2 (CFG2 x SP2 runs only with 4 GPUs)                      [torch only]
-#   4k    u1.5-8b 4096²: SP1, CFG on one GPU, SP2, CFG SP2, CFG2; peak memory (target SP2 >= 1.8x SP1)
-#   comm  the SP collectives alone: one layer's all-to-all there and back, the per-step gather
+#         SP2 and over CFG2 (CFG2 x SP2 runs only with 4 GPUs); every SP case in each --sp-mode
+#         (ulysses, kv-gather; default both)                                       [torch only]
+#   4k    u1.5-8b 4096²: SP1, CFG on one GPU, SP2, CFG SP2, CFG2; peak memory (target SP2 >= 1.8x SP1);
+#         SP cases in Ulysses mode
+#   comm  the SP collectives alone: one layer's collective of each --sp-mode (Ulysses: all-to-all there
+#         and back; kv-gather: the K/V all-gather), the per-step gather
 #   qos   the whole stack colocated (TP2 + CFG2 on 2 GPUs) with the generation engine yielding to
 #         decode steps: chat ITL p50/p90 alone and with 2 concurrent 2048² image jobs, image s/step
 #         alone and while the chats run (needs fastapi/uvicorn/pyzmq/pydantic/httpx: wheels in .whl/ are installed first)
@@ -20,7 +24,16 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 . bench/parts.sh
-parse_args "sp,4k,comm,qos" "$@"
+SP_MODE=both
+rest=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sp-mode) SP_MODE="$2"; shift 2 ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+case "$SP_MODE" in ulysses|kv-gather|both) ;; *) echo "--sp-mode must be ulysses, kv-gather or both" >&2; exit 2 ;; esac
+parse_args "sp,4k,comm,qos" ${rest[@]+"${rest[@]}"}
 
 . deploy/carried_wheels.sh
 use_carried_wheels
@@ -35,9 +48,9 @@ fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 
-run sp sp "$LIMIT" python bench/bench_sp.py --part sp "${SP[@]}"
-run 4k 4k "$LIMIT" python bench/bench_sp.py --part 4k "${SP[@]}"
-run comm comm 90 python bench/bench_sp.py --part comm "${SP[@]}"
+run sp sp "$LIMIT" python bench/bench_sp.py --part sp --sp-mode "$SP_MODE" "${SP[@]}"
+run 4k 4k "$LIMIT" python bench/bench_sp.py --part 4k --sp-mode ulysses "${SP[@]}"
+run comm comm 90 python bench/bench_sp.py --part comm --sp-mode "$SP_MODE" "${SP[@]}"
 # 2048², 12 steps, CFG 4; 8 chat streams x 128 tokens, alone and with 2 image jobs (load delay 2 s)
 run qos qos 200 python bench/bench_deployment.py --profiles "${QOS_PROFILES:-colocate-tp2-cfg2-yield}" \
   --size 2048x2048 --steps 12 --requests 1 --chat-streams 8 --chat-tokens 128 --image-load 2 \

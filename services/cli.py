@@ -112,7 +112,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
     argv = [sys.executable, "-m", "services.generation.server", "--model", ctx["model"],
             "--host", "127.0.0.1", "--port", str(args.gen_port), "--device", pl.device,
             "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel), "--sp", str(args.gen_sp),
-            "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
+            "--sp-mode", args.gen_sp_mode, "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
     if ctx.get("yield_page"):
         argv += ["--yield-to", ctx["yield_page"], "--yield-share", str(args.qos_yield_share)]
     if args.quantization != "none":
@@ -214,7 +214,8 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def check_gen_sp(args, model: str) -> None:
-    """--gen-sp must divide the checkpoint's head counts (said here, before anything starts)."""
+    """--gen-sp must divide the checkpoint's head counts under --gen-sp-mode ulysses (said here, before
+    anything starts)."""
     if args.gen_sp <= 1:
         return
     from services.model.config import ConfigError, load_config
@@ -224,7 +225,7 @@ def check_gen_sp(args, model: str) -> None:
         raise SystemExit(f"--model: {e}") from None
     from services.generation.sequence_parallel import check_heads   # imports torch: only with --gen-sp
     try:
-        check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.gen_sp)
+        check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.gen_sp, args.gen_sp_mode)
     except ValueError as e:
         raise SystemExit(f"--gen-sp {args.gen_sp}: {e}") from None
 
@@ -345,6 +346,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--gen-sp", type=int, default=1,
                    help="generation sequence-parallel ranks per CFG rank (one image's tokens over N GPUs; "
                         "generation uses --gen-cfg-parallel x --gen-sp GPUs)")
+    p.add_argument("--gen-sp-mode", choices=["ulysses", "kv-gather"], default="ulysses",   # sequence_parallel.MODES
+                   help="how the --gen-sp ranks attend: ulysses (two all-to-alls a layer; N must divide the "
+                        "head counts) or kv-gather (one all-gather of K/V a layer, every rank holds every KV "
+                        "head; any N). Allowed with --gen-sp 1, where it changes nothing")
     p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
                    help="colocate QoS: generation yields the shared GPUs to understanding's decode steps "
                         "between its layers, at most F of its time (0 < F <= 1)")

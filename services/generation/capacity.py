@@ -36,11 +36,11 @@ def available_bytes(device) -> int:
     return 0
 
 
-def measure(model, device, world: int, sp: int = 1) -> dict:
+def measure(model, device, world: int, kv_heads: int | None = None) -> dict:
     """What rank 0 reports with `ready`: the reference job's KV buffer on the busiest rank (`world` CFG ranks;
-    an SP rank holds 1/sp of the KV heads), and free memory."""
+    `kv_heads` it holds: a Ulysses SP rank 1/sp of the model's, default all), and free memory."""
     itemsize = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 2
-    per_token = model.num_layers * 2 * (model.num_kv_heads // sp) * model.head_dim * itemsize
+    per_token = model.num_layers * 2 * (kv_heads or model.num_kv_heads) * model.head_dim * itemsize
     branches = -(-2 // world)
     return {"job_kv_bytes": per_token * (REFERENCE_PREFIX_TOKENS + REFERENCE_IMAGE_TOKENS) * branches,
             "available_bytes": available_bytes(device)}

@@ -44,8 +44,10 @@ class CfgComm:
         return cls(0, 1)
 
     @classmethod
-    def init(cls, rank: int, world: int, port: int, device: torch.device, sp: int = 1) -> "CfgComm":
-        """world = cfg x sp ranks; every rank builds every subgroup (torch wants the same calls)."""
+    def init(cls, rank: int, world: int, port: int, device: torch.device, sp: int = 1,
+             sp_mode: str = "ulysses") -> "CfgComm":
+        """world = cfg x sp ranks; every rank builds every subgroup (torch wants the same calls).
+        sp_mode: how the SP ranks attend (sequence_parallel.py: ulysses | kv-gather)."""
         if sp < 1 or world % sp:
             raise ValueError(f"sequence parallel {sp} must divide the {world} generation ranks")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -63,7 +65,7 @@ class CfgComm:
         cfg_groups = [dist.new_group([c * sp + s for c in range(cfg)], backend=backend) for s in range(sp)] \
             if cfg > 1 else [None] * sp
         c, s = divmod(rank, sp)
-        seq = SeqParallel(s, sp, sp_groups[c], sp_ctrl[c])
+        seq = SeqParallel(s, sp, sp_groups[c], sp_ctrl[c], sp_mode)
         return cls(rank, world, control, cfg_groups[s], device, seq)
 
     def close(self) -> None:

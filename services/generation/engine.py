@@ -6,7 +6,8 @@ velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave be
 With step caching on for some job (its `cache` options), the forward gets a FirstBlockCache whose
 groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (model.gen_forward).
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
-rows; attention sees whole segments for its heads, and the hidden rows are gathered before the head.
+rows; attention sees whole segments for its heads (Ulysses) or its own query rows against every row's
+K/V (kv-gather), and the hidden rows are gathered before the head.
 Where the step is graphable (step_graph.py: CUDA, no step cache, no SP, no yield gate) the layer stack
 runs from a CUDA graph captured on the second step of a composition and replayed after.
 """
@@ -60,8 +61,8 @@ class Engine:
         self.scale = 1.0 / math.sqrt(model.head_dim)
         self._attn, self._host_lengths = pick_denoise_attention(self.device)
         self.sp = self.comm.sp
-        check_heads(model.num_heads, model.num_kv_heads, self.sp.world)
-        self._kv_heads = self.sp.heads(model.num_kv_heads)   # this rank's KV-head slice
+        check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
+        self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
         self.graphs = StepGraphs(self.device, cuda_graphs)
 
     # -- admission -----------------------------------------------------------------------------
@@ -75,6 +76,7 @@ class Engine:
         job, stats = None, []
         sp = self.sp.world > 1
         h0, h1 = self._kv_heads
+        heads = (h0, h1) if h1 - h0 < self.model.num_kv_heads else None
         try:
             job = self._new_job(spec, {b: h.num_tokens for b, h in handles.items()},
                                 {b: h.t_offset for b, h in handles.items()})
@@ -82,11 +84,11 @@ class Engine:
                 # The pool import wants a contiguous [L, 2, P, Hkv, D] destination; our buffer packs
                 # every segment of a layer together (one attention call per layer and job), so the
                 # prefix lands in a device-local staging tensor first: one extra on-device copy per
-                # job and branch, never per step. SP: each rank imports its KV-head slice.
+                # job and branch, never per step. Ulysses SP: each rank imports its KV-head slice.
                 staging = torch.empty((self.model.num_layers, 2, handles[b].num_tokens, h1 - h0,
                                        self.model.head_dim), device=self.device, dtype=self.dtype)
                 nbytes, seconds = self.source.import_into(handles[b], staging,
-                                                          heads=(h0, h1) if sp else None,
+                                                          heads=heads,
                                                           release=not sp)
                 job.set_prefix(b, staging)
                 del staging
@@ -169,7 +171,7 @@ class Engine:
         if c:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
             packed = torch.cat(rows) if len(rows) > 1 else rows[0]
             pos = torch.cat(positions, dim=1)
-            spans = [(p.job, p.act, p.a, p.b) for p in plan if p.act]
+            spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
             if self.graphs.enabled and graphable(self.device, sp.world, self.gate is not None,
@@ -252,38 +254,49 @@ class Engine:
 
     def _attend_for_groups(self, groups: list[CacheGroup]):
         """Attention of a subset of (job, branch) groups whose rows are packed in order."""
-        spans, r, segments = [], 0, []
+        spans, r, lr, segments = [], 0, 0, []
         for g in groups:
             job, b = g.key
             n = job.n * job.N          # the group's rows over every SP rank
+            lo, hi = self.sp.bounds(job.N)
+            ln = job.n * (hi - lo)     # and on this rank
             if spans and spans[-1][0] is job:
-                j, act, a, _ = spans[-1]
-                spans[-1] = (j, act + [b], a, r + n)
+                j, act, a, _, la, _ = spans[-1]
+                spans[-1] = (j, act + [b], a, r + n, la, lr + ln)
             else:
-                spans.append((job, [b], r, r + n))
+                spans.append((job, [b], r, r + n, lr, lr + ln))
             r += n
+            lr += ln
             segments += [job.N] * job.n
         return self._attend(spans, self.sp.layout(segments, self.device) if self.sp.world > 1 else None)
 
     def _attend(self, spans, layout):
-        """The forward's attend: per-job attention over canonical rows (this rank's heads under SP)."""
+        """The forward's attend: per-job attention (under SP wrapped by the mode's collective)."""
         attend = self._make_attend(spans)
         if layout is not None:
             attend = self.sp.wrap_attend(layout, attend)
         return attend if self.gate is None else self.gate.wrap(attend)
 
     def _make_attend(self, spans):
-        attn, scale, host = self._attn, self.scale, self._host_lengths
+        """spans: (job, active local branches, canonical rows [a, b), local rows [la, lb)). k / v come
+        for every row in canonical order and are written at their slots; q comes for the local rows
+        (no SP, kv-gather: tokens [lo, hi) of each segment) or for every row (Ulysses)."""
+        attn, scale, host, sp = self._attn, self.scale, self._host_lengths, self.sp
+        local_q = sp.local_queries
 
         def attend(layer: int, q, k, v):
             outs = []
-            for job, act, a, b in spans:
+            for job, act, a, b, la, lb in spans:
                 m = job.meta(act)
                 kv = job.kv[layer]
                 kv_write_(kv, m.write_idx, k[a:b], v[a:b])
-                cu_q, cu_k = (m.cu_q_host, m.cu_k_host) if host else (m.cu_q, m.cu_k)
-                outs.append(attn(q[a:b], kv[0, m.k_start:m.k_end], kv[1, m.k_start:m.k_end], cu_q, cu_k,
-                                 m.max_q, m.max_k, scale))
+                qm, qa, qb = (job.meta(act, sp.bounds(job.N)), la, lb) if local_q else (m, a, b)
+                if qa == qb:           # this rank holds none of the job's rows (N < sp)
+                    outs.append(q[qa:qb])
+                    continue
+                cu_q, cu_k = (qm.cu_q_host, m.cu_k_host) if host else (qm.cu_q, m.cu_k)
+                outs.append(attn(q[qa:qb], kv[0, m.k_start:m.k_end], kv[1, m.k_start:m.k_end], cu_q, cu_k,
+                                 qm.max_q, m.max_k, scale))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         return attend
 

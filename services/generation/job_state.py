@@ -3,7 +3,8 @@
 KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
 branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
 each step writes the new image K/V into the N slots of every active segment (no per-step copies).
-With sequence parallelism the buffer holds only this rank's KV-head slice (`kv_heads`), all N slots.
+With Ulysses sequence parallelism the buffer holds only this rank's KV-head slice (`kv_heads`), all N
+slots; with kv-gather every KV head and all N slots (each rank writes every rank's K/V rows).
 """
 from __future__ import annotations
 
@@ -122,11 +123,14 @@ class JobState:
         active = self.active_branches()
         return [b for b in self.local if b in active]
 
-    def meta(self, active_local: list[str]) -> StepMeta:
+    def meta(self, active_local: list[str], rows: tuple[int, int] | None = None) -> StepMeta:
         """Cached metadata of the rows of `active_local` (in buffer order). The keys span the
         segments from the first to the last selected one; a segment in between that is not selected
-        (a branch that reuses its cached residual) is a sequence with no queries."""
-        key = tuple(active_local)
+        (a branch that reuses its cached residual) is a sequence with no queries. `rows` (lo, hi):
+        the queries are only tokens [lo, hi) of each image segment (sequence parallel by K/V gather:
+        cu_q / max_q count those); keys, positions and write slots stay every token's."""
+        lo, hi = rows or (0, self.N)
+        key = tuple(active_local) if (lo, hi) == (0, self.N) else (tuple(active_local), lo, hi)
         m = self._meta.get(key)
         if m is not None:
             return m
@@ -142,13 +146,13 @@ class JobState:
             pos.append(image_token_positions(self.th, self.tw, self.t_offsets[s.branch],
                                              device=self.device))
             idx.append(ar + s.start + s.prefix_len)
-            cu_q.append(cu_q[-1] + self.N)
+            cu_q.append(cu_q[-1] + hi - lo)
         m = StepMeta(positions=torch.cat(pos, dim=1), write_idx=torch.cat(idx),
                      cu_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
                      cu_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
                      cu_q_host=torch.tensor(cu_q, dtype=torch.int32),
                      cu_k_host=torch.tensor(cu_k, dtype=torch.int32),
-                     max_q=self.N, max_k=max(s.prefix_len for s in segs) + self.N,
+                     max_q=hi - lo, max_k=max(s.prefix_len for s in segs) + self.N,
                      k_start=segs[0].start, k_end=segs[0].start + cu_k[-1])
         self._meta[key] = m
         return m

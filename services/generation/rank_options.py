@@ -1,8 +1,9 @@
 """The generation server's rank options: how many ranks one image uses, how they share their GPUs.
 
-`--sp N` (Ulysses sequence parallelism, sequence_parallel.py): the engine runs `--cfg-parallel` x `--sp`
-ranks, one GPU each (rank r on visible device r); sp must divide the model's attention and KV head
-counts, checked from config.json before anything loads.
+`--sp N` (sequence parallelism, sequence_parallel.py): the engine runs `--cfg-parallel` x `--sp`
+ranks, one GPU each (rank r on visible device r). `--sp-mode ulysses` (default): sp must divide the
+model's attention and KV head counts, checked from config.json before anything loads; `--sp-mode
+kv-gather`: any sp (every rank holds every KV head); with --sp 1 the mode changes nothing.
 `--yield-to NAME --yield-share F` (colocate QoS, qos.py): every rank wraps its layers in a YieldGate on
 the shm page NAME that the understanding engine on the same GPUs raises while it decodes (its
 `--yield-signal NAME`), yielding at most F of wall time. `u1serve up --qos-yield-share F` sets both.
@@ -12,13 +13,18 @@ from __future__ import annotations
 import argparse
 
 from .qos import YieldGate, YieldPolicy
-from .sequence_parallel import check_heads
+from .sequence_parallel import MODES, check_heads
 
 
 def add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", type=int, default=1,
                    help="sequence-parallel ranks per CFG rank: one image's tokens over N GPUs "
-                        "(engine ranks = --cfg-parallel x --sp; N must divide the head counts)")
+                        "(engine ranks = --cfg-parallel x --sp; with --sp-mode ulysses N must divide the "
+                        "head counts)")
+    p.add_argument("--sp-mode", choices=MODES, default="ulysses",
+                   help="how the --sp ranks attend: ulysses (two all-to-alls a layer, each rank a slice of "
+                        "the heads) or kv-gather (one all-gather of K/V a layer, each rank every KV head and "
+                        "its own query rows); no effect with --sp 1")
     p.add_argument("--yield-to", default="", metavar="NAME",
                    help="colocate QoS: the shm page the understanding engine on these GPUs raises while "
                         "it decodes (its --yield-signal); the ranks yield the GPU between layers")
@@ -38,7 +44,7 @@ def check_rank_flags(args: argparse.Namespace) -> None:
             llm = None               # the engine reports a broken checkpoint itself
         if llm is not None:
             try:
-                check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp)
+                check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp, args.sp_mode)
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
     if not 0 < args.yield_share <= 1:
@@ -56,7 +62,7 @@ def engine_world(args: argparse.Namespace) -> int:
 
 
 def rank_engine_args(args: argparse.Namespace) -> dict:
-    return {"sp": args.sp, "yield_to": args.yield_to, "yield_share": args.yield_share}
+    return {"sp": args.sp, "sp_mode": args.sp_mode, "yield_to": args.yield_to, "yield_share": args.yield_share}
 
 
 def yield_gate(engine_args: dict, device) -> YieldGate | None:

@@ -1,11 +1,18 @@
-"""Ulysses sequence parallelism: the image tokens of every CFG branch sharded over `sp` ranks.
+"""Sequence parallelism: the image tokens of every CFG branch sharded over `sp` ranks.
 
 Each SP rank holds a contiguous slice of every segment (one (job, branch, image) = N image tokens) of a
 packed forward: rank r gets tokens [lo_r, hi_r) of each segment, sizes from `split(N, sp)` (exact, uneven
-allowed, no padding rows). Everything in a decoder layer is per row except attention, so around
-attention one all-to-all over heads gives each rank every row for its 1/sp of the heads (q, k and v in
-one message), attention runs as without SP on those heads (the job's KV buffer holds only this rank's
-KV-head slice, prefix included), and a second all-to-all returns each rank's rows with all heads.
+allowed, no padding rows). Everything in a decoder layer is per row except attention; the two modes
+differ only there (`wrap_attend`):
+- `ulysses`: one all-to-all over heads gives each rank every row for its 1/sp of the heads (q, k and v
+  in one message), attention runs as without SP on those heads (the job's KV buffer holds only this
+  rank's KV-head slice, prefix included), and a second all-to-all returns each rank's rows with all
+  heads. sp must divide the q and KV head counts.
+- `kv-gather`: one all-gather gives each rank the K and V rows of every rank (k|v in one message, all
+  KV heads); each rank writes them into its job KV buffer (which holds every KV head) and attends its
+  own query rows, all heads, against the whole K/V: no return trip. With GQA the message is smaller
+  (8B, 32 q / 8 KV heads, SP2: 8.4 MB a layer against Ulysses' 21 MB), attention FLOPs per rank are
+  the same, and any sp works.
 After the final norm the hidden rows are gathered once per step, so the head, the velocities, CFG and
 Euler run on whole images on every rank (identical states, no broadcast; the pixel head needs whole
 rows anyway).
@@ -19,6 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+MODES = ("ulysses", "kv-gather")
+# one tensor out, every rank's equal-size input in rank order (newer torch calls it all_gather_single)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def split(n: int, world: int) -> list[int]:
     """Rows of an n-row segment on each rank: the first n % world ranks hold one more."""
@@ -26,9 +37,17 @@ def split(n: int, world: int) -> list[int]:
     return [q + (r < rem) for r in range(world)]
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
-    """Each SP rank attends with whole heads: sp must divide both head counts (ValueError naming the
-    values that work)."""
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"sequence-parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def check_heads(num_heads: int, num_kv_heads: int, sp: int, mode: str = "ulysses") -> None:
+    """Ulysses: each SP rank attends with whole heads, so sp must divide both head counts (ValueError
+    naming the values that work). kv-gather keeps every head on every rank: any sp."""
+    if check_mode(mode) == "kv-gather" and sp >= 1:
+        return
     if sp >= 1 and num_heads % sp == 0 and num_kv_heads % sp == 0:
         return
     ok = [d for d in range(1, num_kv_heads + 1) if num_heads % d == 0 and num_kv_heads % d == 0]
@@ -82,11 +101,12 @@ class RowLayout:
 class SeqParallel:
     """One rank's view of its SP group (ranks sharing the same CFG branches)."""
 
-    def __init__(self, rank: int = 0, world: int = 1, group=None, ctrl_group=None):
+    def __init__(self, rank: int = 0, world: int = 1, group=None, ctrl_group=None, mode: str = "ulysses"):
         self.rank = rank
         self.world = world
         self.group = group            # tensors (NCCL on CUDA, gloo on CPU)
         self.ctrl_group = ctrl_group  # gloo: barriers between ranks
+        self.mode = check_mode(mode)
         self._layouts: dict[tuple, RowLayout] = {}
 
     @classmethod
@@ -97,11 +117,21 @@ class SeqParallel:
         return bounds(n, self.world, self.rank)
 
     def heads(self, n: int) -> tuple[int, int]:
-        """This rank's [lo, hi) slice of n attention (or KV) heads."""
+        """This rank's [lo, hi) slice of n attention (or KV) heads under Ulysses."""
         if n % self.world:
             raise ValueError(f"sequence parallel {self.world} must divide the head count {n}")
         k = n // self.world
         return self.rank * k, (self.rank + 1) * k
+
+    def kv_heads(self, n: int) -> tuple[int, int]:
+        """The [lo, hi) of the model's n KV heads this rank's job buffers hold (kv-gather: all)."""
+        return (0, n) if self.mode == "kv-gather" else self.heads(n)
+
+    @property
+    def local_queries(self) -> bool:
+        """Whether attention gets this rank's query rows (no SP, kv-gather) rather than every row of
+        a head slice (Ulysses)."""
+        return self.world == 1 or self.mode == "kv-gather"
 
     def layout(self, seg_lengths: list[int], device) -> RowLayout:
         """The layout of a forward (kept: a steady batch has the same segments step after step)."""
@@ -119,14 +149,30 @@ class SeqParallel:
 
     # -- attention -------------------------------------------------------------------------------
     def wrap_attend(self, layout: RowLayout, attend):
-        """attend over canonical rows and this rank's heads -> attend over local rows, all heads."""
+        """The layers' attend (local rows, all heads in and out) around the engine's `attend`, which
+        takes k / v of every row in canonical order and, Ulysses, q of every row for this rank's heads
+        (kv-gather: q of the local rows, all heads)."""
         if self.world == 1:
             return attend
+        if self.mode == "kv-gather":
+            def kv_attend(layer: int, q, k, v):
+                return attend(layer, q, *self._gather_kv(layout, k, v))
+            return kv_attend
 
         def sp_attend(layer: int, q, k, v):
             qc, kc, vc = self._to_heads(layout, q, k, v)
             return self._to_rows(layout, attend(layer, qc, kc, vc), q.shape)
         return sp_attend
+
+    def _gather_kv(self, layout: RowLayout, k, v):
+        """Local k, v [T, Hkv, D] -> every rank's rows in canonical order, one all-gather (k|v per row)."""
+        T = k.shape[0]
+        send = k.new_empty((max(layout.counts), 2) + tuple(k.shape[1:]))
+        send[:T, 0].copy_(k)
+        send[:T, 1].copy_(v)
+        send[T:].zero_()                 # rows past T pad an uneven split; dropped by the gather index
+        kv = self._gather_padded(layout, send)
+        return kv[:, 0], kv[:, 1]        # row-strided views: kv_write_ takes them as they are
 
     def _to_heads(self, layout: RowLayout, q, k, v):
         W, T = self.world, q.shape[0]
@@ -164,9 +210,12 @@ class SeqParallel:
         width = max(layout.counts)
         if x.shape[0] < width:
             x = torch.cat([x, x.new_zeros((width - x.shape[0],) + x.shape[1:])])
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        out = torch.cat(parts)
+        return self._gather_padded(layout, x.contiguous())
+
+    def _gather_padded(self, layout: RowLayout, x: torch.Tensor) -> torch.Tensor:
+        """x: this rank's rows padded to the widest rank's count -> all rows, canonical order."""
+        out = x.new_empty((self.world * x.shape[0],) + tuple(x.shape[1:]))
+        _all_gather_single(out, x, group=self.group)
         return out if layout.gather_index is None else out.index_select(0, layout.gather_index)
 
     def sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:

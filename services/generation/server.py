@@ -99,7 +99,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
 
     @app.get("/health")
     async def health():
-        body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "sp": args.sp,
+        body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "sp": args.sp, "sp_mode": args.sp_mode,
                 "max_image_tokens": max_tokens, "warmup": perf_metrics.warmup}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 

@@ -215,8 +215,8 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         from .engine import Engine
         from .kv_source import PrefixSource
         from .rank_options import yield_gate
-        comm = CfgComm.init(rank, world, port, device, sp=int(args.get("sp", 1))) if world > 1 \
-            else CfgComm.single()
+        comm = CfgComm.init(rank, world, port, device, sp=int(args.get("sp", 1)),
+                            sp_mode=args.get("sp_mode", "ulysses")) if world > 1 else CfgComm.single()
         model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device,
                            lora=[tuple(x) for x in args.get("lora") or ()],
                            quantization=args.get("quantization"))
@@ -233,7 +233,8 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
             out.send({"type": "stats", "stat": "warmup", **warm})
             inbox: queue.SimpleQueue = queue.SimpleQueue()
             start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(("stop",)))
-            out.send({"type": "ready", "capacity": measure(model, device, comm.cfg_world, comm.sp.world)})
+            h0, h1 = comm.sp.kv_heads(model.num_kv_heads)
+            out.send({"type": "ready", "capacity": measure(model, device, comm.cfg_world, h1 - h0)})
             _leader_loop(engine, comm, source, inbox, out, args)
         else:
             _follower_loop(engine, comm, source)

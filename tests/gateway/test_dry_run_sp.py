@@ -44,10 +44,21 @@ def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-# (flags, und GPUs, gen GPUs, gen --cfg-parallel, gen --sp)
+# (flags, und GPUs, gen GPUs, gen --cfg-parallel, gen --sp[, gen --sp-mode])
 PROFILES = {
     "2 GPUs colocate TP2 + SP2 (guidance 1)": (
         "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-sp 2", "0,1", "0,1", 1, 2),
+    "2 GPUs colocate TP2 + SP2 by K/V all-gather": (
+        "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-sp 2 --gen-sp-mode kv-gather", "0,1", "0,1", 1, 2,
+        "kv-gather"),
+    "4 GPUs colocate TP2 + CFG2 x SP2 by K/V all-gather": (
+        "--mode colocate --und-gpus 0,1,2,3 --und-tp 2 --gen-cfg-parallel 2 --gen-sp 2 --gen-sp-mode kv-gather",
+        "0,1,2,3", "0,1,2,3", 2, 2, "kv-gather"),
+    "3 GPUs: kv-gather takes an sp that does not divide the 8 KV heads": (
+        "--mode colocate --und-gpus 0,1,2 --gen-sp 3 --gen-sp-mode kv-gather", "0,1,2", "0,1,2", 1, 3,
+        "kv-gather"),
+    "1 GPU: kv-gather without SP is allowed and changes nothing": (
+        "--mode colocate --und-gpus 0 --gen-sp-mode kv-gather", "0", "0", 1, 1, "kv-gather"),
     "4 GPUs colocate TP2 + CFG2 x SP2": (
         "--mode colocate --und-gpus 0,1,2,3 --und-tp 2 --gen-cfg-parallel 2 --gen-sp 2", "0,1,2,3", "0,1,2,3", 2, 2),
     "4 GPUs separate TP2 + CFG2": (
@@ -62,7 +73,7 @@ PROFILES = {
 
 @pytest.mark.parametrize("name", list(PROFILES))
 def test_sp_placement(configs, name):
-    flags, und_gpus, gen_gpus, cfg, sp = PROFILES[name]
+    flags, und_gpus, gen_gpus, cfg, sp, *mode = PROFILES[name]
     r = dry_run(configs["u1-8b"], flags)
     assert r.returncode == 0, r.stderr
     p = plan(r.stdout)
@@ -70,6 +81,7 @@ def test_sp_placement(configs, name):
     assert p["und"][0] == und_gpus and p["gen"][0] == gen_gpus
     gen = p["gen"][1]
     assert (int(flag(gen, "--cfg-parallel")), int(flag(gen, "--sp"))) == (cfg, sp)
+    assert flag(gen, "--sp-mode") == (mode or ["ulysses"])[0]
     assert len(gen_gpus.split(",")) >= cfg * sp                    # one GPU per generation rank
     # the generation server accepts the command line it is given (flags and their combination)
     from services.generation.rank_options import check_rank_flags
@@ -110,6 +122,7 @@ def test_gateway_gets_the_trained_size_limit(configs):
 @pytest.mark.parametrize("flags, message", [
     ("--gen-sp 3 --und-gpus 0,1,2", "32 attention heads and 8 KV heads (sizes this model takes: 1, 2, 4, 8)"),
     ("--gen-sp 0", "--gen-cfg-parallel and --gen-sp must be >= 1"),
+    ("--gen-sp 2 --und-gpus 0,1 --gen-sp-mode ring", "--gen-sp-mode: invalid choice"),
     ("--mode separate --und-gpus 0,1 --gen-gpus 2,3 --und-tp 2 --gen-cfg-parallel 2 --gen-sp 2",
      "--gen-cfg-parallel 2 x --gen-sp 2 needs 4 GPUs"),
     ("--mode colocate --und-gpus 0 --gen-sp 2", "--gen-cfg-parallel 1 x --gen-sp 2 needs 2 GPUs"),
@@ -121,6 +134,17 @@ def test_gateway_gets_the_trained_size_limit(configs):
 def test_bad_combinations_are_refused(configs, flags, message):
     r = dry_run(configs["u1-8b"], flags)
     assert r.returncode != 0 and message in r.stderr + r.stdout, (r.stdout, r.stderr)
+
+
+def test_gen_sp_mode_choices_are_the_engines():
+    """u1serve up lists the modes without importing torch; they are sequence_parallel.MODES."""
+    import argparse
+
+    from services.cli import add_stack_flags
+    from services.generation.sequence_parallel import MODES
+    p = argparse.ArgumentParser()
+    add_stack_flags(p, "tiny")
+    assert tuple(next(a for a in p._actions if a.dest == "gen_sp_mode").choices) == MODES
 
 
 def test_every_bench_deployment_profile_dry_runs(configs):
@@ -136,3 +160,19 @@ def test_every_bench_deployment_profile_dry_runs(configs):
         if "--qos-yield-share" in flags:
             p = plan(r.stdout)
             assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield"
+
+
+def test_gpu_smoke_sp_profiles_dry_run(configs):
+    """deploy/gpu_smoke.py's SP profiles plan generation over both GPUs, colocate-tp2-sp2-kv in kv-gather
+    mode (run on request only)."""
+    sys.path[:0] = [os.path.join(ROOT, "deploy"), os.path.join(ROOT, "bench")]
+    try:
+        import gpu_smoke
+    finally:
+        del sys.path[:2]
+    assert "colocate-tp2-sp2-kv" in gpu_smoke.ON_REQUEST and "colocate-tp2-sp2-kv" not in gpu_smoke.profiles_for(8)
+    for name, mode in (("colocate-tp2-sp2", "ulysses"), ("colocate-tp2-sp2-kv", "kv-gather")):
+        r = dry_run(configs["u1-8b"], shlex.join(gpu_smoke.PROFILES[name][1]))
+        assert r.returncode == 0, (name, r.stderr)
+        gpus, gen = plan(r.stdout)["gen"]
+        assert gpus == "0,1" and (flag(gen, "--sp"), flag(gen, "--sp-mode")) == ("2", mode), name

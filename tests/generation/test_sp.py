@@ -1,9 +1,11 @@
-"""Ulysses sequence parallelism at engine level: real gloo ranks (spawned processes) run the engine.
+"""Sequence parallelism at engine level, both modes (Ulysses, kv-gather): real gloo ranks (spawned
+processes) run the engine.
 
 - SP2 == SP1 within fp32 tolerance: U1 (MLP head) and U1.5 (pixel head), several jobs of different
   sizes in one forward, token counts that 2 does not divide, n = 2, a 32x32 image (one rank holds no
   rows), step caching (every rank decides the same, with the same counts as SP1);
 - CFG2 x SP2 (4 ranks) == the sequential reference, T2I and 3-branch editing;
+- kv-gather SP3 on a model with 2 KV heads (which Ulysses cannot split 3 ways) == SP1;
 - every rank ends with the same state (no broadcast needed);
 - the row bookkeeping (split, rank-major -> canonical) on its own.
 """
@@ -15,7 +17,7 @@ import queue
 import pytest
 import torch
 
-from services.generation.sequence_parallel import RowLayout, split
+from services.generation.sequence_parallel import MODES, RowLayout, split
 from services.netutil import free_port
 
 from .genhelp import photo, prefixes
@@ -24,14 +26,14 @@ TOL = dict(rtol=1e-4, atol=1e-4)   # fp32: SP changes GEMM row counts and the at
 
 
 # -- the ranks -----------------------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, sp: int, port: int, model_dir: str, batches, q) -> None:
+def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: str, batches, q) -> None:
     from services.generation.cfg_parallel import CfgComm
     from services.generation.engine import Engine
     from services.generation.request import parse_job
     from services.model.loader import load_model
     torch.set_num_threads(1)
     try:
-        comm = CfgComm.init(rank, world, port, torch.device("cpu"), sp=sp)
+        comm = CfgComm.init(rank, world, port, torch.device("cpu"), sp=sp, sp_mode=mode)
         engine = Engine(load_model(model_dir, "gen"), None, comm)
         out = {}
         for batch in batches:          # the jobs of a batch run together (packed forwards)
@@ -51,12 +53,13 @@ def _rank_main(rank: int, world: int, sp: int, port: int, model_dir: str, batche
         raise
 
 
-def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240.0) -> dict:
+def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240.0,
+              mode: str = "ulysses") -> dict:
     """Every rank's {request_id: (x, branch_steps)}."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, sp, port, model_dir, batches, q), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, sp, mode, port, model_dir, batches, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -148,7 +151,8 @@ def test_row_layout_puts_rank_major_rows_in_canonical_order(seg_lengths, world):
     assert split(35, 2) == [18, 17] and split(1, 2) == [1, 0] and split(3, 4) == [1, 1, 1, 0]
 
 
-def test_sp2_equals_sp1_u1(tiny_dir, ref_model):
+@pytest.mark.parametrize("mode", MODES)
+def test_sp2_equals_sp1_u1(tiny_dir, ref_model, mode):
     cfg = prefixes(ref_model, guidance_scale=4.0)
     one = prefixes(ref_model, guidance_scale=1.0)
     batches = [
@@ -161,24 +165,44 @@ def test_sp2_equals_sp1_u1(tiny_dir, ref_model):
         [job("cache", cfg, num_inference_steps=5, cache={"mode": "first_block", "threshold": 0.5})],
     ]
     sp1 = run_local(tiny_dir, batches)
-    sp2 = assert_ranks_agree(run_ranks(tiny_dir, batches, world=2, sp=2))
+    sp2 = assert_ranks_agree(run_ranks(tiny_dir, batches, world=2, sp=2, mode=mode))
     for rid, (x, steps) in sp1.items():
         torch.testing.assert_close(sp2[rid][0], x, **TOL, msg=rid)
         assert sp2[rid][1] == steps, rid
     assert sum(s["reused"] for s in sp1["cache"][1].values()) > 0   # the cache did reuse
 
 
-def test_sp2_equals_sp1_u15_pixel_head(tiny15):
+def test_kv_gather_sp3_takes_any_sp(tiny_dir, ref_model):
+    """3 ranks on the tiny model's 4 q / 2 KV heads: Ulysses refuses, kv-gather splits rows 12/12/11 of a
+    35-token image and 1/1/1 of a 3-token one, packed in one forward with step caching on."""
+    from services.generation.engine import Engine
+    from services.generation.sequence_parallel import SeqParallel
+    from services.generation.cfg_parallel import CfgComm
+    with pytest.raises(ValueError, match="sequence parallel 3 must divide"):
+        Engine(ref_model[0], None, CfgComm(0, 3, sp=SeqParallel(0, 3, mode="ulysses")))
+    cfg = prefixes(ref_model, guidance_scale=4.0)
+    batches = [[job("odd3", cfg, width=224, height=160),
+                job("strip", cfg, width=96, height=32, cache={"mode": "first_block", "threshold": 0.5})]]
+    sp1 = run_local(tiny_dir, batches)
+    sp3 = assert_ranks_agree(run_ranks(tiny_dir, batches, world=3, sp=3, mode="kv-gather"))
+    for rid, (x, steps) in sp1.items():
+        torch.testing.assert_close(sp3[rid][0], x, **TOL, msg=rid)
+        assert sp3[rid][1] == steps, rid
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sp2_equals_sp1_u15_pixel_head(tiny15, mode):
     model_dir, ref = tiny15
     cfg = prefixes(ref, guidance_scale=4.0)
     batches = [[job("u15", cfg, width=224, height=160, n=2), job("u15b", cfg, width=128, height=96)]]
     sp1 = run_local(model_dir, batches)
-    sp2 = assert_ranks_agree(run_ranks(model_dir, batches, world=2, sp=2))
+    sp2 = assert_ranks_agree(run_ranks(model_dir, batches, world=2, sp=2, mode=mode))
     for rid, (x, _) in sp1.items():
         torch.testing.assert_close(sp2[rid][0], x, **TOL, msg=rid)
 
 
-def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model):
+@pytest.mark.parametrize("mode", MODES)
+def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model, mode):
     from services.model import reference as R
     from services.model import sampler as S
     t2i = prefixes(ref_model, guidance_scale=4.0)
@@ -186,7 +210,7 @@ def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model):
                     image_guidance_scale=1.5)
     batches = [[job("t2i", t2i, width=224, height=160, n=2),
                 job("edit3", edit, mode="edit", image_guidance_scale=1.5, width=160, height=128)]]
-    got = assert_ranks_agree(run_ranks(tiny_dir, batches, world=4, sp=2))
+    got = assert_ranks_agree(run_ranks(tiny_dir, batches, world=4, sp=2, mode=mode))
     for rid, pre, mode, w, h, n, gi in [("t2i", t2i, "t2i", 224, 160, 2, 1.0),
                                          ("edit3", edit, "edit", 160, 128, 1, 1.5)]:
         params = S.SamplerParams(num_inference_steps=3, guidance_scale=4.0, image_guidance_scale=gi,

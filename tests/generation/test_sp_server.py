@@ -1,8 +1,8 @@
-"""The generation server with `--sp 2` (two gloo ranks on CPU, the real HTTP service and pool): its images
-equal the sequential reference's within fp32 tolerance (the reference is SP1's, bit for bit:
-test_generate_reference); /health reports sp and the trained size limit; a larger request is 400
-`invalid_size` before any KV is imported (its pages freed); an sp that does not divide the head counts is
-a start-up error."""
+"""The generation server with `--sp 2` in both `--sp-mode`s (two gloo ranks on CPU, the real HTTP service
+and pool): its images equal the sequential reference's within fp32 tolerance (the reference is SP1's, bit
+for bit: test_generate_reference); /health reports sp, the mode and the trained size limit; a larger
+request is 400 `invalid_size` before any KV is imported (its pages freed); an sp that does not divide the
+head counts is a start-up error under ulysses, and an unknown mode is one too."""
 from __future__ import annotations
 
 import subprocess
@@ -14,9 +14,10 @@ from .genhelp import (GenServer, body, errors_of, generate, generate_all, images
                       reference_pixels, wait_until)
 
 
-@pytest.fixture(scope="module")
-def sp_server(tiny_dir, pool):
-    s = GenServer(tiny_dir, pool.name, "--sp", "2").start()
+@pytest.fixture(scope="module", params=["ulysses", "kv-gather"])
+def sp_server(request, tiny_dir, pool):
+    s = GenServer(tiny_dir, pool.name, "--sp", "2", "--sp-mode", request.param).start()
+    s.sp_mode = request.param
     yield s
     s.stop()
 
@@ -25,6 +26,7 @@ def test_health_reports_sp_and_the_trained_size_limit(sp_server):
     status, health = sp_server.health()
     assert status == 200, health
     assert (health["cfg_parallel"], health["sp"], len(health["engine_pids"])) == (1, 2, 2)
+    assert health["sp_mode"] == sp_server.sp_mode
     assert health["max_image_tokens"] == 4096            # tiny U1: trained up to 2048² like U1
 
 
@@ -67,3 +69,10 @@ def test_sp_that_does_not_divide_the_heads_is_a_startup_error(tiny_dir, pool):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "--sp 4: sequence parallel 4 must divide the model's 4 attention heads and 2 KV heads" in r.stderr, r.stderr
+
+
+def test_bad_sp_mode_is_a_startup_error(tiny_dir, pool):
+    r = subprocess.run(GenServer(tiny_dir, pool.name, "--sp", "2", "--sp-mode", "ring").argv, env=GenServer.env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--sp-mode: invalid choice" in r.stderr and "ring" in r.stderr and "kv-gather" in r.stderr, r.stderr
