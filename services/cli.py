@@ -267,10 +267,12 @@ def sm_percent(text: str) -> int:
 def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
     """--gpu-sharing mps: the deployment's MPS control daemon (services/mps.py), or None for time slicing.
     Refused (exit 2) where nothing is shared or nothing is CUDA."""
-    from .mps import CPU_TEST_ENV, DEFAULT_GEN_SM_PERCENT, SM_PERCENT_ENV, MpsDaemon
+    from .mps import CPU_TEST_ENV, DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if args.gpu_sharing != "mps":
         if args.gen_sm_percent is not None:
             usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
+        if args.gen_priority is not None:
+            usage_error("--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps")
         return None
     if args.mode != "colocate":
         usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
@@ -278,11 +280,13 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
     if placement.device != "cuda" and os.environ.get(CPU_TEST_ENV) != "1":
         usage_error("--gpu-sharing mps needs CUDA GPUs (--device cuda, or auto on a machine with an NVIDIA "
                     f"driver); this stack runs on {placement.device}")
-    if SM_PERCENT_ENV in os.environ:
-        usage_error(f"{SM_PERCENT_ENV} is set in this environment and would cap understanding too: unset it "
-                    "(--gen-sm-percent sets it for generation only)")
+    for name, flag in ((SM_PERCENT_ENV, "--gen-sm-percent"), (PRIORITY_ENV, "--gen-priority")):
+        if name in os.environ:
+            usage_error(f"{name} is set in this environment and would apply to understanding too: unset it "
+                        f"({flag} sets it for generation only)")
     gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
-    return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT)
+    return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT,
+                     args.gen_priority or DEFAULT_GEN_PRIORITY)
 
 
 def under_mps(specs: list, mps) -> list:
@@ -360,6 +364,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
                    help="with --gpu-sharing mps: the share of each GPU's SMs generation may use "
                         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")
+    p.add_argument("--gen-priority", choices=["normal", "low"], default=None,
+                   help="with --gpu-sharing mps: generation's scheduling priority against understanding's "
+                        "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "
+                        "blocks; default normal)")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,
@@ -439,8 +447,8 @@ def cmd_up(args) -> int:
         print_plan(stack)
         return 0
     host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
-    sharing = f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs" \
-        if stack.daemons else ""
+    sharing = (f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs, priority "
+               f"{stack.daemons[0].gen_priority}") if stack.daemons else ""
     return run_until_signal(stack, on_ready=lambda: stack.say(
         f"ready: http://{host}:{args.port}/v1 (mode {args.mode}{sharing}; engines on 127.0.0.1:{args.und_port} and "
         f":{args.gen_port})"))

@@ -27,6 +27,11 @@ from services.launcher import StartupError
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_GEN_SM_PERCENT = 85        # measured: 2 H200 TP2 + CFG2 chat p90 1.84-2.06x alone, image +5-7 %; 1 H200 2.5x, +11 %
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+# 0 NORMAL, 1 BELOW_NORMAL: the GPU's work distributor dispatches a normal client's blocks before a below-normal
+# one's queued blocks (it preempts nothing that runs), so a decode kernel does not queue behind an image GEMM's
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+GEN_PRIORITIES = {"normal": "0", "low": "1"}
+DEFAULT_GEN_PRIORITY = "normal"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 # a Unix socket path holds 107 bytes; the daemon's longest socket in its pipe dir is control_privileged
@@ -48,12 +53,13 @@ class MpsDaemon:
 
     name = "mps"
 
-    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int):
+    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = "normal"):
         base = os.path.join(os.path.abspath(run_dir), "mps")
         self.pipe_dir = os.path.join(base, "pipe")
         self.log_dir = os.path.join(base, "log")
         self.gpus = gpus
         self.gen_sm_percent = gen_sm_percent
+        self.gen_priority = gen_priority
         self.argv = [CONTROL, "-d"]
         self.pid: Optional[int] = None
         self._launched = False      # `-d` ran: a daemon that came up after start() gave up is stopped too
@@ -68,18 +74,20 @@ class MpsDaemon:
 
     def client_env(self, env: dict[str, str], capped: bool) -> dict[str, str]:
         """A GPU service's environment under this daemon: its pipe dir, its GPUs renumbered as MPS shows them,
-        and the SM cap for generation (`capped`)."""
+        and, for generation (`capped`), the SM cap and the scheduling priority."""
         out = {**env, PIPE_ENV: self.pipe_dir, LOG_ENV: self.log_dir}
         visible = env.get("CUDA_VISIBLE_DEVICES")
         if visible and self.gpus:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(str(self.gpus.index(g)) for g in visible.split(","))
         if capped:
             out[SM_PERCENT_ENV] = str(self.gen_sm_percent)
+            if self.gen_priority != "normal":
+                out[PRIORITY_ENV] = GEN_PRIORITIES[self.gen_priority]
         return out
 
     def state(self) -> dict:
         return {"pid": self.pid, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir, "gpus": self.gpus,
-                "gen_sm_percent": self.gen_sm_percent}
+                "gen_sm_percent": self.gen_sm_percent, "gen_priority": self.gen_priority}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, say: Say) -> None:
@@ -119,7 +127,7 @@ class MpsDaemon:
             raise MpsError(f"the MPS control daemon did not start ({CONTROL} -d {how}; no running daemon in "
                            f"{self.pipe_dir}){self._log_tails()}")
         say(f"MPS control daemon running (pid {self.pid}; GPUs {','.join(self.gpus) or 'none'}; pipe dir "
-            f"{self.pipe_dir}); generation capped at {self.gen_sm_percent} % of the SMs")
+            f"{self.pipe_dir}); generation capped at {self.gen_sm_percent} % of the SMs, priority {self.gen_priority}")
 
     def stop(self, say: Say) -> None:
         """Quit the daemon (after the services: MPS waits for its clients), kill it on a timeout. Idempotent."""

@@ -108,7 +108,10 @@ def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
     (["--gen-sm-percent", "50"], {}, "it needs --gpu-sharing mps"),
     (["--gpu-sharing", "mps", "--gen-sm-percent", "0"], {}, "must be an integer from 1 to 100"),
     (["--gpu-sharing", "mps", "--gen-sm-percent", "101"], {}, "must be an integer from 1 to 100"),
-    (["--gpu-sharing", "mps"], {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, "would cap understanding too"),
+    (["--gpu-sharing", "mps"], {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, "would apply to understanding too"),
+    (["--gen-priority", "low"], {}, "it needs --gpu-sharing mps"),
+    (["--gpu-sharing", "mps", "--gen-priority", "high"], {}, "invalid choice"),
+    (["--gpu-sharing", "mps"], {"CUDA_MPS_CLIENT_PRIORITY": "1"}, "would apply to understanding too"),
 ])
 def test_refused_flags_are_usage_errors_that_say_why(config_model, flags, env, says):
     r = dry_run(config_model, *flags, env=env)
@@ -146,10 +149,19 @@ def test_dry_run_shows_the_daemon_and_each_services_mps_environment(config_model
     assert f"CUDA_VISIBLE_DEVICES={daemon_gpus} " in _lines(r.stdout)["und"]
 
 
-def test_default_sm_percent_is_85(config_model):
+def test_default_sm_percent_is_85_at_normal_priority(config_model):
     r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0")
     assert r.returncode == 0, r.stderr
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in _lines(r.stdout)["gen"]
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in r.stdout
+
+
+def test_low_gen_priority_is_set_for_generation_only(config_model):
+    r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0", "--gen-priority", "low")
+    assert r.returncode == 0, r.stderr
+    lines = _lines(r.stdout)
+    assert "CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in lines["und"] + lines["gateway"]
 
 
 def test_exclusive_process_is_fine_prohibited_is_not(tmp_path, monkeypatch):
