@@ -51,13 +51,15 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
     "colocate-1-mps": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps"]),
+    "colocate-1-mps-low": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps",
+                               "--gen-priority", "low"]),
     "colocate-tp2-cfg2-mps": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--gpu-sharing", "mps"]),
 }
 # Run only when named (--profiles): the mps ones need nvidia-cuda-mps-control, colocate-tp2-sp2-kv is
 # colocate-tp2-sp2 in the other SP mode (sequence parallelism by K/V all-gather), and the five default
 # 2-GPU profiles already take about 7 of the 10 minutes one call may run.
-ON_REQUEST = ("colocate-1-mps", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv")
+ON_REQUEST = ("colocate-1-mps", "colocate-1-mps-low", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv")
 STEPS = 4
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
 

@@ -309,11 +309,14 @@ def test_gpu_smoke_and_bench_mps_profiles_plan_an_mps_stack(config_model):
         import gpu_smoke
     finally:
         del sys.path[:2]
-    mps = [n for n in gpu_smoke.ON_REQUEST if n.endswith("-mps")]
-    assert set(mps) == {"colocate-1-mps", "colocate-tp2-cfg2-mps"}
+    mps = [n for n in gpu_smoke.ON_REQUEST if "-mps" in n]
+    assert set(mps) == {"colocate-1-mps", "colocate-1-mps-low", "colocate-tp2-cfg2-mps"}
     assert not set(gpu_smoke.profiles_for(8)) & set(gpu_smoke.ON_REQUEST)
-    for flags in [gpu_smoke.PROFILES[n][1] for n in mps] + [bench_deployment.PROFILES[n].split() for n in mps]:
+    bench = [n for n in mps if n in bench_deployment.PROFILES]
+    for name, flags in [(n, gpu_smoke.PROFILES[n][1]) for n in mps] + \
+            [(n, bench_deployment.PROFILES[n].split()) for n in bench]:
         r = dry_run(config_model, *flags)
         assert r.returncode == 0, (flags, r.stderr)
         lines = _lines(r.stdout)
         assert "nvidia-cuda-mps-control -d" in lines["mps"] and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
+        assert ("CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]) == name.endswith("-low"), (name, lines["gen"])
