@@ -144,7 +144,7 @@ def main():
     if "fp8" in settings:
         runners["fp8"] = Runner(path, device, dtype, tok, quantization="fp8")
     if any(s.startswith("preset:") for s in settings) and args.lora:
-        from services.model.loader import parse_lora_spec
+        from services.model.lora_spec import parse_lora_spec
         runners["lora"] = Runner(path, device, dtype, tok, lora=[parse_lora_spec(x) for x in args.lora])
     rows = {s: [] for s in ["exact"] + settings}
     velocity = None

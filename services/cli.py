@@ -128,7 +128,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
 
 def lora_specs(args) -> list[str]:
     """--lora values with absolute paths (the services may run elsewhere); a missing file is an error."""
-    from services.model.loader import parse_lora_spec
+    from services.model.lora_spec import parse_lora_spec
     out = []
     for text in args.lora:
         path, strength = parse_lora_spec(text)

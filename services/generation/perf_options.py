@@ -48,7 +48,7 @@ def add_perf_flags(p: argparse.ArgumentParser) -> None:
 
 
 def perf_engine_args(args: argparse.Namespace) -> dict:
-    from services.model.loader import parse_lora_spec
+    from services.model.lora_spec import parse_lora_spec
     return {"quantization": args.quantization, "lora": [parse_lora_spec(x) for x in args.lora],
             "default_size": args.default_size or ("2048x2048" if args.device == "cuda" else ""),
             "warmup_sizes": args.warmup_sizes,

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from .config import NeoConfig, load_config
+from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
 from .parallel import TPContext, shard, shard_dim
 
@@ -203,17 +204,6 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
     if dim == 0 and tp is not None and tp.world_size > 1:  # column shard: rows split, scales too
         s = shard(s, 0, tp)
     return s
-
-
-def parse_lora_spec(text: str) -> tuple[str, float]:
-    """'PATH' or 'PATH:STRENGTH' -> (path, strength)."""
-    path, sep, tail = text.rpartition(":")
-    if sep:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return text, 1.0
 
 
 def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:

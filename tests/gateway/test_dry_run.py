@@ -98,6 +98,23 @@ def test_every_documented_deploy_script_profile(model, tmp_path):
         assert _plan(r.stdout) in want, (script, env, r.stdout)
 
 
+def test_the_launcher_plans_without_torch(model):
+    """`u1serve up` (and its --dry-run) plans a stack without importing torch: the engines import it, the
+    launcher need not pay its ~1 s (only --gen-sp, which checks the head split, does), --lora included."""
+    lora = os.path.join(model, "adapter.safetensors")
+    open(lora, "wb").close()
+    code = ("import runpy, sys\n"
+            "sys.argv = ['u1serve', 'up', '--model', sys.argv[1], '--device', 'cuda', '--und-gpus', '0,1', "
+            "'--und-tp', '2', '--gen-cfg-parallel', '2', '--lora', sys.argv[2] + ':0.5', '--dry-run']\n"
+            "try:\n    runpy.run_module('services.cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'the launcher imported torch'\n")
+    r = subprocess.run([sys.executable, "-c", code, model, lora], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    assert f"--lora {lora}:0.5" in r.stdout
+
+
 def test_bad_placements_are_refused(model):
     r = dry_run(model, "--mode", "separate", "--und-gpus", "0,1", "--gen-gpus", "1,2")
     assert r.returncode != 0 and "disjoint" in r.stderr + r.stdout
