@@ -283,20 +283,23 @@ class Engine:
         (no SP, kv-gather: tokens [lo, hi) of each segment) or for every row (Ulysses)."""
         attn, scale, host, sp = self._attn, self.scale, self._host_lengths, self.sp
         local_q = sp.local_queries
+        plan = []                      # per span, once per forward (every layer reads the same metadata)
+        for job, act, a, b, la, lb in spans:
+            m = job.meta(act)
+            qm, qa, qb = (job.meta(act, sp.bounds(job.N)), la, lb) if local_q else (m, a, b)
+            cu_q, cu_k = (qm.cu_q_host, m.cu_k_host) if host else (qm.cu_q, m.cu_k)
+            plan.append((job, m, a, b, qa, qb, cu_q, cu_k, qm.max_q))
 
         def attend(layer: int, q, k, v):
             outs = []
-            for job, act, a, b, la, lb in spans:
-                m = job.meta(act)
+            for job, m, a, b, qa, qb, cu_q, cu_k, max_q in plan:
                 kv = job.kv[layer]
                 kv_write_(kv, m.write_idx, k[a:b], v[a:b])
-                qm, qa, qb = (job.meta(act, sp.bounds(job.N)), la, lb) if local_q else (m, a, b)
                 if qa == qb:           # this rank holds none of the job's rows (N < sp)
                     outs.append(q[qa:qb])
                     continue
-                cu_q, cu_k = (qm.cu_q_host, m.cu_k_host) if host else (qm.cu_q, m.cu_k)
                 outs.append(attn(q[qa:qb], kv[0, m.k_start:m.k_end], kv[1, m.k_start:m.k_end], cu_q, cu_k,
-                                 qm.max_q, m.max_k, scale))
+                                 max_q, m.max_k, scale))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         return attend
 
