@@ -3,9 +3,8 @@
 # has the checks): 1 GPU: colocate; 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and
 # colocate TP2 + CFG2 with QoS (--qos-yield-share). On request only (--profiles): colocate-1-mps,
 # colocate-1-mps-low (--gen-priority low) and colocate-tp2-cfg2-mps (--gpu-sharing mps; they need
-# nvidia-cuda-mps-control), colocate-tp2-sp2-kv
-# (colocate-tp2-sp2 with --gen-sp-mode kv-gather). GPU profiles run the
-# random-weight 8B geometry (`u1serve tiny-checkpoint DIR --variant u1-8b` + U1SERVE_RANDOM_WEIGHTS=1); --cpu runs
+# nvidia-cuda-mps-control), colocate-tp2-sp2-kv (colocate-tp2-sp2 with --gen-sp-mode kv-gather).
+# GPU profiles run the random-weight 8B geometry (`u1serve tiny-checkpoint DIR --variant u1-8b` + U1SERVE_RANDOM_WEIGHTS=1); --cpu runs
 # the tiny checkpoint on CPU (what CI runs, a minute or two).
 #
 #   deploy/gpu_smoke.sh [--cpu] [--profiles colocate-1,separate-1-1] [--out DIR]

@@ -98,10 +98,10 @@ def test_every_documented_deploy_script_profile(model, tmp_path):
         assert _plan(r.stdout) in want, (script, env, r.stdout)
 
 
-def test_the_launcher_plans_without_torch(model):
+def test_the_launcher_plans_without_torch(model, tmp_path):
     """`u1serve up` (and its --dry-run) plans a stack without importing torch: the engines import it, the
     launcher need not pay its ~1 s (only --gen-sp, which checks the head split, does), --lora included."""
-    lora = os.path.join(model, "adapter.safetensors")
+    lora = str(tmp_path / "adapter.safetensors")
     open(lora, "wb").close()
     code = ("import runpy, sys\n"
             "sys.argv = ['u1serve', 'up', '--model', sys.argv[1], '--device', 'cuda', '--und-gpus', '0,1', "
