@@ -20,6 +20,9 @@ import pytest
 from .conftest import HEADERS, TOKEN, UndServer
 
 QUEUE_WAIT_S = 5.0
+# the hog's length: it must outlast two queue waits in a row (~10.3 s). The suite's default 4,096-token context
+# ran out in ~9 s on an idle 2-core machine (a flaky 200 for the queued prefix); 8,000 tokens take ~21 s there
+HOG_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,8 @@ def small(tiny_dir, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     s = UndServer(tiny_dir, "--chunked-prefill-size", "0", "--max-running-requests", "1",
                   "--max-queued-requests", "2", "--max-queue-wait-s", str(QUEUE_WAIT_S),
-                  "--max-prefix-pool-share", "0.5", pool_gb=0.0016, log_dir=str(d),
+                  "--max-prefix-pool-share", "0.5", "--max-model-len", str(HOG_TOKENS + 64), pool_gb=0.0016,
+                  log_dir=str(d),
                   token_args=("--internal-token-file", str(token_file))).wait_ready()
     yield s
     s.stop()
@@ -44,15 +48,14 @@ def _prefix(rid, **kw):
 
 
 class _LongStream(threading.Thread):
-    """A streaming chat that runs until closed (or ~8000 tokens, minutes on CPU); it holds the only running
-    slot."""
+    """A streaming chat that runs until closed or HOG_TOKENS tokens; it holds the only running slot."""
 
     def __init__(self, url):
         super().__init__(daemon=True)
         self.url, self.started, self.stop = url, threading.Event(), threading.Event()
 
     def run(self):
-        body = _chat(8000, ignore_eos=True, stream=True)
+        body = _chat(HOG_TOKENS, ignore_eos=True, stream=True)
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=120) as r:
             for line in r.iter_lines():
                 if '"content"' in line:
