@@ -4,6 +4,12 @@ from __future__ import annotations
 from typing import Optional
 
 
+# A UTF-8 character is at most 4 bytes and every token adds at least one, so a character still incomplete
+# after this many held tokens never completes (stray bytes): emit them as U+FFFD rather than stall the stream
+# and re-decode an ever longer tail on every token.
+MAX_HELD_TOKENS = 4
+
+
 class IncrementalDetokenizer:
     """Emits text deltas as token ids arrive; holds back bytes that do not yet form a whole character."""
 
@@ -21,7 +27,8 @@ class IncrementalDetokenizer:
         self.ids.extend(ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         text = self._decode(self.ids[self.prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+        held = len(self.ids) - self.read_offset
+        if len(text) > len(prefix) and (not text.endswith("\ufffd") or held > MAX_HELD_TOKENS):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return text[len(prefix):]
         return ""

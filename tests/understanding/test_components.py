@@ -90,6 +90,14 @@ def test_detokenizer_holds_partial_characters():
     assert d.push(list(b"ab")) == "ab"
 
 
+def test_detokenizer_does_not_hold_stray_bytes_forever():
+    """Continuation bytes with no lead byte never form a character: after a few tokens they stream as U+FFFD."""
+    d = IncrementalDetokenizer(_Tok())
+    out = [d.push([0x80]) for _ in range(6)]
+    assert out[:4] == [""] * 4 and out[4] == "\ufffd" * 5 and out[5] == ""
+    assert d.push(list("é".encode())) == "\ufffdé" and d.flush() == ""
+
+
 def test_think_split_and_stop_strings():
     tok = _Tok()
     out = OutputText(tok, True, ["STOP"], {tok.eos})
