@@ -12,7 +12,8 @@ GPU (2 H200), colocate QoS: --profiles colocate-tp2-cfg2-yield (image s/step is 
   while the chats run: the progress gaps of the loading image requests inside the chat window)
 GPU (2 H200), colocate under MPS (`u1serve up` runs the MPS daemon; generation capped at 85 % of the SMs, more
   or less with --up-args "--gen-sm-percent P"): --profiles colocate-tp2-cfg2,colocate-tp2-cfg2-mps (1 GPU:
-  colocate-1,colocate-1-mps)
+  colocate-1,colocate-1-mps); generation's MPS priority low (the default) beside normal:
+  --profiles colocate-tp2-cfg2-mps,colocate-tp2-cfg2-mps-normal
 GPU (4 H200): python bench/bench_deployment.py --profiles separate-tp2-cfg2,colocate-tp2-cfg2
 CPU smoke run: python bench/bench_deployment.py --tiny --profiles cpu-colocate,cpu-separate \\
                  --size 64x64 --steps 2 --chat-tokens 8   (cpu-colocate-yield: the QoS wiring)
@@ -43,6 +44,8 @@ PROFILES = {  # name -> u1serve up flags
     "colocate-1": "--mode colocate --und-gpus 0",
     "colocate-1-mps": "--mode colocate --und-gpus 0 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing mps",
+    "colocate-tp2-cfg2-mps-normal": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing "
+                                    "mps --gen-priority normal",
     "cpu-colocate": "--mode colocate --device cpu",
     "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",

@@ -8,6 +8,8 @@ engine level (torch only: the real Engine, rank processes, NCCL), full-size geom
 
 `--sp-mode ulysses|kv-gather|both` (default both): which SP mode(s) the SP cases run (sequence_parallel.py:
 Ulysses' two all-to-alls a layer, or one all-gather of K/V); in `comm`, each mode's per-layer collective.
+`--cuda-graphs off|on|both` (default off): the engine's step graphs (step_graph.py; the service's default is
+auto = on); `both` runs every case eagerly and from graphs, side by side (names end with "graphs").
 Each world size runs in one set of processes (rank r on cuda:r) that builds each model once and runs its
 cases one after the other: `sp` = one CFG group sharded over all ranks, `cfg` = CFG-parallel, `cfgxsp`
 = CFG 2 x SP (4+ GPUs). Prints a markdown table; --json writes the numbers.
@@ -42,6 +44,17 @@ def with_modes(cases: list[dict], modes: list[str]) -> list[dict]:
             out += [dict(c, name=f"{c['name']} {m}", sp_mode=m) for m in modes]
         else:
             out.append(c)
+    return out
+
+
+def with_graphs(cases: list[dict], flag: str) -> list[dict]:
+    """Each case with graphs off and / or on (the graphed copy's name ends with "graphs")."""
+    out = []
+    for c in cases:
+        if flag in ("off", "both"):
+            out.append(dict(c, graphs="off"))
+        if flag in ("on", "both"):
+            out.append(dict(c, name=f"{c['name']} graphs", graphs="on"))
     return out
 
 
@@ -117,9 +130,9 @@ def _diff_vs_one_gpu(cases: list[dict], res: dict) -> None:
     """Each multi-GPU case's max |x - x of one GPU| / max |x of one GPU| over the probes of the final state
     (same seed and steps; bf16 rounding differs, a wrong layout shows as O(1)). Drops the probes."""
     probes = {name: r.pop("probe") for name, r in res.items() if "probe" in r}
-    ref = {(c["size"], c["guidance"]): probes.get(c["name"]) for c in cases if c["world"] == 1}
+    ref = {(c["size"], c["guidance"], c["graphs"]): probes.get(c["name"]) for c in cases if c["world"] == 1}
     for c in cases:
-        p, b = probes.get(c["name"]), ref.get((c["size"], c["guidance"]))
+        p, b = probes.get(c["name"]), ref.get((c["size"], c["guidance"], c["graphs"]))
         if c["world"] > 1 and p and b:
             scale = max(max(abs(y) for y in b), 1e-12)
             res[c["name"]]["diff_vs_one_gpu"] = max(abs(x - y) for x, y in zip(p, b)) / scale
@@ -160,7 +173,8 @@ def _rank_main(rank: int, world: int, port: int, cases: list[dict], args, q) -> 
                 models[case["variant"]] = build_random_model(_config(case["variant"]), "gen", dtype, device)
             comm = _comm_for(case, rank, world, port, device, comms)
             try:
-                res[case["name"]] = _time_case(Engine(models[case["variant"]], None, comm), case, args, device)
+                engine = Engine(models[case["variant"]], None, comm, cuda_graphs=case["graphs"])
+                res[case["name"]] = _time_case(engine, case, args, device)
             except torch.cuda.OutOfMemoryError as e:
                 res[case["name"]] = {"error": f"OOM: {e}"[:200]}
         if rank == 0:
@@ -240,6 +254,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny geometry")
     p.add_argument("--sp-mode", default="both", choices=["ulysses", "kv-gather", "both"],
                    help="the SP mode(s) of the SP cases and of the comm part")
+    p.add_argument("--cuda-graphs", default="off", choices=["off", "on", "both"],
+                   help="the engine's step graphs: off, on, or each case both ways")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-gpus", type=int, default=None)
@@ -256,7 +272,7 @@ def main() -> None:
         for k, v in rows:
             print(f"| {k} | {1e3 * v['step_s']:.3f} |")
     else:
-        cases = with_modes(cases_for(args.part, args.smoke), sp_modes(args.sp_mode))
+        cases = with_graphs(with_modes(cases_for(args.part, args.smoke), sp_modes(args.sp_mode)), args.cuda_graphs)
         res = {}
         for world in sorted({c["world"] for c in cases}):
             mine = [c for c in cases if c["world"] == world]
@@ -276,11 +292,11 @@ def main() -> None:
                 print(f"| {c['name']} | {c['world']} | {r['step_s']:.4f} | {peak} | {diff} |")
             else:
                 print(f"| {c['name']} | {c['world']} | {r.get('skipped') or r.get('error')} | | |")
-        base = {(c["size"], c["guidance"]): res.get(c["name"], {}).get("step_s")
+        base = {(c["size"], c["guidance"], c["graphs"]): res.get(c["name"], {}).get("step_s")
                 for c in cases if c["world"] == 1}
         for c in cases:
             r = res.get(c["name"], {})
-            b = base.get((c["size"], c["guidance"]))
+            b = base.get((c["size"], c["guidance"], c["graphs"]))
             if c["world"] > 1 and b and "step_s" in r:
                 print(f"- {c['name']}: {b / r['step_s']:.2f}x faster than one GPU")
     if args.json:

@@ -10,7 +10,7 @@
 # Parts (each under its own time limit; a failed part is reported and the others still run):
 #   sp    u1-8b 2048²: guidance 1 SP1 vs SP2 (target SP2 <= 0.072 s/step; 0.132 s on one GPU), CFG over
 #         SP2 and over CFG2 (CFG2 x SP2 runs only with 4 GPUs); every SP case in each --sp-mode
-#         (ulysses, kv-gather; default both)                                       [torch only]
+#         (ulysses, kv-gather; default both), each eagerly and from CUDA graphs       [torch only]
 #   4k    u1.5-8b 4096²: SP1, CFG on one GPU, SP2, CFG SP2, CFG2; peak memory (target SP2 >= 1.8x SP1);
 #         SP cases in Ulysses mode
 #   comm  the SP collectives alone: one layer's collective of each --sp-mode (Ulysses: all-to-all there
@@ -48,7 +48,7 @@ fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 
-run sp sp "$LIMIT" python bench/bench_sp.py --part sp --sp-mode "$SP_MODE" "${SP[@]}"
+run sp sp "$LIMIT" python bench/bench_sp.py --part sp --sp-mode "$SP_MODE" --cuda-graphs both "${SP[@]}"
 run 4k 4k "$LIMIT" python bench/bench_sp.py --part 4k --sp-mode ulysses "${SP[@]}"
 run comm comm 90 python bench/bench_sp.py --part comm --sp-mode "$SP_MODE" "${SP[@]}"
 # 2048², 12 steps, CFG 4; 8 chat streams x 128 tokens, alone and with 2 image jobs (load delay 2 s)

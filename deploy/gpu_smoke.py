@@ -10,8 +10,9 @@ u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with an API key 
 a chat stream, an image stream, a 1024² image (256² on CPU), an edit, hostile inputs (temperature 1e-40,
 repetition_penalty 1e-300, seed 2**64, NaN, Infinity, nesting deeper than 32, a decompression-bomb image,
 non-ASCII and wrong keys: a 4xx, never a 5xx), a burst of 32 mixed requests with cancels (bench_load), then
-/health, empty KV pools (understanding's shm_pages_used, generation's queue) and clean logs (no Traceback, no
-500), and stops the stack (exit code 0, nothing left running).
+/health, empty KV pools (understanding's shm_pages_used, generation's queue), with --cuda-graphs on that
+generation's steps replayed CUDA graphs, clean logs (no Traceback, no 500), and stops the stack
+(exit code 0, nothing left running).
 """
 from __future__ import annotations
 
@@ -48,18 +49,22 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
                              "--gen-sp", "2"]),
     "colocate-tp2-sp2-kv": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                 "--gen-sp", "2", "--gen-sp-mode", "kv-gather"]),
+    "colocate-tp2-sp2-kv-graphs": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
+                                       "--gen-sp", "2", "--gen-sp-mode", "kv-gather", "--cuda-graphs", "on"]),
     "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
     "colocate-1-mps": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps"]),
-    "colocate-1-mps-low": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps",
-                               "--gen-priority", "low"]),
+    "colocate-1-mps-normal": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing",
+                                  "mps", "--gen-priority", "normal"]),
     "colocate-tp2-cfg2-mps": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--gpu-sharing", "mps"]),
 }
 # Run only when named (--profiles): the mps ones need nvidia-cuda-mps-control, colocate-tp2-sp2-kv is
-# colocate-tp2-sp2 in the other SP mode (sequence parallelism by K/V all-gather), and the five default
+# colocate-tp2-sp2 in the other SP mode (sequence parallelism by K/V all-gather), -graphs adds
+# --cuda-graphs on (the step's collectives captured in the graph), and the five default
 # 2-GPU profiles already take about 7 of the 10 minutes one call may run.
-ON_REQUEST = ("colocate-1-mps", "colocate-1-mps-low", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv")
+ON_REQUEST = ("colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv",
+              "colocate-tp2-sp2-kv-graphs")
 STEPS = 4
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
 
@@ -81,6 +86,7 @@ class Stack:
         os.makedirs(self.dir, exist_ok=True)
         self.run_dir = os.path.join(self.dir, f"run-{profile}")
         self.api_key = "sk-smoke-" + os.urandom(6).hex()
+        self.internal_token = os.urandom(16).hex()
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
@@ -138,6 +144,7 @@ class Stack:
     def _env(self) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.pop("U1SERVE_API_KEY", None)
+        env["U1SERVE_INTERNAL_TOKEN"] = self.internal_token     # the engines' token: to read generation's /metrics
         if self.gpus:
             env["U1SERVE_RANDOM_WEIGHTS"] = "1"
         return env
@@ -170,6 +177,26 @@ class Stack:
             if not problems or time.monotonic() > deadline:
                 return problems
             time.sleep(0.5)
+
+    def graphs_expected(self) -> bool:
+        """--cuda-graphs on|auto on a GPU: generation's steps replay CUDA graphs (step_graph.py; SP stacks
+        too), but where the QoS yield gate keeps them eager."""
+        f = self.flags
+        mode = f[f.index("--cuda-graphs") + 1] if "--cuda-graphs" in f else "off"
+        return bool(self.gpus) and mode != "off" and "--qos-yield-share" not in f
+
+    def graph_problems(self) -> list[str]:
+        """Rank 0's graph counters from generation's /metrics: some step replayed a graph."""
+        try:
+            text = httpx.get(self.urls.get("gen", "") + "/metrics", timeout=5,
+                             headers={"X-U1-Internal-Token": self.internal_token}).text
+        except httpx.HTTPError as exc:
+            return [f"generation /metrics: {exc}"]
+        replays = re.search(r"^u1_gen_graph_replays_total (\S+)", text, re.M)
+        if not replays or float(replays.group(1)) <= 0:
+            return ["no generation step replayed a CUDA graph (u1_gen_graph_replays_total "
+                    f"{replays.group(1) if replays else 'missing'})"]
+        return []
 
     def log_problems(self) -> list[str]:
         bad = []
@@ -308,6 +335,10 @@ def run_profile(profile: str, out: Optional[str], work_dir: Optional[str] = None
             problems = stack.settle_problems()
             result["checks"].append({"name": "idle, KV pools empty", "ok": not problems,
                                      "detail": "; ".join(problems) or "gateway 200, shm_pages_used 0, queue 0"})
+            if stack.graphs_expected():
+                problems = stack.graph_problems()
+                result["checks"].append({"name": "CUDA graphs replayed", "ok": not problems,
+                                         "detail": "; ".join(problems) or "generation steps replay graphs"})
     except Exception as exc:
         result["checks"].append({"name": "start-up", "ok": False, "detail": f"{exc}"[-3000:]})
     logs = stack.log_problems()

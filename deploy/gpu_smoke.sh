@@ -2,14 +2,16 @@
 # Smoke test of every deployment profile this machine can hold, through the public API (deploy/gpu_smoke.py
 # has the checks): 1 GPU: colocate; 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and
 # colocate TP2 + CFG2 with QoS (--qos-yield-share). On request only (--profiles): colocate-1-mps,
-# colocate-1-mps-low (--gen-priority low) and colocate-tp2-cfg2-mps (--gpu-sharing mps; they need
-# nvidia-cuda-mps-control), colocate-tp2-sp2-kv (colocate-tp2-sp2 with --gen-sp-mode kv-gather).
+# colocate-1-mps-normal (--gen-priority normal) and colocate-tp2-cfg2-mps (--gpu-sharing mps; they need
+# nvidia-cuda-mps-control), colocate-tp2-sp2-kv (colocate-tp2-sp2 with --gen-sp-mode kv-gather),
+# colocate-tp2-sp2-kv-graphs (that with --cuda-graphs on: checks that steps replayed graphs).
 # GPU profiles run the random-weight 8B geometry (`u1serve tiny-checkpoint DIR --variant u1-8b` + U1SERVE_RANDOM_WEIGHTS=1); --cpu runs
 # the tiny checkpoint on CPU (what CI runs, a minute or two).
 #
 #   deploy/gpu_smoke.sh [--cpu] [--profiles colocate-1,separate-1-1] [--out DIR]
-#   deploy/gpu_smoke.sh --profiles colocate-1-mps,colocate-1-mps-low,colocate-tp2-cfg2-mps  # MPS (2 GPUs, ~4 min)
+#   deploy/gpu_smoke.sh --profiles colocate-1-mps,colocate-1-mps-normal,colocate-tp2-cfg2-mps  # MPS (2 GPUs, ~4 min)
 #   deploy/gpu_smoke.sh --profiles colocate-tp2-sp2,colocate-tp2-sp2-kv      # both SP modes (2 GPUs)
+#   deploy/gpu_smoke.sh --profiles colocate-tp2-sp2-kv-graphs               # SP with CUDA graphs (2 GPUs)
 #
 # Each profile gets a time limit (PROFILE_LIMIT_S, default 170 s on GPU: the five profiles of a 2-GPU machine
 # finish in about 7 minutes: under a 10-minute limit, run them in two calls with --profiles; 240 s on CPU).

@@ -367,7 +367,7 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--gen-priority", choices=["normal", "low"], default=None,
                    help="with --gpu-sharing mps: generation's scheduling priority against understanding's "
                         "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "
-                        "blocks; default normal)")
+                        "blocks; default low, normal: no priority)")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,

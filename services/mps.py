@@ -25,13 +25,15 @@ from typing import Callable, Optional
 from services.launcher import StartupError
 
 CONTROL = "nvidia-cuda-mps-control"
-DEFAULT_GEN_SM_PERCENT = 85        # measured: 2 H200 TP2 + CFG2 chat p90 1.84-2.06x alone, image +5-7 %; 1 H200 2.5x, +11 %
+DEFAULT_GEN_SM_PERCENT = 85        # measured: 2 H200 TP2 + CFG2 (priority low) chat p90 1.82x alone, image +5-7 %
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 # 0 NORMAL, 1 BELOW_NORMAL: the GPU's work distributor dispatches a normal client's blocks before a below-normal
 # one's queued blocks (it preempts nothing that runs), so a decode kernel does not queue behind an image GEMM's
 PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 GEN_PRIORITIES = {"normal": "0", "low": "1"}
-DEFAULT_GEN_PRIORITY = "normal"
+# low by default: side by side on 2 H200 (TP2 + CFG2) the loaded chat p90 is 1.82x alone at low, 2.15x at normal,
+# for ~1 point of image time (docs/benchmarks/deployment.md)
+DEFAULT_GEN_PRIORITY = "low"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 # a Unix socket path holds 107 bytes; the daemon's longest socket in its pipe dir is control_privileged

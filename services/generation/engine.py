@@ -8,7 +8,7 @@ groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (mo
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
 rows; attention sees whole segments for its heads (Ulysses) or its own query rows against every row's
 K/V (kv-gather), and the hidden rows are gathered before the head.
-Where the step is graphable (step_graph.py: CUDA, no step cache, no SP, no yield gate) the layer stack
+Where the step is graphable (step_graph.py: CUDA, no step cache, no yield gate) the layer stack
 runs from a CUDA graph captured on the second step of a composition and replayed after.
 """
 from __future__ import annotations
@@ -174,9 +174,9 @@ class Engine:
             spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
-            if self.graphs.enabled and graphable(self.device, sp.world, self.gate is not None,
+            if self.graphs.enabled and graphable(self.device, self.gate is not None,
                                                  [j.cache.mode for j in jobs]):
-                hidden = self._graphed_forward(spans, packed, pos)
+                hidden = self._graphed_forward(spans, packed, pos, layout)
             else:
                 self.graphs.not_graphable()
                 if any(j.cache.mode != "off" for j in jobs):
@@ -209,11 +209,11 @@ class Engine:
         self._record_branch_steps(finished)
         return finished, r
 
-    def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The layer stack without step cache or SP, through the engine's CUDA graph (step_graph.py).
-        What the attend closure bakes in (job.kv, each job's cached StepMeta and its host ints) is
-        fixed by the key."""
-        attend = self._attend(spans, None)
+    def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor, layout) -> torch.Tensor:
+        """The layer stack without step cache, through the engine's CUDA graph (step_graph.py). What the
+        attend closure bakes in (job.kv, each job's cached StepMeta and its host ints, under SP the row
+        layout and the collectives) is fixed by the key."""
+        attend = self._attend(spans, layout)
         model = self.model
         return self.graphs.run(composition_key(spans, packed.shape[0]),
                                lambda x, p: model.gen_forward(x, model.rope(p), attend), packed, pos)

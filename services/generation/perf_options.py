@@ -43,7 +43,7 @@ def add_perf_flags(p: argparse.ArgumentParser) -> None:
                    help="denoising steps per warm-up size (0: no warm-up)")
     p.add_argument("--cuda-graphs", default="off", choices=list(CUDA_GRAPH_MODES),
                    help="replay each job's denoise layer stack from a CUDA graph (captured on its second "
-                        "step) where the step allows it: CUDA, no step cache, no --sp, no --yield-to. "
+                        "step) where the step allows it: CUDA, no step cache, no --yield-to (--sp too). "
                         f"auto/on: where it allows it (eager on cpu); {CUDA_GRAPHS_ENV}=0|1 overrides")
 
 

@@ -18,8 +18,11 @@ second capture on torch 2.11 (an internal assert in the pinned-host allocator's 
 measured on the H200); a released graph's pool is handed back with `torch.cuda.empty_cache()` (`release`).
 
 Used only where the step is graphable (`graphable`): CUDA, no step cache for any running job (its
-decisions are made on the host), no sequence parallelism (collectives and host-side layouts inside the
-attend), no QoS yield gate (it yields on the host between layers). A capture that fails (an op that is not
+decisions are made on the host), no QoS yield gate (it yields on the host between layers). Sequence
+parallelism is graphable: its collectives (NCCL all-gather / all-to-all) are captured into the graph, and
+its row layout is a function of the key (segments) built before the capture; every rank of the group
+runs the same keys in the same order, and an eager step issues the same collectives as a replay, so a
+rank that falls back to eager (a failed capture) stays in step with the others. A capture that fails (an op that is not
 capturable, e.g. a host sync) logs one warning, turns graphs off for the engine's life, and the step is
 computed eagerly (a capture records the work, it does not run it). A capture that runs out of device memory
 is not a property of the code but of the moment (other jobs' KV, a large batch): that composition runs eagerly
@@ -54,10 +57,9 @@ def resolve_mode(flag: str, env: dict | None = None) -> str:
     return "on" if value == "1" else "off"
 
 
-def graphable(device: torch.device, sp_world: int, yield_gate: bool, cache_modes) -> bool:
+def graphable(device: torch.device, yield_gate: bool, cache_modes) -> bool:
     """Whether a step may run from a CUDA graph (module doc); `cache_modes`: every running job's."""
-    return (device.type == "cuda" and sp_world == 1 and not yield_gate
-            and all(mode == "off" for mode in cache_modes))
+    return device.type == "cuda" and not yield_gate and all(mode == "off" for mode in cache_modes)
 
 
 def composition_key(spans, rows: int) -> tuple:
@@ -169,7 +171,7 @@ class StepGraphs:
         return g.out
 
     def not_graphable(self) -> None:
-        """This step runs eagerly outside `run` (step cache, SP, yield gate): no graph is kept."""
+        """This step runs eagerly outside `run` (step cache, yield gate): no graph is kept."""
         self.release()
         self.last = EAGER
 

@@ -162,7 +162,7 @@ def test_every_bench_deployment_profile_dry_runs(configs):
             assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield"
 
 
-def test_gpu_smoke_sp_profiles_dry_run(configs):
+def test_gpu_smoke_sp_profiles_dry_run(configs, tmp_path):
     """deploy/gpu_smoke.py's SP profiles plan generation over both GPUs, colocate-tp2-sp2-kv in kv-gather
     mode (run on request only)."""
     sys.path[:0] = [os.path.join(ROOT, "deploy"), os.path.join(ROOT, "bench")]
@@ -171,8 +171,12 @@ def test_gpu_smoke_sp_profiles_dry_run(configs):
     finally:
         del sys.path[:2]
     assert "colocate-tp2-sp2-kv" in gpu_smoke.ON_REQUEST and "colocate-tp2-sp2-kv" not in gpu_smoke.profiles_for(8)
-    for name, mode in (("colocate-tp2-sp2", "ulysses"), ("colocate-tp2-sp2-kv", "kv-gather")):
+    assert "colocate-tp2-sp2-kv-graphs" in gpu_smoke.ON_REQUEST
+    for name, mode in (("colocate-tp2-sp2", "ulysses"), ("colocate-tp2-sp2-kv", "kv-gather"),
+                       ("colocate-tp2-sp2-kv-graphs", "kv-gather")):
         r = dry_run(configs["u1-8b"], shlex.join(gpu_smoke.PROFILES[name][1]))
         assert r.returncode == 0, (name, r.stderr)
         gpus, gen = plan(r.stdout)["gen"]
         assert gpus == "0,1" and (flag(gen, "--sp"), flag(gen, "--sp-mode")) == ("2", mode), name
+        assert flag(gen, "--cuda-graphs") == ("on" if name.endswith("-graphs") else None), name
+        assert gpu_smoke.Stack(name, str(tmp_path / name)).graphs_expected() == name.endswith("-graphs"), name

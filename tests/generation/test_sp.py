@@ -26,7 +26,9 @@ TOL = dict(rtol=1e-4, atol=1e-4)   # fp32: SP changes GEMM row counts and the at
 
 
 # -- the ranks -----------------------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: str, batches, q) -> None:
+def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: str, batches, q,
+               graphs_on_rank: int | None = None) -> None:
+    from services.generation import engine as engine_mod
     from services.generation.cfg_parallel import CfgComm
     from services.generation.engine import Engine
     from services.generation.request import parse_job
@@ -35,6 +37,9 @@ def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: 
     try:
         comm = CfgComm.init(rank, world, port, torch.device("cpu"), sp=sp, sp_mode=mode)
         engine = Engine(load_model(model_dir, "gen"), None, comm)
+        if rank == graphs_on_rank:     # what `--cuda-graphs on` means on CUDA; on a CPU every capture fails
+            engine_mod.graphable = lambda *a: True
+            engine.graphs.enabled = True
         out = {}
         for batch in batches:          # the jobs of a batch run together (packed forwards)
             jobs = []
@@ -46,6 +51,9 @@ def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: 
                 engine.step()
             # numpy: pickled by value (a tensor would be shared through this process, which exits)
             out.update({j.request_id: (j.x.numpy().copy(), j.branch_steps) for j in jobs})
+        if rank == graphs_on_rank:
+            g = engine.graphs
+            out[GRAPHS] = (g.enabled, g.failure is not None, g.captures, g.replays)
         q.put((rank, out))
         comm.close()
     except BaseException as e:  # surface the failure instead of a silent hang
@@ -53,14 +61,17 @@ def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: 
         raise
 
 
+GRAPHS = "graphs"    # the forced rank's (enabled, failed, captures, replays), in its results
+
+
 def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240.0,
-              mode: str = "ulysses") -> dict:
-    """Every rank's {request_id: (x, branch_steps)}."""
+              mode: str = "ulysses", graphs_on_rank: int | None = None) -> dict:
+    """Every rank's {request_id: (x, branch_steps)} (and GRAPHS: the state of graphs_on_rank's graphs)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, sp, mode, port, model_dir, batches, q), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, sp, mode, port, model_dir, batches, q, graphs_on_rank),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -68,7 +79,7 @@ def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240
         for _ in range(world):
             rank, out = q.get(timeout=timeout)
             assert not isinstance(out, str), f"rank {rank} failed: {out}"
-            results[rank] = {rid: (torch.from_numpy(x), steps) for rid, (x, steps) in out.items()}
+            results[rank] = {rid: v if rid == GRAPHS else (torch.from_numpy(v[0]), v[1]) for rid, v in out.items()}
     except queue.Empty:
         raise AssertionError(f"ranks did not finish in {timeout} s (got {sorted(results)})") from None
     finally:
@@ -170,6 +181,20 @@ def test_sp2_equals_sp1_u1(tiny_dir, ref_model, mode):
         torch.testing.assert_close(sp2[rid][0], x, **TOL, msg=rid)
         assert sp2[rid][1] == steps, rid
     assert sum(s["reused"] for s in sp1["cache"][1].values()) > 0   # the cache did reuse
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_whose_graph_capture_fails_stays_in_step_with_the_others(tiny_dir, ref_model, mode):
+    """SP steps are graphable (their collectives are captured). The fallback, not a claim about CUDA: rank 1
+    alone tries to capture (on a CPU the capture fails for real), turns graphs off and computes the step
+    eagerly, issuing the same collectives as rank 0: same images as SP1, no hang."""
+    one = prefixes(ref_model, guidance_scale=1.0)
+    batches = [[job("g1", one, guidance_scale=1.0, width=224, height=160, num_inference_steps=4)]]
+    sp1 = run_local(tiny_dir, batches)
+    res = run_ranks(tiny_dir, batches, world=2, sp=2, mode=mode, graphs_on_rank=1)
+    assert res[1].pop(GRAPHS) == (False, True, 0, 0)          # tried once, failed, off for good
+    sp2 = assert_ranks_agree(res)
+    torch.testing.assert_close(sp2["g1"][0], sp1["g1"][0], **TOL)
 
 
 def test_kv_gather_sp3_takes_any_sp(tiny_dir, ref_model):

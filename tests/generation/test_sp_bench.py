@@ -17,7 +17,7 @@ def test_gpu_sp_qos_smoke(tmp_path):
     assert set(res) == {"sp", "comm"}
     assert all("step_s" in r for r in res["sp"].values()), res["sp"]
     for mode in ("ulysses", "kv-gather"):      # every SP case and each mode's per-layer collective
-        assert {"tiny g1 sp x2 " + mode, "tiny g4 sp x2 " + mode} <= set(res["sp"]), res["sp"]
+        assert {"tiny g1 sp x2 " + mode, "tiny g4 sp x2 " + mode, "tiny g1 sp x2 " + mode + " graphs"} <= set(res["sp"])
         assert sum(k.endswith(", " + mode) and "step_s" in r for k, r in res["comm"].items()) == 1, res["comm"]
     # the final state of every multi-rank case matches one rank's (fp32 here; a layout bug is O(1))
     assert all(r["diff_vs_one_gpu"] < 1e-4 for k, r in res["sp"].items() if " x2" in k), res["sp"]

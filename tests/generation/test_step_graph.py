@@ -41,12 +41,11 @@ def test_flag_and_environment_override():
 
 
 def test_which_steps_are_graphable():
-    assert graphable(CUDA, 1, False, ["off", "off"])
-    assert graphable(CUDA, 1, False, [])
-    assert not graphable(CPU, 1, False, ["off"])                    # eager on CPU, whatever the flag
-    assert not graphable(CUDA, 2, False, ["off"])                   # sequence parallelism
-    assert not graphable(CUDA, 1, True, ["off"])                    # QoS yield gate
-    assert not graphable(CUDA, 1, False, ["off", "first_block"])    # any job with a step cache
+    assert graphable(CUDA, False, ["off", "off"])                # sequence parallelism too: its collectives are captured
+    assert graphable(CUDA, False, [])
+    assert not graphable(CPU, False, ["off"])                    # eager on CPU, whatever the flag
+    assert not graphable(CUDA, True, ["off"])                    # QoS yield gate
+    assert not graphable(CUDA, False, ["off", "first_block"])    # any job with a step cache
 
 
 class _Job:   # only identity matters to the key

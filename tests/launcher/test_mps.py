@@ -149,19 +149,19 @@ def test_dry_run_shows_the_daemon_and_each_services_mps_environment(config_model
     assert f"CUDA_VISIBLE_DEVICES={daemon_gpus} " in _lines(r.stdout)["und"]
 
 
-def test_default_sm_percent_is_85_at_normal_priority(config_model):
+def test_default_is_85_percent_of_the_sms_at_low_priority_for_generation_only(config_model):
     r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0")
     assert r.returncode == 0, r.stderr
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in _lines(r.stdout)["gen"]
-    assert "CUDA_MPS_CLIENT_PRIORITY" not in r.stdout
-
-
-def test_low_gen_priority_is_set_for_generation_only(config_model):
-    r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0", "--gen-priority", "low")
-    assert r.returncode == 0, r.stderr
     lines = _lines(r.stdout)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
     assert "CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]
     assert "CUDA_MPS_CLIENT_PRIORITY" not in lines["und"] + lines["gateway"]
+
+
+def test_normal_gen_priority_sets_no_priority(config_model):
+    r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0", "--gen-priority", "normal")
+    assert r.returncode == 0, r.stderr
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in r.stdout
 
 
 def test_exclusive_process_is_fine_prohibited_is_not(tmp_path, monkeypatch):
@@ -310,13 +310,14 @@ def test_gpu_smoke_and_bench_mps_profiles_plan_an_mps_stack(config_model):
     finally:
         del sys.path[:2]
     mps = [n for n in gpu_smoke.ON_REQUEST if "-mps" in n]
-    assert set(mps) == {"colocate-1-mps", "colocate-1-mps-low", "colocate-tp2-cfg2-mps"}
+    assert set(mps) == {"colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps"}
     assert not set(gpu_smoke.profiles_for(8)) & set(gpu_smoke.ON_REQUEST)
-    bench = [n for n in mps if n in bench_deployment.PROFILES]
+    bench = [n for n in bench_deployment.PROFILES if "-mps" in n]
+    assert "colocate-tp2-cfg2-mps-normal" in bench
     for name, flags in [(n, gpu_smoke.PROFILES[n][1]) for n in mps] + \
             [(n, bench_deployment.PROFILES[n].split()) for n in bench]:
         r = dry_run(config_model, *flags)
         assert r.returncode == 0, (flags, r.stderr)
         lines = _lines(r.stdout)
         assert "nvidia-cuda-mps-control -d" in lines["mps"] and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
-        assert ("CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]) == name.endswith("-low"), (name, lines["gen"])
+        assert ("CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]) != name.endswith("-normal"), (name, lines["gen"])
