@@ -8,8 +8,8 @@ engine level (torch only: the real Engine, rank processes, NCCL), full-size geom
 
 `--sp-mode ulysses|kv-gather|both` (default both): which SP mode(s) the SP cases run (sequence_parallel.py:
 Ulysses' two all-to-alls a layer, or one all-gather of K/V); in `comm`, each mode's per-layer collective.
-`--cuda-graphs off|on|both` (default off): the engine's step graphs (step_graph.py; the service's default is
-auto = on); `both` runs every case eagerly and from graphs, side by side (names end with "graphs").
+`--cuda-graphs off|on|both` (default off): the engine's step graphs (step_graph.py; the service's opt-in
+--cuda-graphs); `both` runs every case eagerly and from graphs, side by side (names end with "graphs").
 Each world size runs in one set of processes (rank r on cuda:r) that builds each model once and runs its
 cases one after the other: `sp` = one CFG group sharded over all ranks, `cfg` = CFG-parallel, `cfgxsp`
 = CFG 2 x SP (4+ GPUs). Prints a markdown table; --json writes the numbers.
