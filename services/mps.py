@@ -55,7 +55,7 @@ class MpsDaemon:
 
     name = "mps"
 
-    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = "normal"):
+    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = DEFAULT_GEN_PRIORITY):
         base = os.path.join(os.path.abspath(run_dir), "mps")
         self.pipe_dir = os.path.join(base, "pipe")
         self.log_dir = os.path.join(base, "log")
