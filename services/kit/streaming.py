@@ -43,9 +43,11 @@ class OwnedStream(StreamingResponse):
 
 
 def _transport(send) -> Optional[asyncio.Transport]:
-    """The connection's transport behind uvicorn's `send` (RequestResponseCycle.send); None elsewhere."""
+    """The connection's transport behind uvicorn's `send` (RequestResponseCycle.send); None elsewhere. (Duck
+    typed: uvloop's transports are not asyncio.BaseTransport subclasses.)"""
     transport = getattr(getattr(send, "__self__", None), "transport", None)
-    return transport if isinstance(transport, asyncio.BaseTransport) else None
+    needs = ("abort", "get_write_buffer_size", "is_closing", "set_write_buffer_limits", "get_extra_info")
+    return transport if all(hasattr(transport, name) for name in needs) else None
 
 
 class _Stall:
@@ -76,9 +78,10 @@ class _Stall:
 
 
 class SlowReaderGuard:
-    """ASGI wrapper: write deadline per response (see the module doc). `send_buffer_bytes` > 0 also caps the
-    kernel send buffer of each connection (SO_SNDBUF), i.e. how much a client that reads nothing absorbs
-    before the deadline starts to count; 0 leaves the kernel's autotuning (up to a few MB)."""
+    """ASGI wrapper: write deadline per response (see the module doc). `send_buffer_bytes` > 0 also caps what
+    a connection buffers on this side (the kernel's SO_SNDBUF and the server's write buffer), i.e. how much a
+    client that reads nothing absorbs before the deadline starts to count; 0 leaves the kernel's autotuning (up
+    to a few MB) and the server's 64 KiB."""
 
     def __init__(self, app, *, write_timeout_s: float, send_buffer_bytes: int = 0,
                  on_cut: Callable[[], None] = lambda: None):
@@ -95,6 +98,7 @@ class SlowReaderGuard:
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            transport.set_write_buffer_limits(high=self.send_buffer_bytes)
         path = scope.get("path", "")
 
         def cut() -> None:
