@@ -73,8 +73,9 @@ def raw_request(port: int, path: str, body: dict) -> socket.socket:
 
 
 # each answer is larger than what a connection absorbs with --stream-send-buffer-kb 1 (~10 KB): it stalls
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 64,
-        "ignore_eos": True, "temperature": 0, "logprobs": True}             # ~19 KB of SSE
+# (a few tokens with their top-20 log-probs: big chunks for little engine work)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 10,
+        "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 20}   # ~15 KB of SSE
 IMAGE = {"prompt": "a fox", "size": "96x96", "n": 1, "stream": True, "num_inference_steps": 1,
          "response_format": "b64_json", "output_format": "png"}              # ~37 KB of SSE
 
