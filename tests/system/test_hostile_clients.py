@@ -127,7 +127,7 @@ def _queued_job_gets_429(stack, base: str, openai) -> None:
     def long_stream(stop: threading.Event):
         with httpx.stream("POST", base + "/v1/images/generations", json=long_job, timeout=120) as r:
             for line in r.iter_lines():
-                if '"progress"' in line:
+                if '.progress"' in line:             # image_generation.progress
                     started.set()
                 if stop.is_set():
                     return                   # the client leaves: the job is cancelled
