@@ -360,6 +360,7 @@ def main() -> int:
     print()
     print(report.markdown())
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"facts": report.facts, "checks": [c.__dict__ for c in report.checks]}, f, indent=2)
     return 0 if report.checks and all(c.ok for c in report.checks) else 1
