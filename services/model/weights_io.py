@@ -334,3 +334,61 @@ def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: 
         staged.keys.append(key)
         staged.nbytes += v.numel() * v.element_size()
     return staged
+
+
+# ----------------------------------------------------------------------------- one rank's update state
+DEFAULT_VERSION = "0"
+
+
+class LiveWeights:
+    """One engine rank's side of the two-phase update: `stage` (read + validate into a staged copy), then
+    `commit` (copy in, new version) or `abort` (drop the copy). The engine decides when commit may run
+    (between jobs); every rank of an engine runs the same calls in the same order."""
+
+    def __init__(self, model: NeoModel, version: str = DEFAULT_VERSION):
+        self.model = model
+        self.version = version
+        self.staged: StagedUpdate | None = None
+        self.staged_version: str | None = None
+
+    def stage(self, version: str, path: str | None = None, lora: str | None = None,
+              lora_strength: float = 1.0) -> StagedUpdate:
+        """Raises UpdateError (or LoadError for an unreadable file); on success the previous staged copy is
+        replaced."""
+        self.abort()
+        staged = stage_update(self.model, path, lora, lora_strength, self._staging_device(path, lora))
+        self.staged, self.staged_version = staged, version
+        return staged
+
+    def commit(self) -> int:
+        if self.staged is None:
+            raise UpdateError("no staged weight update to commit")
+        n = self.staged.commit()
+        self.version = self.staged_version
+        self.abort()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return n
+
+    def abort(self) -> None:
+        self.staged, self.staged_version = None, None
+
+    def _staging_device(self, path: str | None, lora: str | None) -> torch.device:
+        """The model's device when the staged copy fits there with room to spare, else the CPU (commit then
+        copies host -> device)."""
+        dev = self.model.device
+        if dev.type != "cuda":
+            return dev
+        files = update_files(path) if path else {}
+        size = sum(os.path.getsize(p) for p in set(files.values()))
+        if lora:
+            size += sum(p.numel() * p.element_size() for p in self.model.parameters())   # worst case: every weight
+        free, _ = torch.cuda.mem_get_info(dev)
+        return dev if 2 * size < free else torch.device("cpu")
+
+
+def error_reply(exc: BaseException) -> dict:
+    """A rank's failure of a weights op as the reply's `error`: a refused update is the caller's (400)."""
+    if isinstance(exc, LoadError):
+        return {"status": 400, "message": str(exc), "code": "invalid_weights"}
+    return {"status": 500, "message": f"{type(exc).__name__}: {exc}", "code": "weights_error"}
