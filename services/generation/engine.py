@@ -64,6 +64,7 @@ class Engine:
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
         self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
         self.graphs = StepGraphs(self.device, cuda_graphs)
+        self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:

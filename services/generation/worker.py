@@ -24,6 +24,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from . import float_image
 from .request import APIError, GenerateRequest, busiest_rank_tokens
+from .weights import RankWeights
 
 log = logging.getLogger("u1serve.generation.engine")
 
@@ -106,6 +107,11 @@ def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
 
 def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
     sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.cfg_world, comm.sp.world)
+    weights = RankWeights(engine, comm)
+
+    def refuse(spec, err: APIError) -> None:   # a queued job that never imported its pages
+        source.release(spec.handles.values())
+        out.send({"request_id": spec.request_id, **err.event()})
     stop = False
     while not stop:
         drop = []
@@ -114,17 +120,25 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 stop = True
             elif msg[0] == "job":
                 sched.pending.append(msg[1])
+            elif msg[0] == "weights":
+                weights.take(msg[1])
             elif msg[0] == "cancel":  # the HTTP process already ended the stream; just stop the work
-                spec = sched.remove(msg[1])
+                spec = sched.remove(msg[1]) or weights.remove_held(msg[1])
                 if spec is not None:  # never imported: free its pages now, not at lease expiry
                     source.release(spec.handles.values())
                 elif any(j.request_id == msg[1] for j in engine.running):
                     drop.append(msg[1])
         running_tokens = sum(sched.tokens(j.spec) for j in engine.running)
-        admit = [] if stop else sched.pick(running_tokens, len(engine.running))
-        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop})
+        weights.screen(sched.pending, refuse)      # jobs whose prefix another weights version computed
+        op = None if stop else weights.next_op(bool(engine.running))
+        admit = [] if stop or not weights.admitting(op) else sched.pick(running_tokens, len(engine.running))
+        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop, "weights": op})
         stats: list = []
         errors = _apply_plan(engine, comm, plan, stats)
+        if op is not None:
+            out.send({"type": "stats", "stat": "weights", **weights.run(op)})
+            if op["op"] != "stage":
+                weights.release_held(sched.pending, refuse)
         for s in stats:
             out.send({"type": "stats", **s})
         for spec in admit:
@@ -132,7 +146,8 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 source.release(spec.handles.values())
                 out.send({"request_id": spec.request_id, **errors[spec.request_id]})
             else:
-                out.send({"request_id": spec.request_id, "type": "started"})
+                out.send({"request_id": spec.request_id, "type": "started",
+                          "weights_version": engine.weights_version})
                 timeline.mark("gen", "admitted")
         if stop:
             break
@@ -173,16 +188,20 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                     continue
             for i in range(job.n):
                 out.send({"request_id": job.request_id, "type": "image", "index": i,
-                          "branch_steps": job.branch_steps, "image_handle": image_handle}, pixels=pixels[i])
+                          "branch_steps": job.branch_steps, "image_handle": image_handle,
+                          "weights_version": engine.weights_version}, pixels=pixels[i])
             out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out.send({"request_id": job.request_id, "type": "done"})
             job.free()
 
 
 def _follower_loop(engine, comm, source) -> None:
+    weights = RankWeights(engine, comm)
     while True:
         plan = comm.broadcast(None)
         _apply_plan(engine, comm, plan, [])
+        if plan.get("weights") is not None:
+            weights.run(plan["weights"])
         if plan["stop"]:
             break
         if engine.running:
