@@ -121,6 +121,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
+    argv += ["--rl-reference", getattr(args, "rl_reference", "on")]
     argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
@@ -409,6 +410,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
+    p.add_argument("--rl-reference", choices=["on", "off"], default="on",
+                   help="RL scoring against a frozen copy of the start weights (docs/rl.md; built on first use)")
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal, Optional
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from . import limits as L
 from .image import CfgNorm, GenerateRequest, OutputFormat
@@ -256,22 +256,22 @@ class RolloutJobRequest(GenerateRequest):
 
 
 class ScoreJobRequest(GenerateRequest):
-    """POST /internal/rl/score: n samples over one set of handles; z from a stored trajectory's part or an
-    uploaded one (base64 safetensors with the n samples)."""
+    """POST /internal/rl/score: the log-probs of samples [part, part + n) of a stored trajectory (an upload is
+    stored first: POST /internal/rl/trajectories), recomputed over one set of prefix handles."""
     n: Int = Field(1, ge=1, le=MAX_GROUP_SIZE)
     seed: Int = Field(0, ge=0, le=L.SEED_MAX)
     sde: SdeOptions = Field(default_factory=SdeOptions)
-    trajectory_id: Optional[str] = Field(None, max_length=MAX_TRAJECTORY_ID_CHARS)
-    part: Int = Field(0, ge=0, le=MAX_RL_SAMPLES)
-    sample_offset: Int = Field(0, ge=0, le=MAX_RL_SAMPLES, description="first sample of an uploaded blob")
-    trajectory_b64: Optional[str] = None
+    trajectory_id: str = Field(min_length=1, max_length=MAX_TRAJECTORY_ID_CHARS)
+    part: Int = Field(0, ge=0, le=MAX_RL_SAMPLES, description="the first sample's index in the trajectory")
     weights: WeightsChoice = "current"
+    _latents: object = PrivateAttr(None)     # f32 [n, N+1, 3, H, W], set by the generation server (pickled along)
 
-    @model_validator(mode="after")
-    def _source(self) -> "ScoreJobRequest":
-        if (self.trajectory_id is None) == (self.trajectory_b64 is None):
-            raise ValueError("give exactly one of trajectory_id and trajectory_b64")
+    def with_latents(self, latents) -> "ScoreJobRequest":
+        self._latents = latents
         return self
+
+    def latents(self):
+        return self._latents
 
 
 class JobLogprobs(BaseModel):

@@ -107,7 +107,7 @@ class Orchestrator:
             gen.source = und.ep                # a generation replica that can read this replica's KV
             gen_pool = self._pool(self.gen, pins)
             # not moved on after a 429 / 503 head: generation frees the pages of a job it refuses
-            resp = await self._open(gen_pool, "/internal/generate", job.generate_body(handles.handles), hdrs,
+            resp = await self._open(gen_pool, job.generate_path(), job.generate_body(handles.handles), hdrs,
                                     deadline, gen, pins, retry_refused=False)
             images = 0
             async with reading(gen_pool, gen.ep, resp):
@@ -129,10 +129,10 @@ class Orchestrator:
                         self.metrics.images.inc()
                     yield ev
             working = None
-            if images < job.n:
+            if images < job.expected_images():
                 handles.returned()
                 gen_pool.down(gen.ep)
-                raise unavailable(f"generation service stopped after {images} of {job.n} images",
+                raise unavailable(f"generation service stopped after {images} of {job.expected_images()} images",
                                   code="generation_unavailable")
         except (asyncio.CancelledError, GeneratorExit):
             self.metrics.cancelled.inc()

@@ -25,6 +25,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from . import float_image
 from .request import APIError, GenerateRequest, busiest_rank_tokens
 from .weights import RankWeights
+from .rollout import send_results
 
 log = logging.getLogger("u1serve.generation.engine")
 
@@ -176,6 +177,10 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                   "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
                   "graph": engine.graphs.last})
         for job in finished:
+            if not send_results(out, job):       # an RL job whose images are not wanted
+                out.send({"request_id": job.request_id, "type": "done"})
+                job.free()
+                continue
             pixels = engine.pixels(job)
             timeline.mark("gen", "pixels")
             image_handle = None
@@ -243,8 +248,11 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
-        engine = Engine(model, source, comm, yield_gate=yield_gate(args, device),
-                        cuda_graphs=args.get("cuda_graphs", "off"))
+        gate = yield_gate(args, device)
+        engine = Engine(model, source, comm, yield_gate=gate, cuda_graphs=args.get("cuda_graphs", "off"))
+        from .reference import EngineSet, reference_factory    # RL jobs alone, the reference policy
+        engine = EngineSet(engine, reference_factory(args, device, _DTYPES, source, comm, gate)
+                           if args.get("rl_reference") == "on" else None)
         from .warmup import parse_sizes, run_warmup
         warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
                           int(args.get("warmup_steps", 0)))
