@@ -1,4 +1,4 @@
-"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`.
+"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`, `rl-train`.
 
 Imports stay light at module level so `u1serve --help` is instant; subcommands import what they
 need. To add a subcommand, write `cmd_x(args)` and `add_x(subparsers)` and list it in COMMANDS.
@@ -539,7 +539,20 @@ def cmd_tiny(args) -> int:
     return 0
 
 
-COMMANDS = [add_up, add_demo, add_tiny]
+def add_rl_train(sub) -> None:
+    p = sub.add_parser("rl-train", help="train the model with Flow-GRPO / DanceGRPO / MixGRPO against a stack "
+                                        "(docs/rl.md): one JSON line per iteration")
+    from services.rl.flags import add_train_flags   # argparse only: --help stays instant
+    add_train_flags(p)
+    p.set_defaults(func=cmd_rl_train)
+
+
+def cmd_rl_train(args) -> int:
+    from services.rl.run import main as rl_main
+    return rl_main(args)
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_rl_train]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,13 +22,9 @@ from services.model import sampler as S
 from services.model.loader import load_model
 from services.model.prompts import THINK_TAIL, t2i_inputs
 from services.model.tokenizer import NeoTokenizer
+from services.model.weights_io import key_branch, write_checkpoint_weights
 
 TRAINABLE = ("gen", "und", "both")
-
-
-def param_branch(name: str) -> str:
-    """'gen' for the generation branch's parameters (`*_mot_gen`, `fm_modules`), else 'und'."""
-    return "gen" if ("_mot_gen" in name or name.startswith("fm_modules.")) else "und"
 
 
 @dataclass
@@ -73,7 +69,7 @@ class Policy:
         self.model = load_model(model_dir, "both", dtype=dtype, device=device)
         self.tok = NeoTokenizer.from_dir(model_dir)
         for name, p in self.model.named_parameters():
-            p.requires_grad_(train == "both" or param_branch(name) == train)
+            p.requires_grad_(train == "both" or key_branch(name) == train)   # parameter names = checkpoint keys
 
     # ---------------------------------------------------------------------------------------------- parameters
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -82,11 +78,6 @@ class Policy:
     @property
     def und_trainable(self) -> bool:
         return self.train in ("und", "both")
-
-    @property
-    def pushed_branches(self) -> list[str]:
-        """The branches whose weights change (and are pushed to the stack after each update)."""
-        return ["gen", "und"] if self.train == "both" else [self.train]
 
     # ---------------------------------------------------------------------------------------------- prefixes
     def prefixes(self, prompt: str, sampling: RLSampling, think_ids: list[int] | None = None,
@@ -158,11 +149,11 @@ class Policy:
         return torch.stack(cols, dim=1)
 
     # ---------------------------------------------------------------------------------------------- export
-    def write_weights(self, out_dir: str) -> None:
-        """The changed branches' weights under the checkpoint's own key names (rl-weights' weights_io)."""
-        from services.model.weights_io import write_checkpoint_weights
-        for branch in self.pushed_branches:
-            write_checkpoint_weights(self.model, out_dir, branch)
+    def write_weights(self, out_dir: str, everything: bool = False) -> str:
+        """The trained branch's weights (every weight with `everything`: a stack brought back to this copy) under
+        the checkpoint's own key names (rl-weights' weights_io)."""
+        branch = None if everything or self.train == "both" else self.train
+        return write_checkpoint_weights(self.model, out_dir, branch)
 
 
 def _groups(prefixes: list[dict]) -> list[tuple[list[int], dict]]:
