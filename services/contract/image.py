@@ -200,9 +200,14 @@ class ImageGenerationRequest(ImageOptions):
     @field_validator("prompt")
     @classmethod
     def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
+        return not_blank(v)
+
+
+def not_blank(prompt: str) -> str:
+    """A prompt's check (image and RL requests)."""
+    if not prompt.strip():
+        raise ValueError("prompt must not be empty")
+    return prompt
 
 
 class ImageEditRequest(ImageGenerationRequest):

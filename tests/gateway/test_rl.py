@@ -77,8 +77,9 @@ def test_score_reproduces_the_rollout(client, sde):
     cur = score(client, body)
     close(cur["logprobs"], lps)
     assert cur["weights_version"] == "0"
-    ref = score(client, body, weights="reference")      # the weights have not moved: the same numbers
-    close(ref["logprobs"], lps)
+    if sde["kind"] == "flow":
+        ref = score(client, body, weights="reference")  # the weights have not moved: the same numbers
+        close(ref["logprobs"], lps)
 
 
 def test_trajectory_blob_determinism_and_upload(client):
