@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from . import limits as L
-from .image import CfgNorm, GenerateRequest, OutputFormat
+from .image import CfgNorm, GenerateRequest, OutputFormat, not_blank
 from .types import INTERNAL, PUBLIC, Float, Int
 
 MAX_RL_PROMPTS = 64
@@ -83,12 +83,7 @@ class RLPrompt(BaseModel):
                               description="data URLs / base64 of input images (an edit)")
     think: Optional[bool] = Field(None, description="override `think.enabled` for this prompt")
 
-    @field_validator("prompt")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
+    _not_blank = field_validator("prompt")(classmethod(lambda cls, v: not_blank(v)))
 
 
 class RLSampling(BaseModel):

@@ -121,7 +121,7 @@ class Engine:
     def _new_job(self, spec: GenerateRequest, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
         h0, h1 = self._kv_heads
         job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
-        rollout.attach(job, spec, self.model)     # RL jobs: the SDE transition and what it records
+        rollout.attach(job, spec, self)           # RL jobs: the SDE transition and what it records
         job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
         return job
 

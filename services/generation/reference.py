@@ -69,6 +69,13 @@ class EngineSet:
     def __getattr__(self, name: str):
         return getattr(self.primary, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        """Attributes the worker sets (e.g. the live weights version) are the primary engine's."""
+        if name in ("primary", "_make_reference", "reference"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.primary, name, value)
+
 
 def reference_factory(args: dict, device, dtypes: dict, source, comm, yield_gate) -> Callable[[], object]:
     """Builds the reference Engine: the checkpoint (with the same LoRA / quantisation) loaded again."""
@@ -80,6 +87,7 @@ def reference_factory(args: dict, device, dtypes: dict, source, comm, yield_gate
                            lora=[tuple(x) for x in args.get("lora") or ()], quantization=args.get("quantization"))
         model.eval()
         model.requires_grad_(False)
-        model.weights_version = REFERENCE_VERSION
-        return Engine(model, source, comm, yield_gate=yield_gate, cuda_graphs="off")
+        engine = Engine(model, source, comm, yield_gate=yield_gate, cuda_graphs="off")
+        engine.weights_version = REFERENCE_VERSION
+        return engine
     return make

@@ -21,9 +21,10 @@ from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, Sco
 from services.model import flow_sde, sampler
 
 
-def weights_version(model) -> str:
-    """The version of the weights a job ran under (rl-weights sets `model.weights_version` on updates)."""
-    return str(getattr(model, "weights_version", DEFAULT_WEIGHTS_VERSION))
+def weights_version(engine) -> str:
+    """The version of the weights a job is admitted under: the engine's `weights_version` (set by live weight
+    updates, which apply between jobs)."""
+    return str(getattr(engine, "weights_version", DEFAULT_WEIGHTS_VERSION))
 
 
 class _Sde:
@@ -119,12 +120,12 @@ def _nulls(rows: list[list[float]]) -> list[list[Optional[float]]]:
     return [[None if math.isnan(x) else x for x in row] for row in rows]
 
 
-def attach(job, spec, model) -> None:
+def attach(job, spec, engine) -> None:
     """Give a rollout / score job its RL state (an image job keeps `job.rl = None`)."""
     if isinstance(spec, RolloutJobRequest):
-        job.rl = RolloutState(job, spec, weights_version(model), record=spec.rl.trajectory_id is not None)
+        job.rl = RolloutState(job, spec, weights_version(engine), record=spec.rl.trajectory_id is not None)
     elif isinstance(spec, ScoreJobRequest):
-        job.rl = ScoreState(job, spec, spec.latents(), weights_version(model))
+        job.rl = ScoreState(job, spec, spec.latents(), weights_version(engine))
 
 
 def send_results(out, job) -> bool:

@@ -17,7 +17,8 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .devices import rank_device
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
-from .sampling import GREEDY, SamplingFailure, is_fatal_device_error, sample, token_logprobs
+from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
+                       token_logprobs)
 from .scheduler import Scheduler
 from .weights import EngineWeights, WeightsOp
 
@@ -232,7 +233,7 @@ class Engine:
         for r in reqs:
             if r.generator is None and not r.params.greedy:
                 r.generator = r.params.make_generator(logits.device)
-        params = [r.params if r.kind == "text" else GREEDY for r in reqs]
+        params = [r.params if r.kind == "text" or r.msg.think_sample else GREEDY for r in reqs]
         # repetition penalty looks at prompt + output: r.tokens holds both (no per-step copies)
         toks = sample(logits, params, [r.generator for r in reqs], [r.tokens for r in reqs],
                       [r.output_ids for r in reqs])
@@ -244,6 +245,9 @@ class Engine:
             rows = logits[torch.tensor(want, dtype=torch.long, device=logits.device)]
             lps = token_logprobs(rows, [toks[i] for i in want], [reqs[i].params.logprobs for i in want])
             logprobs = {reqs[i].rid: lp for i, lp in zip(want, lps)}
+        for i, (r, t) in enumerate(zip(reqs, toks)):       # RL think sampling: the processed distribution's
+            if r.kind == "prefix" and r.msg.think_sample and not isinstance(t, SamplingFailure):
+                logprobs[r.rid] = (processed_logprob(logits[i], r.params, t), [])
         return sampled, logprobs
 
     def _export(self, plan) -> dict:

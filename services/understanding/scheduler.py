@@ -406,7 +406,10 @@ class Scheduler:
                     r.new_logprobs.append(logprobs[r.rid])
                 self._advance_text(r, tok)
             elif not r.think_done:
+                kept = len(r.output_ids)
                 self._advance_think(r, tok)
+                if r.new_logprobs is not None and len(r.output_ids) > kept and r.rid in logprobs:
+                    r.new_logprobs.append(logprobs[r.rid])
             else:
                 res = exported.get(r.rid)
                 if isinstance(res, dict):

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
-                                  ScoreResponse)
+                                  ScoreResponse, ThinkOptions)
 from services.kit.errors import APIError, bad_request, unavailable
 from services.kit.web import until_disconnect
 
@@ -98,27 +98,30 @@ async def _inputs(state: GatewayState, req) -> list[list[str]]:
     return out
 
 
-def _prefix(rid: str, req, p: int, images: list[str], salt: Optional[str]) -> PrefixRequest:
+def _prefix(rid: str, req, p: int, images: list[str], salt: Optional[str], think: dict) -> PrefixRequest:
     return PrefixRequest(request_id=rid, mode="edit" if images else "t2i", prompt=req.prompts[p].prompt,
                          images=images, guidance_scale=req.guidance_scale,
-                         image_guidance_scale=req.image_guidance_scale, think=False, stream=True,
-                         cache_salt=salt)
+                         image_guidance_scale=req.image_guidance_scale, stream=True, cache_salt=salt,
+                         **{"think": False, **think})
 
 
-def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str, extra) -> list[RLJob]:
-    """The jobs of a request: per prompt one job of G samples, or G jobs of one sample when the prompt samples
-    think text (each sample its own prefix). `extra(p, first, n)`: (the job's RL fields, images it returns)."""
+def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str, extra, think) -> list[RLJob]:
+    """The jobs of a request: per prompt one job of G samples, or G jobs of one sample when the prompt's samples
+    have their own think text (each sample its own prefix; the radix cache shares the prompt's pages).
+    `extra(p, first, n)`: (the job's RL fields, images it returns); `think(p, sample)`: the prefix's think fields
+    (empty: one shared prefix without think)."""
     w, h = req.width_height
     G, jobs = req.group_size, []
     for p in range(len(req.prompts)):
         mode = "edit" if images[p] else "t2i"
-        groups = [(p * G + i, 1) for i in range(G)] if req.thinks(p) else [(p * G, G)]
+        own_think = any(think(p, p * G + i) for i in range(G))
+        groups = [(p * G + i, 1) for i in range(G)] if own_think else [(p * G, G)]
         for first, n in groups:
             jrid = f"{rid}-rl{first}"
             own, expected_images = extra(p, first, n)
             fields = {**_sampling_fields(req, w, h, mode), "request_id": jrid, "n": n, **own}
-            jobs.append(RLJob(_prefix(jrid, req, p, images[p], salt), fields, "b64_json", False, path=path,
-                              images=expected_images, first_sample=first))
+            jobs.append(RLJob(_prefix(jrid, req, p, images[p], salt, think(p, first) if own_think else {}), fields,
+                              "b64_json", False, path=path, images=expected_images, first_sample=first))
     return jobs
 
 
@@ -162,7 +165,10 @@ async def _run_job(state: GatewayState, job: RLJob, pins: dict) -> dict:
             kind = ev.get("type")
             if kind == "think_done":
                 out["prefix_s"] = time.monotonic() - t0
-                out["think"] = ev.get("prefix", {}).get("think")
+                pre = ev.get("prefix") or {}
+                if "think_token_ids" in pre:
+                    out["think"] = {"text": ev.get("think_text") or "", "token_ids": pre["think_token_ids"],
+                                    "logprobs": pre.get("think_logprobs") or []}
             elif kind == "image":
                 out["images"][int(ev.get("index", 0))] = ev.get("b64")
             elif kind == "rl_result":
@@ -228,9 +234,6 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     samples of a prompt share one prefix prefill unless they sample their own think text."""
     started, created = time.monotonic(), int(time.time())
     _check(state, body)
-    if any(body.thinks(p) for p in range(len(body.prompts))):
-        raise bad_request("think sampling in rollouts is not available on this server yet", param="think",
-                          code="unsupported")
     rid = request_id(request)
     images = await _inputs(state, body)
     salt = cache_salt(request, state, None)
@@ -245,7 +248,15 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
                         "same_initial_noise": body.same_initial_noise, "trajectory_id": tid, "part": first,
                         "return_images": body.return_images}}, n if body.return_images else 0)
 
-    jobs = _plan(body, rid, images, salt, "/internal/rl/rollout", extra)
+    opts = body.think or ThinkOptions()
+
+    def think(p: int, sample: int) -> dict:
+        if not body.thinks(p):
+            return {}
+        return {"think": True, "think_temperature": opts.temperature, "think_top_p": opts.top_p,
+                "think_seed": seeds[p][sample - p * G], "max_think_tokens": opts.max_tokens}
+
+    jobs = _plan(body, rid, images, salt, "/internal/rl/rollout", extra, think)
     gen_url = state.gen.pick().url
     try:
         results = await _run_all(request, state, jobs, gen_url)
@@ -283,9 +294,8 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
     safetensors) trajectory under the current weights or the frozen reference; the request repeats the
     rollout's prompts and sampling fields. ODE steps are null."""
     _check(state, body)
-    if body.think_token_ids is not None or any(body.thinks(p) for p in range(len(body.prompts))):
-        raise bad_request("think re-prefill in scoring is not available on this server yet",
-                          param="think_token_ids", code="unsupported")
+    if body.think_token_ids is None and any(body.thinks(p) for p in range(len(body.prompts))):
+        raise bad_request("scoring samples with think text needs their think_token_ids", param="think_token_ids")
     rid = request_id(request)
     images = await _inputs(state, body)
     salt = cache_salt(request, state, None)
@@ -307,7 +317,11 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
         return {"sde": body.sde.model_dump(exclude_none=True), "trajectory_id": tid, "part": first,
                 "weights": body.weights}, 0
 
-    jobs = _plan(body, rid, images, salt, "/internal/rl/score", extra)
+    def think(p: int, sample: int) -> dict:
+        ids = body.think_token_ids[sample] if body.think_token_ids is not None else None
+        return {} if not ids else {"think": True, "think_token_ids": ids}
+
+    jobs = _plan(body, rid, images, salt, "/internal/rl/score", extra, think)
     try:
         results = await _run_all(request, state, jobs, gen_url)
     finally:
