@@ -29,6 +29,8 @@ SMOKE = {
                          "--repeat", "2"],
     "breakdown-services": ["bench/bench_breakdown.py", "--part", "services", "--model", "tiny", "--device", "cpu",
                            "--size", "64", "--steps", "4", "--repeat", "2"],
+    "weight-update": ["bench/bench_weight_update.py", "--tiny", "--profiles", "cpu-colocate", "--repeat", "1",
+                      "--log-dir", "{tmp}"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }
