@@ -80,24 +80,37 @@ class Policy:
         return self.train in ("und", "both")
 
     # ---------------------------------------------------------------------------------------------- prefixes
-    def prefixes(self, prompt: str, sampling: RLSampling, think_ids: list[int] | None = None,
-                 temperature: float = 1.0, top_p: float = 1.0) -> dict[str, Prefix]:
-        """Every CFG branch's prefix of a T2I prompt, as the understanding engine builds it; with `think_ids` the cond
-        branch is the think prompt + those exact tokens + THINK_TAIL, and carries their token log-probs."""
+    def prefixes(self, prompt: str, sampling: RLSampling) -> dict[str, Prefix]:
+        """Every CFG branch's prefix of a T2I prompt, as the understanding engine builds it (one per group)."""
+        return self.think_prefixes(prompt, sampling, None)[0]
+
+    def think_prefixes(self, prompt: str, sampling: RLSampling, think_ids: list[list[int]] | None,
+                       temperature: float = 1.0, top_p: float = 1.0) -> list[dict[str, Prefix]]:
+        """One prefix dict per sampled think block (`think_ids[i]`: sample i's exact tokens): the cond branch is the
+        think prompt + those tokens + THINK_TAIL and carries their token log-probs. The prompt is prefilled once
+        and shared (the appended blocks never write into it); the other branches are shared as they are."""
         params = sampler_params(sampling)
         think = think_ids is not None
         inputs = t2i_inputs(self.tok, prompt, params, think=think)
         grad = torch.enable_grad() if self.und_trainable else torch.no_grad()
-        out = {}
         with grad:
+            shared, cond = {}, None
             for branch, inp in inputs.items():
                 cache, positions, hidden = R.prefill(self.model, inp)
                 t_last = int(positions[0].max())
-                think_lp = None
                 if think and branch == "cond":
-                    think_lp, t_last = self._think(cache, hidden, t_last, list(think_ids), temperature, top_p)
-                out[branch] = Prefix(cache.stacked(), t_last + 1, think_lp)
-        return out
+                    cond = (cache, hidden, t_last)
+                else:
+                    shared[branch] = Prefix(cache.stacked(), t_last + 1)
+            if not think:
+                return [shared]
+            out = []
+            for ids in think_ids:
+                cache = R._Cache(self.model.num_layers)
+                cache.k, cache.v = list(cond[0].k), list(cond[0].v)
+                think_lp, t_last = self._think(cache, cond[1], cond[2], list(ids), temperature, top_p)
+                out.append({**shared, "cond": Prefix(cache.stacked(), t_last + 1, think_lp)})
+            return out
 
     def _think(self, cache, hidden, t_last: int, ids: list[int], temperature: float, top_p: float):
         """Append the sampled think tokens (their log-probs come from the hidden state before each) + THINK_TAIL."""

@@ -244,18 +244,15 @@ class Trainer:
         """Sample i's CFG prefixes: one shared dict per prompt, or its own with its think tokens."""
         c = self.cfg
         G = c.group_size
-        out, shared = [], {}
         think = self.think() or {}
-        for i in range(len(c.prompts) * G):
-            prompt = c.prompts[i // G]
-            ids = batch.think_ids[i]
-            if ids is None:
-                if prompt not in shared:
-                    shared[prompt] = self.policy.prefixes(prompt, batch.sampling)
-                out.append(shared[prompt])
+        out = []
+        for p, prompt in enumerate(c.prompts):
+            ids = batch.think_ids[p * G:(p + 1) * G]
+            if all(i is None for i in ids):
+                out += [self.policy.prefixes(prompt, batch.sampling)] * G
             else:
-                out.append(self.policy.prefixes(prompt, batch.sampling, ids, think.get("temperature", 1.0),
-                                                think.get("top_p", 1.0)))
+                out += self.policy.think_prefixes(prompt, batch.sampling, [i or [] for i in ids],
+                                                  think.get("temperature", 1.0), think.get("top_p", 1.0))
         return out
 
     def minibatch(self, batch: Batch, adv: torch.Tensor, idx: list[int], prefixes_all: list[dict]) -> dict:

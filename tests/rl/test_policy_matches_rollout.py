@@ -67,3 +67,32 @@ def test_copy_gradients_reach_only_the_trained_branch(synced, policy):
     assert grads and all("_mot_gen" in n or n.startswith("fm_modules.") for n in grads)
     assert any(g.abs().sum() > 0 for g in grads.values())
     policy.model.zero_grad(set_to_none=True)
+
+
+def test_copy_recomputes_think_and_image_logprobs(synced, tiny_checkpoint):
+    """MixGRPO's joint action: the sampled think tokens' log-probs (temperature-processed) and the image
+    transitions conditioned on them, both recomputed by the copy (und branch trainable)."""
+    policy = Policy(tiny_checkpoint("u1"), "both")
+    think = {"enabled": True, "temperature": 1.3, "top_p": 1.0, "max_tokens": 6}
+    body = {"prompts": [{"prompt": "a red fox"}], "group_size": 2, "size": "32x32", "num_inference_steps": 4,
+            "guidance_scale": 2.0, "seed": 11, "return_images": False, "think": think,
+            "sde": {"kind": "flow", "noise_level": 0.8, "window": {"start": 0, "size": 2}}}
+    with RLClient(synced.base) as c:
+        resp = c.rollout(body)
+        traj = c.trajectory(resp["trajectory_id"])
+        c.delete_trajectory(resp["trajectory_id"])
+    sampling = sampling_of(body)
+    ids = [s["think"]["token_ids"] for s in resp["samples"]]
+    pres = policy.think_prefixes("a red fox", sampling, ids, think["temperature"], think["top_p"])
+    for s, pre in zip(resp["samples"], pres):
+        assert s["think"]["token_ids"] and len(s["think"]["token_ids"]) == len(s["think"]["logprobs"])
+        served = torch.tensor(s["think"]["logprobs"])
+        assert (pre["cond"].think_logprobs.detach() - served).abs().max() < 1e-5
+    steps = resp["sde_steps"]
+    assert steps == [0, 1]
+    lp = policy.step_logprobs(pres, traj.latents, traj.timesteps, steps, resp["noise_scale"], sampling)
+    served = torch.tensor([[s["logprobs"][k] for k in steps] for s in resp["samples"]])
+    assert (lp.detach() - served).abs().max() < 1e-5
+    lp.sum().backward()          # the image log-prob reaches the und branch through the think prefix
+    und = [p.grad for n, p in policy.model.named_parameters() if n.startswith("language_model.model.layers.0.self_attn.k_proj.")]
+    assert und[0] is not None and und[0].abs().sum() > 0
