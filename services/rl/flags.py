@@ -7,7 +7,7 @@ import argparse
 # with the usual t_eps the final image would carry no trace of the SDE noise the policy is credited for. t_eps 0.5
 # makes the last step blend the state in (z_N = z + dt/t_eps * (x^ - z)), so rewards see the trained transitions.
 TINY_DEFAULTS = {"size": "32x32", "num_inference_steps": 4, "group_size": 4, "guidance_scale": 1.0,
-                 "timestep_shift": 1.0, "t_eps": 0.5, "lr": 1e-3, "think_max_tokens": 8,
+                 "timestep_shift": 1.0, "t_eps": 0.5, "lr": 1e-3, "think_max_tokens": 4,
                  "prompts": ["a red fox in the snow", "a lighthouse at dusk"]}
 FLAG_FIELDS = ("size", "num_inference_steps", "group_size", "guidance_scale", "timestep_shift", "t_eps", "lr",
                "noise_level", "kl_beta", "clip_range", "text_clip_range", "updates_per_iteration", "seed",

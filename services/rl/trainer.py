@@ -34,7 +34,7 @@ import torch
 from services.contract.rl import RLSampling
 
 from . import advantages as ADV
-from .client import RLClient
+from .client import RLAPIError, RLClient
 from .losses import kl_k3, ppo_clip
 from .policy import Policy
 from .rewards import RewardSet, Samples
@@ -97,7 +97,8 @@ class Batch:
     latents: torch.Tensor            # [S, N+1, 3, H, W]
     timesteps: torch.Tensor          # [N+1]
     old_logprobs: torch.Tensor       # [S, N] (NaN on ODE steps)
-    ref_logprobs: torch.Tensor       # [S, N] under the frozen reference
+    ref_logprobs: Optional[torch.Tensor]   # [S, N] under the frozen reference (None: the stack could not score)
+    ref_error: Optional[str]
     think_ids: list[Optional[list[int]]]
     think_logprobs: list[Optional[list[float]]]
     steps: list[int]                 # the trained step indices (columns)
@@ -170,12 +171,20 @@ class Trainer:
         score.update(trajectory_id=resp["trajectory_id"], weights="reference")
         if any(ids is not None for ids in think_ids):
             score["think_token_ids"] = [ids or [] for ids in think_ids]
-        ref = self.client.score(score)["logprobs"]
+        try:
+            ref = _nan_tensor(self.client.score(score)["logprobs"])
+            ref_error = None
+        except RLAPIError as exc:
+            # the KL is only reported unless it is in the loss: an unscorable batch (a stack that cannot re-prefill
+            # some sampled think text) is said in the record instead of ending the run
+            if self.cfg.kl_beta > 0 or exc.status >= 500:
+                raise
+            ref, ref_error = None, str(exc)
         timings["score_reference"] = time.perf_counter() - t2
         self.client.delete_trajectory(resp["trajectory_id"])
         steps = list(resp["sde_steps"])
         S = len(samples)
-        batch = Batch(resp, sampling, traj.latents, traj.timesteps, traj.logprobs, _nan_tensor(ref),
+        batch = Batch(resp, sampling, traj.latents, traj.timesteps, traj.logprobs, ref, ref_error,
                       think_ids, think_lps, steps, self.train_mask(S, steps))
         return batch, timings
 
@@ -200,13 +209,14 @@ class Trainer:
         t2 = time.perf_counter()
         pushed = self.push_weights()
         timings["push"] = time.perf_counter() - t2
-        old = batch.old_logprobs[:, batch.steps]
-        ref = batch.ref_logprobs[:, batch.steps]
-        kl = float(kl_k3(old, ref, batch.mask))   # KL(rollout policy || reference) on the trained entries
+        kl = None
+        if batch.ref_logprobs is not None:      # KL(rollout policy || reference) on the trained entries
+            kl = float(kl_k3(batch.old_logprobs[:, batch.steps], batch.ref_logprobs[:, batch.steps], batch.mask))
         total = self.rewards.total(scores)
         record = {"iteration": self.iteration, "algo": c.algo, "reward_mean": float(total.mean()),
                   "reward_std": float(total.std()), "rewards": {k: float(v.mean()) for k, v in scores.items()},
-                  "kl": kl, **stats, "weights_version": pushed["weights_version"],
+                  "rewards_std": {k: float(v.std()) for k, v in scores.items()},
+                  "kl": kl, **({"kl_error": batch.ref_error} if batch.ref_error else {}), **stats, "weights_version": pushed["weights_version"],
                   "rollout_weights_version": batch.response["weights_version"], "sde_steps": batch.steps,
                   "seconds": time.perf_counter() - t0, "timings": {k: round(v, 3) for k, v in timings.items()}}
         self.iteration += 1
@@ -279,7 +289,7 @@ class Trainer:
             if c.kl_beta > 0:
                 loss = loss + c.kl_beta * kl_k3(lp, batch.ref_logprobs[sel[r]][:, [k]]) * len(rows)
             (loss / n_entries).backward(retain_graph=keep_graph)
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             clipped += ppo.clipfrac * len(rows)
             kl2 += ppo.approx_kl * len(rows)
             err = max(err, ppo.ratio_max_err)
