@@ -67,7 +67,7 @@ async def rollout_once(c: httpx.AsyncClient, body: dict) -> dict:
     assert all(s["image"] for s in resp["samples"]) and all(
         any(lp is not None for lp in s["logprobs"]) for s in resp["samples"])
     return {"seconds": t_roll, "trajectory_s": t_traj, "trajectory_mb": len(r.content) / 2 ** 20, "images": images,
-            "prefill": resp["prefill"]}
+            "prefill": resp["prefill"], "prefill_max_s": resp.get("timings", {}).get("prefill_max_s")}
 
 
 async def plain_once(c: httpx.AsyncClient, prompts: list[str], group: int, size: int, steps: int, seed: int,
@@ -115,7 +115,8 @@ async def measure(base: str, args) -> dict:
         for name, runs in (("shared (one prefix per group)", shared), ("separate (one prefix per sample)", separate)):
             row = {"case": name, "size": size, "steps": steps, "images": runs[0]["images"],
                    "prefixes": runs[0]["prefill"]["prefixes"], "prefill_s": statistics.median(
-                       r["prefill"]["seconds"] for r in runs), "rollout_s": _median(runs, "seconds")}
+                       r["prefill"]["seconds"] for r in runs), "rollout_s": _median(runs, "seconds"),
+                   "prefill_max_s": statistics.median(r["prefill_max_s"] or 0.0 for r in runs)}
             out["prefill"].append(row)
             print("prefill", json.dumps(row), flush=True)
         walls, totals = [], []
@@ -152,10 +153,11 @@ def table(results: dict, args) -> str:
                         f"{t['rollout_img_per_min']:.1f} | {t['plain_s']:.2f} | {t['plain_img_per_min']:.1f} | "
                         f"{t['rollout_vs_plain']:.2f} | {t['trajectory_s']:.2f} ({t['trajectory_mb']:.1f}) |")
         rows += ["", "Group prefix prefill (the same rollout):", "",
-                 "| case | size | steps | images | prefixes | prefill s | rollout s |", "|---|---|---:|---:|---:|---:|---:|"]
+                 "| case | size | steps | images | prefixes | prefill s (summed over prefixes) | slowest prefix s | "
+                 "rollout s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for p in r["prefill"]:
             rows.append(f"| {p['case']} | {p['size']}² | {p['steps']} | {p['images']} | {p['prefixes']} | "
-                        f"{p['prefill_s']:.3f} | {p['rollout_s']:.2f} |")
+                        f"{p['prefill_s']:.3f} | {p['prefill_max_s']:.3f} | {p['rollout_s']:.2f} |")
         w = r["weights"]
         rows += ["", "Weight update (whole generation branch, `POST /v1/rl/weights`):", "",
                  "| tensors | GiB on disk | stage s | commit s | API total s | wall s |", "|---:|---:|---:|---:|---:|---:|",

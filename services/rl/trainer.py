@@ -229,8 +229,9 @@ class Trainer:
         order = list(range(S))
         self.rng.shuffle(order)
         chunks = [sorted(order[i::c.updates_per_iteration]) for i in range(c.updates_per_iteration)]
+        text = self.cfg.algo == "mix-grpo"
         acc = {"loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "ratio_err_first": 0.0, "grad_norm": 0.0,
-               "text_clipfrac": 0.0}
+               **({"text_loss": 0.0, "text_clipfrac": 0.0, "text_ratio_err_first": 0.0} if text else {})}
         prefixes_all = None
         for n, idx in enumerate(chunks):
             if not idx:
@@ -242,12 +243,12 @@ class Trainer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             acc["grad_norm"] += float(gn) / len(chunks)
-            for k in ("loss", "clipfrac", "approx_kl", "text_clipfrac"):
+            for k in ("loss", "clipfrac", "approx_kl") + (("text_loss", "text_clipfrac") if text else ()):
                 acc[k] += stats.get(k, 0.0) / len(chunks)
             if n == 0:
                 acc["ratio_err_first"] = stats["ratio_err"]
-        if not self.policy.und_trainable or self.cfg.algo != "mix-grpo":
-            acc.pop("text_clipfrac")
+                if text:
+                    acc["text_ratio_err_first"] = stats.get("text_ratio_err", 0.0)
         return acc
 
     def prefixes(self, batch: Batch) -> list[dict]:

@@ -53,4 +53,4 @@ def test_reward_rises(rl_stack, algo):
     # measured precisely (its spread is small), the think term (random text, large spread) is reported
     assert_clear_rise([r["rewards"]["brightness"] for r in records], [r["rewards_std"]["brightness"] for r in records])
     assert len({tuple(r["sde_steps"]) for r in records}) > 1        # the SDE window moved
-    assert all(r["text_loss"] != 0 and r["text_ratio_err"] < 1e-4 for r in records)
+    assert all(r["text_loss"] != 0 and r["text_ratio_err_first"] < 1e-4 for r in records)
