@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import collections
 import random
 import time
@@ -125,6 +126,14 @@ def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str
     return jobs
 
 
+def _own_salt(request: Request, state: GatewayState, rid: str) -> str:
+    """A prefix-cache domain of this request alone: every prefix is computed the same way (cold, never partly
+    from the radix cache, whose reused and recomputed tokens differ from a full prefill in the last bits), so a
+    replayed rollout gets the same prefix KV and the same trajectory bit for bit."""
+    seen = f"{cache_salt(request, state, None) or ''}\0{rid}".encode()
+    return "rl-" + hashlib.sha256(seen).hexdigest()[:32]
+
+
 # ------------------------------------------------------------------------------------------ running
 class Placement:
     """Which generation replica holds which trajectory (LRU-bounded; a gateway restart falls back to asking
@@ -236,7 +245,7 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     _check(state, body)
     rid = request_id(request)
     images = await _inputs(state, body)
-    salt = cache_salt(request, state, None)
+    salt = _own_salt(request, state, rid)
     seeds = body.seed_grid(body.seed if body.seed is not None else random.randrange(0, 2**31))
     tid = f"traj-{uuid.uuid4().hex}" if body.return_trajectory else None
     G = body.group_size
@@ -258,15 +267,15 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
 
     jobs = _plan(body, rid, images, salt, "/internal/rl/rollout", extra, think)
     gen_url = state.gen.pick().url
+    results, version = None, None
     try:
         results = await _run_all(request, state, jobs, gen_url)
-        if results is None:
-            return Response(status_code=499)
-        version = _one_version(results)
-    except BaseException:
-        if tid is not None:
+        version = _one_version(results) if results is not None else None
+    finally:
+        if tid is not None and (results is None or version is None):   # failed, cancelled, or the client gone
             state.janitor.later(_delete(state, gen_url, tid))
-        raise
+    if results is None:
+        return Response(status_code=499)
     if tid is not None:
         _placement(request).remember(tid, gen_url)
     first = results[0]["result"]
@@ -298,7 +307,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
         raise bad_request("scoring samples with think text needs their think_token_ids", param="think_token_ids")
     rid = request_id(request)
     images = await _inputs(state, body)
-    salt = cache_salt(request, state, None)
+    salt = _own_salt(request, state, rid)
     placement = _placement(request)
     uploaded = None
     if body.trajectory_b64 is not None:
