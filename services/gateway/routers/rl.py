@@ -164,15 +164,20 @@ def _placement(request: Request) -> Placement:
     return app_state.rl_placement
 
 
-async def _run_job(state: GatewayState, job: RLJob, pins: dict) -> dict:
-    """Run one job: {"prefix_s", "think", "images", "result"}."""
-    t0 = time.monotonic()
+async def _run_job(state: GatewayState, job: RLJob, pins: dict, after: Optional[asyncio.Event],
+                   prefixed: asyncio.Event) -> dict:
+    """Run one job: {"prefix_s", "think", "images", "result"}. Its prefix starts once `after` is set (None: at
+    once); `prefixed` is set when its prefix is done (or the job ended)."""
     out: dict[str, Any] = {"images": {}, "result": None, "think": None, "prefix_s": 0.0}
+    if after is not None:
+        await after.wait()
+    t0 = time.monotonic()
     run = state.orchestrator.run(job, state.deadline(), pins=dict(pins))
     try:
         async for ev in run:
             kind = ev.get("type")
             if kind == "think_done":
+                prefixed.set()
                 out["prefix_s"] = time.monotonic() - t0
                 pre = ev.get("prefix") or {}
                 if "think_token_ids" in pre:
@@ -183,19 +188,25 @@ async def _run_job(state: GatewayState, job: RLJob, pins: dict) -> dict:
             elif kind == "rl_result":
                 out["result"] = ev
     finally:
+        prefixed.set()
         await run.aclose()
     if out["result"] is None:
         raise unavailable("generation ended the RL job without its result", code="upstream_protocol_error")
     return out
 
 
-async def _run_all(request: Request, state: GatewayState, jobs: list[RLJob], gen_url: str) -> list[dict]:
-    """Every job concurrently on one generation replica; the first failure cancels the others (each undone
-    by the orchestrator). None when the client went away."""
+async def _run_all(request: Request, state: GatewayState, jobs: list[RLJob], gen_url: str,
+                   one_prefix_at_a_time: bool) -> list[dict]:
+    """Every job on one generation replica, denoising concurrently; the first failure cancels the others (each
+    undone by the orchestrator). None when the client went away. `one_prefix_at_a_time`: each prefix starts when
+    the previous one is done, so no two prefixes of the request share a prefill batch (whose shape would change
+    their last bits: replays are then bit-exact)."""
     pins = {"generation": gen_url}
+    done = [asyncio.Event() for _ in jobs]
 
     async def work():
-        tasks = [asyncio.ensure_future(_run_job(state, j, pins)) for j in jobs]
+        tasks = [asyncio.ensure_future(_run_job(state, j, pins, done[i - 1] if one_prefix_at_a_time and i else None,
+                                                done[i])) for i, j in enumerate(jobs)]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -269,7 +280,8 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     gen_url = state.gen.pick().url
     results, version = None, None
     try:
-        results = await _run_all(request, state, jobs, gen_url)
+        results = await _run_all(request, state, jobs, gen_url,
+                                 not any(body.thinks(p) for p in range(len(body.prompts))))
         version = _one_version(results) if results is not None else None
     finally:
         if tid is not None and (results is None or version is None):   # failed, cancelled, or the client gone
@@ -332,7 +344,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
 
     jobs = _plan(body, rid, images, salt, "/internal/rl/score", extra, think)
     try:
-        results = await _run_all(request, state, jobs, gen_url)
+        results = await _run_all(request, state, jobs, gen_url, body.think_token_ids is None)
     finally:
         if uploaded is not None:
             state.janitor.later(_delete(state, gen_url, uploaded))
