@@ -121,6 +121,7 @@ def test_trajectory_blob_determinism_and_upload(client):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "trajectory_not_found"
     miss = client.post("/v1/rl/score", json={**BASE, "trajectory_id": a["trajectory_id"]})
     assert miss.status_code == 404 and miss.json()["error"]["code"] == "trajectory_not_found"
+    assert client.get("/v1/rl/trajectories/bad$id").status_code == 400
 
 
 def test_same_initial_noise_and_the_ode_limit(client):

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
-                                  ScoreResponse, ThinkOptions)
+                                  ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
 from services.kit.web import until_disconnect
 
@@ -246,7 +246,10 @@ SCORE_EXAMPLE = {"prompts": [{"prompt": "a red cube on a table"}], "group_size":
                  "trajectory_id": "traj-0123abcd", "weights": "reference"}
 
 
-@router.post("/v1/rl/rollout", response_model=RolloutResponse, responses=ERRORS)
+RL_ERRORS = {**ERRORS, 409: ERRORS[400] | {"description": "the weights changed during the request (retry)"}}
+
+
+@router.post("/v1/rl/rollout", response_model=RolloutResponse, responses=RL_ERRORS)
 async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples={"flow": {"value": ROLLOUT_EXAMPLE}}),
                   state: GatewayState = Depends(gateway)):
     """G samples per prompt with the SDE sampler: per sample the image, the per-step transition log-probs and
@@ -308,7 +311,8 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
             "timings": {"total_s": time.monotonic() - started, "prefill_max_s": max(prefix_s)}}
 
 
-@router.post("/v1/rl/score", response_model=ScoreResponse, responses=ERRORS)
+@router.post("/v1/rl/score", response_model=ScoreResponse,
+             responses={**RL_ERRORS, 404: ERRORS[400] | {"description": "unknown or evicted trajectory"}})
 async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"reference": {"value": SCORE_EXAMPLE}}),
                 state: GatewayState = Depends(gateway)):
     """Recompute the per-step transition log-probs of a stored (trajectory_id) or uploaded (trajectory_b64,
@@ -376,6 +380,10 @@ def _engine_error(r: httpx.Response) -> APIError:
 
 async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
     """The generation replica holding trajectory `tid` (404 trajectory_not_found when none does)."""
+    try:
+        check_trajectory_id(tid)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="trajectory_id") from None
     hdrs = engine_headers(state.config.internal_token)
     for url in placement.candidates(tid, state):
         try:
