@@ -200,6 +200,7 @@ class ScoreRequest(RLSampling):
     trajectory_b64: Optional[str] = Field(None, description="safetensors bytes (the GET trajectory format), base64")
     think_token_ids: Optional[list[list[Int]]] = Field(None, description="per sample, the think tokens to re-prefill")
     weights: WeightsChoice = "current"
+    _tid = field_validator("trajectory_id")(classmethod(lambda cls, v: check_trajectory_id(v)))
 
     @model_validator(mode="after")
     def _one_source(self) -> "ScoreRequest":
@@ -220,6 +221,13 @@ class ScoreResponse(BaseModel):
 
 # ---- internal bodies: gateway -> generation ---------------------------------------------------------------------
 
+def check_trajectory_id(v: Optional[str]) -> Optional[str]:
+    """Letters, digits, '_', '-', '.' (it travels in URL paths)."""
+    if v is not None and not _TRAJ_ID.fullmatch(v):
+        raise ValueError("trajectory_id: 1 to 128 letters, digits, '_', '-', '.'")
+    return v
+
+
 class RolloutSpec(BaseModel):
     """The RL part of a generation job: the SDE, per-sample seeds, where the trajectory goes."""
     model_config = INTERNAL
@@ -230,12 +238,7 @@ class RolloutSpec(BaseModel):
     part: Int = Field(0, ge=0, le=MAX_RL_SAMPLES, description="this job's order inside the trajectory")
     return_images: bool = True
 
-    @field_validator("trajectory_id")
-    @classmethod
-    def _tid(cls, v):
-        if v is not None and not _TRAJ_ID.fullmatch(v):
-            raise ValueError("trajectory_id: letters, digits, '_', '-', '.' only")
-        return v
+    _tid = field_validator("trajectory_id")(classmethod(lambda cls, v: check_trajectory_id(v)))
 
 
 class RolloutJobRequest(GenerateRequest):

@@ -5,7 +5,7 @@ a cancelled rollout leaves no KV page and no trajectory behind."""
 import base64
 import io
 import json
-import threading
+import socket
 import time
 
 import httpx
@@ -59,11 +59,21 @@ def close(a, b, tol=1e-5):
                 assert abs(x - y) <= tol, (ra, rb)
 
 
+def png_data_url(color) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.mark.parametrize("sde", [{"kind": "flow", "noise_level": 0.7, "window": {"start": 1, "size": 2}},
                                  {"kind": "dance", "noise_level": 0.5},
                                  {"kind": "cps", "noise_level": 0.8, "steps": [0, 2]}])
 def test_score_reproduces_the_rollout(client, sde):
-    out = rollout(client, sde=sde)
+    prompts = BASE["prompts"]
+    if sde["kind"] == "dance":      # an edit: three CFG branches over the input image
+        prompts = [prompts[0], {"prompt": "make it blue", "images": [png_data_url((200, 30, 30))]}]
+    body = {**BASE, "prompts": prompts, "image_guidance_scale": 1.5, "sde": sde}
+    out = rollout(client, **body)
     steps = out["sde_steps"]
     assert steps == {"flow": [1, 2], "dance": [0, 1, 2], "cps": [0, 2]}[sde["kind"]]
     assert [(s["prompt_index"], s["sample_index"], s["seed"]) for s in out["samples"]] == \
@@ -73,7 +83,7 @@ def test_score_reproduces_the_rollout(client, sde):
         assert [k for k, x in enumerate(row) if x is not None] == steps
     assert out["prefill"]["prefixes"] == 2 and out["prefill"]["shared_by"] == 2
     assert out["weights_version"] == "0" and len(out["timesteps"]) == 5
-    body = {**BASE, "sde": sde, "trajectory_id": out["trajectory_id"]}
+    body = {**body, "trajectory_id": out["trajectory_id"]}
     cur = score(client, body)
     close(cur["logprobs"], lps)
     assert cur["weights_version"] == "0"
@@ -103,12 +113,15 @@ def test_trajectory_blob_determinism_and_upload(client):
     # an uploaded trajectory scores like the stored one
     up = score(client, {**BASE, "sde": sde, "trajectory_b64": base64.b64encode(ta.content).decode()})
     close(up["logprobs"], [s["logprobs"] for s in a["samples"]])
+    bad = client.post("/v1/rl/score", json={**BASE, "group_size": 3, "sde": sde, "trajectory_id": a["trajectory_id"]})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "trajectory_mismatch", bad.text
     # delete, then it is gone
     assert client.delete(f"/v1/rl/trajectories/{a['trajectory_id']}").status_code == 200
     gone = client.get(f"/v1/rl/trajectories/{a['trajectory_id']}")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "trajectory_not_found"
     miss = client.post("/v1/rl/score", json={**BASE, "trajectory_id": a["trajectory_id"]})
     assert miss.status_code == 404 and miss.json()["error"]["code"] == "trajectory_not_found"
+    assert client.get("/v1/rl/trajectories/bad$id").status_code == 400
 
 
 def test_same_initial_noise_and_the_ode_limit(client):
@@ -145,26 +158,23 @@ def test_bad_rollouts_are_400(client, body, param):
         assert err["param"] == param
 
 
-def test_cancelled_rollout_leaks_nothing(client, stack):
+def test_cancelled_rollout_leaks_nothing(stack):
     gen_health = lambda: httpx.get(stack.gen + "/health", timeout=10).json()
+    und_pages = lambda: httpx.get(stack.und + "/health", timeout=10).json()["shm_pages_used"]
     before = gen_health()["rl_trajectories"]["trajectories"]
-    body = {**BASE, "num_inference_steps": 400, "size": "128x128"}
-
-    def go():
-        try:
-            httpx.post(stack.base + "/v1/rl/rollout", json=body, timeout=3)
-        except httpx.TimeoutException:
-            pass
-    th = threading.Thread(target=go)
-    th.start()
-    wait_until(lambda: gen_health()["running"] > 0, 30, interval=0.05)
-    th.join()
-    wait_until(lambda: gen_health()["running"] == 0 and gen_health()["queued"] == 0, 30, interval=0.1)
-    und = lambda: httpx.get(stack.und + "/health", timeout=10).json()["shm_pages_used"]
-    wait_until(lambda: und() == 0, 15, interval=0.1)
-    wait_until(lambda: gen_health()["rl_trajectories"]["trajectories"] == before, 15, interval=0.1)
+    body = json.dumps({**BASE, "prompts": BASE["prompts"][:1], "num_inference_steps": 400,
+                       "size": "128x128"}).encode()
+    host, port = stack.base.rsplit("/", 1)[-1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/rl/rollout HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    wait_until(lambda: gen_health()["running"] > 0, 240, interval=0.1)   # denoising: the prefix pages are in use
+    sock.close()                                                         # the client goes away
+    wait_until(lambda: gen_health()["running"] == 0 and gen_health()["queued"] == 0, 90, interval=0.2)
+    wait_until(lambda: und_pages() == 0, 90, interval=0.2)
+    wait_until(lambda: gen_health()["rl_trajectories"]["trajectories"] == before, 90, interval=0.2)
     time.sleep(0.5)
-    assert gen_health()["rl_trajectories"]["trajectories"] == before
+    assert gen_health()["rl_trajectories"]["trajectories"] == before and und_pages() == 0
 
 
 def test_think_sampling_with_logprobs_and_rescoring(client):

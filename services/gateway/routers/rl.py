@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import collections
 import random
 import time
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 
 from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
-                                  ScoreResponse, ThinkOptions)
+                                  ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
 from services.kit.web import until_disconnect
 
@@ -125,6 +126,14 @@ def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str
     return jobs
 
 
+def _own_salt(request: Request, state: GatewayState, rid: str) -> str:
+    """A prefix-cache domain of this request alone: every prefix is computed the same way (cold, never partly
+    from the radix cache, whose reused and recomputed tokens differ from a full prefill in the last bits), so a
+    replayed rollout gets the same prefix KV and the same trajectory bit for bit."""
+    seen = f"{cache_salt(request, state, None) or ''}\0{rid}".encode()
+    return "rl-" + hashlib.sha256(seen).hexdigest()[:32]
+
+
 # ------------------------------------------------------------------------------------------ running
 class Placement:
     """Which generation replica holds which trajectory (LRU-bounded; a gateway restart falls back to asking
@@ -155,15 +164,20 @@ def _placement(request: Request) -> Placement:
     return app_state.rl_placement
 
 
-async def _run_job(state: GatewayState, job: RLJob, pins: dict) -> dict:
-    """Run one job: {"prefix_s", "think", "images", "result"}."""
-    t0 = time.monotonic()
+async def _run_job(state: GatewayState, job: RLJob, pins: dict, after: Optional[asyncio.Event],
+                   prefixed: asyncio.Event) -> dict:
+    """Run one job: {"prefix_s", "think", "images", "result"}. Its prefix starts once `after` is set (None: at
+    once); `prefixed` is set when its prefix is done (or the job ended)."""
     out: dict[str, Any] = {"images": {}, "result": None, "think": None, "prefix_s": 0.0}
+    if after is not None:
+        await after.wait()
+    t0 = time.monotonic()
     run = state.orchestrator.run(job, state.deadline(), pins=dict(pins))
     try:
         async for ev in run:
             kind = ev.get("type")
             if kind == "think_done":
+                prefixed.set()
                 out["prefix_s"] = time.monotonic() - t0
                 pre = ev.get("prefix") or {}
                 if "think_token_ids" in pre:
@@ -174,19 +188,25 @@ async def _run_job(state: GatewayState, job: RLJob, pins: dict) -> dict:
             elif kind == "rl_result":
                 out["result"] = ev
     finally:
+        prefixed.set()
         await run.aclose()
     if out["result"] is None:
         raise unavailable("generation ended the RL job without its result", code="upstream_protocol_error")
     return out
 
 
-async def _run_all(request: Request, state: GatewayState, jobs: list[RLJob], gen_url: str) -> list[dict]:
-    """Every job concurrently on one generation replica; the first failure cancels the others (each undone
-    by the orchestrator). None when the client went away."""
+async def _run_all(request: Request, state: GatewayState, jobs: list[RLJob], gen_url: str,
+                   one_prefix_at_a_time: bool) -> list[dict]:
+    """Every job on one generation replica, denoising concurrently; the first failure cancels the others (each
+    undone by the orchestrator). None when the client went away. `one_prefix_at_a_time`: each prefix starts when
+    the previous one is done, so no two prefixes of the request share a prefill batch (whose shape would change
+    their last bits: replays are then bit-exact)."""
     pins = {"generation": gen_url}
+    done = [asyncio.Event() for _ in jobs]
 
     async def work():
-        tasks = [asyncio.ensure_future(_run_job(state, j, pins)) for j in jobs]
+        tasks = [asyncio.ensure_future(_run_job(state, j, pins, done[i - 1] if one_prefix_at_a_time and i else None,
+                                                done[i])) for i, j in enumerate(jobs)]
         try:
             return await asyncio.gather(*tasks)
         finally:
@@ -226,7 +246,10 @@ SCORE_EXAMPLE = {"prompts": [{"prompt": "a red cube on a table"}], "group_size":
                  "trajectory_id": "traj-0123abcd", "weights": "reference"}
 
 
-@router.post("/v1/rl/rollout", response_model=RolloutResponse, responses=ERRORS)
+RL_ERRORS = {**ERRORS, 409: ERRORS[400] | {"description": "the weights changed during the request (retry)"}}
+
+
+@router.post("/v1/rl/rollout", response_model=RolloutResponse, responses=RL_ERRORS)
 async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples={"flow": {"value": ROLLOUT_EXAMPLE}}),
                   state: GatewayState = Depends(gateway)):
     """G samples per prompt with the SDE sampler: per sample the image, the per-step transition log-probs and
@@ -236,7 +259,7 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     _check(state, body)
     rid = request_id(request)
     images = await _inputs(state, body)
-    salt = cache_salt(request, state, None)
+    salt = _own_salt(request, state, rid)
     seeds = body.seed_grid(body.seed if body.seed is not None else random.randrange(0, 2**31))
     tid = f"traj-{uuid.uuid4().hex}" if body.return_trajectory else None
     G = body.group_size
@@ -258,15 +281,16 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
 
     jobs = _plan(body, rid, images, salt, "/internal/rl/rollout", extra, think)
     gen_url = state.gen.pick().url
+    results, version = None, None
     try:
-        results = await _run_all(request, state, jobs, gen_url)
-        if results is None:
-            return Response(status_code=499)
-        version = _one_version(results)
-    except BaseException:
-        if tid is not None:
+        results = await _run_all(request, state, jobs, gen_url,
+                                 not any(body.thinks(p) for p in range(len(body.prompts))))
+        version = _one_version(results) if results is not None else None
+    finally:
+        if tid is not None and (results is None or version is None):   # failed, cancelled, or the client gone
             state.janitor.later(_delete(state, gen_url, tid))
-        raise
+    if results is None:
+        return Response(status_code=499)
     if tid is not None:
         _placement(request).remember(tid, gen_url)
     first = results[0]["result"]
@@ -287,7 +311,8 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
             "timings": {"total_s": time.monotonic() - started, "prefill_max_s": max(prefix_s)}}
 
 
-@router.post("/v1/rl/score", response_model=ScoreResponse, responses=ERRORS)
+@router.post("/v1/rl/score", response_model=ScoreResponse,
+             responses={**RL_ERRORS, 404: ERRORS[400] | {"description": "unknown or evicted trajectory"}})
 async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"reference": {"value": SCORE_EXAMPLE}}),
                 state: GatewayState = Depends(gateway)):
     """Recompute the per-step transition log-probs of a stored (trajectory_id) or uploaded (trajectory_b64,
@@ -298,7 +323,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
         raise bad_request("scoring samples with think text needs their think_token_ids", param="think_token_ids")
     rid = request_id(request)
     images = await _inputs(state, body)
-    salt = cache_salt(request, state, None)
+    salt = _own_salt(request, state, rid)
     placement = _placement(request)
     uploaded = None
     if body.trajectory_b64 is not None:
@@ -323,7 +348,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
 
     jobs = _plan(body, rid, images, salt, "/internal/rl/score", extra, think)
     try:
-        results = await _run_all(request, state, jobs, gen_url)
+        results = await _run_all(request, state, jobs, gen_url, body.think_token_ids is None)
     finally:
         if uploaded is not None:
             state.janitor.later(_delete(state, gen_url, uploaded))
@@ -355,6 +380,10 @@ def _engine_error(r: httpx.Response) -> APIError:
 
 async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
     """The generation replica holding trajectory `tid` (404 trajectory_not_found when none does)."""
+    try:
+        check_trajectory_id(tid)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="trajectory_id") from None
     hdrs = engine_headers(state.config.internal_token)
     for url in placement.candidates(tid, state):
         try:
