@@ -13,7 +13,6 @@ The update directory goes to --update-dir (default: a temporary directory, remov
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import statistics

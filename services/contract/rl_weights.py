@@ -37,6 +37,8 @@ class WeightsUpdateResponse(BaseModel):
     seconds: float = Field(description="the whole update: stage + commit on every engine")
     stage_seconds: float
     commit_seconds: float
+    drain_seconds: dict[str, float] = Field(default_factory=dict, description=(
+        "per service, how long its commit waited for the jobs in flight (the longest replica)"))
     updated: dict[str, int] = Field(description="tensors changed per service (generation, understanding), "
                                                 "summed over its replicas")
 

@@ -104,28 +104,8 @@ class RankWeights:
     # -- every rank ------------------------------------------------------------------------------
     def run(self, op: dict) -> Optional[dict]:
         """Run `op` here, agree with the other ranks; rank 0 gets the reply (the others None)."""
-        t0 = time.perf_counter()
-        reply: dict = {"id": op["id"], "ok": True}
-        err = None
-        try:
-            if op["op"] == "stage":
-                staged = self.live.stage(op["version"], op.get("path"), op.get("lora"),
-                                         float(op.get("lora_strength", 1.0)))
-                reply.update(updated=len(staged), skipped=len(staged.skipped))
-            elif op["op"] == "commit":
-                reply.update(updated=self.live.commit(), drain_seconds=op.get("drain_seconds"))
-                self.engine.weights_version = self.live.version
-            else:
-                self.live.abort()
-        except Exception as e:
-            from services.model.weights_io import error_reply
-            err = error_reply(e)
-        errors = [e for e in self.comm.all_gather_objects(err) if e is not None]
-        if errors:
-            if op["op"] == "stage":
-                self.live.abort()       # staged nowhere unless staged everywhere
-            reply = {"id": op["id"], "ok": False, "error": errors[0]}
-        reply.update(version=self.live.version, seconds=time.perf_counter() - t0)
+        reply = self.live.run(op, self.comm.all_gather_objects)
+        self.engine.weights_version = self.live.version
         return reply if self.comm.rank == 0 else None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -372,6 +373,32 @@ class LiveWeights:
 
     def abort(self) -> None:
         self.staged, self.staged_version = None, None
+
+    def run(self, op: dict, all_gather) -> dict:
+        """Run one op of the engines' weights API ({"op": "stage" | "commit" | "abort", "id", ...}) on this
+        rank, agree with the engine's other ranks (`all_gather(obj) -> [obj of each rank]`), and return the
+        reply rank 0 sends: {"id", "ok", "version", "seconds", "updated"?, "skipped"?, "error"?}. A stage
+        that failed on any rank is dropped on every rank."""
+        t0 = time.perf_counter()
+        reply: dict = {"id": op["id"], "ok": True}
+        err = None
+        try:
+            if op["op"] == "stage":
+                staged = self.stage(op["version"], op.get("path"), op.get("lora"), float(op.get("lora_strength", 1.0)))
+                reply.update(updated=len(staged), skipped=len(staged.skipped))
+            elif op["op"] == "commit":
+                reply.update(updated=self.commit(), drain_seconds=op.get("drain_seconds"))
+            else:
+                self.abort()
+        except Exception as e:
+            err = error_reply(e)
+        errors = [e for e in all_gather(err) if e is not None]
+        if errors:
+            if op["op"] == "stage":
+                self.abort()
+            reply = {"id": op["id"], "ok": False, "error": errors[0]}
+        reply.update(version=self.version, seconds=time.perf_counter() - t0)
+        return reply
 
     def _staging_device(self, path: str | None, lora: str | None) -> torch.device:
         """The model's device when the staged copy fits there with room to spare, else the CPU (commit then

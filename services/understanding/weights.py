@@ -68,27 +68,8 @@ class EngineWeights:
 
     # -- every rank ------------------------------------------------------------------------------
     def run(self, op: dict, rank: int) -> Optional[dict]:
-        from services.model.weights_io import error_reply
-        t0 = time.perf_counter()
-        reply: dict = {"id": op["id"], "ok": True}
-        err = None
-        try:
-            if op["op"] == "stage":
-                staged = self.live.stage(op["version"], op.get("path"), op.get("lora"),
-                                         float(op.get("lora_strength", 1.0)))
-                reply.update(updated=len(staged), skipped=len(staged.skipped))
-            elif op["op"] == "commit":
-                reply.update(updated=self.live.commit(), drain_seconds=op.get("drain_seconds"))
-            else:
-                self.live.abort()
-        except Exception as e:
-            err = error_reply(e)
-        errors = [e for e in self._gather(err) if e is not None]
-        if errors:
-            if op["op"] == "stage":
-                self.live.abort()
-            reply = {"id": op["id"], "ok": False, "error": errors[0]}
-        reply.update(version=self.live.version, seconds=time.perf_counter() - t0)
+        """Run `op` here, agree with the other TP ranks; rank 0 gets the reply (the others None)."""
+        reply = self.live.run(op, self._gather)
         return reply if rank == 0 else None
 
     def _gather(self, obj) -> list:

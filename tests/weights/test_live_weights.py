@@ -58,8 +58,8 @@ def fresh_salt() -> str:
     return f"salt-{next(_SALTS)}"
 
 
-def image(c: httpx.Client, seed: int, steps: int = 3) -> str:
-    r = c.post("/v1/images/generations", json={"prompt": "a red fox in the snow", "size": "64x64", "seed": seed,
+def image(c: httpx.Client, seed: int, steps: int = 3, size: str = "64x64") -> str:
+    r = c.post("/v1/images/generations", json={"prompt": "a red fox in the snow", "size": size, "seed": seed,
                                                 "num_inference_steps": steps, "guidance_scale": 3.0,
                                                 "cache_salt": fresh_salt()})
     assert r.status_code == 200, r.text
@@ -176,7 +176,7 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
     it never mixes an old prefix with new denoising weights, or the reverse. Each compared with the same request
     run alone (batching changes the bits on CPU, so the in-flight ones run alone too)."""
     with client(stack) as c, cf.ThreadPoolExecutor(3) as pool:
-        first, second = (lambda: image(c, 21, steps=24)), (lambda: image(c, 22, steps=4))
+        first, second = (lambda: image(c, 21, steps=16, size="128x128")), (lambda: image(c, 22, steps=4))
         old = (first(), second())
 
         def upload():
@@ -190,6 +190,7 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
         f2 = pool.submit(second)        # understanding has committed, generation may still drain
         got1, got2, r = f1.result(), f2.result(), fu.result()
         assert r.status_code == 200, r.text
+        assert set(r.json()["drain_seconds"]) == {"generation", "understanding"}
         assert versions(stack, c) == "v2"
         new = (first(), second())
         assert got1 == old[0] != new[0]

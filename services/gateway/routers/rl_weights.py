@@ -117,6 +117,7 @@ async def update_weights(state: GatewayState, req: WeightsUpdateRequest) -> dict
         updated = {"understanding": 0, "generation": 0}
         for service, r in zip((s for s, _ in replicas), staged):
             updated[service] += int(r.get("updated", 0))
+        drain = {}
         for service in ("understanding", "generation"):
             urls = [u for s, u in replicas if s == service]
             done = await asyncio.gather(*(_call(state, "POST", u, "/internal/weights/commit", {"id": op["id"]},
@@ -127,9 +128,10 @@ async def update_weights(state: GatewayState, req: WeightsUpdateRequest) -> dict
                 raise APIError(500, f"the weight update failed while committing on {service} ({bad[0]}); some "
                                f"engines may serve version {version!r}, others the old one: GET /v1/rl/weights "
                                "tells which, and a new update brings them together", code="weights_commit_failed")
+            drain[service] = max(float(r.get("drain_seconds") or 0.0) for r in done)
         t = time.perf_counter() - t0
         return {"weights_version": version, "seconds": t, "stage_seconds": t_stage, "commit_seconds": t - t_stage,
-                "updated": updated}
+                "drain_seconds": drain, "updated": updated}
 
 
 async def _abort_all(state: GatewayState, replicas, op_id: str) -> None:
