@@ -20,7 +20,7 @@ from services.model import flow_sde
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.loader import load_model
-from services.model.prompts import THINK_TAIL, t2i_inputs
+from services.model.prompts import THINK_TAIL, t2i_inputs, think_excluded_ids
 from services.model.tokenizer import NeoTokenizer
 from services.model.weights_io import key_branch, write_checkpoint_weights
 
@@ -43,10 +43,15 @@ def sampler_params(sampling: RLSampling) -> S.SamplerParams:
                            t_eps=sampling.t_eps, cfg_norm=sampling.cfg_norm, mode="t2i")
 
 
-def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """log-softmax of the distribution tokens were drawn from: logits / temperature, then the top-p nucleus
-    (chosen on the detached probabilities, renormalised). logits [T, V] fp32 -> [T, V]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float,
+                       excluded: tuple[int, ...] = ()) -> torch.Tensor:
+    """log-softmax of the distribution tokens were drawn from: the `excluded` ids never drawn
+    (prompts.think_excluded_ids), logits / temperature, then the top-p nucleus (chosen on the detached
+    probabilities, renormalised). logits [T, V] fp32 -> [T, V]."""
+    logits = logits.float()
+    if excluded:
+        logits = logits.index_fill(-1, torch.tensor(excluded, device=logits.device), float("-inf"))
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     if top_p >= 1.0:
         return logp
     with torch.no_grad():
@@ -118,7 +123,7 @@ class Policy:
         if ids:
             h_ids, t_last = R._append_text(self.model, cache, ids, t_last)
             rows = torch.cat([rows, h_ids[:-1]])
-            logp = processed_logprobs(self.model.lm_logits(rows), temperature, top_p)
+            logp = processed_logprobs(self.model.lm_logits(rows), temperature, top_p, think_excluded_ids(self.tok))
             think_lp = logp.gather(1, torch.tensor(ids, device=logp.device)[:, None])[:, 0]
         else:
             think_lp = hidden.new_zeros(0, dtype=torch.float32)

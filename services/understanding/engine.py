@@ -247,7 +247,7 @@ class Engine:
             logprobs = {reqs[i].rid: lp for i, lp in zip(want, lps)}
         for i, (r, t) in enumerate(zip(reqs, toks)):       # RL think sampling: the processed distribution's
             if r.kind == "prefix" and r.msg.think_sample and not isinstance(t, SamplingFailure):
-                logprobs[r.rid] = (processed_logprob(logits[i], r.params, t), [])
+                logprobs[r.rid] = (processed_logprob(logits[i], r.params, t, r.tokens, r.output_ids), [])
         return sampled, logprobs
 
     def _export(self, plan) -> dict:

@@ -227,7 +227,8 @@ class ImagePrefixService:
         sample = None
         if req.think and req.think_temperature is not None:
             sample = SamplingParams(max_tokens=1, temperature=req.think_temperature, top_p=req.think_top_p,
-                                    seed=req.think_seed, logprobs=0)
+                                    seed=req.think_seed, logprobs=0,
+                                    logit_bias={i: float("-inf") for i in PR.think_excluded_ids(st.tok)})
         return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens,
                               sample)
 

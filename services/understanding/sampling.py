@@ -124,11 +124,11 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator, prompt_ids, 
     return int(torch.multinomial(_processed_probs(row, top, p), 1, generator=generator))
 
 
-def processed_logprob(logits: torch.Tensor, p: SamplingParams, token: int) -> float:
-    """log P(token) under the distribution `token` was drawn from: temperature, top-k, min-p and top-p applied
-    (renormalised), as RL over sampled text needs (not the raw logits'). Penalties and logit_bias are not used by
-    the callers (think sampling), so they are not applied here."""
-    row = _finite(logits.float())
+def processed_logprob(logits: torch.Tensor, p: SamplingParams, token: int, prompt_ids=(), output_ids=()) -> float:
+    """log P(token) under the distribution `token` was drawn from: penalties and logit_bias, then temperature,
+    top-k, min-p and top-p applied (renormalised), as RL over sampled text needs (not the raw logits')."""
+    raw = _finite(logits.float())
+    row = _apply_penalties(raw.clone(), p, list(prompt_ids), list(output_ids)) if p.penalised else raw
     probs = _processed_probs(row, row.max(), p)
     return float(torch.log(probs[token] / probs.sum()))
 

@@ -191,3 +191,18 @@ def test_think_sampling_with_logprobs_and_rescoring(client):
     sc = score(client, {**body, "trajectory_id": out["trajectory_id"],
                         "think_token_ids": [s["think"]["token_ids"] for s in out["samples"]]})
     close(sc["logprobs"], [s["logprobs"] for s in out["samples"]])
+
+
+def test_sampled_think_never_holds_image_markers_and_always_rescores(client, tiny_checkpoint):
+    """The random tiny model emits image-span markers often when sampled freely; a sampled think block must not
+    (re-prefilled, they would read as an image run and scoring would refuse the trajectory)."""
+    from services.model.prompts import think_excluded_ids
+    from services.model.tokenizer import NeoTokenizer
+    excluded = set(think_excluded_ids(NeoTokenizer.from_dir(tiny_checkpoint("u1"))))
+    body = {**BASE, "prompts": [{"prompt": "a red cat"}], "group_size": 6, "sde": {"kind": "flow", "steps": [1]},
+            "think": {"enabled": True, "temperature": 1.5, "max_tokens": 24}}
+    out = rollout(client, **body)
+    ids = [s["think"]["token_ids"] for s in out["samples"]]
+    assert sum(map(len, ids)) >= 24 and not excluded & {t for row in ids for t in row}
+    sc = score(client, {**body, "trajectory_id": out["trajectory_id"], "think_token_ids": ids})
+    close(sc["logprobs"], [s["logprobs"] for s in out["samples"]])
