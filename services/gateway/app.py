@@ -14,7 +14,7 @@ from .admission import AdmissionMiddleware
 from .config import GatewayConfig
 from .drain import DrainMiddleware
 from .openapi import install_openapi
-from .routers import chat, images, ops, playground
+from .routers import chat, images, ops, playground, rl, rl_weights
 from .state import GatewayState
 
 DESCRIPTION = ("OpenAI-compatible chat and image API of u1serve (SenseNova-U1). Errors are "
@@ -36,7 +36,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                   redoc_url=None)
     app.state.gateway = state
     errors.install(app, "gateway")
-    for module in (chat, images, ops, live):
+    for module in (chat, images, ops, rl, live, rl_weights):
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)
