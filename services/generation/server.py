@@ -152,6 +152,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         rid = job.request_id
 
         def overflow(nbytes: int) -> None:       # the stream's reader fell behind: end the job (stream_queue.py)
+            metrics.streams_behind.inc()
             engine.cancel(rid, f"the stream fell {nbytes / MiB:.0f} MiB behind its reader "
                                f"(--max-stream-backlog-mb {args.max_stream_backlog_mb:g}); cut")
 

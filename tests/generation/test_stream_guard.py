@@ -19,7 +19,8 @@ from .test_faults import LONG, running_job
 def env(tiny_dir, ref_model):
     pool = make_pool(ref_model[0])
     server = GenServer(tiny_dir, pool.name, "--max-running-jobs", "1", "--stream-heartbeat-s", "0.3",
-                       "--max-stream-backlog-mb", "0.06").start()
+                       "--max-stream-backlog-mb", "0.06", "--stream-send-buffer-kb", "1",
+                       "--stream-write-timeout-s", "3").start()
     yield server, pool
     server.stop()
     pool.close()
@@ -67,14 +68,25 @@ def test_a_client_gone_before_the_first_byte_cancels_its_job(env, ref_model):
     assert status == 200 and not errors_of(events)
 
 
+def _raw(server, b: dict) -> socket.socket:
+    raw = json.dumps(b).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"X-U1-Internal-Token: {TOKEN}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return s
+
+
 def test_a_stream_that_falls_behind_is_cut_and_frees_everything(env, ref_model):
-    """Four 128x128 images (48 KiB of pixels each) arrive at once; the bound is 0.06 MiB: the second one goes
-    beyond it while the first waits, so the job ends with an error and nothing stays in the pool."""
+    """A reader that takes nothing: the first image (64 KB of base64) blocks the stream (--stream-send-buffer-kb 1),
+    the next ones pile up as pixels (48 KiB each) beyond --max-stream-backlog-mb 0.06: the job is cancelled; the
+    write deadline then cuts the stream, and nothing stays in the pool."""
     server, pool = env
-    status, events = generate(server.url, body("backlog", publish(pool, _pre(ref_model)), n=4))
-    assert status == 200 and events[-1] == "[DONE]"
-    err = errors_of(events)
-    assert err and err[0]["error"]["code"] == "cancelled" and "behind its reader" in err[0]["error"]["message"], events
-    assert wait_until(lambda: _idle(server, pool), 20)
+    key = "u1_gen_streams_fell_behind_total"
+    before = server.metrics().get(key, 0.0)
+    with _raw(server, body("backlog", publish(pool, _pre(ref_model)), n=4)):
+        assert wait_until(lambda: server.metrics().get(key, 0.0) == before + 1, 60)
+        assert wait_until(lambda: _idle(server, pool), 30)     # (the write deadline ends the stalled stream)
     status, events = generate(server.url, body("after-backlog", publish(pool, _pre(ref_model)), n=1))
     assert status == 200 and not errors_of(events)
