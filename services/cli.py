@@ -57,7 +57,12 @@ class Placement:
     """Resolved placement of one stack: device, GPUs and memory fractions per engine."""
 
     def __init__(self, args: argparse.Namespace):
-        self.device = args.device if args.device != "auto" else ("cuda" if has_cuda() else "cpu")
+        self.gpus_asked = bool(gpu_list(args.und_gpus) or gpu_list(args.gen_gpus))
+        # auto: CUDA when GPUs are asked for (a start then checks they are there, check_devices) or a driver exists
+        self.device = args.device if args.device != "auto" else (
+            "cuda" if self.gpus_asked or has_cuda() else "cpu")
+        self.note = ("device auto: no NVIDIA driver here and no GPU asked for (--und-gpus / --gen-gpus): running "
+                     "on the CPU" if args.device == "auto" and self.device == "cpu" else "")
         self.dtype = args.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         self.und_gpus: list[str] = []
         self.gen_gpus: list[str] = []
@@ -83,11 +88,36 @@ class Placement:
             raise SystemExit(f"{need} needs {self.gen_world} GPUs, got {gen}")
         self.und_gpus, self.gen_gpus = und, gen
 
+    @property
+    def gpus(self) -> list[str]:
+        return list(dict.fromkeys(self.und_gpus + self.gen_gpus))
+
     def env(self, gpus: list[str], fraction: float | None) -> dict[str, str]:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         if fraction is not None:
             env["U1SERVE_GPU_MEMORY_FRACTION"] = f"{fraction:.3f}"
         return env
+
+
+def check_devices(args: argparse.Namespace, placement: Placement) -> Placement:
+    """Before a real start: a CUDA plan needs its GPUs to be there. Missing GPUs that were asked for (--und-gpus,
+    --gen-gpus, --device cuda) are an error that says so; `--device auto` with none asked falls back to the CPU
+    (and says so). A dry run plans any profile anywhere and skips this."""
+    from .mps import CPU_TEST_ENV
+    if placement.device != "cuda" or os.environ.get(CPU_TEST_ENV) == "1":   # (the MPS tests' CPU stand-in)
+        return placement
+    from .gpus import cuda_devices
+    _, why = cuda_devices(placement.gpus)
+    if not why:
+        return placement
+    if args.device == "auto" and not placement.gpus_asked:
+        fallback = Placement(argparse.Namespace(**{**vars(args), "device": "cpu"}))
+        fallback.note = f"device auto: CUDA is not usable here ({why}): running on the CPU"
+        return fallback
+    asked = " ".join(f"{flag} {value}" for flag, value in (("--und-gpus", args.und_gpus), ("--gen-gpus", args.gen_gpus),
+                                                          ("--device", args.device)) if value and value != "auto")
+    raise SystemExit(f"u1serve up: the GPUs asked for ({asked}: GPU {','.join(placement.gpus)}) are not usable "
+                     f"here: {why}. Nothing was started. Pass --device cpu to run on the CPU instead.")
 
 
 def build_und(args, ctx) -> "ServiceSpec":
@@ -248,6 +278,15 @@ def qos_page(args, pool: str) -> str | None:
     return signal_name(pool)
 
 
+def default_pool_name(port: int) -> str:
+    """The KV pool of the stack on this host (or container) and port: the same name for the next stack there, so a
+    stack killed with SIGKILL leaves its segment to the next one, which reclaims it (shm_transfer/segment.py)."""
+    import re
+    import socket
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "host"
+    return f"u1serve-kv-{host}-{port}"
+
+
 def usage_error(text: str) -> None:
     """A flag combination `u1serve up` refuses: the reason on stderr, exit status 2 (as argparse's errors)."""
     sys.stderr.write(f"u1serve up: error: {text}\n")
@@ -301,10 +340,19 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     from services.contract.limits import IMAGE_BLOCK
     from services.generation.image_limits import checkpoint_max_tokens
 
+    from services.kit.config import STACK_ID_ENV
+    from services.timeouts import stack_problems
+
     from .launcher import Stack
     placement = Placement(args)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
     mps = mps_daemon(args, placement, run_dir)
+    for problem in stack_problems(args.und_args, args.gen_args, args.gateway_args):
+        usage_error(f"timeouts out of order: {problem} (services/timeouts.py)")
+    if not dry_run:
+        placement = check_devices(args, placement)
+    if placement.note:
+        (sys.stderr if dry_run else out).write(f"[u1serve] {placement.note} ({placement.dtype})\n")
     model = args.model
     tiny = model in TINY_ALIASES
     if tiny:
@@ -314,11 +362,12 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     check_gen_sp(args, model)
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
-    pool = args.kv_pool_name or f"u1serve-kv-{os.getpid()}-{args.port}"
+    pool = args.kv_pool_name or default_pool_name(args.port)
     pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else 16.0)
+    stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
-        "env": {"U1SERVE_INTERNAL_TOKEN": token}, "api_key": api_key,
+        "env": {"U1SERVE_INTERNAL_TOKEN": token, STACK_ID_ENV: stack_id}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
         "yield_page": qos_page(args, pool),
@@ -329,11 +378,15 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
     if mps is not None:
         specs = under_mps(specs, mps)
-    shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # unlinked at stop, whoever died how
-    return Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
-                 grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
-                 state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
-                 echo_logs=echo_logs, daemons=[mps] if mps else [])
+    shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
+    stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
+                  stack_id=stack_id, private_dirs=["u1und-"],
+                  grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
+                  state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
+                  echo_logs=echo_logs, daemons=[mps] if mps else [])
+    stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"
+                                                              if placement.gpus else "")
+    return stack
 
 
 def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
@@ -453,8 +506,8 @@ def cmd_up(args) -> int:
     sharing = (f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs, priority "
                f"{stack.daemons[0].gen_priority}") if stack.daemons else ""
     return run_until_signal(stack, on_ready=lambda: stack.say(
-        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}{sharing}; engines on 127.0.0.1:{args.und_port} and "
-        f":{args.gen_port})"))
+        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}, {stack.device}{sharing}; engines on "
+        f"127.0.0.1:{args.und_port} and :{args.gen_port})"))
 
 
 def add_demo(sub) -> None:

@@ -7,8 +7,10 @@ is not restarted: the stack stops and `u1serve up` exits non-zero, printing that
 Stop: SIGTERM to each service's leader process (it shuts its own engines down; a group-wide signal would look
 like a crash to them), a grace period, then SIGKILL to whatever is left of the group. Children get
 PR_SET_PDEATHSIG, so a launcher killed with SIGKILL does not leave them behind. The understanding service owns
-the KV pool segment (/dev/shm/<pool name>); the launcher unlinks it after shutdown in case that service was
-killed.
+the KV pool segment (/dev/shm/<pool name>). Every shm segment records the stack that made it (its id, in the
+segment: shm_transfer/segment.py): at start the launcher refuses names a live stack holds and reclaims those of
+dead ones; after shutdown it unlinks only the segments its own stack made (in case a service was killed), never
+another stack's, and removes private directories (`u1und-*`) that dead processes left.
 Daemons the services need (the deployment's CUDA MPS control daemon, services/mps.py) are started before the
 first service and stopped after the last one, on every exit path.
 """
@@ -225,11 +227,15 @@ class Stack:
                  log_dir: Optional[str] = None, shm_names: Optional[list[str]] = None,
                  grace_s: float = 10.0, startup_timeout_s: float = 900.0, restart: bool = True,
                  policy: Optional[RestartPolicy] = None, state_file: Optional[str] = None,
-                 echo_logs: bool = True, daemons: Optional[list] = None):
+                 echo_logs: bool = True, daemons: Optional[list] = None, stack_id: str = "",
+                 private_dirs: Optional[list[str]] = None):
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         self.out = out
         self.shm_names = shm_names or []
+        self.stack_id = stack_id            # the owner recorded in the segments this stack's services create
+        self.private_dirs = private_dirs or []      # temp-dir prefixes of per-process dirs (kit/rundirs.py)
+        self.device = ""                    # for the start line, e.g. "cuda bfloat16, GPUs 0,1"
         self.state_file = state_file
         self.daemons = daemons or []      # each: name, argv, env(), start(say) (StartupError), stop(say), state()
         policy = policy or (SERVICE_RESTARTS if restart else RestartPolicy(max_failures=1))
@@ -274,6 +280,7 @@ class Stack:
     def start(self) -> None:
         """Start the daemons, then each service and wait until it is healthy. StartupError (the stack still runs:
         call stop())."""
+        self._take_shm_names()
         for d in self.daemons:
             if not self._stopping.is_set():
                 d.start(self.say)
@@ -292,6 +299,17 @@ class Stack:
             raise StartupError(self.failure_report())
         if self._stopping.is_set():
             raise StartupError("stopped during start-up")
+
+    def _take_shm_names(self) -> None:
+        """The shm names this stack will create: one a live process holds fails the start now, with its owner
+        (a second stack with the same --kv-pool-name); a dead stack's segment is reclaimed."""
+        from shm_transfer.errors import PoolError
+        from shm_transfer.segment import take_name
+        for name in self.shm_names:
+            try:
+                take_name(name, "shared-memory segment")
+            except (PoolError, ValueError) as exc:
+                raise StartupError(str(exc)) from None
 
     def write_state(self) -> None:
         if not self.state_file:
@@ -328,8 +346,7 @@ class Stack:
                 s.sup.stop()
         for d in reversed(self.daemons):
             d.stop(self.say)
-        for name in self.shm_names:
-            unlink_shm(name)
+        self.release_shm()
         if self.state_file:
             try:
                 os.unlink(self.state_file)
@@ -337,6 +354,20 @@ class Stack:
                 pass
         logging.getLogger("u1serve.supervisor").removeHandler(self._log_handler)
         self.say("stopped")
+
+
+    def release_shm(self) -> None:
+        """After the services stopped: the segments this stack made that a killed service left (never another
+        stack's: the owner recorded in each decides), and private directories of dead processes."""
+        from services.kit.rundirs import reclaim_stale
+        from shm_transfer.segment import unlink_if_owned
+        for name in self.shm_names:
+            try:
+                unlink_if_owned(name, self.stack_id)
+            except (ValueError, OSError):
+                pass
+        for prefix in self.private_dirs:
+            reclaim_stale(prefix)
 
 
 class _SayHandler(logging.Handler):
@@ -362,14 +393,6 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def unlink_shm(name: str) -> None:
-    """Remove /dev/shm/<name>, exactly that name (other stacks' segments may share its prefix), left by a
-    killed owner."""
-    from shm_transfer.segment import unlink_exact
-    try:
-        unlink_exact(name)
-    except (ValueError, OSError):
-        pass  # not a segment name, or not ours to remove
 
 
 def run_until_signal(stack: Stack, on_ready: Optional[Callable[[], None]] = None) -> int:

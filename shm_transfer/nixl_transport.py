@@ -134,10 +134,10 @@ class NixlTransport(Transport):
     @classmethod
     def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
                pin: bool | None = None, listen_port: int = 0, advertise_host: str = "127.0.0.1",
-               **kw) -> "NixlTransport":
+               owner: str = "", **kw) -> "NixlTransport":
         """Producer: create the shm pool `name`, register it with a NIXL agent listening on listen_port
         (0: any free port) and hand out handles that consumers reach at advertise_host."""
-        local = LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin)
+        local = LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner)
         try:
             port = listen_port or _free_port()
             agent_name = f"u1kv-{name}-{local.pool.generation}"

@@ -1,7 +1,8 @@
 """ShmKVPool: a page pool of prefix KV in one named POSIX shared-memory segment.
 
 Segment layout (all little-endian):
-  [0, 256)        header words (int64[32]): magic, version, state, counters, generation ...
+  [0, 128)        header words (int64[16]): magic, version, state, counters, generation ...
+  [128, 256)      owner record (segment.py): owning stack id, creator pid, random token
   [256, 4096)     JSON: layout, model fingerprint, generation, creator pid
   [4096, ...)     page table: owner handle id int64[P] (0 = free), lease deadline float64[P] (epoch s),
                   claimer slot int64[P], claimer nonce int64[P] (0 = not claimed); then the claimer slot
@@ -35,11 +36,11 @@ from .errors import HandleError, PoolError, PoolFull
 from .handle import KVHandle, check_static
 from .layout import LAYOUT_VERSION, KVLayout
 from .metrics import CopyMetrics
-from .segment import CREATOR_SLOT, Segment, probe, unlink_exact
+from .segment import CREATOR_SLOT, Segment, take_name
 
 MAGIC = int.from_bytes(b"U1KVPOOL", "little")
 _STATE_READY = 0x5EAD1
-_HEADER_WORDS = 32
+_HEADER_WORDS = 16      # [128, 256): the owner record (segment.py)
 _JSON_OFF = 256
 _TABLE_OFF = 4096
 _DATA_ALIGN = 1 << 16
@@ -108,8 +109,9 @@ class ShmKVPool:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
-               pin: bool | None = None) -> "ShmKVPool":
-        """Create (replacing any stale segment of that name) a pool of size_bytes // page_bytes pages."""
+               pin: bool | None = None, owner: str = "") -> "ShmKVPool":
+        """Create (replacing a segment of that name whose creator died) a pool of size_bytes // page_bytes pages;
+        `owner`, the stack's id, is recorded in the segment (segment.py)."""
         if not isinstance(model_fingerprint, str) or not model_fingerprint:
             raise ValueError("model_fingerprint must be a non-empty string")
         num_pages = int(size_bytes) // layout.page_bytes
@@ -122,8 +124,8 @@ class ShmKVPool:
         if len(meta) > _TABLE_OFF - _JSON_OFF:
             raise ValueError("model_fingerprint too long for the pool header")
         data_off = _data_offset(num_pages)
-        _reclaim_stale(name)
-        seg = Segment.create(name, data_off + num_pages * layout.page_bytes)
+        take_name(name, "KV pool")
+        seg = Segment.create(name, data_off + num_pages * layout.page_bytes, owner)
         try:
             mm = seg.mm
             mm[_JSON_OFF:_JSON_OFF + len(meta)] = meta
@@ -443,24 +445,6 @@ def check_pages(handle: KVHandle, owner: np.ndarray, deadline: np.ndarray, nonce
 
 def _nonce() -> int:
     return secrets.randbits(62) + 1
-
-
-def _reclaim_stale(name: str) -> None:
-    """Before creating `name`: unlink a segment left by a dead creator; refuse one whose creator lives
-    (another stack, or this one still running), naming its pid."""
-    found = probe(name)
-    if found is None:
-        return
-    inode, alive, head = found
-    if alive:
-        try:
-            json_len = int(np.frombuffer(head, dtype=np.int64, count=_HEADER_WORDS)[_W_JSON_LEN])
-            pid = json.loads(head[_JSON_OFF:_JSON_OFF + json_len])["creator_pid"]
-        except Exception:
-            pid = "unknown"
-        raise PoolError(f"KV pool {name!r} (/dev/shm/{name}) belongs to a live process (creator pid {pid}); "
-                        "refusing to replace it: stop that stack or pick another --kv-pool-name")
-    unlink_exact(name, inode)  # its creator died (e.g. SIGKILL): its handles die with it
 
 
 def _finalize(seg: Segment, pin_box: list, unlink_in: int | None) -> None:

@@ -3,12 +3,22 @@
 We do not use multiprocessing.shared_memory: its resource_tracker unlinks segments that a consumer merely
 attached to when the consumer exits (Python < 3.13), which would pull the pool from under the producer.
 Here only the creator unlinks, and only the segment it created (checked by inode).
+
+Ownership is recorded IN the segment, never inferred from its name: `Segment.create` makes the file with
+O_EXCL (mode 0600), takes the creator's liveness lock (shm_transfer.locks, slot 0) and writes an owner record at
+bytes [OWNER_OFF, OWNER_OFF + 128): magic, the owning stack's id (`u1serve up` makes one per stack), the creator's
+pid and a random token. Whoever finds a segment decides by that record and that lock: a live creator's segment is
+never touched (`take_name` refuses it); a dead creator's is unlinked and made again by the next owner of the name,
+whatever its pid; a launcher removes only the segments whose record names its own stack (`unlink_if_owned`).
 """
 from __future__ import annotations
 
 import mmap
 import os
 import re
+import secrets
+import stat
+import struct
 
 from . import locks
 from .errors import PoolError
@@ -16,6 +26,10 @@ from .errors import PoolError
 SHM_DIR = "/dev/shm"
 CREATOR_SLOT = 0  # the creator holds this liveness lock (shm_transfer.locks) for as long as it lives
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+OWNER_OFF = 128              # owner record: after the first 16 header words of every segment kind
+OWNER_MAGIC = b"U1OWNER1"
+_OWNER = struct.Struct("<8s32sq16s")     # magic, stack id (ascii, NUL-padded), creator pid, random token
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def shm_path(name: str) -> str:
@@ -36,8 +50,9 @@ class Segment:
         self.size = len(mm)
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment":
-        """Create /dev/shm/<name> (it must not exist: see probe/unlink_exact) and hold the creator lock."""
+    def create(cls, name: str, size: int, owner: str = "") -> "Segment":
+        """Create /dev/shm/<name> (it must not exist: see take_name), hold the creator lock and record `owner` (a
+        stack id) in the segment."""
         path = shm_path(name)
         if not os.path.isdir(SHM_DIR):
             raise PoolError(f"{SHM_DIR} does not exist: POSIX shared memory is required for the KV pool")
@@ -47,13 +62,14 @@ class Segment:
                 f"KV pool needs {size / 2**30:.2f} GiB but {SHM_DIR} has {free / 2**30:.2f} GiB free "
                 "(in Docker use --ipc=host or a larger --shm-size)")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             raise PoolError(f"shared-memory segment {path} appeared while creating it (another process is "
                             "creating a pool of that name)") from None
         try:
             locks.try_hold(fd, CREATOR_SLOT)  # first: from now on a concurrent create sees a live owner
             os.ftruncate(fd, size)
+            os.pwrite(fd, owner_record(owner), OWNER_OFF)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -65,7 +81,7 @@ class Segment:
     def attach(cls, name: str) -> "Segment":
         path = shm_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise PoolError(f"KV pool {name!r} does not exist ({path}); is the understanding service up?") from None
         try:
@@ -108,16 +124,74 @@ class Segment:
             os.close(fd)
 
 
+def owner_record(owner: str) -> bytes:
+    stack = owner.encode("ascii")
+    if len(stack) > 32:
+        raise ValueError(f"owner id {owner!r} is longer than 32 characters")
+    return _OWNER.pack(OWNER_MAGIC, stack, os.getpid(), secrets.token_bytes(16))
+
+
+def owner_of(head: bytes) -> dict | None:
+    """{stack, pid} of the owner record in a segment's first bytes; None when there is none."""
+    raw = head[OWNER_OFF:OWNER_OFF + _OWNER.size]
+    if len(raw) < _OWNER.size:
+        return None
+    magic, stack, pid, _token = _OWNER.unpack(raw)
+    if magic != OWNER_MAGIC:
+        return None
+    return {"stack": stack.rstrip(b"\0").decode("ascii", "replace"), "pid": pid}
+
+
 def probe(name: str, head: int = 4096) -> tuple[int, bool, bytes] | None:
-    """(inode, creator alive, first `head` bytes) of an existing segment, or None if there is none."""
+    """(inode, creator alive, first `head` bytes) of an existing segment, or None if there is none. PoolError
+    for something at that name that is not ours: another user's file, a link, not a regular file."""
+    path = shm_path(name)
     try:
-        fd = os.open(shm_path(name), os.O_RDWR)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return None
+    except OSError as exc:          # ELOOP: a symbolic link planted at the name
+        raise PoolError(f"{path} is not a shared-memory segment of ours ({exc.strerror}); refusing to use or "
+                        "remove it") from None
     try:
-        return os.fstat(fd).st_ino, locks.held_by_other(fd, CREATOR_SLOT), os.pread(fd, head, 0)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PoolError(f"{path} belongs to uid {st.st_uid} or is not a regular file; refusing to use or "
+                            "remove it: pick another name")
+        return st.st_ino, locks.held_by_other(fd, CREATOR_SLOT), os.pread(fd, head, 0)
     finally:
         os.close(fd)
+
+
+def take_name(name: str, what: str = "segment") -> None:
+    """Before creating `name`: unlink a segment left by a dead creator (whatever its pid or stack); refuse one
+    whose creator lives (another stack, or this one still running), naming it."""
+    found = probe(name)
+    if found is None:
+        return
+    inode, alive, head = found
+    if alive:
+        owner = owner_of(head) or {}
+        who = f"creator pid {owner.get('pid', 'unknown')}" + (f", stack {owner['stack']}" if owner.get("stack") else "")
+        raise PoolError(f"{what} {name!r} (/dev/shm/{name}) belongs to a live process ({who}); refusing to "
+                        "replace it: stop that stack or pick another name (--kv-pool-name)")
+    unlink_exact(name, inode)  # its creator died (e.g. SIGKILL): what it held dies with it
+
+
+def unlink_if_owned(name: str, owner: str) -> bool:
+    """Remove /dev/shm/<name> only if its owner record names stack `owner` and its creator is gone (a launcher's
+    cleanup after its services stopped). Never touches another stack's segment. Returns whether it removed it."""
+    try:
+        found = probe(name)
+    except (PoolError, ValueError):
+        return False
+    if found is None:
+        return False
+    inode, alive, head = found
+    record = owner_of(head)
+    if alive or not owner or record is None or record["stack"] != owner:
+        return False
+    return unlink_exact(name, inode)
 
 
 def unlink_exact(name: str, inode: int | None = None) -> bool:

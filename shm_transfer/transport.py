@@ -93,14 +93,15 @@ class Transport(abc.ABC):
 
 
 def create_producer(kind: str, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
-                    pin: bool | None = None, **network) -> "Transport":
+                    pin: bool | None = None, owner: str = "", **network) -> "Transport":
     """The understanding service's transport: kind "shm" (same host) or "nixl" (network; `network` holds
-    NixlTransport.create's listen_host / listen_port / advertise_host)."""
+    NixlTransport.create's listen_host / listen_port / advertise_host); `owner` (the stack's id) is recorded in the
+    segment."""
     if kind == "shm":
-        return LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin)
+        return LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner)
     if kind == "nixl":
         from .nixl_transport import NixlTransport
-        return NixlTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, **network)
+        return NixlTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner, **network)
     raise ValueError(f"unknown KV transport {kind!r}; one of 'shm', 'nixl'")
 
 
@@ -121,8 +122,9 @@ class LocalShmTransport(Transport):
 
     @classmethod
     def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
-               pin: bool | None = None) -> "LocalShmTransport":
-        return cls(ShmKVPool.create(name, layout, size_bytes, model_fingerprint, pin=pin), model_fingerprint)
+               pin: bool | None = None, owner: str = "") -> "LocalShmTransport":
+        return cls(ShmKVPool.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner),
+                   model_fingerprint)
 
     @classmethod
     def attach(cls, name: str, *, expected_fingerprint: str | None = None, pin: bool | None = None,

@@ -8,9 +8,11 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from services import timeouts as T
 from services.contract import limits as L
 from services.contract.image import SamplerParams, default
 from services.kit.config import read_secret, read_secrets
+from services.kit.streaming import DEFAULT_WRITE_TIMEOUT_S
 
 MiB = 1024 * 1024
 
@@ -56,8 +58,8 @@ class GatewayConfig:
     image_workers: int = 2                    # threads that check input images (bounded, off the event loop)
     # upstream
     connect_timeout_s: float = 5.0
-    idle_timeout_s: float = 300.0             # no byte from an engine for this long -> 504 upstream_timeout
-    request_timeout_s: float = 3600.0         # total deadline of one request -> 504 deadline_exceeded
+    idle_timeout_s: float = T.GATEWAY_IDLE_TIMEOUT_S      # no byte from an engine for this long -> 504 upstream_timeout
+    request_timeout_s: float = T.GATEWAY_REQUEST_TIMEOUT_S  # total deadline of one request -> 504 deadline_exceeded
     health_timeout_s: float = 2.0
     retry_down_after_s: float = 2.0           # first ejection of a replica that failed; doubles per failure
     eject_max_s: float = 30.0                 # ... up to this
@@ -65,6 +67,9 @@ class GatewayConfig:
     dns_refresh_s: float = 10.0               # re-resolve engine URLs (one replica per address); 0 = once
     max_concurrent_requests: int = 256        # POSTs in flight; more -> 429 + Retry-After
     graceful_shutdown_s: float = 5.0          # on SIGTERM, what requests in flight have left (drain.py)
+    # slow readers (kit/streaming.py): a client that takes no byte for this long is cut, its work cancelled
+    stream_write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
+    stream_send_buffer_bytes: int = 0         # SO_SNDBUF per connection; 0 = the kernel's autotuning
 
     def __post_init__(self) -> None:
         tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
@@ -89,6 +94,8 @@ class GatewayConfig:
             raise ValueError("timeouts (and graceful_shutdown_s) must be positive")
         if min(self.health_interval_s, self.dns_refresh_s) < 0 or self.retry_down_after_s <= 0:
             raise ValueError("health_interval_s and dns_refresh_s must be >= 0, retry_down_after_s > 0")
+        if self.stream_write_timeout_s < 0 or self.stream_send_buffer_bytes < 0:
+            raise ValueError("stream_write_timeout_s and stream_send_buffer_bytes must be >= 0 (0 = off)")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 
@@ -155,9 +162,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--image-formats", default=",".join(ImageInputLimits.formats), help="accepted input image formats")
     _add(p, "--image-workers", type=int, default=2, help="threads that check input images")
     _add(p, "--connect-timeout-s", type=float, default=5.0)
-    _add(p, "--upstream-idle-timeout-s", type=float, default=300.0,
+    _add(p, "--upstream-idle-timeout-s", type=float, default=T.GATEWAY_IDLE_TIMEOUT_S,
          help="an engine that sends nothing for this long -> 504 upstream_timeout, its work is cancelled")
-    _add(p, "--request-timeout-s", type=float, default=3600.0,
+    _add(p, "--request-timeout-s", type=float, default=T.GATEWAY_REQUEST_TIMEOUT_S,
          help="total deadline of one request -> 504 deadline_exceeded, its work is cancelled")
     _add(p, "--health-interval-s", type=float, default=1.0,
          help="probe every replica's /health this often (readiness, queue depth, KV pairing); 0 = off")
@@ -170,6 +177,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--graceful-shutdown-s", type=float, default=5.0,
          help="on SIGTERM, requests in flight may finish within this; then they end with a 503 shutting_down "
               "(streams: an error event and [DONE])")
+    _add(p, "--stream-write-timeout-s", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+         help="a client that takes no byte of its response for this long while a chunk waits is cut off and its "
+              "work cancelled, its slot freed (slow reader); 0 = never")
+    _add(p, "--stream-send-buffer-kb", type=int, default=0,
+         help="cap each connection's kernel send buffer at this many KiB (how much a client that reads nothing "
+              "absorbs before --stream-write-timeout-s counts); 0 = kernel default")
     _add(p, "--log-level", default="info")
     return p
 
@@ -207,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             request_timeout_s=args.request_timeout_s, max_concurrent_requests=args.max_concurrent_requests,
             health_interval_s=args.health_interval_s, dns_refresh_s=args.dns_refresh_s,
             retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s,
-            graceful_shutdown_s=args.graceful_shutdown_s)
+            graceful_shutdown_s=args.graceful_shutdown_s, stream_write_timeout_s=args.stream_write_timeout_s,
+            stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024)
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

@@ -35,6 +35,9 @@ class GatewayMetrics:
         self.timeouts = Counter("u1serve_gateway_upstream_timeouts_total",
                                 "Requests ended by an upstream idle timeout or the request deadline",
                                 ["code"], registry=r)
+        self.slow_readers = Counter("u1serve_gateway_slow_readers_cut_total",
+                                    "Responses cut because the client took no byte for --stream-write-timeout-s",
+                                    registry=r)
 
     @staticmethod
     def route_label(path: str) -> str:

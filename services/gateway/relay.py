@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Optional
+from typing import AsyncIterator, Callable, Iterable, Optional
 
-import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from services.kit import sse, timeline
 from services.kit.errors import APIError
+from services.kit.streaming import OwnedStream
 from services.kit.web import until_disconnect
 
 from .jobs import ImageJob
@@ -21,22 +21,7 @@ from .state import GatewayState
 
 log = logging.getLogger("u1serve.gateway")
 Convert = Callable[[dict], list[dict]]
-
-
-class OwnedStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends (finished, failed, or the client gone before or
-    while it streamed), so the upstream work it relays is never left running."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
-        super().__init__(body, media_type="text/event-stream", headers=sse.HEADERS)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.on_close()
+__all__ = ["OwnedStream", "client_gone", "collect_job", "stream_events", "stream_job"]
 
 
 def client_gone() -> Response:

@@ -7,6 +7,7 @@ import sys
 import uvicorn
 
 from services.kit.middleware import RequestIdFilter
+from services.kit.streaming import SlowReaderGuard
 
 from .app import create_app
 from .drain import Drain
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
         "gateway on %s:%d -> understanding %s, generation %s (API key %s)", args.host, args.port, cfg.und_urls,
         cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off")
     app = create_app(cfg)
-    server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    served = SlowReaderGuard(app, write_timeout_s=cfg.stream_write_timeout_s,
+                             send_buffer_bytes=cfg.stream_send_buffer_bytes,
+                             on_cut=app.state.gateway.metrics.slow_readers.inc)
+    server = GatewayServer(uvicorn.Config(served, host=args.host, port=args.port, log_level="warning",
                                           access_log=False, timeout_graceful_shutdown=cfg.graceful_shutdown_s),
                            app.state.gateway.drain)
     server.run()

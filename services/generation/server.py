@@ -17,13 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from services import timeouts
 from services.kit import errors, sse, timeline
 from services.kit.config import read_secret
 from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
+from services.kit.streaming import OwnedStream, add_stream_flags, guard
 from services.kit.web import json_body
 
 from .encode import encode_image
@@ -36,11 +38,13 @@ from .rank_options import add_rank_flags, check_rank_flags, engine_world, rank_e
 from .request import GenerateRequest, check_handles, handles_of, parse_job
 from .rl_routes import MAX_UPLOAD_BYTES, add_rl_flags
 from .rl_routes import install as install_rl
+from .stream_queue import StreamQueue
 from .supervisor import EngineSupervisor
 from .weights import weights_endpoint
 
 log = logging.getLogger("u1serve.generation")
 MAX_BODY_BYTES = MAX_UPLOAD_BYTES   # a job body is parameters + a few handles (~1 KB each); RL trajectory uploads
+MiB = 1 << 20
 
 
 def _model_fingerprint(model_dir: str) -> str | None:
@@ -145,73 +149,75 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         except APIError as err:
             raise reject(err, rid, handles_of(body)) from None
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        rid = job.request_id
 
-        def deliver(ev: dict) -> None:     # any thread; never blocks
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:           # the loop is closed: the server is gone
-                pass
+        def overflow(nbytes: int) -> None:       # the stream's reader fell behind: end the job (stream_queue.py)
+            metrics.streams_behind.inc()
+            engine.cancel(rid, f"the stream fell {nbytes / MiB:.0f} MiB behind its reader "
+                               f"(--max-stream-backlog-mb {args.max_stream_backlog_mb:g}); cut")
 
+        events = StreamQueue(loop, int(args.max_stream_backlog_mb * MiB), overflow, keeper.release)
         try:
-            engine.submit(job, deliver)
+            engine.submit(job, events.deliver)
         except APIError as err:
             raise reject(err, rid, list(job.handles.values())) from None
-        return StreamingResponse(_stream(job, events, loop), media_type="text/event-stream",
-                                 headers=sse.HEADERS)
+        st = {"outcome": "disconnected", "delivered": False, "exported": [], "started": time.monotonic()}
+        body = _stream(job, events, loop, st)
 
-    async def _stream(job: GenerateRequest, events: asyncio.Queue, loop):
-        started = time.monotonic()
-        outcome = "disconnected"
-        delivered = False
-        exported = []                          # float images (export_image) handed to this stream
-        try:
-            yield sse.encode({"type": "queued"})
-            while True:
-                ev = await events.get()
-                kind = ev.get("type")
-                if kind == "end":
-                    break
-                if kind == "progress":
-                    yield sse.encode({"type": "progress", "step": ev["step"], "total": ev["total"]})
-                elif kind == "preview":
-                    fmt = preview_format(job.output_format)
-                    b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], fmt)
-                    yield sse.encode({"type": "partial_image", "index": ev["index"],
-                                      "partial_image_index": ev["partial_image_index"], "step": ev["step"],
-                                      "b64": b64, "format": fmt, "width": ev["pixels"].shape[1],
-                                      "height": ev["pixels"].shape[0]})
-                elif kind == "image":
-                    timeline.mark("gen", "image_event")
-                    b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], job.output_format)
-                    timeline.mark("gen", "encoded")
-                    event = {"type": "image", "index": ev["index"], "b64": b64, "format": job.output_format,
-                             "width": job.width, "height": job.height, "seed": job.seed,
-                             "branch_steps": ev.get("branch_steps"), "weights_version": ev.get("weights_version")}
-                    if ev.get("image_handle"):
-                        exported.append(ev["image_handle"])
-                        event["image_handle"] = ev["image_handle"]
-                    data = sse.encode(event)
-                    timeline.mark("gen", "sse_event")
-                    yield data
-                elif kind == "error":
-                    outcome = str(ev.get("error", {}).get("code") or "error")
-                    yield sse.encode(ev)
-            if outcome == "disconnected":
-                outcome = "ok"
-            yield sse.encode(sse.DONE)
-            delivered = True
-        finally:
-            if outcome == "disconnected":      # the client went away: stop the job at the next step (what
-                engine.cancel(job.request_id, "client disconnected")   # the engine sends after: supervisor)
-            while not events.empty():          # images the stream never took (the client went first)
-                left = events.get_nowait()
-                if left.get("image_handle"):
-                    exported.append(left["image_handle"])
-            if exported and not delivered:     # nobody will read the float image back: free it now
+        async def finish() -> None:
+            """However the response ended (done, failed, cut, or the client gone before its first byte)."""
+            await body.aclose()
+            if st["outcome"] == "disconnected":      # the client went away: stop the job at the next step (what
+                engine.cancel(rid, "client disconnected")   # the engine sends after: supervisor)
+            exported = st["exported"] + [e["image_handle"] for e in events.close() if e.get("image_handle")]
+            if exported and not st["delivered"]:     # nobody will read the float image back: free it now
                 keeper.release(exported)
-            metrics.requests.labels(outcome=outcome).inc()
-            log.info("request %s %s in %.2fs", safe(job.request_id), outcome, time.monotonic() - started)
+            metrics.requests.labels(outcome=st["outcome"]).inc()
+            log.info("request %s %s in %.2fs", safe(rid), st["outcome"], time.monotonic() - st["started"])
+
+        return OwnedStream(body, on_close=finish)
+
+    async def _stream(job: GenerateRequest, events: StreamQueue, loop, st: dict):
+        """The job's SSE body; a heartbeat comment whenever nothing happened for --stream-heartbeat-s (a queued
+        job), so no idle timeout on the way fires before the queue's own (a 429 queue_timeout)."""
+        yield sse.encode({"type": "queued"})
+        while True:
+            ev = await events.get(args.stream_heartbeat_s or None)
+            if ev is None:
+                yield sse.HEARTBEAT
+                continue
+            kind = ev.get("type")
+            if kind == "end":
+                break
+            if kind == "progress":
+                yield sse.encode({"type": "progress", "step": ev["step"], "total": ev["total"]})
+            elif kind == "preview":
+                fmt = preview_format(job.output_format)
+                b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], fmt)
+                yield sse.encode({"type": "partial_image", "index": ev["index"],
+                                  "partial_image_index": ev["partial_image_index"], "step": ev["step"],
+                                  "b64": b64, "format": fmt, "width": ev["pixels"].shape[1],
+                                  "height": ev["pixels"].shape[0]})
+            elif kind == "image":
+                timeline.mark("gen", "image_event")
+                b64 = await loop.run_in_executor(encoder, encode_image, ev["pixels"], job.output_format)
+                timeline.mark("gen", "encoded")
+                event = {"type": "image", "index": ev["index"], "b64": b64, "format": job.output_format,
+                         "width": job.width, "height": job.height, "seed": job.seed,
+                         "branch_steps": ev.get("branch_steps"), "weights_version": ev.get("weights_version")}
+                if ev.get("image_handle"):
+                    st["exported"].append(ev["image_handle"])
+                    event["image_handle"] = ev["image_handle"]
+                data = sse.encode(event)
+                timeline.mark("gen", "sse_event")
+                yield data
+            elif kind == "error":
+                st["outcome"] = str(ev.get("error", {}).get("code") or "error")
+                yield sse.encode(ev)
+        if st["outcome"] == "disconnected":
+            st["outcome"] = "ok"
+        yield sse.encode(sse.DONE)
+        st["delivered"] = True
 
     return app
 
@@ -235,8 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-jobs", type=int, default=16)
     p.add_argument("--max-queued-requests", type=int, default=0,
                    help="jobs waiting for the engine before 429 (0: sized from free memory, see capacity.py)")
-    p.add_argument("--max-queue-wait-s", type=float, default=600.0,
+    p.add_argument("--max-queue-wait-s", type=float, default=timeouts.GEN_MAX_QUEUE_WAIT_S,
                    help="a job that waited this long for the engine fails with 429 queue_timeout")
+    p.add_argument("--stream-heartbeat-s", type=float, default=timeouts.GEN_HEARTBEAT_S,
+                   help="a stream with nothing to say for this long (a queued job) sends an SSE comment, so idle "
+                        "timeouts on the way (the gateway's --upstream-idle-timeout-s) wait for the queue's own "
+                        "429; 0 = never")
+    p.add_argument("--max-stream-backlog-mb", type=float, default=256.0,
+                   help="pixels of one stream waiting for its reader beyond this: the job is cancelled and the "
+                        "stream cut (a single larger image still passes)")
+    add_stream_flags(p)
     p.add_argument("--encode-threads", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per engine rank (0: default)")
     p.add_argument("--log-level", default="info")
@@ -276,7 +290,7 @@ def main(argv=None) -> None:
 
     # uvicorn's own start-up lines only at debug: a healthy start logs one line (engine ready)
     uv_level = "warning" if args.log_level.lower() == "info" else args.log_level
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=uv_level, access_log=False,
+    server = Server(uvicorn.Config(guard(app, args), host=args.host, port=args.port, log_level=uv_level, access_log=False,
                                    timeout_graceful_shutdown=10))
     server.run()
     if failed:

@@ -28,3 +28,6 @@ def read_secrets(value: Optional[str], file: Optional[str], env: str) -> list[st
         return keys
     one = value or os.environ.get(env)
     return [one] if one else []
+
+
+STACK_ID_ENV = "U1SERVE_STACK_ID"   # set by `u1serve up`: recorded as the owner of the shm segments it creates

@@ -6,6 +6,9 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "[DONE]"
+# a comment line: no event for the reader, but a sign of life for every idle timeout on the way (a job that
+# waits in a queue sends these, so the gateway's idle limit never fires before the queue's own timeout)
+HEARTBEAT = b": keep-alive\n\n"
 _BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 

@@ -12,20 +12,39 @@ writer's CLOCK_MONOTONIC in ns when it raised the flag, 0 = lowered; one system-
 process on the host compares it with its own), [3] decode steps signalled so far, [4] writer pid.
 Aligned 8-byte stores and loads, no lock: a reader sees the old or the new value. A writer that dies
 (or hangs) with the flag raised is ignored once the flag is older than the reader's `stale_s`.
+
+The page is a shm_transfer Segment: created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600) with the owner
+record and the creator's liveness lock (shm_transfer/segment.py), so the KV pool's rule holds: a page whose
+writer lives is never replaced, a dead writer's is reclaimed by the next one, a file someone else planted at
+the name (another user's, a link, not a regular file) is refused by the writer and ignored by readers, and a
+reader trusts only a page whose owner record names its own stack (U1SERVE_STACK_ID) when it has one.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import mmap
 import os
+import stat
 import struct
 import time
+
+from services.kit.config import STACK_ID_ENV
+from shm_transfer.segment import Segment, owner_of, take_name
 
 MAGIC = 0x55315949454C4400      # "U1YIELD"
 VERSION = 1
 PAGE = 4096
 _MAGIC, _VERSION, _BUSY, _STEPS, _PID = (8 * i for i in range(5))
 SHM_DIR = "/dev/shm"
+log = logging.getLogger("u1serve.qos")
+_warned: set[str] = set()
+
+
+def _distrust(path: str, why: str) -> None:
+    if path not in _warned:          # readers look again every few seconds: say it once
+        _warned.add(path)
+        log.warning("QoS page %s ignored: %s", path, why)
 
 
 def signal_name(kv_pool_name: str) -> str:
@@ -46,28 +65,24 @@ def _now_ns() -> int:
 class YieldSignal:
     """The writer's (understanding rank 0) or a reader's (generation ranks) mapping of the page."""
 
-    def __init__(self, path: str, mm: mmap.mmap, ino: int, owner: bool):
+    def __init__(self, path: str, mm: mmap.mmap, ino: int, segment: Segment | None = None):
         self.path = path
         self._mm = mm
         self._ino = ino
-        self._owner = owner
+        self._segment = segment           # the writer's: its fd holds the liveness lock
 
     # -- writer ---------------------------------------------------------------------------------
     @classmethod
     def create(cls, name: str) -> "YieldSignal":
-        """Create (or take over) the page, lowered. The creator unlinks it at close()."""
-        path = page_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(fd, PAGE)
-            mm = mmap.mmap(fd, PAGE)
-            ino = os.fstat(fd).st_ino
-        finally:
-            os.close(fd)
+        """Create the page, lowered (a dead writer's page of that name is replaced; a live writer's or a foreign
+        file is refused: PoolError). The creator unlinks it at close()."""
+        page_path(name)
+        take_name(name, "QoS page")
+        seg = Segment.create(name, PAGE, owner=os.environ.get(STACK_ID_ENV, ""))
         for off, val in ((_BUSY, 0), (_STEPS, 0), (_PID, os.getpid()), (_VERSION, VERSION), (_MAGIC, MAGIC)):
-            struct.pack_into("<q", mm, off, val)
-        sig = cls(path, mm, ino, owner=True)
-        atexit.register(sig.close)     # a normal exit unlinks; a killed writer's page is taken over
+            struct.pack_into("<q", seg.mm, off, val)
+        sig = cls(os.path.join(SHM_DIR, name), seg.mm, seg.inode, seg)
+        atexit.register(sig.close)     # a normal exit unlinks; a killed writer's page is reclaimed by the next
         return sig
 
     def set_busy(self) -> None:
@@ -80,24 +95,32 @@ class YieldSignal:
     # -- reader ---------------------------------------------------------------------------------
     @classmethod
     def open(cls, name: str) -> "YieldSignal | None":
-        """The page if a writer created it (None otherwise)."""
+        """The page if a writer of ours created it (None otherwise: absent, or not to be trusted)."""
         path = page_path(name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            _distrust(path, exc.strerror)
             return None
         try:
             st = os.fstat(fd)
-            if st.st_size < PAGE:
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
+                    or st.st_size < PAGE):
+                if st.st_size >= PAGE:
+                    _distrust(path, "not a private regular file of this user")
                 return None
             mm = mmap.mmap(fd, PAGE)
         finally:
             os.close(fd)
-        if struct.unpack_from("<q", mm, _MAGIC)[0] != MAGIC or \
-                struct.unpack_from("<q", mm, _VERSION)[0] != VERSION:
+        stack = os.environ.get(STACK_ID_ENV, "")
+        owner = owner_of(bytes(mm[:PAGE]))
+        if struct.unpack_from("<q", mm, _MAGIC)[0] != MAGIC or struct.unpack_from("<q", mm, _VERSION)[0] != VERSION \
+                or owner is None or (stack and owner["stack"] != stack):
             mm.close()
             return None
-        return cls(path, mm, st.st_ino, owner=False)
+        return cls(path, mm, st.st_ino)
 
     def busy_for(self) -> float | None:
         """Seconds since the flag was raised, None while it is lowered."""
@@ -121,12 +144,11 @@ class YieldSignal:
     def close(self) -> None:
         if self._mm is None:
             return
-        if self._owner:
+        if self._segment is not None:
             self.set_idle()
-            if not self.replaced():
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+            self._mm = None
+            self._segment.unlink()        # only if the name is still this page
+            self._segment.close()
+            return
         self._mm.close()
         self._mm = None

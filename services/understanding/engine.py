@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .devices import rank_device
@@ -277,6 +278,9 @@ class Engine:
                     h = self.runner.num_kv_heads
                     heads = (self.rank * h, (self.rank + 1) * h)
                 self.pool.export_kv(handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
+            except HandleError as e:      # its pages were freed under it: the request was aborted (client gone)
+                log.warning("export of %s not done: %s", rid, e)
+                err = f"{type(e).__name__}: {e}"
             except Exception as e:
                 log.exception("export of %s failed", rid)
                 err = f"{type(e).__name__}: {e}"

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
-import tempfile
 import threading
 import uuid
 from typing import Callable, Optional
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import zmq
 
 from services.kit.restart import RestartPolicy
+from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
@@ -33,6 +33,7 @@ from .engine import EngineConfig, run_engine
 from .protocol import Abort, EngineStats, RequestOutput, Shutdown, SubmitRequest
 
 log = logging.getLogger("u1serve.understanding.client")
+MAX_PENDING_OUTPUTS = 4096     # step outputs one request may have waiting for its reader before it is aborted
 
 
 class EngineDead(RuntimeError):
@@ -137,7 +138,7 @@ class EngineClient:
         self.base_cfg = cfg
         self.on_ready = on_ready or (lambda client: None)
         self.on_start_failure = on_start_failure or (lambda why: None)
-        self._dir = tempfile.mkdtemp(prefix="u1und-")
+        self._dir = owned_tempdir("u1und-")     # ZMQ sockets; a dead owner's are removed at the next start
         self._ctx = zmq.Context()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = EngineStats(kv_total=cfg.kv_cache_tokens)
@@ -179,7 +180,9 @@ class EngineClient:
             self.stats = msg["stats"]
             for o in msg["outs"]:
                 q = self.queues.get(o.rid)
-                if q is not None:
+                if q is not None and q.qsize() >= MAX_PENDING_OUTPUTS:
+                    self._fell_behind(o.rid, q)
+                elif q is not None:
                     q.put_nowait(o)
         elif kind == "weights":
             self.on_weights(msg)
@@ -193,6 +196,15 @@ class EngineClient:
             if first:
                 log.info("engine ready (kv cache %d tokens, context %d)", self.kv_cache_tokens, self.max_model_len)
             self.on_ready(self)
+
+    def _fell_behind(self, rid: str, q: asyncio.Queue) -> None:
+        """A request's reader stopped taking its outputs (a stream whose client does not read): abort it rather
+        than queue without bound; its handler gets the abort and frees what it holds."""
+        self.abort(rid)
+        self.queues.pop(rid, None)
+        q.put_nowait(RequestOutput(rid, [], "abort", error=f"{MAX_PENDING_OUTPUTS} outputs waited for a reader that "
+                                   "took none: aborted (slow reader)", error_code="stream_backlog"))
+        log.warning("request %s aborted: its reader fell %d outputs behind", rid, MAX_PENDING_OUTPUTS)
 
     def _fail_inflight(self, reason: str) -> None:
         """The engine died: every in-flight request fails with engine_dead (their handlers release what they

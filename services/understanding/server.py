@@ -11,14 +11,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 
 from fastapi import FastAPI
 
+from services import timeouts
 from services.contract import limits as CL
 from services.kit import errors, live
-from services.kit.config import read_secret
+from services.kit.config import STACK_ID_ENV, read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
+from services.kit.streaming import add_stream_flags, guard
 from services.model import images as IM
 
 from .image_inputs import ImageBudget
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
     p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
                    "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
+    p.add_argument("--kv-pool-owner", default=os.environ.get(STACK_ID_ENV, ""),
+                   help="the stack id recorded in the pool segment as its owner: only that stack's launcher removes "
+                        f"it (shm_transfer/segment.py; env {STACK_ID_ENV}, set by u1serve up)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
     p.add_argument("--kv-transport", choices=["shm", "nixl"], default="shm",
                    help="how generation reads the prefixes: shm (same host) or nixl (over the network with NIXL; "
@@ -81,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond the running ones; more get 429 (default: "
                         "max(16, KV cache tokens / 256))")
-    p.add_argument("--max-queue-wait-s", type=float, default=120.0,
+    p.add_argument("--max-queue-wait-s", type=float, default=timeouts.UND_MAX_QUEUE_WAIT_S,
                    help="a request that waited longer for admission fails with 429 (0 = no limit)")
     p.add_argument("--chunked-prefill-size", type=int, default=4096,
                    help="prefill tokens per iteration (0 = no chunking); image spans are never split")
@@ -108,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images decoded (and prompts built) at once, over all requests")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request bodies above this get 413")
     p.add_argument("--max-think-tokens", type=int, default=CL.MAX_THINK_TOKENS, help="upper bound for max_think_tokens")
+    add_stream_flags(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -159,7 +166,7 @@ def main(argv=None) -> None:
     _configure_logging(args.log_level)
     app = create_app(args)
     # the kit middleware writes the access log (sanitised, /health at debug); uvicorn's own stays off
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(guard(app, args), host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False))
     state: AppState = app.state.u1
     state.request_exit = lambda: setattr(server, "should_exit", True)

@@ -95,7 +95,7 @@ class AppState:
         network = ({"listen_port": a.kv_listen_port, "advertise_host": a.kv_advertise_host}
                    if a.kv_transport == "nixl" else {})
         t = create_producer(a.kv_transport, a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
-                            model_fingerprint(a.model, self.cfg), pin=False, **network)
+                            model_fingerprint(a.model, self.cfg), pin=False, owner=a.kv_pool_owner, **network)
         if a.kv_transport == "nixl":
             s = t.stats()
             log.info("KV transport nixl: agent %s, metadata at %s", s["agent"], s["listen"])

@@ -276,7 +276,7 @@ def test_no_mps_control_on_path_is_a_clear_error(config_model, tmp_path, run_dir
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     p = _up("--model", config_model, "--device", "cuda", "--und-gpus", "0", "--port", str(free_port()),
-            "--run-dir", run_dir, "--gpu-sharing", "mps", env={"PATH": str(empty)})
+            "--run-dir", run_dir, "--gpu-sharing", "mps", env={"PATH": str(empty), "U1SERVE_MPS_ON_CPU": "1"})
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 1, out
     assert "--gpu-sharing mps needs nvidia-cuda-mps-control on PATH" in out and "driver" in out, out

@@ -6,26 +6,20 @@ from __future__ import annotations
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
-
-from services.kit import sse
+from services.kit.streaming import OwnedStream
 from services.kit.web import until_disconnect
 
 T = TypeVar("T")
 Cleanup = Callable[[], Awaitable[None]]
 
 
-def sse_response(body: AsyncIterator[bytes], cleanup: Cleanup) -> StreamingResponse:
-    async def stream():
-        try:
-            async for chunk in body:
-                yield chunk
-        finally:
-            await cleanup()
-    # the background task also runs when the client left before the body even started
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=sse.HEADERS,
-                             background=BackgroundTask(cleanup))
+def sse_response(body: AsyncIterator[bytes], cleanup: Cleanup) -> OwnedStream:
+    async def close():
+        if hasattr(body, "aclose"):
+            await body.aclose()
+        await cleanup()
+    # on_close also runs when the client left before the body even started, or its stream was cut (slow reader)
+    return OwnedStream(body, on_close=close)
 
 
 async def until_done_or_gone(request: Request, work: Callable[[], Awaitable[T]], cleanup: Cleanup):
