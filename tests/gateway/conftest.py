@@ -47,7 +47,7 @@ class GatewayProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
             try:
-                return httpx.get(self.base + "/metrics", timeout=1).status_code == 200
+                return httpx.get(self.base + "/health/live", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
         try:

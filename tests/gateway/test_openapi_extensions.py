@@ -6,14 +6,14 @@ import pytest
 
 from services.contract import limits as L
 
-from .test_openapi import body_schema, prop, resolve
+from .test_openapi import KEY, body_schema, prop, resolve
 
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def spec(gateway):
-    return httpx.get(gateway + "/openapi.json", timeout=10).json()
+    return httpx.get(gateway + "/openapi.json", timeout=10, headers=KEY).json()
 
 
 def test_chat_fields_with_their_limits(spec):
