@@ -8,7 +8,7 @@ from importlib import resources
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      preprocess)
 from .sampler import SamplerParams, branches_needed
-from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START, NeoTokenizer
+from .tokenizer import IM_END, IM_START, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -55,25 +55,45 @@ def interleave_system_message(model_dir: str | None = None, override: str | None
     return _system_message(INTERLEAVE_SYSTEM_MESSAGE_FILE, model_dir, override)
 
 
-def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
-    """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`."""
-    out = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    for role, content in turns:
-        out += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+Parts = list[tuple[str, bool]]      # (text, is client text): a prompt whose client text is tokenised as text
+
+
+def neo1_0_parts(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> Parts:
+    """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`. Each turn's
+    role line and content is client text; the parts split at the template's special tokens, so tokenising them
+    one by one gives the ids of the whole string (for text without special-token strings)."""
+    out: Parts = []
+    for role, content in ([("system", system)] if system else []) + list(turns):
+        out += [(IM_START, False), (f"{role}\n{content}", True), (IM_END + "\n", False)]
     if generation_prompt:
-        out += "<|im_start|>assistant\n"
+        out.append((IM_START + "assistant\n", False))
     return out
 
 
+def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
+    return "".join(text for text, _ in neo1_0_parts(turns, system, generation_prompt))
+
+
+def encode_parts(tok: NeoTokenizer, parts: Parts, images: list[ImageTensor]) -> PromptInput:
+    """Tokenise the parts (client text as plain text: tok.encode_text), each <image> replaced by the span of the
+    next image (<img> + <IMG_CONTEXT> x tokens + </img>)."""
+    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text, _ in parts)
+    if placeholders != len(images):
+        raise ValueError(f"{placeholders} <image> placeholders for {len(images)} images")
+    ids: list[int] = []
+    it = iter(images)
+    for text, client in parts:
+        for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            if k:
+                ids += image_span_ids(tok, next(it))
+            if piece:
+                ids += tok.encode_text(piece) if client else tok.encode(piece)
+    return PromptInput(ids, list(images))
+
+
 def expand_images(tok: NeoTokenizer, text: str, images: list[ImageTensor]) -> PromptInput:
-    """Replace each <image> by <img> + <IMG_CONTEXT> x tokens + </img> and tokenise."""
-    parts = text.split(IMAGE_PLACEHOLDER)
-    if len(parts) - 1 != len(images):
-        raise ValueError(f"{len(parts) - 1} <image> placeholders for {len(images)} images")
-    out = parts[0]
-    for img, rest in zip(images, parts[1:]):
-        out += IMG_START + IMG_CONTEXT * img.num_tokens + IMG_END + rest
-    return PromptInput(tok.encode(out), list(images))
+    """Replace each <image> by <img> + <IMG_CONTEXT> x tokens + </img> and tokenise (all of `text` is trusted)."""
+    return encode_parts(tok, [(text, False)], images)
 
 
 def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | None = None,
@@ -108,12 +128,12 @@ def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | 
             system = text
         else:
             turns.append((role, text))
-    prompt = neo1_0(turns, system)
+    parts = neo1_0_parts(turns, system)
     if enable_thinking is True:
-        prompt += THINK_OPEN
+        parts.append((THINK_OPEN, False))
     elif enable_thinking is False:
-        prompt += EMPTY_THINK
-    return expand_images(tok, prompt, images)
+        parts.append((EMPTY_THINK, False))
+    return encode_parts(tok, parts, images)
 
 
 UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no system, no think)
@@ -122,8 +142,8 @@ UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no
 def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: bool = False,
                system_message: str | None = None) -> dict[str, PromptInput]:
     system = default_gen_system_message() if system_message is None else system_message
-    head = neo1_0([("user", prompt)], system)
-    out = {"cond": PromptInput(tok.encode(head + (THINK_OPEN if think else EMPTY_THINK + IMG_START)))}
+    head = neo1_0_parts([("user", prompt)], system)
+    out = {"cond": encode_parts(tok, head + [(THINK_OPEN if think else EMPTY_THINK + IMG_START, False)], [])}
     if "uncond" in branches_needed(params):
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
     return out
@@ -143,7 +163,7 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
         text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + prompt
     system = default_gen_system_message() if system_message is None else system_message
     tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
-    out = {"cond": expand_images(tok, neo1_0([("user", text)], system) + tail, tensors)}
+    out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system) + [(tail, False)], tensors)}
     needed = branches_needed(params)
     if "img_cond" in needed:
         out["img_cond"] = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * n)]) + IMG_START, tensors)
