@@ -182,6 +182,8 @@ class HealthReport(BaseModel):
 
 ERRORS: dict = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "bad input: the message says what is allowed"), (401, "missing or invalid API key"),
-    (413, "body over the size limit"), (429, "too many requests in flight (Retry-After)"),
+    (403, "a gateway without an API key: a Host or Origin it does not serve"),
+    (413, "body over the route's size limit"), (415, "a body that is not JSON (or multipart where taken)"),
+    (429, "too many requests in flight (Retry-After)"),
     (499, "the client went away"), (502, "an engine answered something unusable"),
     (503, "an engine is down or its KV pool is full"), (504, "an engine sent nothing in time, or the deadline passed"))}
