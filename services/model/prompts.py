@@ -58,13 +58,17 @@ def interleave_system_message(model_dir: str | None = None, override: str | None
 Parts = list[tuple[str, bool]]      # (text, is client text): a prompt whose client text is tokenised as text
 
 
-def neo1_0_parts(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> Parts:
+def neo1_0_parts(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True,
+                 client_system: bool = True) -> Parts:
     """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`. Each turn's
-    role line and content is client text; the parts split at the template's special tokens, so tokenising them
-    one by one gives the ids of the whole string (for text without special-token strings)."""
+    role line and content is client text, the system block too unless it is the server's own (`client_system`
+    False: the generation system messages, which spell out <think>); the parts split at the template's special
+    tokens, so tokenising them one by one gives the ids of the whole string (for text without special-token
+    strings)."""
     out: Parts = []
-    for role, content in ([("system", system)] if system else []) + list(turns):
-        out += [(IM_START, False), (f"{role}\n{content}", True), (IM_END + "\n", False)]
+    blocks = ([("system", system, client_system)] if system else []) + [(r, c, True) for r, c in turns]
+    for role, content, client in blocks:
+        out += [(IM_START, False), (f"{role}\n{content}", client), (IM_END + "\n", False)]
     if generation_prompt:
         out.append((IM_START + "assistant\n", False))
     return out
@@ -97,10 +101,12 @@ def expand_images(tok: NeoTokenizer, text: str, images: list[ImageTensor]) -> Pr
 
 
 def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | None = None,
-               min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS) -> PromptInput:
+               min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS,
+               server_system: str = "") -> PromptInput:
     """OpenAI-like messages -> PromptInput. Content is a string or a list of text / image parts
     ({"type": "image", "image": PIL}). A user turn whose images have no placeholder gets `<image>\\n`
-    prefixes (as upstream's chat)."""
+    prefixes (as upstream's chat). Message text is client text (tokenised as text); `server_system`, used when
+    the messages have no system message, is the server's."""
     system = ""
     turns: list[tuple[str, str]] = []
     images: list[ImageTensor] = []
@@ -128,7 +134,9 @@ def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | 
             system = text
         else:
             turns.append((role, text))
-    parts = neo1_0_parts(turns, system)
+    # the messages' own system message is the client's; without one, the server's (`server_system`) is used
+    own = any(m.get("role") == "system" for m in messages)
+    parts = neo1_0_parts(turns, system if own else server_system, client_system=own)
     if enable_thinking is True:
         parts.append((THINK_OPEN, False))
     elif enable_thinking is False:
@@ -142,7 +150,7 @@ UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no
 def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: bool = False,
                system_message: str | None = None) -> dict[str, PromptInput]:
     system = default_gen_system_message() if system_message is None else system_message
-    head = neo1_0_parts([("user", prompt)], system)
+    head = neo1_0_parts([("user", prompt)], system, client_system=False)
     out = {"cond": encode_parts(tok, head + [(THINK_OPEN if think else EMPTY_THINK + IMG_START, False)], [])}
     if "uncond" in branches_needed(params):
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
@@ -163,7 +171,8 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
         text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + prompt
     system = default_gen_system_message() if system_message is None else system_message
     tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
-    out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system) + [(tail, False)], tensors)}
+    out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system, client_system=False) + [(tail, False)],
+                                tensors)}
     needed = branches_needed(params)
     if "img_cond" in needed:
         out["img_cond"] = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * n)]) + IMG_START, tensors)
@@ -179,12 +188,10 @@ def interleave_heads(tok: NeoTokenizer, messages: list[dict], think: bool, syste
     cond = system + the conversation (input images at the edit sizes) + `assistant\\n` (+ the empty think block
     unless think mode: the model then opens <think> itself); tu ("text-uncond") = one user turn holding only the
     input images, no system, no text, no think block. A system message in `messages` wins over `system_message`."""
-    if not any(m.get("role") == "system" for m in messages) and system_message:
-        messages = [{"role": "system", "content": system_message}, *messages]
     n = sum(1 for m in messages if isinstance(m.get("content"), list)
             for p in m["content"] if p.get("type") == "image")
     cond = chat_input(tok, messages, None if think else False, EDIT_MIN_PIXELS,
-                      images_max_pixels or edit_max_pixels(max(1, n)))
+                      images_max_pixels or edit_max_pixels(max(1, n)), server_system=system_message or "")
     tu = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(cond.images))]), cond.images)
     return cond, tu
 
