@@ -5,13 +5,13 @@ Host / Origin check: a web page the user opens must not drive a keyless gateway 
 cross-origin POST) or by DNS rebinding (a name of the attacker's that resolves to 127.0.0.1)."""
 from __future__ import annotations
 
-import ipaddress
 from typing import Optional
 from urllib.parse import urlsplit
 
 from services.kit.errors import APIError
 
 from .config import GatewayConfig
+from .routing import is_address
 
 LOOPBACK = "127.0.0.1"
 WILDCARD = "0.0.0.0"
@@ -52,14 +52,6 @@ def _host_name(value: str) -> str:
     return (urlsplit("//" + value).hostname or "").lower()
 
 
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return False
-
-
 class HostCheckMiddleware:
     """A keyless gateway answers only requests whose Host is an IP address (a rebinding attack needs a name),
     a loopback name, the bound host or one of --allowed-hosts ('*': any), and whose Origin, when a browser sends
@@ -74,7 +66,7 @@ class HostCheckMiddleware:
 
     def _host_ok(self, host: str) -> bool:
         name = _host_name(host)
-        return not host or self.any_host or _is_ip(name) or name in self.names or name.endswith(".localhost")
+        return not host or self.any_host or is_address(name) or name in self.names or name.endswith(".localhost")
 
     def _origin_ok(self, origin: Optional[str], host: str) -> bool:
         if origin is None or "*" in self.origins or origin in self.origins:

@@ -3,9 +3,9 @@ every field, as JSON and multipart, against a real gateway in front of the real 
 stack on the tiny checkpoint, CPU). No response may be a 5xx, and every response must conform to the schema
 (documented status, content type and body).
 
-The fuzzed gateway tightens the image limits (--max-side, --max-steps, --max-think-tokens: /openapi.json
-carries them, so valid requests stay small) and each case asks for at most a few tokens, so the run is
-bounded on a CPU."""
+The fuzzed gateway tightens the image limits (--max-side, --max-steps, --max-think-tokens, --max-prompt-chars:
+/openapi.json carries them, so valid requests stay small) and each case asks for at most a few tokens and two
+choices, so the run is bounded on a CPU."""
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -15,13 +15,15 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from .conftest import GatewayProc
 
-EXAMPLES = 12                     # per operation and generation mode: ~2 minutes on a 2-core CI runner
+EXAMPLES = 10                     # per operation: ~2 minutes on a 2-core CI runner
 MAX_TOKENS = 4
+MAX_CHOICES = 2
 
 
 @pytest.fixture(scope="module")
 def fuzzed(stack, tmp_path_factory):
     g = GatewayProc(stack.und, stack.gen, "--max-side", "64", "--max-pixels", "4096", "--max-steps", "2",
+                    "--max-prompt-chars", "256",
                     "--max-think-tokens", "4", "--default-think-tokens", "4", "--default-steps", "2", "--upstream-idle-timeout-s", "60",
                     env={"U1SERVE_INTERNAL_TOKEN": stack.token},
                     log_dir=str(tmp_path_factory.mktemp("fuzz"))).wait_up()
@@ -39,7 +41,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 def bounded(body):
-    """A case's text budget cut to a few tokens (the fuzz is about fields, not about long answers)."""
+    """A case's text budget cut to a few tokens and two choices (the fuzz is about fields, not long answers)."""
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens"):
@@ -47,6 +49,8 @@ def bounded(body):
             body[key] = MAX_TOKENS
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
+    if "messages" in body and isinstance(body.get("n"), int) and body["n"] > MAX_CHOICES:
+        body["n"] = MAX_CHOICES
     for key in ("image_config", "extra_body"):
         if isinstance(body.get(key), dict):
             bounded(body[key])
