@@ -20,6 +20,12 @@ def spec(gateway):
     return r.json()
 
 
+def sse_payload(media: dict) -> dict:
+    """The JSON payload schema of a `text/event-stream` entry (its `schema` describes one SSE event)."""
+    data = media["schema"]["properties"]["data"]["anyOf"]
+    return next(d for d in data if "contentSchema" in d)["contentSchema"]["anyOf"][0]
+
+
 def resolve(spec: dict, schema: dict) -> dict:
     while "$ref" in schema:
         schema = spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]

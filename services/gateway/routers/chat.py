@@ -27,7 +27,7 @@ from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
-from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
+from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
                         error_from_response, is_timeout, open_stream, reading, tell)
@@ -39,7 +39,7 @@ PATH = "/v1/chat/completions"
 IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
 
 STREAM_DOC = {200: {"description": "JSON, or with stream: SSE chat.completion.chunk events then [DONE]",
-                    "content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}}
+                    "content": sse_content(ChatCompletionChunk)}}
 
 
 def image_parts(req: ChatCompletionRequest, limit: int = L.MAX_CHAT_IMAGES) -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ from ..context import cache_salt, gateway, request_id
 from ..inputs import Raw, data_url
 from ..jobs import ImageJob, build_job, check_options
 from ..relay import client_gone, collect_job, stream_job
-from ..schemas import ERRORS, ImagesResponse, ImageStreamEvent
+from ..schemas import ERRORS, ImagesResponse, ImageStreamEvent, sse_content
 from ..state import GatewayState
 
 router = APIRouter(tags=["images"], route_class=ParsedJsonRoute)
@@ -27,7 +27,7 @@ MULTIPART_IMAGE_FIELDS = ("image", "image[]")
 
 def _stream_doc(prefix: str) -> dict:
     return {200: {"description": f"JSON, or with stream: SSE events {prefix}.* then [DONE]",
-                  "content": {"text/event-stream": {"schema": ImageStreamEvent.model_json_schema()}}}}
+                  "content": sse_content(ImageStreamEvent)}}
 
 
 def _edit_body_doc() -> dict:
