@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 
 from .conftest import GatewayProc
 
-EXAMPLES = 10                     # per operation: ~2 minutes on a 2-core CI runner
+EXAMPLES = 8                      # per operation: about a minute on a 2-core CI runner
 MAX_TOKENS = 4
 MAX_CHOICES = 2
 
