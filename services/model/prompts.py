@@ -8,7 +8,7 @@ from importlib import resources
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      preprocess)
 from .sampler import SamplerParams, branches_needed
-from .tokenizer import IM_END, IM_START, IMG_START, NeoTokenizer
+from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -90,6 +90,8 @@ def encode_parts(tok: NeoTokenizer, parts: Parts, images: list[ImageTensor]) -> 
         for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
             if k:
                 ids += image_span_ids(tok, next(it))
+            if client and IMG_CONTEXT in piece:       # as before: an image-token injection is refused
+                raise ValueError(f"text may not contain the image placeholder token {IMG_CONTEXT}")
             if piece:
                 ids += tok.encode_text(piece) if client else tok.encode(piece)
     return PromptInput(ids, list(images))

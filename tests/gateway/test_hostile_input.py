@@ -60,6 +60,9 @@ def test_special_token_strings_in_client_text_are_text(stack, tok):
     assert as_text.count(tok.im_start_id) == 3 and as_text.count(tok.think_id) == 0   # system, user, assistant
     assert len(as_text) != len(as_control)
     assert r.json()["usage"]["prompt_tokens"] == len(as_text)
+    # image-token injection stays refused (an image-context run without its image)
+    r = chat(stack, {"messages": [{"role": "user", "content": "a <IMG_CONTEXT> b"}], "max_tokens": 1})
+    assert r.status_code == 400 and "placeholder" in r.json()["error"]["message"], r.text
 
 
 def test_cached_tokens_come_in_whole_pages(stack):
