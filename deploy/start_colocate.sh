@@ -8,8 +8,9 @@ GPUS=${GPUS:-0,1}
 UND_TP=${UND_TP:-2}
 GEN_CFG=${GEN_CFG:-2}
 PORT=${PORT:-8000}
+# KV_POOL_GB: the KV pool's size (u1serve up's default when unset: 16 on GPUs, 0.25 on CPU)
 exec u1serve up --model "$MODEL" --mode colocate \
     --und-gpus "$GPUS" --gen-gpus "$GPUS" --und-tp "$UND_TP" --gen-cfg-parallel "$GEN_CFG" \
     --und-memory-fraction "${UND_MEMORY_FRACTION:-0.35}" \
     --gen-memory-fraction "${GEN_MEMORY_FRACTION:-0.55}" \
-    --kv-pool-gb "${KV_POOL_GB:-16}" --port "$PORT" "$@"
+    ${KV_POOL_GB:+--kv-pool-gb "$KV_POOL_GB"} --port "$PORT" "$@"

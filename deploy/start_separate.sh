@@ -8,6 +8,7 @@ GEN_GPUS=${GEN_GPUS:-2,3}
 UND_TP=${UND_TP:-2}
 GEN_CFG=${GEN_CFG:-2}
 PORT=${PORT:-8000}
+# KV_POOL_GB: the KV pool's size (u1serve up's default when unset: 16 on GPUs, 0.25 on CPU)
 exec u1serve up --model "$MODEL" --mode separate \
     --und-gpus "$UND_GPUS" --gen-gpus "$GEN_GPUS" --und-tp "$UND_TP" --gen-cfg-parallel "$GEN_CFG" \
-    --kv-pool-gb "${KV_POOL_GB:-16}" --port "$PORT" "$@"
+    ${KV_POOL_GB:+--kv-pool-gb "$KV_POOL_GB"} --port "$PORT" "$@"

@@ -89,12 +89,17 @@ def _table(q, positions, theta_t, theta_hw, table):
 
 
 def qk_norm_rope_ref_(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions, theta_t, theta_hw, eps, table=None):
-    """Reference, in place; returns (q, k)."""
+    """Reference, in place; returns (q, k). Under autograd (a trainer's differentiable forward) it returns new
+    tensors instead, with the same bits: writing the result into its own input would break the backward."""
     _check(q, k, q_w_t, q_w_hw, k_w_t, k_w_hw, positions)
     table = _table(q, positions, theta_t, theta_hw, table)
     partner = _columns(q.shape[2], theta_t, theta_hw, q.device)[3]
-    q.copy_(_one_ref(q, q_w_t, q_w_hw, table, partner, eps))
-    k.copy_(_one_ref(k, k_w_t, k_w_hw, table, partner, eps))
+    q2 = _one_ref(q, q_w_t, q_w_hw, table, partner, eps)
+    k2 = _one_ref(k, k_w_t, k_w_hw, table, partner, eps)
+    if torch.is_grad_enabled() and (q2.requires_grad or k2.requires_grad):
+        return q2, k2
+    q.copy_(q2)
+    k.copy_(k2)
     return q, k
 
 

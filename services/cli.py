@@ -1,4 +1,4 @@
-"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`.
+"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`, `rl-train`.
 
 Imports stay light at module level so `u1serve --help` is instant; subcommands import what they
 need. To add a subcommand, write `cmd_x(args)` and `add_x(subparsers)` and list it in COMMANDS.
@@ -121,6 +121,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
+    argv += ["--rl-reference", getattr(args, "rl_reference", "on")]
     argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
@@ -411,6 +412,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
+    p.add_argument("--rl-reference", choices=["on", "off"], default="on",
+                   help="RL scoring against a frozen copy of the start weights (docs/rl.md; built on first use)")
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")
@@ -538,7 +541,20 @@ def cmd_tiny(args) -> int:
     return 0
 
 
-COMMANDS = [add_up, add_demo, add_tiny]
+def add_rl_train(sub) -> None:
+    p = sub.add_parser("rl-train", help="train the model with Flow-GRPO / DanceGRPO / MixGRPO against a stack "
+                                        "(docs/rl.md): one JSON line per iteration")
+    from services.rl.flags import add_train_flags   # argparse only: --help stays instant
+    add_train_flags(p)
+    p.set_defaults(func=cmd_rl_train)
+
+
+def cmd_rl_train(args) -> int:
+    from services.rl.run import main as rl_main
+    return rl_main(args)
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_rl_train]
 
 
 def main(argv: list[str] | None = None) -> None:

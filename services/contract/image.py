@@ -200,9 +200,14 @@ class ImageGenerationRequest(ImageOptions):
     @field_validator("prompt")
     @classmethod
     def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("prompt must not be empty")
-        return v
+        return not_blank(v)
+
+
+def not_blank(prompt: str) -> str:
+    """A prompt's check (image and RL requests)."""
+    if not prompt.strip():
+        raise ValueError("prompt must not be empty")
+    return prompt
 
 
 class ImageEditRequest(ImageGenerationRequest):
@@ -236,6 +241,14 @@ class PrefixRequest(Guidance):
     stream: bool = False
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
+    # RL (docs/rl.md): sample the think block instead of greedy decoding, returning each token's log-prob under
+    # the processed distribution; or re-prefill an exact think block (scoring)
+    think_temperature: Optional[Float] = Field(None, ge=L.GREEDY_TEMPERATURE, le=L.MAX_TEMPERATURE,
+                                               description="sample the think text (None: greedy)")
+    think_top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    think_seed: Optional[Int] = Field(None, ge=0, le=L.SEED_MAX)
+    think_token_ids: Optional[list[Int]] = Field(None, max_length=L.MAX_THINK_TOKENS,
+                                                 description="prefill this think block as is (no decoding)")
 
     @model_validator(mode="after")
     def _images_for_mode(self) -> "PrefixRequest":
@@ -243,6 +256,8 @@ class PrefixRequest(Guidance):
             raise ValueError(f"an edit takes 1 to {L.MAX_IMAGES_PER_REQUEST} images")
         if self.mode == "t2i" and self.images:
             raise ValueError("text-to-image takes no images")
+        if self.think_token_ids is not None and not self.think:
+            raise ValueError("think_token_ids needs think")
         return self
 
 

@@ -19,7 +19,7 @@ from .config import GatewayConfig
 from .drain import DrainMiddleware
 from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
-from .routers import chat, images, ops, playground
+from .routers import chat, images, ops, playground, rl, rl_weights
 from .state import GatewayState
 
 DESCRIPTION = ("OpenAI-compatible chat and image API of u1serve (SenseNova-U1). Errors are "
@@ -41,7 +41,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                   redoc_url=None)
     app.state.gateway = state
     errors.install(app, "gateway")
-    for module in (chat, images, ops, live):
+    for module in (chat, images, ops, rl, live, rl_weights):
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)
@@ -55,7 +55,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                        auth=ApiKeyAuth(cfg.api_keys, key_paths(cfg)) if cfg.api_keys else None, unique_ids=True,
                        hooks=state.metrics)
     if cfg.allowed_origins:       # outside the key check: a preflight carries no credentials
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
     return app

@@ -1,22 +1,24 @@
 """The body rule of each gateway route, in one table: size limit, media types, JSON element budget (enforced
 by kit.bodies before the body is parsed, after authentication and admission). A route not listed gets
-DEFAULT_BODY. A route with other needs declares its line here, e.g. a binary upload:
-
-    "/v1/rl/weights/upload": BodyRule(64 * GiB, media_types=("application/octet-stream",)),
-
-Operators change a route's limit with `--route-body-mb PATH=MB`; `--max-body-mb` caps every route."""
+DEFAULT_BODY. A route with other needs declares its line here (as the RL routes do: a binary upload, a
+trajectory sent back as base64). Operators change a route's limit with `--route-body-mb PATH=MB`; `--max-body-mb` caps every route."""
 from __future__ import annotations
 
 from services.kit.bodies import JSON, MULTIPART, BodyRule, BodyRules
 
 from .config import GatewayConfig
+from .routers.rl_weights import UPLOAD_MAX_BYTES
 
 MiB = 1024 * 1024
+OCTETS = "application/octet-stream"
 
 ROUTE_BODIES: dict[str, BodyRule] = {
     "/v1/chat/completions": BodyRule(32 * MiB),                         # images as data URLs
     "/v1/images/edits": BodyRule(32 * MiB, media_types=(JSON, MULTIPART)),   # up to 4 input images
     "/v1/images/generations": BodyRule(1 * MiB),                        # a prompt and options
+    "/v1/rl/rollout": BodyRule(256 * MiB),                 # up to 64 prompts, each with its edit input images
+    "/v1/rl/score": BodyRule(1024 * MiB),                  # the rollout again, maybe with its trajectory (base64)
+    "/v1/rl/weights/upload": BodyRule(UPLOAD_MAX_BYTES, media_types=(OCTETS,)),   # a safetensors file
 }
 DEFAULT_BODY = BodyRule(1 * MiB)
 

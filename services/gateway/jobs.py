@@ -52,6 +52,14 @@ class ImageJob:
         """The /internal/generate body with understanding's handles (which must match the CFG branches)."""
         return generate_body(self.generate, handles)
 
+    def generate_path(self) -> str:
+        """Generation's route for this job (RL jobs: routers/rl.py)."""
+        return "/internal/generate"
+
+    def expected_images(self) -> int:
+        """Image events generation owes this job."""
+        return self.n
+
 
 def _at_most(value: int | None, limit: int, param: str) -> None:
     if value is not None and value > limit:

@@ -29,6 +29,7 @@ from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Targe
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"
+WEIGHTS_MISMATCH = "weights_version_mismatch"   # generation/weights.py: the prefix's weights are not its own
 
 
 class Orchestrator:
@@ -38,6 +39,21 @@ class Orchestrator:
         self.janitor = janitor
 
     async def run(self, job: ImageJob, deadline: Deadline, pins: Optional[dict] = None) -> AsyncIterator[dict]:
+        """`attempt`, once more when generation refused the job because a weight update came between its prefix
+        and its denoising (`weights_version_mismatch`) and the client has seen nothing of it yet."""
+        seen = False
+        for last in (False, True):
+            try:
+                async for ev in self.attempt(job, deadline, pins):
+                    seen = seen or ev.get("type") not in ("queued", "think_done") or bool(ev.get("think_text"))
+                    yield ev
+                return
+            except APIError as err:
+                if last or seen or err.code != WEIGHTS_MISMATCH:
+                    raise
+                log.info("job %s: weights changed between prefix and denoising; running it again", job.request_id)
+
+    async def attempt(self, job: ImageJob, deadline: Deadline, pins: Optional[dict] = None) -> AsyncIterator[dict]:
         """Yield the engines' events: think_delta (or a segment's `text`), think_done (with the rest of the
         handles event under `prefix`), then generation's (queued, progress, partial_image, image, and whatever else
         it sends); or `answer_done` when an interleave segment ends the answer. `pins` {service: url} keeps the
@@ -91,7 +107,7 @@ class Orchestrator:
             gen.source = und.ep                # a generation replica that can read this replica's KV
             gen_pool = self._pool(self.gen, pins)
             # not moved on after a 429 / 503 head: generation frees the pages of a job it refuses
-            resp = await self._open(gen_pool, "/internal/generate", job.generate_body(handles.handles), hdrs,
+            resp = await self._open(gen_pool, job.generate_path(), job.generate_body(handles.handles), hdrs,
                                     deadline, gen, pins, retry_refused=False)
             images = 0
             async with reading(gen_pool, gen.ep, resp):
@@ -113,10 +129,10 @@ class Orchestrator:
                         self.metrics.images.inc()
                     yield ev
             working = None
-            if images < job.n:
+            if images < job.expected_images():
                 handles.returned()
                 gen_pool.down(gen.ep)
-                raise unavailable(f"generation service stopped after {images} of {job.n} images",
+                raise unavailable(f"generation service stopped after {images} of {job.expected_images()} images",
                                   code="generation_unavailable")
         except (asyncio.CancelledError, GeneratorExit):
             self.metrics.cancelled.inc()

@@ -22,7 +22,7 @@ from kernels import kv_write_
 from services.model import sampler
 from services.model.step_cache import CacheGroup, FirstBlockCache
 
-from . import previews
+from . import previews, rollout
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
@@ -64,6 +64,7 @@ class Engine:
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
         self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
         self.graphs = StepGraphs(self.device, cuda_graphs)
+        self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
@@ -120,6 +121,7 @@ class Engine:
     def _new_job(self, spec: GenerateRequest, prefix_lens: dict[str, int], t_offsets: dict[str, int]):
         h0, h1 = self._kv_heads
         job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
+        rollout.attach(job, spec, self)           # RL jobs: the SDE transition and what it records
         job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
         return job
 
@@ -137,9 +139,10 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> tuple[list[JobState], int]:
-        """Advance every running job by one step. Returns (finished jobs, rows in the forward)."""
-        jobs = list(self.running)
+    def step(self, jobs: list[JobState] | None = None) -> tuple[list[JobState], int]:
+        """Advance every running job (or those of `jobs`) by one step. Returns (finished jobs, rows in the
+        forward)."""
+        jobs = list(self.running) if jobs is None else jobs
         sp = self.sp
         plan: list[_Rows] = []
         rows, positions, groups, segments = [], [], [], []
@@ -198,7 +201,7 @@ class Engine:
             v = sampler.combine(v_all[job.request_id], job.params, job.step,
                                 job.t_values[job.step])
             job.preview = previews.capture(job, p.z, v) if self.comm.rank == 0 else None
-            z = sampler.euler(p.z, v, job.t, job.t_next)
+            z = sampler.euler(p.z, v, job.t, job.t_next) if job.rl is None else job.rl.transition(job, p.z, v)
             job.x = sampler.unpatchify(z, job.th, job.tw)
             job.step += 1
             if job.done:

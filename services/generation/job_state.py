@@ -63,6 +63,7 @@ class JobState:
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
                                        self.noise_scale, getattr(spec, "noise_draw", 0))
         self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
+        self.rl = None                           # RL jobs: rollout.RolloutState / ScoreState (rollout.py)
         self.step = 0
         self.device = device
         self.dtype = dtype

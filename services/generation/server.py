@@ -34,10 +34,13 @@ from .perf_options import EnginePerfMetrics, add_perf_flags, cache_defaults, per
 from .previews import preview_format
 from .rank_options import add_rank_flags, check_rank_flags, engine_world, rank_engine_args
 from .request import GenerateRequest, check_handles, handles_of, parse_job
+from .rl_routes import MAX_UPLOAD_BYTES, add_rl_flags
+from .rl_routes import install as install_rl
 from .supervisor import EngineSupervisor
+from .weights import weights_endpoint
 
 log = logging.getLogger("u1serve.generation")
-MAX_BODY_BYTES = 4 << 20      # a body is parameters + a few handles (~1 KB each)
+MAX_BODY_BYTES = MAX_UPLOAD_BYTES   # a job body is parameters + a few handles (~1 KB each); RL trajectory uploads
 
 
 def _model_fingerprint(model_dir: str) -> str | None:
@@ -54,8 +57,11 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
     cache_opts = cache_defaults(args)
 
     def on_stats(msg: dict) -> None:
-        if msg.get("stat") == "restart":
+        if msg.get("stat") == "weights":          # rank 0's reply to a weights op (weights.py)
+            weights.reply(msg)
+        elif msg.get("stat") == "restart":
             metrics.engine_restarts.inc()
+            weights.engine_restarted()
         else:
             metrics.on_stats(msg)
             perf_metrics.on_stats(msg)
@@ -64,13 +70,14 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "kv_pool_name": args.kv_pool_name, "max_batch_tokens": args.max_batch_tokens,
         "max_running_jobs": args.max_running_jobs, "threads": args.threads, "log_level": args.log_level,
-        **perf_engine_args(args), **rank_engine_args(args),
+        **perf_engine_args(args), **rank_engine_args(args), "rl_reference": args.rl_reference,
     }
     fingerprint = _model_fingerprint(args.model)
     keeper = HandleKeeper(args.kv_pool_name, fingerprint)
     max_tokens = checkpoint_max_tokens(args.model)     # the trained size limit (image_limits.py)
     engine = EngineSupervisor(engine_args, engine_world(args), keeper, on_stats=on_stats, on_give_up=on_give_up,
                               max_queued=args.max_queued_requests, max_queue_wait_s=args.max_queue_wait_s)
+    weights = weights_endpoint(engine)
     encoder = ThreadPoolExecutor(max_workers=args.encode_threads, thread_name_prefix="u1-encode")
 
     @contextlib.asynccontextmanager
@@ -87,6 +94,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
     app.add_middleware(ServiceMiddleware, service="generation", max_body_bytes=MAX_BODY_BYTES,
                        auth=InternalTokenAuth(token))
     app.state.engine = engine
+    app.include_router(weights.router())
 
     def reject(err: APIError, rid, handles: list[dict]) -> APIError:
         """A request refused before its stream: log it under its id; its KV pages are freed (except on a
@@ -97,10 +105,14 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
         log.info("request %s rejected: %d %s", safe(rid), err.status, err.code)
         return err
 
+    install_rl(app, engine=engine, keeper=keeper, args=args, fingerprint=fingerprint, max_tokens=max_tokens,
+               encoder=encoder, reject=reject)
+
     @app.get("/health")
     async def health():
         body = {**engine.status(), "cfg_parallel": args.cfg_parallel, "sp": args.sp, "sp_mode": args.sp_mode,
-                "max_image_tokens": max_tokens, "warmup": perf_metrics.warmup}
+                "max_image_tokens": max_tokens, "warmup": perf_metrics.warmup, "weights_version": weights.version,
+                "rl_trajectories": app.state.trajectories.stats()}
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
@@ -175,7 +187,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
                     timeline.mark("gen", "encoded")
                     event = {"type": "image", "index": ev["index"], "b64": b64, "format": job.output_format,
                              "width": job.width, "height": job.height, "seed": job.seed,
-                             "branch_steps": ev.get("branch_steps")}
+                             "branch_steps": ev.get("branch_steps"), "weights_version": ev.get("weights_version")}
                     if ev.get("image_handle"):
                         exported.append(ev["image_handle"])
                         event["image_handle"] = ev["image_handle"]
@@ -230,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     add_perf_flags(p)
     add_rank_flags(p)
+    add_rl_flags(p)
     return p
 
 

@@ -242,7 +242,7 @@ class EngineSupervisor:
             return
         if kind == "started":
             self.table.mark_started(rid)
-        elif kind in ("progress", "preview", "image"):
+        elif kind in ("progress", "preview", "image", "rl"):
             t.deliver(msg)
         elif kind == "done":
             if self.table.finish(rid) is not None:

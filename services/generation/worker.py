@@ -24,6 +24,8 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from . import float_image
 from .request import APIError, GenerateRequest, busiest_rank_tokens
+from .weights import RankWeights
+from .rollout import send_results
 
 log = logging.getLogger("u1serve.generation.engine")
 
@@ -106,6 +108,11 @@ def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
 
 def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
     sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.cfg_world, comm.sp.world)
+    weights = RankWeights(engine, comm)
+
+    def refuse(spec, err: APIError) -> None:   # a queued job that never imported its pages
+        source.release(spec.handles.values())
+        out.send({"request_id": spec.request_id, **err.event()})
     stop = False
     while not stop:
         drop = []
@@ -114,17 +121,25 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 stop = True
             elif msg[0] == "job":
                 sched.pending.append(msg[1])
+            elif msg[0] == "weights":
+                weights.take(msg[1])
             elif msg[0] == "cancel":  # the HTTP process already ended the stream; just stop the work
-                spec = sched.remove(msg[1])
+                spec = sched.remove(msg[1]) or weights.remove_held(msg[1])
                 if spec is not None:  # never imported: free its pages now, not at lease expiry
                     source.release(spec.handles.values())
                 elif any(j.request_id == msg[1] for j in engine.running):
                     drop.append(msg[1])
         running_tokens = sum(sched.tokens(j.spec) for j in engine.running)
-        admit = [] if stop else sched.pick(running_tokens, len(engine.running))
-        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop})
+        weights.screen(sched.pending, refuse)      # jobs whose prefix another weights version computed
+        op = None if stop else weights.next_op(bool(engine.running))
+        admit = [] if stop or not weights.admitting(op) else sched.pick(running_tokens, len(engine.running))
+        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop, "weights": op})
         stats: list = []
         errors = _apply_plan(engine, comm, plan, stats)
+        if op is not None:
+            out.send({"type": "stats", "stat": "weights", **weights.run(op)})
+            if op["op"] != "stage":
+                weights.release_held(sched.pending, refuse)
         for s in stats:
             out.send({"type": "stats", **s})
         for spec in admit:
@@ -132,7 +147,8 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                 source.release(spec.handles.values())
                 out.send({"request_id": spec.request_id, **errors[spec.request_id]})
             else:
-                out.send({"request_id": spec.request_id, "type": "started"})
+                out.send({"request_id": spec.request_id, "type": "started",
+                          "weights_version": engine.weights_version})
                 timeline.mark("gen", "admitted")
         if stop:
             break
@@ -161,6 +177,10 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                   "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
                   "graph": engine.graphs.last})
         for job in finished:
+            if not send_results(out, job):       # an RL job whose images are not wanted
+                out.send({"request_id": job.request_id, "type": "done"})
+                job.free()
+                continue
             pixels = engine.pixels(job)
             timeline.mark("gen", "pixels")
             image_handle = None
@@ -173,16 +193,20 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
                     continue
             for i in range(job.n):
                 out.send({"request_id": job.request_id, "type": "image", "index": i,
-                          "branch_steps": job.branch_steps, "image_handle": image_handle}, pixels=pixels[i])
+                          "branch_steps": job.branch_steps, "image_handle": image_handle,
+                          "weights_version": engine.weights_version}, pixels=pixels[i])
             out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
             out.send({"request_id": job.request_id, "type": "done"})
             job.free()
 
 
 def _follower_loop(engine, comm, source) -> None:
+    weights = RankWeights(engine, comm)
     while True:
         plan = comm.broadcast(None)
         _apply_plan(engine, comm, plan, [])
+        if plan.get("weights") is not None:
+            weights.run(plan["weights"])
         if plan["stop"]:
             break
         if engine.running:
@@ -224,8 +248,11 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))
-        engine = Engine(model, source, comm, yield_gate=yield_gate(args, device),
-                        cuda_graphs=args.get("cuda_graphs", "off"))
+        gate = yield_gate(args, device)
+        engine = Engine(model, source, comm, yield_gate=gate, cuda_graphs=args.get("cuda_graphs", "off"))
+        from .reference import EngineSet, reference_factory    # RL jobs alone, the reference policy
+        engine = EngineSet(engine, reference_factory(args, device, _DTYPES, source, comm, gate)
+                           if args.get("rl_reference") == "on" else None)
         from .warmup import parse_sizes, run_warmup
         warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
                           int(args.get("warmup_steps", 0)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import torch
@@ -165,31 +166,91 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 
 
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
-    """Official LoRA format: W += strength * (alpha / r) * up @ down, in fp32. Returns modules merged."""
-    with _open(path) as f:
-        keys = set(f.keys())
-        prefix = "diffusion_model." if any("diffusion_model." in k for k in keys) else ""
-        merged = 0
-        for name, param in model.named_parameters():
-            if not name.endswith(".weight"):
-                continue
-            base = prefix + name[: -len(".weight")]
-            down_k, up_k, alpha_k = base + ".lora_down.weight", base + ".lora_up.weight", base + ".alpha"
-            if down_k not in keys or up_k not in keys:
-                continue
-            down = f.get_tensor(down_k).float()
-            up = f.get_tensor(up_k).float()
-            rank = down.shape[0]
-            alpha = f.get_tensor(alpha_k).float().item() if alpha_k in keys else float(rank)
-            delta = (alpha / rank) * strength * (up @ down)
-            delta = shard(delta, shard_dim(name), tp)
-            if delta.shape != param.shape:
-                raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is {tuple(param.shape)}")
-            param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
-            merged += 1
+    """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
+    merged = 0
+    params = dict(model.named_parameters())
+    for name, delta in lora_deltas(path, params, strength, tp):
+        param = params[name]
+        param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
+        merged += 1
     if merged == 0:
         raise LoadError(f"LoRA file {path} matched no weight of this model (branch {model.branch!r})")
     return merged
+
+
+def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None):
+    """(name, fp32 delta of this TP rank's shard) for every `X.weight` in `weights` ({name: tensor of this rank's
+    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch."""
+    for module, (down, up, scale) in read_lora(path).items():
+        name = module + ".weight"
+        if name not in weights:
+            continue
+        delta = shard((scale * strength) * (up.float() @ down.float()), shard_dim(name), tp)
+        if delta.shape != weights[name].shape:
+            raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is "
+                            f"{tuple(weights[name].shape)}")
+        yield name, delta
+
+
+PEFT_FILE, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """An adapter -> {module name (checkpoint key without `.weight`): (down [r, in], up [out, r], scale)}.
+    Official layout (one file): `X.lora_down.weight`, `X.lora_up.weight`, optional `X.alpha` (scale alpha / r),
+    keys optionally prefixed `diffusion_model.`. PEFT layout (a directory with adapter_model.safetensors and
+    adapter_config.json, or that file): `base_model.model.X.lora_A.weight` / `lora_B.weight`, scale
+    lora_alpha / r (/ sqrt(r) with use_rslora), per-module `rank_pattern` / `alpha_pattern` by key suffix."""
+    if os.path.isdir(path):
+        path = os.path.join(path, PEFT_FILE)
+    out = {}
+    with _open(path) as f:
+        keys = set(f.keys())
+        if any(".lora_A." in k for k in keys):
+            cfg = _peft_config(os.path.dirname(path))
+            for k in sorted(keys):
+                if ".lora_A." not in k:
+                    continue
+                up_k = k.replace(".lora_A.", ".lora_B.")
+                if up_k not in keys:
+                    raise LoadError(f"PEFT adapter {path}: {k!r} has no {up_k!r}")
+                module = k.split(".lora_A.")[0].removeprefix("base_model.model.")
+                down, up = f.get_tensor(k), f.get_tensor(up_k)
+                r = down.shape[0]
+                alpha = _by_suffix(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", r))
+                r_cfg = _by_suffix(cfg.get("rank_pattern") or {}, module, cfg.get("r", r))
+                scale = float(alpha) / (math.sqrt(r_cfg) if cfg.get("use_rslora") else float(r_cfg))
+                out[module] = (down, up, scale)
+            return out
+        for k in sorted(keys):
+            if not k.endswith(".lora_down.weight"):
+                continue
+            base = k[: -len(".lora_down.weight")]
+            if base + ".lora_up.weight" not in keys:
+                continue
+            down, up = f.get_tensor(k), f.get_tensor(base + ".lora_up.weight")
+            rank = down.shape[0]
+            alpha = f.get_tensor(base + ".alpha").float().item() if base + ".alpha" in keys else float(rank)
+            out[base.removeprefix("diffusion_model.")] = (down, up, alpha / rank)
+    return out
+
+
+def _peft_config(directory: str) -> dict:
+    cfg_path = os.path.join(directory, PEFT_CONFIG)
+    if not os.path.exists(cfg_path):
+        return {}
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoadError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def _by_suffix(pattern: dict, module: str, default):
+    for suffix, value in pattern.items():
+        if module == suffix or module.endswith("." + suffix):
+            return value
+    return default
 
 
 def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
@@ -218,15 +279,13 @@ def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:
 def lora_branches(path: str) -> set[str]:
     """The branches an adapter names: gen (`*_mot_gen`, `fm_modules.*`) and/or und (the rest of
     `language_model.*`, `vision_model.*`). Raises LoadError when it names neither."""
-    with _open(path) as f:
-        keys = [k.removeprefix("diffusion_model.") for k in f.keys() if ".lora_down." in k]
     out = set()
-    for k in keys:
+    for k in read_lora(path):
         if "_mot_gen" in k or k.startswith("fm_modules."):
             out.add("gen")
         elif k.startswith(("language_model.", "vision_model.")):
             out.add("und")
     if not out:
         raise LoadError(f"LoRA file {path} names no module of this model (official format: "
-                        f"X.lora_down.weight / X.lora_up.weight / X.alpha)")
+                        f"X.lora_down.weight / X.lora_up.weight / X.alpha; or PEFT's lora_A / lora_B)")
     return out

@@ -144,10 +144,11 @@ class MoTAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, d)
         v = v.view(T, self.num_kv_heads, d)
         norm = lambda n: getattr(self, n + sfx)  # noqa: E731
-        # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU)
-        kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight, norm("k_norm").weight,
-                              norm("k_norm_hw").weight, rope.positions, rope.theta_t, rope.theta_hw,
-                              norm("q_norm").eps, rope.table(q.dtype))
+        # split Q/K RMSNorm (t half, hw half) + 3-D RoPE, fused and in place (torch reference on CPU; new
+        # tensors under autograd, hence the assignment)
+        q, k = kernels.qk_norm_rope_(q, k, norm("q_norm").weight, norm("q_norm_hw").weight,
+                                     norm("k_norm").weight, norm("k_norm_hw").weight, rope.positions, rope.theta_t,
+                                     rope.theta_hw, norm("q_norm").eps, rope.table(q.dtype))
         return q, k, v
 
 

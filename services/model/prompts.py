@@ -14,6 +14,12 @@ IMAGE_PLACEHOLDER = "<image>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 THINK_OPEN = "<think>\n"
 THINK_TAIL = "\n\n" + IMG_START  # appended after a think block, as a causal block
+
+
+def think_excluded_ids(tok: NeoTokenizer) -> tuple[int, ...]:
+    """Tokens a *sampled* think block never contains: the image-span markers. Re-prefilling the block (RL scoring,
+    the trainer's recomputation) would read them as an image run; sampling gives them probability 0 instead."""
+    return (tok.img_start_id, tok.img_end_id, tok.img_context_id)
 GEN_SYSTEM_MESSAGE_FILE = "gen_system_message.txt"
 # the system prompt of the official interleave driver (think / non-think protocol); interleave_spec §1.1
 INTERLEAVE_SYSTEM_MESSAGE_FILE = "interleave_system_message.txt"

@@ -17,8 +17,10 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .devices import rank_device
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
-from .sampling import GREEDY, SamplingFailure, is_fatal_device_error, sample, token_logprobs
+from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
+                       token_logprobs)
 from .scheduler import Scheduler
+from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
@@ -97,6 +99,7 @@ class Engine:
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = _dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
+        self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
         cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         cfg.max_model_len = min(cfg.max_model_len, cfg.kv_cache_tokens)
@@ -157,6 +160,8 @@ class Engine:
                 self.sched.add(msg)
             elif isinstance(msg, Abort):
                 self.sched.abort(msg.rid)
+            elif isinstance(msg, WeightsOp):
+                self.weights.take(msg.op)
             elif isinstance(msg, Shutdown):
                 return False
         return True
@@ -172,6 +177,11 @@ class Engine:
             if not self._recv(block=not self.sched.has_work):
                 self._broadcast("stop")
                 return
+            op = self.weights.next_op(self.sched)
+            if op is not None:          # between steps, on every rank (weights.py)
+                self._broadcast(WeightsOp(op))
+                self.out.send_pyobj({"type": "weights", **self.weights.run(op, self.rank)})
+                self.weights.after(op, self.sched)
             scheduled = self.sched.schedule()
             if scheduled is None:
                 outs = self.sched.take_outputs()
@@ -223,7 +233,7 @@ class Engine:
         for r in reqs:
             if r.generator is None and not r.params.greedy:
                 r.generator = r.params.make_generator(logits.device)
-        params = [r.params if r.kind == "text" else GREEDY for r in reqs]
+        params = [r.params if r.kind == "text" or r.msg.think_sample else GREEDY for r in reqs]
         # repetition penalty looks at prompt + output: r.tokens holds both (no per-step copies)
         toks = sample(logits, params, [r.generator for r in reqs], [r.tokens for r in reqs],
                       [r.output_ids for r in reqs])
@@ -235,6 +245,9 @@ class Engine:
             rows = logits[torch.tensor(want, dtype=torch.long, device=logits.device)]
             lps = token_logprobs(rows, [toks[i] for i in want], [reqs[i].params.logprobs for i in want])
             logprobs = {reqs[i].rid: lp for i, lp in zip(want, lps)}
+        for i, (r, t) in enumerate(zip(reqs, toks)):       # RL think sampling: the processed distribution's
+            if r.kind == "prefix" and r.msg.think_sample and not isinstance(t, SamplingFailure):
+                logprobs[r.rid] = (processed_logprob(logits[i], r.params, t, r.tokens, r.output_ids), [])
         return sampled, logprobs
 
     def _export(self, plan) -> dict:
@@ -274,8 +287,8 @@ class Engine:
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 if ok and int(flag.item()) == 0:
                     err = "KV export failed on another tensor-parallel rank"
-            if self.rank == 0:
-                results[rid] = handle.to_dict() if err is None else err
+            if self.rank == 0:   # the handle names the weights that computed it (generation checks it)
+                results[rid] = {**handle.to_dict(), "weights_version": self.weights.version} if err is None else err
         return results
 
     # ---- ranks > 0 -----------------------------------------------------------------------------
@@ -287,6 +300,9 @@ class Engine:
             if plan == "stop":
                 return
             if plan is None:
+                continue
+            if isinstance(plan, WeightsOp):
+                self.weights.run(plan.op, self.rank)
                 continue
             self.runner.forward(plan)
             self._export(plan)

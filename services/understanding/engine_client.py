@@ -145,6 +145,7 @@ class EngineClient:
         self.kv_cache_tokens = cfg.kv_cache_tokens
         self.max_model_len = cfg.max_model_len
         self.ever_ready = False
+        self.on_weights: Callable[[dict], None] = lambda msg: None   # rank 0's replies to weights ops
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.supervisor = Supervisor("understanding engine", self._spawn, policy=policy,
                                      on_death=self._on_death, on_give_up=self._on_give_up)
@@ -180,6 +181,8 @@ class EngineClient:
                 q = self.queues.get(o.rid)
                 if q is not None:
                     q.put_nowait(o)
+        elif kind == "weights":
+            self.on_weights(msg)
         elif kind == "ready":
             self.kv_cache_tokens = msg.get("kv_cache_tokens", self.base_cfg.kv_cache_tokens)
             self.max_model_len = msg.get("max_model_len", self.base_cfg.max_model_len)

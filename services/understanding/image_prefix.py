@@ -70,6 +70,7 @@ class PrefixJob:
         self.svc = svc
         self.request_id = request_id
         self.think = think               # the cond branch decodes a think block (think_delta events)
+        self.sampled = False             # RL: the think block is sampled (think_token_ids / think_logprobs)
         self.pages = pages
         self.admission = admission       # ExitStack holding the admission slot
         self.queues: dict[str, asyncio.Queue] = {}
@@ -109,12 +110,15 @@ class PrefixJob:
         detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
         done: dict[str, dict] = {}
         think_ids: list[int] = []
+        think_lps: list[float] = []
         pending = {b: asyncio.ensure_future(q.get()) for b, q in self.queues.items()}
         try:
             while pending:
                 finished, _ = await asyncio.wait(set(pending.values()), return_when=asyncio.FIRST_COMPLETED)
                 for branch in [b for b, f in pending.items() if f in finished]:
                     o = pending.pop(branch).result()
+                    if o.logprobs and branch == "cond":
+                        think_lps += [lp for lp, _ in o.logprobs]
                     if o.new_ids and branch == "cond":
                         delta = detok.push(o.new_ids)
                         if delta:
@@ -135,8 +139,10 @@ class PrefixJob:
             # from here on the client may hold the handles: never free them under it (a client that vanishes
             # now leaks them only until their lease expires)
             self.pages.hand_out()
-            yield {"type": "handles", "handles": done,
-                   "think_text": tok.decode(think_ids) if self.think else None}
+            ev = {"type": "handles", "handles": done, "think_text": tok.decode(think_ids) if self.think else None}
+            if self.sampled:           # RL: the sampled think tokens and their log-probs
+                ev.update(think_token_ids=think_ids, think_logprobs=think_lps)
+            yield ev
         finally:
             for f in pending.values():
                 f.cancel()
@@ -214,12 +220,24 @@ class ImagePrefixService:
         except BaseException:
             admission.close()
             raise
-        return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens)
+        if req.think_token_ids is not None:     # RL scoring: the sampled think block, prefilled as is
+            tail = st.tok.encode(PR.THINK_TAIL)
+            inputs["cond"].input_ids = list(inputs["cond"].input_ids) + list(req.think_token_ids) + tail
+            return self.start_job(req.request_id, inputs, admission, req.cache_salt)
+        sample = None
+        if req.think and req.think_temperature is not None:
+            sample = SamplingParams(max_tokens=1, temperature=req.think_temperature, top_p=req.think_top_p,
+                                    seed=req.think_seed, logprobs=0,
+                                    logit_bias={i: float("-inf") for i in PR.think_excluded_ids(st.tok)})
+        return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens,
+                              sample)
 
     def start_job(self, request_id: str, inputs: dict, admission, cache_salt: Optional[str] = None,
-                  think: bool = False, max_think_tokens: int = 0) -> PrefixJob:
+                  think: bool = False, max_think_tokens: int = 0,
+                  think_sample: Optional[SamplingParams] = None) -> PrefixJob:
         """Reserve the pages of every branch's prefix and submit them (think: the cond branch decodes a think
-        block first). The job owns `admission` from here on, also when this raises."""
+        block first, greedily or sampled with `think_sample`). The job owns `admission` from here on, also when
+        this raises."""
         st = self.state
         try:
             tail = st.tok.encode(PR.THINK_TAIL) if think else []
@@ -231,13 +249,16 @@ class ImagePrefixService:
             admission.close()
             raise
         job = PrefixJob(self, request_id, think, pages, admission)
+        job.sampled = think and think_sample is not None
         self.jobs[request_id] = job
         msgs = {}
         for branch, inp in inputs.items():
             thinks = think and branch == "cond"
             msgs[branch] = SubmitRequest(
-                job.engine_rid(branch), list(inp.input_ids), list(inp.images), SamplingParams(max_tokens=1),
+                job.engine_rid(branch), list(inp.input_ids), list(inp.images),
+                (think_sample if thinks and think_sample else SamplingParams(max_tokens=1)),
                 "prefix", think=thinks, max_think_tokens=max_think_tokens if thinks else 0,
+                think_sample=bool(thinks and think_sample),
                 think_tail_ids=tail if thinks else [], think_stop_id=st.tok.im_end_id,
                 think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=cache_salt)
         try:

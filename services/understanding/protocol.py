@@ -24,6 +24,7 @@ class SubmitRequest:
     think_tail_ids: list[int] = field(default_factory=list)
     think_stop_id: int = -1           # <|im_end|>: ends think, not fed
     think_end_id: int = -1            # </think>: ends think, fed
+    think_sample: bool = False        # RL: sample the think block with `params`, log-probs of the processed dist.
     handle: Optional[dict] = None     # shm pages allocated at admission (KVHandle.to_dict())
 
 

@@ -121,6 +121,20 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator, prompt_ids, 
         return int(torch.argmax(raw))
     if p.greedy:
         return int(torch.argmax(row))
+    return int(torch.multinomial(_processed_probs(row, top, p), 1, generator=generator))
+
+
+def processed_logprob(logits: torch.Tensor, p: SamplingParams, token: int, prompt_ids=(), output_ids=()) -> float:
+    """log P(token) under the distribution `token` was drawn from: penalties and logit_bias, then temperature,
+    top-k, min-p and top-p applied (renormalised), as RL over sampled text needs (not the raw logits')."""
+    raw = _finite(logits.float())
+    row = _apply_penalties(raw.clone(), p, list(prompt_ids), list(output_ids)) if p.penalised else raw
+    probs = _processed_probs(row, row.max(), p)
+    return float(torch.log(probs[token] / probs.sum()))
+
+
+def _processed_probs(row: torch.Tensor, top: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The unnormalised sampling weights of a logits row (finite max `top`) after the sampling filters."""
     z = (row - top) / max(p.temperature, GREEDY_TEMPERATURE)   # <= 0, the best token exactly 0
     vocab = z.shape[0]
     if 0 < p.top_k < vocab:
@@ -135,7 +149,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator, prompt_ids, 
         drop = (cum - sorted_probs) > p.top_p * cum[-1]   # the smallest set whose mass reaches top_p
         drop[0] = False
         probs = probs.scatter(0, idx[drop], 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
 
 
 def is_fatal_device_error(exc: BaseException) -> bool:

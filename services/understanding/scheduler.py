@@ -42,6 +42,8 @@ class Scheduler:
         self.outputs: list[RequestOutput] = []
         self.stats = EngineStats(kv_total=num_slots)
         self._suspects: set[str] = set()   # requests of a failed step, each to run one step alone (step_failed)
+        self.admitting = True   # False while a weight update drains (understanding/weights.py): only requests
+        #                         that ran before (preempted) come back in
 
     # ---- intake ------------------------------------------------------------------------------
     def add(self, msg: SubmitRequest) -> None:
@@ -251,7 +253,7 @@ class Scheduler:
             reserved += n
         while self.waiting and budget > 0:
             r = self.waiting[0]
-            if not self._try_admit(r, reserved):
+            if not (self.admitting or r.admitted_once) or not self._try_admit(r, reserved):
                 break
             end = r.chunk_end(budget)
             n = end - r.num_computed
@@ -404,7 +406,10 @@ class Scheduler:
                     r.new_logprobs.append(logprobs[r.rid])
                 self._advance_text(r, tok)
             elif not r.think_done:
+                kept = len(r.output_ids)
                 self._advance_think(r, tok)
+                if r.new_logprobs is not None and len(r.output_ids) > kept and r.rid in logprobs:
+                    r.new_logprobs.append(logprobs[r.rid])
             else:
                 res = exported.get(r.rid)
                 if isinstance(res, dict):

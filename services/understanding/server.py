@@ -42,7 +42,7 @@ def create_app(args) -> FastAPI:
     app = FastAPI(title="u1serve understanding", lifespan=lifespan)
     app.state.u1 = state
     errors.install(app, "understanding")
-    for r in (ops.router, chat.router, native.router, internal.router, live.router):
+    for r in (ops.router, chat.router, native.router, internal.router, live.router, state.weights.endpoint.router()):
         app.include_router(r)
     app.add_middleware(ServiceMiddleware, service="understanding", max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        auth=InternalTokenAuth(args.internal_token))

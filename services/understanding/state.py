@@ -26,6 +26,7 @@ from .image_prefix import ImagePrefixService
 from .inputs import Limits
 from .interleave import InterleaveService
 from .metrics import Metrics
+from .weights import UnderstandingWeights
 
 log = logging.getLogger("u1serve.understanding")
 
@@ -54,6 +55,7 @@ class AppState:
                                   "requests")
         self.pool = None
         self.engine: Optional[EngineClient] = None
+        self.weights = UnderstandingWeights()
         self.prefixes = ImagePrefixService(self)
         self.interleave = InterleaveService(self)
         self.started = time.time()
@@ -78,6 +80,7 @@ class AppState:
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
         self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
+        self.weights.bind(self.engine)
         self.engine.start()
 
     def _create_transport(self):
@@ -99,6 +102,7 @@ class AppState:
         return t
 
     def _engine_ready(self, engine: EngineClient) -> None:
+        self.weights.endpoint.engine_restarted()   # a (re)started engine loaded the checkpoint: version "0"
         # the engine may have shrunk its KV cache to fit GPU memory: the context limit and the queue follow
         self.limits.max_model_len = min(self.args.max_model_len, engine.max_model_len)
         self.gate.limit = self.args.max_running_requests + self._queue_limit(engine.kv_cache_tokens)

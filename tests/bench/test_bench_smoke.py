@@ -29,6 +29,8 @@ SMOKE = {
                          "--repeat", "2"],
     "breakdown-services": ["bench/bench_breakdown.py", "--part", "services", "--model", "tiny", "--device", "cpu",
                            "--size", "64", "--steps", "4", "--repeat", "2"],
+    "weight-update": ["bench/bench_weight_update.py", "--tiny", "--profiles", "cpu-colocate", "--repeat", "1",
+                      "--log-dir", "{tmp}"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }
@@ -41,3 +43,23 @@ def test_bench_smoke_mode_runs(name, tmp_path):
     proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+def test_bench_rl_smoke_produces_every_figure(tmp_path):
+    """bench/bench_rl.py on the tiny checkpoint: rollout vs plain throughput, the group-prefill comparison and the
+    weight-update latency all measured (the GPU run fills docs/benchmarks/rl.md from the same script)."""
+    import json
+    out = tmp_path / "out"
+    argv = ["bench/bench_rl.py", "--tiny", "--profiles", "cpu-colocate", "--sizes", "32", "--steps", "2",
+            "--group-size", "2", "--prompts", "2", "--repeat", "1", "--out", str(out), "--log-dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    r = json.loads((out / "bench_rl.json").read_text())["results"]["cpu-colocate"]
+    (t,) = r["throughput"]
+    assert t["images"] == 4 and t["rollout_img_per_min"] > 0 and t["plain_img_per_min"] > 0
+    assert t["trajectory_mb"] > 0
+    shared, separate = r["prefill"]
+    assert (shared["prefixes"], separate["prefixes"]) == (2, 4)
+    assert r["weights"]["api_s"] > 0 and r["weights"]["tensors"] > 0
+    assert "| 32² | 2 | 4 |" in (out / "bench_rl.md").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from .genhelp import (assert_same_images_as_reference, GenServer, body, generate, photo, prefixes, publish)
 
@@ -42,3 +43,56 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
         t.join(180)
     assert_same_images_as_reference(ref_model[0], results, cases, bodies)
     assert pool.stats()["pages_used"] == 0  # each rank released its own branches' pages
+
+
+def test_live_weight_update_on_both_cfg_ranks(cfgp_server, pool, ref_model, tmp_path):
+    """The internal weights API on 2 CFG ranks (generation/weights.py): both stage and commit; a job whose
+    prefix carries the staged version waits for the commit, one of another version is refused (retryable);
+    the image equals the reference on the updated weights. Reverted at the end (the server is shared)."""
+    import copy
+
+    import httpx
+    import torch
+
+    from services.model import weights_io as W
+    from .genhelp import HEADERS, errors_of, images_of, reference_pixels
+    model = ref_model[0]
+    keys = ("language_model.model.layers.1.self_attn.v_proj_mot_gen.weight", "fm_modules.fm_head.0.weight")
+    base = W.checkpoint_state(model, "gen")
+    g = torch.Generator().manual_seed(5)
+    upd = W.write_tensors({k: 0.1 * torch.randn(base[k].shape, generator=g) for k in keys}, str(tmp_path / "u"))
+    revert = W.write_tensors({k: base[k] for k in keys}, str(tmp_path / "r"))
+    updated = copy.deepcopy(model)
+    W.stage_update(updated, upd).commit()
+
+    def op(path: str, body: dict) -> httpx.Response:
+        return httpx.post(cfgp_server.url + "/internal/weights/" + path, json=body, headers=HEADERS, timeout=60)
+
+    def job(rid: str, version: str) -> dict:
+        handles = publish(pool, pre)
+        for h in handles.values():
+            h["weights_version"] = version
+        return body(rid, handles, num_inference_steps=2)
+
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    r = op("stage", {"id": "t1", "version": "7", "path": upd})
+    assert r.status_code == 200 and r.json()["updated"] == len(keys), r.text
+    status, events = generate(cfgp_server.url, job("wv-other", "6"))
+    assert errors_of(events)[0]["error"]["code"] == "weights_version_mismatch", events
+    held = job("wv-held", "7")
+    results = {}
+    t = threading.Thread(target=lambda: results.update(held=generate(cfgp_server.url, held)))
+    t.start()
+    t.join(1.0)
+    assert t.is_alive()                             # held until the commit
+    r = op("commit", {"id": "t1"})
+    assert r.status_code == 200 and r.json()["weights_version"] == "7", r.text
+    t.join(120)
+    status, events = results["held"]
+    assert status == 200 and not errors_of(events), events
+    assert [e["weights_version"] for e in events if isinstance(e, dict) and e.get("type") == "image"] == ["7"]
+    assert np.array_equal(images_of(events)[0], reference_pixels(updated, pre, held)[0])
+    assert cfgp_server.health()[1]["weights_version"] == "7"
+    assert op("stage", {"id": "t2", "version": "0", "path": revert}).status_code == 200
+    assert op("commit", {"id": "t2"}).json()["weights_version"] == "0"
+    assert pool.stats()["pages_used"] == 0

@@ -18,7 +18,7 @@ async def health(request: Request):
     status = "ok" if ok else {"starting": "loading", "ready": "restarting"}.get(sup["state"], sup["state"])
     body = {"status": status, "engine_ready": ok, "error": sup["failure"], "model": st.model_name,
             "restarts": sup["restarts"], "engine_pids": e.pids if e is not None else [],
-            "last_engine_error": sup["last_error"]}
+            "last_engine_error": sup["last_error"], "weights_version": st.weights.endpoint.version}
     admission = {"in_flight": st.gate.active, "limit": st.gate.limit, "rejected": st.gate.rejected,
                  "queue_wait_limit_s": st.args.max_queue_wait_s}
     if e is not None:

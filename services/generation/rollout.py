@@ -1,0 +1,138 @@
+"""RL jobs inside the engine (docs/rl.md): a rollout job is an ordinary n-image job over one set of prefixes whose
+transition runs the SDE (services/model/flow_sde.py) on the selected steps and records per-sample log-probs and
+the trajectory; a score job re-evaluates the velocity at a stored trajectory's SDE steps only (each step's input
+is the stored z_k, so the steps are independent) and returns the log-probs of the stored z_{k+1}.
+
+The engine calls `job.rl.transition(job, z, v)` in place of the Euler step (z, v patchified [n, N, 3072], v the
+CFG-combined velocity); every CFG / SP rank computes the same transition from the same per-sample generators.
+The state z stays in the engine's dtype as on the image path (ODE steps are the exact Euler step); an SDE step
+computes mean and std in fp32, rounds z' to the state dtype and evaluates the log-prob on the rounded z', so
+scoring the stored trajectory reproduces it exactly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, ScoreJobRequest
+from services.model import flow_sde, sampler
+
+
+def weights_version(engine) -> str:
+    """The version of the weights a job is admitted under: the engine's `weights_version` (set by live weight
+    updates, which apply between jobs)."""
+    return str(getattr(engine, "weights_version", DEFAULT_WEIGHTS_VERSION))
+
+
+class _Sde:
+    def __init__(self, job, sde, num_steps: int):
+        self.kind, self.a = sde.kind, float(sde.noise_level)
+        self.steps = flow_sde.sde_step_indices(num_steps, sde.window_tuple(), sde.steps)
+        self.t1 = job.timesteps[1] if num_steps >= 1 else job.timesteps[0]
+
+    def mean_std(self, job, z, v):
+        return flow_sde.sde_mean_std(self.kind, z, v, job.t, job.t_next, self.t1, self.a, job.noise_scale,
+                                     job.spec.t_eps)
+
+    def meta(self, job, version: str) -> dict:
+        return {"timesteps": [float(t) for t in job.timesteps.float().cpu().tolist()], "sde_steps": self.steps,
+                "noise_scale": float(job.noise_scale), "weights_version": version}
+
+
+class RolloutState(_Sde):
+    """One rollout job: per-sample generators (initial noise, then one N(0, I) draw per SDE step), log-probs
+    [n, N] (NaN on ODE steps), the trajectory z_0..z_N when asked."""
+
+    def __init__(self, job, spec: RolloutJobRequest, version: str, record: bool):
+        super().__init__(job, spec.rl.sde, spec.num_inference_steps)
+        rl = spec.rl
+        self.version = version
+        self.wants_images = rl.return_images
+        self.gens = [torch.Generator(device=job.device).manual_seed(int(s)) for s in rl.seeds]
+        draws = [torch.randn((1, 3, spec.height, spec.width), device=job.device, dtype=job.dtype, generator=g)
+                 for g in self.gens]
+        x = torch.cat([draws[0]] * job.n if rl.same_initial_noise else draws)
+        job.x = job.noise_scale * x
+        self.logprobs = torch.full((job.n, spec.num_inference_steps), float("nan"), dtype=torch.float32,
+                                   device=job.device)
+        self.latents: Optional[list[torch.Tensor]] = [job.x.float()] if record else None
+        self._sde = set(self.steps)
+
+    def transition(self, job, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = job.step
+        if k in self._sde:
+            mean, std = self.mean_std(job, z, v)
+            xi = flow_sde.draw_noise((job.n, 3, job.spec.height, job.spec.width), job.device, self.gens)
+            z_next = (mean + std * sampler.patchify(xi)).to(z.dtype)
+            self.logprobs[:, k] = flow_sde.transition_logprob(self.kind, z_next, mean, std)
+        else:
+            z_next = sampler.euler(z, v, job.t, job.t_next)
+        if self.latents is not None:
+            self.latents.append(sampler.unpatchify(z_next, job.th, job.tw).float())
+        return z_next
+
+    def results(self, job) -> Iterator[tuple[dict, Optional[np.ndarray]]]:
+        """The job's `rl` event (log-probs, grid, version) with the trajectory as its raw frame."""
+        frame = None
+        if self.latents is not None:
+            frame = sampler.to_host(torch.stack(self.latents, dim=1)).numpy()
+            self.latents = None
+        lp = self.logprobs.cpu().tolist()
+        yield {"type": "rl", "logprobs": _nulls(lp), **self.meta(job, self.version)}, frame
+
+
+class ScoreState(_Sde):
+    """One score job: starts at the first SDE step of the stored trajectory and visits only SDE steps."""
+
+    def __init__(self, job, spec: ScoreJobRequest, latents: np.ndarray, version: str):
+        super().__init__(job, spec.sde, spec.num_inference_steps)
+        self.version = version
+        self.wants_images = False
+        self.latents = torch.from_numpy(np.ascontiguousarray(latents)).to(job.device)
+        self.logprobs = torch.full((job.n, spec.num_inference_steps), float("nan"), dtype=torch.float32,
+                                   device=job.device)
+        self._next = list(self.steps)
+        first = self._next.pop(0) if self._next else spec.num_inference_steps - 1
+        job.step = first
+        job.x = self.latents[:, first].to(job.dtype)
+
+    def transition(self, job, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = job.step
+        if k in self.steps:
+            mean, std = self.mean_std(job, z, v)
+            z_next = sampler.patchify(self.latents[:, k + 1].to(z.dtype))
+            self.logprobs[:, k] = flow_sde.transition_logprob(self.kind, z_next, mean, std)
+        if not self._next:
+            job.step = job.num_inference_steps - 1        # the engine's += 1 ends the job
+            return z
+        k2 = self._next.pop(0)
+        job.step = k2 - 1
+        return sampler.patchify(self.latents[:, k2].to(z.dtype))
+
+    def results(self, job) -> Iterator[tuple[dict, Optional[np.ndarray]]]:
+        yield {"type": "rl", "logprobs": _nulls(self.logprobs.cpu().tolist()), **self.meta(job, self.version)}, None
+
+
+def _nulls(rows: list[list[float]]) -> list[list[Optional[float]]]:
+    return [[None if math.isnan(x) else x for x in row] for row in rows]
+
+
+def attach(job, spec, engine) -> None:
+    """Give a rollout / score job its RL state (an image job keeps `job.rl = None`)."""
+    if isinstance(spec, RolloutJobRequest):
+        job.rl = RolloutState(job, spec, weights_version(engine), record=spec.rl.trajectory_id is not None)
+    elif isinstance(spec, ScoreJobRequest):
+        job.rl = ScoreState(job, spec, spec.latents(), weights_version(engine))
+
+
+def send_results(out, job) -> bool:
+    """Send an RL job's result events (before its images / done); True when the job's images are wanted."""
+    rl = getattr(job, "rl", None)
+    if rl is None:
+        return True
+    for ev, frame in rl.results(job):
+        out.send({"request_id": job.request_id, **ev}, pixels=frame)
+    return rl.wants_images

@@ -1,0 +1,161 @@
+"""Rollout trajectories kept in the generation HTTP process for the trainer to fetch or score (docs/rl.md).
+
+A trajectory is one rollout's samples, filled in parts (one part per generation job: a group over one prefix,
+or one sample with its own think prefix), each keyed by its first sample's index. Bounded by bytes: the least
+recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_found`). The wire format is
+safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
+`sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import dataclass, field
+import numpy as np
+
+from services.kit.errors import APIError, bad_request
+
+
+def not_found(tid: str) -> APIError:
+    return APIError(404, f"trajectory {tid!r} not found (never stored, deleted, or evicted: the store is bounded "
+                    "by --rl-trajectory-store-mb)", param="trajectory_id", code="trajectory_not_found")
+
+
+@dataclass
+class Part:
+    latents: np.ndarray                # f32 [n, N+1, 3, H, W]
+    logprobs: np.ndarray               # f32 [n, N], NaN on ODE steps
+    meta: dict                         # timesteps, sde_steps, noise_scale, weights_version, params
+
+    @property
+    def nbytes(self) -> int:
+        return self.latents.nbytes + self.logprobs.nbytes
+
+
+@dataclass
+class Trajectory:
+    parts: dict[int, Part] = field(default_factory=dict)     # first sample index -> part
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    def samples(self, start: int, count: int) -> np.ndarray:
+        """latents [count, N+1, 3, H, W] of samples [start, start + count) (KeyError if not held)."""
+        out = []
+        for first in sorted(self.parts):
+            p = self.parts[first]
+            n = p.latents.shape[0]
+            lo, hi = max(start, first), min(start + count, first + n)
+            if lo < hi:
+                out.append(p.latents[lo - first:hi - first])
+        got = sum(x.shape[0] for x in out)
+        if got != count:
+            raise KeyError(f"samples [{start}, {start + count}) not all held")
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+class TrajectoryStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict[str, Trajectory] = collections.OrderedDict()
+        self._bytes = 0
+
+    def put(self, tid: str, first_sample: int, part: Part) -> None:
+        """Add a part; evicts least recently used trajectories (never the one being filled) to stay in bounds.
+        A part larger than the whole store is refused (413)."""
+        if part.nbytes > self.max_bytes:
+            raise APIError(413, f"a trajectory part of {part.nbytes} bytes exceeds the store "
+                           f"({self.max_bytes} bytes, --rl-trajectory-store-mb)", code="trajectory_too_large")
+        with self._lock:
+            traj = self._items.pop(tid, None) or Trajectory()
+            old = traj.parts.get(first_sample)
+            if old is not None:
+                self._bytes -= old.nbytes
+            traj.parts[first_sample] = part
+            self._bytes += part.nbytes
+            while self._bytes > self.max_bytes and self._items:
+                _, victim = self._items.popitem(last=False)
+                self._bytes -= victim.nbytes
+            self._items[tid] = traj
+            if self._bytes > self.max_bytes:          # only this trajectory left and still too big
+                traj.parts.pop(first_sample)
+                self._bytes -= part.nbytes
+                raise APIError(413, "this trajectory no longer fits the store (--rl-trajectory-store-mb)",
+                               code="trajectory_too_large")
+
+    def get(self, tid: str) -> Trajectory:
+        with self._lock:
+            traj = self._items.get(tid)
+            if traj is None:
+                raise not_found(tid)
+            self._items.move_to_end(tid)
+            return traj
+
+    def delete(self, tid: str) -> bool:
+        with self._lock:
+            traj = self._items.pop(tid, None)
+            if traj is None:
+                return False
+            self._bytes -= traj.nbytes
+            return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"trajectories": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes}
+
+    # -- wire format -----------------------------------------------------------------------------------------
+    def to_safetensors(self, tid: str) -> bytes:
+        from safetensors.numpy import save
+        traj = self.get(tid)
+        parts = [traj.parts[k] for k in sorted(traj.parts)]
+        meta0 = parts[0].meta
+        mask = np.zeros(len(meta0["timesteps"]) - 1, dtype=np.uint8)
+        mask[list(meta0["sde_steps"])] = 1
+        tensors = {"latents": np.ascontiguousarray(np.concatenate([p.latents for p in parts])),
+                   "logprobs": np.ascontiguousarray(np.concatenate([p.logprobs for p in parts])),
+                   "timesteps": np.asarray(meta0["timesteps"], dtype=np.float32), "sde_mask": mask}
+        meta = {k: v for k, v in meta0.items() if k != "timesteps"}
+        meta["samples"] = [s for p in parts for s in p.meta.get("samples", [])]
+        return save(tensors, metadata={"u1serve": json.dumps(meta), "trajectory_id": tid})
+
+    def put_safetensors(self, tid: str, blob: bytes) -> int:
+        """Store an uploaded trajectory (the GET format) as one part; returns its sample count. 400 on a blob that
+        is not one."""
+        from safetensors.numpy import load
+        try:
+            t = load(blob)
+        except Exception as exc:
+            raise bad_request(f"not a safetensors trajectory: {exc}", param="trajectory_b64",
+                              code="invalid_trajectory") from None
+        lat = t.get("latents")
+        if lat is None or lat.ndim != 5 or lat.shape[2] != 3 or lat.dtype != np.float32:
+            raise bad_request("the trajectory needs 'latents' float32 [S, N+1, 3, H, W]", param="trajectory_b64",
+                              code="invalid_trajectory")
+        if not np.isfinite(lat).all():
+            raise bad_request("the trajectory's latents are not all finite", param="trajectory_b64",
+                              code="invalid_trajectory")
+        n_steps = lat.shape[1] - 1
+        lp = t.get("logprobs")
+        if lp is None or lp.shape != (lat.shape[0], n_steps):
+            lp = np.full((lat.shape[0], n_steps), np.nan, dtype=np.float32)
+        self.put(tid, 0, Part(np.ascontiguousarray(lat), lp.astype(np.float32), {"timesteps": [], "sde_steps": []}))
+        return int(lat.shape[0])
+
+    def latents(self, tid: str, start: int, count: int, steps: int, height: int, width: int) -> np.ndarray:
+        """The latents of samples [start, start+count), checked against the job's shape (400 on a mismatch)."""
+        traj = self.get(tid)
+        try:
+            lat = traj.samples(start, count)
+        except KeyError as exc:
+            raise bad_request(f"trajectory {tid!r}: {exc.args[0]} (prompts x group_size must match the rollout)",
+                              param="trajectory_id", code="trajectory_mismatch") from None
+        want = (count, steps + 1, 3, height, width)
+        if tuple(lat.shape) != want:
+            raise bad_request(f"trajectory {tid!r} has latents {list(lat.shape)}, this request needs {list(want)} "
+                              "(size and num_inference_steps must match the rollout)", param="trajectory_id",
+                              code="trajectory_mismatch")
+        return lat
+

@@ -1,0 +1,53 @@
+"""The trajectory store: parts assemble in sample order, the byte bound evicts the least recently used
+trajectory (never the one being filled), the safetensors round trip, bad uploads are 400s."""
+import numpy as np
+import pytest
+from safetensors.numpy import load
+
+from services.generation.trajectory_store import Part, TrajectoryStore
+from services.kit.errors import APIError
+
+
+def part(n, first, steps=2, side=4):
+    lat = np.full((n, steps + 1, 3, side, side), float(first), dtype=np.float32)
+    lp = np.full((n, steps), np.nan, dtype=np.float32)
+    lp[:, 0] = first
+    return Part(lat, lp, {"timesteps": [0.0, 0.5, 1.0], "sde_steps": [0], "noise_scale": 1.0,
+                          "weights_version": "7", "samples": [{"seed": first + i} for i in range(n)]})
+
+
+def test_parts_assemble_in_order_and_round_trip():
+    st = TrajectoryStore(1 << 20)
+    st.put("t", 2, part(2, 2))
+    st.put("t", 0, part(2, 0))
+    t = load(st.to_safetensors("t"))
+    assert t["latents"].shape == (4, 3, 3, 4, 4) and t["latents"][:, 0, 0, 0, 0].tolist() == [0, 0, 2, 2]
+    assert t["sde_mask"].tolist() == [1, 0] and t["timesteps"].tolist() == [0.0, 0.5, 1.0]
+    assert st.latents("t", 1, 2, 2, 4, 4)[:, 0, 0, 0, 0].tolist() == [0, 2]
+    with pytest.raises(APIError) as e:
+        st.latents("t", 0, 4, 3, 4, 4)                         # wrong number of steps
+    assert e.value.code == "trajectory_mismatch"
+    assert st.put_safetensors("u", st.to_safetensors("t")) == 4
+
+
+def test_lru_by_bytes():
+    one = part(1, 0).nbytes
+    st = TrajectoryStore(3 * one)
+    for name in "abc":
+        st.put(name, 0, part(1, 0))
+    st.get("a")                                                # a is now the most recent
+    st.put("d", 0, part(1, 0))
+    with pytest.raises(APIError) as e:
+        st.get("b")
+    assert e.value.status == 404 and e.value.code == "trajectory_not_found"
+    assert st.stats()["trajectories"] == 3 and st.stats()["bytes"] <= 3 * one
+    with pytest.raises(APIError):
+        st.put("huge", 0, part(4, 0))                          # larger than the whole store
+    assert st.delete("a") and not st.delete("a")
+
+
+def test_bad_upload_is_400():
+    st = TrajectoryStore(1 << 20)
+    with pytest.raises(APIError) as e:
+        st.put_safetensors("x", b"not safetensors")
+    assert e.value.status == 400
