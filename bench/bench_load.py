@@ -10,6 +10,12 @@ Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind, the 429 r
 Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
 Retry-After (at most 2 s) before its next request.
 
+A hostile mix (`--hostile-fraction 0.1`: that share of all clients, added to the --clients honest ones) runs
+clients that send 40 MB bodies (declared and chunked) and 32 MB `[{},{},...]` bodies, read their streams
+slowly or not at all for a while, and probe the prefix cache (a one-token guess at another prompt, reading
+`cached_tokens`). Goodput counts the honest clients only; `--baseline` runs the same honest load without the
+hostile clients first and prints the ratio (the target: within 5 %).
+
 Importable (the CI load test builds on it):
     outcomes = run_load(base_url, clients=32, duration_s=60)      # list[Outcome]
     summary = summarize(outcomes, duration_s=60)
@@ -31,6 +37,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -39,6 +46,8 @@ from services.kit import sse  # noqa: E402  (the one SSE decoder; imports nothin
 
 KINDS = ("chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad")
 DEFAULT_MIX = {"chat": 3, "chat_stream": 2, "image": 2, "image_stream": 2, "edit": 1, "cancel": 1, "bad": 1}
+HOSTILE_KINDS = ("big_body", "slow_reader", "probe")
+PROBE_PREFIX = "Clinic record 4411, confidential. The patient's test result is "
 
 
 @dataclass
@@ -51,6 +60,7 @@ class Outcome:
     tokens: int = 0
     started_s: float = 0.0       # since the run began
     retry_after_s: float = 0.0   # a 429's Retry-After
+    cached_tokens: int = 0       # a probe: what the answer said was cached
 
 
 @dataclass
@@ -62,6 +72,7 @@ class LoadConfig:
     mix: dict = field(default_factory=lambda: dict(DEFAULT_MIX))
     timeout_s: float = 600.0
     seed: int = 0
+    slow_hold_s: float = 20.0    # a slow reader holds its stream this long without reading
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -194,6 +205,80 @@ class Client:
         return out
 
 
+    # ---- hostile clients (goodput counts none of them)
+    async def _big_body(self, rng) -> Outcome:
+        """A body over the route's limit: declared (Content-Length) or chunked, a long string or 32 MB of
+        [{},{},...] (the element budget), sent until the gateway answers."""
+        how = rng.choice(["declared", "chunked_string", "chunked_objects"])
+        mb = 1000 * 1000
+        if how == "declared":
+            head, chunks = {"Content-Length": str(40 * mb)}, (b"a" * 65536 for _ in range(40 * mb // 65536))
+        elif how == "chunked_string":
+            head, chunks = {}, (c for c in [b'{"x": "', *(b"a" * 65536 for _ in range(40 * mb // 65536))])
+        else:
+            head, chunks = {}, (c for c in [b'{"messages": [', *(b"{}," * 21845 for _ in range(32 * mb // 65535))])
+        status, code = await raw_post(str(self.http.base_url), "/v1/chat/completions",
+                                      {**head, **{k: v for k, v in self.http.headers.items()
+                                                  if k.lower() == "authorization"}}, chunks)
+        return Outcome("big_body", status, 0.0, f"{how}: {code}")
+
+    async def _slow_reader(self, rng) -> Outcome:
+        """A streamed image whose client reads nothing for `slow_hold_s`, then reads one line a second."""
+        async with self.http.stream("POST", "/v1/images/generations", json=self._image_body(rng, stream=True)) as r:
+            await asyncio.sleep(self.cfg.slow_hold_s)
+            lines = r.aiter_lines()
+            try:
+                for _ in range(5):
+                    await anext(lines)
+                    await asyncio.sleep(1.0)
+            except (StopAsyncIteration, httpx.HTTPError):
+                pass
+            return Outcome("slow_reader", r.status_code, 0.0)
+
+    async def _probe(self, rng) -> Outcome:
+        """Another client's prompt guessed one token at a time: what does `cached_tokens` give away?"""
+        guess = rng.choice(["positive", "negative", "pos", "neg", "inconclusive"])
+        r = await self.http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": PROBE_PREFIX + guess}], "max_tokens": 1})
+        if r.status_code != 200:
+            return _failed("probe", r)
+        usage = r.json().get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return Outcome("probe", 200, 0.0, cached_tokens=cached)
+
+
+async def raw_post(base_url: str, path: str, headers: dict, chunks) -> tuple[int, Optional[str]]:
+    """POST a body piece by piece over a plain connection (chunked unless Content-Length is given) until the
+    server answers; (status, error code). The server may close while we still send: its answer counts."""
+    u = urlsplit(base_url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
+    chunked = "Content-Length" not in headers
+    lines = [f"POST {path} HTTP/1.1", f"Host: {u.netloc}", "Content-Type: application/json",
+             *(f"{k}: {v}" for k, v in headers.items())] + (["Transfer-Encoding: chunked"] if chunked else [])
+    answer = asyncio.ensure_future(reader.read(65536))
+    try:
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        for chunk in chunks:
+            if answer.done():
+                break
+            writer.write((f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n") if chunked else chunk)
+            await writer.drain()
+        raw = await asyncio.wait_for(answer, 60)
+    except (ConnectionError, asyncio.TimeoutError) as exc:
+        raw = answer.result() if answer.done() and not answer.exception() else b""
+        if not raw:
+            return 0, type(exc).__name__
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split()[1])
+        code = json.loads(body).get("error", {}).get("code")
+    except (IndexError, ValueError):
+        return (int(head.split()[1]) if len(head.split()) > 1 else 0), None
+    return status, code
+
+
 def _failed(kind: str, r: httpx.Response) -> Outcome:
     try:
         code = r.json().get("error", {}).get("code")
@@ -223,14 +308,27 @@ def _http(base_url: str, cfg: LoadConfig, clients: int) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=clients * 2 + 4))
 
 
-async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: LoadConfig) -> list[Outcome]:
+def hostile_clients(clients: int, fraction: float) -> int:
+    """Hostile clients added to `clients` honest ones so that they are `fraction` of all."""
+    return 0 if fraction <= 0 else max(1, round(clients * fraction / (1 - fraction)))
+
+
+async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: LoadConfig,
+                         hostile: int = 0) -> list[Outcome]:
     kinds = [k for k in KINDS if cfg.mix.get(k, 0) > 0]
     weights = [cfg.mix[k] for k in kinds]
     t0 = time.monotonic()
     deadline = t0 + duration_s
     outcomes: list[Outcome] = []
-    async with _http(base_url, cfg, clients) as http:
+    async with _http(base_url, cfg, clients + hostile) as http:
         client = Client(http, cfg, t0)
+
+        async def one_hostile(i: int) -> None:
+            rng = random.Random(cfg.seed * 1000 + 500 + i)
+            kind = HOSTILE_KINDS[i % len(HOSTILE_KINDS)]
+            while time.monotonic() < deadline:
+                outcomes.append(await client.run(kind, rng))
+                kind = rng.choice(HOSTILE_KINDS)
 
         async def one_client(i: int) -> None:
             rng = random.Random(cfg.seed * 1000 + i)
@@ -242,7 +340,7 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
                 if out.status == 429:
                     await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
 
-        await asyncio.gather(*(one_client(i) for i in range(clients)))
+        await asyncio.gather(*(one_client(i) for i in range(clients)), *(one_hostile(i) for i in range(hostile)))
     return outcomes
 
 
@@ -258,9 +356,10 @@ async def run_burst_async(base_url: str, n: int, cfg: LoadConfig) -> list[Outcom
 
 
 def run_load(base_url: str, clients: int = 32, duration_s: float = 60.0, cfg: Optional[LoadConfig] = None,
-             **kw) -> list[Outcome]:
-    """N clients, back to back, for `duration_s` (requests in flight at the deadline finish)."""
-    return asyncio.run(run_load_async(base_url, clients, duration_s, cfg or LoadConfig(**kw)))
+             hostile: int = 0, **kw) -> list[Outcome]:
+    """N clients (and `hostile` hostile ones), back to back, for `duration_s` (requests in flight at the deadline
+    finish)."""
+    return asyncio.run(run_load_async(base_url, clients, duration_s, cfg or LoadConfig(**kw), hostile))
 
 
 def run_burst(base_url: str, n: int = 32, cfg: Optional[LoadConfig] = None, **kw) -> list[Outcome]:
@@ -277,6 +376,9 @@ def _pct(xs: list[float], p: float) -> Optional[float]:
 
 
 def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
+    """Goodput (images, tokens, 429s, 5xx) over the honest clients; the hostile ones under `hostile`."""
+    hostile_rows = [o for o in outcomes if o.kind in HOSTILE_KINDS]
+    outcomes = [o for o in outcomes if o.kind not in HOSTILE_KINDS]
     by_kind = {}
     for kind in KINDS:
         rows = [o for o in outcomes if o.kind == kind]
@@ -299,7 +401,23 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
             "tokens_per_s": tokens / duration_s if duration_s else None,
             "rate_429": sum(o.status == 429 for o in outcomes) / max(1, len(outcomes)),
             "count_5xx": len(five), "codes_5xx": codes,
-            "transport_errors": sum(o.status == 0 for o in outcomes), "by_kind": by_kind}
+            "transport_errors": sum(o.status == 0 for o in outcomes), "by_kind": by_kind,
+            "hostile": summarize_hostile(hostile_rows)}
+
+
+def summarize_hostile(rows: list[Outcome]) -> dict:
+    out: dict = {}
+    for kind in HOSTILE_KINDS:
+        mine = [o for o in rows if o.kind == kind]
+        if not mine:
+            continue
+        statuses: dict[str, int] = {}
+        for o in mine:
+            statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
+        out[kind] = {"n": len(mine), "statuses": statuses}
+        if kind == "probe":
+            out[kind]["cached_tokens_seen"] = sorted({o.cached_tokens for o in mine if o.status == 200})
+    return out
 
 
 def markdown(summary: dict, title: str = "load") -> str:
@@ -314,7 +432,31 @@ def markdown(summary: dict, title: str = "load") -> str:
         fmt = (lambda v: f"{v:.2f}" if v is not None else "-")
         lines.append(f"| {kind} | {k['n']} | {k['ok']} | {fmt(k['p50_s'])} | {fmt(k['p99_s'])} | "
                      f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))} |")
+    for kind, k in summary.get("hostile", {}).items():
+        extra = f" (cached_tokens seen: {k['cached_tokens_seen']})" if "cached_tokens_seen" in k else ""
+        lines.append(f"| hostile {kind} | {k['n']} | - | - | - | "
+                     f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))}{extra} |")
     return "\n".join(lines) + "\n"
+
+
+def goodput_ratio(base: dict, hostile: dict) -> dict:
+    """Honest goodput with hostile clients as a share of the baseline's (images/min and chat tokens/s)."""
+    def ratio(key):
+        return hostile[key] / base[key] if base.get(key) else None
+    return {"images_per_min": ratio("images_per_min"), "tokens_per_s": ratio("tokens_per_s")}
+
+
+def hostile_problems(summary: dict) -> list[str]:
+    """What a hostile mix must never cause: a 5xx for anyone, or a big body accepted."""
+    out = []
+    for kind, k in summary.get("hostile", {}).items():
+        five = {s: c for s, c in k["statuses"].items() if s.startswith("5")}
+        if five:
+            out.append(f"hostile {kind}: 5xx {five}")
+    big = summary.get("hostile", {}).get("big_body", {}).get("statuses", {})
+    if big.get("200"):
+        out.append(f"{big['200']} oversized bodies were accepted")
+    return out
 
 
 # ----------------------------------------------------------------------------------------- smoke mode
@@ -326,8 +468,10 @@ def smoke(args) -> int:
     stack = Stack(profile="cpu", out_dir=args.out_dir)
     try:
         with stack:
-            cfg = LoadConfig(size="64x64", steps=2, max_tokens=8, api_key=stack.api_key, seed=args.seed)
-            outcomes = run_load(stack.base, args.clients, args.duration, cfg)
+            cfg = LoadConfig(size="64x64", steps=2, max_tokens=8, api_key=stack.api_key, seed=args.seed,
+                             slow_hold_s=2.0)
+            hostile = hostile_clients(args.clients, args.hostile_fraction)
+            outcomes = run_load(stack.base, args.clients, args.duration, cfg, hostile)
             summary = summarize(outcomes, args.duration)
             problems = stack.settle_problems()
         problems += [] if stack.exit_code == 0 else [f"u1serve up exited {stack.exit_code}"]
@@ -341,6 +485,9 @@ def smoke(args) -> int:
     problems += [f"no {k} request ran" for k in missing]
     problems += [f"{summary['count_5xx']} 5xx: {summary['codes_5xx']}"] if summary["count_5xx"] else []
     problems += [f"{bad_ok} hostile inputs were accepted"] if bad_ok else []
+    problems += hostile_problems(summary)
+    if args.hostile_fraction > 0:
+        problems += [f"no hostile {k} request ran" for k in HOSTILE_KINDS if k not in summary["hostile"]]
     for p in problems:
         print(f"FAIL {p}")
     return 1 if problems else 0
@@ -369,6 +516,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="summary + every outcome")
     p.add_argument("--markdown", default=None, help="append the result table here")
     p.add_argument("--title", default="load")
+    p.add_argument("--hostile-fraction", type=float, default=0.0,
+                   help="share of all clients that are hostile (big bodies, slow readers, cache probes), added to "
+                        "--clients honest ones")
+    p.add_argument("--baseline", action="store_true",
+                   help="with --hostile-fraction: run the honest load alone first, then with the hostile clients, "
+                        "and print honest goodput as a share of the baseline")
     p.add_argument("--smoke", action="store_true", help="CPU: start a tiny stack, 8 clients for 8 s, check")
     p.add_argument("--out-dir", default=None, help="--smoke: where the stack's run dir goes")
     args = p.parse_args(argv)
@@ -388,11 +541,26 @@ def main(argv=None) -> int:
             mix[k] = float(v)
     cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
                      seed=args.seed)
-    outcomes = run_load(args.base, args.clients, args.duration, cfg)
+    hostile = hostile_clients(args.clients, args.hostile_fraction)
+    base_summary = None
+    if args.baseline and hostile:
+        base_summary = summarize(run_load(args.base, args.clients, args.duration, cfg), args.duration)
+        print(markdown(base_summary, f"{args.title}: baseline, {args.clients} honest clients"))
+    outcomes = run_load(args.base, args.clients, args.duration, cfg, hostile)
     summary = summarize(outcomes, args.duration)
-    print(markdown(summary, args.title))
+    print(markdown(summary, f"{args.title}: {args.clients} honest + {hostile} hostile clients" if hostile
+                   else args.title))
+    if base_summary is not None:
+        summary["baseline"] = base_summary
+        summary["goodput_ratio"] = goodput_ratio(base_summary, summary)
+        r = summary["goodput_ratio"]
+        print("honest goodput with hostile clients, share of the baseline: "
+              + ", ".join(f"{k} {100 * v:.1f}%" for k, v in r.items() if v is not None))
     _write(args, summary, outcomes)
-    return 0
+    problems = hostile_problems(summary)
+    for p in problems:
+        print(f"FAIL {p}")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -178,7 +178,8 @@ def preset_values(name: str | None):
 
 def build_gateway(args, ctx) -> "ServiceSpec":
     from .launcher import ServiceSpec
-    argv = [sys.executable, "-m", "services.gateway.server", "--host", args.host,
+    # no --host: the gateway picks (loopback without an API key, every interface with one) and says so
+    argv = [sys.executable, "-m", "services.gateway.server", *(["--host", args.host] if args.host else []),
             "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
             "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
             "--default-size", ctx["default_size"]]
@@ -211,7 +212,7 @@ def resolve_ports(args: argparse.Namespace, probe: bool = True) -> None:
     """The engines' ports follow --port (+100, +200) unless given; a derived port that is taken is replaced by
     a free one, a given port that is taken is an error naming its flag. Sets args.und_port / args.gen_port."""
     from .launcher import port_free
-    if probe and not port_free(args.host, args.port):
+    if probe and not port_free(args.host or "0.0.0.0", args.port):
         raise SystemExit(f"port {args.port} (--port, the gateway) is already in use: pass another --port, or stop "
                          f"what listens there (a running stack lists its pids in {cache_dir()}/run-PORT/stack.json)")
     taken = {args.port}
@@ -426,7 +427,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,
                    help="colocate: GPU memory share of generation")
-    p.add_argument("--host", default="0.0.0.0", help="gateway bind address")
+    p.add_argument("--host", default=None,
+                   help="gateway bind address (default: every interface with an API key, 127.0.0.1 without one)")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--und-port", type=int, default=None,
                    help="understanding port (default: --port + 100, or a free one if that is taken)")
@@ -502,7 +504,7 @@ def cmd_up(args) -> int:
     if args.dry_run:
         print_plan(stack)
         return 0
-    host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
+    host = "127.0.0.1" if args.host in (None, "0.0.0.0") else args.host
     sharing = (f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs, priority "
                f"{stack.daemons[0].gen_priority}") if stack.daemons else ""
     return run_until_signal(stack, on_ready=lambda: stack.say(

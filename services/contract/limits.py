@@ -34,3 +34,16 @@ DEFAULT_INTERLEAVE_TOKENS = 8192  # the official interleave_gen's max_new_tokens
 
 # JSON bodies
 MAX_JSON_DEPTH = 32
+MAX_JSON_ELEMENTS = 200_000       # values in one body (counted as commas + brackets + braces, before parsing)
+
+# chat conversations
+MAX_CHAT_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256           # parts of one message
+
+# input images (chat image parts, edit inputs): one declaration for the gateway and understanding, both of which
+# check them from the image header before any pixel is decoded
+INPUT_IMAGE_FORMATS = ("png", "jpeg", "webp")
+MAX_INPUT_IMAGE_BYTES = 20 * 1024 * 1024          # encoded size of one image
+MAX_INPUT_IMAGE_PIXELS = 4096 * 4096              # one image (header width x height)
+MAX_INPUT_REQUEST_PIXELS = 32 * 1024 * 1024       # all input images of one request
+MAX_CHAT_IMAGES = 16                              # image parts of one chat request

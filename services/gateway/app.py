@@ -1,18 +1,23 @@
 """The public OpenAI-compatible API: `create_app` wires the routers (chat, images, ops, the playground page) over
-one GatewayState, behind the kit's request middleware (ids, access log, body limit, strict JSON, API key) and
-admission."""
+one GatewayState, behind (outermost first) CORS when opened, the kit's request middleware (ids, access log, API
+key), the Host / Origin check of a keyless gateway, the shutdown drain, admission and, innermost, the body rules
+(bodies.py: size, media type, JSON budget, strict JSON parsed off the event loop)."""
 from __future__ import annotations
 
 import contextlib
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from services.kit import errors, live
+from services.kit.bodies import BodyMiddleware
 from services.kit.middleware import ApiKeyAuth, ServiceMiddleware
 
 from .admission import AdmissionMiddleware
+from .bodies import body_rules
 from .config import GatewayConfig
 from .drain import DrainMiddleware
+from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
 from .routers import chat, images, ops, playground, rl, rl_weights
 from .state import GatewayState
@@ -40,10 +45,17 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)
-    # added last = outermost: ids, access log, limits and the API key first, then the shutdown drain, admission
+    # added last = outermost: no body byte is read before the key, the Host check, the drain and admission passed
+    app.add_middleware(BodyMiddleware, rules=body_rules(cfg))
     app.add_middleware(AdmissionMiddleware, gate=state.admission)
     app.add_middleware(DrainMiddleware, drain=state.drain)
-    app.add_middleware(ServiceMiddleware, service="gateway", max_body_bytes=cfg.max_body_bytes,
-                       auth=ApiKeyAuth(cfg.api_keys) if cfg.api_keys else None, unique_ids=True,
+    if not cfg.api_keys:
+        app.add_middleware(HostCheckMiddleware, cfg=cfg)
+    app.add_middleware(ServiceMiddleware, service="gateway",
+                       auth=ApiKeyAuth(cfg.api_keys, key_paths(cfg)) if cfg.api_keys else None, unique_ids=True,
                        hooks=state.metrics)
+    if cfg.allowed_origins:       # outside the key check: a preflight carries no credentials
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
     return app

@@ -28,10 +28,20 @@ def parse_size(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ImageInputLimits:
-    """What the gateway accepts as an input image, checked from the header before any decoding."""
-    max_image_pixels: int = 40_000_000         # one input image
-    max_request_pixels: int = 80_000_000       # all input images of one request together
-    formats: tuple[str, ...] = ("png", "jpeg", "webp")
+    """What the gateway accepts as an input image, checked from the header before any decoding: the contract's
+    limits (the ones understanding applies too), or tighter."""
+    max_image_pixels: int = L.MAX_INPUT_IMAGE_PIXELS        # one input image
+    max_request_pixels: int = L.MAX_INPUT_REQUEST_PIXELS    # all input images of one request together
+    formats: tuple[str, ...] = L.INPUT_IMAGE_FORMATS
+    max_image_bytes: int = L.MAX_INPUT_IMAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if (self.max_image_pixels > L.MAX_INPUT_IMAGE_PIXELS or self.max_request_pixels > L.MAX_INPUT_REQUEST_PIXELS
+                or self.max_image_bytes > L.MAX_INPUT_IMAGE_BYTES
+                or not set(self.formats) <= set(L.INPUT_IMAGE_FORMATS)):
+            raise ValueError("input image limits may only be tighter than the contract's (understanding refuses "
+                             f"more): at most {L.MAX_INPUT_IMAGE_PIXELS} pixels per image, "
+                             f"{L.MAX_INPUT_REQUEST_PIXELS} per request, formats {', '.join(L.INPUT_IMAGE_FORMATS)}")
 
 
 @dataclass
@@ -41,7 +51,13 @@ class GatewayConfig:
     model_name: str = "sensenova-u1"
     api_keys: tuple[str, ...] = ()            # Bearer keys for /v1/*; none = open
     internal_token: str | None = None         # sent to the engines on every call
-    cache_salt_by_api_key: bool = False       # prefix-cache salt = a hash of the caller's key
+    cache_salt_by_api_key: bool | None = None  # prefix-cache salt = a hash of the caller's key; None: iff keys
+    # exposure (exposure.py)
+    host: str | None = None                   # None: 0.0.0.0 with an API key, 127.0.0.1 without
+    allowed_origins: tuple[str, ...] = ()     # CORS; none by default
+    allowed_hosts: tuple[str, ...] = ()       # keyless gateways: Host names served besides loopback / IPs
+    public_metrics: bool = False              # /metrics without the key
+    public_docs: bool = False                 # /docs and /openapi.json without the key
     # server defaults for what a request leaves out: the contract's unless a flag says otherwise
     sampler: SamplerParams = field(default_factory=SamplerParams)
     default_size: tuple[int, int] = (L.DEFAULT_IMAGE_SIDE, L.DEFAULT_IMAGE_SIDE)
@@ -53,7 +69,9 @@ class GatewayConfig:
     max_steps: int = L.MAX_STEPS
     max_prompt_chars: int = L.MAX_PROMPT_CHARS
     max_think_tokens: int = L.MAX_THINK_TOKENS
-    max_body_bytes: int = 32 * MiB
+    max_body_bytes: int | None = None         # a cap on every route's body limit (bodies.py has each route's)
+    route_body_bytes: dict[str, int] = field(default_factory=dict)   # per-route limits (--route-body-mb)
+    max_chat_images: int = L.MAX_CHAT_IMAGES
     images: ImageInputLimits = field(default_factory=ImageInputLimits)
     image_workers: int = 2                    # threads that check input images (bounded, off the event loop)
     # upstream
@@ -90,6 +108,12 @@ class GatewayConfig:
             raise ValueError(f"default think tokens must be in [1, {self.max_think_tokens}]")
         if self.cache_salt_by_api_key and not self.api_keys:
             raise ValueError("cache_salt_by_api_key needs API keys (--api-key / --api-key-file)")
+        if self.cache_salt_by_api_key is None:
+            self.cache_salt_by_api_key = bool(self.api_keys)
+        if not 0 <= self.max_chat_images <= L.MAX_CHAT_IMAGES:
+            raise ValueError(f"max_chat_images must be in [0, {L.MAX_CHAT_IMAGES}]")
+        if any(v < 1 for v in [*self.route_body_bytes.values(), self.max_body_bytes or 1]):
+            raise ValueError("body limits must be positive")
         if min(self.connect_timeout_s, self.idle_timeout_s, self.request_timeout_s, self.graceful_shutdown_s) <= 0:
             raise ValueError("timeouts (and graceful_shutdown_s) must be positive")
         if min(self.health_interval_s, self.dns_refresh_s) < 0 or self.retry_down_after_s <= 0:
@@ -126,7 +150,8 @@ def _add(p: argparse.ArgumentParser, flag: str, *, env: str | None = None, defau
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway.server",
                                 description="u1serve public OpenAI-compatible gateway")
-    _add(p, "--host", env="U1SERVE_GATEWAY_HOST", default="0.0.0.0")
+    _add(p, "--host", env="U1SERVE_GATEWAY_HOST", default=None,
+         help="bind address (default: 0.0.0.0 with an API key, 127.0.0.1 without one)")
     _add(p, "--port", env="U1SERVE_GATEWAY_PORT", default=8000, type=int)
     p.add_argument("--und-url", action="append", default=None,
                    help="understanding replica (repeat or comma-separate; a host name with several addresses is one "
@@ -138,10 +163,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
     p.add_argument("--internal-token", default=None, help="token sent to the engines (env U1SERVE_INTERNAL_TOKEN)")
     p.add_argument("--internal-token-file", default=None, help="file whose first line is the internal token")
-    p.add_argument("--cache-salt-by-api-key", action="store_true",
-                   default=os.environ.get("U1SERVE_CACHE_SALT_BY_API_KEY", "").lower() in ("1", "true", "yes"),
-                   help="prefix-cache salt = a hash of the caller's API key (clients with different keys never "
-                        "share prefix-cache entries); env U1SERVE_CACHE_SALT_BY_API_KEY=1")
+    salt_env = os.environ.get("U1SERVE_CACHE_SALT_BY_API_KEY", "").lower()
+    p.add_argument("--cache-salt-by-api-key", action=argparse.BooleanOptionalAction,
+                   default=None if not salt_env else salt_env in ("1", "true", "yes"),
+                   help="prefix-cache salt = a hash of the caller's API key, so clients with different keys never "
+                        "share prefix-cache entries (default: on whenever API keys are set; "
+                        "--no-cache-salt-by-api-key shares the cache across keys); env U1SERVE_CACHE_SALT_BY_API_KEY")
+    _add(p, "--allowed-origins", default="",
+         help="comma-separated origins allowed by CORS ('*' for any; default none)")
+    _add(p, "--allowed-hosts", default="",
+         help="without an API key: Host names served besides loopback names and IP addresses ('*' for any)")
+    _bool(p, "--public-metrics", "serve /metrics without the API key (when one is set)")
+    _bool(p, "--public-docs", "serve /docs and /openapi.json without the API key (when one is set)")
     _add(p, "--default-size", default=f"{L.DEFAULT_IMAGE_SIDE}x{L.DEFAULT_IMAGE_SIDE}")
     _add(p, "--default-steps", type=int, help="default num_inference_steps (contract default if unset)")
     _add(p, "--default-guidance", type=float, help="default guidance_scale")
@@ -154,7 +187,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--max-steps", type=int, default=L.MAX_STEPS)
     _add(p, "--max-prompt-chars", type=int, default=L.MAX_PROMPT_CHARS)
     _add(p, "--max-think-tokens", type=int, default=L.MAX_THINK_TOKENS)
-    _add(p, "--max-body-mb", type=float, default=32.0)
+    _add(p, "--max-body-mb", type=float, default=None,
+         help="a cap on every route's body limit (default: each route's own, services/gateway/bodies.py)")
+    p.add_argument("--route-body-mb", action="append", default=[], metavar="PATH=MB",
+                   help="the body limit of one route (repeatable), e.g. /v1/chat/completions=64")
+    _add(p, "--max-chat-images", type=int, default=L.MAX_CHAT_IMAGES, help="image parts of one chat request")
     _add(p, "--max-image-pixels", type=int, default=ImageInputLimits.max_image_pixels,
          help="pixels of one input image (from its header)")
     _add(p, "--max-request-pixels", type=int, default=ImageInputLimits.max_request_pixels,
@@ -187,6 +224,26 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bool(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    env = _env_name(flag)
+    p.add_argument(flag, action="store_true", default=os.environ.get(env, "").lower() in ("1", "true", "yes"),
+                   help=f"{help} (env {env}=1)")
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in (text or "").split(",") if item.strip())
+
+
+def _route_limits(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        path, sep, mb = item.partition("=")
+        if not sep or not path.startswith("/"):
+            raise ValueError(f"--route-body-mb takes PATH=MB, got {item!r}")
+        out[path.strip()] = int(float(mb) * MiB)
+    return out
+
+
 def _split_urls(items: list[str]) -> list[str]:
     return [u.strip().rstrip("/") for item in items for u in item.split(",") if u.strip()]
 
@@ -211,7 +268,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   else default("max_think_tokens")),
             min_side=args.min_side, max_side=args.max_side, max_pixels=args.max_pixels, max_steps=args.max_steps,
             max_prompt_chars=args.max_prompt_chars, max_think_tokens=args.max_think_tokens,
-            max_body_bytes=int(args.max_body_mb * MiB),
+            host=args.host, allowed_origins=_split(args.allowed_origins), allowed_hosts=_split(args.allowed_hosts),
+            public_metrics=args.public_metrics, public_docs=args.public_docs,
+            max_body_bytes=int(args.max_body_mb * MiB) if args.max_body_mb is not None else None,
+            route_body_bytes=_route_limits(args.route_body_mb), max_chat_images=args.max_chat_images,
             images=ImageInputLimits(
                 max_image_pixels=args.max_image_pixels, max_request_pixels=args.max_request_pixels,
                 formats=tuple(f.strip().lower() for f in args.image_formats.split(",") if f.strip())),

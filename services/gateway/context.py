@@ -6,6 +6,8 @@ from typing import Optional
 
 from fastapi import Request
 
+from services.kit.middleware import bearer_key
+
 from .state import GatewayState
 
 
@@ -20,10 +22,11 @@ def request_id(request: Request) -> str:
 
 
 def cache_salt(request: Request, state: GatewayState, client_salt: Optional[str]) -> Optional[str]:
-    """The prefix-cache salt sent to understanding: with --cache-salt-by-api-key a hash of the caller's API key
-    (the middleware has checked it), so clients with different keys never share cache entries; else the
-    client's own `cache_salt`."""
-    if not state.config.cache_salt_by_api_key:
+    """The prefix-cache salt sent to understanding. With API keys (unless --no-cache-salt-by-api-key) a hash of
+    the key the middleware accepted (the one Authorization header: several are a 400), with the client's own
+    salt inside it, so clients with different keys never share cache entries; else the client's `cache_salt`."""
+    key = bearer_key(request.scope)
+    if not state.config.cache_salt_by_api_key or key is None:
         return client_salt
-    _, _, key = request.headers.get("authorization", "").strip().partition(" ")
-    return "key-" + hashlib.sha256(b"u1serve-cache-salt\0" + key.strip().encode("latin-1")).hexdigest()[:32]
+    h = hashlib.sha256(b"u1serve-cache-salt\0" + key.encode("latin-1") + b"\0" + (client_salt or "").encode())
+    return "key-" + h.hexdigest()[:32]

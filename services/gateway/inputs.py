@@ -55,6 +55,9 @@ def _open(data: bytes, param: str, limits: ImageInputLimits) -> Image.Image:
     allowed = ", ".join(limits.formats)
     if not data:
         raise bad_request(f"{param} is empty", param=param, code="invalid_image")
+    if len(data) > limits.max_image_bytes:
+        raise bad_request(f"{param} is {len(data)} bytes: at most {limits.max_image_bytes} per image", param=param,
+                          code="image_too_large")
     try:
         im = Image.open(io.BytesIO(data), formats=_formats(limits))
     except Image.DecompressionBombError:

@@ -204,7 +204,8 @@ def resolve(host: str, port: int) -> list[str]:
     return v4 or sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
 
 
-def _is_address(host: str) -> bool:
+def is_address(host: str) -> bool:
+    """An IP address literal (not a name)."""
     try:
         ipaddress.ip_address(host)
         return True
@@ -217,7 +218,7 @@ def expand(url: str, resolver: Resolver = resolve) -> list[str]:
     it names an address, resolves to one address, or does not resolve now."""
     parts = urlsplit(url)
     host = parts.hostname
-    if not host or _is_address(host):
+    if not host or is_address(host):
         return [url]
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:

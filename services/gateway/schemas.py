@@ -180,8 +180,26 @@ class HealthReport(BaseModel):
     generation: list[EngineProbe]
 
 
+def sse_content(payload: type[BaseModel]) -> dict:
+    """The `text/event-stream` entry of a streamed response: `schema` describes one SSE event (OpenAPI before 3.2),
+    whose `data` is `[DONE]` or JSON: the payload model, or an error event (`{"error": {...}}`, maybe `status`)."""
+    event = payload.model_json_schema()
+    defs = event.pop("$defs", None)
+    error = {"type": "object", "required": ["error"], "properties": {"error": {"type": "object"},
+                                                                      "status": {"type": "integer"}}}
+    data = {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                             "contentSchema": {"anyOf": [event, error]}}]}
+    schema = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}},
+              "description": f"SSE events: data is a {payload.__name__} (or an error event), then [DONE]"}
+    if defs:
+        schema["$defs"] = defs
+    return {"text/event-stream": {"schema": schema}}
+
+
 ERRORS: dict = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "bad input: the message says what is allowed"), (401, "missing or invalid API key"),
-    (413, "body over the size limit"), (429, "too many requests in flight (Retry-After)"),
+    (403, "a gateway without an API key: a Host or Origin it does not serve"),
+    (413, "body over the route's size limit"), (415, "a body that is not JSON (or multipart where taken)"),
+    (429, "too many requests in flight (Retry-After)"),
     (499, "the client went away"), (502, "an engine answered something unusable"),
     (503, "an engine is down or its KV pool is full"), (504, "an engine sent nothing in time, or the deadline passed"))}

@@ -12,6 +12,7 @@ from services.kit.streaming import SlowReaderGuard
 from .app import create_app
 from .drain import Drain
 from .config import build_arg_parser, config_from_args
+from .exposure import bind_host, exposure_note
 
 
 def setup_logging(level: str) -> None:
@@ -41,14 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     args = build_arg_parser().parse_args(argv)
     cfg = config_from_args(args)
     setup_logging(args.log_level)
+    host = bind_host(cfg)
     logging.getLogger("u1serve.gateway").info(
-        "gateway on %s:%d -> understanding %s, generation %s (API key %s)", args.host, args.port, cfg.und_urls,
-        cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off")
+        "gateway on %s:%d -> understanding %s, generation %s (API key %s; %s)", host, args.port, cfg.und_urls,
+        cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off", exposure_note(cfg))
     app = create_app(cfg)
     served = SlowReaderGuard(app, write_timeout_s=cfg.stream_write_timeout_s,
                              send_buffer_bytes=cfg.stream_send_buffer_bytes,
                              on_cut=app.state.gateway.metrics.slow_readers.inc)
-    server = GatewayServer(uvicorn.Config(served, host=args.host, port=args.port, log_level="warning",
+    server = GatewayServer(uvicorn.Config(served, host=host, port=args.port, log_level="warning",
                                           access_log=False, timeout_graceful_shutdown=cfg.graceful_shutdown_s),
                            app.state.gateway.drain)
     server.run()

@@ -1,7 +1,8 @@
 """The request middleware of every service (pure ASGI, so streaming and disconnect detection keep working):
-request id, access log (sanitised, /health at debug level), body-size limit (413), strict JSON bodies (400:
-no NaN/Infinity, bounded nesting, parsed once), authentication (401), and an x-request-id on every response,
-also on errors raised before any route ran."""
+request id, access log (sanitised, /health at debug level), authentication (401; duplicate Authorization
+headers are a 400), the body rules (kit.bodies: 413/415, strict JSON parsed once; the engines' run here, the
+gateway's innermost, after admission), and an x-request-id on every response, also on errors raised before any
+route ran."""
 from __future__ import annotations
 
 import contextvars
@@ -13,10 +14,10 @@ import secrets
 import time
 from typing import Iterable, Optional, Protocol
 
-from .errors import APIError
+from .bodies import BodyMiddleware, BodyRule, BodyRules
+from .errors import APIError, bad_request
 from .live import LIVE_PATH
 from .logsafe import safe
-from .web import parse_json, remember_json
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -55,19 +56,25 @@ def _bearer(headers: dict[str, bytes]) -> Optional[bytes]:
     return value.strip()
 
 
-class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on the public API paths (the gateway); one key or several (key rotation,
-    one key per client)."""
+def bearer_key(scope: dict) -> Optional[str]:
+    """The Bearer credential of an authenticated request (what the API key check accepted), else None."""
+    return scope.get("state", {}).get("bearer")
 
-    def __init__(self, key: str | Iterable[str], prefixes: tuple[str, ...] = ("/v1/",)):
+
+class ApiKeyAuth:
+    """`Authorization: Bearer <key>` on the public API paths (the gateway; `paths`: prefixes ending in '/', or
+    exact paths); one key or several (key rotation, one key per client)."""
+
+    def __init__(self, key: str | Iterable[str], paths: tuple[str, ...] = ("/v1/",)):
         keys = [key] if isinstance(key, str) else list(key)
         if not keys or not all(keys):
             raise ValueError("API keys must be non-empty")
         self.keys = [k.encode("utf-8") for k in keys]
-        self.prefixes = prefixes
+        self.prefixes = tuple(p for p in paths if p.endswith("/"))
+        self.exact = frozenset(p for p in paths if not p.endswith("/"))
 
     def check(self, path, headers):
-        if not path.startswith(self.prefixes):
+        if not path.startswith(self.prefixes) and path not in self.exact:
             return None
         given = _bearer(headers)
         # compare with every key (no early exit): the time taken does not depend on which one matched
@@ -107,13 +114,16 @@ class Hooks(Protocol):
 
 
 class ServiceMiddleware:
-    def __init__(self, app, *, service: str, max_body_bytes: int, auth: Optional[Auth] = None,
+    def __init__(self, app, *, service: str, max_body_bytes: Optional[int] = None, auth: Optional[Auth] = None,
                  unique_ids: bool = False, hooks: Optional[Hooks] = None):
         """unique_ids: the gateway gives each request an engine id `<client id>.<8 hex>` (clients reuse ids)
-        and echoes the client's id; the engines use the id they are sent."""
+        and echoes the client's id; the engines use the id they are sent. max_body_bytes: one body rule for
+        every route, applied here (the engines); None: the service installs its own BodyMiddleware (the
+        gateway, innermost)."""
+        if max_body_bytes is not None:
+            app = BodyMiddleware(app, rules=BodyRules(BodyRule(max_body_bytes, media_types=None)))
         self.app = app
         self.log = logging.getLogger(f"u1serve.{service}.access")
-        self.max_body_bytes = max_body_bytes
         self.auth = auth
         self.unique_ids = unique_ids
         self.hooks = hooks
@@ -150,24 +160,15 @@ class ServiceMiddleware:
         if self.hooks:
             self.hooks.begin(path)
         try:
+            if sum(1 for k, _ in scope["headers"] if k.lower() == b"authorization") > 1:
+                return await reply(bad_request("send one Authorization header, not several",
+                                               param="Authorization", code="duplicate_header"))
             err = self.auth.check(path, headers) if self.auth else None
             if err is not None:
                 return await reply(err)
-            declared = headers.get("content-length", b"")
-            if declared.isdigit() and int(declared) > self.max_body_bytes:
-                return await reply(self._too_large())
-            ctype = headers.get("content-type", b"").split(b";")[0].strip().lower()
-            if scope.get("method") in ("POST", "PUT", "PATCH") and ctype == b"application/json":
-                body, more = await self._read_body(receive)
-                if more is not None:
-                    return await reply(more)
-                try:
-                    remember_json(scope, parse_json(body))
-                except APIError as exc:
-                    return await reply(exc)
-                receive = _replay(body, receive)
-            else:
-                receive = self._limited(receive)
+            if self.auth is not None:
+                given = _bearer(headers)
+                scope["state"]["bearer"] = given.decode("latin-1") if given is not None else None
             try:
                 await self.app(scope, receive, send_with_id)
             except APIError as exc:       # raised by the body limit while a route streamed the body in
@@ -188,43 +189,3 @@ class ServiceMiddleware:
             self.log.log(level, "%s %s -> %s %.3fs", scope.get("method"), safe(path), status["code"],
                          time.monotonic() - started)
             request_id_var.reset(token)
-
-    async def _read_body(self, receive) -> tuple[bytes, Optional[APIError]]:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"", APIError(499, "client disconnected", code="cancelled")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return b"", self._too_large()
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks), None
-
-    def _limited(self, receive):
-        seen = {"n": 0}
-
-        async def limited():
-            message = await receive()
-            if message["type"] == "http.request":
-                seen["n"] += len(message.get("body", b""))
-                if seen["n"] > self.max_body_bytes:
-                    raise self._too_large()
-            return message
-        return limited
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
-
-
-def _replay(body: bytes, receive):
-    sent = {"done": False}
-
-    async def replay():
-        if not sent["done"]:
-            sent["done"] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-    return replay

@@ -43,15 +43,18 @@ _DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFE
                   Image.DecompressionBombWarning)
 
 
-def open_image(data: bytes, max_bytes: int | None = None, max_pixels: int = MAX_SOURCE_PIXELS) -> Image.Image:
+def open_image(data: bytes, max_bytes: int | None = None, max_pixels: int = MAX_SOURCE_PIXELS,
+               formats: tuple[str, ...] | None = None) -> Image.Image:
     """Open `data` lazily (PIL reads only the header) and check its size before any pixel is decoded: more
-    than `max_pixels` pixels, a decompression bomb or an unreadable header raise ImageError."""
+    than `max_pixels` pixels, a decompression bomb, an unreadable header or a format not in `formats` ('png',
+    'jpeg', ...; None: any PIL reads) raise ImageError."""
     if max_bytes is not None and len(data) > max_bytes:
         raise ImageError(f"image is {len(data)} bytes, above the limit of {max_bytes}")
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=[f.upper() for f in formats] if formats else None)
     except _DECODE_ERRORS as e:
-        raise ImageError(f"cannot decode image: {e}") from None
+        accepted = f" (accepted formats: {', '.join(formats)})" if formats else ""
+        raise ImageError(f"cannot decode image{accepted}: {e}") from None
     if img.width * img.height > max_pixels:
         raise ImageError(f"image is {img.width}x{img.height} = {img.width * img.height} pixels, above the limit "
                          f"of {max_pixels} pixels per image")

@@ -8,7 +8,7 @@ from importlib import resources
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      preprocess)
 from .sampler import SamplerParams, branches_needed
-from .tokenizer import IMG_CONTEXT, IMG_END, IMG_START, NeoTokenizer
+from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -61,32 +61,60 @@ def interleave_system_message(model_dir: str | None = None, override: str | None
     return _system_message(INTERLEAVE_SYSTEM_MESSAGE_FILE, model_dir, override)
 
 
-def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
-    """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`."""
-    out = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    for role, content in turns:
-        out += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+Parts = list[tuple[str, bool]]      # (text, is client text): a prompt whose client text is tokenised as text
+
+
+def neo1_0_parts(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True,
+                 client_system: bool = True) -> Parts:
+    """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`. Each turn's
+    role line and content is client text, the system block too unless it is the server's own (`client_system`
+    False: the generation system messages, which spell out <think>); the parts split at the template's special
+    tokens, so tokenising them one by one gives the ids of the whole string (for text without special-token
+    strings)."""
+    out: Parts = []
+    blocks = ([("system", system, client_system)] if system else []) + [(r, c, True) for r, c in turns]
+    for role, content, client in blocks:
+        out += [(IM_START, False), (f"{role}\n{content}", client), (IM_END + "\n", False)]
     if generation_prompt:
-        out += "<|im_start|>assistant\n"
+        out.append((IM_START + "assistant\n", False))
     return out
 
 
+def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
+    return "".join(text for text, _ in neo1_0_parts(turns, system, generation_prompt))
+
+
+def encode_parts(tok: NeoTokenizer, parts: Parts, images: list[ImageTensor]) -> PromptInput:
+    """Tokenise the parts (client text as plain text: tok.encode_text), each <image> replaced by the span of the
+    next image (<img> + <IMG_CONTEXT> x tokens + </img>)."""
+    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text, _ in parts)
+    if placeholders != len(images):
+        raise ValueError(f"{placeholders} <image> placeholders for {len(images)} images")
+    ids: list[int] = []
+    it = iter(images)
+    for text, client in parts:
+        for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            if k:
+                ids += image_span_ids(tok, next(it))
+            if client and IMG_CONTEXT in piece:       # as before: an image-token injection is refused
+                raise ValueError(f"text may not contain the image placeholder token {IMG_CONTEXT}")
+            if piece:
+                ids += tok.encode_text(piece) if client else tok.encode(piece)
+    return PromptInput(ids, list(images))
+
+
 def expand_images(tok: NeoTokenizer, text: str, images: list[ImageTensor]) -> PromptInput:
-    """Replace each <image> by <img> + <IMG_CONTEXT> x tokens + </img> and tokenise."""
-    parts = text.split(IMAGE_PLACEHOLDER)
-    if len(parts) - 1 != len(images):
-        raise ValueError(f"{len(parts) - 1} <image> placeholders for {len(images)} images")
-    out = parts[0]
-    for img, rest in zip(images, parts[1:]):
-        out += IMG_START + IMG_CONTEXT * img.num_tokens + IMG_END + rest
-    return PromptInput(tok.encode(out), list(images))
+    """Replace each <image> by <img> + <IMG_CONTEXT> x tokens + </img> and tokenise (all of `text` is trusted)."""
+    return encode_parts(tok, [(text, False)], images)
 
 
 def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | None = None,
-               min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS) -> PromptInput:
+               min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS,
+               server_system: str = "") -> PromptInput:
     """OpenAI-like messages -> PromptInput. Content is a string or a list of text / image parts
     ({"type": "image", "image": PIL}). A user turn whose images have no placeholder gets `<image>\\n`
-    prefixes (as upstream's chat)."""
+    prefixes (as upstream's chat). Message text is client text (tokenised as text); `server_system`, used when
+    the messages have no system message, is the server's."""
     system = ""
     turns: list[tuple[str, str]] = []
     images: list[ImageTensor] = []
@@ -114,12 +142,14 @@ def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | 
             system = text
         else:
             turns.append((role, text))
-    prompt = neo1_0(turns, system)
+    # the messages' own system message is the client's; without one, the server's (`server_system`) is used
+    own = any(m.get("role") == "system" for m in messages)
+    parts = neo1_0_parts(turns, system if own else server_system, client_system=own)
     if enable_thinking is True:
-        prompt += THINK_OPEN
+        parts.append((THINK_OPEN, False))
     elif enable_thinking is False:
-        prompt += EMPTY_THINK
-    return expand_images(tok, prompt, images)
+        parts.append((EMPTY_THINK, False))
+    return encode_parts(tok, parts, images)
 
 
 UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no system, no think)
@@ -128,8 +158,8 @@ UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no
 def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: bool = False,
                system_message: str | None = None) -> dict[str, PromptInput]:
     system = default_gen_system_message() if system_message is None else system_message
-    head = neo1_0([("user", prompt)], system)
-    out = {"cond": PromptInput(tok.encode(head + (THINK_OPEN if think else EMPTY_THINK + IMG_START)))}
+    head = neo1_0_parts([("user", prompt)], system, client_system=False)
+    out = {"cond": encode_parts(tok, head + [(THINK_OPEN if think else EMPTY_THINK + IMG_START, False)], [])}
     if "uncond" in branches_needed(params):
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
     return out
@@ -149,7 +179,8 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
         text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + prompt
     system = default_gen_system_message() if system_message is None else system_message
     tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
-    out = {"cond": expand_images(tok, neo1_0([("user", text)], system) + tail, tensors)}
+    out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system, client_system=False) + [(tail, False)],
+                                tensors)}
     needed = branches_needed(params)
     if "img_cond" in needed:
         out["img_cond"] = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * n)]) + IMG_START, tensors)
@@ -165,12 +196,10 @@ def interleave_heads(tok: NeoTokenizer, messages: list[dict], think: bool, syste
     cond = system + the conversation (input images at the edit sizes) + `assistant\\n` (+ the empty think block
     unless think mode: the model then opens <think> itself); tu ("text-uncond") = one user turn holding only the
     input images, no system, no text, no think block. A system message in `messages` wins over `system_message`."""
-    if not any(m.get("role") == "system" for m in messages) and system_message:
-        messages = [{"role": "system", "content": system_message}, *messages]
     n = sum(1 for m in messages if isinstance(m.get("content"), list)
             for p in m["content"] if p.get("type") == "image")
     cond = chat_input(tok, messages, None if think else False, EDIT_MIN_PIXELS,
-                      images_max_pixels or edit_max_pixels(max(1, n)))
+                      images_max_pixels or edit_max_pixels(max(1, n)), server_system=system_message or "")
     tu = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(cond.images))]), cond.images)
     return cond, tu
 

@@ -62,6 +62,10 @@ class NeoTokenizer:
         added = self._tok.get_added_tokens_decoder() if hasattr(self._tok, "get_added_tokens_decoder") else {}
         self.special_ids = {i for i, t in added.items() if t.special}
         self._added = set(added)
+        # the same tokenizer without its added tokens: client text through it is text, never a control token
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        self._plain = Tokenizer.from_str(json.dumps(spec))
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "NeoTokenizer":
@@ -83,6 +87,11 @@ class NeoTokenizer:
     def encode(self, text: str) -> list[int]:
         # Qwen adds no BOS; special-token strings inside the text map to their ids.
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Client text: a `<|im_start|>` or `<think>` typed by a client is tokenised as the characters it is, so a
+        client cannot forge a turn or a think block. For text without such strings the ids equal `encode`'s."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

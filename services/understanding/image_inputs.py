@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 import anyio
 import anyio.to_thread
 
+from services.contract import limits as L
 from services.kit.errors import bad_request
 from services.model import images as IM
 
@@ -24,10 +25,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ImageBudget:
-    max_images: int = 16                       # per request
-    max_image_bytes: int = 20 * 1024 * 1024    # encoded size of one image
-    max_pixels_per_image: int = IM.MAX_SOURCE_PIXELS     # source pixels (header), one image
-    max_pixels_per_request: int = 32 * 1024 * 1024       # source pixels (headers), all images of a request
+    """The contract's input-image limits (the gateway checks the same ones), or tighter."""
+    max_images: int = L.MAX_CHAT_IMAGES                          # per request
+    max_image_bytes: int = L.MAX_INPUT_IMAGE_BYTES               # encoded size of one image
+    max_pixels_per_image: int = L.MAX_INPUT_IMAGE_PIXELS         # source pixels (header), one image
+    max_pixels_per_request: int = L.MAX_INPUT_REQUEST_PIXELS     # source pixels (headers), all images of a request
+    formats: tuple[str, ...] = L.INPUT_IMAGE_FORMATS
 
 
 def _raw_bytes(ref: Any, max_bytes: int, param: str) -> bytes:
@@ -69,7 +72,7 @@ class ImageDecoder:
         for param, ref in refs:
             raw = _raw_bytes(ref, b.max_image_bytes, param)
             try:
-                img = IM.open_image(raw, b.max_image_bytes, b.max_pixels_per_image)
+                img = IM.open_image(raw, b.max_image_bytes, b.max_pixels_per_image, b.formats)
             except IM.ImageError as e:
                 raise bad_request(f"{param}: {e}", param, "invalid_image") from None
             total += img.width * img.height

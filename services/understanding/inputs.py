@@ -48,12 +48,18 @@ def prompt_messages(messages: list[ChatMessage], pils: list) -> list[dict]:
 
 
 def text_params(req: TextSampling, prompt_len: int, limits: Limits, param: str = "messages",
-                logprobs: Optional[int] = None) -> SamplingParams:
-    """The engine's SamplingParams: the prompt must leave room in the context, max_tokens is clamped to what
-    is left (default: all of it), stop token ids and logit_bias ids must be in the vocabulary."""
+                logprobs: Optional[int] = None, clamp: bool = False) -> SamplingParams:
+    """The engine's SamplingParams: the prompt must leave room in the context and a client's max_tokens must fit
+    in what is left (as vLLM: a 400 with the numbers; `clamp`: cut it to what is left instead, for a budget the
+    server chose), default all of it; stop token ids and logit_bias ids must be in the vocabulary."""
     if prompt_len >= limits.max_model_len:
         raise bad_request(f"the prompt is {prompt_len} tokens, over the context limit of {limits.max_model_len} "
                           "tokens", param, "context_length_exceeded")
+    if req.max_tokens and prompt_len + req.max_tokens > limits.max_model_len and not clamp:
+        raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens; the request asks "
+                          f"for {prompt_len + req.max_tokens} ({prompt_len} in the prompt, max_tokens "
+                          f"{req.max_tokens} for the completion): lower max_tokens to at most "
+                          f"{limits.max_model_len - prompt_len}", "max_tokens", "context_length_exceeded")
     bad = [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise bad_request(f"stop_token_ids: {bad[0]} is not a token id; ids are 0..{limits.vocab_size - 1}",

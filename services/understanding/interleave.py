@@ -118,7 +118,7 @@ class InterleaveService:
         left in the context, logit_bias ids in the vocabulary)."""
         greedy = TextSampling(max_tokens=req.max_tokens, temperature=0.0, logit_bias=req.logit_bias,
                               stop_token_ids=[self.state.tok.img_start_id])
-        return text_params(greedy, prompt_len, self.state.limits)
+        return text_params(greedy, prompt_len, self.state.limits, clamp=True)   # the answer's remaining budget
 
     async def handle(self, req: InterleaveSegmentRequest):
         """The segment as SSE (the gateway reads its text as it comes)."""

@@ -74,9 +74,11 @@ async def generate(state, rid: str, inp: PR.PromptInput, params: SamplingParams,
                 if reason == "error":
                     raise output_error(o)
                 r2, c2 = out.finish()
+                # whole KV pages only: a one-token difference of another client's cached prompt cannot be probed
+                page = state.args.kv_page_tokens
                 usage = {"prompt_tokens": len(inp.input_ids), "completion_tokens": n_out,
                          "total_tokens": len(inp.input_ids) + n_out,
-                         "prompt_tokens_details": {"cached_tokens": cached}}
+                         "prompt_tokens_details": {"cached_tokens": cached - cached % page}}
                 metrics.e2e.observe(now - t0)
                 yield {"reasoning": r_delta + r2, "content": c_delta + c2, "ids": o.new_ids, **extra,
                        "finish_reason": "stop" if out.stopped else reason, "usage": usage}

@@ -123,3 +123,13 @@ def test_every_container_command_line_parses_with_its_service(rendered, layout):
                 pytest.fail(f"{layout}: {dep['metadata']['name']}/{c['name']}: {c['args']} -> {e!r}")
             seen.add(module)
     assert seen == set(PARSERS) if layout == "base" else seen <= set(PARSERS) and seen
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_gateway_sets_its_host_and_key_explicitly(rendered, layout):
+    """A keyless gateway binds loopback only (docs/deployment.md, "Exposing u1serve to the internet"): the
+    manifests name the address and the key file, so neither default decides what a cluster exposes."""
+    gateways = [c for d in objects(rendered[layout], "Deployment").values()
+                for c in d["spec"]["template"]["spec"]["containers"] if "services.gateway.server" in c["command"]]
+    for c in gateways:
+        assert "--host=0.0.0.0" in c["args"] and any(a.startswith("--api-key-file=") for a in c["args"]), c["args"]

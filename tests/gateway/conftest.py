@@ -32,10 +32,13 @@ MAX_STEPS = 200                  # tighter than the contract's, to test operator
 class GatewayProc:
     """`python -m services.gateway.server` on loopback; its output is kept for assertions."""
 
-    def __init__(self, und_urls: str, gen_urls: str, *flags: str, env: dict | None = None, log_dir: str = "/tmp"):
+    def __init__(self, und_urls: str, gen_urls: str, *flags: str, env: dict | None = None, log_dir: str = "/tmp",
+                 host: str | None = "127.0.0.1"):
+        """host None: no --host flag (the gateway's own default)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "services.gateway.server", "--host", "127.0.0.1", "--port", str(self.port),
+        argv = [sys.executable, "-m", "services.gateway.server", *(["--host", host] if host else []),
+                "--port", str(self.port),
                 "--und-url", und_urls, "--gen-url", gen_urls, "--default-size", "64x64", *flags]
         self.log_path = os.path.join(log_dir, f"gateway-{self.port}.log")
         self.log = open(self.log_path, "w")
@@ -47,7 +50,7 @@ class GatewayProc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
             try:
-                return httpx.get(self.base + "/metrics", timeout=1).status_code == 200
+                return httpx.get(self.base + "/health/live", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
         try:
@@ -118,8 +121,9 @@ def side_gateway(tmp_path):
     """start(und_url, gen_url, *flags, env=...) -> a started GatewayProc; all are stopped after the test."""
     procs = []
 
-    def start(und_url: str, gen_url: str, *flags: str, env: dict | None = None) -> GatewayProc:
-        procs.append(GatewayProc(und_url, gen_url, *flags, env=env, log_dir=str(tmp_path)))
+    def start(und_url: str, gen_url: str, *flags: str, env: dict | None = None,
+              host: str | None = "127.0.0.1") -> GatewayProc:
+        procs.append(GatewayProc(und_url, gen_url, *flags, env=env, log_dir=str(tmp_path), host=host))
         return procs[-1].wait_up()
 
     yield start

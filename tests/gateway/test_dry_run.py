@@ -122,3 +122,14 @@ def test_bad_placements_are_refused(model):
     assert r.returncode != 0 and "--und-tp 2 needs 2 GPUs" in r.stderr + r.stdout
     r = dry_run(model, "--gen-args", "--internal-token x")
     assert r.returncode != 0 and "--internal-token-file" in r.stderr + r.stdout
+
+
+def test_the_gateway_gets_a_host_only_when_one_is_given(model):
+    """No --host: the gateway decides (loopback without an API key); a given --host reaches it as given."""
+    def gateway_argv(*flags):
+        r = dry_run(model, "--mode", "colocate", "--und-gpus", "0", *flags)
+        assert r.returncode == 0, r.stderr
+        return shlex.split(next(line for line in r.stdout.splitlines() if line.startswith("gateway:")))
+    assert "--host" not in gateway_argv()
+    argv = gateway_argv("--host", "0.0.0.0")
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"

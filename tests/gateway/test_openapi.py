@@ -1,20 +1,29 @@
 """/openapi.json describes every public route: request body and response, each field with its type, range and
-default (the contract's, or this server's tighter limit); /docs serves Swagger UI. No network needed."""
+default (the contract's, or this server's tighter limit); /docs serves Swagger UI. No network needed. The
+`gateway` fixture has API keys, so both are behind the key (--public-docs opens them)."""
 import httpx
 import pytest
 
 from services.contract import limits as L
 
-from .conftest import MAX_STEPS
+from .conftest import API_KEY, MAX_STEPS
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 
 PUBLIC_POSTS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
 
 
 @pytest.fixture(scope="module")
 def spec(gateway):
-    r = httpx.get(gateway + "/openapi.json", timeout=10)
+    r = httpx.get(gateway + "/openapi.json", timeout=10, headers=KEY)
     assert r.status_code == 200
     return r.json()
+
+
+def sse_payload(media: dict) -> dict:
+    """The JSON payload schema of a `text/event-stream` entry (its `schema` describes one SSE event)."""
+    data = media["schema"]["properties"]["data"]["anyOf"]
+    return next(d for d in data if "contentSchema" in d)["contentSchema"]["anyOf"][0]
 
 
 def resolve(spec: dict, schema: dict) -> dict:
@@ -108,6 +117,8 @@ def test_no_raw_pydantic_bounds_left(spec):
     assert not found, found
 
 
-def test_docs_page_is_served(gateway):
-    r = httpx.get(gateway + "/docs", timeout=10)
+def test_docs_page_is_served_behind_the_key(gateway):
+    r = httpx.get(gateway + "/docs", timeout=10, headers=KEY)
     assert r.status_code == 200 and "swagger" in r.text.lower() and "/openapi.json" in r.text
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(gateway + path, timeout=10).status_code == 401

@@ -6,14 +6,14 @@ import pytest
 
 from services.contract import limits as L
 
-from .test_openapi import body_schema, prop, resolve
+from .test_openapi import KEY, body_schema, prop, resolve, sse_payload
 
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def spec(gateway):
-    return httpx.get(gateway + "/openapi.json", timeout=10).json()
+    return httpx.get(gateway + "/openapi.json", timeout=10, headers=KEY).json()
 
 
 def test_chat_fields_with_their_limits(spec):
@@ -36,7 +36,7 @@ def test_partial_images_on_image_requests(spec):
         p = prop(spec, body_schema(spec, path, ctype), "partial_images")
         assert (p["minimum"], p["maximum"], p["default"]) == (0, L.MAX_PARTIAL_IMAGES, 0)
     event = spec["paths"]["/v1/images/generations"]["post"]["responses"]["200"]["content"]["text/event-stream"]
-    assert "partial_image_index" in event["schema"]["properties"]
+    assert "partial_image_index" in sse_payload(event)["properties"]
 
 
 def test_chat_response_and_chunk_models(spec):
@@ -44,8 +44,8 @@ def test_chat_response_and_chunk_models(spec):
     choice = resolve(spec, prop(spec, ok["application/json"]["schema"], "choices")["items"])
     token = resolve(spec, prop(spec, prop(spec, choice, "logprobs"), "content")["items"])
     assert {"token", "logprob", "bytes", "top_logprobs"} <= set(token["properties"])
-    chunk = ok["text/event-stream"]["schema"]
-    defs = chunk.get("$defs", {})
+    assert sse_payload(ok["text/event-stream"])["title"] == "ChatCompletionChunk"
+    defs = ok["text/event-stream"]["schema"].get("$defs", {})
     delta = defs["ChatDelta"]["properties"]
     assert {"images", "image_progress", "partial_image", "reasoning_content"} <= set(delta)
 

@@ -166,7 +166,7 @@ def test_cancelled_rollout_leaks_nothing(stack):
                        "size": "128x128"}).encode()
     host, port = stack.base.rsplit("/", 1)[-1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/rl/rollout HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/rl/rollout HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     wait_until(lambda: gen_health()["running"] > 0, 240, interval=0.1)   # denoising: the prefix pages are in use
     sock.close()                                                         # the client goes away

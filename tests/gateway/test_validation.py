@@ -51,14 +51,15 @@ def test_every_key_of_the_key_file_works(gateway):
         assert r.status_code == 200, r.text
 
 
-def test_health_and_metrics_need_no_key_and_health_reports_engines_down(gateway):
+def test_health_needs_no_key_and_reports_engines_down_metrics_need_the_key(gateway):
     r = httpx.get(gateway + "/health")
     assert r.status_code == 503
     body = r.json()
     assert body["status"] == "unavailable"
     assert body["understanding"][0]["status"] == "unavailable"
     assert body["generation"][0]["status"] == "unavailable"
-    m = httpx.get(gateway + "/metrics")
+    assert_error(httpx.get(gateway + "/metrics"), 401, "API key")
+    m = httpx.get(gateway + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
     assert m.status_code == 200 and "u1serve_gateway_requests_total" in m.text
 
 
@@ -273,7 +274,8 @@ def test_edit_bad_form_fields(client, field, value):
 
 
 def test_edit_needs_multipart_or_json(client):
-    assert_error(client.post(EDIT, content=b"prompt=x", headers={"content-type": "text/plain"}), 400)
+    err = assert_error(client.post(EDIT, content=b"prompt=x", headers={"content-type": "text/plain"}), 415)
+    assert err["code"] == "unsupported_media_type"
     assert_error(client.post(EDIT, json={"prompt": "x"}), 400, "image")
 
 

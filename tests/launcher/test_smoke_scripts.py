@@ -35,7 +35,7 @@ def test_gpu_smoke_cpu_mode(smoke, name):
 def test_bench_load_smoke(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_load.py"), "--smoke", "--json", str(out),
-                        "--out-dir", str(tmp_path / "stack")], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                        "--hostile-fraction", "0.25", "--out-dir", str(tmp_path / "stack")], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=300)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -44,4 +44,10 @@ def test_bench_load_smoke(tmp_path):
     assert summary["transport_errors"] == 0 and summary["images"] > 0 and summary["tokens_per_s"] > 0
     assert {"kind", "status", "latency_s", "error_code"} <= set(outcomes[0])
     assert summary["count_5xx"] == 0, summary["codes_5xx"]
+    # the hostile mix (3 of 11 clients): every kind ran, none got a 5xx or had an oversized body accepted
+    hostile = summary["hostile"]
+    assert set(hostile) == {"big_body", "slow_reader", "probe"}, hostile
+    assert not any(s.startswith("5") for k in hostile.values() for s in k["statuses"]), hostile
+    assert set(hostile["big_body"]["statuses"]) <= {"413", "400", "0"}, hostile["big_body"]
+    assert all(c % 64 == 0 for c in hostile["probe"].get("cached_tokens_seen", [])), hostile["probe"]
     assert r.returncode == 0, r.stdout[-3000:]

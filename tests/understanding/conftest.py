@@ -24,6 +24,14 @@ IMG_MIN, IMG_MAX = 1024, 16384      # small input images -> few image tokens
 MAX_LEN = 4096
 
 
+PAGE_TOKENS = 16
+
+
+def whole_pages(tokens: int) -> int:
+    """`cached_tokens` as the server reports it: whole KV pages only."""
+    return tokens - tokens % PAGE_TOKENS
+
+
 class UndServer:
     def __init__(self, model_dir: str, *extra: str, pool_gb: float = 0.05, tp: int = 1, log_dir: str = "/tmp",
                  token_args: tuple[str, ...] = ("--internal-token", TOKEN), log_level: str = "warning"):
@@ -33,7 +41,7 @@ class UndServer:
         argv = [sys.executable, "-m", "services.understanding.server", "--model", model_dir,
                 "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
                 "--tp", str(tp), "--kv-pool-name", self.pool_name, "--kv-pool-gb", str(pool_gb),
-                "--kv-page-tokens", "16", "--kv-cache-tokens", "16384", "--max-model-len", str(MAX_LEN),
+                "--kv-page-tokens", str(PAGE_TOKENS), "--kv-cache-tokens", "16384", "--max-model-len", str(MAX_LEN),
                 *token_args, "--image-min-pixels", str(IMG_MIN),
                 "--image-max-pixels", str(IMG_MAX), "--log-level", log_level, *extra]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

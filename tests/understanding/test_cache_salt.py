@@ -1,5 +1,5 @@
 """Prefix-cache isolation: requests with different `cache_salt`s never share radix-cache entries (no salt is
-the shared default domain); within one salt `cached_tokens` stays exact. Chat body field, native
+the shared default domain); within one salt `cached_tokens` counts the cached prefix in whole KV pages. Chat body field, native
 `parameters.cache_salt`, and the engine's keys (image prefixes take the same path)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from services.understanding.kv_allocator import KVSlotAllocator
 from services.understanding.radix_cache import RadixCache, image_digest, salt_keys
 
-from .conftest import HEADERS
+from .conftest import HEADERS, whole_pages
 
 
 def _chat(server, text, **kw):
@@ -30,13 +30,13 @@ def test_salts_never_share_cached_prefixes(server):
     text = f"{tag} isolation check " + "lorem ipsum dolor " * 40
     cached, n, ids = _chat(server, text, cache_salt=alpha)
     assert cached == 0 and n > 100
-    assert _chat(server, text, cache_salt=alpha)[0] == n - 1        # same domain: the whole prompt but one
+    assert _chat(server, text, cache_salt=alpha)[0] == whole_pages(n - 1)   # same domain: all but one token
     cached_b, _, ids_b = _chat(server, text, cache_salt=beta)
     assert cached_b == 0 and ids_b == ids                           # other salt: nothing shared, same answer
     # the default domain shares only what other unsalted chats sent (the template's opening), not alpha's
     assert _chat(server, text)[0] < 10
-    assert _chat(server, text)[0] == n - 1
-    assert _chat(server, text, cache_salt=beta)[0] == n - 1
+    assert _chat(server, text)[0] == whole_pages(n - 1)
+    assert _chat(server, text, cache_salt=beta)[0] == whole_pages(n - 1)
 
 
 def test_native_api_takes_the_salt_in_parameters(server):
@@ -50,7 +50,7 @@ def test_native_api_takes_the_salt_in_parameters(server):
 
     first = gen(cache_salt="tenant-1")
     assert first["cached_tokens"] == 0
-    assert gen(cache_salt="tenant-1")["cached_tokens"] == first["prompt_tokens"] - 1
+    assert gen(cache_salt="tenant-1")["cached_tokens"] == whole_pages(first["prompt_tokens"] - 1)
     assert gen(cache_salt="tenant-2")["cached_tokens"] == 0
     r = httpx.post(server.url + "/v1/chat/completions", headers=HEADERS, timeout=30, json={
         "messages": [{"role": "user", "content": "x"}], "cache_salt": ""})

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions. A text chat is validated here (ChatCompletionRequest, every image part checked)
-and proxied to understanding as the original body, so extension fields reach it. `modalities: ["image"]` makes
+and proxied to understanding as the validated request: the fields the contract declares, nothing else. `modalities: ["image"]` makes
 an image from the last user turn instead (its images make it an edit); `modalities: ["text", "image"]` an
 interleaved answer (interleave.py): text and generated images in order."""
 from __future__ import annotations
@@ -14,11 +14,12 @@ import httpx
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from services.contract import limits as L
 from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ImagePart, TextPart
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
-from services.kit.web import json_body, until_disconnect
+from services.kit.web import ParsedJsonRoute, json_body, until_disconnect
 
 from .. import interleave
 from ..context import cache_salt, gateway, request_id
@@ -26,25 +27,29 @@ from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
-from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse
+from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
 from ..state import GatewayState
 from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
                         error_from_response, is_timeout, open_stream, reading, tell)
 
-router = APIRouter(tags=["chat"])
+router = APIRouter(tags=["chat"], route_class=ParsedJsonRoute)
 UND = "understanding"
 PATH = "/v1/chat/completions"
 # image options a chat body may carry at its top level (or under extra_body); chat means other things by these
 IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
 
 STREAM_DOC = {200: {"description": "JSON, or with stream: SSE chat.completion.chunk events then [DONE]",
-                    "content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}}
+                    "content": sse_content(ChatCompletionChunk)}}
 
 
-def image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
-    """(param, url) of every image part of the conversation."""
-    return [(f"messages[{i}].content[{j}]", part.url) for i, m in enumerate(req.messages)
-            if isinstance(m.content, list) for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+def image_parts(req: ChatCompletionRequest, limit: int = L.MAX_CHAT_IMAGES) -> list[tuple[str, str]]:
+    """(param, url) of every image part of the conversation; more than `limit` is a 400 before any is read."""
+    parts = [(f"messages[{i}].content[{j}]", part.url) for i, m in enumerate(req.messages)
+             if isinstance(m.content, list) for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+    if len(parts) > limit:
+        raise bad_request(f"{len(parts)} images in one chat request; at most {limit} are allowed",
+                          param=parts[limit][0], code="too_many_images")
+    return parts
 
 
 def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
@@ -88,9 +93,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
         return await chat_image(request, state, req, body, salt)
-    await state.images.check(image_parts(req))
-    if salt != req.cache_salt:
-        body = {**body, "cache_salt": salt}
+    await state.images.check(image_parts(req, state.config.max_chat_images))
+    body = req.model_dump(mode="json", exclude_unset=True)    # known fields only: unknown ones stay here
+    if salt is not None:
+        body["cache_salt"] = salt
     if req.stream:
         return await proxy_stream(request, state, body)
     return await proxy(request, state, body)
@@ -280,7 +286,7 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
     if req.n != 1:
         raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
     check_options(state.config, opts, "edit", "")         # before any image is decoded
-    checked = await state.images.check(image_parts(req))
+    checked = await state.images.check(image_parts(req, state.config.max_chat_images))
     generate = generate_fields(state.config, opts, mode="edit", prompt="",
                                first_image_wh=(checked[0].width, checked[0].height) if checked else None,
                                export_image=True)

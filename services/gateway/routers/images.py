@@ -11,23 +11,23 @@ from starlette.datastructures import UploadFile
 from services.contract import limits as L
 from services.contract.image import ImageEditRequest, ImageGenerationRequest
 from services.kit import timeline
-from services.kit.errors import bad_request
-from services.kit.web import json_body
+from services.kit.errors import APIError, bad_request
+from services.kit.web import ParsedJsonRoute, json_body
 
 from ..context import cache_salt, gateway, request_id
 from ..inputs import Raw, data_url
 from ..jobs import ImageJob, build_job, check_options
 from ..relay import client_gone, collect_job, stream_job
-from ..schemas import ERRORS, ImagesResponse, ImageStreamEvent
+from ..schemas import ERRORS, ImagesResponse, ImageStreamEvent, sse_content
 from ..state import GatewayState
 
-router = APIRouter(tags=["images"])
+router = APIRouter(tags=["images"], route_class=ParsedJsonRoute)
 MULTIPART_IMAGE_FIELDS = ("image", "image[]")
 
 
 def _stream_doc(prefix: str) -> dict:
     return {200: {"description": f"JSON, or with stream: SSE events {prefix}.* then [DONE]",
-                  "content": {"text/event-stream": {"schema": ImageStreamEvent.model_json_schema()}}}}
+                  "content": sse_content(ImageStreamEvent)}}
 
 
 def _edit_body_doc() -> dict:
@@ -132,6 +132,8 @@ async def _edit_request(request: Request) -> tuple[ImageEditRequest, list[tuple[
     try:
         form = await request.form(max_files=L.MAX_IMAGES_PER_REQUEST + 4, max_fields=100,
                                   max_part_size=1024 * 1024)
+    except APIError:                    # the body limit (kit.bodies), reached while the form streamed in
+        raise
     except Exception as exc:   # the multipart parser's own errors are client errors
         raise bad_request(f"malformed multipart body: {exc}", code="invalid_multipart") from None
     values: dict[str, Any] = {}

@@ -6,12 +6,14 @@ import asyncio
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
+from services.kit.web import ParsedJsonRoute
+
 from ..context import gateway
 from ..schemas import ERRORS, HealthReport, ModelList
 from ..state import GatewayState
 from ..upstream import EndpointPool
 
-router = APIRouter(tags=["ops"])
+router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})

@@ -29,7 +29,7 @@ from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
                                   ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
-from services.kit.web import until_disconnect
+from services.kit.web import ParsedJsonRoute, until_disconnect
 
 from ..context import cache_salt, gateway, request_id
 from ..jobs import ImageJob
@@ -37,7 +37,7 @@ from ..schemas import ERRORS
 from ..state import GatewayState
 from ..upstream import CONTROL_TIMEOUT_S, engine_headers
 
-router = APIRouter(tags=["rl"])
+router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 MAX_REMEMBERED_TRAJECTORIES = 4096
 
 

@@ -29,13 +29,14 @@ from fastapi import APIRouter, Depends, Query, Request
 from services.contract.rl_weights import (VERSION_PATTERN, WeightsStatus, WeightsUpdateRequest, WeightsUpdateResponse,
                                           next_version)
 from services.kit.errors import APIError, from_upstream, unavailable
+from services.kit.web import ParsedJsonRoute
 
 from ..context import gateway
 from ..schemas import ERRORS
 from ..state import GatewayState
 from ..upstream import engine_headers
 
-router = APIRouter(tags=["rl"])
+router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 UPLOAD_MAX_BYTES = 64 << 30          # a whole 8B checkpoint; the route's own limit (the gateway's table: bodies.py)
 OP_TIMEOUT_S = 1800.0                # stage reads a branch from disk; commit waits for the jobs in flight
 STATUS_TIMEOUT_S = 10.0

@@ -1,0 +1,67 @@
+"""Structured fuzzing of every public route by its OpenAPI schema (schemathesis): valid and invalid values of
+every field, as JSON and multipart, against a real gateway in front of the real engines (the `u1serve up`
+stack on the tiny checkpoint, CPU). No response may be a 5xx, and every response must conform to the schema
+(documented status, content type and body).
+
+The fuzzed gateway tightens the image limits (--max-side, --max-steps, --max-think-tokens, --max-prompt-chars:
+/openapi.json carries them, so valid requests stay small) and each case asks for at most a few tokens and two
+choices, so the run is bounded on a CPU."""
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                status_code_conformance)
+
+from .conftest import GatewayProc
+
+EXAMPLES = 8                      # per operation: about a minute on a 2-core CI runner
+MAX_TOKENS = 4
+MAX_CHOICES = 2
+
+
+@pytest.fixture(scope="module")
+def fuzzed(stack, tmp_path_factory):
+    g = GatewayProc(stack.und, stack.gen, "--max-side", "64", "--max-pixels", "4096", "--max-steps", "2",
+                    "--max-prompt-chars", "256",
+                    "--max-think-tokens", "4", "--default-think-tokens", "4", "--default-steps", "2", "--upstream-idle-timeout-s", "60",
+                    env={"U1SERVE_INTERNAL_TOKEN": stack.token},
+                    log_dir=str(tmp_path_factory.mktemp("fuzz"))).wait_up()
+    yield g
+    out = g.stop()
+    assert "Traceback" not in out, out[-5000:]
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzzed):
+    return schemathesis.openapi.from_url(fuzzed.base + "/openapi.json")
+
+
+# the RL routes (tag "rl") change the stack's state (weights) or run whole rollout groups: out of this fuzz
+schema = schemathesis.pytest.from_fixture("api_schema").exclude(tag="rl")
+
+
+def bounded(body):
+    """A case's text budget cut to a few tokens and two choices (the fuzz is about fields, not long answers)."""
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > MAX_TOKENS:
+            body[key] = MAX_TOKENS
+    if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = MAX_TOKENS
+    if "messages" in body and isinstance(body.get("n"), int) and body["n"] > MAX_CHOICES:
+        body["n"] = MAX_CHOICES
+    for key in ("image_config", "extra_body"):
+        if isinstance(body.get(key), dict):
+            bounded(body[key])
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_no_5xx_and_responses_conform(case, fuzzed):
+    bounded(case.body)
+    case.call_and_validate(base_url=fuzzed.base, timeout=120,
+                           checks=[not_a_server_error, status_code_conformance, content_type_conformance,
+                                   response_schema_conformance])
