@@ -10,6 +10,9 @@ GPU (the real measurement, 8B geometry by default):
 CPU smoke run (tiny shapes, seconds; CI runs it):
     python bench/bench_handoff.py --smoke --transport shm
     UCX_TLS=tcp python bench/bench_handoff.py --smoke --transport network
+Across two network namespaces joined by a veth pair (as two hosts on one machine: root, Linux, iproute2; the
+namespaces and the pair are made for the run and removed after it):
+    python bench/bench_handoff.py --transport network --netns --tokens 365,4096
 
 Prints a markdown table and, with --json PATH, writes the raw numbers. Exits non-zero if any import is
 not bit-exact.
@@ -17,11 +20,14 @@ not bit-exact.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -47,13 +53,61 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--transport", choices=("shm", "network"), default="shm")
+    p.add_argument("--netns", action="store_true",
+                   help="network transport between two network namespaces joined by a veth pair (root)")
+    p.add_argument("--veth-mtu", type=int, default=1500, help="MTU of the veth pair (--netns)")
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU, a few seconds")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if args.netns and args.transport != "network":
+        p.error("--netns measures the network transport: add --transport network")
     if args.smoke:
         args.tokens, args.layers, args.kv_heads, args.head_dim = "17,300", 2, 2, 64
         args.page_tokens, args.image_tokens, args.iters, args.warmup, args.device = 16, 16, 5, 1, "cpu"
     return args
+
+
+CLONE_NEWNET = 0x40000000
+NETNS_SUBNET = "10.213.{}.{}"
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def netns_pair(mtu: int):
+    """Two network namespaces joined by a veth pair (producer .1, consumer .2 of a /30): {"producer": (ns, ip),
+    "consumer": (ns, ip)}; both removed afterwards (the pair goes with them)."""
+    tag = f"{os.getpid() % 100000}"
+    side = {"producer": (f"u1kv-p{tag}", NETNS_SUBNET.format(os.getpid() % 250, 1)),
+            "consumer": (f"u1kv-c{tag}", NETNS_SUBNET.format(os.getpid() % 250, 2))}
+    made = []
+    try:
+        for ns, _ in side.values():
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        (pns, pip), (cns, cip) = side["producer"], side["consumer"]
+        _ip("link", "add", f"u1p{tag}", "mtu", str(mtu), "netns", pns, "type", "veth", "peer", "name", f"u1c{tag}",
+            "mtu", str(mtu), "netns", cns)
+        for ns, dev, addr in ((pns, f"u1p{tag}", pip), (cns, f"u1c{tag}", cip)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+        yield side
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def enter_netns(ns: str) -> None:
+    """Move this thread (and what it starts later: UCX's threads) into network namespace `ns`."""
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
+    finally:
+        os.close(fd)
 
 
 def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
@@ -64,8 +118,12 @@ def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
     return kv_pool, g
 
 
-def producer_main(conn, args, lay_dict, name) -> None:
+def producer_main(conn, args, lay_dict, name, netns=None) -> None:
     """The understanding side: create the transport, export each length, hand the handle over."""
+    network = {}
+    if netns is not None:                     # (namespace, address): the producer "host"
+        enter_netns(netns[0])
+        network["advertise_host"] = netns[1]
     lay = KVLayout.from_dict(lay_dict)
     dev = torch.device(args.device)
     lens = [int(x) for x in args.tokens.split(",")]
@@ -73,7 +131,7 @@ def producer_main(conn, args, lay_dict, name) -> None:
     kind = "nixl" if args.transport == "network" else "shm"
     t0 = time.perf_counter()
     tr = create_producer(kind, name, lay, (lay.pages_for(max_t) + 1) * lay.page_bytes, "bench",
-                         pin=dev.type == "cuda")
+                         pin=dev.type == "cuda", **network)
     setup_s = time.perf_counter() - t0
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     kv_pool, g = engine_kv(lay, max_t, dev)
@@ -137,6 +195,13 @@ def consumer(args, lay: KVLayout, name: str):
 
 def main():
     args = parse_args()
+    if not args.netns:
+        return run(args)
+    with netns_pair(args.veth_mtu) as side:
+        return run(args, side)
+
+
+def run(args, netns=None):
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     lens = [int(x) for x in args.tokens.split(",")]
@@ -144,14 +209,18 @@ def main():
     name = f"u1kv-bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, args, lay.to_dict(), name), daemon=True)
+    proc = ctx.Process(target=producer_main, args=(child, args, lay.to_dict(), name,
+                                                   netns["producer"] if netns else None), daemon=True)
     proc.start()
+    if netns:
+        enter_netns(netns["consumer"][0])     # before the consumer's agent exists: its sockets live there
     tag, setup_s = conn.recv()
     tr = consumer(args, lay, name)
     side = torch.cuda.Stream(dev) if cuda else None
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     kv_pool, g = engine_kv(lay, max(lens), "cpu")  # the producer's KV, to check the imports against
     rows, ok = [], True
+    where = f"{args.transport}, veth netns" if netns else args.transport
     try:
         for T in lens:
             slots = torch.randperm(kv_pool.shape[2], generator=g)[:T]
@@ -161,7 +230,7 @@ def main():
             dst = torch.empty(lay.kv_shape(T + args.image_tokens), dtype=lay.torch_dtype, device=dev)
             t_imp = timed_wall(lambda: tr.import_kv(h, dst), args.iters, args.warmup, sync)
             rows += [summarize(f"export ({args.transport} producer, sync call)", T, nbytes, t_exp),
-                     summarize(f"import ({args.transport}, other process, sync call)", T, nbytes, t_imp)]
+                     summarize(f"import ({where}, other process, sync call)", T, nbytes, t_imp)]
             if cuda and args.transport == "shm":  # the kernel alone, on a side stream
                 rows.append(summarize("import (shm pages -> buffer, side stream)", T, nbytes, timed_cuda(
                     lambda: tr.import_kv(h, dst, stream=side), args.iters, args.warmup, side)))
@@ -185,10 +254,11 @@ def main():
     env = {"device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "layout": lay.to_dict(), "transport": args.transport,
            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"), "producer_setup_s": setup_s,
+           "path": f"veth pair between two network namespaces, MTU {args.veth_mtu}" if netns else "one namespace",
            "copy_backend": ("triton" if cuda and kernels.HAS_TRITON and kernels.kernel_mode() != "ref"
                             else "torch reference") + f" (U1SERVE_KERNELS={kernels.kernel_mode()})",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(f"# KV handoff between two processes, transport {args.transport}"
+    print(f"# KV handoff between two processes, transport {where}"
           f"{' (UCX_TLS=' + env['ucx_tls'] + ')' if args.transport == 'network' else ''}: {env['device']}, "
           f"torch {env['torch']}, copy backend {env['copy_backend']}")
     print(f"# layout {lay.to_dict()} ({lay.bytes_per_token} B/token), producer setup {setup_s:.3f} s")

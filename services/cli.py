@@ -536,7 +536,19 @@ def cmd_tiny(args) -> int:
     return 0
 
 
-COMMANDS = [add_up, add_demo, add_tiny]
+def add_ray(sub) -> None:
+    from services.ray_serve.command import add_arguments     # no Ray import until a command runs
+    p = sub.add_parser("ray", help="the same application on a Ray cluster (Ray Serve): up, down, config")
+    add_arguments(p)
+    p.set_defaults(func=cmd_ray)
+
+
+def cmd_ray(args) -> int:
+    from services.ray_serve.command import run
+    return run(args)
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_ray]
 
 
 def main(argv: list[str] | None = None) -> None:

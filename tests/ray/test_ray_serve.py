@@ -1,0 +1,103 @@
+"""The Ray Serve application on a real multi-node Ray cluster on this machine (harness.py), through the Serve
+ingress with the openai SDK: the same outputs as `u1serve up`, prefix KV across nodes (NIXL) and within one
+(shared memory), generation scaled up on its own queue depth, and a node killed mid-load. The tests share one
+cluster and run in file order (the last one kills a node)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.waiting import wait_until
+
+from .conftest import SEEDS
+from .harness import HEADERS, chat_text, image_digest
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def imported_bytes(url: str) -> float:
+    """KV bytes a generation engine imported (its own /metrics)."""
+    text = httpx.get(url + "/metrics", headers=HEADERS, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("u1_gen_kv_import_bytes_total"))
+
+
+def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, reference):
+    und, gen = app.replicas("understanding"), app.replicas("generation")
+    where = app.where()
+    assert len(und) == 1 and where[und[0]] == "a", where
+    assert len(gen) == 2 and sorted(where[g] for g in gen) == ["a", "b"], where   # Serve spreads the replicas
+    with ThreadPoolExecutor(len(SEEDS)) as pool:         # concurrent: both generation replicas get work
+        digests = dict(zip(SEEDS, pool.map(lambda s: image_digest(client, s), SEEDS)))
+    assert digests == reference["images"]                # bit-identical PNGs, whichever node denoised
+    assert chat_text(client) == reference["chat"]
+    moved = {where[g]: imported_bytes(g) for g in gen}
+    assert moved["b"] > 0, moved                          # node a's prefixes read over the network (NIXL)
+    assert moved["a"] > 0, moved                          # ... and through node a's shared memory
+
+
+def test_generation_scales_up_under_load(app, client):
+    stop = threading.Event()
+    errors: list[Exception] = []
+
+    def load():
+        while not stop.is_set():
+            try:
+                client.images.generate(model="sensenova-u1", prompt="scale me", size="64x64",
+                                       extra_body={"num_inference_steps": 24, "seed": 1})
+            except Exception as e:       # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:   # target load 1 per replica: 6 jobs in flight ask for the maximum (3) within the upscale delay
+        wait_until(lambda: len(app.replicas("generation")) == 3, timeout=240, interval=1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert not errors, errors[:3]
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_node_killed_mid_load_loses_no_request_and_the_replicas_come_back(app, client, reference):
+    where = app.where()
+    on_b = [u for u, node in where.items() if node == "b"]
+    assert on_b, where
+    results: dict[int, object] = {}
+
+    def job(i: int):
+        try:
+            results[i] = image_digest(client, SEEDS[i % len(SEEDS)])
+        except Exception as e:       # noqa: BLE001
+            results[i] = e
+
+    threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in range(10)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)                                       # jobs queued and running on both nodes
+    killed = app.cluster.kill_node("b")
+    assert killed >= 3                                    # its raylet, workers and engines
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a request hung after the node died"
+    failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
+    # every request either completed (the SDK retried a 503 from the lost node on another replica) or ended with
+    # a retryable status; none is lost or left waiting
+    for r in failed.values():
+        assert isinstance(r, openai.APIStatusError) and r.status_code in (429, 503), repr(r)
+    assert len(failed) == 0, failed
+    assert all(results[i] == reference["images"][SEEDS[i % len(SEEDS)]] for i in results)
+    # Serve replaces the lost replicas on the surviving node: the gateway routes to them once they are healthy
+    wait_until(lambda: len(app.replicas("generation")) >= 2 and not [u for u in app.replicas("generation")
+                                                                     if u in on_b], timeout=300, interval=1.0)
+    assert len(app.replicas("understanding")) == 1
+    assert image_digest(client, SEEDS[0]) == reference["images"][SEEDS[0]]
+    print(f"recovered {time.monotonic() - t0:.1f} s after the kill")
