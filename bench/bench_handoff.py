@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -29,6 +28,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -56,6 +56,7 @@ def parse_args():
     p.add_argument("--netns", action="store_true",
                    help="network transport between two network namespaces joined by a veth pair (root)")
     p.add_argument("--veth-mtu", type=int, default=1500, help="MTU of the veth pair (--netns)")
+    p.add_argument("--in-netns", default=None, help=argparse.SUPPRESS)   # the run inside the pair (JSON)
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU, a few seconds")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -67,7 +68,6 @@ def parse_args():
     return args
 
 
-CLONE_NEWNET = 0x40000000
 NETNS_SUBNET = "10.213.{}.{}"
 
 
@@ -77,21 +77,21 @@ def _ip(*argv: str) -> None:
 
 @contextlib.contextmanager
 def netns_pair(mtu: int):
-    """Two network namespaces joined by a veth pair (producer .1, consumer .2 of a /30): {"producer": (ns, ip),
-    "consumer": (ns, ip)}; both removed afterwards (the pair goes with them)."""
+    """Two network namespaces joined by a veth pair (producer .1, consumer .2 of a /30): {"producer": (ns, ip,
+    device), "consumer": (...)}; both removed afterwards (the pair goes with them)."""
     tag = f"{os.getpid() % 100000}"
-    side = {"producer": (f"u1kv-p{tag}", NETNS_SUBNET.format(os.getpid() % 250, 1)),
-            "consumer": (f"u1kv-c{tag}", NETNS_SUBNET.format(os.getpid() % 250, 2))}
+    side = {"producer": (f"u1kv-p{tag}", NETNS_SUBNET.format(os.getpid() % 250, 1), f"u1p{tag}"),
+            "consumer": (f"u1kv-c{tag}", NETNS_SUBNET.format(os.getpid() % 250, 2), f"u1c{tag}")}
     made = []
     try:
-        for ns, _ in side.values():
+        for ns, _, _ in side.values():
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-        (pns, pip), (cns, cip) = side["producer"], side["consumer"]
-        _ip("link", "add", f"u1p{tag}", "mtu", str(mtu), "netns", pns, "type", "veth", "peer", "name", f"u1c{tag}",
-            "mtu", str(mtu), "netns", cns)
-        for ns, dev, addr in ((pns, f"u1p{tag}", pip), (cns, f"u1c{tag}", cip)):
+        (pns, pip, pdev), (cns, cip, cdev) = side["producer"], side["consumer"]
+        _ip("link", "add", pdev, "mtu", str(mtu), "netns", pns, "type", "veth", "peer", "name", cdev, "mtu", str(mtu),
+            "netns", cns)
+        for ns, dev, addr in ((pns, pdev, pip), (cns, cdev, cip)):
             _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
         yield side
@@ -100,14 +100,23 @@ def netns_pair(mtu: int):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def enter_netns(ns: str) -> None:
-    """Move this thread (and what it starts later: UCX's threads) into network namespace `ns`."""
-    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
-    finally:
-        os.close(fd)
+def netns_executable(ns: str, workdir: str) -> str:
+    """A python that starts inside network namespace `ns` (`ip netns exec` also shows the process that
+    namespace's /sys/class/net, where UCX looks for its devices): the producer process's executable."""
+    path = os.path.join(workdir, f"python-in-{ns}")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nexec ip netns exec {ns} {sys.executable} "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def in_netns_main(args, argv: list[str]) -> int:
+    """--netns: make the pair, run this benchmark again inside the consumer's namespace (it starts the producer
+    in the other one), remove the pair."""
+    with netns_pair(args.veth_mtu) as side:
+        inner = [a for a in argv if a != "--netns"] + ["--in-netns", json.dumps(side)]
+        return subprocess.run(["ip", "netns", "exec", side["consumer"][0], sys.executable, os.path.abspath(__file__),
+                               *inner]).returncode
 
 
 def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
@@ -121,8 +130,8 @@ def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
 def producer_main(conn, args, lay_dict, name, netns=None) -> None:
     """The understanding side: create the transport, export each length, hand the handle over."""
     network = {}
-    if netns is not None:                     # (namespace, address): the producer "host"
-        enter_netns(netns[0])
+    if netns is not None:                     # (namespace, address, device): the producer "host"
+        os.environ["UCX_NET_DEVICES"] = netns[2]   # its veth end, as one names the NIC on a real host
         network["advertise_host"] = netns[1]
     lay = KVLayout.from_dict(lay_dict)
     dev = torch.device(args.device)
@@ -195,10 +204,9 @@ def consumer(args, lay: KVLayout, name: str):
 
 def main():
     args = parse_args()
-    if not args.netns:
-        return run(args)
-    with netns_pair(args.veth_mtu) as side:
-        return run(args, side)
+    if args.netns:
+        return in_netns_main(args, sys.argv[1:])
+    return run(args, json.loads(args.in_netns) if args.in_netns else None)
 
 
 def run(args, netns=None):
@@ -208,12 +216,15 @@ def run(args, netns=None):
     lay = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype, args.page_tokens)
     name = f"u1kv-bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
+    if netns:     # this process runs in the consumer's namespace; the producer starts in the other one
+        os.environ["UCX_NET_DEVICES"] = netns["consumer"][2]
+        ctx.set_executable(netns_executable(netns["producer"][0], tempfile.mkdtemp(prefix="u1kv-netns-")))
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=producer_main, args=(child, args, lay.to_dict(), name,
                                                    netns["producer"] if netns else None), daemon=True)
     proc.start()
-    if netns:
-        enter_netns(netns["consumer"][0])     # before the consumer's agent exists: its sockets live there
+    if not conn.poll(300):
+        raise RuntimeError(f"the producer process did not start (exit code {proc.exitcode})")
     tag, setup_s = conn.recv()
     tr = consumer(args, lay, name)
     side = torch.cuda.Stream(dev) if cuda else None

@@ -8,9 +8,9 @@ pytest.importorskip("ray.serve", reason="the Ray tests need the [ray] extra (in 
 
 from openai import OpenAI  # noqa: E402
 
-from .harness import RayApp, UpStack, chat_text, image_digest  # noqa: E402
+from tests.ray.harness import SEEDS, RayApp, UpStack, chat_text, image_digest  # noqa: E402
 
-SEEDS = (11, 12, 13, 14)
+
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ RAY_FLAGS = ["--und-resources", '{"u1_und": 1}', "--gen-resources", '{"u1_gen": 
              "--gen-replicas", "2:3", "--gen-target-load", "1", "--upscale-delay-s", "1",
              "--downscale-delay-s", "600", "--env", "UCX_TLS=tcp"]
 IMAGE = {"size": "64x64", "extra_body": {"num_inference_steps": 4}}
+SEEDS = (11, 12, 13, 14)                 # the reference images
 
 
 def env(cache: str) -> dict:

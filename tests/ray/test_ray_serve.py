@@ -14,8 +14,8 @@ import pytest
 
 from tests.waiting import wait_until
 
-from .conftest import SEEDS
-from .harness import HEADERS, chat_text, image_digest
+from tests.ray.harness import SEEDS
+from tests.ray.harness import HEADERS, chat_text, image_digest
 
 pytestmark = pytest.mark.timeout(900)
 
