@@ -123,7 +123,7 @@ def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
     """The producer's paged KV and each length's scattered slots; the same in both processes (seeded)."""
     S = 2 * max_t + 1024  # the engine's paged pool has more slots than the request
     g = torch.Generator(device="cpu").manual_seed(0)
-    kv_pool = torch.randn(lay.kv_shape(S), generator=g, dtype=torch.float32).to(lay.torch_dtype).to(device)
+    kv_pool = torch.randn(lay.kv_shape(S), generator=g, dtype=lay.torch_dtype).to(device)  # no fp32 copy: 8B x 9k slots
     return kv_pool, g
 
 

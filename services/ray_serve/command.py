@@ -118,7 +118,12 @@ def deploy(args, settings: RayAppSettings, out=sys.stdout) -> str:
 
     from .app import build_app
     serve.start(http_options={"host": args.http_host, "port": args.http_port}, proxy_location="HeadOnly")
-    serve.run(build_app(settings), name=args.name, route_prefix="/")
+    try:
+        serve.run(build_app(settings), name=args.name, route_prefix="/")
+    except RuntimeError as e:          # say which deployment failed and why (Serve keeps it in the status)
+        app = serve.status().applications.get(args.name)
+        why = [f"  {name}: {d.status} {d.message}" for name, d in (app.deployments.items() if app else [])]
+        raise SystemExit(f"u1serve ray: {e}\n" + "\n".join(why)) from None
     host = "127.0.0.1" if args.http_host == "0.0.0.0" else args.http_host
     url = f"http://{host}:{args.http_port}/v1"
     out.write(f"[u1serve] ready: {url} (Ray Serve application {args.name!r})\n")
