@@ -56,6 +56,7 @@ class RayAppSettings:
                 setattr(self, name, Scaling(**v))
         self.stack_args = [str(a) for a in self.stack_args]
         parse_stack_args(self.stack_args)                  # fail here, not on a node
+        self.gpus("und")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
