@@ -6,8 +6,10 @@ up --kv-transport shm`), measured in the same run as a client sees it:
 GPU (one H200; the 8B geometry with random weights, as bench_deployment.py; ray carried in .whl/, see
 docs/deployment.md "Many machines"):
     python bench/bench_ray.py --profile colocate-1 --size 1024x1024 --steps 50 --requests 5 --chats 20
-CPU smoke run (tiny checkpoint; CI runs it):
+CPU smoke run (tiny checkpoint):
     python bench/bench_ray.py --smoke
+Against deployments that already run (CI measures the test cluster's application and its `u1serve up` this way):
+    python bench/bench_ray.py --smoke --up-url http://127.0.0.1:8000 --ray-url http://127.0.0.1:9000
 
 Prints a markdown table and, with --json PATH, writes the raw numbers. Exits non-zero when a side failed.
 """
@@ -58,18 +60,6 @@ async def measure(base: str, args) -> dict:
             "ttft_ms": 1e3 * statistics.median(ttft), "ttft_all_ms": [1e3 * t for t in ttft]}
 
 
-def until_healthy(base: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the Ray application was not healthy within {timeout_s} s")
-
-
 def run_ray(model_dir: str, args) -> dict:
     """A one-node Ray cluster (the head; its GPUs found by Ray), the application deployed on it, measured."""
     from services.ray_serve.local_cluster import LocalCluster
@@ -86,8 +76,7 @@ def run_ray(model_dir: str, args) -> dict:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.startup_timeout)
         if r.returncode != 0:
             raise RuntimeError(f"u1serve ray up failed: {r.stdout[-2000:]} {r.stderr[-4000:]}")
-        base = f"http://127.0.0.1:{port}"
-        until_healthy(base, args.startup_timeout)
+        base = f"http://127.0.0.1:{port}"       # ready: `u1serve ray up` returns once every replica runs
         startup_s = time.time() - t0
         res = asyncio.run(measure(base, args))
         res["startup_s"] = startup_s
@@ -127,14 +116,18 @@ def main() -> int:
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU, 64x64, a few requests")
+    p.add_argument("--up-url", default=None, help="measure this running `u1serve up` instead of starting one")
+    p.add_argument("--ray-url", default=None, help="measure this running Ray application instead of starting one")
     args = p.parse_args()
     if args.smoke:
         args.tiny, args.profile, args.size, args.steps = True, "cpu-colocate", "64x64", 2
         args.requests, args.chats, args.chat_tokens, args.ray_cpus = 2, 3, 4, 1
-    model_dir = prepare_model(args)
+    model_dir = None if args.up_url and args.ray_url else prepare_model(args)
     results = {}
-    for name, run in (("u1serve up", lambda: run_profile(args.profile, model_dir, args, free_port(), measure)),
-                      ("ray serve", lambda: run_ray(model_dir, args))):
+    for name, run in (("u1serve up", lambda: asyncio.run(measure(args.up_url, args)) if args.up_url else
+                       run_profile(args.profile, model_dir, args, free_port(), measure)),
+                      ("ray serve", lambda: asyncio.run(measure(args.ray_url, args)) if args.ray_url else
+                       run_ray(model_dir, args))):
         try:
             results[name] = run()
         except Exception as e:          # the other side still runs; the exit status says it failed

@@ -126,9 +126,11 @@ class LocalCluster:
                 self._reap(self.nodes[spec.name])
         raise AssertionError("unreachable")
 
-    def _reap(self, node: Node) -> None:
+    def _reap(self, node: Node, wait_s: float = 30.0) -> int:
+        """SIGKILL to every process of the node (its mount namespace, and its process group); how many."""
         ns = node.mount_ns()
-        for pid in (_ns_processes(ns) if ns and node.spec.private_shm else []):
+        pids = _ns_processes(ns) if ns and node.spec.private_shm else []
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -137,7 +139,11 @@ class LocalCluster:
             os.killpg(node.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        node.proc.wait(30)
+        try:
+            node.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        return len(pids) or 1
 
     def wait_started(self, node: Node, timeout_s: float) -> Node:
         """Until `ray start` says the node runs (it registered with the GCS), reading its log: asking the GCS
@@ -165,16 +171,7 @@ class LocalCluster:
 
     def kill_node(self, name: str) -> int:
         """A lost machine: SIGKILL to every process of the node (its mount namespace). Returns how many."""
-        node = self.nodes[name]
-        ns = node.mount_ns()
-        pids = _ns_processes(ns) if ns and node.spec.private_shm else [node.proc.pid]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        node.proc.wait(30)
-        return len(pids)
+        return self._reap(self.nodes[name])
 
     # ------------------------------------------------------------------ stop
     def stop(self, grace_s: float = 10.0) -> None:
@@ -195,21 +192,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
         for node in order:
-            ns = node.mount_ns()
-            if ns and node.spec.private_shm:
-                for pid in _ns_processes(ns):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            try:
-                os.killpg(node.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                node.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+            self._reap(node, 10.0)
         self._kill_leftovers()
         if not self.keep_logs:
             shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -32,15 +32,20 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(cache, tmp_path_factory):
-    """`u1serve up`'s images for SEEDS and its greedy chat answer (then it is stopped)."""
-    up = UpStack(cache, str(tmp_path_factory.mktemp("up") / "up.log"))
+def up(cache, tmp_path_factory):
+    """`u1serve up` with the same stack flags, for the whole module."""
+    stack = UpStack(cache, str(tmp_path_factory.mktemp("up") / "up.log"))
     try:
-        up.wait_ready()
-        client = OpenAI(base_url=up.base + "/v1", api_key="unused", timeout=120, max_retries=0)
-        return {"images": {s: image_digest(client, s) for s in SEEDS}, "chat": chat_text(client)}
+        yield stack.wait_ready()
     finally:
-        up.stop()
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(up):
+    """`u1serve up`'s images for SEEDS and its greedy chat answer."""
+    client = OpenAI(base_url=up.base + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return {"images": {s: image_digest(client, s) for s in SEEDS}, "chat": chat_text(client)}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ ingress with the openai SDK: the same outputs as `u1serve up`, prefix KV across 
 cluster and run in file order (the last one kills a node)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +19,7 @@ import pytest
 from tests.waiting import wait_until
 
 from tests.ray.harness import SEEDS
-from tests.ray.harness import HEADERS, chat_text, image_digest
+from tests.ray.harness import HEADERS, ROOT, chat_text, image_digest
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,6 +43,18 @@ def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, referenc
     moved = {where[g]: imported_bytes(g) for g in gen}
     assert moved["b"] > 0, moved                          # node a's prefixes read over the network (NIXL)
     assert moved["a"] > 0, moved                          # ... and through node a's shared memory
+
+
+def test_bench_ray_measures_both_deployments(app, up, tmp_path):
+    """bench/bench_ray.py's measurement (CPU smoke sizes) against this application and `u1serve up`."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench/bench_ray.py", "--smoke", "--up-url", up.base, "--ray-url", app.base,
+                        "--json", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "| Ray's cost |" in r.stdout
+    results = json.loads(out.read_text())["results"]
+    assert all(results[k]["image_e2e_s"] > 0 and results[k]["ttft_ms"] > 0 for k in ("u1serve up", "ray serve"))
 
 
 def test_generation_scales_up_under_load(app, client):
