@@ -73,7 +73,7 @@ def run_ray(model_dir: str, args) -> dict:
         cmd = [sys.executable, "-m", "services.cli", "ray", "up", "--address", cluster.address, "--http-port",
                str(port), "--kv-transport", "shm", "--engine-cpus", "0", "--",
                "--model", model_dir, "--host", "127.0.0.1", *PROFILES[args.profile].split()]
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.startup_timeout)
+        r = subprocess.run(cmd, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=args.startup_timeout)
         if r.returncode != 0:
             raise RuntimeError(f"u1serve ray up failed: {r.stdout[-2000:]} {r.stderr[-4000:]}")
         base = f"http://127.0.0.1:{port}"       # ready: `u1serve ray up` returns once every replica runs

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -60,7 +61,8 @@ def _ns_processes(ns: str) -> list[int]:
 
 
 class LocalCluster:
-    """A head node plus worker nodes (`NodeSpec`s), started with `ray start`; `address` for `ray.init`."""
+    """A head node plus worker nodes (`NodeSpec`s), started with `ray start`; `address` for `ray.init` from a process
+    with `env` (it holds the cluster's auth token)."""
 
     def __init__(self, workdir: str, env: Optional[dict] = None, head_cpus: float = 1,
                  head_resources: Optional[dict] = None, keep_logs: bool = False):
@@ -69,7 +71,9 @@ class LocalCluster:
         os.makedirs(workdir, exist_ok=True)
         # Ray's socket paths must stay short (AF_UNIX: 107 bytes)
         self.temp_dir = f"/tmp/u1ray-{os.getpid()}-{free_port()}"
-        self.env = {**os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0",
+        # its own token (Ray's token auth): clusters of other users of this machine keep theirs in ~/.ray/auth_token
+        self.env = {**os.environ, **(env or {}), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": uuid.uuid4().hex,
                     # a loaded machine starts a raylet slowly; Ray's default wait (10 s) fails the node
                     "RAY_raylet_start_wait_time_s": "120", "RAY_agent_register_timeout_ms": "120000"}
         self.nodes: dict[str, Node] = {}

@@ -42,8 +42,8 @@ class RayApp:
     """A LocalCluster with the application deployed by `u1serve ray up`; `base` is the Serve ingress."""
 
     def __init__(self, workdir: str, cache: str):
-        self.env = env(cache)
-        self.cluster = LocalCluster(workdir, env=self.env, head_resources={"u1_control": 1})
+        self.cluster = LocalCluster(workdir, env=env(cache), head_resources={"u1_control": 1})
+        self.env = self.cluster.env          # drivers need the cluster's auth token
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
 
