@@ -3,8 +3,8 @@ process on the replica's node, bound to the node's address, on the replica's GPU
 
 The command line is the one `u1serve up` builds for that service (services/cli.py, a dry run of the stack with
 the same flags); only the address, the port, the KV pool name and the KV transport are the replica's own.
-Serve's health check asks the process (/health/live: true while the engine loads or restarts itself); a dead
-process fails it and Serve replaces the replica. The engine's load (/health) is this replica's autoscaling
+Serve's health check asks the process (any answer of /health counts, a 503 while the engine loads or restarts
+itself too); a dead or silent process fails it and Serve replaces the replica. The engine's load (/health) is this replica's autoscaling
 metric. The URL is renewed in the registry every heartbeat; on shutdown the replica leaves the registry first,
 then stops its engine (SIGTERM: requests in flight finish within the engine's own grace)."""
 from __future__ import annotations
@@ -109,9 +109,9 @@ class EngineReplica:
     async def check_health(self) -> None:
         if not self.proc.alive():
             raise RuntimeError(f"{self.spec.name} engine process died ({self.proc.exit_reason()})")
-        status, _ = await asyncio.to_thread(health, self.url + "/health/live")
-        if status != 200:
-            raise RuntimeError(f"{self.spec.name} engine does not answer /health/live ({status})")
+        status, _ = await asyncio.to_thread(health, self.spec.health_url)
+        if status is None:        # any answer will do (503 while it loads or restarts its engine): it is alive
+            raise RuntimeError(f"{self.spec.name} engine does not answer HTTP")
 
     async def record_autoscaling_stats(self) -> dict:
         """The engine's own load signals (autoscale.py)."""
