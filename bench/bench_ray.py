@@ -71,7 +71,7 @@ def run_ray(model_dir: str, args) -> dict:
     try:
         cluster.start([])
         cmd = [sys.executable, "-m", "services.cli", "ray", "up", "--address", cluster.address, "--http-port",
-               str(port), "--kv-transport", "shm", "--engine-cpus", "0", "--",
+               str(port), "--kv-transport", "shm", "--engine-cpus", "0", "--engine-host", "127.0.0.1", "--",
                "--model", model_dir, "--host", "127.0.0.1", *PROFILES[args.profile].split()]
         r = subprocess.run(cmd, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=args.startup_timeout)
         if r.returncode != 0:

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--control-resources", type=json.loads, default={},
                        help="custom Ray resources of the gateway and the registry, JSON (e.g. the head's label)")
         q.add_argument("--engine-cpus", type=float, default=1.0)
+        q.add_argument("--engine-host", default=None,
+                       help="address the engines bind and are reached at (default: each node's Ray address; "
+                            "127.0.0.1 for a cluster whose nodes all run on one machine)")
         q.add_argument("--gateway-replicas", type=int, default=1)
         q.add_argument("--upscale-delay-s", type=float, default=3.0)
         q.add_argument("--downscale-delay-s", type=float, default=60.0)
@@ -91,7 +94,7 @@ def settings_from_args(args, new_token: bool = True) -> RayAppSettings:
     try:
         return RayAppSettings(
             stack_args=stack, kv_transport=args.kv_transport, und_resources=args.und_resources,
-            gen_resources=args.gen_resources,
+            gen_resources=args.gen_resources, engine_host=args.engine_host,
             control_resources=args.control_resources, engine_cpus=args.engine_cpus,
             gateway_replicas=args.gateway_replicas, upscale_delay_s=args.upscale_delay_s,
             downscale_delay_s=args.downscale_delay_s, env=env,

@@ -62,7 +62,7 @@ class EngineReplica:
         self.settings = RayAppSettings.from_dict(settings)
         self.registry = registry
         self.node_id = ray.get_runtime_context().get_node_id()
-        host = node_address(self.node_id)
+        host = self.settings.engine_host or node_address(self.node_id)
         port = free_port()
         self.url = f"http://{host}:{port}"
         # understanding creates it, so it is unique per replica; generation attaches pools named by handles

@@ -37,8 +37,8 @@ class Gateway:
         self.registry = registry
         replicas = await self._first_replicas(self.settings.engine_start_timeout_s)
         cfg = gateway_config(self.settings, *(self._urls(replicas, k) for k in ("und", "gen")))
-        self.app = create_app(cfg)
-        self.state = self.app.state.gateway
+        self.gateway_app = create_app(cfg)
+        self.gateway_state = self.gateway_app.state.gateway
         self._follow = asyncio.get_running_loop().create_task(self._follow_registry())
 
     @staticmethod
@@ -64,9 +64,9 @@ class Gateway:
             except Exception as e:       # the registry is being replaced; its state comes back with the beats
                 log.warning("registry read failed: %s", e)
                 continue
-            for pool, kind in ((self.state.und, "und"), (self.state.gen, "gen")):
+            for pool, kind in ((self.gateway_state.und, "und"), (self.gateway_state.gen, "gen")):
                 urls = self._urls(replicas, kind)
                 pool.set_urls(urls)          # an empty list keeps the last known (they are probed, and ejected)
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self.gateway_app

@@ -46,6 +46,7 @@ class RayAppSettings:
     heartbeat_s: float = 1.0                               # registry heartbeat; entries live 5x this long
     engine_cpus: float = 1.0                               # Ray CPUs an engine replica reserves
     env: dict = field(default_factory=dict)                # environment of every replica (runtime_env)
+    engine_host: str | None = None                         # engines bind here (None: the node's Ray address)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:

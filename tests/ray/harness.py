@@ -28,7 +28,7 @@ NODES = [NodeSpec("a", 1, {"u1_und": 1, "u1_gen": 3}), NodeSpec("b", 1, {"u1_gen
 RAY_FLAGS = ["--und-resources", '{"u1_und": 1}', "--gen-resources", '{"u1_gen": 1}',
              "--control-resources", '{"u1_control": 0.01}', "--engine-cpus", "0", "--und-replicas", "1",
              "--gen-replicas", "2:3", "--gen-target-load", "1", "--upscale-delay-s", "1",
-             "--downscale-delay-s", "600", "--env", "UCX_TLS=tcp"]
+             "--downscale-delay-s", "600", "--env", "UCX_TLS=tcp", "--engine-host", "127.0.0.1"]
 IMAGE = {"size": "64x64", "extra_body": {"num_inference_steps": 4}}
 SEEDS = (11, 12, 13, 14)                 # the reference images
 
