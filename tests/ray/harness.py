@@ -97,8 +97,7 @@ class UpStack:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        stack = [a if a != "--host" else a for a in STACK]
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *stack, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *STACK, "--port", str(self.port),
                                       "--grace", "5"], cwd=ROOT, env=env(cache), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
