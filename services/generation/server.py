@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.kit import errors, sse, timeline
+from services.kit import errors, live, sse, timeline
 from services.kit.config import read_secret
 from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
@@ -87,6 +87,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
     app.add_middleware(ServiceMiddleware, service="generation", max_body_bytes=MAX_BODY_BYTES,
                        auth=InternalTokenAuth(token))
     app.state.engine = engine
+    app.include_router(live.router)    # /health/live: liveness, and the shm domain the gateway pairs replicas by
 
     def reject(err: APIError, rid, handles: list[dict]) -> APIError:
         """A request refused before its stream: log it under its id; its KV pages are freed (except on a
