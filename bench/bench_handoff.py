@@ -10,6 +10,9 @@ GPU (the real measurement, 8B geometry by default):
 CPU smoke run (tiny shapes, seconds; CI runs it):
     python bench/bench_handoff.py --smoke --transport shm
     UCX_TLS=tcp python bench/bench_handoff.py --smoke --transport network
+Across two network namespaces joined by a veth pair (as two hosts on one machine: root, Linux, iproute2; the
+namespaces and the pair are made for the run and removed after it):
+    python bench/bench_handoff.py --transport network --netns --tokens 365,4096
 
 Prints a markdown table and, with --json PATH, writes the raw numbers. Exits non-zero if any import is
 not bit-exact.
@@ -17,12 +20,15 @@ not bit-exact.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -47,25 +53,86 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--transport", choices=("shm", "network"), default="shm")
+    p.add_argument("--netns", action="store_true",
+                   help="network transport between two network namespaces joined by a veth pair (root)")
+    p.add_argument("--veth-mtu", type=int, default=1500, help="MTU of the veth pair (--netns)")
+    p.add_argument("--in-netns", default=None, help=argparse.SUPPRESS)   # the run inside the pair (JSON)
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU, a few seconds")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if args.netns and args.transport != "network":
+        p.error("--netns measures the network transport: add --transport network")
     if args.smoke:
         args.tokens, args.layers, args.kv_heads, args.head_dim = "17,300", 2, 2, 64
         args.page_tokens, args.image_tokens, args.iters, args.warmup, args.device = 16, 16, 5, 1, "cpu"
     return args
 
 
+NETNS_SUBNET = "10.213.{}.{}"
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def netns_pair(mtu: int):
+    """Two network namespaces joined by a veth pair (producer .1, consumer .2 of a /30): {"producer": (ns, ip,
+    device), "consumer": (...)}; both removed afterwards (the pair goes with them)."""
+    tag = f"{os.getpid() % 100000}"
+    side = {"producer": (f"u1kv-p{tag}", NETNS_SUBNET.format(os.getpid() % 250, 1), f"u1p{tag}"),
+            "consumer": (f"u1kv-c{tag}", NETNS_SUBNET.format(os.getpid() % 250, 2), f"u1c{tag}")}
+    made = []
+    try:
+        for ns, _, _ in side.values():
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        (pns, pip, pdev), (cns, cip, cdev) = side["producer"], side["consumer"]
+        _ip("link", "add", pdev, "mtu", str(mtu), "netns", pns, "type", "veth", "peer", "name", cdev, "mtu", str(mtu),
+            "netns", cns)
+        for ns, dev, addr in ((pns, pdev, pip), (cns, cdev, cip)):
+            _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+        yield side
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def netns_executable(ns: str, workdir: str) -> str:
+    """A python that starts inside network namespace `ns` (`ip netns exec` also shows the process that
+    namespace's /sys/class/net, where UCX looks for its devices): the producer process's executable."""
+    path = os.path.join(workdir, f"python-in-{ns}")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nexec ip netns exec {ns} {sys.executable} "$@"\n')
+    os.chmod(path, 0o755)
+    return path
+
+
+def in_netns_main(args, argv: list[str]) -> int:
+    """--netns: make the pair, run this benchmark again inside the consumer's namespace (it starts the producer
+    in the other one), remove the pair."""
+    with netns_pair(args.veth_mtu) as side:
+        inner = [a for a in argv if a != "--netns"] + ["--in-netns", json.dumps(side)]
+        return subprocess.run(["ip", "netns", "exec", side["consumer"][0], sys.executable, os.path.abspath(__file__),
+                               *inner]).returncode
+
+
 def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:
     """The producer's paged KV and each length's scattered slots; the same in both processes (seeded)."""
     S = 2 * max_t + 1024  # the engine's paged pool has more slots than the request
     g = torch.Generator(device="cpu").manual_seed(0)
-    kv_pool = torch.randn(lay.kv_shape(S), generator=g, dtype=torch.float32).to(lay.torch_dtype).to(device)
+    kv_pool = torch.randn(lay.kv_shape(S), generator=g, dtype=lay.torch_dtype).to(device)  # no fp32 copy: 8B x 9k slots
     return kv_pool, g
 
 
-def producer_main(conn, args, lay_dict, name) -> None:
+def producer_main(conn, args, lay_dict, name, netns=None) -> None:
     """The understanding side: create the transport, export each length, hand the handle over."""
+    network = {}
+    if netns is not None:                     # (namespace, address, device): the producer "host"
+        os.environ["UCX_NET_DEVICES"] = netns[2]   # its veth end, as one names the NIC on a real host
+        network["advertise_host"] = netns[1]
     lay = KVLayout.from_dict(lay_dict)
     dev = torch.device(args.device)
     lens = [int(x) for x in args.tokens.split(",")]
@@ -73,7 +140,7 @@ def producer_main(conn, args, lay_dict, name) -> None:
     kind = "nixl" if args.transport == "network" else "shm"
     t0 = time.perf_counter()
     tr = create_producer(kind, name, lay, (lay.pages_for(max_t) + 1) * lay.page_bytes, "bench",
-                         pin=dev.type == "cuda")
+                         pin=dev.type == "cuda", **network)
     setup_s = time.perf_counter() - t0
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     kv_pool, g = engine_kv(lay, max_t, dev)
@@ -137,21 +204,34 @@ def consumer(args, lay: KVLayout, name: str):
 
 def main():
     args = parse_args()
+    if args.netns:
+        return in_netns_main(args, sys.argv[1:])
+    return run(args, json.loads(args.in_netns) if args.in_netns else None)
+
+
+def run(args, netns=None):
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     lens = [int(x) for x in args.tokens.split(",")]
     lay = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype, args.page_tokens)
     name = f"u1kv-bench-{uuid.uuid4().hex[:8]}"
     ctx = mp.get_context("spawn")
+    if netns:     # this process runs in the consumer's namespace; the producer starts in the other one
+        os.environ["UCX_NET_DEVICES"] = netns["consumer"][2]
+        ctx.set_executable(netns_executable(netns["producer"][0], tempfile.mkdtemp(prefix="u1kv-netns-")))
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, args, lay.to_dict(), name), daemon=True)
+    proc = ctx.Process(target=producer_main, args=(child, args, lay.to_dict(), name,
+                                                   netns["producer"] if netns else None), daemon=True)
     proc.start()
+    if not conn.poll(300):
+        raise RuntimeError(f"the producer process did not start (exit code {proc.exitcode})")
     tag, setup_s = conn.recv()
     tr = consumer(args, lay, name)
     side = torch.cuda.Stream(dev) if cuda else None
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     kv_pool, g = engine_kv(lay, max(lens), "cpu")  # the producer's KV, to check the imports against
     rows, ok = [], True
+    where = f"{args.transport}, veth netns" if netns else args.transport
     try:
         for T in lens:
             slots = torch.randperm(kv_pool.shape[2], generator=g)[:T]
@@ -161,7 +241,7 @@ def main():
             dst = torch.empty(lay.kv_shape(T + args.image_tokens), dtype=lay.torch_dtype, device=dev)
             t_imp = timed_wall(lambda: tr.import_kv(h, dst), args.iters, args.warmup, sync)
             rows += [summarize(f"export ({args.transport} producer, sync call)", T, nbytes, t_exp),
-                     summarize(f"import ({args.transport}, other process, sync call)", T, nbytes, t_imp)]
+                     summarize(f"import ({where}, other process, sync call)", T, nbytes, t_imp)]
             if cuda and args.transport == "shm":  # the kernel alone, on a side stream
                 rows.append(summarize("import (shm pages -> buffer, side stream)", T, nbytes, timed_cuda(
                     lambda: tr.import_kv(h, dst, stream=side), args.iters, args.warmup, side)))
@@ -185,10 +265,11 @@ def main():
     env = {"device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "layout": lay.to_dict(), "transport": args.transport,
            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"), "producer_setup_s": setup_s,
+           "path": f"veth pair between two network namespaces, MTU {args.veth_mtu}" if netns else "one namespace",
            "copy_backend": ("triton" if cuda and kernels.HAS_TRITON and kernels.kernel_mode() != "ref"
                             else "torch reference") + f" (U1SERVE_KERNELS={kernels.kernel_mode()})",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(f"# KV handoff between two processes, transport {args.transport}"
+    print(f"# KV handoff between two processes, transport {where}"
           f"{' (UCX_TLS=' + env['ucx_tls'] + ')' if args.transport == 'network' else ''}: {env['device']}, "
           f"torch {env['torch']}, copy backend {env['copy_backend']}")
     print(f"# layout {lay.to_dict()} ({lay.bytes_per_token} B/token), producer setup {setup_s:.3f} s")

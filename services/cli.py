@@ -607,7 +607,19 @@ def cmd_rl_train(args) -> int:
     return rl_main(args)
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_rl_train]
+def add_ray(sub) -> None:
+    from services.ray_serve.command import add_arguments     # no Ray import until a command runs
+    p = sub.add_parser("ray", help="the same application on a Ray cluster (Ray Serve): up, down, config")
+    add_arguments(p)
+    p.set_defaults(func=cmd_ray)
+
+
+def cmd_ray(args) -> int:
+    from services.ray_serve.command import run
+    return run(args)
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from services import timeouts
-from services.kit import errors, sse, timeline
+from services.kit import errors, live, sse, timeline
 from services.kit.config import read_secret
 from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
@@ -99,6 +99,7 @@ def create_app(args: argparse.Namespace, token: str, on_give_up=lambda why: None
                        auth=InternalTokenAuth(token))
     app.state.engine = engine
     app.include_router(weights.router())
+    app.include_router(live.router)    # /health/live: liveness, and the shm domain the gateway pairs replicas by
 
     def reject(err: APIError, rid, handles: list[dict]) -> APIError:
         """A request refused before its stream: log it under its id; its KV pages are freed (except on a

@@ -25,3 +25,26 @@ def test_bench_handoff_smoke(transport, tmp_path):
     assert "imports bit-exact: True" in r.stdout
     assert f"| import ({transport}, other process, sync call) | 300 |" in r.stdout
     assert out.exists()
+
+
+
+def test_bench_handoff_smoke_between_network_namespaces(tmp_path):
+    """The network transport between two network namespaces joined by a veth pair (two hosts on one machine);
+    the namespaces (named after the bench's pid) are gone afterwards."""
+    import shutil
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 (ip netns) to make the namespaces")
+    if not nixl_available() and not os.environ.get("CI"):
+        pytest.skip("NIXL not installed (pip install -e '.[network]')")
+    out = tmp_path / "r.json"
+    env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "bench/bench_handoff.py", "--smoke", "--transport", "network", "--netns",
+                             "--json", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert "imports bit-exact: True" in stdout
+    assert "| import (network, veth netns, other process, sync call) | 300 |" in stdout
+    assert "veth pair" in out.read_text()
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not {f"u1kv-p{proc.pid % 100000}", f"u1kv-c{proc.pid % 100000}"} & set(names)

@@ -1,0 +1,132 @@
+"""One engine replica (understanding or generation) as a Serve deployment: the real engine server as a child
+process on the replica's node, bound to the node's address, on the replica's GPUs (Ray's CUDA_VISIBLE_DEVICES).
+
+The command line is the one `u1serve up` builds for that service (services/cli.py, a dry run of the stack with
+the same flags); only the address, the port, the KV pool name and the KV transport are the replica's own.
+Serve's health check asks the process (any answer of /health counts, a 503 while the engine loads or restarts
+itself too); a dead or silent process fails it and Serve replaces the replica. The engine's load (/health) is this replica's autoscaling
+metric. The URL is renewed in the registry every heartbeat; on shutdown the replica leaves the registry first,
+then stops its engine (SIGTERM: requests in flight finish within the engine's own grace)."""
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import sys
+import time
+import uuid
+
+from services.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
+from services.netutil import free_port
+
+from .autoscale import load_signals
+from .settings import RayAppSettings, parse_stack_args
+
+log = logging.getLogger("u1serve.ray")
+NAMES = {"und": "understanding", "gen": "generation"}
+GRACE_S = 20.0
+
+
+def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
+    """The ServiceSpec `u1serve up` would start for service `name` (und, gen, gateway) with these flags."""
+    from services.cli import build_stack
+    if not os.environ.get("U1SERVE_INTERNAL_TOKEN"):
+        raise RuntimeError("U1SERVE_INTERNAL_TOKEN is not set in this replica's environment: every replica of the "
+                           "application needs the same internal token (u1serve ray sets it; with `serve run`, set "
+                           "it in the nodes' environment or the config's runtime_env)")
+    stack = build_stack(parse_stack_args(settings.stack_args), out=io.StringIO(), echo_logs=False, dry_run=True)
+    return next(s.spec for s in stack.services if s.spec.name == name)
+
+
+def engine_spec(kind: str, settings: RayAppSettings, host: str, port: int, pool: str) -> ServiceSpec:
+    from services.stack_replicas import _with
+    spec = stack_spec(settings, kind)
+    argv = _with(_with(_with(spec.argv, "--host", host), "--port", str(port)), "--kv-pool-name", pool)
+    if kind == "und":
+        argv += ["--kv-transport", settings.kv_transport, "--kv-advertise-host", host]
+    env = {k: v for k, v in spec.env.items() if k != "CUDA_VISIBLE_DEVICES"}   # Ray's assignment stays
+    return ServiceSpec(NAMES[kind], argv, f"http://{host}:{port}/health", env)
+
+
+def node_address(node_id: str) -> str:
+    """The address this node was started with (`ray start --node-ip-address`): the one other nodes reach it by."""
+    import ray
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+class EngineReplica:
+    async def __init__(self, kind: str, settings: dict, registry):
+        import ray
+        self.kind = kind
+        self.settings = RayAppSettings.from_dict(settings)
+        self.registry = registry
+        self.node_id = ray.get_runtime_context().get_node_id()
+        host = self.settings.engine_host or node_address(self.node_id)
+        port = free_port()
+        self.url = f"http://{host}:{port}"
+        # understanding creates it, so it is unique per replica; generation attaches pools named by handles
+        pool = f"u1kv-ray-{uuid.uuid4().hex[:12]}"
+        self.spec = engine_spec(kind, self.settings, host, port, pool)
+        self.log = ServiceLog(self.spec.name, sys.stderr, None)
+        self.proc = ServiceProcess(self.spec, self.log, GRACE_S)
+        self._closing = False
+        try:
+            await self._until_healthy(self.settings.engine_start_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self.proc.stop)
+            raise
+        await self._register()
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+        log.info("%s replica on node %s: engine pid %d at %s", NAMES[kind], self.node_id[:8], self.proc.pid,
+                 self.url)
+
+    async def _until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise RuntimeError(f"{self.spec.name} engine exited at start ({self.proc.exit_reason()}); last "
+                                   "lines:\n" + "\n".join(self.log.last_lines()))
+            status, _ = await asyncio.to_thread(health, self.spec.health_url)
+            if status == 200:
+                return
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} engine not healthy within {timeout_s} s")
+
+    async def _register(self) -> None:
+        await self.registry.register.remote(self.kind, self.url, self.node_id, 5 * self.settings.heartbeat_s)
+
+    async def _heartbeat(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            if self.proc.alive():
+                try:
+                    await self._register()
+                except Exception as e:      # the registry is being replaced: the next beat registers again
+                    log.warning("registry heartbeat failed: %s", e)
+
+    # ------------------------------------------------------------------ Serve hooks
+    async def check_health(self) -> None:
+        if not self.proc.alive():
+            raise RuntimeError(f"{self.spec.name} engine process died ({self.proc.exit_reason()})")
+        status, _ = await asyncio.to_thread(health, self.spec.health_url)
+        if status is None:        # any answer will do (503 while it loads or restarts its engine): it is alive
+            raise RuntimeError(f"{self.spec.name} engine does not answer HTTP")
+
+    async def record_autoscaling_stats(self) -> dict:
+        """The engine's own load signals (autoscale.py)."""
+        _, body = await asyncio.to_thread(health, self.spec.health_url)
+        return load_signals(body)
+
+    def where(self) -> dict:
+        """For tests and operators: the engine's URL, node and pid."""
+        return {"url": self.url, "node_id": self.node_id, "pid": self.proc.pid}
+
+    async def __del__(self):
+        self._closing = True
+        try:
+            await self.registry.unregister.remote(self.url)
+            await asyncio.sleep(self.settings.heartbeat_s + 0.5)     # the gateways stop routing here first
+        except Exception:
+            pass
+        await asyncio.to_thread(self.proc.stop)
