@@ -36,6 +36,8 @@ sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
 from bench_deployment import prepare_model, run_all, stack_args  # noqa: E402
 from bench_weight_update import write_gen_update  # noqa: E402
 
+from services.contract.limits import MAX_IMAGES_PER_REQUEST as MAX_IMAGES  # noqa: E402
+
 PROMPTS = ["a red fox in the snow, watercolor", "a lighthouse at dusk, oil painting", "a bowl of ramen, photo",
            "a robot reading a book, pixel art", "a mountain lake at sunrise", "a cat in a spacesuit",
            "a city street in the rain, neon", "a field of sunflowers, impressionist"]
@@ -72,12 +74,14 @@ async def rollout_once(c: httpx.AsyncClient, body: dict) -> dict:
 
 async def plain_once(c: httpx.AsyncClient, prompts: list[str], group: int, size: int, steps: int, seed: int,
                      args) -> dict:
-    async def one(i: int, p: str):
+    async def one(i: int, p: str, first: int, n: int):
         return _ok(await c.post("/v1/images/generations", json={
-            "prompt": p, "n": group, "size": f"{size}x{size}", "num_inference_steps": steps,
-            "guidance_scale": args.guidance, "seed": seed + i * group, "response_format": "b64_json"}))
+            "prompt": p, "n": n, "size": f"{size}x{size}", "num_inference_steps": steps,
+            "guidance_scale": args.guidance, "seed": seed + i * group + first, "response_format": "b64_json"}))
+    # the images API takes n <= MAX_IMAGES a request: a group of G is ceil(G / MAX_IMAGES) concurrent requests
+    chunks = [(i, p, k, min(MAX_IMAGES, group - k)) for i, p in enumerate(prompts) for k in range(0, group, MAX_IMAGES)]
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    outs = await asyncio.gather(*(one(*ch) for ch in chunks))
     images = sum(len(o["data"]) for o in outs)
     return {"seconds": time.perf_counter() - t0, "images": images}
 
