@@ -20,7 +20,7 @@ from services.contract import limits as L
 from services.contract.interleave import InterleaveSegmentRequest
 from services.kit.errors import APIError
 
-from .jobs import generate_body
+from .jobs import GenerationTarget, generate_body
 from .routing import conversation_key
 from .upstream import CONTROL_TIMEOUT_S, Deadline, engine_headers, tell
 
@@ -46,7 +46,7 @@ class Answer:
 
 
 @dataclass
-class Segment:
+class Segment(GenerationTarget):
     """The orchestrator's job for segment k of an answer (the interface of jobs.ImageJob)."""
     answer: Answer
     k: int

@@ -18,8 +18,21 @@ from .config import GatewayConfig, parse_size
 from .routing import image_key
 
 
+class GenerationTarget:
+    """What the orchestrator asks of every job about its generation call (ImageJob, interleave.Segment; RL jobs in
+    routers/rl.py override both)."""
+
+    def generate_path(self) -> str:
+        """Generation's route for this job."""
+        return "/internal/generate"
+
+    def expected_images(self) -> int:
+        """Image events generation owes this job."""
+        return self.n
+
+
 @dataclass(frozen=True)
-class ImageJob:
+class ImageJob(GenerationTarget):
     prefix: PrefixRequest
     generate: dict[str, Any]         # GenerateRequest fields but the handles (checked with placeholder handles)
     response_format: str
@@ -52,13 +65,6 @@ class ImageJob:
         """The /internal/generate body with understanding's handles (which must match the CFG branches)."""
         return generate_body(self.generate, handles)
 
-    def generate_path(self) -> str:
-        """Generation's route for this job (RL jobs: routers/rl.py)."""
-        return "/internal/generate"
-
-    def expected_images(self) -> int:
-        """Image events generation owes this job."""
-        return self.n
 
 
 def _at_most(value: int | None, limit: int, param: str) -> None:

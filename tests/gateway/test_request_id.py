@@ -25,7 +25,7 @@ def _app():
 
 def test_unexpected_error_keeps_the_request_id_and_openai_shape():
     app, _ = _app()
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as c:   # loopback Host (keyless)
         r = c.get("/boom", headers={"x-request-id": "trace-500"})
         assert r.status_code == 500
         assert r.headers["x-request-id"] == "trace-500"
@@ -36,7 +36,7 @@ def test_unexpected_error_keeps_the_request_id_and_openai_shape():
 
 def test_engine_facing_id_is_unique_per_request():
     app, seen = _app()
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:   # a keyless gateway answers loopback Hosts
         for _ in range(2):
             assert c.get("/rid", headers={"x-request-id": "client-7"}).headers["x-request-id"] \
                 == "client-7"
