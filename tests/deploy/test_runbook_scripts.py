@@ -1,5 +1,5 @@
 """The runbook's scripts as docs/deployment.md tells users to run them, on the tiny checkpoint (CPU): a profile's
-start script (GPU lists and all; on a machine without GPUs `u1serve up` places both engines on the CPU), then
+start script (GPU lists and all, plus `--device cpu`: `u1serve up` refuses GPUs it cannot use), then
 deploy/smoke_test.sh against it with the API key, then Ctrl-C: a clean stop that leaves no process, no pool."""
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def test_start_script_then_smoke_test(profile, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "MODEL": "tiny", "PORT": str(port), **env}
     log = open(tmp_path / "stack.log", "w")
     shm_before = shm_entries()
-    # extra flags pass through to `u1serve up` (the runbook's "--port 9000 --api-key KEY" example)
-    proc = subprocess.Popen([os.path.join(ROOT, "deploy", script), "--host", "127.0.0.1",
+    # extra flags pass through to `u1serve up` (the runbook's "--port 9000 --api-key KEY" example); this machine has
+    # no GPU, so the named GPUs are replaced by --device cpu, as the start check tells a user to
+    proc = subprocess.Popen([os.path.join(ROOT, "deploy", script), "--device", "cpu", "--host", "127.0.0.1",
                              "--api-key-file", str(tmp_path / "api_key"), "--run-dir", str(tmp_path / "run"),
                              "--default-size", "64x64"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=preexec_die_with_parent)
