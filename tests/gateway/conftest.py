@@ -110,10 +110,7 @@ def stack(tiny_checkpoint, tmp_path_factory):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    code = s.stop()
-    groups, shm = s.leftovers()
-    assert code == 0, s.output()
-    assert not groups and not shm, (groups, shm)
+    s.stop_clean()
 
 
 @pytest.fixture()

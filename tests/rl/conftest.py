@@ -21,7 +21,4 @@ def rl_stack(tiny_checkpoint, tmp_path_factory):
             os.environ["OMP_NUM_THREADS"] = old
     s.wait_ready()
     yield s
-    code = s.stop()
-    groups, shm = s.leftovers()
-    assert code == 0, s.output()
-    assert not groups and not shm, (groups, shm)
+    s.stop_clean()

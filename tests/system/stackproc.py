@@ -169,6 +169,13 @@ class RunningStack:
         self.log.close()
         return self.proc.returncode
 
+    def stop_clean(self) -> None:
+        """Stop (Ctrl-C) and assert a clean exit: status 0, no service process group, no new shm entry."""
+        code = self.stop()
+        groups, shm = self.leftovers()
+        assert code == 0, self.output()
+        assert not groups and not shm, (groups, shm)
+
     def leftovers(self) -> tuple[list[int], list[str]]:
         """(live process groups of the services, new /dev/shm entries) after stop()."""
         groups = [p for p in self.pids.values() if group_alive(p) or pid_alive(p)]

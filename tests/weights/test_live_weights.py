@@ -38,13 +38,6 @@ def start_stack(model: str, run_dir: str) -> RunningStack:
     return RunningStack(model, "colocate", run_dir, extra=["--api-key-file", keys, *STACK_FLAGS]).wait_ready()
 
 
-def stop_stack(s: RunningStack) -> None:
-    code = s.stop()
-    groups, shm = s.leftovers()
-    assert code == 0, s.output()
-    assert not groups and not shm, (groups, shm)
-
-
 def client(s: RunningStack) -> httpx.Client:
     return httpx.Client(base_url=s.base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
 
@@ -117,7 +110,7 @@ def files(tiny, tmp_path_factory):
 def stack(tiny, tmp_path_factory):
     s = start_stack(tiny, str(tmp_path_factory.mktemp("weights-stack")))
     yield s
-    stop_stack(s)
+    s.stop_clean()
 
 
 RECORD: dict = {}
@@ -232,4 +225,4 @@ def test_lora_delta_and_a_fresh_stack_agree(stack, files, tiny, tmp_path_factory
         with client(fresh) as c:
             assert outputs(c) == got
     finally:
-        stop_stack(fresh)
+        fresh.stop_clean()
