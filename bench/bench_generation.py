@@ -2,11 +2,11 @@
 import through the engine's admission path, and step-level batching.
 
 GPU, one H200 (the real measurement):
-    python bench/bench_generation.py
+    python -m bench.bench_generation
 GPU, CFG-parallel over 2 H200 (one branch per GPU, velocities all-gathered):
-    python bench/bench_generation.py --cfg-parallel 2
+    python -m bench.bench_generation --cfg-parallel 2
 CPU smoke run (tiny geometry, seconds):
-    python bench/bench_generation.py --device cpu --tiny --size 128 --steps 2
+    python -m bench.bench_generation --device cpu --tiny --size 128 --steps 2
 
 Speed options, each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
     --part fp8        single-branch step at --sizes: bf16 vs fp8 (serving GemmPolicy, every GEMM fp8,
@@ -35,22 +35,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from services.generation.engine import Engine  # noqa: E402
-from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.contract.image import GenerateRequest  # noqa: E402
-from services.model.tiny import build_random_model, full_config, tiny_config  # noqa: E402
-from shm_transfer import KVLayout, ShmKVPool, write_kv  # noqa: E402
+from services.generation.engine import Engine
+from services.generation.kv_source import PrefixSource
+from services.contract.image import GenerateRequest
+from services.model.tiny import build_random_model, full_config, tiny_config
+from shm_transfer import KVLayout, ShmKVPool, write_kv
 
 FLOOR_SINGLE = 0.124      # s, one gen-branch forward at 2048², P=365, measured floor
 PUBLISHED_CFGP = 0.152    # s/step, SenseNova docs, H200 TP2+CFG2
@@ -267,7 +263,7 @@ def main():
     device = torch.device(args.device)
     dtype = _dtype(args)
     if args.part != "step":
-        from genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
+        from bench.genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
         res = PARTS[args.part](args, device, dtype)
     elif args.cfg_parallel > 1:
         res = cfg_parallel(args, dtype)

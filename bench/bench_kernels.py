@@ -1,6 +1,6 @@
 """Correctness on GPU + timings of every kernel in kernels/, written as a markdown report.
 
-Usage (on a CUDA machine): python bench/bench_kernels.py --out DIR [--sweep] [--max-rows N]
+Usage (on a CUDA machine): python -m bench.bench_kernels --out DIR [--sweep] [--max-rows N]
 Writes DIR/kernels_bench.md (tables) and DIR/kernels_bench.json (raw numbers); prints the tables.
 See docs/benchmarks/kernels.md for how inputs are drawn and for the measured results.
 """
@@ -12,19 +12,16 @@ import json
 import math
 import mmap
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import importlib
+import traceback
 
-import importlib  # noqa: E402
-import traceback  # noqa: E402
-
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import triton
+from triton.testing import do_bench
 
 # submodules by path: `kernels` re-exports functions under the same names
 dec = importlib.import_module("kernels.decode_attention")

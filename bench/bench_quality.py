@@ -11,29 +11,25 @@ pipeline); then each setting of --settings is generated with the same seed and c
 It also reports the per-step velocity error of fp8 against the model dtype along the exact 8-step
 trajectory of the first prompt (the fp8 numerics check).
 
-    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
+    python -m bench.bench_quality --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
-    python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
+    python -m bench.bench_quality --smoke        # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from image_quality import psnr, ssim  # noqa: E402
-from services.generation.engine import Engine  # noqa: E402
-from services.contract.image import GenerateRequest  # noqa: E402
-from services.model import reference as R  # noqa: E402
-from services.model import sampler as S  # noqa: E402
+from bench.image_quality import psnr, ssim
+from services.generation.engine import Engine
+from services.contract.image import GenerateRequest
+from services.model import reference as R
+from services.model import sampler as S
 
 DEFAULT_PROMPTS = ["a red fox in the snow, watercolor", "a lighthouse at dusk, photo",
                    "a poster that says OPEN SOURCE in bold letters"]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench_generation import _sync, build
+from bench.bench_generation import _sync, build
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest
 from services.model import reference as R
