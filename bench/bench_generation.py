@@ -66,8 +66,10 @@ def parse_args():
     p.add_argument("--cfg-parallel", type=int, default=1)
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
-    p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs", "addnorm"])
+    p.add_argument("--part", default="step", type=_parts,
+                   help="step, or one or more speed-option parts, comma-separated (bench/genperf_parts.py PARTS: "
+                        "fp8, fp8-profile, cache, preset, warmstart, graphs, addnorm); several run in one process "
+                        "(the CPU smoke), the GPU runs each alone (gpu_genperf.sh)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")
@@ -159,7 +161,7 @@ def single_device(args, device, dtype) -> dict:
     pool = make_pool(model, 4 * (p_cond + p_uncond) + 2 * sum(imp), dtype)
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "size": args.size, "dtype": str(dtype), "prefix": [p_cond, p_uncond]}
     total = args.warmup + args.steps + 1
     try:
@@ -253,6 +255,14 @@ def cfg_parallel(args, dtype) -> dict:
         pool.close()
 
 
+def _parts(text: str) -> str:
+    from bench.genperf_parts import PARTS
+    bad = [p for p in text.split(",") if p not in PARTS] if text != "step" else []
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown part {', '.join(bad)}; step or {', '.join(PARTS)}")
+    return text
+
+
 def _dtype(args) -> torch.dtype:
     name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return getattr(torch, name)
@@ -264,7 +274,9 @@ def main():
     dtype = _dtype(args)
     if args.part != "step":
         from bench.genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
-        res = PARTS[args.part](args, device, dtype)
+        names = args.part.split(",")
+        res = {name: PARTS[name](args, device, dtype) for name in names}
+        res = res[names[0]] if len(names) == 1 else res
     elif args.cfg_parallel > 1:
         res = cfg_parallel(args, dtype)
         target = "0.095" if args.quantization == "fp8" else "0.14"

@@ -10,18 +10,20 @@ import argparse
 import datetime
 import json
 import math
+import importlib
 import mmap
 import os
+import sys
 import time
-
-import torch
-import torch.nn.functional as F
-
-import importlib
 import traceback
 
-import triton
-from triton.testing import do_bench
+if "--smoke" in sys.argv:   # before triton is imported: the interpreter runs the kernels on the CPU
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 # submodules by path: `kernels` re-exports functions under the same names
 dec = importlib.import_module("kernels.decode_attention")
@@ -636,12 +638,16 @@ def kv_copy_table(gen):
     return rows
 
 
-def guarded(fn, *a):
-    """Run one section; a failure is logged and the next section still runs."""
+FAILED: list[str] = []
+
+
+def guarded(fn, *a, name: str = ""):
+    """Run one section; a failure is logged, the next section still runs, and the exit status is 1."""
     try:
         return fn(*a)
     except Exception:
-        say(f"SECTION {getattr(fn, '__name__', fn)} FAILED:\n{traceback.format_exc()}")
+        FAILED.append(name or fn.__name__)
+        say(f"SECTION {FAILED[-1]} FAILED:\n{traceback.format_exc()}")
         return None
 
 
@@ -685,7 +691,7 @@ def main():
             ("kvwrite", lambda: kv_write_table(gen, peak))]
     for name, fn in plan:
         if name not in skip:
-            rows = guarded(fn)
+            rows = guarded(fn, name=name)
             if rows:
                 sections.append((name, rows))
             torch.cuda.empty_cache()
@@ -699,6 +705,9 @@ def main():
     say(f"\ntotal {time.time() - t0:.0f} s")
     for name, rows in sections:
         print(f"\n### {name}\n" + "\n".join(rows))
+    if FAILED:
+        say(f"failed sections: {', '.join(FAILED)} (tracebacks above)")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

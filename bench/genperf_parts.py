@@ -131,11 +131,6 @@ def _burn(engines, size: int, seconds: float) -> None:
             step_times(e, spec("burn", size, 3, 1.0), 0, 2)
 
 
-def _median_rounds(fn, rounds: int) -> float:
-    """Median over `rounds` calls of fn() (each a list of step seconds), configs interleaved by the caller."""
-    return statistics.median(t for _ in range(rounds) for t in fn())
-
-
 @torch.inference_mode()
 def part_fp8(args, device, dtype) -> dict:
     m16, m8 = _fp8_models(args, device, dtype)
