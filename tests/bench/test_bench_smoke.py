@@ -21,6 +21,7 @@ class Smoke:
     parts: tuple[str, ...]               # paths ("a/b/c") into the JSON the run must fill
     cpu_gaps: tuple[str, ...] = ()       # paths (fnmatch) empty by design on the CPU, or when nothing went wrong
     out: str = "out.json"                # the JSON it writes, in {tmp}
+    timeout: float = 300
 
 
 STACK = ("--tiny", "--profiles", "cpu-colocate", "--log-dir", "{tmp}", "--json", "{tmp}/out.json")
@@ -38,7 +39,8 @@ SMOKES = {
         ("fp8/steps", "fp8/velocity_rel_err", "fp8/gemm_shapes", "fp8/checks", "fp8-profile/models", "cache",
          "preset/rows", "warmstart", "graphs/rows", "graphs/two_jobs", "graphs/cancel", "addnorm/rows",
          "addnorm/kernels"),
-        cpu_gaps=("*/first_mismatches", "*/failure")),                      # no mismatch, no capture failure
+        # no mismatch, no capture failure; the cache part's first row runs without a cache (no step counts)
+        cpu_gaps=("*/first_mismatches", "*/failure", "cache/rows/0/branch_steps"), timeout=600),
     "handoff": Smoke(("bench.bench_handoff", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3",
                       "--json", "{tmp}/out.json"), ("rows", "exact", "producer_stats", "consumer_stats")),
     # the prefix export goes through the engine's own transport, as on the GPU (it once broke there only)
@@ -46,9 +48,10 @@ SMOKES = {
                             "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",
                             "--ref-tokens", "4", "--iters", "2", "--json", "{tmp}/out.json"),
                            ("decode", "reference", "ttft_ms", "prefix_export_ms", "prefix_copy_ms")),
-    "kernels": Smoke(("bench.bench_kernels", "--smoke", "--out", "{tmp}"),
-                     ("correct", "copy_tbps", "prefill", "denoise", "decode", "norm_rope", "kv_copy", "kv_write"),
-                     out="kernels_bench.json"),
+    # the Triton interpreter is too slow for the attention tables at any shape: their kernels are checked under
+    # it by tests/kernels/interpreted, the tables run on the GPU only (skipped by name, not by failing quietly)
+    "kernels": Smoke(("bench.bench_kernels", "--smoke", "--skip", "correct,prefill,denoise,decode", "--out", "{tmp}"),
+                     ("copy_tbps", "norm_rope", "kv_copy", "kv_write"), out="kernels_bench.json"),
     "fp8-kernels": Smoke(("bench.bench_fp8_kernels", "--smoke", "--json", "{tmp}/out.json"), ("timings", "checks"),
                          cpu_gaps=("*/first_mismatches",)),
     "quality": Smoke(("bench.bench_quality", "--smoke", "--json", "{tmp}/out.json"),
@@ -104,7 +107,7 @@ def run_smoke(argv: list[str], tmp_path, timeout: float = 300, **env) -> subproc
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_bench_smoke_fills_every_part(name, tmp_path):
     smoke = SMOKES[name]
-    run_smoke(list(smoke.argv), tmp_path)
+    run_smoke(list(smoke.argv), tmp_path, smoke.timeout)
     assert_every_part_filled(json.loads((tmp_path / smoke.out).read_text()), smoke)
 
 
