@@ -662,7 +662,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     ap.add_argument("--max-rows", type=int, default=len(PREFILL_TABLE_ROWS))
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: correct,prefill,denoise,decode,norm,kv,kvwrite")
+    ap.add_argument("--skip", default="",
+                    help="comma list of sections to skip: correct,prefill,denoise,decode,norm,kv,kvwrite")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     global LOG_FILE, SMOKE, DEV, HQ, HKV, D

@@ -81,7 +81,8 @@ def run_profile(name: str, model_dir: str, args, measure: Callable) -> dict:
     port = args.port or free_port()
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(free_port()), "--gen-port", str(free_port()), "--host", "127.0.0.1",
-           "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + shlex.split(args.up_args)
+           "--no-restart", "--run-dir", os.path.join(args.log_dir, name), *PROFILES[name].split(),
+           *shlex.split(args.up_args)]
     env = dict(os.environ, U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", PYTHONUNBUFFERED="1")
     log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
