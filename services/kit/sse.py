@@ -1,9 +1,7 @@
 """Server-sent events: one encoder and one decoder for every stream u1serve writes or reads."""
 from __future__ import annotations
 
-import codecs
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator, Optional, Union
 
@@ -12,7 +10,6 @@ DONE = "[DONE]"
 # a comment line: no event for the reader, but a sign of life for every idle timeout on the way (a job that
 # waits in a queue sends these, so the gateway's idle limit never fires before the queue's own timeout)
 HEARTBEAT = b": keep-alive\n\n"
-_LINE_END = re.compile(r"\r\n|\r|\n")
 _BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 
 
@@ -83,27 +80,13 @@ class _Fields:
 
 
 def parse(lines: Iterable[str]) -> Iterator[Event]:
-    """Every event of a stream's lines (the raw format: no JSON, no `[DONE]` handling)."""
+    """Every event of a stream's lines (the raw format: no JSON, no `[DONE]` handling). The lines come from
+    httpx's `iter_lines()`, which ends a line at LF, CRLF or CR however the body's chunks were cut."""
     fields = _Fields()
     for line in _then_none(lines):
         ev = fields.feed(line)
         if ev is not None:
             yield ev
-
-
-def lines(chunks: Iterable[Union[bytes, str]]) -> Iterator[str]:
-    """The lines of a stream read in arbitrary chunks (a socket's reads): LF, CRLF or CR ends a line, a CRLF or a
-    UTF-8 character split between two chunks included. httpx's `iter_lines()` does this for an HTTP response."""
-    decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-    buf = ""
-    for chunk in chunks:
-        buf += decode(chunk) if isinstance(chunk, bytes) else chunk
-        cut = len(buf) - buf.endswith("\r")         # a last CR may be the first half of a CRLF: wait for more
-        parts = _LINE_END.split(buf[:cut])
-        buf = parts.pop() + buf[cut:]
-        yield from parts
-    parts = _LINE_END.split(buf + decode(b"", final=True))
-    yield from parts if parts[-1] else parts[:-1]
 
 
 def _json(data: str):
