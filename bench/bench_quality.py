@@ -15,6 +15,8 @@ trajectory of the first prompt (the fp8 numerics check).
 
     python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
+    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
+        --convert-dir /scratch/u1-converted       # the weight formats' quality cost on real weights
     python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
