@@ -62,4 +62,6 @@ def int8_mm(q_x: torch.Tensor, q_w: torch.Tensor, scale_x: torch.Tensor, scale_w
 
 
 def _epilogue(acc: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype):
-    return (acc.float() * scale_x * scale_w).to(out_dtype)
+    """(acc * scale_x) * scale_w in fp32, rounded once to out_dtype; in place on one fp32 buffer (the output is
+    the big tensor of a GEMM: no temporary per product)."""
+    return acc.to(torch.float32).mul_(scale_x).mul_(scale_w).to(out_dtype)
