@@ -163,7 +163,9 @@ def write_gguf(src_dir: str, out_dir: str, type_name: str = DEFAULT_TYPE) -> str
     with open(os.path.join(src_dir, "config.json")) as f:
         config_text = f.read()
     os.makedirs(out_dir, exist_ok=True)
-    w = gguf.GGUFWriter(os.path.join(out_dir, GGUF_FILE), ARCH)
+    # use_temp_file: each tensor's bytes go to a (spilling) temp file as it is encoded, so an 8B checkpoint
+    # converts without holding the whole file in memory
+    w = gguf.GGUFWriter(os.path.join(out_dir, GGUF_FILE), ARCH, use_temp_file=True)
     w.add_name(os.path.basename(os.path.normpath(src_dir)))
     w.add_string(CONFIG_KEY, config_text)
     w.add_string(TYPE_KEY, type_name)
