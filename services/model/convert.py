@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 
-import torch
-
 from .quant_checkpoint import SCALE_SUFFIX, is_target, quantization_config
 
 FORMATS = ("fp8", "int8", "gguf")
