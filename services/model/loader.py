@@ -122,6 +122,11 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     ckpt_scheme = _checkpoint_scheme(cfg, wm)
     if quantization == "none" and ckpt_scheme is not None:
         quantization = ckpt_scheme       # served as converted, with the checkpoint's scales
+        try:
+            _check_quant_device(quantization, device, dtype)
+        except RuntimeError as e:
+            raise type(e)(f"{model_dir} is a {ckpt_scheme} checkpoint (u1serve convert), which {device} cannot "
+                          f"serve: {e}. Serve the float checkpoint, or one converted with another --to.") from e
     _check_quant_device(quantization, device, dtype)
     full_shapes = _expected_shapes(cfg)
     unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
