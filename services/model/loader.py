@@ -127,7 +127,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         except RuntimeError as e:
             raise type(e)(f"{model_dir} is a {ckpt_scheme} checkpoint (u1serve convert), which {device} cannot "
                           f"serve: {e}. Serve the float checkpoint, or one converted with another --to.") from e
-    _check_quant_device(quantization, device, dtype)
+    else:
+        _check_quant_device(quantization, device, dtype)
     full_shapes = _expected_shapes(cfg)
     unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
     if unexpected:
