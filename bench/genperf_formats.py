@@ -5,7 +5,7 @@ CFG step time (guidance 4, P = 365 / 9) at --sizes and the GPU memory the branch
                 so the bf16 copy stays resident) and fp8-only (every row count fp8, no bf16 copy)
     int8        `--quantization int8` (every row count int8, no bf16 copy)
     gguf:TYPE   dequantised at load (services/model/gguf_io.py): step time and memory are bf16's by construction;
-                what is measured is the load-time dequantisation of one 4096 x 12288 weight (s and GB/s of bf16
+                what is measured is the load-time dequantisation of one 1024 x 12288 weight (s and GB/s of bf16
                 written) and the file bytes per weight
 Each model is built, measured and freed in turn (one 8B gen branch resident at a time).
 """
@@ -63,7 +63,7 @@ def _gguf_rows(args) -> list[dict]:
 
     from services.model.gguf_io import quantize, write_types
     import gguf
-    shape = (128, 256) if args.tiny else (4096, 12288)
+    shape = (128, 256) if args.tiny else (1024, 12288)
     x = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
     out = []
     for name, typ in write_types().items():
