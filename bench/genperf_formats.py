@@ -77,15 +77,34 @@ def _gguf_rows(args) -> list[dict]:
     return out
 
 
+def _int8_checks(device) -> dict:
+    """The int8 kernels on this device vs their references: the quantiser's bits, `int8_mm`'s bits (the
+    `_int_mm` product is exact, the epilogue the same fp32 code), at a short (padded) and a long row count."""
+    from kernels.int8_gemm import int8_mm, int8_mm_ref, quant_int8_rowwise, quant_int8_rowwise_ref
+    g = torch.Generator(device=device).manual_seed(0)
+    k = 4096 if device.type == "cuda" else 256          # the reference's int32 product runs on the host CPU
+    x = torch.randn(512, k, generator=g, device=device).to(torch.bfloat16)
+    w = torch.randn(1024, k, generator=g, device=device).to(torch.bfloat16)
+    (q, s), (qr, sr) = quant_int8_rowwise(x), quant_int8_rowwise_ref(x)
+    qw, sw = quant_int8_rowwise(w)
+    out = {"quantiser_bit_equal": bool(torch.equal(q, qr) and torch.equal(s, sr))}
+    for m in (5, 512):
+        got = int8_mm(q[:m], qw, s[:m], sw.t(), torch.bfloat16)
+        out[f"gemm_m{m}_bit_equal"] = bool(torch.equal(got, int8_mm_ref(q[:m], qw, s[:m], sw.t(), torch.bfloat16)))
+    return out
+
+
 def part_formats(args, device, dtype) -> dict:
     from services.model.quant import GemmPolicy
+    checks = _int8_checks(device)
+    print(f"int8 kernels vs references on {device.type}: {checks}")
     rows = [_row(args, device, dtype, "bf16", None)]
     if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
         rows.append(_row(args, device, dtype, "fp8 (served)", "fp8"))
         rows.append(_row(args, device, dtype, "fp8 (all rows)", "fp8", GemmPolicy(0, None)))
     rows.append(_row(args, device, dtype, "int8", "int8"))
     out = {"device": _device_name(device), "torch": torch.__version__, "sizes": _sizes(args), "rows": rows,
-           "gguf": _gguf_rows(args)}
+           "gguf": _gguf_rows(args), "int8_checks": checks}
     _print(out)
     return out
 

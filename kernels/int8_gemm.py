@@ -91,8 +91,9 @@ def quant_int8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_mm_ref(q_x: torch.Tensor, q_w: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """(q_x @ q_w^T) * scale_x * scale_w: q_x [M, K] / q_w [N, K] int8, scale_x [M, 1], scale_w [1, N] fp32;
-    the product in exact int32 arithmetic on any device."""
-    return _epilogue(q_x.int() @ q_w.int().t(), scale_x, scale_w, out_dtype)
+    the product in exact int32 arithmetic (on the CPU: CUDA has no int32 matmul), the epilogue on q_x's device."""
+    acc = q_x.cpu().int() @ q_w.cpu().int().t()
+    return _epilogue(acc.to(q_x.device), scale_x, scale_w, out_dtype)
 
 
 def int8_mm(q_x: torch.Tensor, q_w: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor,
