@@ -16,6 +16,7 @@ from safetensors import safe_open
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
+from .moe import checkpoint_views, expert_view, stacked_slot
 from .parallel import TPContext, shard, shard_dim
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -70,7 +71,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
 def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         full = NeoModel(cfg, "both")
-    return {k: p.shape for k, p in full.named_parameters()}
+    return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
 
 
 RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
@@ -112,7 +113,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     if unexpected:
         raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    needed = dict(model.named_parameters())
+    needed = dict(checkpoint_views(model.named_parameters()))   # checkpoint keys (experts: per expert)
+    params = dict(model.named_parameters())                     # meta: the layout to fill
     missing = sorted(k for k in needed if k not in wm)
     if missing:
         raise LoadError(f"missing tensor {missing[0]!r} in the checkpoint"
@@ -140,11 +142,19 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
+        slot = stacked_slot(key)
         if t.dtype == FP8_DTYPE:
             q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
-            prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
+            if slot is None:    # experts are not fp8 layers (model/quant.py)
+                prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
-        state[key] = t.to(device=device, dtype=dtype)
+        if slot is None:
+            state[key] = t.to(device=device, dtype=dtype)
+        else:   # an expert's weight goes straight into its stacked tensor (model/moe.py)
+            name, e, proj = slot
+            if name not in state:
+                state[name] = torch.empty(params[name].shape, dtype=dtype, device=device)
+            expert_view(state[name], e, proj).copy_(t)
     model.load_state_dict(state, strict=True, assign=True)
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
@@ -168,7 +178,7 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
     merged = 0
-    params = dict(model.named_parameters())
+    params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
     for name, delta in lora_deltas(path, params, strength, tp):
         param = params[name]
         param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
