@@ -101,21 +101,25 @@ def _dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
+def _tile(PAIRS, BLOCK_EXPERT, n_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: the expert of its row block (-1: none), the rows' pairs and which are real (not
+    padding), its output columns and which exist. Programs run row block by row block, columns fastest."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_cols, BLOCK_N)
+    pid_m = pid // n_blocks
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    pairs = tl.load(PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    offs_n = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, pairs, pairs < n_pairs, offs_n, offs_n < n_cols
+
+
 def _moe_up_kernel(X, W13, ACT, PAIRS, BLOCK_EXPERT, n_pairs, top_k, H, I,
                    stride_xm, stride_we, stride_wn, stride_am,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    e, pairs, valid, offs_n, n_ok = _tile(PAIRS, BLOCK_EXPERT, n_pairs, I, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    pairs = tl.load(PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < n_pairs
     tok = (pairs // top_k).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
     w_base = W13 + e * stride_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -139,18 +143,10 @@ def _moe_up_kernel(X, W13, ACT, PAIRS, BLOCK_EXPERT, n_pairs, top_k, H, I,
 def _moe_down_kernel(ACT, W2, OUT, PAIRS, BLOCK_EXPERT, WEIGHTS, n_pairs, H, I,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(H, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    e, pairs, valid, offs_n, n_ok = _tile(PAIRS, BLOCK_EXPERT, n_pairs, H, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    pairs = tl.load(PAIRS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < n_pairs
     rows = pairs.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
     w_base = W2 + e * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -167,18 +163,20 @@ def _moe_down_kernel(ACT, W2, OUT, PAIRS, BLOCK_EXPERT, WEIGHTS, n_pairs, H, I,
     tl.store(OUT + rows[:, None] * stride_om + offs_n[None, :], y, mask=valid[:, None] & n_ok[None, :])
 
 
-_up = lazy_jit(_moe_up_kernel, helpers={"_dot": _dot})
-_down = lazy_jit(_moe_down_kernel, helpers={"_dot": _dot})
+_HELPERS = {"_dot": _dot, "_tile": _tile}
+_up = lazy_jit(_moe_up_kernel, helpers=_HELPERS)
+_down = lazy_jit(_moe_down_kernel, helpers=_HELPERS)
 
 
 def moe_config(pairs: int, num_experts: int) -> dict:
-    """Tile sizes: small row blocks when few pairs per expert (decode), larger for prefill / denoise."""
+    """Tile sizes by pairs per expert: 16-row blocks for decode (narrower columns when there are few pairs, so more
+    programs stream the experts' weights), larger for prefill / denoise. Not tuned on the GPU yet."""
     per_expert = pairs / max(1, min(num_experts, pairs))
     if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
+        return {"BLOCK_M": 16, "BLOCK_N": 32 if pairs <= 64 else 64, "BLOCK_K": 64, "num_warps": 4}
     if per_expert <= 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 
 
 def _supported(x, w13, w2) -> bool:

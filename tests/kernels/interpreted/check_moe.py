@@ -7,7 +7,8 @@ from kernels.moe import fused_moe, fused_moe_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # bf16 casts truncate when interpreted
-@pytest.mark.parametrize("T,H,inter,E,k", [(1, 64, 32, 8, 2), (19, 64, 48, 8, 3), (3, 32, 16, 16, 4), (0, 64, 32, 8, 2)])
+@pytest.mark.parametrize("T,H,inter,E,k", [(1, 64, 32, 8, 2), (19, 64, 48, 8, 3), (3, 32, 16, 16, 4), (0, 64, 32, 8, 2),
+                                             (60, 32, 16, 4, 2), (150, 32, 16, 4, 2)])   # 16-, 32- and 64-row tiles
 def test_fused_moe_matches_reference(rng, monkeypatch, dtype, T, H, inter, E, k):
     monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     x = torch.randn(T, H).to(dtype)
