@@ -143,7 +143,7 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
     cfg = parse_config(config)
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)   # dtype on meta: no fp32 copy (A3B und is 61 GB in bf16)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():  # fast on-device init; values are irrelevant for timing
