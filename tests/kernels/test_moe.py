@@ -147,3 +147,16 @@ def test_no_host_sync_and_a_cuda_graph_replays_it(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused_moe(x2, logits2, w13, w2, k, True))
+
+
+@cuda_only
+def test_a3b_decode_steps_capture_in_the_understanding_engines_graphs(tiny_checkpoint, monkeypatch):
+    """The exclusion is gone: the tiny A3B model's decode steps are captured (every padded batch size) and the
+    replay-vs-eager self-check passes (services/understanding/cuda_graphs.py)."""
+    from services.model.loader import load_model
+    from services.understanding.model_runner import ModelRunner
+    monkeypatch.delenv("U1SERVE_KERNELS", raising=False)
+    model = load_model(tiny_checkpoint("a3b"), "und", dtype=torch.bfloat16, device="cuda")
+    runner = ModelRunner(model, num_slots=256, max_running=16, max_model_len=128, device="cuda",
+                         dtype=torch.bfloat16, cuda_graph_max_bs=16)
+    assert runner.graphs is not None and runner.graphs.sizes[-1] == 16
