@@ -257,7 +257,8 @@ def main():
 
     res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine()),
            "torch": torch.__version__, "dtype": args.dtype, "variant": "tiny" if args.tiny else args.variant,
-           "date": time.strftime("%Y-%m-%d"), "moe": engine.model.cfg.llm.is_moe, "cuda_graphs": engine.runner.graphs is not None,
+           "date": time.strftime("%Y-%m-%d"), "moe": engine.model.cfg.llm.is_moe,
+           "cuda_graphs": engine.runner.graphs is not None,
            "prompt_len": args.prompt_len, "decode": decode, "reference": ref,
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,

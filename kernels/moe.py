@@ -19,7 +19,8 @@ Every step is a device op with shapes known on the host, so a call can be captur
 `fused_moe_ref` is the oracle and the CPU path: every expert on every token (a dense batched GEMM: E/k times the
 useful work, no data-dependent shapes, no loop), the unchosen ones weighted by 0, so it is exact for the chosen.
 The official code loops over the experts present and index_adds in the model dtype; in fp32 both agree to
-rounding (tests/model/test_golden_a3b.py), in bf16 the fp32 combine here is the more accurate.
+rounding (tests/kernels/test_moe.py; the official outputs: tests/system/test_a3b.py), in bf16 the fp32 combine
+here is the more accurate.
 """
 from __future__ import annotations
 

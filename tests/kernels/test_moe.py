@@ -50,7 +50,8 @@ def test_reference_is_the_official_loop(T, E, k, renormalize):
                                                                               renormalize), torch.bfloat16)
 
 
-@pytest.mark.parametrize("T,E,k,block", [(1, 128, 8, 16), (3, 4, 2, 4), (50, 8, 2, 16), (200, 32, 8, 64), (0, 8, 2, 16)])
+@pytest.mark.parametrize("T,E,k,block", [(1, 128, 8, 16), (3, 4, 2, 4), (50, 8, 2, 16), (200, 32, 8, 64),
+                                         (0, 8, 2, 16)])
 def test_layout_holds_each_pair_once_sorted_and_padded(T, E, k, block):
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
     pairs, block_expert = moe_align(ids, E, block)
