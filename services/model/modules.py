@@ -13,7 +13,7 @@ from torch import nn
 
 import kernels
 
-from .moe import SparseMoE  # noqa: F401  (the A3B MLP; its own module: stacked experts, fused kernel)
+from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
 
 
