@@ -1,6 +1,7 @@
 """Building blocks of NEO-unify: norms, 3-D RoPE, vision embedder, time embedders, MLP/MoE, heads.
 
-Module and parameter names follow the official checkpoint keys exactly, so a state dict loads 1:1.
+Module and parameter names follow the official checkpoint keys exactly, so a state dict loads 1:1 — except the
+A3B experts, stacked per MoE block (moe.py: each per-expert key is a view of its rows, `checkpoint_views`).
 """
 from __future__ import annotations
 
