@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache, truncated_interval
+from .step_cache import BranchState, CacheGroup, CacheOptions, StepCache, truncated_interval
 
 if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
     from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
@@ -188,7 +188,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
 
 
 def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: torch.Tensor, z: torch.Tensor,
-                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: FirstBlockCache | None = None) -> torch.Tensor:
+                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: StepCache | None = None) -> torch.Tensor:
     """One gen-branch forward for B images against one prefix: x_in [B, N, H] -> v [B, N, 3072]."""
     B, N, _ = x_in.shape
     positions = image_token_positions(th, tw, t_offset, device=model.device).repeat(1, B)
@@ -236,7 +236,7 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
         active = needed if S.uses_cfg(params, float(t)) else ["cond"]
         v = {}
         for b in active:
-            fb = FirstBlockCache([CacheGroup(0, n * th * tw, states[b], cache, i)])
+            fb = StepCache([CacheGroup(0, n * th * tw, states[b], cache, i, tokens=th * tw)])
             v[b] = gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps,
                                 fb if cache.mode != "off" else None)
             if cache.mode == "off":
