@@ -11,7 +11,7 @@ branch may skip layers and reuse a residual it computed at an earlier step:
   time embedding: this model's "timestep-embedding modulated input"; it has no AdaLN) is compared with the
   previous step's input (every step, computed or not); the relative L1 change is rescaled by a polynomial
   that predicts the relative change of the stack's residual from it (calibrated per resolution bucket:
-  `teacache_coefficients`, bench/calibrate_teacache.py) and accumulated: while the sum stays below
+  `rescaled_change`, bench/calibrate_teacache.py) and accumulated: while the sum stays below
   `threshold` the branch skips every layer and takes h_L = x + (h_L - x) of its last computed step; a step
   that computes resets the sum.
 
@@ -59,13 +59,24 @@ def load_coefficients(path: str) -> dict:
     return {**data, "buckets": buckets}
 
 
-def teacache_coefficients(tokens: int, path: str | None = None) -> tuple[float, ...]:
-    """The polynomial of the resolution bucket of an image of `tokens` tokens: the first bucket whose
-    max_tokens holds it, else the largest. File: `path`, else $U1SERVE_TEACACHE_COEFFICIENTS, else the
-    packaged one."""
+def teacache_bucket(tokens: int, path: str | None = None) -> dict:
+    """The bucket of an image of `tokens` tokens: the first whose max_tokens holds it, else the largest.
+    File: `path`, else $U1SERVE_TEACACHE_COEFFICIENTS, else the packaged one."""
     data = load_coefficients(path or os.environ.get(COEFFICIENTS_ENV) or COEFFICIENTS_FILE)
-    bucket = next((b for b in data["buckets"] if tokens <= int(b["max_tokens"])), data["buckets"][-1])
-    return tuple(float(c) for c in bucket["coefficients"])
+    return next((b for b in data["buckets"] if tokens <= int(b["max_tokens"])), data["buckets"][-1])
+
+
+def rescaled_change(change: float, tokens: int, path: str | None = None) -> float:
+    """The input's relative change mapped to the predicted change of the stack's residual by the bucket's
+    polynomial. Outside the input range the bucket was calibrated on (`input_change` [lo, hi], if given)
+    the prediction scales in proportion from the range's edge (a degree-4 fit extrapolates wildly); never
+    below 0, so the accumulated sum only grows."""
+    b = teacache_bucket(tokens, path)
+    coefficients = tuple(float(c) for c in b["coefficients"])
+    lo, hi = b.get("input_change") or (change, change)
+    edge = min(max(change, lo), hi)
+    y = polyval(coefficients, edge) * (change / edge if edge > 0 else 1.0)
+    return max(0.0, y)
 
 
 def polyval(coefficients: tuple[float, ...], x: float) -> float:
@@ -164,7 +175,7 @@ class StepCache:
             for g, c in zip(cand, self._changes(cand, probes)):
                 g.state.last_change = c
                 if g.mode == "teacache":
-                    acc = g.state.accumulated + polyval(teacache_coefficients(g.tokens or g.stop - g.start), c)
+                    acc = g.state.accumulated + rescaled_change(c, g.tokens or g.stop - g.start)
                     g.compute = not acc < g.options.threshold
                     g.state.accumulated = 0.0 if g.compute else acc
                 else:

@@ -21,7 +21,7 @@ from services.generation.request import parse_job
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import (COEFFICIENTS_ENV, BranchState, CacheGroup, CacheOptions, StepCache,
-                                       polyval, teacache_coefficients)
+                                       polyval, rescaled_change, teacache_bucket)
 
 from tests.model.fused_add_norm_forwards import inputs
 from .genhelp import body, errors_of, generate, images_of, prefixes, publish
@@ -85,15 +85,23 @@ def test_the_rescaled_change_accumulates_to_the_threshold(ref_model, tmp_path, m
 
 def test_coefficients_pick_the_bucket_of_the_image(tmp_path):
     path = _coefficients_file(tmp_path, [(4096, [2.0, 0.0]), (1024, [1.0, 0.5, 0.0])])
-    assert teacache_coefficients(1024, path) == (1.0, 0.5, 0.0)
-    assert teacache_coefficients(1025, path) == (2.0, 0.0)
-    assert teacache_coefficients(10**6, path) == (2.0, 0.0)       # past the last bucket: the largest
-    assert polyval((1.0, 0.5, 0.0), 2.0) == 5.0
-    assert teacache_coefficients(16) == (1.0, 0.0)                 # the packaged file (uncalibrated: identity)
+    assert teacache_bucket(1024, path)["coefficients"] == [1.0, 0.5, 0.0]
+    assert teacache_bucket(1025, path)["coefficients"] == [2.0, 0.0]
+    assert teacache_bucket(10**6, path)["coefficients"] == [2.0, 0.0]       # past the last bucket: the largest
+    assert polyval((1.0, 0.5, 0.0), 2.0) == 5.0 and rescaled_change(2.0, 1000, path) == 5.0
+    assert teacache_bucket(16)["coefficients"] == [1.0, 0.0]                 # the packaged file: identity
+    # outside the calibrated input range the prediction scales from the range's edge, never below 0
+    ranged = tmp_path / "ranged.json"
+    ranged.write_text(json.dumps({"buckets": [{"max_tokens": 64, "coefficients": [-5.0, 1.0, 0.0],
+                                               "input_change": [0.01, 0.1]}]}))
+    assert polyval((-5.0, 1.0, 0.0), 0.2) == 0.0                             # the raw fit past the range
+    assert rescaled_change(0.2, 16, str(ranged)) == pytest.approx(2 * (-5 * 0.01 + 0.1))
+    assert rescaled_change(0.05, 16, str(ranged)) == pytest.approx(-5 * 0.0025 + 0.05)
+    assert rescaled_change(0.005, 16, str(ranged)) == pytest.approx(0.5 * (-5 * 1e-4 + 0.01))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"buckets": []}))
     with pytest.raises(ValueError):
-        teacache_coefficients(16, str(bad))
+        teacache_bucket(16, str(bad))
 
 
 def test_a_reused_step_runs_no_layer(ref_model, monkeypatch):
