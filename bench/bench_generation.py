@@ -14,7 +14,7 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
                       (bf16 / fp8 / fast / quantiser), kernels vs torch bit for bit, GEMM vs emulation
     --part fp8-profile  torch.profiler of one single-branch step (--size), bf16 vs fp8: time by kernel
                       category and the top kernels (where a step's time goes)
-    --part cache      whole-job time and computed steps vs first-block threshold (--thresholds)
+    --part cache      whole-job time and computed steps vs first-block and TeaCache threshold (--thresholds)
     --part preset     the 8-step preset (guidance 1, 8 steps, shift 3): whole job, bf16 and fp8
     --part warmstart  first vs steady step of a fresh process, with (default) or without (--no-warmup)
                       the service's warm-up

@@ -431,10 +431,11 @@ def part_cache(args, device, dtype) -> dict:
         job_seconds(engine, spec("warm", size, 2, 4.0))
         base, _ = job_seconds(engine, spec("off", size, steps, 4.0))
         rows = [("off", base, None)]
-        for thr in (float(x) for x in args.thresholds.split(",")):
-            sec, bs = job_seconds(engine, spec(f"t{thr}", size, steps, 4.0,
-                                               {"mode": "first_block", "threshold": thr}))
-            rows.append((f"first_block {thr}", sec, bs))
+        for mode in ("first_block", "teacache"):   # random weights: the mechanism's cost and gain per skip
+            for thr in (float(x) for x in args.thresholds.split(",")):
+                sec, bs = job_seconds(engine, spec(f"{mode}{thr}", size, steps, 4.0,
+                                                   {"mode": mode, "threshold": thr}))
+                rows.append((f"{mode} {thr}", sec, bs))
         for name, sec, bs in rows:
             comp = "all" if bs is None else f"{bs['cond']['computed']}, {bs['uncond']['computed']}"
             print(f"| {size}² | {steps} | {name} | {sec:.3f} | {sec / steps:.4f} | {base / sec:.2f}x | {comp} |")
