@@ -145,3 +145,17 @@ def test_first_block_teacache_and_exact_jobs_batched_together(ref_model):
         assert jobs[rid].branch_steps == {k: {"computed": c, "reused": r} for k, (c, r) in counts.items()}, rid
         if cache:
             assert sum(r for _, r in counts.values()) > 0, rid       # both policies reused on the tiny model
+
+
+def test_the_public_contract_takes_teacache():
+    """The gateway validates image requests with the same contract: the mode is accepted there, a typo is a 400
+    naming the field."""
+    from pydantic import ValidationError
+
+    from services.contract.image import ImageGenerationRequest
+    ok = ImageGenerationRequest.model_validate({"prompt": "a fox", "cache": {"mode": "teacache", "threshold": 0.2}})
+    assert ok.cache.mode == "teacache" and ok.cache.reuses
+    assert not CacheOptions(mode="teacache", threshold=0).reuses
+    with pytest.raises(ValidationError) as e:
+        ImageGenerationRequest.model_validate({"prompt": "a fox", "cache": {"mode": "tea_cache"}})
+    assert e.value.errors()[0]["loc"][:2] == ("cache", "mode")
