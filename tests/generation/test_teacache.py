@@ -6,7 +6,7 @@
   schedule of computed steps exact), per resolution bucket of the coefficients file;
 - a reused TeaCache step runs no layer at all (not even layer 0) and takes the input + the residual of
   the last computed step;
-- jobs with first_block, teacache and no cache batched in one forward each equal their own reference.
+- a first_block job and a teacache job batched in one forward each equal their own reference.
 """
 from __future__ import annotations
 
@@ -130,21 +130,20 @@ def _engine_job(ref_model, engine, cache: dict | None, rid: str):
     return job, pre
 
 
-def test_first_block_teacache_and_exact_jobs_batched_together(ref_model):
+def test_first_block_and_teacache_jobs_batched_together(ref_model):
+    """(An exact job next to a caching one: tests/generation/test_step_cache.py.)"""
     engine = Engine(ref_model[0], prefix_source=None)
-    opts = {"fb": {"mode": "first_block", "threshold": 0.5}, "tea": {"mode": "teacache", "threshold": 1.0},
-            "exact": None}
+    opts = {"fb": {"mode": "first_block", "threshold": 0.5}, "tea": {"mode": "teacache", "threshold": 1.0}}
     jobs = {}
     for rid, cache in opts.items():
         jobs[rid], pre = _engine_job(ref_model, engine, cache, rid)
     while engine.running:
         engine.step()
     for rid, cache in opts.items():
-        want, counts = _ref(ref_model[0], pre, SPEC, CacheOptions(**cache) if cache else None)
+        want, counts = _ref(ref_model[0], pre, SPEC, CacheOptions(**cache))
         assert np.array_equal(S.to_uint8(jobs[rid].x).numpy()[0], want), rid
         assert jobs[rid].branch_steps == {k: {"computed": c, "reused": r} for k, (c, r) in counts.items()}, rid
-        if cache:
-            assert sum(r for _, r in counts.values()) > 0, rid       # both policies reused on the tiny model
+        assert sum(r for _, r in counts.values()) > 0, rid           # both policies reused on the tiny model
 
 
 def test_the_public_contract_takes_teacache():
