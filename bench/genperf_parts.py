@@ -803,6 +803,11 @@ def _print_fp8_fused(out: dict) -> None:
         cells = [f"{r['s_per_step'][k]:.4f} ({r['speedup_vs_bf16'][k]:.2f}x)" for k, _ in FUSED_CONFIGS]
         target = {1024: ">= 1.3x bf16", 2048: "toward 0.070 s (fp8-GEMM floor)"}.get(r["size"], "")
         print(f"| {r['size']}² | {r['graphs']} | " + " | ".join(cells) + f" | {target} |")
+    for r in out["rows"]:   # what the policy threshold (GemmPolicy.min_tokens, 2,048 on CUDA) should say
+        t = r["s_per_step"]
+        if r["rows_per_gemm"] < 2048 and t["fp8-fused"] < min(t["bf16"], t["fp8-today"]):
+            print(f"\n{r['size']}² with graphs {r['graphs']}: fp8 on every GEMM beats what is served today "
+                  f"({t['fp8-today'] / t['fp8-fused']:.2f}x): try U1SERVE_FP8_MIN_TOKENS={r['rows_per_gemm']}")
 
 
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
