@@ -26,6 +26,8 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
                       bit-equal; the fused kernels vs add + norm kernel at [4096, hidden]: bits and us
     --part fp8-fused  single-branch step at --sizes: bf16, fp8 as served today, fp8 on every GEMM quantised in
                       the GEMM layers (unfused) and by the producers (fused); eager and CUDA graphs
+    --part formats    bf16 / fp8 / int8 / gguf: CFG step time at --sizes and gen-branch weight memory
+                      (bench/genperf_formats.py)
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
@@ -73,7 +75,7 @@ def parse_args():
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs", "addnorm", "fp8-fused"])
+                                                     "graphs", "addnorm", "fp8-fused", "formats"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")

@@ -810,5 +810,11 @@ def _print_fp8_fused(out: dict) -> None:
                   f"({t['fp8-today'] / t['fp8-fused']:.2f}x): try U1SERVE_FP8_MIN_TOKENS={r['rows_per_gemm']}")
 
 
+def part_formats(args, device, dtype) -> dict:
+    from genperf_formats import part_formats as run   # bf16 / fp8 / int8 / gguf (its own module)
+    return run(args, device, dtype)
+
+
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
-         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm, "fp8-fused": part_fp8_fused}
+         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm, "fp8-fused": part_fp8_fused,
+         "formats": part_formats}
