@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kernels.fp8_quant import AUTO_PIECES_MIN_ROWS, fp8_launch
-from services.model import quant
 from services.model.quant import FUSED_ENV, Fp8Linear, Fp8RMSNorm, GemmPolicy
 from tests.model.fused_add_norm_forwards import inputs
 
@@ -28,8 +27,8 @@ def test_producers_quantise_once_and_equal_the_unfused_model(tiny_checkpoint, mo
     model = load_model(tiny_checkpoint("u1"), "gen", quantization="fp8")     # CPU policy: fp8 on every row count
     x, rope, attend = inputs(model)
     shapes = []
-    real = quant.quant_fp8_rowwise
-    monkeypatch.setattr(quant, "quant_fp8_rowwise", lambda t, *a: shapes.append(tuple(t.shape)) or real(t, *a))
+    real = Fp8Linear.quantize_rows           # the GEMM layers' own quantiser (their input when not pre-quantised)
+    monkeypatch.setattr(Fp8Linear, "quantize_rows", staticmethod(lambda t: shapes.append(tuple(t.shape)) or real(t)))
     with torch.inference_mode():
         fused = model.gen_forward(x, rope, attend)
         n_fused, shapes[:] = list(shapes), []
