@@ -184,7 +184,7 @@ class Engine:
                 self.graphs.not_graphable()
                 if any(j.cache.mode != "off" for j in jobs):
                     cache = StepCache(groups, self._attend_for_groups,
-                                            reduce=sp.sum_over_ranks if sp.world > 1 else None)
+                                      reduce=sp.sum_over_ranks if sp.world > 1 else None)
                 hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
                                                 cache)
             if cache is None:
