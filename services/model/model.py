@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import NeoConfig
+from .lora_batched import lora_subset
 from .modules import (BRANCH_SUFFIX, ConvDecoder, MoTDecoderLayer, RMSNorm, Rope, TimestepEmbedder,
                       VisionModel, add_norm, fused_add_norm, token_mlp_head)
 from .parallel import TPContext
@@ -165,8 +166,9 @@ class NeoModel(nn.Module):
         else:
             rest = None
             if any(g.compute for g in cache.groups):   # not rows.numel(): an SP rank may hold none
-                rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
-                                       cache.attend_subset(), start=1)
+                with lora_subset(self, rows):         # the LoRA slots of those rows (lora_batched.py)
+                    rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
+                                           cache.attend_subset(), start=1)
             h = cache.fill(h1, rest)
         cache.store(h1, h)
         return self.gen_norm(h)

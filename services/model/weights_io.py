@@ -379,6 +379,8 @@ class LiveWeights:
         rank, agree with the engine's other ranks (`all_gather(obj) -> [obj of each rank]`), and return the
         reply rank 0 sends: {"id", "ok", "version", "seconds", "updated"?, "skipped"?, "error"?}. A stage
         that failed on any rank is dropped on every rank."""
+        if op["op"] in LORA_OPS:      # resident adapters (lora_registry.py), not the weights
+            return lora_op(self.model, op, all_gather)
         t0 = time.perf_counter()
         reply: dict = {"id": op["id"], "ok": True}
         err = None
@@ -412,6 +414,19 @@ class LiveWeights:
             size += sum(p.numel() * p.element_size() for p in self.model.parameters())   # worst case: every weight
         free, _ = torch.cuda.mem_get_info(dev)
         return dev if 2 * size < free else torch.device("cpu")
+
+
+LORA_OPS = ("lora_load", "lora_unload")
+
+
+def lora_op(model: NeoModel, op: dict, all_gather) -> dict:
+    reg = getattr(model, "lora", None)
+    if reg is None:
+        all_gather(None)          # the ranks still meet once, as for any op
+        return {"id": op["id"], "ok": False, "error": {
+            "status": 400, "code": "lora_disabled",
+            "message": "this engine serves no LoRA adapters (start it with --max-loras N or --lora-modules)"}}
+    return reg.run(op, all_gather)
 
 
 def error_reply(exc: BaseException) -> dict:
