@@ -42,14 +42,18 @@ def lora_apply_ref_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     return y
 
 
+def _slot_rows_fn(SLOTS, T, pid_m, s, BLOCK_M: tl.constexpr):
+    """(row indices of block pid_m, which of them use slot s, how many)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    hit = tl.load(SLOTS + rows, mask=rows < T, other=-1) == s
+    return rows, hit, tl.sum(hit.to(tl.int32), axis=0)
+
+
 def _shrink_kernel(X, A, H, SLOTS, T, K, stride_x, stride_as, stride_ar, R: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
     s = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
-    hit = sl == s
-    if tl.sum(hit.to(tl.int32), axis=0) == 0:
+    rows, hit, n = _slot_rows(SLOTS, T, tl.program_id(0), s, BLOCK_M)
+    if n == 0:
         return
     rr = tl.arange(0, R)
     acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
@@ -64,16 +68,12 @@ def _shrink_kernel(X, A, H, SLOTS, T, K, stride_x, stride_as, stride_ar, R: tl.c
 
 def _expand_kernel(H, B, Y, SLOTS, T, N, stride_y, stride_bs, stride_bn, R: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     s = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
-    hit = sl == s
-    if tl.sum(hit.to(tl.int32), axis=0) == 0:
+    rows, hit, n = _slot_rows(SLOTS, T, tl.program_id(0), s, BLOCK_M)
+    if n == 0:
         return
     rr = tl.arange(0, R)
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     hb = tl.load(H + rows[:, None].to(tl.int64) * R + rr[None, :], mask=hit[:, None], other=0.0)
     bb = tl.load(B + s * stride_bs + nn[None, :] * stride_bn + rr[:, None], mask=nn[None, :] < N, other=0.0)
     d = tl.dot(hb.to(bb.dtype), bb)
@@ -83,8 +83,8 @@ def _expand_kernel(H, B, Y, SLOTS, T, N, stride_y, stride_bs, stride_bn, R: tl.c
     tl.store(ptr, (yv.to(tl.float32) + d).to(yv.dtype), mask=m)
 
 
-_shrink = lazy_jit(_shrink_kernel)
-_expand = lazy_jit(_expand_kernel)
+_shrink = lazy_jit(_shrink_kernel, helpers={"_slot_rows": _slot_rows_fn})
+_expand = lazy_jit(_expand_kernel, helpers={"_slot_rows": _slot_rows_fn})
 
 
 def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
