@@ -22,7 +22,7 @@ def requested_adapter(state, model: Optional[str]) -> Optional[str]:
 def bind(req, model) -> None:
     """Hold the adapter `req.msg.lora` names (raises lora_registry.AdapterNotFound) and salt its cache keys."""
     req.lora = acquire_adapter(model, req.msg.lora)
-    if req.lora is not None:
+    if req.lora is not None and req.lora.slot >= 0:    # (one that names nothing here computes the base's KV)
         req.keys = salt_keys(req.keys, req.lora.uid)
 
 
