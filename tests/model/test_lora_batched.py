@@ -132,3 +132,32 @@ def test_parse_modules():
     assert parse_modules("a=/x/y:0.5, b=/z") == [("a", "/x/y", 0.5), ("b", "/z", 1.0)]
     with pytest.raises(ValueError):
         parse_modules("nopath")
+
+
+def _tp_rank(rank, world, ckpt, adapter, init_file, out):
+    import torch.distributed as dist
+
+    from services.model.parallel import TPContext
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = load_model(ckpt, "gen", tp=TPContext(rank, world))
+        reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapter, 1.0)])
+        x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
+        y = forward(model, x, "gen", torch.tensor([reg.adapters["p"].slot] * 4 + [-1] * 2, dtype=torch.int32))
+        if rank == 0:
+            torch.save(y, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_shards_the_factors(tiny, adapters, tmp_path):
+    """TP 2: B sharded with the column-parallel q/k/v/gate/up, A with the row-parallel o/down (the all-reduce after
+    them sums the partial products): the TP 1 result."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "tp.pt")
+    mp.spawn(_tp_rank, args=(2, tiny, adapters["peft"], str(tmp_path / "init"), out), nprocs=2, join=True)
+    model = load_model(tiny, "gen")
+    reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapters["peft"], 1.0)])
+    x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = forward(model, x, "gen", torch.tensor([reg.adapters["p"].slot] * 4 + [-1] * 2, dtype=torch.int32))
+    torch.testing.assert_close(torch.load(out, weights_only=True), want, rtol=1e-4, atol=1e-5)
