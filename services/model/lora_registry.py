@@ -125,6 +125,7 @@ class LoraRegistry:
             lin.register_forward_hook(hook)
             self.hooks[name] = hook
         self.adapters: dict[str, Adapter] = {}
+        self.retired: dict[str, Adapter] = {}      # unloaded, tables intact until their slot is reused (unload)
         self.slots: list[Adapter | None] = [None] * max_loras
         self.batch = None           # lora_batched.LoraBatch of the forward running now
         self._loads = 0
@@ -203,6 +204,8 @@ class LoraRegistry:
                         hook.a[slot, : a.shape[0]].copy_(a.to(self.device, self.dtype))
                         hook.b[slot, :, : b.shape[1]].copy_(b.to(self.device, self.dtype))
             self.slots[slot] = adapter
+        self.retired = {n: a for n, a in self.retired.items()     # their tables are gone (or the name is back)
+                        if n != staged.name and (a.slot < 0 or a.slot != slot)}
         self.adapters[staged.name] = adapter
         return adapter
 
@@ -216,19 +219,24 @@ class LoraRegistry:
         return self.install(self.stage(name, path, strength), slot)
 
     def unload(self, name: str) -> Adapter:
-        """New requests no longer find `name`; its slot is freed once no request holds it."""
+        """The name is no longer loaded; its slot is freed once no request holds it. Until a load reuses that slot
+        the adapter stays resolvable (`retired`) for requests already under way elsewhere in the stack (an image
+        whose prefix understanding computed with it, not yet admitted here): the gateway refuses new ones."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise AdapterNotFound(f"The lora adapter {name!r} cannot be found.")
         adapter.retired = True
+        self.retired[name] = adapter
         self._free_if_idle(adapter)
         return adapter
 
     def acquire(self, name: str) -> Adapter:
-        adapter = self.adapters.get(name)
+        adapter = self.adapters.get(name) or self.retired.get(name)
         if adapter is None:
             raise AdapterNotFound(f"The model {name!r} does not exist (not the served model nor a loaded LoRA "
                                   "adapter: GET /v1/models lists them)")
+        if adapter.retired and adapter.slot >= 0:
+            self.slots[adapter.slot] = adapter       # held again: no load may take its slot meanwhile
         adapter.refs += 1
         return adapter
 

@@ -100,16 +100,21 @@ def test_unload_frees_the_slot_only_after_the_last_request(tiny, adapters):
     a = reg.load("a", adapters["peft"])
     held = reg.acquire("a")
     reg.unload("a")
-    with pytest.raises(AdapterNotFound):
-        reg.acquire("a")                       # new requests: 404 at once
+    assert "a" not in reg.adapters
     with pytest.raises(LoraError) as e:        # its slot still serves the running request
         reg.load("b", adapters["official"])
     assert e.value.code == "lora_slots_full" and e.value.status == 409
     before = reg.hooks[next(iter(reg.hooks))].b[a.slot].clone()
     held.release()
+    assert reg.free_slots() == [a.slot]
+    late = reg.acquire("a")      # a request already under way (its prefix was computed with it): still served
+    assert late is a and reg.free_slots() == []
+    late.release()
     b = reg.load("b", adapters["official"])
     assert b.slot == a.slot and b.uid != a.uid
     assert not torch.equal(before, reg.hooks[next(iter(reg.hooks))].b[b.slot])
+    with pytest.raises(AdapterNotFound):
+        reg.acquire("a")                       # its tables are gone
 
 
 def test_ops_agree_on_rank_zeros_slot(tiny, adapters):
