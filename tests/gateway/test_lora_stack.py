@@ -105,6 +105,20 @@ def test_prefix_cache_entries_are_keyed_by_the_adapter(c):
     assert cached(chat(c, "b", prompt)) == 0
 
 
+def test_interleaved_answers_use_the_adapter(c):
+    """Both the segments' text (understanding) and their images (generation) run with the request's adapter."""
+    def answer(model):
+        body = {"model": model, "messages": [{"role": "user", "content": "Draw a red house, then describe it"}],
+                "modalities": ["text", "image"], "max_tokens": 12, "logit_bias": {"262": 5.0}, "cache_salt": salt(),
+                "image_config": {"size": "64x64", "num_inference_steps": 2, "seed": 3, "max_images": 1}}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return [p for p in r.json()["choices"][0]["message"]["content"] if p["type"] == "image_url"]
+    base, adapted = answer("sensenova-u1"), answer("a")
+    assert len(base) == 1 and len(adapted) == 1 and base != adapted
+    assert answer("a") == adapted
+
+
 def test_load_and_unload_are_admin_routes(lora_stack, c):
     r = httpx.post(lora_stack.base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
     assert r.status_code == 401

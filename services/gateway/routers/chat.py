@@ -90,10 +90,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
-    adapter = adapter_for(state, req.model)   # unknown model: 404 before any work (understanding resolves it again)
-    if req.wants_interleave and adapter is not None:
-        raise bad_request("interleaved answers run the base model only (LoRA adapters are not served there yet)",
-                          param="model", code="lora_unsupported")
+    adapter_for(state, req.model)       # an unknown model: 404 before any work (understanding resolves it again)
     if req.wants_interleave:
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
@@ -296,11 +293,14 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
     generate = generate_fields(state.config, opts, mode="edit", prompt="",
                                first_image_wh=(checked[0].width, checked[0].height) if checked else None,
                                export_image=True)
+    lora = adapter_for(state, req.model)
+    if lora is not None:
+        generate["lora"] = lora
     answer = interleave.Answer(
         request_id=request_id(request), messages=[m.model_dump(mode="json", exclude_none=True) for m in req.messages],
         think=opts.think if "think" in opts.model_fields_set else True,
         max_tokens=interleave.default_max_tokens(req.max_tokens), max_images=opts.max_images, generate=generate,
-        logit_bias=req.logit_bias, cache_salt=salt)
+        logit_bias=req.logit_bias, cache_salt=salt, lora=lora)
     cid, created, model = "chatcmpl-" + answer.request_id, int(time.time()), req.model or state.config.model_name
     fmt = opts.output_format
 
