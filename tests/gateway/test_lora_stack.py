@@ -2,8 +2,6 @@
 engines, a batch mixing adapters equals each request alone, prefix-cache entries keyed by the adapter, load and
 unload behind the API key, and an unload while a request uses the adapter (docs/lora.md)."""
 import itertools
-import json
-import os
 import threading
 
 import httpx
