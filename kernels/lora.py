@@ -5,9 +5,10 @@
 A [S, R, K] and B [S, N, R] hold every resident adapter of one linear layer, stacked by slot (an adapter of
 rank r < R is zero-padded; its scale is folded into B when it is loaded), slots [T] int32 names each row's.
 Two launches (SGMV-style shrink then expand): shrink writes h = x A^T [T, R] in fp32, expand adds h B^T into
-y in place. Each program takes a block of rows for one slot (grid: row blocks x slots) and returns at once
-when none of its rows use that slot, so the work is the rows' own and no host sync or sort is needed: rows
-of one request are contiguous in the engines' packed batches, so a block is usually one slot.
+y in place. Each program takes a block of rows (and, expanding, of columns) and runs one low-rank product per
+slot its rows use, skipping the others after a comparison, so the work is the rows' own and no host sync or
+sort is needed: rows of one request are contiguous in the engines' packed batches, so a block is usually one
+slot (the grid does not grow with the number of resident adapters).
 
 The torch reference (CPU, and `U1SERVE_KERNELS=ref`) runs one GEMM pair per slot present, over its rows; the
 engines give it the (slot, rows) groups once per forward (host lists, no sync per layer).
@@ -42,49 +43,46 @@ def lora_apply_ref_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     return y
 
 
-def _slot_rows_fn(SLOTS, T, pid_m, s, BLOCK_M: tl.constexpr):
-    """(row indices of block pid_m, which of them use slot s, how many)."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    hit = tl.load(SLOTS + rows, mask=rows < T, other=-1) == s
-    return rows, hit, tl.sum(hit.to(tl.int32), axis=0)
-
-
-def _shrink_kernel(X, A, H, SLOTS, T, K, stride_x, stride_as, stride_ar, R: tl.constexpr,
+def _shrink_kernel(X, A, H, SLOTS, T, K, S, stride_x, stride_as, stride_ar, R: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    s = tl.program_id(1)
-    rows, hit, n = _slot_rows(SLOTS, T, tl.program_id(0), s, BLOCK_M)
-    if n == 0:
-        return
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
     rr = tl.arange(0, R)
-    acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        xb = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
-                     mask=hit[:, None] & (kk[None, :] < K), other=0.0)
-        ab = tl.load(A + s * stride_as + rr[None, :] * stride_ar + kk[:, None], mask=kk[:, None] < K, other=0.0)
-        acc += tl.dot(xb, ab)
-    tl.store(H + rows[:, None].to(tl.int64) * R + rr[None, :], acc, mask=hit[:, None])
+    for s in range(0, S):                 # the slots this block's rows use (mostly one): the others are skipped
+        hit = sl == s
+        if tl.sum(hit.to(tl.int32), axis=0) > 0:
+            acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xb = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
+                             mask=hit[:, None] & (kk[None, :] < K), other=0.0)
+                ab = tl.load(A + s * stride_as + rr[None, :] * stride_ar + kk[:, None], mask=kk[:, None] < K,
+                             other=0.0)
+                acc += tl.dot(xb, ab)
+            tl.store(H + rows[:, None].to(tl.int64) * R + rr[None, :], acc, mask=hit[:, None])
 
 
-def _expand_kernel(H, B, Y, SLOTS, T, N, stride_y, stride_bs, stride_bn, R: tl.constexpr,
+def _expand_kernel(H, B, Y, SLOTS, T, N, S, stride_y, stride_bs, stride_bn, R: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    s = tl.program_id(2)
-    rows, hit, n = _slot_rows(SLOTS, T, tl.program_id(0), s, BLOCK_M)
-    if n == 0:
-        return
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
     rr = tl.arange(0, R)
     nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    hb = tl.load(H + rows[:, None].to(tl.int64) * R + rr[None, :], mask=hit[:, None], other=0.0)
-    bb = tl.load(B + s * stride_bs + nn[None, :] * stride_bn + rr[:, None], mask=nn[None, :] < N, other=0.0)
-    d = tl.dot(hb.to(bb.dtype), bb)
-    m = hit[:, None] & (nn[None, :] < N)
-    ptr = Y + rows[:, None].to(tl.int64) * stride_y + nn[None, :]
-    yv = tl.load(ptr, mask=m, other=0.0)
-    tl.store(ptr, (yv.to(tl.float32) + d).to(yv.dtype), mask=m)
+    for s in range(0, S):
+        hit = sl == s
+        if tl.sum(hit.to(tl.int32), axis=0) > 0:
+            hb = tl.load(H + rows[:, None].to(tl.int64) * R + rr[None, :], mask=hit[:, None], other=0.0)
+            bb = tl.load(B + s * stride_bs + nn[None, :] * stride_bn + rr[:, None], mask=nn[None, :] < N,
+                         other=0.0)
+            d = tl.dot(hb.to(bb.dtype), bb)
+            m = hit[:, None] & (nn[None, :] < N)
+            ptr = Y + rows[:, None].to(tl.int64) * stride_y + nn[None, :]
+            yv = tl.load(ptr, mask=m, other=0.0)
+            tl.store(ptr, (yv.to(tl.float32) + d).to(yv.dtype), mask=m)
 
 
-_shrink = lazy_jit(_shrink_kernel, helpers={"_slot_rows": _slot_rows_fn})
-_expand = lazy_jit(_expand_kernel, helpers={"_slot_rows": _slot_rows_fn})
+_shrink = lazy_jit(_shrink_kernel)
+_expand = lazy_jit(_expand_kernel)
 
 
 def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
@@ -103,11 +101,11 @@ def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     S, K, N = a.shape[0], a.shape[2], b.shape[1]
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
     bm = 16 if T <= 16 else 64
-    _shrink[(triton_cdiv(T, bm), S)](x, a, h, slots, T, K, x.stride(0), a.stride(0), a.stride(1), R=R,
-                                      BLOCK_M=bm, BLOCK_K=64)
+    _shrink[(triton_cdiv(T, bm),)](x, a, h, slots, T, K, S, x.stride(0), a.stride(0), a.stride(1), R=R,
+                                    BLOCK_M=bm, BLOCK_K=64)
     bn = 128
-    _expand[(triton_cdiv(T, bm), triton_cdiv(N, bn), S)](h, b, y, slots, T, N, y.stride(0), b.stride(0),
-                                                          b.stride(1), R=R, BLOCK_M=bm, BLOCK_N=bn)
+    _expand[(triton_cdiv(T, bm), triton_cdiv(N, bn))](h, b, y, slots, T, N, S, y.stride(0), b.stride(0),
+                                                       b.stride(1), R=R, BLOCK_M=bm, BLOCK_N=bn)
     return y
 
 
