@@ -292,7 +292,8 @@ def stage_update(model: NeoModel, source: str | None = None, lora: str | None = 
     if lora is not None:
         current = {k: t.shape for k, t in where.items()}
         not_finite = []
-        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp):
+        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp,
+                                      cfg=model.cfg):
             base = values[key] if key in values else where[key].read(dtype).to(device)
             v = (base.float() + delta.to(device)).to(dtype)
             if not bool(torch.isfinite(v).all()):

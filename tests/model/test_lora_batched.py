@@ -166,3 +166,17 @@ def test_tensor_parallel_shards_the_factors(tiny, adapters, tmp_path):
     x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
     want = forward(model, x, "gen", torch.tensor([reg.adapters["p"].slot] * 4 + [-1] * 2, dtype=torch.int32))
     torch.testing.assert_close(torch.load(out, weights_only=True), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny, tmp_path):
+    """`--lora` (merged) reads the same files and refuses the same way: no silent partial merge."""
+    from services.model.loader import LoadError
+    model = load_model(tiny, "gen")
+    h = model.cfg.llm.hidden_size
+    good = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
+    path = _write(tmp_path / "partly.safetensors", {
+        f"{good}.lora_down.weight": torch.zeros(4, h), f"{good}.lora_up.weight": torch.zeros(h, 4),
+        "transformer.blocks.0.attn.to_q.lora_down.weight": torch.zeros(4, h),
+        "transformer.blocks.0.attn.to_q.lora_up.weight": torch.zeros(h, 4)})
+    with pytest.raises(LoadError, match="1 of its 2 modules do not bind.*transformer.blocks.0.attn.to_q"):
+        load_model(tiny, "gen", lora=path)
