@@ -188,10 +188,8 @@ def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext |
     if cfg is not None:
         unbound = unbound_modules(factors, cfg)
         if unbound:
-            shown = ", ".join(repr(m) for m in unbound[:8]) + (f" (and {len(unbound) - 8} more)" if len(unbound) > 8
-                                                                else "")
             raise LoadError(f"LoRA file {path}: {len(unbound)} of its {len(factors)} modules do not bind to this "
-                            f"model: {shown}")
+                            f"model: {name_list(unbound)}")
     for module, (down, up, scale) in factors.items():
         name = module + ".weight"
         if name not in weights:
@@ -201,6 +199,13 @@ def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext |
             raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is "
                             f"{tuple(weights[name].shape)}")
         yield name, delta
+
+
+def name_list(names, limit: int = 8) -> str:
+    """'a', 'b' (and N more): names in an error message, sorted."""
+    names = sorted(names)
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
 
 
 def unbound_modules(factors: dict, cfg: NeoConfig) -> list[str]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from kernels.lora import padded_rank
 
-from .loader import LoadError, read_lora
+from .loader import LoadError, name_list, read_lora
 from .lora_batched import LoraHook
 from .lora_spec import parse_lora_spec
 from .parallel import shard, shard_dim
@@ -96,12 +96,6 @@ def target_names(model) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if TARGET.match(n) and isinstance(m, nn.Linear)}
 
 
-def _names(names, limit: int = 8) -> str:
-    names = sorted(names)
-    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(repr(n) for n in names[:limit]) + more
-
-
 class LoraRegistry:
     def __init__(self, model, max_loras: int, max_rank: int):
         from .weights_io import checkpoint_shapes
@@ -146,7 +140,7 @@ class LoraRegistry:
         if unbound:
             bound = len(factors) - len(unbound)
             raise LoraError(f"LoRA adapter {name!r}: {len(unbound)} of its {len(factors)} modules do not bind to "
-                            f"this model ({bound} do): {_names(unbound)}; the targets are the decoder layers' "
+                            f"this model ({bound} do): {name_list(unbound)}; the targets are the decoder layers' "
                             "q/k/v/o_proj and mlp gate/up/down_proj of both branches (`_mot_gen`)",
                             code="lora_modules_unbound")
         bad, too_wide = [], []

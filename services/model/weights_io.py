@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, weight_map
+from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, name_list, weight_map
 from .model import NeoModel
 from .parallel import shard, shard_dim
 
@@ -215,9 +215,7 @@ def update_files(source: str) -> dict[str, str]:
 
 
 def _names(keys: Iterable[str], limit: int = 5) -> str:
-    keys = sorted(keys)
-    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(repr(k) for k in keys[:limit]) + more
+    return name_list(keys, limit)
 
 
 def stage_update(model: NeoModel, source: str | None = None, lora: str | None = None, lora_strength: float = 1.0,
