@@ -117,6 +117,14 @@ def test_interleaved_answers_use_the_adapter(c):
     assert answer("a") == adapted
 
 
+def test_step_cache_with_an_adapter(c):
+    """A cached step runs the later layers on a subset of the rows: their adapter slots follow them."""
+    cache = {"mode": "first_block", "threshold": 10.0}
+    img = image(c, "a", seed=4, steps=6, cache=cache)
+    assert img == image(c, "a", seed=4, steps=6, cache=cache) and img != image(c, "sensenova-u1", seed=4, steps=6,
+                                                                             cache=cache)
+
+
 def test_load_and_unload_are_admin_routes(lora_stack, c):
     r = httpx.post(lora_stack.base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
     assert r.status_code == 401

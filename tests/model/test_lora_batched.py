@@ -180,3 +180,20 @@ def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny, tmp_path):
         "transformer.blocks.0.attn.to_q.lora_up.weight": torch.zeros(h, 4)})
     with pytest.raises(LoadError, match="1 of its 2 modules do not bind.*transformer.blocks.0.attn.to_q"):
         load_model(tiny, "gen", lora=path)
+
+
+def test_a_subset_forward_keeps_each_rows_adapter(tiny, adapters):
+    """The step cache runs layers 1.. on a subset of the batch's rows (lora_subset): each keeps its own slot."""
+    from services.model.lora_batched import lora_subset
+    model = load_model(tiny, "gen")
+    reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapters["peft"], 1.0)])
+    s = reg.adapters["p"].slot
+    x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([s, s, -1, -1, s, -1], dtype=torch.int32)
+    rows = torch.tensor([1, 2, 4])
+    pos = torch.arange(6).repeat(3, 1)
+    with lora_rows(model, slots), lora_subset(model, rows):
+        got = model.gen_layers(x[rows], model.rope(pos[:, rows]), rowwise_attend, start=1)
+    with lora_rows(model, slots[rows]):
+        want = model.gen_layers(x[rows], model.rope(pos[:, rows]), rowwise_attend, start=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
