@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from typing import Callable
+from services.lora_flags import add_lora_flags, lora_env
 from services.netutil import free_port
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "u1serve")
@@ -368,7 +369,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
-        "env": {"U1SERVE_INTERNAL_TOKEN": token, STACK_ID_ENV: stack_id}, "api_key": api_key,
+        "env": {"U1SERVE_INTERNAL_TOKEN": token, STACK_ID_ENV: stack_id, **lora_env(args)}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
         "yield_page": qos_page(args, pool),
@@ -463,6 +464,7 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "allows it (auto = on; off by default, see docs/deployment.md)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
+    add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
@@ -595,6 +597,29 @@ def cmd_tiny(args) -> int:
     return 0
 
 
+def add_tiny_lora(sub) -> None:
+    p = sub.add_parser("tiny-lora", help="write a small random LoRA adapter for the tiny checkpoint (tests, demos "
+                                         "of --lora-modules / POST /v1/load_lora_adapter)")
+    p.add_argument("dir", help="output: the PEFT directory (or, with --layout official, the .safetensors file)")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or a tiny alias (default: tiny)")
+    p.add_argument("--layout", choices=["peft", "official"], default="peft")
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=8.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--branches", choices=["both", "und", "gen"], default="both",
+                   help="the branches whose layers it adapts")
+    p.set_defaults(func=cmd_tiny_lora)
+
+
+def cmd_tiny_lora(args) -> int:
+    from services.model.tiny_lora import write_tiny_lora   # lazy: pulls in torch
+    model = ensure_tiny_checkpoint(tiny_variant(args.model)) if args.model in TINY_ALIASES else args.model
+    branches = ("und", "gen") if args.branches == "both" else (args.branches,)
+    print(write_tiny_lora(args.dir, model, rank=args.rank, alpha=args.alpha, seed=args.seed, branches=branches,
+                          layout=args.layout))
+    return 0
+
+
 def add_rl_train(sub) -> None:
     p = sub.add_parser("rl-train", help="train the model with Flow-GRPO / DanceGRPO / MixGRPO against a stack "
                                         "(docs/rl.md): one JSON line per iteration")
@@ -641,7 +666,7 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray, add_convert]
+COMMANDS = [add_up, add_demo, add_tiny, add_tiny_lora, add_rl_train, add_ray, add_convert]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,11 @@ ALIASES = {"steps": "num_inference_steps", "cfg_scale": "guidance_scale", "img_c
            "flow_shift": "timestep_shift", "think_mode": "think"}
 
 
+
+# the LoRA adapter of an engine request (docs/lora.md): the name the request's `model` picked; None: base weights
+LORA_FIELD = Field(None, min_length=1, max_length=L.MAX_LORA_NAME_CHARS,
+                   description="LoRA adapter name (GET /v1/models lists them); None: the base weights")
+
 class Guidance(BaseModel):
     """What decides the CFG branches (and so which prefixes understanding computes)."""
     model_config = INTERNAL
@@ -245,6 +250,7 @@ class PrefixRequest(Guidance):
     stream: bool = False
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
+    lora: Optional[str] = LORA_FIELD
     # RL (docs/rl.md): sample the think block instead of greedy decoding, returning each token's log-prob under
     # the processed distribution; or re-prefill an exact think block (scoring)
     think_temperature: Optional[Float] = Field(None, ge=L.GREEDY_TEMPERATURE, le=L.MAX_TEMPERATURE,
@@ -282,6 +288,7 @@ class GenerateRequest(SamplerParams):
                                         "(an interleaved answer's image k is draw k of one generator)")
     export_image: bool = Field(False, description="also write the final float image into the KV pool and return "
                                                   "its handle (`image_handle`): an interleaved answer reads it back")
+    lora: Optional[str] = LORA_FIELD
 
     @field_validator("width", "height")
     @classmethod

@@ -36,6 +36,7 @@ class Answer:
     generate: dict                     # jobs.generate_fields: GenerateRequest fields but the per-image ones
     logit_bias: Optional[dict] = None
     cache_salt: Optional[str] = None
+    lora: Optional[str] = None         # the LoRA adapter of every segment (routers/lora.py); also in `generate`
     transcript: list[dict] = field(default_factory=list)
     floats: list[dict] = field(default_factory=list)        # the float images' handles (the answer's to free)
     text_tokens: int = 0
@@ -64,7 +65,7 @@ class Segment(GenerationTarget):
             request_id=self.request_id, messages=a.messages, think=a.think, transcript=a.transcript,
             max_tokens=a.max_tokens - a.text_tokens, images_left=a.max_images - a.images,
             guidance_scale=g["guidance_scale"], image_guidance_scale=g["image_guidance_scale"],
-            logit_bias=a.logit_bias, cache_salt=a.cache_salt).model_dump(mode="json", exclude_none=True)
+            logit_bias=a.logit_bias, cache_salt=a.cache_salt, lora=a.lora).model_dump(mode="json", exclude_none=True)
 
     @staticmethod
     def route_key(prefix_body: dict) -> int:

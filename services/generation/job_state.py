@@ -16,6 +16,7 @@ from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
+from .lora import job_adapter
 from .request import GenerateRequest
 
 
@@ -47,6 +48,7 @@ class JobState:
                  kv_heads: int | None = None):
         self.spec = spec
         self.request_id = spec.request_id
+        self.lora = job_adapter(model, spec)     # held until free() (lora.py)
         self.params = spec.sampler()
         self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
         self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
@@ -92,6 +94,9 @@ class JobState:
                 self.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(kv)
 
     def free(self) -> None:
+        if self.lora is not None:
+            self.lora.release()
+            self.lora = None
         self.kv = None
         self._meta.clear()
         self.branch_state = {b: BranchState(computed=s.computed, reused=s.reused)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 
 from services.contract.rl_weights import WeightsCommitBody, WeightsStageBody
 from services.kit.errors import APIError, from_validation, unavailable
+from services.kit.lora_api import lora_router
 from services.kit.web import json_body
 
 DEFAULT_VERSION = "0"
@@ -143,6 +144,7 @@ class WeightsEndpoint:
             body = await json_body(request)
             op_id = body.get("id") if isinstance(body, dict) else None
             return await self.abort(op_id if isinstance(op_id, str) else None)
+        r.include_router(lora_router(self))     # LoRA load / unload ride the same channel (lora_api.py)
         return r
 
 

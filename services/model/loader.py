@@ -247,7 +247,7 @@ def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext 
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
     merged = 0
     params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
-    for name, delta in lora_deltas(path, params, strength, tp):
+    for name, delta in lora_deltas(path, params, strength, tp, cfg=model.cfg):
         param = params[name]
         param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
         merged += 1
@@ -256,10 +256,19 @@ def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext 
     return merged
 
 
-def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None):
+def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None,
+                cfg: NeoConfig | None = None):
     """(name, fp32 delta of this TP rank's shard) for every `X.weight` in `weights` ({name: tensor of this rank's
-    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch."""
-    for module, (down, up, scale) in read_lora(path).items():
+    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch, and (given the model's `cfg`)
+    when any module it names is no weight of the checkpoint, either branch (the list of names: an adapter that binds
+    to nothing, or only in part, is refused rather than half applied)."""
+    factors = read_lora(path)
+    if cfg is not None:
+        unbound = unbound_modules(factors, cfg)
+        if unbound:
+            raise LoadError(f"LoRA file {path}: {len(unbound)} of its {len(factors)} modules do not bind to this "
+                            f"model: {name_list(unbound)}")
+    for module, (down, up, scale) in factors.items():
         name = module + ".weight"
         if name not in weights:
             continue
@@ -268,6 +277,19 @@ def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext |
             raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is "
                             f"{tuple(weights[name].shape)}")
         yield name, delta
+
+
+def name_list(names, limit: int = 8) -> str:
+    """'a', 'b' (and N more): names in an error message, sorted."""
+    names = sorted(names)
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def unbound_modules(factors: dict, cfg: NeoConfig) -> list[str]:
+    """The adapter's module names that are no `X.weight` of the checkpoint (both branches), sorted."""
+    names = {k[: -len(".weight")] for k in _expected_shapes(cfg) if k.endswith(".weight")}
+    return sorted(m for m in factors if m not in names)
 
 
 PEFT_FILE, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"

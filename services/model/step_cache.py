@@ -33,6 +33,8 @@ import torch
 
 from services.contract.image import CacheMode, CacheOptions  # noqa: F401  (declared with the request contract)
 
+from .lora_batched import lora_subset
+
 CACHE_MODES = CacheMode.__args__
 COEFFICIENTS_ENV = "U1SERVE_TEACACHE_COEFFICIENTS"   # a calibrated file (bench/calibrate_teacache.py)
 COEFFICIENTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "teacache_coefficients.json")
@@ -158,8 +160,9 @@ class StepCache:
         else:
             rest = None
             if any(g.compute for g in self.groups):   # not rows.numel(): an SP rank may hold none
-                rest = model.gen_layers(h1.index_select(0, rows), model.rope(rope.positions[:, rows]),
-                                        self.attend_for([g for g in self.groups if g.compute]), start=probe)
+                with lora_subset(model, rows):       # the LoRA slots of those rows (lora_batched.py)
+                    rest = model.gen_layers(h1.index_select(0, rows), model.rope(rope.positions[:, rows]),
+                                            self.attend_for([g for g in self.groups if g.compute]), start=probe)
             h = self.fill(x, h1, rest)
         self.store(x, h1, h)
         return h

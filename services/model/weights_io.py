@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, weight_map
+from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, name_list, weight_map
 from .model import NeoModel
 from .moe import checkpoint_views
 from .parallel import shard, shard_dim
@@ -217,9 +217,7 @@ def update_files(source: str) -> dict[str, str]:
 
 
 def _names(keys: Iterable[str], limit: int = 5) -> str:
-    keys = sorted(keys)
-    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(repr(k) for k in keys[:limit]) + more
+    return name_list(keys, limit)
 
 
 def stage_update(model: NeoModel, source: str | None = None, lora: str | None = None, lora_strength: float = 1.0,
@@ -294,7 +292,8 @@ def stage_update(model: NeoModel, source: str | None = None, lora: str | None = 
     if lora is not None:
         current = {k: t.shape for k, t in where.items()}
         not_finite = []
-        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp):
+        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp,
+                                      cfg=model.cfg):
             base = values[key] if key in values else where[key].read(dtype).to(device)
             v = (base.float() + delta.to(device)).to(dtype)
             if not bool(torch.isfinite(v).all()):
@@ -380,6 +379,8 @@ class LiveWeights:
         rank, agree with the engine's other ranks (`all_gather(obj) -> [obj of each rank]`), and return the
         reply rank 0 sends: {"id", "ok", "version", "seconds", "updated"?, "skipped"?, "error"?}. A stage
         that failed on any rank is dropped on every rank."""
+        if op["op"] in LORA_OPS:      # resident adapters (lora_registry.py), not the weights
+            return lora_op(self.model, op, all_gather)
         t0 = time.perf_counter()
         reply: dict = {"id": op["id"], "ok": True}
         err = None
@@ -413,6 +414,19 @@ class LiveWeights:
             size += sum(p.numel() * p.element_size() for p in self.model.parameters())   # worst case: every weight
         free, _ = torch.cuda.mem_get_info(dev)
         return dev if 2 * size < free else torch.device("cpu")
+
+
+LORA_OPS = ("lora_load", "lora_unload")
+
+
+def lora_op(model: NeoModel, op: dict, all_gather) -> dict:
+    reg = getattr(model, "lora", None)
+    if reg is None:
+        all_gather(None)          # the ranks still meet once, as for any op
+        return {"id": op["id"], "ok": False, "error": {
+            "status": 400, "code": "lora_disabled",
+            "message": "this engine serves no LoRA adapters (start it with --max-loras N or --lora-modules)"}}
+    return reg.run(op, all_gather)
 
 
 def error_reply(exc: BaseException) -> dict:

@@ -16,7 +16,10 @@ import zmq
 from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
+from services.model.lora_registry import attach_lora
+
 from .devices import rank_device
+from .lora import plan_slots
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
 from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
                        token_logprobs)
@@ -102,6 +105,7 @@ class Engine:
         self.dtype = _dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
                                 quantization=cfg.quantization)
+        attach_lora(self.model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
         self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
         cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
@@ -121,6 +125,7 @@ class Engine:
             self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
                                    max_queue_wait_s=cfg.max_queue_wait_s)
+            self.sched.model = self.model
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
@@ -209,6 +214,7 @@ class Engine:
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
+        plan.lora_slots = plan_slots(entries)
         # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
         decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows
         if decode:

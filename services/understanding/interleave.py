@@ -131,7 +131,8 @@ class InterleaveService:
             cond, tu, texts = await self._inputs(req)
             params = self._text_params(req, len(cond.input_ids))
             rid = st.engine_rid(req.request_id)
-            gen = textgen.generate(st, rid, cond, params, reasoning_state(tok, req.think, texts), req.cache_salt)
+            gen = textgen.generate(st, rid, cond, params, reasoning_state(tok, req.think, texts), req.cache_salt,
+                                   req.lora)
             first = await anext(gen)       # an immediate error is still a plain 4xx/5xx response
         except BaseException:
             admission.close()
@@ -166,7 +167,7 @@ class InterleaveService:
                       ALL_UNCOND: PR.PromptInput(tok.encode(PR.UNCOND_TEXT))}
             inputs = {b: inputs[b] for b in req.branches()}
             # the prefix job takes over the segment's admission slot (the text request is done)
-            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt)
+            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora)
             async for pev in job.events():
                 if isinstance(pev, APIError):
                     raise pev

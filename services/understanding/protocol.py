@@ -18,6 +18,7 @@ class SubmitRequest:
     kind: str = "text"
     stop_token_ids: list[int] = field(default_factory=list)   # eos etc. (already merged with params)
     cache_salt: Optional[str] = None  # prefix-cache isolation domain (None = the shared default domain)
+    lora: Optional[str] = None        # LoRA adapter name (lora.py; None = the base weights)
     # prefix requests only
     think: bool = False
     max_think_tokens: int = 0

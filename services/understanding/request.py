@@ -48,6 +48,7 @@ class Req:
             keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)
             self.spans.append((s, e, i))
         self.keys = salt_keys(keys, msg.cache_salt)
+        self.lora = None                        # the LoRA adapter held (lora.bind), salting the keys further
         self.tokens = ids                       # every token whose id is known (fed or to be fed)
         self.output_ids: list[int] = []         # generated tokens (text) / think tokens (prefix)
         self.num_computed = 0                   # tokens whose KV is in the pool

@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+from services.model.lora_registry import AdapterNotFound
+
+from . import lora
 from .kv_allocator import KVSlotAllocator
 from .protocol import EngineStats, RequestOutput, SubmitRequest
 from .radix_cache import RadixCache
@@ -42,6 +45,7 @@ class Scheduler:
         self.outputs: list[RequestOutput] = []
         self.stats = EngineStats(kv_total=num_slots)
         self._suspects: set[str] = set()   # requests of a failed step, each to run one step alone (step_failed)
+        self.model = None       # the engine's model: its LoRA adapters (lora.py)
         self.admitting = True   # False while a weight update drains (understanding/weights.py): only requests
         #                         that ran before (preempted) come back in
 
@@ -49,6 +53,10 @@ class Scheduler:
     def add(self, msg: SubmitRequest) -> None:
         try:
             req = Req(msg, self.img_context_id, self._arrivals)
+            lora.bind(req, self.model)
+        except AdapterNotFound as e:     # unloaded between the gateway's check and here
+            self.outputs.append(RequestOutput(msg.rid, [], "error", error=str(e), error_code="model_not_found"))
+            return
         except Exception as e:  # malformed prompt (the HTTP side validates; this is the last guard)
             self.outputs.append(RequestOutput(msg.rid, [], "error", error=f"bad request: {e}",
                                               error_code="invalid_request"))
@@ -130,6 +138,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.reqs.pop(req.rid, None)
         self._suspects.discard(req.rid)
+        lora.release(req)
         req.finished = reason
         out = RequestOutput(req.rid, req.new_ids, reason, error=error, error_code=code,
                             prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle,

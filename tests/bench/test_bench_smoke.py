@@ -32,6 +32,8 @@ SMOKE = {
                            "--size", "64", "--steps", "4", "--repeat", "2"],
     "weight-update": ["bench/bench_weight_update.py", "--tiny", "--profiles", "cpu-colocate", "--repeat", "1",
                       "--log-dir", "{tmp}"],
+    "lora": ["bench/bench_lora.py", "--device", "cpu", "--tiny", "--sizes", "64", "--jobs", "2", "--resident", "1,2",
+             "--steps", "1", "--warmup", "1"],
     "interleave": ["bench/bench_interleave.py", "--tiny", "--profiles", "cpu-colocate", "--size", "64x64",
                    "--steps", "2", "--requests", "1", "--log-dir", "{tmp}"],
 }

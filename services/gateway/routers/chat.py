@@ -25,6 +25,7 @@ from .. import interleave
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
+from .lora import adapter_for
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
@@ -89,6 +90,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
+    adapter_for(state, req.model)       # an unknown model: 404 before any work (understanding resolves it again)
     if req.wants_interleave:
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
@@ -238,7 +240,8 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
-                    first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt)
+                    first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
+                    lora=adapter_for(state, req.model))
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:
@@ -290,11 +293,14 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
     generate = generate_fields(state.config, opts, mode="edit", prompt="",
                                first_image_wh=(checked[0].width, checked[0].height) if checked else None,
                                export_image=True)
+    lora = adapter_for(state, req.model)
+    if lora is not None:
+        generate["lora"] = lora
     answer = interleave.Answer(
         request_id=request_id(request), messages=[m.model_dump(mode="json", exclude_none=True) for m in req.messages],
         think=opts.think if "think" in opts.model_fields_set else True,
         max_tokens=interleave.default_max_tokens(req.max_tokens), max_images=opts.max_images, generate=generate,
-        logit_bias=req.logit_bias, cache_salt=salt)
+        logit_bias=req.logit_bias, cache_salt=salt, lora=lora)
     cid, created, model = "chatcmpl-" + answer.request_id, int(time.time()), req.model or state.config.model_name
     fmt = opts.output_format
 

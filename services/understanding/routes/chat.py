@@ -15,6 +15,7 @@ from services.model import prompts as PR
 
 from ..choices import Choices, merged_usage
 from ..inputs import image_refs, prompt_messages, text_params
+from ..lora import requested_adapter
 from ..state import app_state
 from .responses import sse_response, until_done_or_gone
 
@@ -39,7 +40,7 @@ async def chat_completions(request: Request):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = text_params(req, len(inp.input_ids), st.limits, logprobs=logprobs)
         rid = st.engine_rid(request.state.request_id)
-        choices = Choices(st, rid, inp, params, think, req.n, req.cache_salt)
+        choices = Choices(st, rid, inp, params, think, req.n, req.cache_salt, requested_adapter(st, req.model))
         events = choices.events()
         if req.stream:
             # run up to the first event so an immediate error is still a plain 4xx/5xx response
