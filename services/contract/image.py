@@ -8,13 +8,15 @@ The gateway validates a request completely before any work starts; the engines v
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from . import limits as L
 from .types import INTERNAL, PUBLIC, Float, Int
+
+ImageSide = Annotated[Int, Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)]   # pixels
 
 CfgNorm = Literal["none", "global", "channel", "cfg_zero_star"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -283,9 +285,10 @@ class GenerateRequest(SamplerParams):
     cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
     partial_images: Int = Field(0, ge=0, le=L.MAX_PARTIAL_IMAGES,
                                 description="`partial_image` events: the x0 estimate at evenly spaced steps")
-    noise_draw: Int = Field(0, ge=0, le=L.MAX_INTERLEAVE_IMAGES,
-                            description="draws of this shape taken from the seeded generator before the noise "
-                                        "(an interleaved answer's image k is draw k of one generator)")
+    noise_draws: list[tuple[ImageSide, ImageSide]] = Field(
+        default_factory=list, max_length=L.MAX_INTERLEAVE_IMAGES,
+        description="(width, height) of each draw taken from the seeded generator before this noise: an "
+                    "interleaved answer's image k follows the draws of images 0..k-1, each at its own size")
     export_image: bool = Field(False, description="also write the final float image into the KV pool and return "
                                                   "its handle (`image_handle`): an interleaved answer reads it back")
     lora: Optional[str] = LORA_FIELD

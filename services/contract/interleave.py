@@ -57,6 +57,8 @@ class InterleaveSegmentRequest(Guidance, LogitBias):
     images_left: Int = Field(ge=0, le=L.MAX_INTERLEAVE_IMAGES, description="0: an <img> ends the answer")
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS)
     lora: Optional[str] = LORA_FIELD
+    return_token_ids: bool = Field(False, description="text events carry their token ids; the final event the "
+                                                      "image span ids, and the prompt's ids on a first segment")
 
     @property
     def images(self) -> list[TranscriptImage]:

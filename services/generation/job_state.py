@@ -63,7 +63,7 @@ class JobState:
         self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
-                                       self.noise_scale, getattr(spec, "noise_draw", 0))
+                                       self.noise_scale, getattr(spec, "noise_draws", ()))
         self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
         self.rl = None                           # RL jobs: rollout.RolloutState / ScoreState (rollout.py)
         self.step = 0

@@ -163,15 +163,16 @@ class NeoModel(nn.Module):
     def gen_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.norm_mot_gen(h)
 
-    def time_embeddings(self, t: torch.Tensor, noise_scale: float) -> torch.Tensor:
-        """TE(t) + TE'(s / cap): one [H] vector per step, broadcast over every image token."""
+    def time_embeddings(self, t: torch.Tensor, noise_scale: float, rows: int = 1) -> torch.Tensor:
+        """TE(t) + TE'(s / cap), [rows, H]: the same vector for every image token. The official code embeds one
+        copy of t per token; a GEMM of `rows` = N identical rows rounds as it does (one row does not, in fp32)."""
         fm = self.fm_modules
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).reshape(1)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).reshape(1).expand(rows)
         emb = fm["timestep_embedder"](t)
         if self.cfg.add_noise_scale_embedding:
             s = torch.full_like(t, noise_scale / self.cfg.noise_scale_max_value)
             emb = emb + fm["noise_scale_embedder"](s)
-        return emb[0]
+        return emb
 
     def gen_embed(self, x_t: torch.Tensor, t, noise_scale: float) -> torch.Tensor:
         """x_t [B, 3, H, W] (the Euler state as an image) -> [B, N, hidden] gen input tokens."""
@@ -181,7 +182,7 @@ class NeoModel(nn.Module):
         patches = x_t.reshape(B, 3, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B * gh * gw, 3 * p * p)
         tok = self.fm_modules["vision_model_mot_gen"](patches, [(gh, gw)] * B)
         tok = tok.view(B, -1, tok.shape[-1])
-        return tok + self.time_embeddings(t, noise_scale).to(tok.dtype)
+        return tok + self.time_embeddings(t, noise_scale, tok.shape[1]).to(tok.dtype)
 
     def gen_head(self, hidden: torch.Tensor, th: int, tw: int) -> torch.Tensor:
         """[B, N, hidden] -> x_hat [B, N, 3072] in (row, col, channel) order per 32-px block."""

@@ -145,22 +145,33 @@ class InterleaveService:
                 job.close()
             admission.close()
 
+        ends = (tok.img_start_id, tok.im_end_id)       # the greedy text's stops: never part of a segment
+
         async def events():
             nonlocal job
             ev, ids = first, []
+            if req.return_token_ids and not req.transcript:     # the answer's first segment: its prompt first
+                yield {"type": "text", "reasoning": "", "content": "", "token_ids": [],
+                       "prompt_token_ids": list(cond.input_ids)}
             while True:
                 ids.extend(ev["ids"])
-                if ev["reasoning"] or ev["content"]:
-                    yield {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
+                new = [t for t in ev["ids"] if t not in ends] if req.return_token_ids else []
+                if ev["reasoning"] or ev["content"] or new:
+                    text = {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
+                    yield {**text, "token_ids": new} if req.return_token_ids else text
                 if "finish_reason" in ev:
                     break
                 ev = await anext(gen)
             final = ev
             stop = ids[-1] if final["finish_reason"] == "stop" and ids else None
-            seg = ids[:-1] if stop in (tok.img_start_id, tok.im_end_id) else ids
+            seg = ids[:-1] if stop in ends else ids
             usage = {**final["usage"], "completion_tokens": len(seg)}
+            # what the gateway needs to spell a generated image as token ids
+            extra = {"image_span_ids": [tok.img_start_id, tok.img_context_id, tok.img_end_id]} \
+                if req.return_token_ids else {}
             if stop != tok.img_start_id or req.images_left <= 0:
-                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage}
+                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage,
+                       **extra}
                 return
             inputs = {"cond": PR.PromptInput(cond.input_ids + seg + [tok.img_start_id], cond.images),
                       TEXT_FREE: PR.PromptInput(tu.input_ids + [tok.img_start_id], tu.images),
@@ -172,7 +183,7 @@ class InterleaveService:
                 if isinstance(pev, APIError):
                     raise pev
                 if pev["type"] == "handles":
-                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage}
+                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage, **extra}
 
         async def stream():
             try:

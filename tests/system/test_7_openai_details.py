@@ -69,6 +69,11 @@ def test_chat_default_prompt_is_the_official_one(openai_client, reference):
     official = "<|im_start|>user\nWrite a short poem<|im_end|>\n<|im_start|>assistant\n"
     want = R.generate_text(model, tok, PromptInput(tok.encode(official)), max_new_tokens=8)
     assert r.choices[0].model_extra["token_ids"] == want
+    assert r.model_extra["prompt_token_ids"] == tok.encode(official)      # vLLM's field names
+    chunks = list(openai_client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, temperature=0,
+                                                        stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == tok.encode(official)
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])] == want
 
 
 def test_chat_logprobs_and_n(openai_client):

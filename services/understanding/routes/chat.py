@@ -68,8 +68,11 @@ async def chat_completions(request: Request):
         async def stream():
             finals: dict[int, dict] = {}
             try:
-                for i in range(req.n):
-                    yield sse.encode(chunk(i, {"role": "assistant", "content": ""}))
+                for i in range(req.n):      # vLLM: return_token_ids puts the prompt's ids on the first chunks
+                    c = chunk(i, {"role": "assistant", "content": ""})
+                    if req.return_token_ids:
+                        c["prompt_token_ids"] = list(inp.input_ids)
+                    yield sse.encode(c)
                 pending = first
                 while pending is not None:
                     i, ev = pending
@@ -126,5 +129,8 @@ async def chat_completions(request: Request):
         if req.return_token_ids:
             choice["token_ids"] = [t for t in g["ids"] if t not in stop_ids]
         out.append(choice)
-    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
+    resp = {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": merged_usage({i: got[i]["final"] for i in range(req.n)})}
+    if req.return_token_ids:
+        resp["prompt_token_ids"] = list(inp.input_ids)
+    return resp
