@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.model import prompts as PR  # noqa: E402
 from services.model import reference as R  # noqa: E402
-from services.understanding.engine import Engine, EngineConfig  # noqa: E402
+from services.understanding.config import EngineConfig  # noqa: E402
+from services.understanding.engine import Engine  # noqa: E402
 from services.understanding.protocol import SubmitRequest  # noqa: E402
 from services.understanding.sampling import SamplingParams  # noqa: E402
 

@@ -7,7 +7,6 @@ import datetime
 import logging
 import os
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,7 @@ import zmq
 from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
+from .config import EngineConfig
 from .devices import rank_device
 from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
 from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
@@ -25,27 +25,6 @@ from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
-
-
-@dataclass
-class EngineConfig:
-    model_dir: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    tp: int = 1
-    dist_port: int = 29500
-    kv_cache_tokens: int = 16384
-    max_running: int = 256
-    max_model_len: int = 8192
-    chunked_prefill_size: int = 2048
-    enable_prefix_cache: bool = True
-    kv_pool_name: str | None = None
-    cuda_graph_max_bs: int = 128
-    max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
-    yield_signal: str = ""            # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
-    log_level: str = "WARNING"
-    in_addr: str = ""       # HTTP -> engine (PULL here)
-    out_addr: str = ""      # engine -> HTTP (PUSH here)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -102,9 +81,10 @@ class Engine:
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
         self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
-        cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
-        cfg.max_model_len = min(cfg.max_model_len, cfg.kv_cache_tokens)
-        self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+        # the config is the request; what fits GPU memory may be less
+        self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
+        self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running, self.max_model_len,
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
@@ -116,14 +96,14 @@ class Engine:
             from services.kit.yield_signal import YieldSignal
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
         if rank == 0:
-            self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running, self.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
                                    max_queue_wait_s=cfg.max_queue_wait_s)
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
             self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
-                                 "kv_cache_tokens": cfg.kv_cache_tokens, "max_model_len": cfg.max_model_len})
+                                 "kv_cache_tokens": self.kv_cache_tokens, "max_model_len": self.max_model_len})
             self._send([])
 
     def _fit_kv_cache(self, want: int) -> int:

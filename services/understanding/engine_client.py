@@ -29,7 +29,8 @@ from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
-from .engine import EngineConfig, run_engine
+from .config import EngineConfig
+from .engine import run_engine
 from .protocol import Abort, EngineStats, RequestOutput, Shutdown, SubmitRequest
 
 log = logging.getLogger("u1serve.understanding.client")

@@ -16,7 +16,6 @@ import sys
 
 from fastapi import FastAPI
 
-from services import timeouts
 from services.contract import limits as CL
 from services.kit import errors, live
 from services.kit.config import STACK_ID_ENV, read_secret
@@ -24,6 +23,7 @@ from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceM
 from services.kit.streaming import add_stream_flags, guard
 from services.model import images as IM
 
+from .config import add_engine_flags
 from .image_inputs import ImageBudget
 from .routes import chat, internal, native, ops
 from .state import AppState
@@ -54,16 +54,12 @@ def create_app(args) -> FastAPI:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("services.understanding.server",
-                                description="u1serve understanding service (chat, VQA, image prefixes)")
+                                description="u1serve understanding service (chat, VQA, image prefixes)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--device", default="cpu", help="cpu, cuda (the current CUDA device) or cuda:N")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine processes")
-    p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
-    p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
-                   "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
+    add_engine_flags(p)
     p.add_argument("--kv-pool-owner", default=os.environ.get(STACK_ID_ENV, ""),
                    help="the stack id recorded in the pool segment as its owner: only that stack's launcher removes "
                         f"it (shm_transfer/segment.py; env {STACK_ID_ENV}, set by u1serve up)")
@@ -81,19 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lease of exported prefix pages (reclaimed after it if nobody releases them)")
     p.add_argument("--max-prefix-pool-share", type=float, default=0.5,
                    help="largest share of the KV pool one image-prefix request may reserve (larger: 400)")
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="token slots of the paged KV cache")
-    p.add_argument("--max-model-len", type=int, default=32768, help="context limit (prompt + output)")
-    p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond the running ones; more get 429 (default: "
                         "max(16, KV cache tokens / 256))")
-    p.add_argument("--max-queue-wait-s", type=float, default=timeouts.UND_MAX_QUEUE_WAIT_S,
-                   help="a request that waited longer for admission fails with 429 (0 = no limit)")
-    p.add_argument("--chunked-prefill-size", type=int, default=4096,
-                   help="prefill tokens per iteration (0 = no chunking); image spans are never split")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=128,
-                   help="largest decode batch replayed from a CUDA graph (0 = eager; CUDA, dense models only)")
     p.add_argument("--engine-max-failures", type=int, default=5,
                    help="engine deaths within --engine-failure-window-s after which it is not restarted")
     p.add_argument("--engine-failure-window-s", type=float, default=600.0)
@@ -115,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request bodies above this get 413")
     p.add_argument("--max-think-tokens", type=int, default=CL.MAX_THINK_TOKENS, help="upper bound for max_think_tokens")
     add_stream_flags(p)
-    p.add_argument("--log-level", default="info")
     return p
 
 

@@ -19,7 +19,7 @@ from services.model.config import load_config
 from services.model.loader import model_fingerprint
 from services.model.tokenizer import NeoTokenizer
 
-from .engine import EngineConfig
+from .config import EngineConfig
 from .engine_client import EngineClient
 from .image_inputs import ImageBudget, ImageDecoder
 from .image_prefix import ImagePrefixService
@@ -71,12 +71,7 @@ class AppState:
         a = self.args
         if a.kv_pool_name:
             self.pool = self._create_transport()
-        ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
-                            kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
-                            max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
-                            enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
-                            cuda_graph_max_bs=a.cuda_graph_max_bs, max_queue_wait_s=a.max_queue_wait_s,
-                            log_level=a.log_level, yield_signal=a.yield_signal)
+        ecfg = EngineConfig.from_args(a)
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
         self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)

@@ -11,7 +11,8 @@ import threading
 import pytest
 import zmq
 
-from services.understanding.engine import Engine, EngineConfig
+from services.understanding.config import EngineConfig
+from services.understanding.engine import Engine
 from services.understanding.protocol import Shutdown, SubmitRequest
 from services.understanding.sampling import SamplingParams
 
