@@ -25,7 +25,7 @@ from services.model import images as IM
 
 from .config import add_engine_flags
 from .image_inputs import ImageBudget
-from .routes import chat, internal, native, ops
+from .routers import chat, internal, native, ops
 from .state import AppState
 
 TOKEN_ENV = "U1SERVE_INTERNAL_TOKEN"
