@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from services.contract.image import SamplerParams  # noqa: F401  (the one declaration)
+from services.contract.image import SamplerParams
 
 BLOCK = 32  # pixels per token side
 

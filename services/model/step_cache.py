@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.contract.image import CacheMode, CacheOptions  # noqa: F401  (declared with the request contract)
+from services.contract.image import CacheMode, CacheOptions
 
 CACHE_MODES = CacheMode.__args__
 

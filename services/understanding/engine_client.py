@@ -143,7 +143,6 @@ class EngineClient:
         self._ctx = zmq.Context()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = EngineStats(kv_total=cfg.kv_cache_tokens)
-        self.fingerprint: Optional[str] = None
         self.kv_cache_tokens = cfg.kv_cache_tokens
         self.max_model_len = cfg.max_model_len
         self.ever_ready = False
@@ -190,7 +189,6 @@ class EngineClient:
         elif kind == "ready":
             self.kv_cache_tokens = msg.get("kv_cache_tokens", self.base_cfg.kv_cache_tokens)
             self.max_model_len = msg.get("max_model_len", self.base_cfg.max_model_len)
-            self.fingerprint = msg.get("fingerprint")
             self.supervisor.mark_ready(unit)
             first = not self.ever_ready
             self.ever_ready = True
