@@ -11,50 +11,15 @@ import math
 import os
 
 import torch
-from safetensors import safe_open
 
+from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
 from .parallel import TPContext, shard, shard_dim
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 checkpoints: per-output-channel fp32 scale of `X.weight`
 LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class LoadError(ValueError):
-    """The checkpoint does not match the model; the message names the file or key."""
-
-
-def weight_map(model_dir: str) -> dict[str, str]:
-    """key -> shard file path."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
-        for shard_file in set(wm.values()):
-            if not os.path.exists(os.path.join(model_dir, shard_file)):
-                raise LoadError(f"shard {shard_file} named in {INDEX_FILE} is missing")
-        return {k: os.path.join(model_dir, v) for k, v in wm.items()}
-    single = os.path.join(model_dir, SINGLE_FILE)
-    if not os.path.exists(single):
-        raise LoadError(f"no {INDEX_FILE} or {SINGLE_FILE} in {model_dir}")
-    with _open(single) as f:
-        return {k: single for k in f.keys()}
-
-
-def _open(path: str):
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise LoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None
 
 
 def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
@@ -123,7 +88,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     for key in needed:
         path = wm[key]
         if path not in handles:
-            handles[path] = _open(path)
+            handles[path] = open_safetensors(path)
         f = handles[path]
         try:
             sl = f.get_slice(key)
@@ -204,7 +169,7 @@ def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     if os.path.isdir(path):
         path = os.path.join(path, PEFT_FILE)
     out = {}
-    with _open(path) as f:
+    with open_safetensors(path) as f:
         keys = set(f.keys())
         if any(".lora_A." in k for k in keys):
             cfg = _peft_config(os.path.dirname(path))
@@ -258,7 +223,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
     skey = key[: -len(".weight")] + FP8_SCALE_SUFFIX
     if skey not in wm:
         raise LoadError(f"fp8 tensor {key!r} has no {skey!r} in the checkpoint")
-    f = handles.setdefault(wm[skey], _open(wm[skey]))
+    f = handles.setdefault(wm[skey], open_safetensors(wm[skey]))
     s = f.get_tensor(skey).float().reshape(-1)
     if s.numel() != shape[0]:
         raise LoadError(f"{skey!r} has {s.numel()} values, {key!r} has {shape[0]} rows")

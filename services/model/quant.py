@@ -378,7 +378,7 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, branches=("gen",)) -> str:
     from safetensors.torch import save_file
 
     from .config import load_config
-    from .loader import FP8_SCALE_SUFFIX, INDEX_FILE, weight_map
+    from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, weight_map
     from .model import NeoModel
     with torch.device("meta"):
         meta = NeoModel(load_config(src_dir), "both")

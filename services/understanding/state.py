@@ -79,11 +79,11 @@ class AppState:
         self.engine.start()
 
     def _create_transport(self):
-        """The producer side of the KV handoff (shm_transfer.create_producer): the shm pool, served over the
+        """The producer side of the KV handoff (shm_transfer.producer.create_producer): the shm pool, served over the
         network too with --kv-transport nixl. The HTTP process only allocates/releases pages; the engine ranks
         (which copy) attach the pool and pin it."""
         from shm_transfer import KVLayout
-        from shm_transfer.transport import create_producer
+        from shm_transfer.producer import create_producer
         a, llm = self.args, self.cfg.llm
         layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
                           head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
