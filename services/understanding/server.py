@@ -18,7 +18,8 @@ from fastapi import FastAPI
 
 from services.contract import limits as CL
 from services.kit import errors, live
-from services.kit.config import STACK_ID_ENV, read_secret
+from services import knobs
+from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
 from services.kit.streaming import add_stream_flags, guard
 from services.model import images as IM
@@ -28,7 +29,6 @@ from .image_inputs import ImageBudget
 from .routers import chat, internal, native, ops
 from .state import AppState
 
-TOKEN_ENV = "U1SERVE_INTERNAL_TOKEN"
 
 
 def create_app(args) -> FastAPI:
@@ -60,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     add_engine_flags(p)
-    p.add_argument("--kv-pool-owner", default=os.environ.get(STACK_ID_ENV, ""),
+    p.add_argument("--kv-pool-owner", default=knobs.STACK_ID.get(),
                    help="the stack id recorded in the pool segment as its owner: only that stack's launcher removes "
-                        f"it (shm_transfer/segment.py; env {STACK_ID_ENV}, set by u1serve up)")
+                        f"it (shm_transfer/segment.py; env {knobs.STACK_ID.name}, set by u1serve up)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
     p.add_argument("--kv-transport", choices=["shm", "nixl"], default="shm",
                    help="how generation reads the prefixes: shm (same host) or nixl (over the network with NIXL; "
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine deaths within --engine-failure-window-s after which it is not restarted")
     p.add_argument("--engine-failure-window-s", type=float, default=600.0)
     p.add_argument("--internal-token", default=None,
-                   help=f"the token every route but /health requires (or --internal-token-file, or env {TOKEN_ENV})")
+                   help=f"the token every route but /health requires (or --internal-token-file, or env {knobs.INTERNAL_TOKEN.name})")
     p.add_argument("--internal-token-file", default=None, help="file whose first line is the internal token")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--image-min-pixels", type=int, default=IM.VQA_MIN_PIXELS, help="chat images are resized to >= this")
@@ -111,9 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tp must be >= 1")
     if not 0 < args.max_prefix_pool_share <= 1:
         p.error("--max-prefix-pool-share must be in (0, 1]")
-    args.internal_token = read_secret(args.internal_token, args.internal_token_file, TOKEN_ENV)
+    args.internal_token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
     if not args.internal_token:
-        p.error(f"an internal token is required: pass --internal-token-file PATH, set {TOKEN_ENV}, or "
+        p.error(f"an internal token is required: pass --internal-token-file PATH, set {knobs.INTERNAL_TOKEN.name}, or "
                 "--internal-token (u1serve up makes one per stack)")
     args.max_model_len = min(args.max_model_len, args.kv_cache_tokens)
     if args.kv_transport == "nixl":
@@ -126,7 +126,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def advertise_host(bind_host: str) -> str:
     """The address consumers on other hosts reach this one by: the bind address unless it is a wildcard,
     else POD_IP (Kubernetes downward API), else this host's name resolved."""
-    import os
     import socket
     if bind_host not in ("", "0.0.0.0", "::"):
         return bind_host
