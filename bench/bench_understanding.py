@@ -200,13 +200,14 @@ def hbm_bound_ms(model, args) -> tuple[float, float]:
 
 def main():
     args = parse_args()
+    from services import knobs
     from services.model import tiny
     tmp = tempfile.mkdtemp(prefix="bench-und-")
     if args.tiny:
         model_dir = tiny.write_tiny_checkpoint(os.path.join(tmp, "tiny"))
     else:
         model_dir = tiny.write_full_config(os.path.join(tmp, args.variant), args.variant)
-        os.environ["U1SERVE_RANDOM_WEIGHTS"] = "1"
+        os.environ[knobs.RANDOM_WEIGHTS.name] = "1"
     rng = random.Random(0)
     batches = [int(b) for b in args.batches.split(",")]
     engine = make_engine(model_dir, args, max_running=max(128, max(batches)))

@@ -616,7 +616,23 @@ def cmd_ray(args) -> int:
     return run(args)
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray]
+def add_knobs(sub) -> None:
+    p = sub.add_parser("knobs", help="every U1SERVE_* environment variable: type, default, what it does (services/knobs.py)")
+    p.add_argument("--markdown", action="store_true", help="the table of docs/configuration.md")
+    p.set_defaults(func=cmd_knobs)
+
+
+def cmd_knobs(args) -> int:
+    from services.gateway.config import flag_knobs
+    if args.markdown:
+        sys.stdout.write(knobs.markdown(flag_knobs()))
+        return 0
+    for name, kind, default, why, read_by in knobs.rows(flag_knobs()):
+        print(f"{name:34} {kind:5} {default or '-':18} {why} [{read_by}]")
+    return 0
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray, add_knobs]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -66,12 +66,10 @@ class FlagFamily:
     read_by: str
     members: dict[str, Knob] = field(default_factory=dict)
 
-    def knob(self, flag: str, type: type = str, name: Optional[str] = None) -> Knob:
-        name = name or "U1SERVE_" + flag.lstrip("-").upper().replace("-", "_")
-        if name in KNOBS:        # declared on its own (the API key, the engine URLs, ...)
-            return KNOBS[name]
-        k = self.members.setdefault(name, Knob(name, type, None, f"the default of {flag}", self.read_by))
-        return k
+    def knob(self, flag: str, type: type = str, default: object = None) -> Knob:
+        """The knob of `flag` (its default: the flag's); the first declaration of a flag holds."""
+        name = "U1SERVE_" + flag.lstrip("-").upper().replace("-", "_")
+        return self.members.setdefault(name, Knob(name, type, default, f"{flag} when it is not given", self.read_by))
 
 
 # ---- secrets and identity of a stack --------------------------------------------------------------------------
@@ -145,16 +143,17 @@ DOCKER_CACHE = _knob("U1SERVE_DOCKER_CACHE", str, None, "where docker/build.sh k
 TEST_SEED = _knob("U1SERVE_TEST_SEED", int, 20261130, "the seed every test's own seed derives from", "tests")
 
 
-def rows() -> list[tuple[str, str, str, str, str]]:
-    """(name, type, default, why, read by) of every knob, the gateway family last."""
-    out = [(k.name, k.type.__name__, "" if k.default is None else repr(k.default), k.why, k.read_by)
-           for k in KNOBS.values()]
+def rows(flag_knobs: Iterable[Knob] = ()) -> list[tuple[str, str, str, str, str]]:
+    """(name, type, default, why, read by) of every knob, then the gateway family and its members (`flag_knobs`:
+    the gateway's parser declares them, services.gateway.config.flag_knobs)."""
+    def row(k: Knob) -> tuple[str, str, str, str, str]:
+        return k.name, k.type.__name__, "" if k.default is None else str(k.default), k.why, k.read_by
     f = GATEWAY_FLAGS
-    return out + [(f.pattern, "str", "", f.why, f.read_by)]
+    return [row(k) for k in KNOBS.values()] + [(f.pattern, "", "", f.why, f.read_by)] + [row(k) for k in flag_knobs]
 
 
-def markdown() -> str:
-    """The table docs/configuration.md holds."""
+def markdown(flag_knobs: Iterable[Knob] = ()) -> str:
+    """The table docs/configuration.md holds (`u1serve knobs --markdown`)."""
     lines = ["| variable | type | default | what it does | read by |", "|---|---|---|---|---|"]
-    lines += [f"| `{n}` | {t} | {f'`{d}`' if d else '-'} | {w} | {r} |" for n, t, d, w, r in rows()]
+    lines += [f"| `{n}` | {t} | {f'`{d}`' if d else ''} | {w} | {r} |" for n, t, d, w, r in rows(flag_knobs)]
     return "\n".join(lines) + "\n"

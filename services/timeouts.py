@@ -51,7 +51,7 @@ def _flags(text: str, **defaults: float) -> argparse.Namespace:
 
 
 def _gateway_env(flag: str, env, default: float) -> float:
-    return GATEWAY_FLAGS.knob(flag, float).get(env, default)
+    return GATEWAY_FLAGS.knob(flag, float, default).get(env)
 
 
 def stack_problems(und_args: str, gen_args: str, gateway_args: str, env=None) -> list[str]:

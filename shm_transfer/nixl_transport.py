@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from . import copy as kvcopy
+from services.knobs import KV_SAME_HOST_SHM
+
 from .errors import HandleError, PoolError
 from .handle import KVHandle, check_static
 from .layout import KVLayout
@@ -50,11 +52,10 @@ log = logging.getLogger(__name__)
 # UCX's TCP transport moves 8 KiB segments by default (~0.35 GB/s on loopback here); 512 KiB gives ~1.8.
 _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 _PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages", "page_bytes")
-SAME_HOST_SHM_ENV = "U1SERVE_KV_SAME_HOST_SHM"
 
 
 def same_host_shm_default() -> bool:
-    return os.environ.get(SAME_HOST_SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return KV_SAME_HOST_SHM.get()
 
 
 def nixl_available() -> bool:

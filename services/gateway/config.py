@@ -142,7 +142,7 @@ class GatewayConfig:
 def _add(p: argparse.ArgumentParser, flag: str, *, knob: knobs.Knob | None = None, default=None, help: str = "",
          **kw) -> None:
     """A flag whose default comes from its environment knob (U1SERVE_<FLAG> unless named), else `default`."""
-    knob = knob or knobs.GATEWAY_FLAGS.knob(flag, kw.get("type", str))
+    knob = knob or knobs.GATEWAY_FLAGS.knob(flag, kw.get("type", str), default)
     raw = knob.raw()
     p.add_argument(flag, default=default if raw is None else raw, help=f"{help} (env {knob.name})".strip(), **kw)
 
@@ -223,9 +223,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_knobs() -> list[knobs.Knob]:
+    """The environment knobs of the gateway's flags that are not declared on their own (knobs.GATEWAY_FLAGS)."""
+    build_arg_parser()
+    return sorted(knobs.GATEWAY_FLAGS.members.values(), key=lambda k: k.name)
+
+
 def _bool(p: argparse.ArgumentParser, flag: str, help: str) -> None:
-    knob = knobs.GATEWAY_FLAGS.knob(flag, bool)
-    p.add_argument(flag, action="store_true", default=knob.get() or False, help=f"{help} (env {knob.name}=1)")
+    knob = knobs.GATEWAY_FLAGS.knob(flag, bool, False)
+    p.add_argument(flag, action="store_true", default=knob.get(), help=f"{help} (env {knob.name}=1)")
 
 
 def _split(text: str) -> tuple[str, ...]:

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from services import knobs
+
 from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
@@ -19,7 +21,6 @@ from .model import BRANCHES, NeoModel
 from .parallel import TPContext, shard, shard_dim
 
 FP8_DTYPE = torch.float8_e4m3fn
-LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
 
 
 def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
@@ -38,12 +39,11 @@ def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     return {k: p.shape for k, p in full.named_parameters()}
 
 
-RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
 
 
 def random_weights_requested() -> bool:
     """Benchmarks of full-size geometries (no checkpoint can be downloaded) set U1SERVE_RANDOM_WEIGHTS=1."""
-    return os.environ.get(RANDOM_WEIGHTS_ENV, "") == "1"
+    return knobs.RANDOM_WEIGHTS.get()
 
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
@@ -234,7 +234,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
 
 def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:
     if lora is None:
-        env = os.environ.get(LORA_ENV, "").strip()
+        env = knobs.LORA.text()
         return [parse_lora_spec(x.strip()) for x in env.split(",") if x.strip()]
     if isinstance(lora, str):
         return [(lora, strength)]

@@ -5,13 +5,13 @@ Module and parameter names follow the official checkpoint keys exactly, so a sta
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from services import knobs
 
 from .parallel import TPContext
 
@@ -32,17 +32,11 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
-FUSED_ADD_NORM_ENV = "U1SERVE_FUSED_ADD_NORM"
-
-
 def fused_add_norm() -> bool:
     """Whether a residual add runs fused into the RMSNorm that follows it (`RMSNorm.add_forward`;
     default); U1SERVE_FUSED_ADD_NORM=0 runs the add and the norm separately (the same bits: for
     comparing speed and bits on the GPU)."""
-    value = os.environ.get(FUSED_ADD_NORM_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_ADD_NORM_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return knobs.FUSED_ADD_NORM.get()
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, fused: bool):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from services import knobs
 from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
@@ -109,10 +110,9 @@ class Engine:
     def _fit_kv_cache(self, want: int) -> int:
         """With U1SERVE_GPU_MEMORY_FRACTION (colocate), cap this process's GPU memory at that share and
         shrink the KV cache to what fits next to the weights (all TP ranks agree on the smallest)."""
-        frac = os.environ.get("U1SERVE_GPU_MEMORY_FRACTION")
+        frac = knobs.GPU_MEMORY_FRACTION.get()
         if not frac or not self.device.startswith("cuda"):
             return want
-        frac = float(frac)
         dev = torch.device(self.device)
         torch.cuda.set_per_process_memory_fraction(frac, dev)
         total = torch.cuda.get_device_properties(dev).total_memory
