@@ -16,7 +16,7 @@ from services.model import prompts as PR
 from ..choices import Choices, merged_usage
 from ..inputs import image_refs, prompt_messages, text_params
 from ..state import app_state
-from .responses import sse_response, until_done_or_gone
+from ..responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 
