@@ -18,7 +18,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .config import EngineConfig
 from .devices import rank_device
-from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
+from .protocol import Abort, Fatal, Ready, RequestOutput, Shutdown, Step, SubmitRequest, WeightsReply
 from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
                        token_logprobs)
 from .scheduler import Scheduler
@@ -65,7 +65,7 @@ def run_engine(rank: int, cfg: EngineConfig) -> None:
     except Exception as e:  # report a load/runtime failure to the HTTP process, then die
         traceback.print_exc()
         if out_sock is not None:
-            out_sock.send_pyobj({"type": "fatal", "error": f"{type(e).__name__}: {e}"})
+            out_sock.send_pyobj(Fatal(f"{type(e).__name__}: {e}"))
         raise
 
 
@@ -103,8 +103,7 @@ class Engine:
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
-            self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
-                                 "kv_cache_tokens": self.kv_cache_tokens, "max_model_len": self.max_model_len})
+            self.out.send_pyobj(Ready(self.kv_cache_tokens, self.max_model_len))
             self._send([])
 
     def _fit_kv_cache(self, want: int) -> int:
@@ -148,7 +147,7 @@ class Engine:
         return True
 
     def _send(self, outs: list[RequestOutput]) -> None:
-        self.out.send_pyobj({"type": "step", "outs": outs, "stats": self.sched.snapshot()})
+        self.out.send_pyobj(Step(outs, self.sched.snapshot()))
 
     def run(self) -> None:
         if self.rank != 0:
@@ -161,7 +160,7 @@ class Engine:
             op = self.weights.next_op(self.sched)
             if op is not None:          # between steps, on every rank (weights.py)
                 self._broadcast(WeightsOp(op))
-                self.out.send_pyobj({"type": "weights", **self.weights.run(op, self.rank)})
+                self.out.send_pyobj(WeightsReply(self.weights.run(op, self.rank)))
                 self.weights.after(op, self.sched)
             scheduled = self.sched.schedule()
             if scheduled is None:
