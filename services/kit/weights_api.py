@@ -13,7 +13,6 @@ process is restarted (it reloads the checkpoint; an update is not replayed).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
@@ -153,6 +152,3 @@ def _parse(model, body):
     except ValidationError as exc:
         raise from_validation(exc.errors()) from None
 
-
-def new_op_id() -> str:
-    return "w-" + uuid.uuid4().hex[:12]
