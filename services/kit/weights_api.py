@@ -151,4 +151,3 @@ def _parse(model, body):
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc.errors()) from None
-

@@ -109,4 +109,3 @@ def parse_stack_args(argv: list[str]) -> argparse.Namespace:
         raise ValueError("on Ray, replica counts are the deployments' (und / gen min_replicas, max_replicas), "
                          "not --und-replicas / --gen-replicas")
     return args
-
