@@ -86,3 +86,12 @@ def test_typed_reads(monkeypatch):
     with pytest.raises(ValueError, match="U1SERVE_TIMELINE must be 0 or 1"):
         knobs.TIMELINE.get()
     assert knobs.CUDA_GRAPHS.get({knobs.CUDA_GRAPHS.name: "1"}) is True   # from a given environment
+
+
+def test_u1serve_knobs_lists_them(capsys):
+    from services.cli import main
+    with pytest.raises(SystemExit) as done:
+        main(["knobs"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in [*knobs.KNOBS, "U1SERVE_MAX_STEPS"])
