@@ -149,7 +149,8 @@ def _add(p: argparse.ArgumentParser, flag: str, *, knob: knobs.Knob | None = Non
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway.server",
-                                description="u1serve public OpenAI-compatible gateway")
+                                description="u1serve public OpenAI-compatible gateway",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add(p, "--host", knob=knobs.GATEWAY_HOST, default=None,
          help="bind address (default: 0.0.0.0 with an API key, 127.0.0.1 without one)")
     _add(p, "--port", knob=knobs.GATEWAY_PORT, default=8000, type=int)
