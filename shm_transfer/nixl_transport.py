@@ -54,10 +54,6 @@ _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 _PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages", "page_bytes")
 
 
-def same_host_shm_default() -> bool:
-    return KV_SAME_HOST_SHM.get()
-
-
 def nixl_available() -> bool:
     try:
         _nixl()
@@ -123,7 +119,7 @@ class NixlTransport(Transport):
         self._staging: dict[str, tuple] = {}  # device -> (uint8 buffer, registration) for page reads
         self._claims: dict[tuple[str, int], KVHandle] = {}
         self._pool_reg = None                # the producer's registered segment
-        self.same_host_shm = same_host_shm_default() if same_host_shm is None else same_host_shm
+        self.same_host_shm = KV_SAME_HOST_SHM.get() if same_host_shm is None else same_host_shm
         self._near: dict[tuple[str, str], LocalShmTransport | None] = {}  # (pool, generation) -> shm, if here
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

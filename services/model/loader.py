@@ -39,13 +39,6 @@ def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     return {k: p.shape for k, p in full.named_parameters()}
 
 
-
-
-def random_weights_requested() -> bool:
-    """Benchmarks of full-size geometries (no checkpoint can be downloaded) set U1SERVE_RANDOM_WEIGHTS=1."""
-    return knobs.RANDOM_WEIGHTS.get()
-
-
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
                lora: str | list | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
                random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
@@ -61,7 +54,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         check_fp8_device(torch.device(device), dtype)
     quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
-    if random_weights if random_weights is not None else random_weights_requested():
+    if random_weights if random_weights is not None else knobs.RANDOM_WEIGHTS.get():   # full-size benchmarks
         from .tiny import build_random_model
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
         if quantization == "fp8":
