@@ -24,6 +24,8 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
     --part addnorm    the residual add fused into the next RMSNorm vs apart (U1SERVE_FUSED_ADD_NORM flipped;
                       --sizes; bf16 and fp8 as served; eager and CUDA graphs): s/step, speedup, final x
                       bit-equal; the fused kernels vs add + norm kernel at [4096, hidden]: bits and us
+    --part formats    bf16 / fp8 / int8 / gguf: CFG step time at --sizes and gen-branch weight memory
+                      (bench/genperf_formats.py)
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
@@ -71,7 +73,7 @@ def parse_args():
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs", "addnorm"])
+                                                     "graphs", "addnorm", "formats"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")

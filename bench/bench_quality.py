@@ -5,6 +5,8 @@ For every prompt, the exact image (the checkpoint, the model dtype, --steps, --g
 through the generation engine in-process (the serving code path; prefixes from the reference
 pipeline); then each setting of --settings is generated with the same seed and compared with it:
     fp8            gen-branch Linear layers in fp8 (services/model/quant.py)
+    int8           gen-branch Linear layers in int8 W8A8 (services/model/quant_int8.py)
+    gguf:TYPE      the checkpoint converted to GGUF TYPE (q8_0, q4_k; `u1serve convert`), dequantised at load
     cache:T        first-block step caching with threshold T (per CFG branch)
     truncate:V     CFG only while t <= V (cond alone on the tail)
     preset:8step   the 8-step recipe (8 steps, guidance 1, shift 3): with --lora the 8-step adapter
@@ -13,6 +15,8 @@ trajectory of the first prompt (the fp8 numerics check).
 
     python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
+    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
+        --convert-dir /scratch/u1-converted       # the weight formats' quality cost on real weights
     python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
@@ -53,11 +57,14 @@ def parse_args():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--smoke", action="store_true", help="tiny checkpoint on CPU, 128², 4 steps")
+    p.add_argument("--convert-dir", default=None,
+                   help="where gguf:TYPE settings write their converted checkpoint (default: a temp dir)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.smoke:
         args.model, args.device, args.size, args.steps = "tiny", "cpu", 128, 4
-        args.settings, args.prompts_list = "fp8,cache:0.2,truncate:0.3,preset:8step", DEFAULT_PROMPTS[:1]
+        args.settings = "fp8,int8,gguf:q4_k,cache:0.2,truncate:0.3,preset:8step"
+        args.prompts_list = DEFAULT_PROMPTS[:1]
     return args
 
 
@@ -111,6 +118,18 @@ class Runner:
         return img, seconds, job.branch_steps, pre
 
 
+def converted(path: str, to: str, out_root: str | None) -> str:
+    """`path` converted by `u1serve convert --to TO` (reused when out_root already holds it)."""
+    import tempfile
+
+    from services.model.convert import convert_checkpoint
+    out_root = out_root or tempfile.mkdtemp(prefix="u1-quality-")
+    out = os.path.join(out_root, to.replace(":", "_"))
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    return convert_checkpoint(path, out, to)
+
+
 def fp8_velocity_error(base: Runner, fp8: Runner, pre, size: int, seed: int) -> list[float]:
     """Relative velocity error of fp8 vs the base model at each step of the base 8-step trajectory."""
     m16, m8 = base.model, fp8.model
@@ -141,8 +160,11 @@ def main():
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     base = Runner(path, device, dtype, tok)
     runners = {"base": base}
-    if "fp8" in settings:
-        runners["fp8"] = Runner(path, device, dtype, tok, quantization="fp8")
+    for s in settings:
+        if s in ("fp8", "int8"):
+            runners[s] = Runner(path, device, dtype, tok, quantization=s)
+        elif s.startswith("gguf"):
+            runners[s] = Runner(converted(path, s, args.convert_dir), device, dtype, tok)
     if any(s.startswith("preset:") for s in settings) and args.lora:
         from services.model.lora_spec import parse_lora_spec
         runners["lora"] = Runner(path, device, dtype, tok, lora=[parse_lora_spec(x) for x in args.lora])
@@ -158,8 +180,8 @@ def main():
         for s in settings:
             kind, _, val = s.partition(":")
             run, kw = base, dict(steps=args.steps, guidance=args.guidance, shift=3.0, cache=None)
-            if kind == "fp8":
-                run = runners["fp8"]
+            if kind in ("fp8", "int8", "gguf"):
+                run = runners[s]
             elif kind == "cache":
                 kw["cache"] = {"mode": "first_block", "threshold": float(val)}
             elif kind == "truncate":

@@ -749,5 +749,11 @@ def _print_addnorm(out: dict) -> None:
         print(f"| {k['kernel']} | {k['unfused_us']:.1f} | {k['fused_us']:.1f} | {k['bits_equal']} |")
 
 
+def part_formats(args, device, dtype) -> dict:
+    from genperf_formats import part_formats as run   # bf16 / fp8 / int8 / gguf (its own module)
+    return run(args, device, dtype)
+
+
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
-         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm}
+         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm,
+         "formats": part_formats}

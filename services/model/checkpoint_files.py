@@ -7,7 +7,7 @@ import os
 
 from safetensors import safe_open
 
-FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 checkpoints: per-output-channel fp32 scale of `X.weight`
+FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 / int8 checkpoints: per-output-channel fp32 scale of `X.weight`
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

@@ -19,8 +19,11 @@ from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
 from .parallel import TPContext, shard, shard_dim
+from .quant_checkpoint import SCHEME_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
+QUANT_DTYPES = (FP8_DTYPE, torch.int8)
+_QUANT_DTYPE_NAMES = {"F8_E4M3": FP8_DTYPE, "I8": torch.int8}   # safetensors' header names
 
 
 def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
@@ -28,7 +31,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
     cfg = cfg or load_config(model_dir)
     h = hashlib.sha256(cfg.fingerprint.encode())
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
+        if name.endswith((".safetensors", ".gguf")):
             h.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
     return h.hexdigest()[:16]
 
@@ -44,27 +47,46 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
                random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
     """`lora`: one path (with `lora_strength`) or a list of (path, strength); each adapter is merged
     into the loaded branch if it names weights of it (None: the adapters in $U1SERVE_LORA).
-    `quantization="fp8"`: the dense Linear layers of the gen branch (or of the und branch when only
-    that one is loaded) run in fp8 (services/model/quant.py), after the LoRA merge."""
-    from .quant import QUANTIZATIONS, check_fp8_device, quantize_model
+    `quantization="fp8"` / `"int8"`: the dense Linear layers of the gen branch (or of the und branch when only
+    that one is loaded) run W8A8 (services/model/quant.py, quant_int8.py), after the LoRA merge. A checkpoint
+    converted to fp8 / int8 (`u1serve convert`, services/model/quant_checkpoint.py) is served in its format
+    with its own scales when `quantization` is None / "none" (or names the same scheme): nothing is
+    requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
+    (services/model/gguf_io.py)."""
+    from .quant import QUANTIZATIONS, quantize_model
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "fp8":
-        check_fp8_device(torch.device(device), dtype)
     quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
     if random_weights if random_weights is not None else knobs.RANDOM_WEIGHTS.get():   # full-size benchmarks
         from .tiny import build_random_model
+        _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
-        if quantization == "fp8":
-            quantize_model(model, quant_branches)
+        if quantization != "none":
+            quantize_model(model, quant_branches, scheme_name=quantization)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
+    from .gguf_io import find_gguf, read_gguf_state
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        _check_quant_device(quantization, device, dtype)
+        state = read_gguf_state(gguf_file, dict(model.named_parameters()), _expected_shapes(cfg), tp, device, dtype)
+        return _finish_load(model, state, {}, quantization, quant_branches, lora, lora_strength, tp, model_dir, cfg)
     wm = weight_map(model_dir)
+    ckpt_scheme = _checkpoint_scheme(cfg, wm)
+    if quantization == "none" and ckpt_scheme is not None:
+        quantization = ckpt_scheme       # served as converted, with the checkpoint's scales
+        try:
+            _check_quant_device(quantization, device, dtype)
+        except RuntimeError as e:
+            raise type(e)(f"{model_dir} is a {ckpt_scheme} checkpoint (u1serve convert), which {device} cannot "
+                          f"serve: {e}. Serve the float checkpoint, or one converted with another --to.") from e
+    else:
+        _check_quant_device(quantization, device, dtype)
     full_shapes = _expected_shapes(cfg)
     unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
     if unexpected:
@@ -98,23 +120,58 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
-        if t.dtype == FP8_DTYPE:
+        if t.dtype in QUANT_DTYPES:
             q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
-            prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
+            if t.dtype == SCHEME_DTYPES.get(quantization):   # served in its own format: kept as is
+                prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
         state[key] = t.to(device=device, dtype=dtype)
+    return _finish_load(model, state, prequantized, quantization, quant_branches, lora, lora_strength, tp,
+                        model_dir, cfg)
+
+
+def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization: str, quant_branches, lora,
+                 lora_strength: float, tp, model_dir: str, cfg: NeoConfig) -> NeoModel:
+    """Assign the weights, merge the LoRAs, quantise (from `prequantized` where the checkpoint had them)."""
+    from .quant import quantize_model
     model.load_state_dict(state, strict=True, assign=True)
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
-        if lora_branches(path) & set(BRANCHES[branch]):
+        if lora_branches(path) & set(BRANCHES[model.branch]):
             merge_lora(model, path, strength=strength, tp=tp)
-    if quantization == "fp8":
+    if quantization != "none":
         # merged adapters changed the weights: quantise those from the merged values
-        quantize_model(model, quant_branches, {} if loras else prequantized)
+        quantize_model(model, quant_branches, {} if loras else prequantized, scheme_name=quantization)
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _check_quant_device(quantization: str, device, dtype: torch.dtype) -> None:
+    """Fail before loading where the scheme cannot run on `device`."""
+    if quantization == "fp8":
+        from .quant import check_fp8_device
+        check_fp8_device(torch.device(device), dtype)
+    elif quantization == "int8":
+        from .quant_int8 import check_int8_device
+        check_int8_device(torch.device(device))
+
+
+def _checkpoint_scheme(cfg: NeoConfig, wm: dict[str, str]) -> str | None:
+    """fp8 / int8 for a converted checkpoint (its config and tensor dtypes agree), None for a plain one."""
+    from .quant_checkpoint import QuantConfigError, check_tensors
+    quantized, handles = {}, {}
+    for key, path in wm.items():
+        if key.endswith(".weight"):
+            f = handles.get(path) or handles.setdefault(path, open_safetensors(path))
+            dt = _QUANT_DTYPE_NAMES.get(f.get_slice(key).get_dtype())
+            if dt is not None:
+                quantized[key] = dt
+    try:
+        return check_tensors(cfg.raw, quantized, [k for k in wm if k.endswith(".weight")])
+    except QuantConfigError as e:
+        raise LoadError(str(e)) from None
 
 
 def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:

@@ -320,7 +320,6 @@ def _open_get(handles: dict, path: str, key: str) -> torch.Tensor:
 
 
 def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: list[str]) -> StagedUpdate:
-    from kernels.fp8_quant import quant_fp8_rowwise
     staged = StagedUpdate(skipped=sorted(skipped))
     for key in sorted(values):
         t, v = where[key], values[key]
@@ -330,7 +329,7 @@ def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: 
         if t.param is not None:
             staged.params.append((t.param, v))
         else:                       # as quant.Fp8Linear.from_linears quantises at load: rows of the model dtype
-            q, s = quant_fp8_rowwise(v.to(t.fp8.weight.device))
+            q, s = t.fp8.quantize_rows(v.to(t.fp8.weight.device))   # its scheme's: fp8 or int8
             hp = v if t.fp8.weight_hp is not None else None
             staged.fp8.append((t.fp8, t.r0, t.r1, q, s, hp))
         staged.keys.append(key)

@@ -28,6 +28,7 @@ class EngineConfig:
     max_queue_wait_s: float = timeouts.UND_MAX_QUEUE_WAIT_S   # longer waits for admission fail (0 = no limit)
     yield_signal: str = ""              # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
     log_level: str = "info"
+    quantization: str = "none"          # none | fp8 | int8: the und branch's dense Linear layers (model/quant.py)
     in_addr: str = ""                   # HTTP -> engine (PULL here)
     out_addr: str = ""                  # engine -> HTTP (PUSH here)
 
@@ -37,7 +38,8 @@ class EngineConfig:
                    max_running=a.max_running_requests, max_model_len=a.max_model_len,
                    chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.no_prefix_cache,
                    kv_pool_name=a.kv_pool_name, cuda_graph_max_bs=a.cuda_graph_max_bs,
-                   max_queue_wait_s=a.max_queue_wait_s, yield_signal=a.yield_signal, log_level=a.log_level)
+                   max_queue_wait_s=a.max_queue_wait_s, yield_signal=a.yield_signal, log_level=a.log_level,
+                   quantization=a.quantization)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="cpu, cuda (the current CUDA device) or cuda:N")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"], help="weights and KV")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel engine processes")
+    p.add_argument("--quantization", default=d.quantization, choices=["none", "fp8", "int8"],
+                   help="W8A8 for the und branch's dense Linear layers (services/model/quant.py); none serves a "
+                        "converted checkpoint (u1serve convert) in its own format")
     p.add_argument("--kv-pool-name", default=d.kv_pool_name,
                    help="shared-memory KV pool to create for image prefixes")
     p.add_argument("--yield-signal", default=d.yield_signal, help="colocate QoS: shm page to raise while a decode "

@@ -79,7 +79,8 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = _dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
+        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
+                                quantization=cfg.quantization)
         self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
         # the config is the request; what fits GPU memory may be less

@@ -15,7 +15,7 @@ SMOKE = {
     # the speed-option parts (bench/genperf_parts.py, what bench/gpu_genperf.sh runs on the GPU)
     **{f"generation-{part}": ["bench/bench_generation.py", "--part", part, "--device", "cpu", "--tiny", "--size", "128",
                               "--steps", "1", "--warmup", "1"] for part in ("fp8", "fp8-profile", "warmstart", "preset",
-                                                                               "graphs", "addnorm")},
+                                                                               "graphs", "addnorm", "formats")},
     "handoff": ["bench/bench_handoff.py", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3"],
     "understanding": ["bench/bench_understanding.py", "--tiny", "--device", "cpu", "--dtype", "float32",
                       "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",

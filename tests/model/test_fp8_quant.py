@@ -209,26 +209,6 @@ def test_fp8_velocity_close_to_fp32(tiny_checkpoint):
     assert 0 < rel < 0.02, rel
 
 
-def test_fp8_checkpoint_loads_its_scales(tiny_checkpoint, tmp_path):
-    """An fp8 checkpoint (X.weight e4m3 + X.weight_scale) loads to the same fp8 layers as quantising
-    at load; without --quantization it dequantises."""
-    from services.model.loader import load_model
-    from services.model.quant import write_fp8_checkpoint
-    d = tiny_checkpoint("u1")
-    out = write_fp8_checkpoint(d, str(tmp_path / "fp8"))
-    a = load_model(d, "gen", quantization="fp8")
-    b = load_model(out, "gen", quantization="fp8")
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k].view(torch.uint8) if sa[k].dtype == FP8_DTYPE else sa[k],
-                           sb[k].view(torch.uint8) if sb[k].dtype == FP8_DTYPE else sb[k]), k
-    plain = load_model(out, "gen")
-    attn = plain.language_model.model.layers[0].self_attn
-    kv = a.language_model.model.layers[0].self_attn.qkv_proj_mot_gen.kv_proj
-    assert torch.equal(torch.cat([attn.k_proj_mot_gen.weight, attn.v_proj_mot_gen.weight]), kv.dequantized_weight())
-
-
 def test_fp8_after_lora_merge(tiny_checkpoint, tmp_path):
     """LoRA merges into the model-dtype weights, then the merged weights are quantised."""
     from safetensors.torch import save_file

@@ -63,7 +63,7 @@ def test_export_round_trips_through_the_loader(tiny, tmp_path):
     assert set(gen) | set(W.checkpoint_state(model, "und")) == set(W.checkpoint_shapes(model))
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.parametrize("quantization", ["none", "fp8", "int8"])
 def test_staged_update_equals_a_fresh_load(tiny, base_state, tmp_path, quantization):
     new = new_values(base_state, GEN_KEYS + UND_KEYS)
     W.write_tensors(new, str(tmp_path / "update"))
