@@ -18,6 +18,7 @@ from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, wei
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
+from .moe import checkpoint_views, expert_view, stacked_slot
 from .parallel import TPContext, shard, shard_dim
 from .quant_checkpoint import SCHEME_DTYPES
 
@@ -39,7 +40,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
 def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         full = NeoModel(cfg, "both")
-    return {k: p.shape for k, p in full.named_parameters()}
+    return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
 
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
@@ -74,7 +75,11 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:
         _check_quant_device(quantization, device, dtype)
-        state = read_gguf_state(gguf_file, dict(model.named_parameters()), _expected_shapes(cfg), tp, device, dtype)
+        params = dict(model.named_parameters())
+        state = {}
+        for key, t in read_gguf_state(gguf_file, dict(checkpoint_views(params.items())), _expected_shapes(cfg),
+                                      tp, device, dtype).items():
+            _place(state, params, key, t, device, dtype)
         return _finish_load(model, state, {}, quantization, quant_branches, lora, lora_strength, tp, model_dir, cfg)
     wm = weight_map(model_dir)
     ckpt_scheme = _checkpoint_scheme(cfg, wm)
@@ -92,7 +97,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     if unexpected:
         raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    needed = dict(model.named_parameters())
+    needed = dict(checkpoint_views(model.named_parameters()))   # checkpoint keys (experts: per expert)
+    params = dict(model.named_parameters())                     # meta: the layout to fill
     missing = sorted(k for k in needed if k not in wm)
     if missing:
         raise LoadError(f"missing tensor {missing[0]!r} in the checkpoint"
@@ -120,14 +126,29 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
+        slot = stacked_slot(key)
         if t.dtype in QUANT_DTYPES:
             q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
-            if t.dtype == SCHEME_DTYPES.get(quantization):   # served in its own format: kept as is
+            # served in its own format: kept as is (experts are never quantised layers: model/quant.py)
+            if slot is None and t.dtype == SCHEME_DTYPES.get(quantization):
                 prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
-        state[key] = t.to(device=device, dtype=dtype)
+        _place(state, params, key, t, device, dtype)
     return _finish_load(model, state, prequantized, quantization, quant_branches, lora, lora_strength, tp,
                         model_dir, cfg)
+
+
+def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) -> None:
+    """Put checkpoint tensor `key` into `state`: as itself, or an expert's weight straight into its stacked
+    tensor (model/moe.py), so the experts never exist twice."""
+    slot = stacked_slot(key)
+    if slot is None:
+        state[key] = t.to(device=device, dtype=dtype)
+        return
+    name, e, proj = slot
+    if name not in state:
+        state[name] = torch.empty(params[name].shape, dtype=dtype, device=device)
+    expert_view(state[name], e, proj).copy_(t)
 
 
 def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization: str, quant_branches, lora,
@@ -183,7 +204,7 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
     merged = 0
-    params = dict(model.named_parameters())
+    params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
     for name, delta in lora_deltas(path, params, strength, tp):
         param = params[name]
         param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
