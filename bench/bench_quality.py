@@ -8,13 +8,18 @@ pipeline); then each setting of --settings is generated with the same seed and c
     int8           gen-branch Linear layers in int8 W8A8 (services/model/quant_int8.py)
     gguf:TYPE      the checkpoint converted to GGUF TYPE (q8_0, q4_k; `u1serve convert`), dequantised at load
     cache:T        first-block step caching with threshold T (per CFG branch)
+    tea:T          TeaCache step caching with threshold T (per CFG branch; coefficients: calibrate_teacache.py)
     truncate:V     CFG only while t <= V (cond alone on the tail)
     preset:8step   the 8-step recipe (8 steps, guidance 1, shift 3): with --lora the 8-step adapter
 It also reports the per-step velocity error of fp8 against the model dtype along the exact 8-step
-trajectory of the first prompt (the fp8 numerics check).
+trajectory of the first prompt (the fp8 numerics check), and, when both step caches ran, first-block vs
+TeaCache at equal quality: for each first-block threshold the TeaCache threshold of at least its PSNR that
+computed the fewest steps (a first-block reused step still runs layer 0; a TeaCache one runs no layer).
 
     python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
+    U1SERVE_TEACACHE_COEFFICIENTS=tea.json python bench/bench_quality.py --model ... --size 1024 --steps 50 \
+        --settings cache:0.05,cache:0.1,cache:0.2,tea:0.1,tea:0.2,tea:0.4,tea:0.8
     python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
         --convert-dir /scratch/u1-converted       # the weight formats' quality cost on real weights
     python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
@@ -63,7 +68,7 @@ def parse_args():
     args = p.parse_args()
     if args.smoke:
         args.model, args.device, args.size, args.steps = "tiny", "cpu", 128, 4
-        args.settings = "fp8,int8,gguf:q4_k,cache:0.2,truncate:0.3,preset:8step"
+        args.settings = "fp8,int8,gguf:q4_k,cache:0.2,tea:0.1,tea:0.4,truncate:0.3,preset:8step"
         args.prompts_list = DEFAULT_PROMPTS[:1]
     return args
 
@@ -149,6 +154,18 @@ def fp8_velocity_error(base: Runner, fp8: Runner, pre, size: int, seed: int) -> 
     return out
 
 
+def equal_quality(summary: dict) -> list[tuple[str, str | None]]:
+    """(first-block setting, the TeaCache setting of at least its median PSNR with the fewest computed steps,
+    then the fastest; None if none is as good) for every first-block setting, when both kinds ran."""
+    fbs = [s for s in summary if s.startswith("cache:")]
+    teas = [s for s in summary if s.startswith("tea:")]
+    out = []
+    for fb in fbs if teas else []:
+        ok = [t for t in teas if summary[t]["psnr"] >= summary[fb]["psnr"]]
+        out.append((fb, min(ok, key=lambda t: (summary[t]["computed"], summary[t]["seconds"])) if ok else None))
+    return out
+
+
 def main():
     args = parse_args()
     from services.model.presets import PRESETS
@@ -184,6 +201,8 @@ def main():
                 run = runners[s]
             elif kind == "cache":
                 kw["cache"] = {"mode": "first_block", "threshold": float(val)}
+            elif kind == "tea":
+                kw["cache"] = {"mode": "teacache", "threshold": float(val)}
             elif kind == "truncate":
                 kw["cache"] = {"cfg_truncation": float(val)}
             elif kind == "preset":
@@ -208,13 +227,29 @@ def main():
         bs = rs[0]["branch_steps"]
         comp = ", ".join(str(bs[b]["computed"]) for b in ("cond", "uncond") if b in bs)
         print(f"| {s} | {ps:.2f} | {ss:.4f} | {sec:.3f} | {t0 / sec:.2f}x | {comp} |")
-        summary[s] = {"psnr": ps, "ssim": ss, "seconds": sec, "rows": rs}
+        summary[s] = {"psnr": ps, "ssim": ss, "seconds": sec, "rows": rs,
+                      "computed": sum(bs[b]["computed"] for b in ("cond", "uncond") if b in bs)}
+    equal = equal_quality(summary)
+    if equal:
+        print("\nfirst-block vs TeaCache at equal quality (the TeaCache threshold with PSNR >= the first-block one's "
+              "and the fewest computed steps):\n")
+        print("| first_block | PSNR | SSIM | computed | s | teacache | PSNR | SSIM | computed | s | steps saved |")
+        print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        for fb, tea in equal:
+            cells = []
+            for name in (fb, tea):
+                r = summary.get(name) if name else None
+                cells.append(f"{name} | {r['psnr']:.2f} | {r['ssim']:.4f} | {r['computed']} | {r['seconds']:.3f}"
+                             if r else "none as good | | | |")
+            saved = summary[fb]["computed"] - summary[tea]["computed"] if tea else ""
+            print(f"| {cells[0]} | {cells[1]} | {saved} |")
     if velocity:
         print(f"\nfp8 vs {dtype} velocity error along the 8-step trajectory: mean {statistics.mean(velocity):.4f}, "
               f"max {max(velocity):.4f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "fp8_velocity_rel_err": velocity}, f, indent=2,
+            json.dump({"args": vars(args), "summary": summary, "fp8_velocity_rel_err": velocity,
+                       "equal_quality": equal}, f, indent=2,
                       default=str)
 
 

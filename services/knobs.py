@@ -116,6 +116,11 @@ FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below thi
                        "(unset: quant.CUDA_MIN_TOKENS on CUDA, 0 elsewhere)", "model (fp8)")
 FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast accumulation: 0, 1 or auto (from a "
                        "token count on CUDA)", "model (fp8)")
+FP8_FUSED = _knob("U1SERVE_FP8_FUSED", bool, True, "the norms / silu*mul feeding an fp8 GEMM write fp8 themselves (0: "
+                  "they write the model dtype and the GEMM layers quantise; for comparing)", "model (fp8)")
+TEACACHE_COEFFICIENTS = _knob("U1SERVE_TEACACHE_COEFFICIENTS", str, None, "a TeaCache coefficients file calibrated "
+                              "on this checkpoint (bench/calibrate_teacache.py; unset: the packaged one)",
+                              "model (step cache)")
 CUDA_GRAPHS = _knob("U1SERVE_CUDA_GRAPHS", bool, None, "overrides generation's --cuda-graphs (0: off, 1: on)",
                     "generation")
 PNG_THREADS = _knob("U1SERVE_PNG_THREADS", int, 0, "threads that encode PNGs (0: up to 8, the CPUs this process may "

@@ -21,13 +21,21 @@ tested on CPU.
                                the down GEMM
 Layers whose dims are not multiples of 16 (`_scaled_mm`'s rule) stay in the model dtype.
 
+Each distinct activation is quantised once, by its producer where we own the kernel (RMSNorm, add + RMSNorm,
+silu*mul: the fp8 row and its per-token scale written in the kernel that computes the activation, handed to
+the GEMMs as an `Fp8Activation`), by the one standalone quantiser pass otherwise (o_proj: cuDNN attention
+writes its input). `GemmPolicy.fused` False (U1SERVE_FP8_FUSED=0; for comparing) runs the producers in the
+model dtype and quantises in the GEMM layers instead (still once per input: q and k|v share it), the same
+values to the fp8 rounding rule (kernels/norm_act.py says which producers are bit-exact).
+
 `GemmPolicy` decides per GEMM from its row count M alone (a pure function of the shape, so the same
 batch shape always gets the same numerics): below `min_tokens` rows the layer runs the model-dtype
 weights it kept (fp8 loses there: quantiser passes and `_scaled_mm` launch costs are not repaid by the
 faster GEMM; measured 1024² single-branch, 1,024 rows: fp8 0.042 s/step vs bf16 0.035 s), at or above
 `fast_accum_min_tokens` rows `_scaled_mm` uses fast accumulation (faster at 4,096 rows, much slower at
 1,024 on H200, run 1). Keeping the model-dtype weights costs their memory (2x the fp8 weights); with
-`min_tokens` 0 they are dropped. Env: U1SERVE_FP8_MIN_TOKENS, U1SERVE_FP8_FAST_ACCUM (0 | 1 | auto).
+`min_tokens` 0 they are dropped. Env: U1SERVE_FP8_MIN_TOKENS, U1SERVE_FP8_FAST_ACCUM (0 | 1 | auto),
+U1SERVE_FP8_FUSED (1 | 0).
 
 What stays in bf16: attention itself (softmax(QK^T)V), RoPE, the gen embedder convs, the time
 embedders, the output head (fm_head: it writes the pixels), and MoE experts and routers (A3B: only the
@@ -62,9 +70,16 @@ class Fp8Unsupported(RuntimeError):
 @dataclass(frozen=True)
 class GemmPolicy:
     """Which GEMM a quantised layer runs for M rows: model dtype below `min_tokens`, else fp8, with
-    `_scaled_mm`'s fast accumulation from `fast_accum_min_tokens` rows (None: never)."""
+    `_scaled_mm`'s fast accumulation from `fast_accum_min_tokens` rows (None: never). `fused`: the
+    activation producers (RMSNorm, silu*mul) write the fp8 activation themselves (else the GEMM layers
+    quantise their input: the comparison of U1SERVE_FP8_FUSED=0)."""
     min_tokens: int = 0
     fast_accum_min_tokens: int | None = None
+    fused: bool = True
+
+    def fused_producer(self, rows: int) -> bool:
+        """Whether a producer of `rows` rows quantises what it computes."""
+        return self.fused and self.fp8(rows)
 
     def fp8(self, rows: int) -> bool:
         return rows >= self.min_tokens
@@ -82,7 +97,7 @@ class GemmPolicy:
         if fast not in ("0", "1", "auto"):
             raise ValueError(f"{knobs.FP8_FAST_ACCUM.name} must be 0, 1 or auto, got {fast!r}")
         fast_min = {"0": None, "1": 0, "auto": CUDA_FAST_ACCUM_MIN_TOKENS if cuda else None}[fast]
-        return cls(max(0, min_tokens), fast_min)
+        return cls(max(0, min_tokens), fast_min, knobs.FP8_FUSED.get())
 
 
 class Fp8Activation:
@@ -242,7 +257,7 @@ class Fp8SwiGLU(nn.Module):
         gate, up = self.gate_up_proj(x)
         lead, n = gate.shape[:-1], gate.shape[-1]
         g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
-        if self.down_proj.policy.fp8(g2.shape[0]):
+        if self.down_proj.policy.fused_producer(g2.shape[0]):
             return self.down_proj(Fp8Activation(*self.silu_mul_quantized(g2, u2), gate.dtype, lead))
         return self.down_proj(silu_mul(gate, up))
 
@@ -273,7 +288,7 @@ class Fp8RMSNorm(RMSNorm):
         return s, Fp8Activation(q, scale, x.dtype, x.shape[:-1])
 
     def _fp8(self, x: torch.Tensor) -> bool:
-        return self.policy.fp8(x.numel() // max(x.shape[-1], 1))
+        return self.policy.fused_producer(x.numel() // max(x.shape[-1], 1))
 
 
 def require_fp8(capability: tuple[int, int], name: str) -> None:
