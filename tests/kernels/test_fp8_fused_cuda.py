@@ -107,7 +107,9 @@ def test_rms_norm_fp8_is_a_norm_then_the_quantiser(rows):
         assert_within_fp8_rounding(got, ref)
 
 
-def test_tiny_fp8_model_fused_vs_unfused():
+def test_tiny_fp8_model_fused_vs_unfused(monkeypatch):
+    # the tiny geometry (head_dim 16) is outside some Triton kernels' shapes: let those fall back to torch
+    monkeypatch.setenv("U1SERVE_KERNELS", "auto")
     from services.model.quant import Fp8Linear, Fp8RMSNorm, GemmPolicy, check_fp8_device, quantize_model
     from services.model.tiny import build_random_model, tiny_config
     from tests.model.fused_add_norm_forwards import inputs
