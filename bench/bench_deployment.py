@@ -148,7 +148,8 @@ def run_profile(name: str, model_dir: str, args, port: int, measure=measure) -> 
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(port + 1), "--gen-port", str(port + 2), "--host", "127.0.0.1",
            "--no-restart", "--run-dir", os.path.join(args.log_dir, name)] + PROFILES[name].split() + shlex.split(args.up_args)
-    env = dict(os.environ, U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", PYTHONUNBUFFERED="1")
+    from services import knobs
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1"})
     log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()

@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shm_transfer import KVHandle, KVLayout  # noqa: E402
-from shm_transfer.transport import LocalShmTransport, create_producer  # noqa: E402
+from shm_transfer.producer import create_producer  # noqa: E402
+from shm_transfer.transport import LocalShmTransport  # noqa: E402
 import kernels  # noqa: E402
 
 def parse_args():

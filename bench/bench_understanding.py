@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.model import prompts as PR  # noqa: E402
 from services.model import reference as R  # noqa: E402
-from services.understanding.engine import Engine, EngineConfig  # noqa: E402
+from services.understanding.config import EngineConfig  # noqa: E402
+from services.understanding.engine import Engine  # noqa: E402
 from services.understanding.protocol import SubmitRequest  # noqa: E402
 from services.understanding.sampling import SamplingParams  # noqa: E402
 
@@ -214,6 +215,7 @@ def hbm_bound_ms(model, args) -> tuple[float, float]:
 
 def main():
     args = parse_args()
+    from services import knobs
     from services.model import tiny
     tmp = tempfile.mkdtemp(prefix="bench-und-")
     if args.tiny:
@@ -221,7 +223,7 @@ def main():
         model_dir = tiny.write_tiny_checkpoint(os.path.join(tmp, "tiny"), variant)
     else:
         model_dir = tiny.write_full_config(os.path.join(tmp, args.variant), args.variant)
-        os.environ["U1SERVE_RANDOM_WEIGHTS"] = "1"
+        os.environ[knobs.RANDOM_WEIGHTS.name] = "1"
     rng = random.Random(0)
     batches = [int(b) for b in args.batches.split(",")]
     engine = make_engine(model_dir, args, max_running=max(128, max(batches)))

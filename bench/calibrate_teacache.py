@@ -101,6 +101,7 @@ def parse_args():
 
 def main() -> int:
     args = parse_args()
+    from services import knobs
     from services.model.loader import load_model
     from services.model.tokenizer import NeoTokenizer
     device = torch.device(args.device)
@@ -129,7 +130,7 @@ def main() -> int:
     out = {"source": f"bench/calibrate_teacache.py --model {args.model} --steps {args.steps} --guidance "
                      f"{args.guidance} --shift {args.shift} ({dtype}, {device}, {len(prompts)} prompt(s), "
                      f"{time.strftime('%Y-%m-%d')})",
-           "random_weights": os.environ.get("U1SERVE_RANDOM_WEIGHTS", "") == "1" or args.model.startswith("tiny"),
+           "random_weights": knobs.RANDOM_WEIGHTS.get() or args.model.startswith("tiny"),
            "x": "relative L1 change of the gen stack's input between consecutive steps",
            "y": "relative L1 change of the stack's residual (h_L - x) between the same steps",
            "median_fit_rel_rms_err": statistics.median(b["fit_rel_rms_err"] for b in buckets),

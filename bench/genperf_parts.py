@@ -652,16 +652,16 @@ def addnorm_switch(on: bool):
     """The model's residual adds fused into the next RMSNorm (on) or run apart (U1SERVE_FUSED_ADD_NORM=0);
     read by every forward, so an engine's next eager step or capture follows it (a held graph keeps what
     it captured: each timed run below admits a new job, i.e. a new capture)."""
-    from services.model.modules import FUSED_ADD_NORM_ENV
-    old = os.environ.get(FUSED_ADD_NORM_ENV)
-    os.environ[FUSED_ADD_NORM_ENV] = "1" if on else "0"
+    from services.knobs import FUSED_ADD_NORM
+    old = FUSED_ADD_NORM.raw()
+    os.environ[FUSED_ADD_NORM.name] = "1" if on else "0"
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(FUSED_ADD_NORM_ENV)
+            os.environ.pop(FUSED_ADD_NORM.name)
         else:
-            os.environ[FUSED_ADD_NORM_ENV] = old
+            os.environ[FUSED_ADD_NORM.name] = old
 
 
 def _addnorm_row(model, size: int, graphs: str, args) -> dict:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
-MODULES_ENV, MAX_LORAS_ENV, MAX_RANK_ENV = "U1SERVE_LORA_MODULES", "U1SERVE_MAX_LORAS", "U1SERVE_MAX_LORA_RANK"
+from services import knobs
+
+MODULES_ENV, MAX_LORAS_ENV, MAX_RANK_ENV = knobs.LORA_MODULES.name, knobs.MAX_LORAS.name, knobs.MAX_LORA_RANK.name
 
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:

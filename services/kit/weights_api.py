@@ -13,7 +13,6 @@ process is restarted (it reloads the checkpoint; an update is not replayed).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
@@ -154,7 +153,3 @@ def _parse(model, body):
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc.errors()) from None
-
-
-def new_op_id() -> str:
-    return "w-" + uuid.uuid4().hex[:12]

@@ -40,7 +40,7 @@ def parse_target(to: str) -> tuple[str, str | None]:
 
 def convert_checkpoint(src: str, dst: str, to: str) -> str:
     fmt, gguf_type = parse_target(to)
-    from .loader import INDEX_FILE, LoadError, weight_map
+    from .checkpoint_files import INDEX_FILE, LoadError, weight_map
     try:
         wm = weight_map(src)
     except LoadError as e:
@@ -75,7 +75,8 @@ def _write_quantized(wm: dict[str, str], dst: str, scheme: str) -> list[str]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .loader import INDEX_FILE, QUANT_DTYPES
+    from .checkpoint_files import INDEX_FILE
+    from .loader import QUANT_DTYPES
     from .quant import scheme as quant_scheme
     quantize_rows = quant_scheme(scheme).linear.quantize_rows
     new_map, ignore = {}, []

@@ -151,7 +151,7 @@ def write_gguf(src_dir: str, out_dir: str, type_name: str = DEFAULT_TYPE) -> str
     tokenizer files copied). Returns out_dir."""
     from safetensors import safe_open
 
-    from .loader import weight_map
+    from .checkpoint_files import weight_map
     from .quant_checkpoint import is_target
     gguf = _gguf()
     type_name = parse_type(type_name)
@@ -188,7 +188,7 @@ def find_gguf(model_dir: str) -> str | None:
     names = sorted(n for n in os.listdir(model_dir) if n.endswith(".gguf"))
     if not names:
         return None
-    from .loader import LoadError
+    from .checkpoint_files import LoadError
     if len(names) > 1:
         raise LoadError(f"{model_dir} holds several GGUF files ({', '.join(names)}); keep one")
     if any(n.endswith(".safetensors") for n in os.listdir(model_dir)):
@@ -208,7 +208,7 @@ def gguf_config(path: str) -> dict:
 def read_gguf_state(path: str, needed: dict, full_shapes: dict, tp, device, dtype: torch.dtype) -> dict:
     """{key: tensor in `dtype` on `device` (this TP rank's shard)} for every key of `needed`, dequantised.
     Raises LoadError for a missing / unexpected / misshapen tensor or a tensor type outside `read_types`."""
-    from .loader import LoadError
+    from .checkpoint_files import LoadError
     from .parallel import shard, shard_dim
     gguf = _gguf()
     try:

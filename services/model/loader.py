@@ -11,8 +11,10 @@ import math
 import os
 
 import torch
-from safetensors import safe_open
 
+from services import knobs
+
+from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
@@ -21,44 +23,8 @@ from .parallel import TPContext, shard, shard_dim
 from .quant_checkpoint import SCHEME_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 / int8 checkpoints: per-output-channel fp32 scale of `X.weight`
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 _QUANT_DTYPE_NAMES = {"F8_E4M3": FP8_DTYPE, "I8": torch.int8}   # safetensors' header names
-LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class LoadError(ValueError):
-    """The checkpoint does not match the model; the message names the file or key."""
-
-
-def weight_map(model_dir: str) -> dict[str, str]:
-    """key -> shard file path."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
-        for shard_file in set(wm.values()):
-            if not os.path.exists(os.path.join(model_dir, shard_file)):
-                raise LoadError(f"shard {shard_file} named in {INDEX_FILE} is missing")
-        return {k: os.path.join(model_dir, v) for k, v in wm.items()}
-    single = os.path.join(model_dir, SINGLE_FILE)
-    if not os.path.exists(single):
-        raise LoadError(f"no {INDEX_FILE} or {SINGLE_FILE} in {model_dir}")
-    with _open(single) as f:
-        return {k: single for k in f.keys()}
-
-
-def _open(path: str):
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise LoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None
 
 
 def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
@@ -75,14 +41,6 @@ def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         full = NeoModel(cfg, "both")
     return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
-
-
-RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
-
-
-def random_weights_requested() -> bool:
-    """Benchmarks of full-size geometries (no checkpoint can be downloaded) set U1SERVE_RANDOM_WEIGHTS=1."""
-    return os.environ.get(RANDOM_WEIGHTS_ENV, "") == "1"
 
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
@@ -102,7 +60,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
-    if random_weights if random_weights is not None else random_weights_requested():
+    if random_weights if random_weights is not None else knobs.RANDOM_WEIGHTS.get():   # full-size benchmarks
         from .tiny import build_random_model
         _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
@@ -151,7 +109,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     for key in needed:
         path = wm[key]
         if path not in handles:
-            handles[path] = _open(path)
+            handles[path] = open_safetensors(path)
         f = handles[path]
         try:
             sl = f.get_slice(key)
@@ -227,7 +185,7 @@ def _checkpoint_scheme(cfg: NeoConfig, wm: dict[str, str]) -> str | None:
     quantized, handles = {}, {}
     for key, path in wm.items():
         if key.endswith(".weight"):
-            f = handles.get(path) or handles.setdefault(path, _open(path))
+            f = handles.get(path) or handles.setdefault(path, open_safetensors(path))
             dt = _QUANT_DTYPE_NAMES.get(f.get_slice(key).get_dtype())
             if dt is not None:
                 quantized[key] = dt
@@ -304,7 +262,7 @@ def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     if os.path.isdir(path):
         path = os.path.join(path, PEFT_FILE)
     out = {}
-    with _open(path) as f:
+    with open_safetensors(path) as f:
         keys = set(f.keys())
         if any(".lora_A." in k for k in keys):
             cfg = _peft_config(os.path.dirname(path))
@@ -358,7 +316,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
     skey = key[: -len(".weight")] + FP8_SCALE_SUFFIX
     if skey not in wm:
         raise LoadError(f"fp8 tensor {key!r} has no {skey!r} in the checkpoint")
-    f = handles.setdefault(wm[skey], _open(wm[skey]))
+    f = handles.setdefault(wm[skey], open_safetensors(wm[skey]))
     s = f.get_tensor(skey).float().reshape(-1)
     if s.numel() != shape[0]:
         raise LoadError(f"{skey!r} has {s.numel()} values, {key!r} has {shape[0]} rows")
@@ -369,7 +327,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
 
 def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:
     if lora is None:
-        env = os.environ.get(LORA_ENV, "").strip()
+        env = knobs.LORA.text()
         return [parse_lora_spec(x.strip()) for x in env.split(",") if x.strip()]
     if isinstance(lora, str):
         return [(lora, strength)]

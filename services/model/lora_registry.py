@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from services import knobs
+
 from kernels.lora import padded_rank
 
 from .loader import LoadError, name_list, read_lora
@@ -32,9 +34,6 @@ from .parallel import shard, shard_dim
 
 TARGET = re.compile(r"^language_model\.model\.layers\.\d+\."
                     r"(self_attn\.[qkvo]_proj(_mot_gen)?|mlp(_mot_gen)?\.(gate|up|down)_proj)$")
-MODULES_ENV = "U1SERVE_LORA_MODULES"     # "name=path[:strength],..." (what `u1serve up --lora-modules` sets)
-MAX_LORAS_ENV = "U1SERVE_MAX_LORAS"      # resident adapter slots (0: multi-LoRA off unless modules are given)
-MAX_RANK_ENV = "U1SERVE_MAX_LORA_RANK"
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_RANK = 16
 
@@ -308,16 +307,17 @@ def attach_lora(model, max_loras: int | None = None, max_rank: int | None = None
     ($U1SERVE_MAX_LORAS, $U1SERVE_MAX_LORA_RANK, $U1SERVE_LORA_MODULES). Off (None) when no slot is asked
     for and no module given."""
     if modules is None:
-        modules = parse_modules(os.environ.get(MODULES_ENV, ""))
+        modules = parse_modules(knobs.LORA_MODULES.get())
     if max_loras is None:
-        env = os.environ.get(MAX_LORAS_ENV, "").strip()
-        max_loras = int(env) if env else (max(DEFAULT_MAX_LORAS, len(modules)) if modules else 0)
+        max_loras = knobs.MAX_LORAS.get()
+        if max_loras is None:
+            max_loras = max(DEFAULT_MAX_LORAS, len(modules)) if modules else 0
     if max_loras <= 0:
         if modules:
             raise LoadError(f"{len(modules)} LoRA module(s) given with max_loras 0")
         return None
     if max_rank is None:
-        max_rank = int(os.environ.get(MAX_RANK_ENV, "") or DEFAULT_MAX_RANK)
+        max_rank = knobs.MAX_LORA_RANK.get(default=DEFAULT_MAX_RANK)
     reg = LoraRegistry(model, max_loras, max_rank)
     for name, path, strength in modules:
         reg.load(name, path, strength)

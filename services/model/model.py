@@ -123,10 +123,6 @@ class NeoModel(nn.Module):
     def set_image_context_id(self, token_id: int) -> None:
         self._img_context_id = token_id
 
-    def embed_image(self, image) -> torch.Tensor:
-        """One input image -> its [gh*gw/4, H] token embeddings (und vision embedder)."""
-        return self.vision_model(image.pixel_values.to(self.device), [image.grid_hw])
-
     def und_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
         return self._run_layers(x, rope, attend, "und", norm=self.language_model.model.norm)
 

@@ -6,13 +6,13 @@ A3B experts, stacked per MoE block (moe.py: each per-expert key is a view of its
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from services import knobs
 
 from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
@@ -34,17 +34,11 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
-FUSED_ADD_NORM_ENV = "U1SERVE_FUSED_ADD_NORM"
-
-
 def fused_add_norm() -> bool:
     """Whether a residual add runs fused into the RMSNorm that follows it (`RMSNorm.add_forward`;
     default); U1SERVE_FUSED_ADD_NORM=0 runs the add and the norm separately (the same bits: for
     comparing speed and bits on the GPU)."""
-    value = os.environ.get(FUSED_ADD_NORM_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_ADD_NORM_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return knobs.FUSED_ADD_NORM.get()
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, fused: bool):

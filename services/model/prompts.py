@@ -5,9 +5,11 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
+from services.contract.image import SamplerParams
+
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      generation_input, preprocess)
-from .sampler import SamplerParams, branches_needed
+from .sampler import branches_needed
 from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"

@@ -43,7 +43,6 @@ attention projections of a MoE layer are quantised).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +51,12 @@ from torch import nn
 
 from kernels.fp8_quant import FP8_DTYPE, quant_fp8_rowwise
 from kernels.norm_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul, silu_mul_fp8
+from services import knobs
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
 QUANTIZATIONS = ("none", "fp8", "int8")   # int8: services/model/quant_int8.py
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
-MIN_TOKENS_ENV = "U1SERVE_FP8_MIN_TOKENS"
-FAST_ACCUM_ENV = "U1SERVE_FP8_FAST_ACCUM"
-FUSED_ENV = "U1SERVE_FP8_FUSED"
 CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
 CUDA_FAST_ACCUM_MIN_TOKENS = 4096
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -95,15 +92,12 @@ class GemmPolicy:
         """The serving default: the thresholds above on CUDA (env overrides), plain fp8 elsewhere
         (the CPU emulation has no launch costs to avoid and no fast accumulation)."""
         cuda = torch.device(device).type == "cuda"
-        min_tokens = int(os.environ.get(MIN_TOKENS_ENV, CUDA_MIN_TOKENS if cuda else 0))
-        fast = os.environ.get(FAST_ACCUM_ENV, "auto").strip().lower()
+        min_tokens = knobs.FP8_MIN_TOKENS.get(default=CUDA_MIN_TOKENS if cuda else 0)
+        fast = knobs.FP8_FAST_ACCUM.get().lower()
         if fast not in ("0", "1", "auto"):
-            raise ValueError(f"{FAST_ACCUM_ENV} must be 0, 1 or auto, got {fast!r}")
+            raise ValueError(f"{knobs.FP8_FAST_ACCUM.name} must be 0, 1 or auto, got {fast!r}")
         fast_min = {"0": None, "1": 0, "auto": CUDA_FAST_ACCUM_MIN_TOKENS if cuda else None}[fast]
-        fused = os.environ.get(FUSED_ENV, "1").strip() or "1"
-        if fused not in ("0", "1"):
-            raise ValueError(f"{FUSED_ENV} must be 0 or 1, got {fused!r}")
-        return cls(max(0, min_tokens), fast_min, fused == "1")
+        return cls(max(0, min_tokens), fast_min, knobs.FP8_FUSED.get())
 
 
 class Fp8Activation:

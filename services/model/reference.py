@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from services.contract.image import CacheOptions
+
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .step_cache import BranchState, CacheGroup, CacheOptions, StepCache, truncated_interval
+from .step_cache import BranchState, CacheGroup, StepCache, truncated_interval
 
 if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
     from . import prompts as P       # half runs with torch alone (GPU benchmark machines)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.contract.image import SamplerParams  # noqa: F401  (the one declaration)
+from services.contract.image import SamplerParams
 
 BLOCK = 32  # pixels per token side
 

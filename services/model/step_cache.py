@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.contract.image import CacheMode, CacheOptions  # noqa: F401  (declared with the request contract)
+from services import knobs
+from services.contract.image import CacheMode, CacheOptions
 
 from .lora_batched import lora_subset
 
 CACHE_MODES = CacheMode.__args__
-COEFFICIENTS_ENV = "U1SERVE_TEACACHE_COEFFICIENTS"   # a calibrated file (bench/calibrate_teacache.py)
 COEFFICIENTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "teacache_coefficients.json")
 
 
@@ -64,7 +64,7 @@ def load_coefficients(path: str) -> dict:
 def teacache_bucket(tokens: int, path: str | None = None) -> dict:
     """The bucket of an image of `tokens` tokens: the first whose max_tokens holds it, else the largest.
     File: `path`, else $U1SERVE_TEACACHE_COEFFICIENTS, else the packaged one."""
-    data = load_coefficients(path or os.environ.get(COEFFICIENTS_ENV) or COEFFICIENTS_FILE)
+    data = load_coefficients(path or knobs.TEACACHE_COEFFICIENTS.get() or COEFFICIENTS_FILE)
     return next((b for b in data["buckets"] if tokens <= int(b["max_tokens"])), data["buckets"][-1])
 
 

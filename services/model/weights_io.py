@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, name_list, weight_map
+from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, weight_map
+from .loader import FP8_DTYPE, lora_deltas, name_list
 from .model import NeoModel
 from .moe import checkpoint_views
 from .parallel import shard, shard_dim

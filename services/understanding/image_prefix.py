@@ -26,7 +26,7 @@ from services.model import prompts as PR
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineDead
 from .protocol import SubmitRequest
-from .routes.responses import sse_response, until_done_or_gone
+from .responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
 from .textgen import output_error
 

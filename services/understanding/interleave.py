@@ -29,7 +29,7 @@ from services.model import prompts as PR
 
 from . import textgen
 from .inputs import image_refs, prompt_messages, text_params
-from .routes.responses import sse_response
+from .responses import sse_response
 from .sampling import SamplingParams
 
 log = logging.getLogger("u1serve.understanding.interleave")

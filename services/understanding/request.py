@@ -91,6 +91,11 @@ class Req:
     def is_image_row(self, i: int) -> bool:
         return i < self.prompt_len and int(self.prompt_iend[i]) > 0
 
+    @property
+    def is_decode(self) -> bool:
+        """Its next step is one decode row (one token to feed, outside an image span)."""
+        return self.pending == 1 and not self.is_image_row(self.num_computed)
+
     def positions(self, s: int, e: int) -> torch.Tensor:
         """[3, e - s] positions of tokens [s, e)."""
         P_ = self.prompt_len

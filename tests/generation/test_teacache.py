@@ -18,9 +18,10 @@ import torch
 
 from services.generation.engine import Engine
 from services.generation.request import parse_job
+from services.knobs import TEACACHE_COEFFICIENTS
 from services.model import reference as R
 from services.model import sampler as S
-from services.model.step_cache import (COEFFICIENTS_ENV, BranchState, CacheGroup, CacheOptions, StepCache,
+from services.model.step_cache import (BranchState, CacheGroup, CacheOptions, StepCache,
                                        polyval, rescaled_change, teacache_bucket)
 
 from tests.model.fused_add_norm_forwards import inputs
@@ -75,10 +76,10 @@ def test_threshold_zero_is_exact_and_a_positive_one_skips_through_http(gen_serve
 def test_the_rescaled_change_accumulates_to_the_threshold(ref_model, tmp_path, monkeypatch):
     """A constant polynomial 0.3 and threshold 0.5: reuse once (0.3), compute at 0.6 (the sum resets)."""
     pre = prefixes(ref_model, guidance_scale=4.0)
-    monkeypatch.setenv(COEFFICIENTS_ENV, _coefficients_file(tmp_path, [(16, [0.3]), (10**6, [5.0])]))
+    monkeypatch.setenv(TEACACHE_COEFFICIENTS.name, _coefficients_file(tmp_path, [(16, [0.3]), (10**6, [5.0])]))
     _, counts = _ref(ref_model[0], pre, SPEC, CacheOptions(mode="teacache", threshold=0.5))
     assert counts == {"cond": (2, 2), "uncond": (2, 2)}      # computed at steps 0 and 2 (128²: 16 tokens)
-    monkeypatch.setenv(COEFFICIENTS_ENV, _coefficients_file(tmp_path, [(8, [0.3]), (10**6, [5.0])], "tea2.json"))
+    monkeypatch.setenv(TEACACHE_COEFFICIENTS.name, _coefficients_file(tmp_path, [(8, [0.3]), (10**6, [5.0])], "tea2.json"))
     _, counts = _ref(ref_model[0], pre, SPEC, CacheOptions(mode="teacache", threshold=0.5))
     assert counts == {"cond": (4, 0), "uncond": (4, 0)}      # the bucket of 16 tokens: 5.0, over the threshold
 

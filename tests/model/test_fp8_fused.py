@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kernels.fp8_quant import AUTO_PIECES_MIN_ROWS, fp8_launch
-from services.model.quant import FUSED_ENV, Fp8Linear, Fp8RMSNorm, GemmPolicy
+from services.knobs import FP8_FUSED
+from services.model.quant import Fp8Linear, Fp8RMSNorm, GemmPolicy
 from tests.model.fused_add_norm_forwards import inputs
 
 
@@ -44,12 +45,12 @@ def test_producers_quantise_once_and_equal_the_unfused_model(tiny_checkpoint, mo
 
 
 def test_fused_policy_from_the_environment(monkeypatch):
-    monkeypatch.delenv(FUSED_ENV, raising=False)
+    monkeypatch.delenv(FP8_FUSED.name, raising=False)
     assert GemmPolicy.for_device("cuda").fused and GemmPolicy.for_device("cpu").fused_producer(1)
-    monkeypatch.setenv(FUSED_ENV, "0")
+    monkeypatch.setenv(FP8_FUSED.name, "0")
     pol = GemmPolicy.for_device("cuda")
     assert not pol.fused and not pol.fused_producer(1 << 20) and pol.fp8(1 << 20)
-    monkeypatch.setenv(FUSED_ENV, "yes")
+    monkeypatch.setenv(FP8_FUSED.name, "maybe")
     with pytest.raises(ValueError, match="0 or 1"):
         GemmPolicy.for_device("cuda")
 

@@ -36,7 +36,7 @@ def _close(a: Image.Image, b: Image.Image):
 @pytest.fixture(scope="module")
 def expected(reference):
     import services.model.reference as R
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     model, tok = reference
     params = SamplerParams(mode="edit", num_inference_steps=STEPS, guidance_scale=4.0, image_guidance_scale=1.0)
     ans = R.interleave(model, tok, MSGS, params, SIZE, SIZE, seed=SEED, think=True, max_new_tokens=40,
@@ -160,7 +160,7 @@ def test_interleaved_answer_with_an_input_image_three_branches_non_think(stack, 
 
     import services.model.reference as R
     from services.model.images import load_image
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     model, tok = reference
     buf = io.BytesIO()
     Image.fromarray((np.arange(64 * 96 * 3) % 251).astype(np.uint8).reshape(64, 96, 3)).save(buf, format="PNG")

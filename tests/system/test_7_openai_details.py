@@ -119,7 +119,8 @@ def test_partial_image_is_the_x0_estimate(stack, reference):
 
     import services.model.reference as R
     from services.generation.previews import preview_steps
-    from services.model.sampler import SamplerParams, to_uint8
+    from services.contract.image import SamplerParams
+    from services.model.sampler import to_uint8
     body = {"prompt": "a kite over a field", "size": "64x64", "num_inference_steps": 8, "seed": 21, "stream": True,
             "partial_images": 1}
     with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=120) as r:

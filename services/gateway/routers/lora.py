@@ -14,12 +14,12 @@ An unload stops new requests at once; running ones finish with the adapter (the 
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Optional
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from services import knobs
 from services.contract import limits as L
 from services.kit.errors import APIError, bad_request
 from services.kit.web import ParsedJsonRoute
@@ -30,7 +30,6 @@ from ..state import GatewayState
 from .rl_weights import _call, _replicas
 
 router = APIRouter(tags=["lora"], route_class=ParsedJsonRoute)
-MODULES_ENV, MAX_LORAS_ENV = "U1SERVE_LORA_MODULES", "U1SERVE_MAX_LORAS"   # as services/model/lora_registry.py
 OP_TIMEOUT_S = 660.0
 
 
@@ -52,11 +51,11 @@ class Adapters:
 
     def __init__(self):
         self.names: dict[str, str] = {}
-        for item in (x.strip() for x in os.environ.get(MODULES_ENV, "").split(",")):
+        for item in (x.strip() for x in knobs.LORA_MODULES.get().split(",")):
             name, sep, path = item.partition("=")
             if sep and name.strip():
                 self.names[name.strip()] = path.strip()
-        self.enabled = bool(self.names) or int(os.environ.get(MAX_LORAS_ENV, "") or 0) > 0
+        self.enabled = bool(self.names) or (knobs.MAX_LORAS.get() or 0) > 0
         self.lock = asyncio.Lock()
 
 

@@ -17,7 +17,7 @@ from ..choices import Choices, merged_usage
 from ..inputs import image_refs, prompt_messages, text_params
 from ..lora import requested_adapter
 from ..state import app_state
-from .responses import sse_response, until_done_or_gone
+from ..responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 
