@@ -192,9 +192,10 @@ def part_services(args) -> dict:
     import httpx
 
     from services.cli import add_stack_flags, build_stack
+    from services import knobs
     from services.kit import timeline
     from services.netutil import free_port
-    os.environ[timeline.ENV] = "1"           # the services inherit it
+    os.environ[knobs.TIMELINE.name] = "1"           # the services inherit it
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     port = free_port()

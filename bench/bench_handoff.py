@@ -35,7 +35,8 @@ import uuid
 import torch
 
 from shm_transfer import KVHandle, KVLayout
-from shm_transfer.transport import LocalShmTransport, create_producer
+from shm_transfer.producer import create_producer
+from shm_transfer.transport import LocalShmTransport
 import kernels
 
 def parse_args():

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import random
 import struct
 import sys
@@ -502,9 +501,10 @@ def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
 
 
 def main(argv=None) -> int:
+    from services import knobs
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=os.environ.get("U1SERVE_API_KEY"))
+    p.add_argument("--api-key", default=knobs.API_KEY.get())
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration", type=float, default=120.0, help="seconds")
     p.add_argument("--size", default="1024x1024")

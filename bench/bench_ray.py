@@ -57,9 +57,10 @@ async def measure(base: str, args) -> dict:
 
 def run_ray(model_dir: str, args) -> dict:
     """A one-node Ray cluster (the head; its GPUs found by Ray), the application deployed on it, measured."""
+    from services import knobs
     from services.ray_serve.local_cluster import LocalCluster
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", U1SERVE_INTERNAL_TOKEN="bench-ray-token")
+               **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1", knobs.INTERNAL_TOKEN.name: "bench-ray-token"})
     cluster = LocalCluster(os.path.join(args.log_dir, "ray"), env=env, head_cpus=args.ray_cpus)
     port = free_port()
     t0 = time.time()

@@ -17,6 +17,7 @@ from typing import Callable
 
 import httpx
 
+from services import knobs
 from services.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +84,7 @@ def run_profile(name: str, model_dir: str, args, measure: Callable) -> dict:
            "--und-port", str(free_port()), "--gen-port", str(free_port()), "--host", "127.0.0.1",
            "--no-restart", "--run-dir", os.path.join(args.log_dir, name), *PROFILES[name].split(),
            *shlex.split(args.up_args)]
-    env = dict(os.environ, U1SERVE_RANDOM_WEIGHTS="0" if args.tiny else "1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1"})
     log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()

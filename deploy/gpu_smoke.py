@@ -141,11 +141,12 @@ class Stack:
             self.log.close()
 
     def _env(self) -> dict:
+        from services import knobs
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        env.pop("U1SERVE_API_KEY", None)
-        env["U1SERVE_INTERNAL_TOKEN"] = self.internal_token     # the engines' token: to read generation's /metrics
+        env.pop(knobs.API_KEY.name, None)
+        env[knobs.INTERNAL_TOKEN.name] = self.internal_token     # the engines' token: to read generation's /metrics
         if self.gpus:
-            env["U1SERVE_RANDOM_WEIGHTS"] = "1"
+            env[knobs.RANDOM_WEIGHTS.name] = "1"
         return env
 
     def launcher_output(self) -> str:

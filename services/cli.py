@@ -14,15 +14,16 @@ import shutil
 import sys
 import time
 from typing import Callable
+from services.lora_flags import add_lora_flags, lora_env
+from services import knobs
 from services.netutil import free_port
 
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "u1serve")
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
 
 
 # ------------------------------------------------------------------------------------- helpers
 def cache_dir() -> str:
-    return os.environ.get("U1SERVE_CACHE", DEFAULT_CACHE)
+    return os.path.expanduser(knobs.CACHE.get())
 
 
 def tiny_variant(alias: str) -> str:
@@ -95,7 +96,7 @@ class Placement:
     def env(self, gpus: list[str], fraction: float | None) -> dict[str, str]:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         if fraction is not None:
-            env["U1SERVE_GPU_MEMORY_FRACTION"] = f"{fraction:.3f}"
+            env[knobs.GPU_MEMORY_FRACTION.name] = f"{fraction:.3f}"
         return env
 
 
@@ -103,8 +104,7 @@ def check_devices(args: argparse.Namespace, placement: Placement) -> Placement:
     """Before a real start: a CUDA plan needs its GPUs to be there. Missing GPUs that were asked for (--und-gpus,
     --gen-gpus, --device cuda) are an error that says so; `--device auto` with none asked falls back to the CPU
     (and says so). A dry run plans any profile anywhere and skips this."""
-    from .mps import CPU_TEST_ENV
-    if placement.device != "cuda" or os.environ.get(CPU_TEST_ENV) == "1":   # (the MPS tests' CPU stand-in)
+    if placement.device != "cuda" or knobs.MPS_ON_CPU.get():   # (the MPS tests' CPU stand-in)
         return placement
     from .gpus import cuda_devices
     _, why = cuda_devices(placement.gpus)
@@ -132,7 +132,7 @@ def build_und(args, ctx) -> "ServiceSpec":
     argv += shlex.split(args.und_args or "")
     env = {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)}
     if args.lora:   # the loader merges the adapters that name und weights (services/model/loader.py)
-        env["U1SERVE_LORA"] = ",".join(lora_specs(args))
+        env[knobs.LORA.name] = ",".join(lora_specs(args))
     return ServiceSpec("und", argv, f"http://127.0.0.1:{args.und_port}/health", env)
 
 
@@ -197,14 +197,14 @@ def build_gateway(args, ctx) -> "ServiceSpec":
                  "--default-timestep-shift", str(preset.timestep_shift)]
     env = dict(ctx["env"])
     if ctx.get("api_key"):
-        env["U1SERVE_API_KEY"] = ctx["api_key"]
+        env[knobs.API_KEY.name] = ctx["api_key"]
     if getattr(args, "api_key_file", None):
         argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
     return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
 
 
 SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
-SECRET_ENV = ("U1SERVE_INTERNAL_TOKEN", "U1SERVE_API_KEY")   # never printed, never on a command line
+SECRET_ENV = (knobs.INTERNAL_TOKEN.name, knobs.API_KEY.name)   # never printed, never on a command line
 _SECRET_FLAGS = ("--internal-token", "--api-key")
 
 
@@ -237,12 +237,12 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
         if any(flag in (extra or "") for flag in _SECRET_FLAGS):
             raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
                              "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
-    token = read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN")
+    token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
     if args.api_key_file:
-        read_secrets(None, args.api_key_file, "U1SERVE_API_KEY")     # readable, with at least one key
+        read_secrets(None, args.api_key_file, knobs.API_KEY)     # readable, with at least one key
         args.api_key_file = os.path.abspath(args.api_key_file)
         return token or secrets.token_hex(16), None
-    return token or secrets.token_hex(16), read_secret(args.api_key, None, "U1SERVE_API_KEY")
+    return token or secrets.token_hex(16), read_secret(args.api_key, None, knobs.API_KEY)
 
 
 def check_gen_sp(args, model: str) -> None:
@@ -308,7 +308,7 @@ def sm_percent(text: str) -> int:
 def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
     """--gpu-sharing mps: the deployment's MPS control daemon (services/mps.py), or None for time slicing.
     Refused (exit 2) where nothing is shared or nothing is CUDA."""
-    from .mps import CPU_TEST_ENV, DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
+    from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if args.gpu_sharing != "mps":
         if args.gen_sm_percent is not None:
             usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
@@ -318,7 +318,7 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
     if args.mode != "colocate":
         usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
                     "owns its GPUs and there is nothing to share")
-    if placement.device != "cuda" and os.environ.get(CPU_TEST_ENV) != "1":
+    if placement.device != "cuda" and not knobs.MPS_ON_CPU.get():
         usage_error("--gpu-sharing mps needs CUDA GPUs (--device cuda, or auto on a machine with an NVIDIA "
                     f"driver); this stack runs on {placement.device}")
     for name, flag in ((SM_PERCENT_ENV, "--gen-sm-percent"), (PRIORITY_ENV, "--gen-priority")):
@@ -340,8 +340,6 @@ def under_mps(specs: list, mps) -> list:
 def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
     from services.contract.limits import IMAGE_BLOCK
     from services.generation.image_limits import checkpoint_max_tokens
-
-    from services.kit.config import STACK_ID_ENV
     from services.timeouts import stack_problems
 
     from .launcher import Stack
@@ -368,7 +366,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
-        "env": {"U1SERVE_INTERNAL_TOKEN": token, STACK_ID_ENV: stack_id}, "api_key": api_key,
+        "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args)}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
         "yield_page": qos_page(args, pool),
@@ -455,13 +453,15 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
-    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs)")
+    p.add_argument("--quantization", choices=["none", "fp8", "int8"], default="none",
+                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 "
+                        "(GPUs without fp8); none serves a converted checkpoint in its own format")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="off",
                    help="generation: replay each job's denoise layer stack from a CUDA graph where the step "
                         "allows it (auto = on; off by default, see docs/deployment.md)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
+    add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
@@ -594,6 +594,29 @@ def cmd_tiny(args) -> int:
     return 0
 
 
+def add_tiny_lora(sub) -> None:
+    p = sub.add_parser("tiny-lora", help="write a small random LoRA adapter for the tiny checkpoint (tests, demos "
+                                         "of --lora-modules / POST /v1/load_lora_adapter)")
+    p.add_argument("dir", help="output: the PEFT directory (or, with --layout official, the .safetensors file)")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or a tiny alias (default: tiny)")
+    p.add_argument("--layout", choices=["peft", "official"], default="peft")
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=8.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--branches", choices=["both", "und", "gen"], default="both",
+                   help="the branches whose layers it adapts")
+    p.set_defaults(func=cmd_tiny_lora)
+
+
+def cmd_tiny_lora(args) -> int:
+    from services.model.tiny_lora import write_tiny_lora   # lazy: pulls in torch
+    model = ensure_tiny_checkpoint(tiny_variant(args.model)) if args.model in TINY_ALIASES else args.model
+    branches = ("und", "gen") if args.branches == "both" else (args.branches,)
+    print(write_tiny_lora(args.dir, model, rank=args.rank, alpha=args.alpha, seed=args.seed, branches=branches,
+                          layout=args.layout))
+    return 0
+
+
 def add_rl_train(sub) -> None:
     p = sub.add_parser("rl-train", help="train the model with Flow-GRPO / DanceGRPO / MixGRPO against a stack "
                                         "(docs/rl.md): one JSON line per iteration")
@@ -619,7 +642,44 @@ def cmd_ray(args) -> int:
     return run(args)
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray]
+def add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write a quantised copy of a safetensors checkpoint (fp8, int8, GGUF) that "
+                                       "the server loads without requantising (docs/model.md, weight formats)")
+    p.add_argument("src", help="float safetensors checkpoint directory (official schema)")
+    p.add_argument("dst", help="output directory (new or empty)")
+    p.add_argument("--to", required=True, metavar="fp8|int8|gguf[:TYPE]",
+                   help="fp8 / int8: W8A8 safetensors with per-channel scales for both branches; "
+                        "gguf[:q8_0|q4_k] (default q8_0): GGUF, dequantised at load")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from services.model.convert import ConvertError, convert_checkpoint  # lazy: pulls in torch
+    try:
+        print(convert_checkpoint(args.src, args.dst, args.to))
+    except ConvertError as e:
+        print(f"u1serve convert: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_knobs(sub) -> None:
+    p = sub.add_parser("knobs", help="every U1SERVE_* environment variable: type, default, what it does (services/knobs.py)")
+    p.add_argument("--markdown", action="store_true", help="the table of docs/configuration.md")
+    p.set_defaults(func=cmd_knobs)
+
+
+def cmd_knobs(args) -> int:
+    from services.gateway.config import flag_knobs
+    if args.markdown:
+        sys.stdout.write(knobs.markdown(flag_knobs()))
+        return 0
+    for name, kind, default, why, read_by in knobs.rows(flag_knobs()):
+        print(f"{name:34} {kind:5} {default or '-':18} {why} [{read_by}]")
+    return 0
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_tiny_lora, add_rl_train, add_ray, add_convert, add_knobs]
 
 
 def main(argv: list[str] | None = None) -> None:

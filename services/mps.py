@@ -40,8 +40,6 @@ PID_FILE = "nvidia-cuda-mps-control.pid"
 MAX_PIPE_DIR = 107 - len("/control_privileged")
 START_TIMEOUT_S = 15.0
 QUIT_TIMEOUT_S = 10.0
-# Tests only: lets the launcher's MPS lifecycle run with CPU services and a stand-in daemon (no GPU here).
-CPU_TEST_ENV = "U1SERVE_MPS_ON_CPU"
 
 Say = Callable[[str], None]
 

@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
+
+from services.knobs import GATEWAY_FLAGS
 
 GATEWAY_IDLE_TIMEOUT_S = 300.0        # gateway --upstream-idle-timeout-s
 GATEWAY_REQUEST_TIMEOUT_S = 3600.0    # gateway --request-timeout-s
@@ -49,12 +50,16 @@ def _flags(text: str, **defaults: float) -> argparse.Namespace:
     return p.parse_known_args(shlex.split(text or ""))[0]
 
 
-def stack_problems(und_args: str, gen_args: str, gateway_args: str, env=os.environ) -> list[str]:
+def _gateway_env(flag: str, env, default: float) -> float:
+    return GATEWAY_FLAGS.knob(flag, float, default).get(env)
+
+
+def stack_problems(und_args: str, gen_args: str, gateway_args: str, env=None) -> list[str]:
     """`problems` of a `u1serve up` stack: the defaults, overridden by the extra flags of each service (and the
     gateway's U1SERVE_* environment fallbacks)."""
     gw = _flags(gateway_args,
-                upstream_idle_timeout_s=float(env.get("U1SERVE_UPSTREAM_IDLE_TIMEOUT_S", GATEWAY_IDLE_TIMEOUT_S)),
-                request_timeout_s=float(env.get("U1SERVE_REQUEST_TIMEOUT_S", GATEWAY_REQUEST_TIMEOUT_S)))
+                upstream_idle_timeout_s=_gateway_env("--upstream-idle-timeout-s", env, GATEWAY_IDLE_TIMEOUT_S),
+                request_timeout_s=_gateway_env("--request-timeout-s", env, GATEWAY_REQUEST_TIMEOUT_S))
     gen = _flags(gen_args, max_queue_wait_s=GEN_MAX_QUEUE_WAIT_S, stream_heartbeat_s=GEN_HEARTBEAT_S)
     und = _flags(und_args, max_queue_wait_s=UND_MAX_QUEUE_WAIT_S)
     return problems(gateway_idle_s=gw.upstream_idle_timeout_s, gateway_request_s=gw.request_timeout_s,

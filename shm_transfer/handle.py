@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 from .errors import HandleError
 from .layout import LAYOUT_VERSION, KVLayout
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .pool import ShmKVPool
 
 _FIELD_TYPES = {
     "handle_id": int,
@@ -91,10 +87,6 @@ class KVHandle:
 
     def lease_left(self, now: float | None = None) -> float:
         return self.lease_deadline - (time.time() if now is None else now)
-
-    def validate(self, pool: "ShmKVPool", expected_fingerprint: str | None = None) -> None:
-        """Raise HandleError unless this handle's pages in `pool` are live and hold what the caller expects."""
-        pool.validate(self, expected_fingerprint)
 
 
 def check_static(handle: KVHandle, *, pool_name: str, generation: str, fingerprint: str,

@@ -35,10 +35,6 @@ def try_hold(fd: int, slot: int) -> bool:
         raise
 
 
-def let_go(fd: int, slot: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, slot))
-
-
 def held_by_other(fd: int, slot: int) -> bool:
     """True while a process other than this open file description's holder keeps slot's lock."""
     got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, slot))

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from . import copy as kvcopy
+from services.knobs import KV_SAME_HOST_SHM
+
 from .errors import HandleError, PoolError
 from .handle import KVHandle, check_static
 from .layout import KVLayout
@@ -50,11 +52,6 @@ log = logging.getLogger(__name__)
 # UCX's TCP transport moves 8 KiB segments by default (~0.35 GB/s on loopback here); 512 KiB gives ~1.8.
 _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k"}
 _PRODUCER_FIELDS = ("agent", "host", "port", "table_addr", "pages_addr", "num_pages", "page_bytes")
-SAME_HOST_SHM_ENV = "U1SERVE_KV_SAME_HOST_SHM"
-
-
-def same_host_shm_default() -> bool:
-    return os.environ.get(SAME_HOST_SHM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def nixl_available() -> bool:
@@ -122,7 +119,7 @@ class NixlTransport(Transport):
         self._staging: dict[str, tuple] = {}  # device -> (uint8 buffer, registration) for page reads
         self._claims: dict[tuple[str, int], KVHandle] = {}
         self._pool_reg = None                # the producer's registered segment
-        self.same_host_shm = same_host_shm_default() if same_host_shm is None else same_host_shm
+        self.same_host_shm = KV_SAME_HOST_SHM.get() if same_host_shm is None else same_host_shm
         self._near: dict[tuple[str, str], LocalShmTransport | None] = {}  # (pool, generation) -> shm, if here
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

@@ -94,10 +94,6 @@ class Segment:
             raise
         return cls(name, fd, mm, created=False)
 
-    def creator_alive(self) -> bool:
-        """True while the process that created this segment still lives (and has not closed it)."""
-        return self.created or locks.held_by_other(self.fd, CREATOR_SLOT)
-
     def is_current(self) -> bool:
         """True while /dev/shm/<name> is still the segment we mapped (not unlinked or replaced)."""
         try:

@@ -92,19 +92,6 @@ class Transport(abc.ABC):
         self.close()
 
 
-def create_producer(kind: str, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
-                    pin: bool | None = None, owner: str = "", **network) -> "Transport":
-    """The understanding service's transport: kind "shm" (same host) or "nixl" (network; `network` holds
-    NixlTransport.create's listen_host / listen_port / advertise_host); `owner` (the stack's id) is recorded in the
-    segment."""
-    if kind == "shm":
-        return LocalShmTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner)
-    if kind == "nixl":
-        from .nixl_transport import NixlTransport
-        return NixlTransport.create(name, layout, size_bytes, model_fingerprint, pin=pin, owner=owner, **network)
-    raise ValueError(f"unknown KV transport {kind!r}; one of 'shm', 'nixl'")
-
-
 class LocalShmTransport(Transport):
     """Same-host transport over a ShmKVPool.
 

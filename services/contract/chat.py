@@ -126,10 +126,27 @@ class ChatTemplateKwargs(BaseModel):
 
 
 class ChatImageOptions(ImageOptions):
-    """`image_config` of a chat request: the image options, plus the cap of an interleaved answer."""
+    """`image_config` of a chat request: the image options, plus the cap of an interleaved answer and its
+    per-image sizes."""
+    size: Union[str, list[str], None] = Field(
+        None, description="'WxH' (multiples of 32) or 'auto'; modalities ['text', 'image'] also takes a list, one "
+                          "size per generated image in order, the last one repeated for images past its end (the "
+                          f"official interleave_gen's image_size list; at most {L.MAX_INTERLEAVE_IMAGES} entries)")
     max_images: Int = Field(L.DEFAULT_INTERLEAVE_IMAGES, ge=0, le=L.MAX_INTERLEAVE_IMAGES,
                             description="modalities ['text', 'image']: the most images in one answer (an <img> "
                                         "past it ends the answer)")
+
+    @field_validator("size")
+    @classmethod
+    def _size_list(cls, v):
+        if isinstance(v, list) and not 1 <= len(v) <= L.MAX_INTERLEAVE_IMAGES:
+            raise ValueError(f"a size list has 1 to {L.MAX_INTERLEAVE_IMAGES} entries, got {len(v)}")
+        return v
+
+    @property
+    def sizes(self) -> list[Optional[str]]:
+        """The size of each generated image, in order (the last one repeats): [size] for a single size."""
+        return list(self.size) if isinstance(self.size, list) else [self.size]
 
 
 class ChatCompletionRequest(TextSampling):
@@ -149,7 +166,10 @@ class ChatCompletionRequest(TextSampling):
         None, description="['image']: an image from the last user turn; ['text', 'image']: an interleaved "
                           "answer, text and generated images in order")
     image_config: Optional[ChatImageOptions] = Field(None, description="image options when modalities has 'image'")
-    return_token_ids: bool = Field(False, description="add the output token ids to each choice / chunk")
+    return_token_ids: bool = Field(False, description="vLLM's field: `prompt_token_ids` on the response (on the "
+                                                      "first chunk when streaming) and the output's `token_ids` on "
+                                                      "each choice / chunk; an interleaved answer spells each image "
+                                                      "as <img>, one <IMG_CONTEXT> per token, </img>")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation: only requests with the same salt share")
 

@@ -8,13 +8,15 @@ The gateway validates a request completely before any work starts; the engines v
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from . import limits as L
 from .types import INTERNAL, PUBLIC, Float, Int
+
+ImageSide = Annotated[Int, Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)]   # pixels
 
 CfgNorm = Literal["none", "global", "channel", "cfg_zero_star"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -27,6 +29,11 @@ BRANCH_ORDER: tuple[str, ...] = ("cond", "uncond", "img_cond")
 ALIASES = {"steps": "num_inference_steps", "cfg_scale": "guidance_scale", "img_cfg_scale": "image_guidance_scale",
            "flow_shift": "timestep_shift", "think_mode": "think"}
 
+
+
+# the LoRA adapter of an engine request (docs/lora.md): the name the request's `model` picked; None: base weights
+LORA_FIELD = Field(None, min_length=1, max_length=L.MAX_LORA_NAME_CHARS,
+                   description="LoRA adapter name (GET /v1/models lists them); None: the base weights")
 
 class Guidance(BaseModel):
     """What decides the CFG branches (and so which prefixes understanding computes)."""
@@ -75,16 +82,20 @@ class SamplerParams(Guidance):
 
 SAMPLER_FIELDS = tuple(SamplerParams.model_fields)
 
-CacheMode = Literal["off", "first_block"]
+CacheMode = Literal["off", "first_block", "teacache"]
 
 
 class CacheOptions(BaseModel):
-    """Step caching of the denoiser (services/model/step_cache.py): per CFG branch, layers 1.. are skipped and
-    their residual reused while the first block's output changes less than `threshold`; `cfg_truncation` ends
-    CFG early (only the cond branch runs while t > value). Threshold 0 reproduces the exact output."""
+    """Step caching of the denoiser (services/model/step_cache.py), per CFG branch: `first_block` skips layers
+    1.. and reuses their residual while the first block's output changes less than `threshold`; `teacache`
+    skips every layer while the calibrated change of the stack's input, accumulated since the last computed
+    step, stays below `threshold`. `cfg_truncation` ends CFG early (only the cond branch runs while
+    t > value). Threshold 0 reproduces the exact output."""
     model_config = INTERNAL
     mode: CacheMode = "off"
-    threshold: Float = Field(0.0, ge=0.0, le=10.0, description="relative L1 change of the first block's residual")
+    threshold: Float = Field(0.0, ge=0.0, le=10.0,
+                             description="first_block: relative L1 change of the first block's residual; "
+                                         "teacache: the accumulated, rescaled relative L1 change of the input")
     warmup_steps: Int = Field(1, ge=0, le=L.MAX_STEPS, description="steps always computed at the start")
     max_consecutive: Int = Field(0, ge=0, le=L.MAX_STEPS, description="reused steps in a row (0: no limit)")
     cfg_truncation: Optional[Float] = Field(None, ge=0.0, le=1.0, description="CFG only while t <= value")
@@ -95,7 +106,7 @@ class CacheOptions(BaseModel):
 
     @property
     def reuses(self) -> bool:
-        return self.mode == "first_block" and self.threshold > 0
+        return self.mode != "off" and self.threshold > 0
 
 
 def check_cache_for(mode: str, cfg_interval: tuple[float, float], cache: Optional[CacheOptions]) -> None:
@@ -241,6 +252,7 @@ class PrefixRequest(Guidance):
     stream: bool = False
     cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation domain")
+    lora: Optional[str] = LORA_FIELD
     # RL (docs/rl.md): sample the think block instead of greedy decoding, returning each token's log-prob under
     # the processed distribution; or re-prefill an exact think block (scoring)
     think_temperature: Optional[Float] = Field(None, ge=L.GREEDY_TEMPERATURE, le=L.MAX_TEMPERATURE,
@@ -273,11 +285,13 @@ class GenerateRequest(SamplerParams):
     cache: Optional[CacheOptions] = Field(None, description="step caching (None: the server's defaults)")
     partial_images: Int = Field(0, ge=0, le=L.MAX_PARTIAL_IMAGES,
                                 description="`partial_image` events: the x0 estimate at evenly spaced steps")
-    noise_draw: Int = Field(0, ge=0, le=L.MAX_INTERLEAVE_IMAGES,
-                            description="draws of this shape taken from the seeded generator before the noise "
-                                        "(an interleaved answer's image k is draw k of one generator)")
+    noise_draws: list[tuple[ImageSide, ImageSide]] = Field(
+        default_factory=list, max_length=L.MAX_INTERLEAVE_IMAGES,
+        description="(width, height) of each draw taken from the seeded generator before this noise: an "
+                    "interleaved answer's image k follows the draws of images 0..k-1, each at its own size")
     export_image: bool = Field(False, description="also write the final float image into the KV pool and return "
                                                   "its handle (`image_handle`): an interleaved answer reads it back")
+    lora: Optional[str] = LORA_FIELD
 
     @field_validator("width", "height")
     @classmethod

@@ -19,7 +19,7 @@ from .config import GatewayConfig
 from .drain import DrainMiddleware
 from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
-from .routers import chat, images, ops, playground, rl, rl_weights
+from .routers import chat, images, lora, ops, playground, rl, rl_weights
 from .state import GatewayState
 
 DESCRIPTION = ("OpenAI-compatible chat and image API of u1serve (SenseNova-U1). Errors are "
@@ -41,7 +41,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                   redoc_url=None)
     app.state.gateway = state
     errors.install(app, "gateway")
-    for module in (chat, images, ops, rl, live, rl_weights):
+    for module in (chat, images, ops, rl, live, rl_weights, lora):
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)

@@ -1,13 +1,14 @@
-"""Gateway settings: command-line flags, each with a `U1SERVE_*` environment fallback.
+"""Gateway settings: command-line flags, each with a `U1SERVE_*` environment fallback (services/knobs.py), and the
+frozen GatewayConfig they make, whose field defaults are the flags' defaults.
 
 Image defaults and limits start from the request contract (services/contract): flags may change a default
 and may tighten a limit, never widen it. Secrets come from a flag, a file or the environment (kit.config)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
+from services import knobs
 from services import timeouts as T
 from services.contract import limits as L
 from services.contract.image import SamplerParams, default
@@ -15,6 +16,8 @@ from services.kit.config import read_secret, read_secrets
 from services.kit.streaming import DEFAULT_WRITE_TIMEOUT_S
 
 MiB = 1024 * 1024
+DEFAULT_UND_URL = "http://127.0.0.1:8100"
+DEFAULT_GEN_URL = "http://127.0.0.1:8200"
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -44,10 +47,10 @@ class ImageInputLimits:
                              f"{L.MAX_INPUT_REQUEST_PIXELS} per request, formats {', '.join(L.INPUT_IMAGE_FORMATS)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatewayConfig:
-    und_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8100"])
-    gen_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8200"])
+    und_urls: list[str] = field(default_factory=lambda: [DEFAULT_UND_URL])
+    gen_urls: list[str] = field(default_factory=lambda: [DEFAULT_GEN_URL])
     model_name: str = "sensenova-u1"
     api_keys: tuple[str, ...] = ()            # Bearer keys for /v1/*; none = open
     internal_token: str | None = None         # sent to the engines on every call
@@ -108,8 +111,8 @@ class GatewayConfig:
             raise ValueError(f"default think tokens must be in [1, {self.max_think_tokens}]")
         if self.cache_salt_by_api_key and not self.api_keys:
             raise ValueError("cache_salt_by_api_key needs API keys (--api-key / --api-key-file)")
-        if self.cache_salt_by_api_key is None:
-            self.cache_salt_by_api_key = bool(self.api_keys)
+        if self.cache_salt_by_api_key is None:     # frozen: the resolved default is set once, here
+            object.__setattr__(self, "cache_salt_by_api_key", bool(self.api_keys))
         if not 0 <= self.max_chat_images <= L.MAX_CHAT_IMAGES:
             raise ValueError(f"max_chat_images must be in [0, {L.MAX_CHAT_IMAGES}]")
         if any(v < 1 for v in [*self.route_body_bytes.values(), self.max_body_bytes or 1]):
@@ -136,39 +139,36 @@ class GatewayConfig:
 
 
 # ------------------------------------------------------------------------------------------ command line
-def _env_name(flag: str) -> str:
-    return "U1SERVE_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def _add(p: argparse.ArgumentParser, flag: str, *, env: str | None = None, default=None, help: str = "",
+def _add(p: argparse.ArgumentParser, flag: str, *, knob: knobs.Knob | None = None, default=None, help: str = "",
          **kw) -> None:
-    """A flag whose default comes from the environment variable (U1SERVE_<FLAG> unless named)."""
-    env = env or _env_name(flag)
-    p.add_argument(flag, default=os.environ.get(env, default), help=f"{help} (env {env})".strip(), **kw)
+    """A flag whose default comes from its environment knob (U1SERVE_<FLAG> unless named), else `default`."""
+    knob = knob or knobs.GATEWAY_FLAGS.knob(flag, kw.get("type", str), default)
+    raw = knob.raw()
+    p.add_argument(flag, default=default if raw is None else raw, help=f"{help} (env {knob.name})".strip(), **kw)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway.server",
-                                description="u1serve public OpenAI-compatible gateway")
-    _add(p, "--host", env="U1SERVE_GATEWAY_HOST", default=None,
+                                description="u1serve public OpenAI-compatible gateway",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add(p, "--host", knob=knobs.GATEWAY_HOST, default=None,
          help="bind address (default: 0.0.0.0 with an API key, 127.0.0.1 without one)")
-    _add(p, "--port", env="U1SERVE_GATEWAY_PORT", default=8000, type=int)
+    _add(p, "--port", knob=knobs.GATEWAY_PORT, default=8000, type=int)
     p.add_argument("--und-url", action="append", default=None,
                    help="understanding replica (repeat or comma-separate; a host name with several addresses is one "
-                        "replica per address); env U1SERVE_UND_URLS")
+                        "replica per address); env " + knobs.UND_URLS.name)
     p.add_argument("--gen-url", action="append", default=None,
-                   help="generation replica (as --und-url); env U1SERVE_GEN_URLS")
-    _add(p, "--model-name", default="sensenova-u1")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (env U1SERVE_API_KEY)")
+                   help="generation replica (as --und-url); env " + knobs.GEN_URLS.name)
+    _add(p, "--model-name", default=GatewayConfig.model_name)
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (env {knobs.API_KEY.name})")
     p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
-    p.add_argument("--internal-token", default=None, help="token sent to the engines (env U1SERVE_INTERNAL_TOKEN)")
+    p.add_argument("--internal-token", default=None, help=f"token sent to the engines (env {knobs.INTERNAL_TOKEN.name})")
     p.add_argument("--internal-token-file", default=None, help="file whose first line is the internal token")
-    salt_env = os.environ.get("U1SERVE_CACHE_SALT_BY_API_KEY", "").lower()
     p.add_argument("--cache-salt-by-api-key", action=argparse.BooleanOptionalAction,
-                   default=None if not salt_env else salt_env in ("1", "true", "yes"),
+                   default=knobs.CACHE_SALT_BY_API_KEY.get(),
                    help="prefix-cache salt = a hash of the caller's API key, so clients with different keys never "
                         "share prefix-cache entries (default: on whenever API keys are set; "
-                        "--no-cache-salt-by-api-key shares the cache across keys); env U1SERVE_CACHE_SALT_BY_API_KEY")
+                        "--no-cache-salt-by-api-key shares the cache across keys); env " + knobs.CACHE_SALT_BY_API_KEY.name)
     _add(p, "--allowed-origins", default="",
          help="comma-separated origins allowed by CORS ('*' for any; default none)")
     _add(p, "--allowed-hosts", default="",
@@ -197,24 +197,24 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--max-request-pixels", type=int, default=ImageInputLimits.max_request_pixels,
          help="pixels of all input images of one request")
     _add(p, "--image-formats", default=",".join(ImageInputLimits.formats), help="accepted input image formats")
-    _add(p, "--image-workers", type=int, default=2, help="threads that check input images")
-    _add(p, "--connect-timeout-s", type=float, default=5.0)
+    _add(p, "--image-workers", type=int, default=GatewayConfig.image_workers, help="threads that check input images")
+    _add(p, "--connect-timeout-s", type=float, default=GatewayConfig.connect_timeout_s)
     _add(p, "--upstream-idle-timeout-s", type=float, default=T.GATEWAY_IDLE_TIMEOUT_S,
          help="an engine that sends nothing for this long -> 504 upstream_timeout, its work is cancelled")
     _add(p, "--request-timeout-s", type=float, default=T.GATEWAY_REQUEST_TIMEOUT_S,
          help="total deadline of one request -> 504 deadline_exceeded, its work is cancelled")
-    _add(p, "--health-interval-s", type=float, default=1.0,
+    _add(p, "--health-interval-s", type=float, default=GatewayConfig.health_interval_s,
          help="probe every replica's /health this often (readiness, queue depth, KV pairing); 0 = off")
-    _add(p, "--dns-refresh-s", type=float, default=10.0, help="re-resolve the engine URLs this often; 0 = at start only")
-    _add(p, "--retry-down-after-s", type=float, default=2.0,
+    _add(p, "--dns-refresh-s", type=float, default=GatewayConfig.dns_refresh_s, help="re-resolve the engine URLs this often; 0 = at start only")
+    _add(p, "--retry-down-after-s", type=float, default=GatewayConfig.retry_down_after_s,
          help="a replica that failed is skipped this long, doubling with each further failure")
-    _add(p, "--eject-max-s", type=float, default=30.0, help="... up to this long")
-    _add(p, "--max-concurrent-requests", type=int, default=256,
+    _add(p, "--eject-max-s", type=float, default=GatewayConfig.eject_max_s, help="... up to this long")
+    _add(p, "--max-concurrent-requests", type=int, default=GatewayConfig.max_concurrent_requests,
          help="requests in flight; beyond it 429 with Retry-After")
-    _add(p, "--graceful-shutdown-s", type=float, default=5.0,
+    _add(p, "--graceful-shutdown-s", type=float, default=GatewayConfig.graceful_shutdown_s,
          help="on SIGTERM, requests in flight may finish within this; then they end with a 503 shutting_down "
               "(streams: an error event and [DONE])")
-    _add(p, "--stream-write-timeout-s", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+    _add(p, "--stream-write-timeout-s", type=float, default=GatewayConfig.stream_write_timeout_s,
          help="a client that takes no byte of its response for this long while a chunk waits is cut off and its "
               "work cancelled, its slot freed (slow reader); 0 = never")
     _add(p, "--stream-send-buffer-kb", type=int, default=0,
@@ -224,10 +224,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_knobs() -> list[knobs.Knob]:
+    """The environment knobs of the gateway's flags that are not declared on their own (knobs.GATEWAY_FLAGS)."""
+    build_arg_parser()
+    return sorted(knobs.GATEWAY_FLAGS.members.values(), key=lambda k: k.name)
+
+
 def _bool(p: argparse.ArgumentParser, flag: str, help: str) -> None:
-    env = _env_name(flag)
-    p.add_argument(flag, action="store_true", default=os.environ.get(env, "").lower() in ("1", "true", "yes"),
-                   help=f"{help} (env {env}=1)")
+    knob = knobs.GATEWAY_FLAGS.knob(flag, bool, False)
+    p.add_argument(flag, action="store_true", default=knob.get(), help=f"{help} (env {knob.name}=1)")
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -256,11 +261,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         if value is not None}
     try:
         return GatewayConfig(
-            und_urls=_split_urls(args.und_url or [os.environ.get("U1SERVE_UND_URLS", "http://127.0.0.1:8100")]),
-            gen_urls=_split_urls(args.gen_url or [os.environ.get("U1SERVE_GEN_URLS", "http://127.0.0.1:8200")]),
+            und_urls=_split_urls(args.und_url or [knobs.UND_URLS.get(default=DEFAULT_UND_URL)]),
+            gen_urls=_split_urls(args.gen_url or [knobs.GEN_URLS.get(default=DEFAULT_GEN_URL)]),
             model_name=args.model_name,
-            api_keys=tuple(read_secrets(args.api_key, args.api_key_file, "U1SERVE_API_KEY")),
-            internal_token=read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN"),
+            api_keys=tuple(read_secrets(args.api_key, args.api_key_file, knobs.API_KEY)),
+            internal_token=read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN),
             cache_salt_by_api_key=args.cache_salt_by_api_key,
             sampler=SamplerParams(**sampler),
             default_size=parse_size(args.default_size),

@@ -35,10 +35,6 @@ class PrefixHandles:
         if self.owner == GENERATION:
             self.owner = GATEWAY
 
-    @property
-    def held_by_generation(self) -> bool:
-        return self.owner == GENERATION
-
     def close(self) -> list[dict]:
         """End of the job: the handles the gateway must release (none when generation or understanding has
         them, or after the first close)."""

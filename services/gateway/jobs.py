@@ -177,7 +177,7 @@ def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[s
 
 def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
               images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
-              cache_salt: str | None = None) -> ImageJob:
+              cache_salt: str | None = None, lora: str | None = None) -> ImageJob:
     """The job of a validated request (see check_options for what is refused)."""
     generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh),
                 "request_id": request_id}
@@ -185,5 +185,7 @@ def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
                            guidance_scale=generate["guidance_scale"],
                            image_guidance_scale=generate["image_guidance_scale"], think=opts.think,
                            max_think_tokens=opts.max_think_tokens or cfg.default_think_tokens, stream=True,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, lora=lora)
+    if lora is not None:         # the adapter (routers/lora.py) on both engines
+        generate["lora"] = lora
     return ImageJob(prefix, generate, opts.response_format, opts.stream)

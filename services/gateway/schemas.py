@@ -99,6 +99,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     finish_reason: Optional[str] = None
     logprobs: Optional[ChoiceLogprobs] = Field(None, description="with logprobs: true")
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids: the output's token ids")
 
 
 class ChatUsage(BaseModel):
@@ -127,6 +128,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: Optional[str] = None
     logprobs: Optional[ChoiceLogprobs] = None
+    token_ids: Optional[list[int]] = Field(None, description="with return_token_ids: this chunk's token ids")
 
 
 class _ChatEnvelope(BaseModel):
@@ -135,6 +137,8 @@ class _ChatEnvelope(BaseModel):
     created: int
     model: str
     usage: Optional[ChatUsage] = None
+    prompt_token_ids: Optional[list[int]] = Field(
+        None, description="with return_token_ids: the prompt's token ids (streaming: on the first chunk)")
 
 
 class ChatCompletionChunk(_ChatEnvelope):

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from services import knobs
+
 CUDNN_BUCKETED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 
 
@@ -27,8 +29,8 @@ def pick_denoise_attention(device: torch.device):
     import importlib
     # the module, not the function of the same name that kernels/__init__ re-exports
     da = importlib.import_module("kernels.denoise_attention")
-    forced = os.environ.get("U1SERVE_DENOISE_BACKEND", "").strip().lower()
-    mode = os.environ.get("U1SERVE_KERNELS", "auto").strip().lower() or "auto"
+    forced = knobs.DENOISE_BACKEND.text().lower()
+    mode = knobs.KERNELS.text().lower() or "auto"
     if mode == "auto" and forced in ("", "auto", "sdpa"):
         sdpa = forced == "sdpa" or device.type == "cpu" or (
             not getattr(da, "HAS_FLASH_ATTN", False)

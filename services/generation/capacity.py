@@ -8,8 +8,9 @@ the engine, between `--max-running-jobs` and QUEUE_CAP. Rank 0 measures; the HTT
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
+
+from services import knobs
 
 REFERENCE_PREFIX_TOKENS = 512
 REFERENCE_IMAGE_TOKENS = (1024 // 32) ** 2
@@ -22,7 +23,7 @@ def available_bytes(device) -> int:
     import torch
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        frac = os.environ.get("U1SERVE_GPU_MEMORY_FRACTION")
+        frac = knobs.GPU_MEMORY_FRACTION.get()
         if frac:
             free = min(free, max(0, int(float(frac) * total) - torch.cuda.memory_reserved(device)))
         return int(free)

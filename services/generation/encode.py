@@ -22,12 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from PIL import Image
 
+from services import knobs
+
 _SAVE_ARGS = {
     "jpeg": {"format": "JPEG", "quality": 90},
     "webp": {"format": "WEBP", "quality": 90, "method": 0},
 }
 PNG_STRIP_BYTES = 1 << 20          # ~1 MB of filtered rows per deflate task
-PNG_THREADS_ENV = "U1SERVE_PNG_THREADS"
+PNG_THREADS_ENV = knobs.PNG_THREADS.name
 
 
 def usable_cpus() -> int:
@@ -55,7 +57,7 @@ def usable_cpus() -> int:
 
 
 def png_threads() -> int:
-    return max(1, int(os.environ.get(PNG_THREADS_ENV, 0)) or min(8, usable_cpus()))
+    return max(1, knobs.PNG_THREADS.get() or min(8, usable_cpus()))
 
 
 _STRIP_POOL = ThreadPoolExecutor(max_workers=png_threads(), thread_name_prefix="u1-png")

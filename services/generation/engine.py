@@ -3,8 +3,8 @@
 One step = one `gen_forward` over the image tokens of every active (job, local branch, image) row,
 packed varlen; attention per job over its own KV buffer; then per job: head, velocity, (all-gather of
 velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave between steps.
-With step caching on for some job (its `cache` options), the forward gets a FirstBlockCache whose
-groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (model.gen_forward).
+With step caching on for some job (its `cache` options), the forward gets a StepCache whose
+groups are the (job, branch) row ranges: branches that reuse skip the stack (model.gen_forward).
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
 rows; attention sees whole segments for its heads (Ulysses) or its own query rows against every row's
 K/V (kv-gather), and the hidden rows are gathered before the head.
@@ -20,12 +20,14 @@ import torch
 
 from kernels import kv_write_
 from services.model import sampler
-from services.model.step_cache import CacheGroup, FirstBlockCache
+from services.model.lora_batched import lora_rows
+from services.model.step_cache import CacheGroup, StepCache
 
 from . import previews, rollout
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
+from .lora import step_slots
 from .kv_source import PrefixSource
 from .qos import YieldGate
 from .request import ApiError, GenerateRequest
@@ -145,7 +147,7 @@ class Engine:
         jobs = list(self.running) if jobs is None else jobs
         sp = self.sp
         plan: list[_Rows] = []
-        rows, positions, groups, segments = [], [], [], []
+        rows, positions, groups, segments, runs = [], [], [], [], []
         r = c = 0                     # rows on this rank, rows of the whole forward (canonical)
         for job in jobs:
             act = job.active_local()
@@ -164,8 +166,9 @@ class Engine:
                              pos.view(3, -1, job.N)[:, :, lo:hi].reshape(3, -1))
             per = job.n * (hi - lo)
             groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
-                                  job.step, key=(job, b)) for i, b in enumerate(act)]
+                                  job.step, key=(job, b), tokens=job.N) for i, b in enumerate(act)]
             segments += [job.N] * (len(act) * job.n)
+            runs.append((job, per * len(act)))         # this job's rows: its LoRA adapter (lora.py)
             plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
             r += per * len(act)
             c += meta.write_idx.numel()
@@ -177,16 +180,18 @@ class Engine:
             spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
-            if self.graphs.enabled and graphable(self.device, self.gate is not None,
-                                                 [j.cache.mode for j in jobs]):
+            slots = step_slots(runs)
+            if self.graphs.enabled and slots is None and graphable(self.device, self.gate is not None,
+                                                                   [j.cache.mode for j in jobs]):
                 hidden = self._graphed_forward(spans, packed, pos, layout)
             else:
                 self.graphs.not_graphable()
                 if any(j.cache.mode != "off" for j in jobs):
-                    cache = FirstBlockCache(groups, self._attend_for_groups,
-                                            reduce=sp.sum_over_ranks if sp.world > 1 else None)
-                hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
-                                                cache)
+                    cache = StepCache(groups, self._attend_for_groups,
+                                      reduce=sp.sum_over_ranks if sp.world > 1 else None)
+                with lora_rows(self.model, slots):
+                    hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
+                                                    cache)
             if cache is None:
                 for g in groups:
                     g.state.computed += 1

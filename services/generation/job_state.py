@@ -16,6 +16,7 @@ from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
+from .lora import job_adapter
 from .request import GenerateRequest
 
 
@@ -47,6 +48,7 @@ class JobState:
                  kv_heads: int | None = None):
         self.spec = spec
         self.request_id = spec.request_id
+        self.lora = job_adapter(model, spec)     # held until free() (lora.py)
         self.params = spec.sampler()
         self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
         self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
@@ -61,7 +63,7 @@ class JobState:
         self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
-                                       self.noise_scale, getattr(spec, "noise_draw", 0))
+                                       self.noise_scale, getattr(spec, "noise_draws", ()))
         self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
         self.rl = None                           # RL jobs: rollout.RolloutState / ScoreState (rollout.py)
         self.step = 0
@@ -92,6 +94,9 @@ class JobState:
                 self.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(kv)
 
     def free(self) -> None:
+        if self.lora is not None:
+            self.lora.release()
+            self.lora = None
         self.kv = None
         self._meta.clear()
         self.branch_state = {b: BranchState(computed=s.computed, reused=s.reused)

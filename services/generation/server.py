@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services import timeouts
+from services import knobs, timeouts
 from services.kit import errors, live, sse, timeline
 from services.kit.config import read_secret
 from services.kit.errors import APIError, bad_request
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
     if args.cfg_parallel < 1:
         raise SystemExit("--cfg-parallel must be >= 1")
     check_rank_flags(args)
-    token = read_secret(args.internal_token, args.internal_token_file, "U1SERVE_INTERNAL_TOKEN")
+    token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
     if not token:
         raise SystemExit("the generation service needs the stack's internal token: --internal-token-file PATH "
                          "or U1SERVE_INTERNAL_TOKEN (u1serve up sets one)")

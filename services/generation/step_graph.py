@@ -31,15 +31,16 @@ to its end and later compositions capture again; only after `MAX_OOM_CAPTURES` s
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 
+from services import knobs
+
 log = logging.getLogger("u1serve.generation.engine")
 
 MODES = ("auto", "on", "off")
-ENV = "U1SERVE_CUDA_GRAPHS"       # 0 | 1: overrides --cuda-graphs (off | on)
+ENV = knobs.CUDA_GRAPHS.name       # 0 | 1: overrides --cuda-graphs (off | on)
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 MAX_OOM_CAPTURES = 3              # captures that ran out of memory before graphs are off for the engine's life
@@ -49,7 +50,7 @@ def resolve_mode(flag: str, env: dict | None = None) -> str:
     """The --cuda-graphs value after the environment override (U1SERVE_CUDA_GRAPHS=0|1)."""
     if flag not in MODES:
         raise ValueError(f"--cuda-graphs must be one of {MODES}, got {flag!r}")
-    value = (os.environ if env is None else env).get(ENV, "").strip()
+    value = knobs.CUDA_GRAPHS.text(env)
     if not value:
         return flag
     if value not in ("0", "1"):

@@ -138,7 +138,7 @@ def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
         errors = _apply_plan(engine, comm, plan, stats)
         if op is not None:
             out.send({"type": "stats", "stat": "weights", **weights.run(op)})
-            if op["op"] != "stage":
+            if op["op"] in ("commit", "abort"):       # (not a LoRA op: it changes no version)
                 weights.release_held(sched.pending, refuse)
         for s in stats:
             out.send({"type": "stats", **s})
@@ -233,6 +233,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         else:
             device = torch.device("cpu")
         from services.model.loader import load_model
+        from services.model.lora_registry import attach_lora
 
         from .capacity import measure
         from .cfg_parallel import CfgComm
@@ -245,6 +246,7 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
                            lora=[tuple(x) for x in args.get("lora") or ()],
                            quantization=args.get("quantization"))
         model.eval()
+        attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
         source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
                               geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                         model.dtype))

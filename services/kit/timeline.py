@@ -9,13 +9,13 @@ end on the GPU, not its launch (kernels otherwise run up to a step behind the ho
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-ENV = "U1SERVE_TIMELINE"
+from services import knobs
+
 PREFIX = "u1-timeline"
-ENABLED = os.environ.get(ENV) == "1"
+ENABLED = knobs.TIMELINE.get()
 
 
 def mark(service: str, stage: str) -> None:

@@ -13,13 +13,13 @@ process is restarted (it reloads the checkpoint; an update is not replayed).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
 
 from services.contract.rl_weights import WeightsCommitBody, WeightsStageBody
 from services.kit.errors import APIError, from_validation, unavailable
+from services.kit.lora_api import lora_router
 from services.kit.web import json_body
 
 DEFAULT_VERSION = "0"
@@ -143,6 +143,7 @@ class WeightsEndpoint:
             body = await json_body(request)
             op_id = body.get("id") if isinstance(body, dict) else None
             return await self.abort(op_id if isinstance(op_id, str) else None)
+        r.include_router(lora_router(self))     # LoRA load / unload ride the same channel (lora_api.py)
         return r
 
 
@@ -152,7 +153,3 @@ def _parse(model, body):
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc.errors()) from None
-
-
-def new_op_id() -> str:
-    return "w-" + uuid.uuid4().hex[:12]

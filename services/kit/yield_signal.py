@@ -29,7 +29,7 @@ import stat
 import struct
 import time
 
-from services.kit.config import STACK_ID_ENV
+from services import knobs
 from shm_transfer.segment import Segment, owner_of, take_name
 
 MAGIC = 0x55315949454C4400      # "U1YIELD"
@@ -78,7 +78,7 @@ class YieldSignal:
         file is refused: PoolError). The creator unlinks it at close()."""
         page_path(name)
         take_name(name, "QoS page")
-        seg = Segment.create(name, PAGE, owner=os.environ.get(STACK_ID_ENV, ""))
+        seg = Segment.create(name, PAGE, owner=knobs.STACK_ID.get())
         for off, val in ((_BUSY, 0), (_STEPS, 0), (_PID, os.getpid()), (_VERSION, VERSION), (_MAGIC, MAGIC)):
             struct.pack_into("<q", seg.mm, off, val)
         sig = cls(os.path.join(SHM_DIR, name), seg.mm, seg.inode, seg)
@@ -114,7 +114,7 @@ class YieldSignal:
             mm = mmap.mmap(fd, PAGE)
         finally:
             os.close(fd)
-        stack = os.environ.get(STACK_ID_ENV, "")
+        stack = knobs.STACK_ID.get()
         owner = owner_of(bytes(mm[:PAGE]))
         if struct.unpack_from("<q", mm, _MAGIC)[0] != MAGIC or struct.unpack_from("<q", mm, _VERSION)[0] != VERSION \
                 or owner is None or (stack and owner["stack"] != stack):

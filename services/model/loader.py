@@ -11,50 +11,20 @@ import math
 import os
 
 import torch
-from safetensors import safe_open
 
+from services import knobs
+
+from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
+from .moe import checkpoint_views, expert_view, stacked_slot
 from .parallel import TPContext, shard, shard_dim
+from .quant_checkpoint import SCHEME_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 checkpoints: per-output-channel fp32 scale of `X.weight`
-LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-
-class LoadError(ValueError):
-    """The checkpoint does not match the model; the message names the file or key."""
-
-
-def weight_map(model_dir: str) -> dict[str, str]:
-    """key -> shard file path."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise LoadError(f"{index} is not a valid safetensors index: {e}") from None
-        for shard_file in set(wm.values()):
-            if not os.path.exists(os.path.join(model_dir, shard_file)):
-                raise LoadError(f"shard {shard_file} named in {INDEX_FILE} is missing")
-        return {k: os.path.join(model_dir, v) for k, v in wm.items()}
-    single = os.path.join(model_dir, SINGLE_FILE)
-    if not os.path.exists(single):
-        raise LoadError(f"no {INDEX_FILE} or {SINGLE_FILE} in {model_dir}")
-    with _open(single) as f:
-        return {k: single for k in f.keys()}
-
-
-def _open(path: str):
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise LoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None
+QUANT_DTYPES = (FP8_DTYPE, torch.int8)
+_QUANT_DTYPE_NAMES = {"F8_E4M3": FP8_DTYPE, "I8": torch.int8}   # safetensors' header names
 
 
 def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
@@ -62,7 +32,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
     cfg = cfg or load_config(model_dir)
     h = hashlib.sha256(cfg.fingerprint.encode())
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
+        if name.endswith((".safetensors", ".gguf")):
             h.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
     return h.hexdigest()[:16]
 
@@ -70,15 +40,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
 def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         full = NeoModel(cfg, "both")
-    return {k: p.shape for k, p in full.named_parameters()}
-
-
-RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
-
-
-def random_weights_requested() -> bool:
-    """Benchmarks of full-size geometries (no checkpoint can be downloaded) set U1SERVE_RANDOM_WEIGHTS=1."""
-    return os.environ.get(RANDOM_WEIGHTS_ENV, "") == "1"
+    return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
 
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
@@ -86,33 +48,57 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
                random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
     """`lora`: one path (with `lora_strength`) or a list of (path, strength); each adapter is merged
     into the loaded branch if it names weights of it (None: the adapters in $U1SERVE_LORA).
-    `quantization="fp8"`: the dense Linear layers of the gen branch (or of the und branch when only
-    that one is loaded) run in fp8 (services/model/quant.py), after the LoRA merge."""
-    from .quant import QUANTIZATIONS, check_fp8_device, quantize_model
+    `quantization="fp8"` / `"int8"`: the dense Linear layers of the gen branch (or of the und branch when only
+    that one is loaded) run W8A8 (services/model/quant.py, quant_int8.py), after the LoRA merge. A checkpoint
+    converted to fp8 / int8 (`u1serve convert`, services/model/quant_checkpoint.py) is served in its format
+    with its own scales when `quantization` is None / "none" (or names the same scheme): nothing is
+    requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
+    (services/model/gguf_io.py)."""
+    from .quant import QUANTIZATIONS, quantize_model
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "fp8":
-        check_fp8_device(torch.device(device), dtype)
     quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
-    if random_weights if random_weights is not None else random_weights_requested():
+    if random_weights if random_weights is not None else knobs.RANDOM_WEIGHTS.get():   # full-size benchmarks
         from .tiny import build_random_model
+        _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
-        if quantization == "fp8":
-            quantize_model(model, quant_branches)
+        if quantization != "none":
+            quantize_model(model, quant_branches, scheme_name=quantization)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
+    from .gguf_io import find_gguf, read_gguf_state
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        _check_quant_device(quantization, device, dtype)
+        params = dict(model.named_parameters())
+        state = {}
+        for key, t in read_gguf_state(gguf_file, dict(checkpoint_views(params.items())), _expected_shapes(cfg),
+                                      tp, device, dtype).items():
+            _place(state, params, key, t, device, dtype)
+        return _finish_load(model, state, {}, quantization, quant_branches, lora, lora_strength, tp, model_dir, cfg)
     wm = weight_map(model_dir)
+    ckpt_scheme = _checkpoint_scheme(cfg, wm)
+    if quantization == "none" and ckpt_scheme is not None:
+        quantization = ckpt_scheme       # served as converted, with the checkpoint's scales
+        try:
+            _check_quant_device(quantization, device, dtype)
+        except RuntimeError as e:
+            raise type(e)(f"{model_dir} is a {ckpt_scheme} checkpoint (u1serve convert), which {device} cannot "
+                          f"serve: {e}. Serve the float checkpoint, or one converted with another --to.") from e
+    else:
+        _check_quant_device(quantization, device, dtype)
     full_shapes = _expected_shapes(cfg)
     unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
     if unexpected:
         raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    needed = dict(model.named_parameters())
+    needed = dict(checkpoint_views(model.named_parameters()))   # checkpoint keys (experts: per expert)
+    params = dict(model.named_parameters())                     # meta: the layout to fill
     missing = sorted(k for k in needed if k not in wm)
     if missing:
         raise LoadError(f"missing tensor {missing[0]!r} in the checkpoint"
@@ -123,7 +109,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     for key in needed:
         path = wm[key]
         if path not in handles:
-            handles[path] = _open(path)
+            handles[path] = open_safetensors(path)
         f = handles[path]
         try:
             sl = f.get_slice(key)
@@ -140,23 +126,73 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
-        if t.dtype == FP8_DTYPE:
+        slot = stacked_slot(key)
+        if t.dtype in QUANT_DTYPES:
             q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
-            prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
+            # served in its own format: kept as is (experts are never quantised layers: model/quant.py)
+            if slot is None and t.dtype == SCHEME_DTYPES.get(quantization):
+                prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
+        _place(state, params, key, t, device, dtype)
+    return _finish_load(model, state, prequantized, quantization, quant_branches, lora, lora_strength, tp,
+                        model_dir, cfg)
+
+
+def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) -> None:
+    """Put checkpoint tensor `key` into `state`: as itself, or an expert's weight straight into its stacked
+    tensor (model/moe.py), so the experts never exist twice."""
+    slot = stacked_slot(key)
+    if slot is None:
         state[key] = t.to(device=device, dtype=dtype)
+        return
+    name, e, proj = slot
+    if name not in state:
+        state[name] = torch.empty(params[name].shape, dtype=dtype, device=device)
+    expert_view(state[name], e, proj).copy_(t)
+
+
+def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization: str, quant_branches, lora,
+                 lora_strength: float, tp, model_dir: str, cfg: NeoConfig) -> NeoModel:
+    """Assign the weights, merge the LoRAs, quantise (from `prequantized` where the checkpoint had them)."""
+    from .quant import quantize_model
     model.load_state_dict(state, strict=True, assign=True)
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
-        if lora_branches(path) & set(BRANCHES[branch]):
+        if lora_branches(path) & set(BRANCHES[model.branch]):
             merge_lora(model, path, strength=strength, tp=tp)
-    if quantization == "fp8":
+    if quantization != "none":
         # merged adapters changed the weights: quantise those from the merged values
-        quantize_model(model, quant_branches, {} if loras else prequantized)
+        quantize_model(model, quant_branches, {} if loras else prequantized, scheme_name=quantization)
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _check_quant_device(quantization: str, device, dtype: torch.dtype) -> None:
+    """Fail before loading where the scheme cannot run on `device`."""
+    if quantization == "fp8":
+        from .quant import check_fp8_device
+        check_fp8_device(torch.device(device), dtype)
+    elif quantization == "int8":
+        from .quant_int8 import check_int8_device
+        check_int8_device(torch.device(device))
+
+
+def _checkpoint_scheme(cfg: NeoConfig, wm: dict[str, str]) -> str | None:
+    """fp8 / int8 for a converted checkpoint (its config and tensor dtypes agree), None for a plain one."""
+    from .quant_checkpoint import QuantConfigError, check_tensors
+    quantized, handles = {}, {}
+    for key, path in wm.items():
+        if key.endswith(".weight"):
+            f = handles.get(path) or handles.setdefault(path, open_safetensors(path))
+            dt = _QUANT_DTYPE_NAMES.get(f.get_slice(key).get_dtype())
+            if dt is not None:
+                quantized[key] = dt
+    try:
+        return check_tensors(cfg.raw, quantized, [k for k in wm if k.endswith(".weight")])
+    except QuantConfigError as e:
+        raise LoadError(str(e)) from None
 
 
 def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
@@ -168,8 +204,8 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
     merged = 0
-    params = dict(model.named_parameters())
-    for name, delta in lora_deltas(path, params, strength, tp):
+    params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
+    for name, delta in lora_deltas(path, params, strength, tp, cfg=model.cfg):
         param = params[name]
         param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
         merged += 1
@@ -178,10 +214,19 @@ def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext 
     return merged
 
 
-def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None):
+def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None,
+                cfg: NeoConfig | None = None):
     """(name, fp32 delta of this TP rank's shard) for every `X.weight` in `weights` ({name: tensor of this rank's
-    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch."""
-    for module, (down, up, scale) in read_lora(path).items():
+    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch, and (given the model's `cfg`)
+    when any module it names is no weight of the checkpoint, either branch (the list of names: an adapter that binds
+    to nothing, or only in part, is refused rather than half applied)."""
+    factors = read_lora(path)
+    if cfg is not None:
+        unbound = unbound_modules(factors, cfg)
+        if unbound:
+            raise LoadError(f"LoRA file {path}: {len(unbound)} of its {len(factors)} modules do not bind to this "
+                            f"model: {name_list(unbound)}")
+    for module, (down, up, scale) in factors.items():
         name = module + ".weight"
         if name not in weights:
             continue
@@ -190,6 +235,19 @@ def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext |
             raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is "
                             f"{tuple(weights[name].shape)}")
         yield name, delta
+
+
+def name_list(names, limit: int = 8) -> str:
+    """'a', 'b' (and N more): names in an error message, sorted."""
+    names = sorted(names)
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def unbound_modules(factors: dict, cfg: NeoConfig) -> list[str]:
+    """The adapter's module names that are no `X.weight` of the checkpoint (both branches), sorted."""
+    names = {k[: -len(".weight")] for k in _expected_shapes(cfg) if k.endswith(".weight")}
+    return sorted(m for m in factors if m not in names)
 
 
 PEFT_FILE, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -204,7 +262,7 @@ def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     if os.path.isdir(path):
         path = os.path.join(path, PEFT_FILE)
     out = {}
-    with _open(path) as f:
+    with open_safetensors(path) as f:
         keys = set(f.keys())
         if any(".lora_A." in k for k in keys):
             cfg = _peft_config(os.path.dirname(path))
@@ -258,7 +316,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
     skey = key[: -len(".weight")] + FP8_SCALE_SUFFIX
     if skey not in wm:
         raise LoadError(f"fp8 tensor {key!r} has no {skey!r} in the checkpoint")
-    f = handles.setdefault(wm[skey], _open(wm[skey]))
+    f = handles.setdefault(wm[skey], open_safetensors(wm[skey]))
     s = f.get_tensor(skey).float().reshape(-1)
     if s.numel() != shape[0]:
         raise LoadError(f"{skey!r} has {s.numel()} values, {key!r} has {shape[0]} rows")
@@ -269,7 +327,7 @@ def _fp8_scale(handles, wm, key: str, shape, dim, tp) -> torch.Tensor:
 
 def lora_list(lora, strength: float = 1.0) -> list[tuple[str, float]]:
     if lora is None:
-        env = os.environ.get(LORA_ENV, "").strip()
+        env = knobs.LORA.text()
         return [parse_lora_spec(x.strip()) for x in env.split(",") if x.strip()]
     if isinstance(lora, str):
         return [(lora, strength)]

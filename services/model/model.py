@@ -123,10 +123,6 @@ class NeoModel(nn.Module):
     def set_image_context_id(self, token_id: int) -> None:
         self._img_context_id = token_id
 
-    def embed_image(self, image) -> torch.Tensor:
-        """One input image -> its [gh*gw/4, H] token embeddings (und vision embedder)."""
-        return self.vision_model(image.pixel_values.to(self.device), [image.grid_hw])
-
     def und_forward(self, x: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
         return self._run_layers(x, rope, attend, "und", norm=self.language_model.model.norm)
 
@@ -152,37 +148,27 @@ class NeoModel(nn.Module):
     def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend, cache=None) -> torch.Tensor:
         """Gen-branch forward -> hidden after `norm_mot_gen`.
 
-        `cache` (step_cache.FirstBlockCache): layer 0 runs on every row, the cache decides per CFG
-        branch from the change of layer 0's residual whether the rest of the stack is needed; rows of
-        branches that reuse take their last computed residual, layers 1.. run on the other rows only.
+        `cache` (step_cache.StepCache): per CFG branch, a first-block or TeaCache decision whether the
+        stack (after layer 0 for first-block) runs on the branch's rows or its last computed residual is
+        reused; the layers run on the computing rows only (StepCache.forward).
         """
         if cache is None:
             return self.gen_layers(x, rope, attend, final_norm=True)
-        h1 = self.gen_layers(x, rope, attend, stop=1)
-        rows = cache.decide(h1 - x)
-        if rows is None:   # every branch computes: the bits of the forward without the cache
-            h = self.gen_layers(h1, rope, attend, start=1)
-        else:
-            rest = None
-            if any(g.compute for g in cache.groups):   # not rows.numel(): an SP rank may hold none
-                rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
-                                       cache.attend_subset(), start=1)
-            h = cache.fill(h1, rest)
-        cache.store(h1, h)
-        return self.gen_norm(h)
+        return self.gen_norm(cache.forward(self, x, rope, attend))
 
     def gen_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.norm_mot_gen(h)
 
-    def time_embeddings(self, t: torch.Tensor, noise_scale: float) -> torch.Tensor:
-        """TE(t) + TE'(s / cap): one [H] vector per step, broadcast over every image token."""
+    def time_embeddings(self, t: torch.Tensor, noise_scale: float, rows: int = 1) -> torch.Tensor:
+        """TE(t) + TE'(s / cap), [rows, H]: the same vector for every image token. The official code embeds one
+        copy of t per token; a GEMM of `rows` = N identical rows rounds as it does (one row does not, in fp32)."""
         fm = self.fm_modules
-        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).reshape(1)
+        t = torch.as_tensor(t, dtype=torch.float32, device=self.device).reshape(1).expand(rows)
         emb = fm["timestep_embedder"](t)
         if self.cfg.add_noise_scale_embedding:
             s = torch.full_like(t, noise_scale / self.cfg.noise_scale_max_value)
             emb = emb + fm["noise_scale_embedder"](s)
-        return emb[0]
+        return emb
 
     def gen_embed(self, x_t: torch.Tensor, t, noise_scale: float) -> torch.Tensor:
         """x_t [B, 3, H, W] (the Euler state as an image) -> [B, N, hidden] gen input tokens."""
@@ -192,7 +178,7 @@ class NeoModel(nn.Module):
         patches = x_t.reshape(B, 3, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B * gh * gw, 3 * p * p)
         tok = self.fm_modules["vision_model_mot_gen"](patches, [(gh, gw)] * B)
         tok = tok.view(B, -1, tok.shape[-1])
-        return tok + self.time_embeddings(t, noise_scale).to(tok.dtype)
+        return tok + self.time_embeddings(t, noise_scale, tok.shape[1]).to(tok.dtype)
 
     def gen_head(self, hidden: torch.Tensor, th: int, tw: int) -> torch.Tensor:
         """[B, N, hidden] -> x_hat [B, N, 3072] in (row, col, channel) order per 32-px block."""

@@ -5,9 +5,11 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
+from services.contract.image import SamplerParams
+
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
-                     preprocess)
-from .sampler import SamplerParams, branches_needed
+                     generation_input, preprocess)
+from .sampler import branches_needed
 from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -170,7 +172,7 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
     """Editing prefixes: cond (system + images + instruction), img_cond (images only), uncond."""
     if not 1 <= len(images) <= 4:
         raise ValueError("editing takes 1 to 4 input images")
-    tensors = [preprocess(im, EDIT_MIN_PIXELS, edit_max_pixels(len(images))) for im in images]
+    tensors = [generation_input(preprocess(im, EDIT_MIN_PIXELS, edit_max_pixels(len(images)))) for im in images]
     n = len(images)
     if IMAGE_PLACEHOLDER not in prompt and n > 1:
         text = "".join(f"Image-{i + 1}:{IMAGE_PLACEHOLDER}\n" for i in range(n)) + prompt
@@ -195,11 +197,13 @@ def interleave_heads(tok: NeoTokenizer, messages: list[dict], think: bool, syste
     """The two growing branches of an interleaved answer before its first token (spec §2.1):
     cond = system + the conversation (input images at the edit sizes) + `assistant\\n` (+ the empty think block
     unless think mode: the model then opens <think> itself); tu ("text-uncond") = one user turn holding only the
-    input images, no system, no text, no think block. A system message in `messages` wins over `system_message`."""
+    input images, no system, no text, no think block. A system message in `messages` wins over `system_message`.
+    Input images are bf16-rounded as the official loop feeds them (images.generation_input)."""
     n = sum(1 for m in messages if isinstance(m.get("content"), list)
             for p in m["content"] if p.get("type") == "image")
     cond = chat_input(tok, messages, None if think else False, EDIT_MIN_PIXELS,
                       images_max_pixels or edit_max_pixels(max(1, n)), server_system=system_message or "")
+    cond = PromptInput(cond.input_ids, [generation_input(im) for im in cond.images])
     tu = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(cond.images))]), cond.images)
     return cond, tu
 

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from services.contract.image import CacheOptions
+
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache, truncated_interval
+from .step_cache import BranchState, CacheGroup, StepCache, truncated_interval
 
 if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
     from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
@@ -188,7 +190,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
 
 
 def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: torch.Tensor, z: torch.Tensor,
-                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: FirstBlockCache | None = None) -> torch.Tensor:
+                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: StepCache | None = None) -> torch.Tensor:
     """One gen-branch forward for B images against one prefix: x_in [B, N, H] -> v [B, N, 3072]."""
     B, N, _ = x_in.shape
     positions = image_token_positions(th, tw, t_offset, device=model.device).repeat(1, B)
@@ -212,19 +214,22 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 @torch.no_grad()
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
             seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
-            branch_steps: dict | None = None, noise_draw: int = 0, on_estimate=None) -> torch.Tensor:
+            branch_steps: dict | None = None, noise_draws=(), on_estimate=None,
+            observe=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
 
     `cache`: step caching (services/model/step_cache.py), per branch; `branch_steps`, if given, is
-    filled with {branch: (computed, reused)} steps; `noise_draw`: which draw of the seeded generator the
-    noise is (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image z + (1 - t) v."""
+    filled with {branch: (computed, reused)} steps; `noise_draws`: the (width, height) of the seeded generator's
+    draws before this noise (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image
+    z + (1 - t) v; `observe(branch)`: the step-cache object of that branch's forward in place of `cache`'s
+    (StepCache's `forward` interface; bench/calibrate_teacache.py records the stack's input and residual with it)."""
     cache = cache or CacheOptions()
     params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
     if width % S.BLOCK or height % S.BLOCK:
         raise ValueError(f"width and height must be multiples of {S.BLOCK}")
     th, tw = height // S.BLOCK, width // S.BLOCK
     s = S.noise_scale(model.cfg, th * tw)
-    x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s, noise_draw)
+    x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s, noise_draws)
     grid = S.timesteps(params.num_inference_steps, params.timestep_shift, device=model.device)
     needed = S.branches_needed(params)
     kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
@@ -236,9 +241,10 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
         active = needed if S.uses_cfg(params, float(t)) else ["cond"]
         v = {}
         for b in active:
-            fb = FirstBlockCache([CacheGroup(0, n * th * tw, states[b], cache, i)])
+            sc = StepCache([CacheGroup(0, n * th * tw, states[b], cache, i, tokens=th * tw)]) \
+                if cache.mode != "off" else None
             v[b] = gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps,
-                                fb if cache.mode != "off" else None)
+                                observe(b) if observe is not None else sc)
             if cache.mode == "off":
                 states[b].computed += 1
         v = S.combine(v, params, i, float(t))
@@ -296,12 +302,13 @@ def _append_image(model: NeoModel, tok: NeoTokenizer, cache: _Cache, image, t_im
 def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params: S.SamplerParams, width: int,
                height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192, max_images: int = 10,
                system_message: str | None = None, logit_bias: dict[int, float] | None = None,
-               on_image=None) -> InterleaveAnswer:
+               on_image=None, sizes: list[tuple[int, int]] | None = None) -> InterleaveAnswer:
     """interleave_gen as interleave_spec §2.8 describes it: cond and tu caches that grow, a static iu; greedy text
     until `<img>` / `<|im_end|>` / the budget; each image denoised over the CFG branches of `params` (edit rule:
     cond, img_cond = tu, uncond = iu), its noise the k-th draw of one seeded generator, re-encoded from the float
     image into cond and tu. `messages` as prompts.chat_input takes them (PIL images); `logit_bias` is added to the
-    logits before the argmax (tests force `<img>` with it); `on_image(k, prefixes)` sees each image's prefixes."""
+    logits before the argmax (tests force `<img>` with it); `on_image(k, prefixes)` sees each image's prefixes;
+    `sizes` [(W, H), ...] one per image, the last repeated (the official image_size list), else width x height."""
     from . import prompts as P
     from .images import generated_image_tensor
     system = P.interleave_system_message() if system_message is None else system_message
@@ -317,6 +324,9 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
 
     def argmax(h) -> int:
         return int(torch.argmax(model.lm_logits(h[-1:])[0].cpu() + bias))
+
+    def size(k: int) -> tuple[int, int]:
+        return sizes[min(k, len(sizes) - 1)] if sizes else (width, height)
 
     segments, images, text_tokens = [], [], 0
     nxt = argmax(hidden)
@@ -338,7 +348,8 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
                     "uncond": iu}
         if on_image is not None:
             on_image(len(images), prefixes)
-        x = denoise(model, prefixes, width, height, params, seed, 1, noise_draw=len(images))
+        x = denoise(model, prefixes, *size(len(images)), params, seed, 1,
+                    noise_draws=[size(k) for k in range(len(images))])
         images.append(x)
         image = generated_image_tensor(x[0])
         hidden, t_cond = _append_image(model, tok, cond, image, t_cond)

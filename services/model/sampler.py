@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from services.contract.image import SamplerParams  # noqa: F401  (the one declaration)
+from services.contract.image import SamplerParams
 
 BLOCK = 32  # pixels per token side
 
@@ -33,13 +34,13 @@ def noise_scale(cfg, num_tokens: int) -> float:
 
 
 def initial_noise(n: int, height: int, width: int, seed: int, device, dtype, scale: float,
-                  draw: int = 0) -> torch.Tensor:
-    """One draw for the whole batch from a fresh generator on the model's device (as upstream). `draw` > 0 takes
-    the draw-th draw of that shape instead: an interleaved answer's k-th image is the k-th draw of one seeded
-    generator (the official interleave_gen draws in sequence)."""
+                  draws: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    """One draw for the whole batch from a fresh generator on the model's device (as upstream). `draws`: the
+    (width, height) of draws taken before this one: an interleaved answer's k-th image follows the draws of its
+    k earlier images, each at its own size (the official interleave_gen draws from one generator in sequence)."""
     g = torch.Generator(device=device).manual_seed(int(seed))
-    for _ in range(draw):
-        torch.randn((n, 3, height, width), device=device, dtype=dtype, generator=g)
+    for w, h in draws:
+        torch.randn((n, 3, h, w), device=device, dtype=dtype, generator=g)
     return scale * torch.randn((n, 3, height, width), device=device, dtype=dtype, generator=g)
 
 

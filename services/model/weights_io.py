@@ -5,6 +5,7 @@ The model's parameter names are the checkpoint keys (modules.py), except where s
 - fp8 (model/quant.py): q|k|v of a layer live in `qkv_proj{sfx}` (a q GEMM and one k|v GEMM), gate|up in
   `mlp{sfx}.gate_up_proj`, as e4m3 rows with one fp32 scale per row (and the model-dtype rows when kept);
   a key maps to a row range of such a layer, and an update requantises only those rows (row-wise scales);
+- A3B experts (model/moe.py): stacked per MoE block; a per-expert key is a view of its rows there;
 - tensor parallel (understanding): each rank holds its shard of the column / row-parallel weights
   (parallel.shard_dim) and reads only that shard, as the loader does.
 
@@ -25,8 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, weight_map
+from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, weight_map
+from .loader import FP8_DTYPE, lora_deltas, name_list
 from .model import NeoModel
+from .moe import checkpoint_views
 from .parallel import shard, shard_dim
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -52,7 +55,7 @@ def checkpoint_shapes(model: NeoModel) -> dict[str, torch.Size]:
     if shapes is None:
         with torch.device("meta"):
             full = NeoModel(model.cfg, "both")
-        shapes = {k: p.shape for k, p in full.named_parameters()}
+        shapes = {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
         model._checkpoint_shapes = shapes
     return shapes
 
@@ -96,7 +99,7 @@ def _fp8_keys(path: str, splits) -> list[str]:
 def targets(model: NeoModel) -> dict[str, _Target]:
     """Checkpoint key -> where its values live in `model` (this rank's shard)."""
     from .quant import Fp8Linear
-    out = {name: _Target(param=p) for name, p in model.named_parameters()}
+    out = {name: _Target(param=p) for name, p in checkpoint_views(model.named_parameters())}
     for path, mod in model.named_modules():
         if not isinstance(mod, Fp8Linear):
             continue
@@ -215,9 +218,7 @@ def update_files(source: str) -> dict[str, str]:
 
 
 def _names(keys: Iterable[str], limit: int = 5) -> str:
-    keys = sorted(keys)
-    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(repr(k) for k in keys[:limit]) + more
+    return name_list(keys, limit)
 
 
 def stage_update(model: NeoModel, source: str | None = None, lora: str | None = None, lora_strength: float = 1.0,
@@ -292,7 +293,8 @@ def stage_update(model: NeoModel, source: str | None = None, lora: str | None = 
     if lora is not None:
         current = {k: t.shape for k, t in where.items()}
         not_finite = []
-        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp):
+        for key, delta in lora_deltas(lora, {k: _Shape(s) for k, s in current.items()}, lora_strength, tp,
+                                      cfg=model.cfg):
             base = values[key] if key in values else where[key].read(dtype).to(device)
             v = (base.float() + delta.to(device)).to(dtype)
             if not bool(torch.isfinite(v).all()):
@@ -319,7 +321,6 @@ def _open_get(handles: dict, path: str, key: str) -> torch.Tensor:
 
 
 def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: list[str]) -> StagedUpdate:
-    from kernels.fp8_quant import quant_fp8_rowwise
     staged = StagedUpdate(skipped=sorted(skipped))
     for key in sorted(values):
         t, v = where[key], values[key]
@@ -329,7 +330,7 @@ def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: 
         if t.param is not None:
             staged.params.append((t.param, v))
         else:                       # as quant.Fp8Linear.from_linears quantises at load: rows of the model dtype
-            q, s = quant_fp8_rowwise(v.to(t.fp8.weight.device))
+            q, s = t.fp8.quantize_rows(v.to(t.fp8.weight.device))   # its scheme's: fp8 or int8
             hp = v if t.fp8.weight_hp is not None else None
             staged.fp8.append((t.fp8, t.r0, t.r1, q, s, hp))
         staged.keys.append(key)
@@ -379,6 +380,8 @@ class LiveWeights:
         rank, agree with the engine's other ranks (`all_gather(obj) -> [obj of each rank]`), and return the
         reply rank 0 sends: {"id", "ok", "version", "seconds", "updated"?, "skipped"?, "error"?}. A stage
         that failed on any rank is dropped on every rank."""
+        if op["op"] in LORA_OPS:      # resident adapters (lora_registry.py), not the weights
+            return lora_op(self.model, op, all_gather)
         t0 = time.perf_counter()
         reply: dict = {"id": op["id"], "ok": True}
         err = None
@@ -412,6 +415,19 @@ class LiveWeights:
             size += sum(p.numel() * p.element_size() for p in self.model.parameters())   # worst case: every weight
         free, _ = torch.cuda.mem_get_info(dev)
         return dev if 2 * size < free else torch.device("cpu")
+
+
+LORA_OPS = ("lora_load", "lora_unload")
+
+
+def lora_op(model: NeoModel, op: dict, all_gather) -> dict:
+    reg = getattr(model, "lora", None)
+    if reg is None:
+        all_gather(None)          # the ranks still meet once, as for any op
+        return {"id": op["id"], "ok": False, "error": {
+            "status": 400, "code": "lora_disabled",
+            "message": "this engine serves no LoRA adapters (start it with --max-loras N or --lora-modules)"}}
+    return reg.run(op, all_gather)
 
 
 def error_reply(exc: BaseException) -> dict:

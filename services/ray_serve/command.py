@@ -17,9 +17,11 @@ import signal
 import sys
 import threading
 
+from services import knobs
+
 from .settings import RayAppSettings, Scaling
 
-PASS_ENV = ("U1SERVE_API_KEY", "UCX_TLS", "U1SERVE_KV_SAME_HOST_SHM")   # forwarded to every replica when set
+PASS_ENV = (knobs.API_KEY.name, "UCX_TLS", knobs.KV_SAME_HOST_SHM.name)   # forwarded to every replica when set
 
 
 def replicas(text: str) -> tuple[int, int]:
@@ -85,7 +87,7 @@ def settings_from_args(args, new_token: bool = True) -> RayAppSettings:
         stack = stack[1:]
     env = {k: os.environ[k] for k in PASS_ENV if os.environ.get(k)}
     if new_token:
-        env["U1SERVE_INTERNAL_TOKEN"] = os.environ.get("U1SERVE_INTERNAL_TOKEN") or secrets.token_hex(16)
+        env[knobs.INTERNAL_TOKEN.name] = knobs.INTERNAL_TOKEN.get() or secrets.token_hex(16)
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import os
 import sys
 import time
 import uuid
 
+from services import knobs
 from services.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
 from services.netutil import free_port
 
@@ -31,7 +31,7 @@ GRACE_S = 20.0
 def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
     """The ServiceSpec `u1serve up` would start for service `name` (und, gen, gateway) with these flags."""
     from services.cli import build_stack
-    if not os.environ.get("U1SERVE_INTERNAL_TOKEN"):
+    if not knobs.INTERNAL_TOKEN.get():
         raise RuntimeError("U1SERVE_INTERNAL_TOKEN is not set in this replica's environment: every replica of the "
                            "application needs the same internal token (u1serve ray sets it; with `serve run`, set "
                            "it in the nodes' environment or the config's runtime_env)")

@@ -5,6 +5,7 @@ health probes, retries and undo are the gateway's own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -25,8 +26,7 @@ def gateway_config(settings: RayAppSettings, und_urls: list[str], gen_urls: list
     os.environ.update(spec.env)                 # the internal token and API key, as `u1serve up` passes them
     argv = spec.argv[spec.argv.index("services.gateway.server") + 1:]
     cfg = config_from_args(build_arg_parser().parse_args(argv))
-    cfg.und_urls, cfg.gen_urls, cfg.dns_refresh_s = und_urls, gen_urls, 0.0
-    return cfg
+    return dataclasses.replace(cfg, und_urls=und_urls, gen_urls=gen_urls, dns_refresh_s=0.0)
 
 
 @serve.ingress()

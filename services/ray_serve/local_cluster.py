@@ -162,17 +162,6 @@ class LocalCluster:
             time.sleep(0.5)
         raise TimeoutError(f"ray node {node.spec.name} not up within {timeout_s} s: see {node.log_path}")
 
-    def alive_nodes(self) -> int:
-        """Nodes the GCS counts as alive (asked from a child process: the caller may not want a Ray driver)."""
-        code = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
-                "print(sum(n['Alive'] for n in ray.nodes()))")
-        try:
-            out = subprocess.run([sys.executable, "-c", code, self.address], env=self.env, capture_output=True,
-                                 text=True, timeout=120)
-            return int(out.stdout.strip().splitlines()[-1])
-        except (subprocess.TimeoutExpired, ValueError, IndexError):
-            return 0
-
     def kill_node(self, name: str) -> int:
         """A lost machine: SIGKILL to every process of the node (its mount namespace). Returns how many."""
         return self._reap(self.nodes[name])

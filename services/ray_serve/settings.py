@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
-import math
 from dataclasses import dataclass, field
 
 KV_TRANSPORTS = ("nixl", "shm")
@@ -110,7 +109,3 @@ def parse_stack_args(argv: list[str]) -> argparse.Namespace:
         raise ValueError("on Ray, replica counts are the deployments' (und / gen min_replicas, max_replicas), "
                          "not --und-replicas / --gen-replicas")
     return args
-
-
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b)) if a > 0 else 0

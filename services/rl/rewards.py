@@ -132,10 +132,6 @@ class RewardSet:
     def weights(self) -> dict[str, float]:
         return {r.name: w for r, w in self.rewards}
 
-    @property
-    def uses_think(self) -> bool:
-        return any(r.name.startswith("think") for r, _ in self.rewards)
-
     def scores(self, samples: Samples) -> dict[str, torch.Tensor]:
         return {r.name: r(samples).float() for r, _ in self.rewards}
 

@@ -66,10 +66,10 @@ def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False):
 
 
 def main(args: argparse.Namespace) -> int:
-    import os
+    from services import knobs
     from services.cli import ensure_tiny_checkpoint
     cfg = config_from_args(args)
-    api_key = args.api_key or os.environ.get("U1SERVE_API_KEY")
+    api_key = args.api_key or knobs.API_KEY.get()
     model_dir = ensure_tiny_checkpoint("u1", out=sys.stderr) if args.model == "tiny" else args.model
     if args.base:
         train(cfg, args.base, model_dir, args.iterations, api_key, args.push)

@@ -38,6 +38,7 @@ from verl import DataProto
 from verl.workers.rollout import base as verl_rollout_base
 from verl.workers.rollout.base import BaseRollout
 
+from services import knobs
 from services.model.weights_io import write_tensors
 
 from .client import RLClient
@@ -52,10 +53,10 @@ class U1ServeRollout(BaseRollout):
     def __init__(self, config, model_config, device_mesh, *args, **kwargs):
         super().__init__(config, model_config, device_mesh, *args, **kwargs)
         custom = dict((getattr(self.config, "custom", None) or {}).get("u1serve", {}))
-        base = custom.pop("base_url", None) or os.environ.get("U1SERVE_BASE_URL")
+        base = custom.pop("base_url", None) or knobs.BASE_URL.get()
         if not base:
             raise ValueError("u1serve rollout: set rollout.custom.u1serve.base_url (or U1SERVE_BASE_URL)")
-        api_key = custom.pop("api_key", None) or os.environ.get("U1SERVE_API_KEY")
+        api_key = custom.pop("api_key", None) or knobs.API_KEY.get()
         self.push = custom.pop("push", "path")
         unknown = set(custom) - set(ROLLOUT_FIELDS)
         if unknown:

@@ -25,10 +25,10 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 class Choices:
     def __init__(self, state, rid: str, inp: PR.PromptInput, params: SamplingParams, think: Optional[bool], n: int,
-                 cache_salt: Optional[str] = None):
+                 cache_salt: Optional[str] = None, lora: Optional[str] = None):
         self.n = n
         self.gens = [textgen.generate(state, rid if i == 0 else f"{rid}.{i}", inp, choice_params(params, i), think,
-                                      cache_salt) for i in range(n)]
+                                      cache_salt, lora) for i in range(n)]
 
     async def events(self) -> AsyncIterator[tuple[int, dict]]:
         """(choice index, textgen event) as they come, choice 0's first event first; an APIError of any choice

@@ -7,17 +7,21 @@ import datetime
 import logging
 import os
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import zmq
 
+from services import knobs
 from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
+from services.model.lora_registry import attach_lora
+
+from .config import EngineConfig
 from .devices import rank_device
-from .protocol import Abort, RequestOutput, Shutdown, SubmitRequest
+from .lora import plan_slots
+from .protocol import Abort, Fatal, Ready, RequestOutput, Shutdown, Step, SubmitRequest, WeightsReply
 from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
                        token_logprobs)
 from .scheduler import Scheduler
@@ -25,27 +29,6 @@ from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
-
-
-@dataclass
-class EngineConfig:
-    model_dir: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    tp: int = 1
-    dist_port: int = 29500
-    kv_cache_tokens: int = 16384
-    max_running: int = 256
-    max_model_len: int = 8192
-    chunked_prefill_size: int = 2048
-    enable_prefix_cache: bool = True
-    kv_pool_name: str | None = None
-    cuda_graph_max_bs: int = 128
-    max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
-    yield_signal: str = ""            # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
-    log_level: str = "WARNING"
-    in_addr: str = ""       # HTTP -> engine (PULL here)
-    out_addr: str = ""      # engine -> HTTP (PUSH here)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -85,7 +68,7 @@ def run_engine(rank: int, cfg: EngineConfig) -> None:
     except Exception as e:  # report a load/runtime failure to the HTTP process, then die
         traceback.print_exc()
         if out_sock is not None:
-            out_sock.send_pyobj({"type": "fatal", "error": f"{type(e).__name__}: {e}"})
+            out_sock.send_pyobj(Fatal(f"{type(e).__name__}: {e}"))
         raise
 
 
@@ -99,12 +82,15 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = _dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
+        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
+                                quantization=cfg.quantization)
+        attach_lora(self.model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
         self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
-        cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
-        cfg.max_model_len = min(cfg.max_model_len, cfg.kv_cache_tokens)
-        self.runner = ModelRunner(self.model, cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+        # the config is the request; what fits GPU memory may be less
+        self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
+        self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running, self.max_model_len,
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.out = out_sock
         self.pool = None
@@ -116,23 +102,22 @@ class Engine:
             from services.kit.yield_signal import YieldSignal
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
         if rank == 0:
-            self.sched = Scheduler(cfg.kv_cache_tokens, cfg.max_running, cfg.max_model_len,
+            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running, self.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
                                    max_queue_wait_s=cfg.max_queue_wait_s)
+            self.sched.model = self.model
             ctx = zmq.Context.instance()
             self.inp = ctx.socket(zmq.PULL)
             self.inp.bind(cfg.in_addr)
-            self.out.send_pyobj({"type": "ready", "fingerprint": self.model.fingerprint,
-                                 "kv_cache_tokens": cfg.kv_cache_tokens, "max_model_len": cfg.max_model_len})
+            self.out.send_pyobj(Ready(self.kv_cache_tokens, self.max_model_len))
             self._send([])
 
     def _fit_kv_cache(self, want: int) -> int:
         """With U1SERVE_GPU_MEMORY_FRACTION (colocate), cap this process's GPU memory at that share and
         shrink the KV cache to what fits next to the weights (all TP ranks agree on the smallest)."""
-        frac = os.environ.get("U1SERVE_GPU_MEMORY_FRACTION")
+        frac = knobs.GPU_MEMORY_FRACTION.get()
         if not frac or not self.device.startswith("cuda"):
             return want
-        frac = float(frac)
         dev = torch.device(self.device)
         torch.cuda.set_per_process_memory_fraction(frac, dev)
         total = torch.cuda.get_device_properties(dev).total_memory
@@ -168,7 +153,7 @@ class Engine:
         return True
 
     def _send(self, outs: list[RequestOutput]) -> None:
-        self.out.send_pyobj({"type": "step", "outs": outs, "stats": self.sched.snapshot()})
+        self.out.send_pyobj(Step(outs, self.sched.snapshot()))
 
     def run(self) -> None:
         if self.rank != 0:
@@ -181,7 +166,7 @@ class Engine:
             op = self.weights.next_op(self.sched)
             if op is not None:          # between steps, on every rank (weights.py)
                 self._broadcast(WeightsOp(op))
-                self.out.send_pyobj({"type": "weights", **self.weights.run(op, self.rank)})
+                self.out.send_pyobj(WeightsReply(self.weights.run(op, self.rank)))
                 self.weights.after(op, self.sched)
             scheduled = self.sched.schedule()
             if scheduled is None:
@@ -207,6 +192,7 @@ class Engine:
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
+        plan.lora_slots = plan_slots(entries)
         # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
         decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows
         if decode:

@@ -29,8 +29,9 @@ from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
-from .engine import EngineConfig, run_engine
-from .protocol import Abort, EngineStats, RequestOutput, Shutdown, SubmitRequest
+from .config import EngineConfig
+from .engine import run_engine
+from .protocol import Abort, EngineStats, Fatal, Ready, RequestOutput, Shutdown, Step, SubmitRequest, WeightsReply
 
 log = logging.getLogger("u1serve.understanding.client")
 MAX_PENDING_OUTPUTS = 4096     # step outputs one request may have waiting for its reader before it is aborted
@@ -73,8 +74,8 @@ class EngineIncarnation:
                 if not self._out.poll(100):
                     continue
                 msg = self._out.recv_pyobj()
-                if msg.get("type") == "fatal":
-                    self.fatal = msg.get("error") or "engine reported a fatal error"
+                if isinstance(msg, Fatal):
+                    self.fatal = msg.error or "engine reported a fatal error"
                 self._deliver(self, msg)
         except zmq.ZMQError:
             pass
@@ -142,7 +143,6 @@ class EngineClient:
         self._ctx = zmq.Context()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = EngineStats(kv_total=cfg.kv_cache_tokens)
-        self.fingerprint: Optional[str] = None
         self.kv_cache_tokens = cfg.kv_cache_tokens
         self.max_model_len = cfg.max_model_len
         self.ever_ready = False
@@ -161,7 +161,7 @@ class EngineClient:
         except RuntimeError:             # the loop is closed: the server is gone
             pass
 
-    def _deliver(self, unit: EngineIncarnation, msg: dict) -> None:
+    def _deliver(self, unit: EngineIncarnation, msg) -> None:
         self._to_loop(self._on_message, unit, msg)
 
     def _on_death(self, reason: str) -> None:
@@ -172,24 +172,21 @@ class EngineClient:
             self._to_loop(self.on_start_failure, why)
 
     # ---- event loop ------------------------------------------------------------------------------------
-    def _on_message(self, unit: EngineIncarnation, msg: dict) -> None:
+    def _on_message(self, unit: EngineIncarnation, msg: Ready | Step | WeightsReply | Fatal) -> None:
         if unit.closed or unit is not self.supervisor.unit:
             return                       # a late message of a dead incarnation
-        kind = msg.get("type")
-        if kind == "step":
-            self.stats = msg["stats"]
-            for o in msg["outs"]:
+        if isinstance(msg, Step):
+            self.stats = msg.stats
+            for o in msg.outs:
                 q = self.queues.get(o.rid)
                 if q is not None and q.qsize() >= MAX_PENDING_OUTPUTS:
                     self._fell_behind(o.rid, q)
                 elif q is not None:
                     q.put_nowait(o)
-        elif kind == "weights":
-            self.on_weights(msg)
-        elif kind == "ready":
-            self.kv_cache_tokens = msg.get("kv_cache_tokens", self.base_cfg.kv_cache_tokens)
-            self.max_model_len = msg.get("max_model_len", self.base_cfg.max_model_len)
-            self.fingerprint = msg.get("fingerprint")
+        elif isinstance(msg, WeightsReply):
+            self.on_weights(msg.result)
+        elif isinstance(msg, Ready):
+            self.kv_cache_tokens, self.max_model_len = msg.kv_cache_tokens, msg.max_model_len
             self.supervisor.mark_ready(unit)
             first = not self.ever_ready
             self.ever_ready = True

@@ -26,7 +26,7 @@ from services.model import prompts as PR
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineDead
 from .protocol import SubmitRequest
-from .routes.responses import sse_response, until_done_or_gone
+from .responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
 from .textgen import output_error
 
@@ -223,18 +223,18 @@ class ImagePrefixService:
         if req.think_token_ids is not None:     # RL scoring: the sampled think block, prefilled as is
             tail = st.tok.encode(PR.THINK_TAIL)
             inputs["cond"].input_ids = list(inputs["cond"].input_ids) + list(req.think_token_ids) + tail
-            return self.start_job(req.request_id, inputs, admission, req.cache_salt)
+            return self.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora)
         sample = None
         if req.think and req.think_temperature is not None:
             sample = SamplingParams(max_tokens=1, temperature=req.think_temperature, top_p=req.think_top_p,
                                     seed=req.think_seed, logprobs=0,
                                     logit_bias={i: float("-inf") for i in PR.think_excluded_ids(st.tok)})
         return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens,
-                              sample)
+                              sample, lora=req.lora)
 
     def start_job(self, request_id: str, inputs: dict, admission, cache_salt: Optional[str] = None,
                   think: bool = False, max_think_tokens: int = 0,
-                  think_sample: Optional[SamplingParams] = None) -> PrefixJob:
+                  think_sample: Optional[SamplingParams] = None, lora: Optional[str] = None) -> PrefixJob:
         """Reserve the pages of every branch's prefix and submit them (think: the cond branch decodes a think
         block first, greedily or sampled with `think_sample`). The job owns `admission` from here on, also when
         this raises."""
@@ -260,7 +260,7 @@ class ImagePrefixService:
                 "prefix", think=thinks, max_think_tokens=max_think_tokens if thinks else 0,
                 think_sample=bool(thinks and think_sample),
                 think_tail_ids=tail if thinks else [], think_stop_id=st.tok.im_end_id,
-                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=cache_salt)
+                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=cache_salt, lora=lora)
         try:
             job.submit(msgs)
         except EngineDead as e:

@@ -29,7 +29,7 @@ from services.model import prompts as PR
 
 from . import textgen
 from .inputs import image_refs, prompt_messages, text_params
-from .routes.responses import sse_response
+from .responses import sse_response
 from .sampling import SamplingParams
 
 log = logging.getLogger("u1serve.understanding.interleave")
@@ -131,7 +131,8 @@ class InterleaveService:
             cond, tu, texts = await self._inputs(req)
             params = self._text_params(req, len(cond.input_ids))
             rid = st.engine_rid(req.request_id)
-            gen = textgen.generate(st, rid, cond, params, reasoning_state(tok, req.think, texts), req.cache_salt)
+            gen = textgen.generate(st, rid, cond, params, reasoning_state(tok, req.think, texts), req.cache_salt,
+                                   req.lora)
             first = await anext(gen)       # an immediate error is still a plain 4xx/5xx response
         except BaseException:
             admission.close()
@@ -144,34 +145,45 @@ class InterleaveService:
                 job.close()
             admission.close()
 
+        ends = (tok.img_start_id, tok.im_end_id)       # the greedy text's stops: never part of a segment
+
         async def events():
             nonlocal job
             ev, ids = first, []
+            if req.return_token_ids and not req.transcript:     # the answer's first segment: its prompt first
+                yield {"type": "text", "reasoning": "", "content": "", "token_ids": [],
+                       "prompt_token_ids": list(cond.input_ids)}
             while True:
                 ids.extend(ev["ids"])
-                if ev["reasoning"] or ev["content"]:
-                    yield {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
+                new = [t for t in ev["ids"] if t not in ends] if req.return_token_ids else []
+                if ev["reasoning"] or ev["content"] or new:
+                    text = {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
+                    yield {**text, "token_ids": new} if req.return_token_ids else text
                 if "finish_reason" in ev:
                     break
                 ev = await anext(gen)
             final = ev
             stop = ids[-1] if final["finish_reason"] == "stop" and ids else None
-            seg = ids[:-1] if stop in (tok.img_start_id, tok.im_end_id) else ids
+            seg = ids[:-1] if stop in ends else ids
             usage = {**final["usage"], "completion_tokens": len(seg)}
+            # what the gateway needs to spell a generated image as token ids
+            extra = {"image_span_ids": [tok.img_start_id, tok.img_context_id, tok.img_end_id]} \
+                if req.return_token_ids else {}
             if stop != tok.img_start_id or req.images_left <= 0:
-                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage}
+                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage,
+                       **extra}
                 return
             inputs = {"cond": PR.PromptInput(cond.input_ids + seg + [tok.img_start_id], cond.images),
                       TEXT_FREE: PR.PromptInput(tu.input_ids + [tok.img_start_id], tu.images),
                       ALL_UNCOND: PR.PromptInput(tok.encode(PR.UNCOND_TEXT))}
             inputs = {b: inputs[b] for b in req.branches()}
             # the prefix job takes over the segment's admission slot (the text request is done)
-            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt)
+            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora)
             async for pev in job.events():
                 if isinstance(pev, APIError):
                     raise pev
                 if pev["type"] == "handles":
-                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage}
+                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage, **extra}
 
         async def stream():
             try:

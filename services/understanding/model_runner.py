@@ -14,6 +14,8 @@ from kernels.decode_attention import decode_attention
 from kernels.kv_copy import kv_write_
 from kernels.prefill_attention import prefill_attention
 
+from services.model.lora_batched import lora_rows
+
 from .step_plan import StepPlan
 
 log = logging.getLogger("u1serve.understanding.runner")
@@ -40,7 +42,7 @@ class ModelRunner:
         self.graphs = None
         if warmup if warmup is not None else self.device.type == "cuda":
             self.warmup()
-        if cuda_graph_max_bs > 0 and self.device.type == "cuda" and not model.cfg.llm.is_moe:
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":   # A3B too: its MoE has no host sync
             from .cuda_graphs import DecodeGraphs
             try:
                 self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
@@ -116,7 +118,7 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the step; returns fp32 logits for plan.logit_rows (or None when no row needs them)."""
         self.apply_table_writes(plan)
-        if self.graphs is not None and self.graphs.can_run(plan):
+        if self.graphs is not None and plan.lora_slots is None and self.graphs.can_run(plan):
             return self.graphs.run(plan)
         dev = self.device
         n_p = plan.num_prefill_rows
@@ -138,5 +140,6 @@ class ModelRunner:
                                                           int(plan.d_seq_len.max()), dev)
         # the input images' rows are the prompt's image spans (image_end > 0); a generated <IMG_CONTEXT> is text
         image_rows = (plan.image_end > 0).to(dev) if plan.images else None
-        return self.core(plan.input_ids.to(dev), plan.positions.to(dev), plan.images, plan.out_slots.to(dev),
-                         n_p, p_meta, d_meta, plan.logit_rows.to(dev), image_rows)
+        with lora_rows(self.model, plan.lora_slots):
+            return self.core(plan.input_ids.to(dev), plan.positions.to(dev), plan.images, plan.out_slots.to(dev),
+                             n_p, p_meta, d_meta, plan.logit_rows.to(dev), image_rows)

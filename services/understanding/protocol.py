@@ -1,4 +1,5 @@
-"""Messages between the HTTP process and the engine process (pickled over ZMQ)."""
+"""Messages between the HTTP process and the engine process (pickled over ZMQ): SubmitRequest, Abort, Shutdown and
+the weights ops (weights.py) in; Ready, Step, WeightsReply and Fatal out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ class SubmitRequest:
     kind: str = "text"
     stop_token_ids: list[int] = field(default_factory=list)   # eos etc. (already merged with params)
     cache_salt: Optional[str] = None  # prefix-cache isolation domain (None = the shared default domain)
+    lora: Optional[str] = None        # LoRA adapter name (lora.py; None = the base weights)
     # prefix requests only
     think: bool = False
     max_think_tokens: int = 0
@@ -66,3 +68,30 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- engine -> HTTP process ------------------------------------------------------------------------------------
+@dataclass
+class Ready:
+    """The engine loaded the checkpoint; the KV cache it could fit may be less than the config asked for."""
+    kv_cache_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class Step:
+    """What an iteration produced (also sent once idle after work, so the stats settle)."""
+    outs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass
+class WeightsReply:
+    """The answer to one weights op (services/kit/weights_api.py reads `result`)."""
+    result: dict
+
+
+@dataclass
+class Fatal:
+    """The engine failed to load or to run: the HTTP process restarts it (or exits, at the first start)."""
+    error: str

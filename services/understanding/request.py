@@ -48,6 +48,7 @@ class Req:
             keys[s:e] = image_keys(image_digest(im.pixel_values, im.grid_hw), e - s)
             self.spans.append((s, e, i))
         self.keys = salt_keys(keys, msg.cache_salt)
+        self.lora = None                        # the LoRA adapter held (lora.bind), salting the keys further
         self.tokens = ids                       # every token whose id is known (fed or to be fed)
         self.output_ids: list[int] = []         # generated tokens (text) / think tokens (prefix)
         self.num_computed = 0                   # tokens whose KV is in the pool
@@ -89,6 +90,11 @@ class Req:
 
     def is_image_row(self, i: int) -> bool:
         return i < self.prompt_len and int(self.prompt_iend[i]) > 0
+
+    @property
+    def is_decode(self) -> bool:
+        """Its next step is one decode row (one token to feed, outside an image span)."""
+        return self.pending == 1 and not self.is_image_row(self.num_computed)
 
     def positions(self, s: int, e: int) -> torch.Tensor:
         """[3, e - s] positions of tokens [s, e)."""

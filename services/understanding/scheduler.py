@@ -1,8 +1,9 @@
 """Continuous-batching scheduler (rank 0): admission by free KV, chunked prefill that never splits an
 image span, decodes every iteration, preemption by recompute, clean aborts — and never a hang.
 
-Every iteration builds one StepPlan holding the decode rows of all running requests plus prefill chunks
-(continuing ones first, then newly admitted ones) up to the chunked-prefill budget.
+Every iteration builds one StepPlan holding the decode rows of all running requests (DecodeManager, decode.py)
+plus prefill chunks, continuing ones first, then newly admitted ones, up to the chunked-prefill budget
+(PrefillManager, prefill.py). The scheduler owns the requests and the KV they hold.
 """
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from typing import Optional
 
 import torch
 
+from services.model.lora_registry import AdapterNotFound
+
+from . import lora
+from .decode import DecodeManager
 from .kv_allocator import KVSlotAllocator
+from .prefill import PrefillManager
 from .protocol import EngineStats, RequestOutput, SubmitRequest
 from .radix_cache import RadixCache
 from .request import Req
@@ -42,6 +48,9 @@ class Scheduler:
         self.outputs: list[RequestOutput] = []
         self.stats = EngineStats(kv_total=num_slots)
         self._suspects: set[str] = set()   # requests of a failed step, each to run one step alone (step_failed)
+        self.model = None       # the engine's model: its LoRA adapters (lora.py)
+        self.decode = DecodeManager(self)
+        self.prefill = PrefillManager(self)
         self.admitting = True   # False while a weight update drains (understanding/weights.py): only requests
         #                         that ran before (preempted) come back in
 
@@ -49,6 +58,10 @@ class Scheduler:
     def add(self, msg: SubmitRequest) -> None:
         try:
             req = Req(msg, self.img_context_id, self._arrivals)
+            lora.bind(req, self.model)
+        except AdapterNotFound as e:     # unloaded between the gateway's check and here
+            self.outputs.append(RequestOutput(msg.rid, [], "error", error=str(e), error_code="model_not_found"))
+            return
         except Exception as e:  # malformed prompt (the HTTP side validates; this is the last guard)
             self.outputs.append(RequestOutput(msg.rid, [], "error", error=f"bad request: {e}",
                                               error_code="invalid_request"))
@@ -121,7 +134,7 @@ class Scheduler:
         req.node, req.cached_len = node, n
 
     # ---- finishing ---------------------------------------------------------------------------
-    def _finish(self, req: Req, reason: str, error: Optional[str] = None, code: Optional[str] = None,
+    def finish(self, req: Req, reason: str, error: Optional[str] = None, code: Optional[str] = None,
                 handle: Optional[dict] = None) -> None:
         if req in self.running:
             self.running.remove(req)
@@ -130,6 +143,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.reqs.pop(req.rid, None)
         self._suspects.discard(req.rid)
+        lora.release(req)
         req.finished = reason
         out = RequestOutput(req.rid, req.new_ids, reason, error=error, error_code=code,
                             prompt_tokens=req.prompt_len, cached_tokens=req.hit_tokens, handle=handle,
@@ -146,7 +160,7 @@ class Scheduler:
         out, req.new_logprobs = req.new_logprobs, []
         return out
 
-    def _preempt(self, req: Req) -> None:
+    def preempt(self, req: Req) -> None:
         self.running.remove(req)
         self._release(req)
         self.stats.preemptions += 1
@@ -160,7 +174,7 @@ class Scheduler:
         for rid in list(self._aborts):
             req = self.reqs.get(rid)
             if req is not None:
-                self._finish(req, "abort")
+                self.finish(req, "abort")
         self._aborts.clear()
 
     def _expire_waiting(self) -> None:
@@ -171,11 +185,11 @@ class Scheduler:
         now = time.monotonic()
         for req in [r for r in self.waiting if not r.admitted_once
                     and now - r.enqueued_at > self.max_queue_wait_s]:
-            self._finish(req, "error", f"waited {now - req.enqueued_at:.1f} s for admission (limit "
+            self.finish(req, "error", f"waited {now - req.enqueued_at:.1f} s for admission (limit "
                          f"{self.max_queue_wait_s:g} s): the server is overloaded, retry later", "queue_timeout")
 
     # ---- admission ---------------------------------------------------------------------------
-    def _try_admit(self, req: Req, decode_reserve: int) -> bool:
+    def try_admit(self, req: Req, decode_reserve: int) -> bool:
         if not self.free_rows:
             return False
         slots, _ = self.cache.match_prefix(req.keys)
@@ -204,9 +218,6 @@ class Scheduler:
         return True
 
     # ---- one iteration -----------------------------------------------------------------------
-    def _is_decode(self, req: Req) -> bool:
-        return req.pending == 1 and not req.is_image_row(req.num_computed)
-
     def schedule(self) -> Optional[tuple[StepPlan, list]]:
         """Returns (plan, entries) or None when there is nothing to run. entries: (req, start, end)."""
         self._reap_aborts()
@@ -218,50 +229,17 @@ class Scheduler:
             # Running requests exist but none could progress: free memory by preempting the newest one,
             # or fail the last one standing — never spin.
             if len(self.running) > 1:
-                self._preempt(max(self.running, key=lambda r: r.arrival))
+                self.preempt(max(self.running, key=lambda r: r.arrival))
             else:
-                self._finish(self.running[0], "error", "KV cache exhausted: the request does not fit",
+                self.finish(self.running[0], "error", "KV cache exhausted: the request does not fit",
                              "kv_cache_exhausted")
         return None
 
     def _schedule_once(self):
         if self._suspects:
             return self._schedule_alone()
-        decodes = [r for r in self.running if self._is_decode(r)]
-        while decodes and self.available() < len(decodes):
-            victim = max(self.running, key=lambda r: r.arrival)
-            if len(self.running) == 1:
-                self._finish(victim, "error", "KV cache exhausted while decoding", "kv_cache_exhausted")
-            else:
-                self._preempt(victim)
-            if victim in decodes:
-                decodes.remove(victim)
-        entries = []   # prefill (req, start, end)
-        budget = self.chunk_size
-        reserved = len(decodes)   # slots this step will take (allocation happens after selection)
-        decoding = {id(r) for r in decodes}
-        for r in sorted((r for r in self.running if id(r) not in decoding and r.pending > 0),
-                        key=lambda r: r.arrival):
-            if budget <= 0:
-                break
-            end = r.chunk_end(budget)
-            n = end - r.num_computed
-            if (n > budget and entries) or n + reserved > self.available():
-                continue
-            entries.append((r, r.num_computed, end))
-            budget -= n
-            reserved += n
-        while self.waiting and budget > 0:
-            r = self.waiting[0]
-            if not (self.admitting or r.admitted_once) or not self._try_admit(r, reserved):
-                break
-            end = r.chunk_end(budget)
-            n = end - r.num_computed
-            if (n > budget and entries) or n + reserved > self.available():
-                break
-            entries.append((r, r.num_computed, end))
-            budget -= n
-            reserved += n
+        decodes = self.decode.rows()
+        entries = self.prefill.take(self.chunk_size, reserved=len(decodes))
         if not entries and not decodes:
             return None
         for r, start, end in entries:
@@ -275,13 +253,13 @@ class Scheduler:
         """The next step of one suspect with nothing else in it (see step_failed); without room for it, back to
         ordinary steps (isolation is best effort, never a stall)."""
         r = next((r for r in [*self.running, *self.waiting] if r.rid in self._suspects), None)
-        if r is not None and r in self.waiting and not self._try_admit(r, 0):
+        if r is not None and r in self.waiting and not self.try_admit(r, 0):
             r = None
-        if r is not None and self._is_decode(r) and self.available() >= 1:
+        if r is not None and r.is_decode and self.available() >= 1:
             d_slots = self._alloc(1)
             r.slots[r.num_computed] = int(d_slots[0])
             return self._build_plan([], [r], d_slots)
-        if r is not None and not self._is_decode(r):
+        if r is not None and not r.is_decode:
             end = r.chunk_end(self.chunk_size)
             if end - r.num_computed <= self.available():
                 self._assign_slots(r, r.num_computed, end)
@@ -365,10 +343,10 @@ class Scheduler:
             self.alloc.free(r.slots[s:e])     # assigned for this step only
             r.strikes += 1
         for r in list(self.running):
-            self._preempt(r)
+            self.preempt(r)
         for r, _, _ in live:
             if r.strikes >= MAX_STRIKES:
-                self._finish(r, "error", error, "engine_error")
+                self.finish(r, "error", error, "engine_error")
             else:
                 self._suspects.add(r.rid)
 
@@ -379,7 +357,7 @@ class Scheduler:
                 continue
             if r.num_computed <= s:   # not advanced yet: the chunk's slots are still only assigned
                 self.alloc.free(r.slots[s:e])
-            self._finish(r, "error", error, "engine_error")
+            self.finish(r, "error", error, "engine_error")
 
     # ---- results -----------------------------------------------------------------------------
     def sampling_requests(self, entries) -> list[Req]:
@@ -400,7 +378,7 @@ class Scheduler:
                 continue
             tok = sampled.get(r.rid)
             if isinstance(tok, SamplingFailure):
-                self._finish(r, "error", tok.message, "sampling_error")
+                self.finish(r, "error", tok.message, "sampling_error")
             elif r.kind == "text":
                 if r.new_logprobs is not None and r.rid in logprobs:
                     r.new_logprobs.append(logprobs[r.rid])
@@ -413,9 +391,9 @@ class Scheduler:
             else:
                 res = exported.get(r.rid)
                 if isinstance(res, dict):
-                    self._finish(r, "exported", handle=res)
+                    self.finish(r, "exported", handle=res)
                 else:
-                    self._finish(r, "error", f"KV export failed: {res}", "kv_export_failed")
+                    self.finish(r, "error", f"KV export failed: {res}", "kv_export_failed")
 
     def _advance_text(self, r: Req, tok: int) -> None:
         self.stats.generated_tokens += 1
@@ -423,9 +401,9 @@ class Scheduler:
         r.new_ids.append(tok)
         p = r.params
         if tok in r.msg.stop_token_ids:
-            self._finish(r, "stop")
+            self.finish(r, "stop")
         elif len(r.output_ids) >= p.max_tokens or len(r.tokens) + 1 > self.max_model_len:
-            self._finish(r, "length")
+            self.finish(r, "length")
         else:
             r.append_tokens([tok])
 

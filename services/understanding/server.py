@@ -16,19 +16,19 @@ import sys
 
 from fastapi import FastAPI
 
-from services import timeouts
 from services.contract import limits as CL
 from services.kit import errors, live
-from services.kit.config import STACK_ID_ENV, read_secret
+from services import knobs
+from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
 from services.kit.streaming import add_stream_flags, guard
 from services.model import images as IM
 
+from .config import add_engine_flags
 from .image_inputs import ImageBudget
-from .routes import chat, internal, native, ops
+from .routers import chat, internal, native, ops
 from .state import AppState
 
-TOKEN_ENV = "U1SERVE_INTERNAL_TOKEN"
 
 
 def create_app(args) -> FastAPI:
@@ -54,19 +54,15 @@ def create_app(args) -> FastAPI:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("services.understanding.server",
-                                description="u1serve understanding service (chat, VQA, image prefixes)")
+                                description="u1serve understanding service (chat, VQA, image prefixes)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--device", default="cpu", help="cpu, cuda (the current CUDA device) or cuda:N")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine processes")
-    p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
-    p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
-                   "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
-    p.add_argument("--kv-pool-owner", default=os.environ.get(STACK_ID_ENV, ""),
+    add_engine_flags(p)
+    p.add_argument("--kv-pool-owner", default=knobs.STACK_ID.get(),
                    help="the stack id recorded in the pool segment as its owner: only that stack's launcher removes "
-                        f"it (shm_transfer/segment.py; env {STACK_ID_ENV}, set by u1serve up)")
+                        f"it (shm_transfer/segment.py; env {knobs.STACK_ID.name}, set by u1serve up)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
     p.add_argument("--kv-transport", choices=["shm", "nixl"], default="shm",
                    help="how generation reads the prefixes: shm (same host) or nixl (over the network with NIXL; "
@@ -81,24 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lease of exported prefix pages (reclaimed after it if nobody releases them)")
     p.add_argument("--max-prefix-pool-share", type=float, default=0.5,
                    help="largest share of the KV pool one image-prefix request may reserve (larger: 400)")
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="token slots of the paged KV cache")
-    p.add_argument("--max-model-len", type=int, default=32768, help="context limit (prompt + output)")
-    p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond the running ones; more get 429 (default: "
                         "max(16, KV cache tokens / 256))")
-    p.add_argument("--max-queue-wait-s", type=float, default=timeouts.UND_MAX_QUEUE_WAIT_S,
-                   help="a request that waited longer for admission fails with 429 (0 = no limit)")
-    p.add_argument("--chunked-prefill-size", type=int, default=4096,
-                   help="prefill tokens per iteration (0 = no chunking); image spans are never split")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=128,
-                   help="largest decode batch replayed from a CUDA graph (0 = eager; CUDA, dense models only)")
     p.add_argument("--engine-max-failures", type=int, default=5,
                    help="engine deaths within --engine-failure-window-s after which it is not restarted")
     p.add_argument("--engine-failure-window-s", type=float, default=600.0)
     p.add_argument("--internal-token", default=None,
-                   help=f"the token every route but /health requires (or --internal-token-file, or env {TOKEN_ENV})")
+                   help=f"the token every route but /health requires (or --internal-token-file, or env {knobs.INTERNAL_TOKEN.name})")
     p.add_argument("--internal-token-file", default=None, help="file whose first line is the internal token")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--image-min-pixels", type=int, default=IM.VQA_MIN_PIXELS, help="chat images are resized to >= this")
@@ -115,7 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request bodies above this get 413")
     p.add_argument("--max-think-tokens", type=int, default=CL.MAX_THINK_TOKENS, help="upper bound for max_think_tokens")
     add_stream_flags(p)
-    p.add_argument("--log-level", default="info")
     return p
 
 
@@ -126,9 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tp must be >= 1")
     if not 0 < args.max_prefix_pool_share <= 1:
         p.error("--max-prefix-pool-share must be in (0, 1]")
-    args.internal_token = read_secret(args.internal_token, args.internal_token_file, TOKEN_ENV)
+    args.internal_token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
     if not args.internal_token:
-        p.error(f"an internal token is required: pass --internal-token-file PATH, set {TOKEN_ENV}, or "
+        p.error(f"an internal token is required: pass --internal-token-file PATH, set {knobs.INTERNAL_TOKEN.name}, or "
                 "--internal-token (u1serve up makes one per stack)")
     args.max_model_len = min(args.max_model_len, args.kv_cache_tokens)
     if args.kv_transport == "nixl":
@@ -141,7 +126,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def advertise_host(bind_host: str) -> str:
     """The address consumers on other hosts reach this one by: the bind address unless it is a wildcard,
     else POD_IP (Kubernetes downward API), else this host's name resolved."""
-    import os
     import socket
     if bind_host not in ("", "0.0.0.0", "::"):
         return bind_host

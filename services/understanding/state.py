@@ -19,7 +19,7 @@ from services.model.config import load_config
 from services.model.loader import model_fingerprint
 from services.model.tokenizer import NeoTokenizer
 
-from .engine import EngineConfig
+from .config import EngineConfig
 from .engine_client import EngineClient
 from .image_inputs import ImageBudget, ImageDecoder
 from .image_prefix import ImagePrefixService
@@ -71,12 +71,7 @@ class AppState:
         a = self.args
         if a.kv_pool_name:
             self.pool = self._create_transport()
-        ecfg = EngineConfig(model_dir=a.model, device=a.device, dtype=a.dtype, tp=a.tp,
-                            kv_cache_tokens=a.kv_cache_tokens, max_running=a.max_running_requests,
-                            max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
-                            enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
-                            cuda_graph_max_bs=a.cuda_graph_max_bs, max_queue_wait_s=a.max_queue_wait_s,
-                            log_level=a.log_level, yield_signal=a.yield_signal)
+        ecfg = EngineConfig.from_args(a)
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
         self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
@@ -84,11 +79,11 @@ class AppState:
         self.engine.start()
 
     def _create_transport(self):
-        """The producer side of the KV handoff (shm_transfer.create_producer): the shm pool, served over the
+        """The producer side of the KV handoff (shm_transfer.producer.create_producer): the shm pool, served over the
         network too with --kv-transport nixl. The HTTP process only allocates/releases pages; the engine ranks
         (which copy) attach the pool and pin it."""
         from shm_transfer import KVLayout
-        from shm_transfer.transport import create_producer
+        from shm_transfer.producer import create_producer
         a, llm = self.args, self.cfg.llm
         layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
                           head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)

@@ -27,6 +27,7 @@ class StepPlan:
     tw_cols: torch.Tensor = None
     tw_vals: torch.Tensor = None
     exports: list = field(default_factory=list)        # (rid, slots [n], handle dict, t_offset)
+    lora_slots: torch.Tensor = None    # [T] int32 LoRA slot of each row (-1 = base); None: no adapter (lora.py)
 
     @property
     def num_tokens(self) -> int:

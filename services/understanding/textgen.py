@@ -22,6 +22,8 @@ def output_error(o: RequestOutput) -> APIError:
         return unavailable(message, "engine_dead")
     if code in ("kv_cache_too_small", "invalid_request"):
         return bad_request(message, code=code)
+    if code == "model_not_found":
+        return APIError(404, message, param="model", code=code)
     if code == "queue_timeout":
         return overloaded(message, 1.0, "queue_timeout")
     if o.finish_reason == "abort":
@@ -30,14 +32,14 @@ def output_error(o: RequestOutput) -> APIError:
 
 
 async def generate(state, rid: str, inp: PR.PromptInput, params: SamplingParams, think: Optional[bool],
-                   cache_salt: Optional[str] = None):
+                   cache_salt: Optional[str] = None, lora: Optional[str] = None):
     """Async iterator of dicts: {"reasoning", "content", "ids", "logprobs"?, "finish_reason"?, "usage"?} (logprobs:
     OpenAI entries of the tokens that became content, when the params ask); a failure raises APIError. Closing it
     early aborts the engine request."""
     engine = state.require_engine()
     stop_ids = state.stop_ids(params)
     msg = SubmitRequest(rid, list(inp.input_ids), list(inp.images), params, "text", stop_token_ids=stop_ids,
-                        cache_salt=cache_salt)
+                        cache_salt=cache_salt, lora=lora)
     out = OutputText(state.tok, think, params.stop, set(stop_ids))
     entries = LogprobEntries(state.tok) if params.logprobs is not None else None
     metrics = state.metrics

@@ -34,13 +34,15 @@ SMOKES = {
                                      ("cfgp_step_s", "world")),
     # every speed-option part (bench/genperf_parts.py; bench/gpu_genperf.sh runs each alone on the GPU)
     "generation-parts": Smoke(
-        GEN + ("--part", "fp8,fp8-profile,cache,preset,warmstart,graphs,addnorm", "--sizes", "128", "--steps", "1",
-               "--warmup", "1", "--thresholds", "0,0.1", "--job-steps", "128:3"),
+        GEN + ("--part", "fp8,fp8-profile,cache,preset,warmstart,graphs,addnorm,fp8-fused,formats", "--sizes", "128",
+               "--steps", "1", "--warmup", "1", "--thresholds", "0,0.1", "--job-steps", "128:3"),
         ("fp8/steps", "fp8/velocity_rel_err", "fp8/gemm_shapes", "fp8/checks", "fp8-profile/models", "cache",
          "preset/rows", "warmstart", "graphs/rows", "graphs/two_jobs", "graphs/cancel", "addnorm/rows",
-         "addnorm/kernels"),
+         "addnorm/kernels", "fp8-fused/rows", "formats/rows", "formats/gguf", "formats/int8_checks"),
         # no mismatch, no capture failure; the cache part's first row runs without a cache (no step counts)
         cpu_gaps=("*/first_mismatches", "*/failure", "cache/rows/0/branch_steps"), timeout=600),
+    "lora": Smoke(("bench.bench_lora", "--device", "cpu", "--tiny", "--sizes", "64", "--jobs", "2", "--resident", "1,2",
+                   "--steps", "1", "--warmup", "1", "--json", "{tmp}/out.json"), ("rows", "targets")),
     "handoff": Smoke(("bench.bench_handoff", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3",
                       "--json", "{tmp}/out.json"), ("rows", "exact", "producer_stats", "consumer_stats")),
     # the prefix export goes through the engine's own transport, as on the GPU (it once broke there only)
@@ -137,3 +139,19 @@ def test_bench_rl_smoke_produces_every_figure(tmp_path):
     assert (shared["prefixes"], separate["prefixes"]) == (2, 4)
     assert r["weights"]["tensors"] > 0
     assert "| 32² | 2 | 4 |" in (out / "bench_rl.md").read_text()
+
+
+def test_calibrate_teacache_smoke_writes_every_bucket(tmp_path):
+    """bench/calibrate_teacache.py on the tiny checkpoint: one fitted bucket per size, which the step cache reads."""
+    from services.model.step_cache import rescaled_change
+    out = tmp_path / "tea.json"
+    proc = run_smoke(["bench.calibrate_teacache", "--smoke", "--out", str(out)], tmp_path)
+    data = json.loads(out.read_text())
+    assert_every_part_filled(data, Smoke((), ("buckets",)))
+    assert [b["max_tokens"] for b in data["buckets"]] == [1, 4] and data["random_weights"]
+    for b in data["buckets"]:
+        assert b["points"] == 8 and len(b["coefficients"]) == 5      # 2 branches x 4 step pairs, degree 4
+        assert all(math.isfinite(c) for c in b["coefficients"]) and b["fit_rel_rms_err"] < 1.0
+        lo, hi = b["input_change"]
+        assert 0 < lo <= hi and rescaled_change((lo + hi) / 2, b["max_tokens"], str(out)) >= 0.0
+    assert "| 64² | 4 | 8 |" in proc.stdout

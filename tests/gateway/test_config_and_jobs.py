@@ -174,7 +174,7 @@ def test_an_interleaved_answers_images_use_the_image_job_fields():
                                              export_image=True))
     answer.floats.append({})                               # the answer's second image
     seg = Segment(answer, 1).generate_body(handles)
-    assert seg == {**image_job.generate_body(handles), "request_id": "rid-1-1", "noise_draw": 1,
+    assert seg == {**image_job.generate_body(handles), "request_id": "rid-1-1", "noise_draws": [[96, 64]],
                    "export_image": True}
     assert seg["cache"] == {"mode": "first_block", "threshold": 0.1}
     with pytest.raises(APIError) as e:                     # understanding sent the wrong branches

@@ -29,6 +29,9 @@ def test_chat_fields_with_their_limits(spec):
     cap = prop(spec, image_config, "max_images")
     assert (cap["minimum"], cap["maximum"], cap["default"]) == (0, L.MAX_INTERLEAVE_IMAGES, L.DEFAULT_INTERLEAVE_IMAGES)
     assert prop(spec, image_config, "partial_images")["maximum"] == L.MAX_PARTIAL_IMAGES
+    size = resolve(spec, image_config)["properties"]["size"]   # one size, or one per image of an interleaved answer
+    assert {a.get("type") for a in size["anyOf"]} >= {"string", "array"} and "list" in size["description"]
+    assert "prompt_token_ids" in prop(spec, chat, "return_token_ids")["description"]
 
 
 def test_partial_images_on_image_requests(spec):

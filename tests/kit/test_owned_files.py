@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from services.kit import rundirs
-from services.kit.config import STACK_ID_ENV
+from services.knobs import STACK_ID
 from services.kit.yield_signal import PAGE, YieldSignal
 from shm_transfer.errors import PoolError
 from shm_transfer.segment import owner_of, unlink_exact, unlink_if_owned
@@ -30,13 +30,13 @@ def name():
 
 
 def _create_and_die(name: str, stack: str) -> None:
-    os.environ[STACK_ID_ENV] = stack
+    os.environ[STACK_ID.name] = stack
     YieldSignal.create(name)
     os.kill(os.getpid(), signal.SIGKILL)        # no atexit: the page stays behind
 
 
 def test_the_qos_page_is_private_and_records_its_stack(name, monkeypatch):
-    monkeypatch.setenv(STACK_ID_ENV, "stack-a")
+    monkeypatch.setenv(STACK_ID.name, "stack-a")
     sig = YieldSignal.create(name)
     try:
         st = os.stat(f"/dev/shm/{name}")
@@ -50,7 +50,7 @@ def test_the_qos_page_is_private_and_records_its_stack(name, monkeypatch):
         sig.set_busy()
         assert reader.busy_for() is not None
         reader.close()
-        monkeypatch.setenv(STACK_ID_ENV, "stack-b")      # another stack's page: not ours to follow
+        monkeypatch.setenv(STACK_ID.name, "stack-b")      # another stack's page: not ours to follow
         assert YieldSignal.open(name) is None
     finally:
         sig.close()
@@ -63,7 +63,7 @@ def test_a_dead_writers_page_is_reclaimed_by_the_next(name, monkeypatch):
     p.join(60)
     assert os.path.exists(f"/dev/shm/{name}")
     assert not unlink_if_owned(name, "stack-other")      # a launcher removes only its own stack's segments
-    monkeypatch.setenv(STACK_ID_ENV, "stack-next")
+    monkeypatch.setenv(STACK_ID.name, "stack-next")
     sig = YieldSignal.create(name)
     sig.close()
     p = mp.get_context("spawn").Process(target=_create_and_die, args=(name, "stack-dead"))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.model import modules
+from services.knobs import FUSED_ADD_NORM
 from services.model.loader import load_model
-from services.model.modules import FUSED_ADD_NORM_ENV, RMSNorm, fused_add_norm
+from services.model.modules import RMSNorm, fused_add_norm
 from services.model.quant import Fp8RMSNorm, GemmPolicy, quantize_model
 from services.model.tiny import build_random_model, tiny_config
 
@@ -26,10 +26,10 @@ def _on_and_off(model, monkeypatch) -> tuple[dict, dict, int]:
         real = cls.__dict__["add_forward"]
         monkeypatch.setattr(cls, "add_forward", lambda self, x, d, real=real, cls=cls:
                             (type(self) is cls and calls.append(1)) or real(self, x, d))
-    monkeypatch.setenv(FUSED_ADD_NORM_ENV, "1")
+    monkeypatch.setenv(FUSED_ADD_NORM.name, "1")
     on = forwards(model)
     fused_calls = len(calls)
-    monkeypatch.setenv(FUSED_ADD_NORM_ENV, "0")
+    monkeypatch.setenv(FUSED_ADD_NORM.name, "0")
     off = forwards(model)
     assert len(calls) == fused_calls, "the switch off must not fuse"
     return on, off, fused_calls
@@ -87,12 +87,12 @@ def test_split_stack_is_the_whole_stack():
 
 
 def test_switch_values(monkeypatch):
-    monkeypatch.delenv(FUSED_ADD_NORM_ENV, raising=False)
+    monkeypatch.delenv(FUSED_ADD_NORM.name, raising=False)
     assert fused_add_norm()
-    for value, want in (("1", True), ("0", False), (" 0 ", False), ("", True)):
-        monkeypatch.setenv(FUSED_ADD_NORM_ENV, value)
+    for value, want in (("1", True), ("0", False), (" 0 ", False), ("", True), ("off", False)):
+        monkeypatch.setenv(FUSED_ADD_NORM.name, value)
         assert fused_add_norm() is want
-    monkeypatch.setenv(FUSED_ADD_NORM_ENV, "off")
+    monkeypatch.setenv(FUSED_ADD_NORM.name, "maybe")
     with pytest.raises(ValueError, match="U1SERVE_FUSED_ADD_NORM must be 0 or 1"):
         fused_add_norm()
-    assert modules.FUSED_ADD_NORM_ENV == "U1SERVE_FUSED_ADD_NORM"
+    assert FUSED_ADD_NORM.name == "U1SERVE_FUSED_ADD_NORM"

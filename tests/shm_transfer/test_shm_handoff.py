@@ -190,9 +190,9 @@ def test_handle_errors_are_clear(peer, shm_name):
         assert e.code == "malformed_handle" and "page_ids" in e.message
         with pytest.raises(HandleError, match="must be a JSON object"):
             KVHandle.from_dict([1, 2])
-        h.validate(pool, FP)
+        pool.validate(h, FP)
         with pytest.raises(HandleError, match="another-model"):
-            h.validate(pool, "another-model")
+            pool.validate(h, "another-model")
 
         # bad destination buffers are ValueErrors (caller bug), checked after the handle
         with pytest.raises(ValueError, match="at least 5"):

@@ -61,7 +61,7 @@ def test_chat_stream(openai_client):
 
 def test_images_generate_n2_matches_reference(openai_client, reference):
     import services.model.reference as R
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     r = openai_client.images.generate(model="m", prompt="a red fox", n=2, size="64x64",
                                       response_format="b64_json",
                                       extra_body={"num_inference_steps": STEPS, "seed": 7})
@@ -91,7 +91,7 @@ def test_images_generate_url_and_formats(openai_client):
 def test_images_edit_two_files_matches_reference(openai_client, reference):
     import services.model.reference as R
     from services.model.images import load_image
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     a, b = png_bytes(128, 32), png_bytes(64, 64, (0, 40, 200))
     r = openai_client.images.edit(model="m", prompt="make it blue",
                                   image=[("a.png", a, "image/png"), ("b.png", b, "image/png")],

@@ -36,7 +36,7 @@ def _close(a: Image.Image, b: Image.Image):
 @pytest.fixture(scope="module")
 def expected(reference):
     import services.model.reference as R
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     model, tok = reference
     params = SamplerParams(mode="edit", num_inference_steps=STEPS, guidance_scale=4.0, image_guidance_scale=1.0)
     ans = R.interleave(model, tok, MSGS, params, SIZE, SIZE, seed=SEED, think=True, max_new_tokens=40,
@@ -152,12 +152,14 @@ def test_client_gone_mid_answer_frees_everything(stack):
 
 def test_interleaved_answer_with_an_input_image_three_branches_non_think(stack, reference):
     """An input image (it sits in cond and in tu), g != g_i != 1 (cond, tu and iu branches), enable_thinking false
-    (the empty think block): still the reference's answer."""
+    (the empty think block), a size list (image k takes size k, the last one repeats): still the reference's
+    answer (which equals the official loop bit for bit: tests/model/test_interleave_golden.py). With
+    return_token_ids: the prompt's ids, and the answer's as the model's sequence (text, each image's span)."""
     import torch
 
     import services.model.reference as R
     from services.model.images import load_image
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     model, tok = reference
     buf = io.BytesIO()
     Image.fromarray((np.arange(64 * 96 * 3) % 251).astype(np.uint8).reshape(64, 96, 3)).save(buf, format="PNG")
@@ -165,19 +167,50 @@ def test_interleaved_answer_with_an_input_image_three_branches_non_think(stack, 
     text = "Redraw this picture twice"
     ref_msgs = [{"role": "user", "content": [{"type": "image", "image": load_image(png)}, {"type": "text", "text": text}]}]
     params = SamplerParams(mode="edit", num_inference_steps=STEPS, guidance_scale=3.0, image_guidance_scale=2.0)
+    sizes = [(SIZE, SIZE), (96, SIZE)]
     ans = R.interleave(model, tok, ref_msgs, params, SIZE, SIZE, seed=SEED, think=False, max_new_tokens=40,
-                       max_images=2, logit_bias={tok.img_start_id: BIAS})
-    assert len(ans.images) >= 1
+                       max_images=2, logit_bias={tok.img_start_id: BIAS}, sizes=sizes)
+    assert len(ans.images) == 2
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     body = _body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                         {"type": "text", "text": text}]}],
-                 chat_template_kwargs={"enable_thinking": False},
-                 image_config={**IMAGE_CONFIG, "guidance_scale": 3.0, "image_guidance_scale": 2.0})
+                 chat_template_kwargs={"enable_thinking": False}, return_token_ids=True,
+                 image_config={**IMAGE_CONFIG, "guidance_scale": 3.0, "image_guidance_scale": 2.0,
+                               "size": ["64x64", "96x64"]})
     r = httpx.post(stack.base + "/v1/chat/completions", json=body, timeout=180)
     assert r.status_code == 200, r.text
-    msg = r.json()["choices"][0]["message"]
+    out = r.json()
+    msg = out["choices"][0]["message"]
     assert "".join(p["text"] for p in msg["content"] if p["type"] == "text") == \
         "".join(tok.decode(s, skip_special_tokens=True) for s in ans.segments)
     assert len(msg["images"]) == len(ans.images)
-    for part, ref in zip(msg["images"], R.to_pil(torch.cat(ans.images))):
+    for part, ref in zip(msg["images"], [R.to_pil(x)[0] for x in ans.images]):
         _close(_decode_url(part["image_url"]["url"]), ref)
+    # return_token_ids: the cond prompt, and the answer as the sequence the model holds
+    import services.model.prompts as P
+    cond, _ = P.interleave_heads(tok, ref_msgs, False, P.interleave_system_message())
+    assert out["prompt_token_ids"] == cond.input_ids
+    want = []
+    for k, seg in enumerate(ans.segments):
+        want += seg
+        if k < len(ans.images):
+            w, h = sizes[k]
+            want += [tok.img_start_id] + [tok.img_context_id] * (w // 32) * (h // 32) + [tok.img_end_id]
+    assert out["choices"][0]["token_ids"] == want
+    # streamed: prompt ids on the first chunk, the chunks' ids add up to the same sequence
+    events = _stream(stack, {**body, "stream": True})
+    chunks = [ev for ev in events[:-1] if ev["choices"]]
+    assert chunks[0]["prompt_token_ids"] == cond.input_ids
+    assert [t for ev in chunks for t in ev["choices"][0].get("token_ids", [])] == want
+
+
+def test_size_list_checks(stack):
+    for size, param in ((["64x64", "65x64"], "image_config.size[1]"), ([], "size"),
+                        (["64x64"] * 17, "size")):
+        r = httpx.post(stack.base + "/v1/chat/completions", json=_body(image_config={**IMAGE_CONFIG, "size": size}),
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        assert param in (r.json()["error"]["param"] or ""), r.text
+    r = httpx.post(stack.base + "/v1/chat/completions", timeout=30,
+                   json={**_body(image_config={**IMAGE_CONFIG, "size": ["64x64"]}), "modalities": ["image"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image_config.size", r.text

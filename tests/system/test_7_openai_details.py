@@ -71,6 +71,11 @@ def test_chat_default_prompt_is_the_official_one(openai_client, reference):
     official = "<|im_start|>user\nWrite a short poem<|im_end|>\n<|im_start|>assistant\n"
     want = R.generate_text(model, tok, PromptInput(tok.encode(official)), max_new_tokens=8)
     assert r.choices[0].model_extra["token_ids"] == want
+    assert r.model_extra["prompt_token_ids"] == tok.encode(official)      # vLLM's field names
+    chunks = list(openai_client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, temperature=0,
+                                                        stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == tok.encode(official)
+    assert [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])] == want
 
 
 def test_chat_logprobs_and_n(openai_client):
@@ -115,7 +120,8 @@ def test_partial_image_is_the_x0_estimate(stack, reference):
 
     import services.model.reference as R
     from services.generation.previews import preview_steps
-    from services.model.sampler import SamplerParams, to_uint8
+    from services.contract.image import SamplerParams
+    from services.model.sampler import to_uint8
     body = {"prompt": "a kite over a field", "size": "64x64", "num_inference_steps": 8, "seed": 21, "stream": True,
             "partial_images": 1}
     with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=120) as r:

@@ -11,7 +11,8 @@ import threading
 import pytest
 import zmq
 
-from services.understanding.engine import Engine, EngineConfig
+from services.understanding.config import EngineConfig
+from services.understanding.engine import Engine
 from services.understanding.protocol import Shutdown, SubmitRequest
 from services.understanding.sampling import SamplingParams
 
@@ -44,7 +45,7 @@ class _Loop:
     def finished(self, rid: str, timeout_ms: int = 30000):
         while self.out.poll(timeout_ms):
             msg = self.out.recv_pyobj()
-            for o in msg.get("outs", []):
+            for o in getattr(msg, "outs", []):
                 if o.rid == rid and o.finish_reason is not None:
                     return o
         raise AssertionError(f"{rid} did not finish")
@@ -98,7 +99,7 @@ def _outputs(loop, rids, timeout_ms: int = 60000) -> dict:
     got = {rid: [] for rid in rids}
     done = {}
     while len(done) < len(rids) and loop.out.poll(timeout_ms):
-        for o in loop.out.recv_pyobj().get("outs", []):
+        for o in getattr(loop.out.recv_pyobj(), "outs", []):
             if o.rid in got:
                 got[o.rid] += o.new_ids
                 if o.finish_reason is not None:

@@ -10,7 +10,7 @@ import torch
 
 from services.kit import sse
 from services.model import reference as R
-from services.model.sampler import SamplerParams
+from services.contract.image import SamplerParams
 from shm_transfer import KVLayout
 from shm_transfer.tensors import tokens_for
 

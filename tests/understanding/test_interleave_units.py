@@ -85,9 +85,11 @@ def test_preview_steps_are_evenly_spaced():
 
 
 def test_noise_draw_is_the_kth_draw_of_one_generator():
+    """Image k's noise follows the draws of images 0..k-1, each at its own size (an answer's size list)."""
     from services.model.sampler import initial_noise
+    sizes = [(64, 32), (32, 32), (96, 64)]          # (W, H)
     g = torch.Generator().manual_seed(7)
-    draws = [torch.randn((1, 3, 32, 64), generator=g) for _ in range(3)]
-    for k in range(3):
-        torch.testing.assert_close(initial_noise(1, 32, 64, 7, "cpu", torch.float32, 2.0, draw=k), 2.0 * draws[k],
-                                   rtol=0, atol=0)
+    draws = [torch.randn((1, 3, h, w), generator=g) for w, h in sizes]
+    for k, (w, h) in enumerate(sizes):
+        torch.testing.assert_close(initial_noise(1, h, w, 7, "cpu", torch.float32, 2.0, draws=sizes[:k]),
+                                   2.0 * draws[k], rtol=0, atol=0)

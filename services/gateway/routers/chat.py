@@ -25,6 +25,7 @@ from .. import interleave
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
+from .lora import adapter_for
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
@@ -89,6 +90,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
+    adapter_for(state, req.model)       # an unknown model: 404 before any work (understanding resolves it again)
     if req.wants_interleave:
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
@@ -232,13 +234,17 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
     if req.n != 1:
         raise bad_request("an image answer has one choice (image_config.n sets the images): n must be 1",
                           param="n")
+    if isinstance(opts.size, list):
+        raise bad_request("a list of sizes is for interleaved answers (modalities ['text', 'image']); an image "
+                          "answer takes one size", param="image_config.size")
     prompt, parts = last_user_turn(req)
     mode = "edit" if parts else "t2i"
     check_options(state.config, opts, mode, prompt)            # before any image is decoded
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
-                    first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt)
+                    first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
+                    lora=adapter_for(state, req.model))
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:
@@ -278,23 +284,30 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
 async def chat_interleave(request: Request, state: GatewayState, req: ChatCompletionRequest, body: dict,
                           salt: Optional[str]):
     """modalities ['text', 'image']: text and generated images in one answer (greedy text as the official
-    interleave_gen; think mode unless enable_thinking is false; one image size for the whole answer)."""
+    interleave_gen; think mode unless enable_thinking is false; image_config.size one size for every image or a
+    list, one per image, the last repeated)."""
     opts = chat_image_options(body, req)
     if opts.n != 1:
         raise bad_request("an interleaved answer makes its images one at a time: image_config.n must be 1",
                           param="image_config.n")
     if req.n != 1:
         raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
-    check_options(state.config, opts, "edit", "")         # before any image is decoded
+    interleave.image_sizes(state.config, opts, None)         # explicit sizes: before any image is decoded
+    first = opts.model_copy(update={"size": opts.sizes[0]})
+    check_options(state.config, first, "edit", "")
     checked = await state.images.check(image_parts(req, state.config.max_chat_images))
-    generate = generate_fields(state.config, opts, mode="edit", prompt="",
-                               first_image_wh=(checked[0].width, checked[0].height) if checked else None,
+    first_wh = (checked[0].width, checked[0].height) if checked else None
+    generate = generate_fields(state.config, first, mode="edit", prompt="", first_image_wh=first_wh,
                                export_image=True)
+    lora = adapter_for(state, req.model)
+    if lora is not None:
+        generate["lora"] = lora
     answer = interleave.Answer(
         request_id=request_id(request), messages=[m.model_dump(mode="json", exclude_none=True) for m in req.messages],
         think=opts.think if "think" in opts.model_fields_set else True,
         max_tokens=interleave.default_max_tokens(req.max_tokens), max_images=opts.max_images, generate=generate,
-        logit_bias=req.logit_bias, cache_salt=salt)
+        sizes=interleave.image_sizes(state.config, opts, first_wh), logit_bias=req.logit_bias, cache_salt=salt,
+        lora=lora, return_token_ids=req.return_token_ids)
     cid, created, model = "chatcmpl-" + answer.request_id, int(time.time()), req.model or state.config.model_name
     fmt = opts.output_format
 
@@ -303,9 +316,10 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
 
     if not req.stream:
         async def work():
-            reasoning, parts, images, done = [], [], [], None
+            reasoning, parts, images, done, token_ids = [], [], [], None, []
             async for ev in interleave.run(state, answer, state.deadline()):
                 kind = ev["type"]
+                token_ids += ev.get("token_ids") or []
                 if kind == "text":
                     reasoning.append(ev.get("reasoning") or "")
                     if ev.get("content"):
@@ -318,18 +332,22 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
                     parts.append(images[-1])
                 elif kind == "done":
                     done = ev
-            return "".join(reasoning), parts, images, done
+            return "".join(reasoning), parts, images, done, token_ids
 
         finished, result = await until_disconnect(request, work)
         if not finished:
             return client_gone()
-        reasoning, parts, images, done = result
+        reasoning, parts, images, done, token_ids = result
         message: dict[str, Any] = {"role": "assistant", "content": parts, "images": images}
         if reasoning:
             message["reasoning_content"] = reasoning
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": done["finish_reason"]}],
-                "usage": done["usage"]}
+        choice = {"index": 0, "message": message, "finish_reason": done["finish_reason"]}
+        out = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+               "usage": done["usage"]}
+        if req.return_token_ids:         # vLLM's fields: the prompt's ids on the response, the answer's on the choice
+            choice["token_ids"] = token_ids
+            out["prompt_token_ids"] = done.get("prompt_token_ids")
+        return out
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -337,13 +355,22 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
+    head = [chunk({"role": "assistant", "content": ""})]
+
+    def with_ids(c: dict, ev: dict) -> dict:
+        if req.return_token_ids:
+            c["choices"][0]["token_ids"] = ev.get("token_ids") or []
+        return c
+
     def convert(ev: dict) -> list[dict]:
         kind = ev["type"]
         if kind == "text":
+            if "prompt_token_ids" in ev:     # vLLM puts them on the first chunk (sent after this event)
+                head[0]["prompt_token_ids"] = ev["prompt_token_ids"]
             delta = {k: ev[v] for k, v in (("reasoning_content", "reasoning"), ("content", "content")) if ev.get(v)}
-            return [chunk(delta)] if delta else []
+            return [with_ids(chunk(delta), ev)] if delta or ev.get("token_ids") else []
         if kind == "image":
-            return [chunk({"images": [{**image_part(ev), "index": ev["image"]}]})]
+            return [with_ids(chunk({"images": [{**image_part(ev), "index": ev["image"]}]}), ev)]
         if kind == "image_progress":
             return [chunk({"image_progress": {"index": ev["image"], "step": ev["step"], "total": ev["total"]}})]
         if kind == "partial_image":
@@ -356,5 +383,4 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
             return out
         return []
 
-    return await stream_events(request, interleave.run(state, answer, state.deadline()), convert,
-                               head=[chunk({"role": "assistant", "content": ""})])
+    return await stream_events(request, interleave.run(state, answer, state.deadline()), convert, head=head)

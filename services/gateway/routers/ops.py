@@ -12,6 +12,7 @@ from ..context import gateway
 from ..schemas import ERRORS, HealthReport, ModelList
 from ..state import GatewayState
 from ..upstream import EndpointPool
+from .lora import adapter_models
 
 router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 
@@ -19,7 +20,7 @@ router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 @router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
 async def models(state: GatewayState = Depends(gateway)):
     return {"object": "list", "data": [{"id": state.config.model_name, "object": "model", "created": 0,
-                                        "owned_by": "u1serve"}]}
+                                        "owned_by": "u1serve"}, *adapter_models(state)]}
 
 
 async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:

@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from services.model.loader import load_model
-from services.model.modules import FUSED_ADD_NORM_ENV
+from services.knobs import FUSED_ADD_NORM
 from tests.model.fused_add_norm_forwards import forwards
 
 
@@ -16,9 +16,9 @@ def test_fused_and_unfused_model_give_the_same_bits(tiny_checkpoint, monkeypatch
     monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     monkeypatch.setattr(kernels, "qk_norm_rope_", kernels.qk_norm_rope_ref_)
     model = load_model(tiny_checkpoint(variant), "both", dtype=torch.bfloat16, quantization=quant)
-    monkeypatch.setenv(FUSED_ADD_NORM_ENV, "1")
+    monkeypatch.setenv(FUSED_ADD_NORM.name, "1")
     on = forwards(model)
-    monkeypatch.setenv(FUSED_ADD_NORM_ENV, "0")
+    monkeypatch.setenv(FUSED_ADD_NORM.name, "0")
     off = forwards(model)
     for k in on:
         assert torch.equal(on[k], off[k]), k

@@ -13,7 +13,7 @@ from services.model import prompts as PR
 from .. import textgen
 from ..inputs import NativeRequest, native_sampling, text_params
 from ..state import app_state
-from .responses import sse_response, until_done_or_gone
+from ..responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 

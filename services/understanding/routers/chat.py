@@ -15,8 +15,9 @@ from services.model import prompts as PR
 
 from ..choices import Choices, merged_usage
 from ..inputs import image_refs, prompt_messages, text_params
+from ..lora import requested_adapter
 from ..state import app_state
-from .responses import sse_response, until_done_or_gone
+from ..responses import sse_response, until_done_or_gone
 
 router = APIRouter()
 
@@ -39,7 +40,7 @@ async def chat_completions(request: Request):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = text_params(req, len(inp.input_ids), st.limits, logprobs=logprobs)
         rid = st.engine_rid(request.state.request_id)
-        choices = Choices(st, rid, inp, params, think, req.n, req.cache_salt)
+        choices = Choices(st, rid, inp, params, think, req.n, req.cache_salt, requested_adapter(st, req.model))
         events = choices.events()
         if req.stream:
             # run up to the first event so an immediate error is still a plain 4xx/5xx response
@@ -67,8 +68,11 @@ async def chat_completions(request: Request):
         async def stream():
             finals: dict[int, dict] = {}
             try:
-                for i in range(req.n):
-                    yield sse.encode(chunk(i, {"role": "assistant", "content": ""}))
+                for i in range(req.n):      # vLLM: return_token_ids puts the prompt's ids on the first chunks
+                    c = chunk(i, {"role": "assistant", "content": ""})
+                    if req.return_token_ids:
+                        c["prompt_token_ids"] = list(inp.input_ids)
+                    yield sse.encode(c)
                 pending = first
                 while pending is not None:
                     i, ev = pending
@@ -125,5 +129,8 @@ async def chat_completions(request: Request):
         if req.return_token_ids:
             choice["token_ids"] = [t for t in g["ids"] if t not in stop_ids]
         out.append(choice)
-    return {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
+    resp = {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": merged_usage({i: got[i]["final"] for i in range(req.n)})}
+    if req.return_token_ids:
+        resp["prompt_token_ids"] = list(inp.input_ids)
+    return resp

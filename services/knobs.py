@@ -1,0 +1,170 @@
+"""Every `U1SERVE_*` environment knob, declared once: name, type, default and why. Code reads a knob through its
+declaration here (`knobs.KV_SAME_HOST_SHM.get()`) and writes one under its declared name (`env[knobs.LORA.name]`);
+`u1serve knobs` prints the list and docs/configuration.md holds the same list, made by `markdown()`.
+
+The gateway's flags each fall back to an environment variable named after the flag (`--max-steps`:
+U1SERVE_MAX_STEPS): one family here (`GATEWAY_FLAGS`), whose members the gateway's parser declares as it builds.
+`kernels/` imports nothing of services/, so it reads its knobs (KERNELS, DENOISE_BACKEND, FP8_VARIANT, FP8_ROUND)
+from os.environ itself; they are declared here all the same. Imports nothing but the standard library.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    type: type                  # str, int, float or bool
+    default: object
+    why: str
+    read_by: str                # where it takes effect (the docs' list)
+
+    def raw(self, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+        """The variable's text as set (None when unset)."""
+        return (os.environ if env is None else env).get(self.name)
+
+    def text(self, env: Optional[Mapping[str, str]] = None) -> str:
+        """The text stripped, "" when unset: for a reader that parses a value of its own syntax."""
+        return (self.raw(env) or "").strip()
+
+    def get(self, env: Optional[Mapping[str, str]] = None, default: object = None):
+        """The typed value, else `default` when given (a default computed where it is read), else the declared one.
+        A value of the wrong syntax is a ValueError that names the variable."""
+        value = self.text(env)
+        if not value:
+            return self.default if default is None else default
+        try:
+            if self.type is bool:
+                if value.lower() in _TRUE + _FALSE:
+                    return value.lower() in _TRUE
+                raise ValueError("not 0 or 1")
+            return self.type(value)
+        except ValueError:
+            raise ValueError(f"{self.name} must be {_KIND[self.type]}, got {value!r}") from None
+
+
+_KIND = {str: "text", int: "an integer", float: "a number", bool: "0 or 1"}
+KNOBS: dict[str, Knob] = {}
+
+
+def _knob(name: str, type: type, default: object, why: str, read_by: str) -> Knob:
+    assert name.startswith("U1SERVE_") and name not in KNOBS, name
+    KNOBS[name] = k = Knob(name, type, default, why, read_by)
+    return k
+
+
+@dataclass
+class FlagFamily:
+    """Knobs named after command-line flags (`--max-steps` -> U1SERVE_MAX_STEPS), each a flag's default."""
+    pattern: str
+    why: str
+    read_by: str
+    members: dict[str, Knob] = field(default_factory=dict)
+
+    def knob(self, flag: str, type: type = str, default: object = None) -> Knob:
+        """The knob of `flag` (its default: the flag's); the first declaration of a flag holds."""
+        name = "U1SERVE_" + flag.lstrip("-").upper().replace("-", "_")
+        return self.members.setdefault(name, Knob(name, type, default, f"{flag} when it is not given", self.read_by))
+
+
+# ---- secrets and identity of a stack --------------------------------------------------------------------------
+INTERNAL_TOKEN = _knob("U1SERVE_INTERNAL_TOKEN", str, None, "the stack's internal token: every engine route but "
+                       "/health requires it, the gateway sends it (u1serve up makes one)", "every service")
+INTERNAL_TOKEN_FILE = _knob("U1SERVE_INTERNAL_TOKEN_FILE", str, None, "a file whose first line the container "
+                            "entrypoint exports as U1SERVE_INTERNAL_TOKEN", "docker/entrypoint.sh")
+API_KEY = _knob("U1SERVE_API_KEY", str, None, "the Bearer key the gateway requires on /v1/* (unset: open); the key "
+                "clients (rl, bench) send", "gateway, u1serve up / ray, rl, bench")
+API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "a file of API keys the container entrypoint exports as "
+                     "U1SERVE_API_KEY", "docker/entrypoint.sh")
+STACK_ID = _knob("U1SERVE_STACK_ID", str, "", "the stack that owns the shm segments a service creates (u1serve up "
+                 "sets it): only that stack's launcher removes them", "understanding, generation, kit.yield_signal")
+
+# ---- gateway ----------------------------------------------------------------------------------------------------
+GATEWAY_HOST = _knob("U1SERVE_GATEWAY_HOST", str, None, "the gateway's --host", "gateway")
+GATEWAY_PORT = _knob("U1SERVE_GATEWAY_PORT", int, None, "the gateway's --port", "gateway")
+UND_URLS = _knob("U1SERVE_UND_URLS", str, None, "understanding replicas, comma-separated, when no --und-url is given",
+                 "gateway")
+GEN_URLS = _knob("U1SERVE_GEN_URLS", str, None, "generation replicas, comma-separated, when no --gen-url is given",
+                 "gateway")
+CACHE_SALT_BY_API_KEY = _knob("U1SERVE_CACHE_SALT_BY_API_KEY", bool, None, "the gateway's --cache-salt-by-api-key "
+                              "(unset: on whenever API keys are set)", "gateway")
+GATEWAY_FLAGS = FlagFamily("U1SERVE_<FLAG>", "every other gateway flag's default: --max-steps is U1SERVE_MAX_STEPS "
+                           "(`python -m services.gateway.server --help` names each)", "gateway")
+
+# ---- launcher ---------------------------------------------------------------------------------------------------
+CACHE = _knob("U1SERVE_CACHE", str, "~/.cache/u1serve", "where u1serve keeps tiny checkpoints and run directories",
+              "u1serve (cli)")
+GPU_MEMORY_FRACTION = _knob("U1SERVE_GPU_MEMORY_FRACTION", float, None, "colocated engines: this process's share of "
+                            "GPU memory (u1serve up sets it per engine); the KV cache shrinks to fit",
+                            "understanding engine, generation capacity")
+LORA = _knob("U1SERVE_LORA", str, "", "LoRA adapters merged at load, PATH[:STRENGTH],... (what u1serve up --lora "
+             "sets)", "model loader")
+LORA_MODULES = _knob("U1SERVE_LORA_MODULES", str, "", "LoRA adapters served unmerged, NAME=PATH[:STRENGTH],... (what "
+                     "u1serve up --lora-modules sets; docs/lora.md)", "engines' adapter registry, gateway")
+MAX_LORAS = _knob("U1SERVE_MAX_LORAS", int, None, "resident LoRA adapter slots per engine (unset: 4 with adapters "
+                  "given, else 0 = multi-LoRA off; what u1serve up --max-loras sets)", "engines' adapter registry")
+MAX_LORA_RANK = _knob("U1SERVE_MAX_LORA_RANK", int, 16, "the largest LoRA rank the slots hold (u1serve up "
+                      "--max-lora-rank)", "engines' adapter registry")
+MPS_ON_CPU = _knob("U1SERVE_MPS_ON_CPU", bool, False, "tests only: run the CUDA MPS launch path with a stand-in "
+                   "daemon on a GPU-less machine", "u1serve up")
+
+# ---- model and engines ------------------------------------------------------------------------------------------
+RANDOM_WEIGHTS = _knob("U1SERVE_RANDOM_WEIGHTS", bool, False, "load a config-only checkpoint with random weights "
+                       "(benchmarks of full-size geometries)", "model loader")
+FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fused into the next RMSNorm (0: apart, "
+                       "the same bits; to compare speed)", "model")
+FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below this many tokens run in the model dtype "
+                       "(unset: quant.CUDA_MIN_TOKENS on CUDA, 0 elsewhere)", "model (fp8)")
+FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast accumulation: 0, 1 or auto (from a "
+                       "token count on CUDA)", "model (fp8)")
+FP8_FUSED = _knob("U1SERVE_FP8_FUSED", bool, True, "the norms / silu*mul feeding an fp8 GEMM write fp8 themselves (0: "
+                  "they write the model dtype and the GEMM layers quantise; for comparing)", "model (fp8)")
+TEACACHE_COEFFICIENTS = _knob("U1SERVE_TEACACHE_COEFFICIENTS", str, None, "a TeaCache coefficients file calibrated "
+                              "on this checkpoint (bench/calibrate_teacache.py; unset: the packaged one)",
+                              "model (step cache)")
+CUDA_GRAPHS = _knob("U1SERVE_CUDA_GRAPHS", bool, None, "overrides generation's --cuda-graphs (0: off, 1: on)",
+                    "generation")
+PNG_THREADS = _knob("U1SERVE_PNG_THREADS", int, 0, "threads that encode PNGs (0: up to 8, the CPUs this process may "
+                    "use)", "generation")
+TIMELINE = _knob("U1SERVE_TIMELINE", bool, False, "stage marks of every request on stderr (bench_breakdown sets "
+                 "it)", "every service (kit.timeline)")
+KV_SAME_HOST_SHM = _knob("U1SERVE_KV_SAME_HOST_SHM", bool, True, "a NIXL consumer on the producer's host reads "
+                         "prefixes through shared memory (0: always the network)", "shm_transfer (nixl)")
+
+# ---- kernels (read from os.environ by kernels/, which imports nothing of services/) -----------------------------
+KERNELS = _knob("U1SERVE_KERNELS", str, "auto", "ref, triton or auto: the kernels' implementation", "kernels")
+DENOISE_BACKEND = _knob("U1SERVE_DENOISE_BACKEND", str, "auto", "auto, flash_attn, sdpa, triton or ref: generation's "
+                        "attention", "kernels, generation")
+FP8_VARIANT = _knob("U1SERVE_FP8_VARIANT", str, "auto", "the fp8 quantisation kernels' launch variant", "kernels")
+FP8_ROUND = _knob("U1SERVE_FP8_ROUND", str, "hw", "fp8 rounding: hw (the GPU's cast) or explicit", "kernels")
+
+# ---- clients, containers, tests ---------------------------------------------------------------------------------
+BASE_URL = _knob("U1SERVE_BASE_URL", str, None, "the gateway the verl rollout adapter talks to", "rl (verl)")
+MODEL_DIR = _knob("U1SERVE_MODEL_DIR", str, None, "the checkpoint mount the container checks at start",
+                  "docker/entrypoint.sh, k8s")
+HEALTH_PORT = _knob("U1SERVE_HEALTH_PORT", int, 8000, "the port the container's health check probes", "Dockerfile")
+IMAGE = _knob("U1SERVE_IMAGE", str, "u1serve:latest", "the image the compose files run", "docker compose")
+DOCKER_CACHE = _knob("U1SERVE_DOCKER_CACHE", str, None, "where docker/build.sh keeps its base images",
+                     "docker/build.sh")
+TEST_SEED = _knob("U1SERVE_TEST_SEED", int, 20261130, "the seed every test's own seed derives from", "tests")
+
+
+def rows(flag_knobs: Iterable[Knob] = ()) -> list[tuple[str, str, str, str, str]]:
+    """(name, type, default, why, read by) of every knob, then the gateway family and its members (`flag_knobs`:
+    the gateway's parser declares them, services.gateway.config.flag_knobs)."""
+    def row(k: Knob) -> tuple[str, str, str, str, str]:
+        return k.name, k.type.__name__, "" if k.default is None else str(k.default), k.why, k.read_by
+    f = GATEWAY_FLAGS
+    return [row(k) for k in KNOBS.values()] + [(f.pattern, "", "", f.why, f.read_by)] + [row(k) for k in flag_knobs]
+
+
+def markdown(flag_knobs: Iterable[Knob] = ()) -> str:
+    """The table docs/configuration.md holds (`u1serve knobs --markdown`)."""
+    lines = ["| variable | type | default | what it does | read by |", "|---|---|---|---|---|"]
+    lines += [f"| `{n}` | {t} | {f'`{d}`' if d else ''} | {w} | {r} |" for n, t, d, w, r in rows(flag_knobs)]
+    return "\n".join(lines) + "\n"

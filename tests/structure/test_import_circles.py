@@ -1,0 +1,111 @@
+"""No import circles among the modules of services/, shm_transfer/ and kernels/: every import counts, at module
+level, inside a function or under TYPE_CHECKING (a lazy import still ties two modules together). Read from the
+source with ast, nothing is imported."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ("services", "shm_transfer", "kernels")
+
+# Circles known at the last merge, each to be broken by its owner; the lead empties this set. A circle listed
+# here that no longer exists fails the test too, so the set only shrinks.
+KNOWN_CIRCLES = {
+    # TODO(gen-shape): generation's request.py <-> kv_source.py (ApiError one way, PrefixSource the other)
+    frozenset({"services.generation.kv_source", "services.generation.request"}),
+    # TODO(quant): quant.scheme("int8") imports quant_int8, whose layers subclass quant's fp8 ones. Cut: the scheme
+    # table in a module of its own that imports both, quantize_model taking the Scheme its caller picked.
+    frozenset({"services.model.quant", "services.model.quant_int8"}),
+    # TODO(lead, after this round's merges): `u1serve ray` / `u1serve rl-train` are subcommands of services/cli.py,
+    # whose stack builder (build_stack, add_stack_flags, has_cuda, ensure_tiny_checkpoint) ray_serve and rl use in
+    # turn. Cut: the stack builder moves to its own module (services/stack.py) that cli, ray_serve and rl import.
+    frozenset({"services.cli", "services.ray_serve.app", "services.ray_serve.command", "services.ray_serve.engine",
+               "services.ray_serve.ingress", "services.ray_serve.settings", "services.rl.run"}),
+}
+
+
+def _modules() -> dict[str, str]:
+    """dotted name -> file path, for every module of PACKAGES (a package is its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for folder, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].split(os.sep)
+                    if rel[-1] == "__init__":
+                        rel = rel[:-1]
+                    out[".".join(rel)] = os.path.join(folder, f)
+    return out
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The modules of `modules` that the file imports (`from pkg import mod` is pkg.mod when that is a module)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[frozenset]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.add(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(frozenset(comp))
+    return out
+
+
+def test_no_import_circles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    circles = set(_circles(graph))
+    new = [sorted(c) for c in circles - KNOWN_CIRCLES]
+    assert not new, f"import circles: {new}"
+    gone = [sorted(c) for c in KNOWN_CIRCLES - circles]
+    assert not gone, f"these known circles are gone: remove them from KNOWN_CIRCLES: {gone}"
+
+
+def test_the_finder_sees_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
