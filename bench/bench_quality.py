@@ -88,7 +88,7 @@ def prompts_of(args) -> list[str]:
 
 def model_dir(name: str) -> str:
     if name.startswith("tiny"):
-        from services.cli import ensure_tiny_checkpoint, tiny_variant
+        from services.stack import ensure_tiny_checkpoint, tiny_variant
         return ensure_tiny_checkpoint(tiny_variant(name), out=sys.stderr)
     return name
 
