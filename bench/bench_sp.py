@@ -84,7 +84,7 @@ def cases_for(part: str, smoke: bool) -> list[dict]:
 
 
 def _spec(name: str, size: int, guidance: float, steps: int):
-    from services.generation.request import parse_job
+    from services.generation.inputs import parse_job
     branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
     return parse_job({"request_id": name, "handles": {b: {} for b in branches}, "width": size,
                            "height": size, "num_inference_steps": steps, "guidance_scale": guidance, "seed": 0})

@@ -28,7 +28,7 @@ from .cfg_parallel import CfgComm, local_branches
 from .job_state import JobState
 from .kv_source import PrefixSource
 from .qos import YieldGate
-from .request import ApiError, GenerateRequest
+from .inputs import ApiError, GenerateRequest
 from .sequence_parallel import check_heads
 from .step_graph import StepGraphs, composition_key, graphable
 

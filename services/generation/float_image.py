@@ -11,7 +11,7 @@ import torch
 
 from services.contract.interleave import FLOAT_IMAGE_BRANCH
 
-from .request import ApiError
+from .inputs import ApiError
 
 IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read extends it)
 

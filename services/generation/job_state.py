@@ -16,7 +16,7 @@ from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
-from .request import GenerateRequest
+from .inputs import GenerateRequest
 
 
 @dataclass

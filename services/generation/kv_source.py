@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .request import ApiError
+from .inputs import ApiError
 
 # HandleError codes whose KV is simply gone (producer restarted, pages freed or reclaimed).
 _GONE = {"stale_generation", "pages_freed", "lease_expired"}

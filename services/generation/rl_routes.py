@@ -31,7 +31,7 @@ from services.kit.web import json_body
 
 from .encode import encode_image
 from .image_limits import size_error
-from .request import check_handles, handles_of
+from .inputs import check_handles, handles_of
 from .trajectory_store import Part, TrajectoryStore, not_found
 
 log = logging.getLogger("u1serve.generation.rl")

@@ -23,7 +23,7 @@ from .capacity import queue_limit
 from .jobs import END, Deliver, JobTable, Ticket
 from .leases import HandleKeeper
 from .link import Outbox, start_reader
-from .request import GenerateRequest
+from .inputs import GenerateRequest
 
 log = logging.getLogger("u1serve.generation")
 

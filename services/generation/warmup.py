@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .request import BRANCH_ORDER, GenerateRequest
+from .inputs import BRANCH_ORDER, GenerateRequest
 
 WARMUP_PREFIX_TOKENS = 64
 

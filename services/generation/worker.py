@@ -23,7 +23,7 @@ from services.kit import timeline
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from . import float_image
-from .request import APIError, GenerateRequest, busiest_rank_tokens
+from .inputs import APIError, GenerateRequest, busiest_rank_tokens
 from .weights import RankWeights
 from .rollout import send_results
 

@@ -10,7 +10,7 @@ from .genhelp import publish
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
-from services.generation.request import ApiError, check_handles, parse_job
+from services.generation.inputs import ApiError, check_handles, parse_job
 from services.generation.worker import Scheduler
 from services.model import reference as R
 from services.model import sampler as S

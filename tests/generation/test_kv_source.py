@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "shm
 from shm_peer import Peer  # noqa: E402
 
 from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.generation.request import ApiError  # noqa: E402
+from services.generation.inputs import ApiError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 FP = "tiny-u1:test-fingerprint"

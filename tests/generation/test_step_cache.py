@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.generation.engine import Engine
-from services.generation.request import ApiError, parse_job
+from services.generation.inputs import ApiError, parse_job
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import CacheOptions
