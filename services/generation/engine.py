@@ -25,7 +25,7 @@ from services.model.step_cache import CacheGroup, FirstBlockCache
 from . import previews, rollout
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
-from .job_state import JobState
+from .request import JobState
 from .kv_source import PrefixSource
 from .qos import YieldGate
 from .inputs import ApiError, GenerateRequest
