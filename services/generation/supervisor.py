@@ -20,7 +20,7 @@ from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
 from .capacity import queue_limit
-from .jobs import END, Deliver, JobTable, Ticket
+from .job_table import END, Deliver, JobTable, Ticket
 from .leases import HandleKeeper
 from .link import Outbox, start_reader
 from .inputs import GenerateRequest
