@@ -36,8 +36,8 @@ from .perf_options import EnginePerfMetrics, add_perf_flags, cache_defaults, per
 from .previews import preview_format
 from .rank_options import add_rank_flags, check_rank_flags, engine_world, rank_engine_args
 from .inputs import GenerateRequest, check_handles, handles_of, parse_job
-from .rl_routes import MAX_UPLOAD_BYTES, add_rl_flags
-from .rl_routes import install as install_rl
+from .routers.rl import MAX_UPLOAD_BYTES, add_rl_flags
+from .routers.rl import install as install_rl
 from .stream_queue import StreamQueue
 from .supervisor import EngineSupervisor
 from .weights import weights_endpoint

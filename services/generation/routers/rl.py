@@ -29,10 +29,10 @@ from services.kit.errors import APIError, bad_request, from_validation
 from services.kit.logsafe import safe
 from services.kit.web import json_body
 
-from .encode import encode_image
-from .image_limits import size_error
-from .inputs import check_handles, handles_of
-from .trajectory_store import Part, TrajectoryStore, not_found
+from ..encode import encode_image
+from ..image_limits import size_error
+from ..inputs import check_handles, handles_of
+from ..trajectory_store import Part, TrajectoryStore, not_found
 
 log = logging.getLogger("u1serve.generation.rl")
 MAX_UPLOAD_BYTES = 64 << 20
