@@ -66,7 +66,7 @@ def job_seconds(engine: Engine, sp: GenerateRequest) -> tuple[float, dict]:
     job = admit(engine, sp)
     _sync(engine.device)
     t0 = time.perf_counter()
-    while not job.done:
+    while not job.flow.done:
         engine.step()
     engine.pixels(job)
     seconds = time.perf_counter() - t0

@@ -10,11 +10,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from services.contract.image import BRANCH_ORDER, CacheOptions, GenerateRequest, check_cache_for  # noqa: F401
+from services.contract.image import CacheOptions, GenerateRequest, check_cache_for
 from services.kit.errors import APIError, bad_request, from_validation
-
-# The engine modules (engine.py, kv_source.py) raise this under its old name.
-ApiError = APIError
 
 
 def parse_job(body: Any, cache_defaults: Optional[CacheOptions] = None) -> GenerateRequest:

@@ -1,4 +1,5 @@
-"""Per-job state inside the engine: sampler state, the job's KV buffer and its attention metadata.
+"""Per-job state inside the engine: its place on the timestep grid (sampler.FlowMatchEuler), its KV buffer and
+its attention metadata.
 
 KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
 branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
@@ -12,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.contract.image import GenerateRequest
 from services.model import sampler
 from services.model.positions import image_token_positions
 from services.model.step_cache import BranchState, CacheOptions, truncated_interval
-
-from .inputs import GenerateRequest
 
 
 @dataclass
@@ -57,14 +57,12 @@ class JobState:
         self.N = self.th * self.tw
         self.n = spec.n
         self.num_inference_steps = spec.num_inference_steps
-        self.timesteps = sampler.timesteps(spec.num_inference_steps, spec.timestep_shift, device=device)
-        self.t_values = self.timesteps.tolist()  # host copies: the CFG rule needs no device sync
+        self.flow = sampler.FlowMatchEuler(spec.num_inference_steps, spec.timestep_shift, device=device)
         self.noise_scale = sampler.noise_scale(model.cfg, self.N)
         self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
-                                       self.noise_scale, getattr(spec, "noise_draw", 0))
+                                       self.noise_scale, spec.noise_draw)
         self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
         self.rl = None                           # RL jobs: rollout.RolloutState / ScoreState (rollout.py)
-        self.step = 0
         self.device = device
         self.dtype = dtype
         self._model_geom = (model.num_layers, kv_heads or model.num_kv_heads, model.head_dim)
@@ -102,21 +100,9 @@ class JobState:
         return {b: (s.computed, s.reused) for b, s in self.branch_state.items()}
 
     # -- steps -----------------------------------------------------------------------------------
-    @property
-    def t(self) -> torch.Tensor:
-        return self.timesteps[self.step]
-
-    @property
-    def t_next(self) -> torch.Tensor:
-        return self.timesteps[self.step + 1]
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.num_inference_steps
-
     def active_branches(self) -> list[str]:
         """Branches whose velocity this step's CFG rule reads (outside the interval: cond only)."""
-        if sampler.uses_cfg(self.params, self.t_values[self.step]):
+        if sampler.uses_cfg(self.params, self.flow.t_host):
             return self.branches
         return ["cond"]
 
@@ -157,8 +143,3 @@ class JobState:
                      k_start=segs[0].start, k_end=segs[0].start + cu_k[-1])
         self._meta[key] = m
         return m
-
-    @property
-    def local_tokens(self) -> int:
-        """Rows this job adds to a forward on this rank when CFG is on."""
-        return self.N * self.n * len(self.local)
