@@ -4,8 +4,10 @@ expiry, a restarted service works), producer restart (stale handles rejected, re
 fingerprint."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -13,7 +15,7 @@ import uuid
 import httpx
 import pytest
 from .conftest import make_pool
-from .genhelp import (HEADERS, GenServer, body, errors_of, generate, images_of, prefixes,
+from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, images_of, prefixes,
                       publish, wait_until)
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
@@ -198,6 +200,38 @@ def test_client_disconnect_cancels(fault_env, ref_model):
     # the engine is free again: the next job runs to the end
     status, events = generate(server.url, body("after-gone", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events)
+
+
+def _post_and_leave(port: int, path: str, payload: dict) -> None:
+    """Send a whole request, then close the connection without reading a byte of the answer."""
+    data = json.dumps(payload).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"X-U1-Internal-Token: {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + data)
+        s.shutdown(socket.SHUT_WR)
+
+
+def test_client_gone_before_its_stream_starts_leaks_nothing(fault_env, ref_model):
+    """Clients that leave right after sending (an image job and an RL rollout, queued behind a running job): the
+    HTTP process claimed their pages at acceptance, so only the stream's own cleanup can free them; it runs
+    even when the body never started (kit.streaming.OwnedStream), and the jobs leave the table."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    a = running_job(server.url, body("early-a", publish(pool, _pre(ref_model))))
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)       # a imported (and freed) its pages
+    before = server.metrics().get('u1_gen_requests_total{outcome="disconnected"}', 0.0)
+    _post_and_leave(server.port, "/internal/generate", body("early-b", publish(pool, _pre(ref_model))))
+    _post_and_leave(server.port, "/internal/rl/rollout", body("early-rl", publish(pool, _pre(ref_model)),
+                                                              rl={"seeds": [3]}))
+    assert wait_until(lambda: server.metrics().get('u1_gen_requests_total{outcome="disconnected"}', 0.0)
+                      == before + 1, 15)                                # b reached the app and ended there
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 15)       # b's and the rollout's pages
+    assert pool.stats()["pages_expired"] == 0                           # freed, not left to a lease
+    assert wait_until(lambda: server.health()[1]["queued"] == 0, 10)
+    assert server.health()[1]["running"] == 1                           # a only
+    httpx.post(server.url + "/internal/abort", json={"request_id": "early-a"}, headers=HEADERS)
+    a.join(30)
+    assert wait_until(lambda: server.health()[1]["running"] == 0, 10)
 
 
 def test_engine_killed_mid_job(fault_env, ref_model):
