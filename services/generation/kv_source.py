@@ -157,14 +157,9 @@ class PrefixSource:
         still owns."""
         self._each(handle_dicts, lambda t, h: t.release(h))
 
-    def keep_alive(self, handle_dicts, seconds: float) -> None:
-        """Extend the leases of handles of jobs still queued here, so a long queue does not turn them
-        into 410s (best effort: a handle that is already gone fails at import with a clear error)."""
-        self._each(handle_dicts, lambda t, h: t.extend_lease(h, seconds))
-
     def claim(self, handle_dicts) -> None:
         """Hold the pages of an accepted job's handles for as long as this process lives (no lease to
-        renew; a killed process's claims are reclaimed). Best effort like keep_alive."""
+        renew; a killed process's claims are reclaimed). Best effort: a handle already gone fails at import."""
         self._each(handle_dicts, lambda t, h: t.claim(h))
 
     def close(self) -> None:
