@@ -81,7 +81,8 @@ class RlResultEvent(BaseModel):
     weights_version: str
 
 
-class ErrorBody(BaseModel):
+class ErrorDetail(BaseModel):
+    """An error, OpenAI-shaped (every service's error bodies and error events)."""
     message: str
     type: str
     param: Optional[str] = None
@@ -91,7 +92,7 @@ class ErrorBody(BaseModel):
 class ErrorEvent(BaseModel):
     type: Literal["error"] = "error"
     status: int
-    error: ErrorBody
+    error: ErrorDetail
 
 
 GenerationEvent = Annotated[Union[QueuedEvent, ProgressEvent, PartialImageEvent, ImageEvent, RlResultEvent,
@@ -102,4 +103,5 @@ def wire(event: BaseModel) -> dict:
     """An event built with `model_construct` (trusted: the service's own values, an image's base64 not copied by
     validation) as the dict `sse.encode` writes: its type and the fields that were given."""
     given = event.model_fields_set
-    return {"type": event.type, **{k: getattr(event, k) for k in type(event).model_fields if k in given and k != "type"}}
+    fields = [k for k in type(event).model_fields if k in given and k != "type"]
+    return {"type": event.type, **{k: getattr(event, k) for k in fields}}

@@ -39,15 +39,21 @@ MAX_UPLOAD_BYTES = 64 << 20
 router = APIRouter()
 
 
-def _parse(st: GenerationState, model, body):
+def _parse(st: GenerationState, model, body, check=lambda job: None):
+    """The job of a body (a refusal frees the body's handles): validated, step caching and previews off, the
+    size and handle checks, then `check(job)`."""
     try:
-        job = model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation(exc.errors()) from None
-    job.cache = CacheOptions()
-    job.partial_images = 0
-    st.check_size(job)
-    check_handles(job, st.fingerprint)
+        try:
+            job = model.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc.errors()) from None
+        job.cache = CacheOptions()
+        job.partial_images = 0
+        st.check_size(job)
+        check_handles(job, st.fingerprint)
+        check(job)
+    except APIError as err:
+        raise st.reject(err, body.get("request_id") if isinstance(body, dict) else None, handles_of(body)) from None
     return job
 
 
@@ -56,10 +62,6 @@ def _respond(st: GenerationState, job, on_result):
         return RlJobStream(st, job, on_result).respond()
     except APIError as err:
         raise st.reject(err, job.request_id, list(job.handles.values())) from None
-
-
-def _refused(st: GenerationState, err: APIError, body) -> APIError:
-    return st.reject(err, body.get("request_id") if isinstance(body, dict) else None, handles_of(body))
 
 
 def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) -> None:
@@ -79,28 +81,21 @@ def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) ->
 @router.post("/internal/rl/rollout")
 async def rollout(request: Request):
     st = app_state(request)
-    body = await json_body(request)
-    try:
-        job = _parse(st, RolloutJobRequest, body)
-    except APIError as err:
-        raise _refused(st, err, body) from None
+    job = _parse(st, RolloutJobRequest, await json_body(request))
     return _respond(st, job, lambda job, ev: _store_rollout(st, job, ev))
 
 
 @router.post("/internal/rl/score")
 async def score(request: Request):
     st = app_state(request)
-    body = await json_body(request)
-    try:
-        job = _parse(st, ScoreJobRequest, body)
+
+    def check(job: ScoreJobRequest) -> None:
         if job.weights == "reference" and st.cfg.rl_reference != "on":
             raise APIError(400, "this stack runs without a reference model (--rl-reference off)",
                            param="weights", code="reference_unavailable")
         job.with_latents(st.trajectories.latents(job.trajectory_id, job.part, job.n, job.num_inference_steps,
                                                  job.height, job.width))
-    except APIError as err:
-        raise _refused(st, err, body) from None
-    return _respond(st, job, lambda job, ev: None)
+    return _respond(st, _parse(st, ScoreJobRequest, await json_body(request), check), lambda job, ev: None)
 
 
 @router.get("/internal/rl/trajectories/{tid}")
