@@ -153,7 +153,7 @@ class PrefixSource:
                 pass
 
     def release(self, handle_dicts) -> None:
-        """Free handles never imported (cancelled / failed jobs). Idempotent: a handle only frees pages it
+        """Free handles never imported (aborted / failed jobs). Idempotent: a handle only frees pages it
         still owns."""
         self._each(handle_dicts, lambda t, h: t.release(h))
 

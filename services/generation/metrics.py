@@ -44,7 +44,7 @@ class GenerationMetrics:
         self.requests = Counter("u1_gen_requests", "requests by outcome (ok, an error code, disconnected)",
                                 ["outcome"],
                                 registry=r)
-        self.streams_behind = Counter("u1_gen_streams_fell_behind", "jobs cancelled because their stream's "
+        self.streams_behind = Counter("u1_gen_streams_fell_behind", "jobs aborted because their stream's "
                                       "reader left more than --max-stream-backlog-mb of pixels waiting", registry=r)
         self.engine_restarts = Counter("u1_gen_engine_restarts", "engine process restarts",
                                        registry=r)

@@ -3,7 +3,7 @@
 Images and previews arrive as raw pixels (a 2048² image is 12 MiB) and wait here until the stream encodes and
 writes them; a stream whose reader stalls would hold them for as long as it stalls. So the pixels waiting here
 are bounded by `max_bytes`: an event that would go beyond it while others still wait ends the job instead
-(`on_overflow`: it is cancelled in the engine, the stream gets the error and ends) and from then on pixels are
+(`on_overflow`: it is aborted in the engine, the stream gets the error and ends) and from then on pixels are
 dropped as they come (an exported float image among them is released at once). The first event is always
 taken: a single image larger than the bound still reaches a reader that keeps up.
 """
