@@ -119,7 +119,7 @@ def _time_case(engine, case, args, device) -> dict:
         times.append(time.perf_counter() - t0)
     stride = max(1, case["size"] // 64)          # a 64x64 probe of the final state, to compare layouts
     probe = job.x[:, :, ::stride, ::stride].float().cpu().flatten().tolist()
-    engine.drop(job.request_id)
+    engine.abort(job.request_id)
     out = {"step_s": statistics.median(times), "steps": times, "probe": probe}
     if device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30

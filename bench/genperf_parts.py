@@ -57,7 +57,7 @@ def step_times(engine: Engine, sp: GenerateRequest, warmup: int, steps: int,
         engine.step()
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
-    engine.drop(job.request_id)
+    engine.abort(job.request_id)
     return times
 
 
@@ -379,7 +379,7 @@ def part_fp8_profile(args, device, dtype) -> dict:
         with profile(activities=acts) as prof:
             engine.step()
             _sync(device)
-        engine.drop(job.request_id)
+        engine.abort(job.request_id)
         rows = kernel_rows(prof, device)
         cats: dict[str, list] = {}
         for k, ms, cnt in rows:
@@ -590,7 +590,7 @@ def _cancel_then_new(model, device, size: int, args) -> dict:
         first = admit(engine, spec("cancelled", size, steps, 4.0))
         for _ in range(4):                # eager, capture, replay, replay
             engine.step()
-        engine.drop(first.request_id)
+        engine.abort(first.request_id)
         xs[name], _ = run_to_end(engine, [spec("next", size, steps, 4.0)])
         counts[name] = _graph_counts(engine)
     return {"size": size, "steps": steps, "bits_equal": torch.equal(xs["graphs"]["next"], xs["eager"]["next"]),
