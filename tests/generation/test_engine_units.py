@@ -80,6 +80,28 @@ def test_scheduler_fifo_within_token_budget():
     assert [j.request_id for j in s2.pick(0, 0)] == ["x", "y"]    # job-count bound
 
 
+def test_scheduler_turns_commands_into_plans():
+    """Rank 0's scheduler in-process: typed commands in, StepPlans out."""
+    import queue
+    from types import SimpleNamespace
+
+    from services.generation.protocol import AbortJob, Stop, SubmitJob
+    released = []
+    s = Scheduler(max_batch_tokens=10**6, max_running_jobs=4, world=1, release=released.extend)
+    inbox = queue.SimpleQueue()
+    for rid in ("a", "b"):
+        inbox.put(SubmitJob(spec(rid, 64)))
+    inbox.put(AbortJob("b"))                       # still queued: leaves the queue, its pages are freed
+    plan = s.schedule(inbox, running=[])
+    assert [j.request_id for j in plan.admit] == ["a"] and plan.abort == [] and not plan.stop
+    assert released == list(H.values())
+    running = [SimpleNamespace(request_id="a", spec=plan.admit[0])]
+    inbox.put(AbortJob("a"))                       # running: aborted on every rank by the plan
+    inbox.put(Stop())
+    plan = s.schedule(inbox, running)
+    assert plan.abort == ["a"] and plan.stop and plan.admit == [] and plan.weights is None
+
+
 def test_bf16_engine_matches_bf16_reference(tiny_dir):
     """bf16: equal to the bf16 reference here (same CPU kernels); the stated tolerance is 1 uint8 level,
     and bf16 vs fp32 differs by up to ~0.1 in [-1, 1] units on the tiny model (model_spec 12.10)."""
