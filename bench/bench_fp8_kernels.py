@@ -1,12 +1,18 @@
 """The fused fp8 producers (kernels/fp8_quant.py, kernels/norm_act.py): every launch variant timed and
 checked bit for bit, at the 8B geometry (hidden 4096, intermediate 12288).
 
-Usage (CUDA, < 60 s on an H200): python bench/bench_fp8_kernels.py [--json PATH] [--variants a,b,..]
+Usage (CUDA, < 90 s on an H200): python bench/bench_fp8_kernels.py [--json PATH] [--variants a,b,..]
 CPU smoke (Triton interpreter, tiny shapes): python bench/bench_fp8_kernels.py --smoke
 Kernels: `quant` (the standalone quantiser [rows, n]), `rms` (RMSNorm -> fp8 [rows, n]), `silu` (silu(gate)*up
 -> fp8 on the two halves of one [rows, 2n] gate|up output). Each variant's median time (triton.testing.do_bench:
 L2 flushed before every run) becomes GB/s from its compulsory traffic (read once, write once), next to the plain
 bf16 kernels (rms_norm, silu_mul on contiguous operands), the torch references and a bf16 copy of the input.
+Fused vs unfused (the activation written in bf16 by the plain kernel, then the standalone quantiser: two
+launches and a bf16 round trip, vs the producer quantising what it computes): RMSNorm, add + RMSNorm (n = 4096)
+and silu*mul (n = 12288; unfused on contiguous gate / up) per row count: GPU us (do_bench), host us per call
+(the launch path's CPU time: 100 calls queued without a sync; what an eager step pays per launch where the host,
+not the GPU, is the bottleneck, e.g. 1024²), and bits (fused vs unfused: equal, else the largest distance in
+e4m3 codes).
 Bit checks, on inputs with zeros, -0, tiny negatives, huge values, all-zero rows, rows whose scale is a power of
 two (so that e4m3 ties occur) and n not a power of two: the quantiser vs `quant_fp8_rowwise_ref` (torch on the
 same device); the fused producers vs their plain kernel + the quantiser (the same bits by design; vs the torch
@@ -31,15 +37,15 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.fp8_quant import ROUND_ENV, fp8_launch, quant_fp8_rowwise, quant_fp8_rowwise_ref  # noqa: E402
-from kernels.norm_act import (rms_norm, rms_norm_fp8, rms_norm_fp8_ref, silu_mul, silu_mul_fp8,  # noqa: E402
-                              silu_mul_fp8_ref)
+from kernels.norm_act import (add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8, rms_norm_fp8_ref,  # noqa: E402
+                              silu_mul, silu_mul_fp8, silu_mul_fp8_ref)
 
 DT = torch.bfloat16
 EPS = 1e-6
 # variant specs (kernels/fp8_quant.py fp8_launch); "+explicit": the same launch rounding in fp32 before the cast
-GPU_VARIANTS = ["legacy", "row", "pieces", "pieces+explicit", "twopass-1024", "twopass-2048"]
-SMOKE_VARIANTS = ["legacy", "row", "pieces-32", "twopass-32"]
-RMS_VARIANTS = ("legacy", "row", "pieces")   # RMSNorm keeps its row layout: only the arithmetic differs
+GPU_VARIANTS = ["auto", "legacy", "row", "pieces", "pieces+explicit", "twopass-1024", "twopass-2048"]
+SMOKE_VARIANTS = ["auto", "legacy", "row", "pieces-32", "twopass-32"]
+RMS_VARIANTS = ("auto", "legacy", "row", "pieces")   # RMSNorm keeps its row layout: only the arithmetic differs
 
 
 def run_variant(fn, spec: str):
@@ -171,10 +177,69 @@ def time_all(variants, dev, gen, row_list, col_list) -> list[dict]:
                             "GBps": nbytes / ms / 1e6})
             for kern, spec, fn in producer_runs(variants, x, x, w, gate, up):
                 ms = bench_ms(lambda: run_variant(fn, spec), dev)
-                launch = fp8_launch(n, spec.partition("+")[0])
+                launch = fp8_launch(n, spec.partition("+")[0], rows)
                 res.append({"kernel": kern, "variant": spec, "launch": launch.spec(), "rows": rows, "n": n,
                             "ms": ms, "GBps": io[kern] / ms / 1e6})
     return res
+
+
+def host_us(fn, dev, calls: int = 100) -> float:
+    """CPU time of one call's launch path: `calls` calls queued without a sync (the GPU catches up after)."""
+    fn()
+    if dev != "cpu":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t) / calls * 1e6
+    if dev != "cpu":
+        torch.cuda.synchronize()
+    return us
+
+
+def code_distance(got, want) -> int:
+    """The largest distance in e4m3 codes between two quantised rows sets (0: the same values; +-0 alike)."""
+    def ordinal(q):
+        c = q.view(torch.uint8).to(torch.int16)
+        return torch.where(c >= 128, -(c - 128), c)
+    return int((ordinal(got[0]) - ordinal(want[0])).abs().max())
+
+
+def fused_vs_unfused(dev, gen, row_list, hidden: int, inter: int, calls: int) -> list[dict]:
+    """Per producer and row count: unfused (plain kernel in bf16, then the quantiser) vs fused."""
+    res = []
+    for rows in row_list:
+        x = torch.randn(rows, hidden, generator=gen, device=dev).to(DT)
+        d = torch.randn(rows, hidden, generator=gen, device=dev).to(DT)
+        w = (torch.rand(hidden, generator=gen, device=dev) + 0.5).to(DT)
+        gu = (3 * torch.randn(rows, 2 * inter, generator=gen, device=dev)).to(DT)
+        gate, up = gu[:, :inter], gu[:, inter:]
+        gc, uc = gate.contiguous(), up.contiguous()
+        pairs = [("RMSNorm -> fp8", hidden, lambda: quant_fp8_rowwise(rms_norm(x, w, EPS)),
+                  lambda: rms_norm_fp8(x, w, EPS)),
+                 ("add + RMSNorm -> fp8", hidden, lambda: quant_fp8_rowwise(add_rms_norm(x, d, w, EPS)[1]),
+                  lambda: add_rms_norm_fp8(x, d, w, EPS)[1:]),
+                 ("silu*mul -> fp8", inter, lambda: quant_fp8_rowwise(silu_mul(gc, uc)),
+                  lambda: silu_mul_fp8(gate, up))]
+        for name, n, unfused, fused in pairs:
+            u, f = unfused(), fused()
+            row = {"producer": name, "rows": rows, "n": n, "launch": fp8_launch(n, None, rows).spec(),
+                   "unfused_us": bench_ms(unfused, dev) * 1e3, "fused_us": bench_ms(fused, dev) * 1e3,
+                   "unfused_host_us": host_us(unfused, dev, calls), "fused_host_us": host_us(fused, dev, calls),
+                   "bits_equal": n_bad(f, u) == 0, "max_code_distance": code_distance(f, u)}
+            res.append(row)
+    return res
+
+
+def print_fused(rows: list[dict]) -> None:
+    print("\n## fused vs unfused producers (GPU us: do_bench median; host us: launch path per call)\n")
+    print("| producer | rows | n | launch | unfused GPU us | fused GPU us | saved | unfused host us | fused host us "
+          "| bits equal (max code distance) |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['producer']} | {r['rows']} | {r['n']} | {r['launch']} | {r['unfused_us']:.1f} | "
+              f"{r['fused_us']:.1f} | {r['unfused_us'] - r['fused_us']:.1f} | {r['unfused_host_us']:.1f} | "
+              f"{r['fused_host_us']:.1f} | {r['bits_equal']} ({r['max_code_distance']}) |")
 
 
 def print_tables(timings, checks, peak_note) -> None:
@@ -233,13 +298,16 @@ def main() -> int:
     print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}; default launch per n: {env['default']}")
     checks = check_bits(variants, dev, gen, check_shapes)
     timings = [] if args.skip_timing else time_all(variants, dev, gen, rows, cols)
+    hidden, inter = (64, 96) if args.smoke else (4096, 12288)
+    fused = fused_vs_unfused(dev, gen, rows[:1] if args.smoke else rows, hidden, inter, 1 if args.smoke else 100)
     peak = "H200 HBM3e peak 4.8 TB/s" if dev == "cuda" else "CPU interpreter: timings meaningless"
     print_tables(timings, checks, peak)
+    print_fused(fused)
     ok = all(c["bits_equal"] for c in checks)
     print(f"\nall bit checks equal: {ok}; {time.time() - t0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "timings": timings, "checks": checks, "all_bits_equal": ok,
+            json.dump({"env": env, "timings": timings, "checks": checks, "all_bits_equal": ok, "fused": fused,
                        "seconds": time.time() - t0}, f, indent=1)
     return 0 if ok else 1
 

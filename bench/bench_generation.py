@@ -14,7 +14,7 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
                       (bf16 / fp8 / fast / quantiser), kernels vs torch bit for bit, GEMM vs emulation
     --part fp8-profile  torch.profiler of one single-branch step (--size), bf16 vs fp8: time by kernel
                       category and the top kernels (where a step's time goes)
-    --part cache      whole-job time and computed steps vs first-block threshold (--thresholds)
+    --part cache      whole-job time and computed steps vs first-block and TeaCache threshold (--thresholds)
     --part preset     the 8-step preset (guidance 1, 8 steps, shift 3): whole job, bf16 and fp8
     --part warmstart  first vs steady step of a fresh process, with (default) or without (--no-warmup)
                       the service's warm-up
@@ -24,6 +24,10 @@ Speed options, each a part that runs alone (`--part`, torch only; see gpu_genper
     --part addnorm    the residual add fused into the next RMSNorm vs apart (U1SERVE_FUSED_ADD_NORM flipped;
                       --sizes; bf16 and fp8 as served; eager and CUDA graphs): s/step, speedup, final x
                       bit-equal; the fused kernels vs add + norm kernel at [4096, hidden]: bits and us
+    --part fp8-fused  single-branch step at --sizes: bf16, fp8 as served today, fp8 on every GEMM quantised in
+                      the GEMM layers (unfused) and by the producers (fused); eager and CUDA graphs
+    --part formats    bf16 / fp8 / int8 / gguf: CFG step time at --sizes and gen-branch weight memory
+                      (bench/genperf_formats.py)
 --quantization fp8 applies to the default part (and --cfg-parallel).
 
 Prints markdown tables; --json PATH writes the raw numbers. Reference points
@@ -71,7 +75,7 @@ def parse_args():
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs", "addnorm"])
+                                                     "graphs", "addnorm", "fp8-fused", "formats"])
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")

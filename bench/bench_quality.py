@@ -5,14 +5,23 @@ For every prompt, the exact image (the checkpoint, the model dtype, --steps, --g
 through the generation engine in-process (the serving code path; prefixes from the reference
 pipeline); then each setting of --settings is generated with the same seed and compared with it:
     fp8            gen-branch Linear layers in fp8 (services/model/quant.py)
+    int8           gen-branch Linear layers in int8 W8A8 (services/model/quant_int8.py)
+    gguf:TYPE      the checkpoint converted to GGUF TYPE (q8_0, q4_k; `u1serve convert`), dequantised at load
     cache:T        first-block step caching with threshold T (per CFG branch)
+    tea:T          TeaCache step caching with threshold T (per CFG branch; coefficients: calibrate_teacache.py)
     truncate:V     CFG only while t <= V (cond alone on the tail)
     preset:8step   the 8-step recipe (8 steps, guidance 1, shift 3): with --lora the 8-step adapter
 It also reports the per-step velocity error of fp8 against the model dtype along the exact 8-step
-trajectory of the first prompt (the fp8 numerics check).
+trajectory of the first prompt (the fp8 numerics check), and, when both step caches ran, first-block vs
+TeaCache at equal quality: for each first-block threshold the TeaCache threshold of at least its PSNR that
+computed the fewest steps (a first-block reused step still runs layer 0; a TeaCache one runs no layer).
 
     python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
+    U1SERVE_TEACACHE_COEFFICIENTS=tea.json python bench/bench_quality.py --model ... --size 1024 --steps 50 \
+        --settings cache:0.05,cache:0.1,cache:0.2,tea:0.1,tea:0.2,tea:0.4,tea:0.8
+    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
+        --convert-dir /scratch/u1-converted       # the weight formats' quality cost on real weights
     python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
@@ -53,11 +62,14 @@ def parse_args():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--smoke", action="store_true", help="tiny checkpoint on CPU, 128², 4 steps")
+    p.add_argument("--convert-dir", default=None,
+                   help="where gguf:TYPE settings write their converted checkpoint (default: a temp dir)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.smoke:
         args.model, args.device, args.size, args.steps = "tiny", "cpu", 128, 4
-        args.settings, args.prompts_list = "fp8,cache:0.2,truncate:0.3,preset:8step", DEFAULT_PROMPTS[:1]
+        args.settings = "fp8,int8,gguf:q4_k,cache:0.2,tea:0.1,tea:0.4,truncate:0.3,preset:8step"
+        args.prompts_list = DEFAULT_PROMPTS[:1]
     return args
 
 
@@ -111,6 +123,18 @@ class Runner:
         return img, seconds, job.branch_steps, pre
 
 
+def converted(path: str, to: str, out_root: str | None) -> str:
+    """`path` converted by `u1serve convert --to TO` (reused when out_root already holds it)."""
+    import tempfile
+
+    from services.model.convert import convert_checkpoint
+    out_root = out_root or tempfile.mkdtemp(prefix="u1-quality-")
+    out = os.path.join(out_root, to.replace(":", "_"))
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    return convert_checkpoint(path, out, to)
+
+
 def fp8_velocity_error(base: Runner, fp8: Runner, pre, size: int, seed: int) -> list[float]:
     """Relative velocity error of fp8 vs the base model at each step of the base 8-step trajectory."""
     m16, m8 = base.model, fp8.model
@@ -130,6 +154,18 @@ def fp8_velocity_error(base: Runner, fp8: Runner, pre, size: int, seed: int) -> 
     return out
 
 
+def equal_quality(summary: dict) -> list[tuple[str, str | None]]:
+    """(first-block setting, the TeaCache setting of at least its median PSNR with the fewest computed steps,
+    then the fastest; None if none is as good) for every first-block setting, when both kinds ran."""
+    fbs = [s for s in summary if s.startswith("cache:")]
+    teas = [s for s in summary if s.startswith("tea:")]
+    out = []
+    for fb in fbs if teas else []:
+        ok = [t for t in teas if summary[t]["psnr"] >= summary[fb]["psnr"]]
+        out.append((fb, min(ok, key=lambda t: (summary[t]["computed"], summary[t]["seconds"])) if ok else None))
+    return out
+
+
 def main():
     args = parse_args()
     from services.model.presets import PRESETS
@@ -141,8 +177,11 @@ def main():
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     base = Runner(path, device, dtype, tok)
     runners = {"base": base}
-    if "fp8" in settings:
-        runners["fp8"] = Runner(path, device, dtype, tok, quantization="fp8")
+    for s in settings:
+        if s in ("fp8", "int8"):
+            runners[s] = Runner(path, device, dtype, tok, quantization=s)
+        elif s.startswith("gguf"):
+            runners[s] = Runner(converted(path, s, args.convert_dir), device, dtype, tok)
     if any(s.startswith("preset:") for s in settings) and args.lora:
         from services.model.lora_spec import parse_lora_spec
         runners["lora"] = Runner(path, device, dtype, tok, lora=[parse_lora_spec(x) for x in args.lora])
@@ -158,10 +197,12 @@ def main():
         for s in settings:
             kind, _, val = s.partition(":")
             run, kw = base, dict(steps=args.steps, guidance=args.guidance, shift=3.0, cache=None)
-            if kind == "fp8":
-                run = runners["fp8"]
+            if kind in ("fp8", "int8", "gguf"):
+                run = runners[s]
             elif kind == "cache":
                 kw["cache"] = {"mode": "first_block", "threshold": float(val)}
+            elif kind == "tea":
+                kw["cache"] = {"mode": "teacache", "threshold": float(val)}
             elif kind == "truncate":
                 kw["cache"] = {"cfg_truncation": float(val)}
             elif kind == "preset":
@@ -186,13 +227,29 @@ def main():
         bs = rs[0]["branch_steps"]
         comp = ", ".join(str(bs[b]["computed"]) for b in ("cond", "uncond") if b in bs)
         print(f"| {s} | {ps:.2f} | {ss:.4f} | {sec:.3f} | {t0 / sec:.2f}x | {comp} |")
-        summary[s] = {"psnr": ps, "ssim": ss, "seconds": sec, "rows": rs}
+        summary[s] = {"psnr": ps, "ssim": ss, "seconds": sec, "rows": rs,
+                      "computed": sum(bs[b]["computed"] for b in ("cond", "uncond") if b in bs)}
+    equal = equal_quality(summary)
+    if equal:
+        print("\nfirst-block vs TeaCache at equal quality (the TeaCache threshold with PSNR >= the first-block one's "
+              "and the fewest computed steps):\n")
+        print("| first_block | PSNR | SSIM | computed | s | teacache | PSNR | SSIM | computed | s | steps saved |")
+        print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        for fb, tea in equal:
+            cells = []
+            for name in (fb, tea):
+                r = summary.get(name) if name else None
+                cells.append(f"{name} | {r['psnr']:.2f} | {r['ssim']:.4f} | {r['computed']} | {r['seconds']:.3f}"
+                             if r else "none as good | | | |")
+            saved = summary[fb]["computed"] - summary[tea]["computed"] if tea else ""
+            print(f"| {cells[0]} | {cells[1]} | {saved} |")
     if velocity:
         print(f"\nfp8 vs {dtype} velocity error along the 8-step trajectory: mean {statistics.mean(velocity):.4f}, "
               f"max {max(velocity):.4f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "fp8_velocity_rel_err": velocity}, f, indent=2,
+            json.dump({"args": vars(args), "summary": summary, "fp8_velocity_rel_err": velocity,
+                       "equal_quality": equal}, f, indent=2,
                       default=str)
 
 

@@ -4,7 +4,9 @@ reference pipeline (services.model.reference) in the same run. Full 8B geometry 
 
 GPU (the real measurement):
     python bench/bench_understanding.py --json docs/benchmarks/understanding.json
-CPU smoke run (tiny checkpoint, small sizes):
+GPU, A3B (random weights; its fused MoE, decode CUDA graphs on; the batch-1 bound counts the top-k experts only):
+    python bench/bench_understanding.py --variant a3b-full --batches 1,64 --iters 3 --json /tmp/und_a3b.json
+CPU smoke run (tiny checkpoint, small sizes; --variant a3b for the tiny MoE):
     python bench/bench_understanding.py --tiny --device cpu --dtype float32 --batches 1,4 \\
         --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
 
@@ -40,7 +42,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--variant", default="u1-8b", help="full config of services.model.tiny.write_full_config")
+    p.add_argument("--variant", default="u1-8b", help="full config of services.model.tiny.write_full_config "
+                   "(u1-8b, u1.5-8b, a3b-full); with --tiny a tiny variant (u1, u1.5, a3b)")
     p.add_argument("--tiny", action="store_true", help="use the tiny checkpoint instead (CPU smoke run)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
@@ -176,9 +179,21 @@ def reference_numbers(model, tok, args, rng):
             "prefix_ms": 1000 * prefix}
 
 
-def hbm_bound_ms(model, args) -> tuple[float, float]:
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one batch-1 decode step reads: all but the embeddings and the vision encoder; of a MoE
+    block (A3B) only its top-k experts."""
+    from services.model.moe import SparseMoE
     skip = ("embed_tokens", "vision_model")
     nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not any(s in n for s in skip))
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            experts = sum(p.numel() * p.element_size() for p in m.experts.parameters())
+            nbytes -= experts * (1 - m.top_k / m.experts.gate_up_proj.shape[0])
+    return int(nbytes)
+
+
+def hbm_bound_ms(model, args) -> tuple[float, float]:
+    nbytes = decode_weight_bytes(model)
     bw = args.bandwidth_tbs * 1e12 if args.bandwidth_tbs else None
     if bw is None and args.device.startswith("cuda"):
         src = torch.empty(1 << 30, dtype=torch.uint8, device=args.device)
@@ -202,7 +217,8 @@ def main():
     from services.model import tiny
     tmp = tempfile.mkdtemp(prefix="bench-und-")
     if args.tiny:
-        model_dir = tiny.write_tiny_checkpoint(os.path.join(tmp, "tiny"))
+        variant = args.variant if args.variant in tiny.VARIANTS else "u1"     # --tiny --variant a3b: the MoE
+        model_dir = tiny.write_tiny_checkpoint(os.path.join(tmp, "tiny"), variant)
     else:
         model_dir = tiny.write_full_config(os.path.join(tmp, args.variant), args.variant)
         os.environ["U1SERVE_RANDOM_WEIGHTS"] = "1"
@@ -241,7 +257,8 @@ def main():
 
     res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine()),
            "torch": torch.__version__, "dtype": args.dtype, "variant": "tiny" if args.tiny else args.variant,
-           "date": time.strftime("%Y-%m-%d"), "cuda_graphs": engine.runner.graphs is not None,
+           "date": time.strftime("%Y-%m-%d"), "moe": engine.model.cfg.llm.is_moe,
+           "cuda_graphs": engine.runner.graphs is not None,
            "prompt_len": args.prompt_len, "decode": decode, "reference": ref,
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,

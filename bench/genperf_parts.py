@@ -1,4 +1,5 @@
-"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart|graphs|addnorm`):
+"""The speed-option parts of bench_generation.py (`--part fp8|fp8-profile|cache|preset|warmstart|graphs|addnorm|
+fp8-fused`):
 torch only.
 
 Every job is admitted with random prefix KV held in memory (`Engine.admit_local`, no pool), P = 365
@@ -431,10 +432,11 @@ def part_cache(args, device, dtype) -> dict:
         job_seconds(engine, spec("warm", size, 2, 4.0))
         base, _ = job_seconds(engine, spec("off", size, steps, 4.0))
         rows = [("off", base, None)]
-        for thr in (float(x) for x in args.thresholds.split(",")):
-            sec, bs = job_seconds(engine, spec(f"t{thr}", size, steps, 4.0,
-                                               {"mode": "first_block", "threshold": thr}))
-            rows.append((f"first_block {thr}", sec, bs))
+        for mode in ("first_block", "teacache"):   # random weights: the mechanism's cost and gain per skip
+            for thr in (float(x) for x in args.thresholds.split(",")):
+                sec, bs = job_seconds(engine, spec(f"{mode}{thr}", size, steps, 4.0,
+                                                   {"mode": mode, "threshold": thr}))
+                rows.append((f"{mode} {thr}", sec, bs))
         for name, sec, bs in rows:
             comp = "all" if bs is None else f"{bs['cond']['computed']}, {bs['uncond']['computed']}"
             print(f"| {size}² | {steps} | {name} | {sec:.3f} | {sec / steps:.4f} | {base / sec:.2f}x | {comp} |")
@@ -581,7 +583,7 @@ def _two_jobs(model, device, size: int, args) -> dict:
 
 
 def _cancel_then_new(model, device, size: int, args) -> dict:
-    """A job dropped mid-way (engine.drop: its graph must go before its KV is freed), then a new job of
+    """A job aborted mid-way (engine.abort: its graph must go before its KV is freed), then a new job of
     the same shape (new KV addresses: a stale graph would read the freed buffer): its final x vs eager."""
     steps = 6
     xs, counts = {}, {}
@@ -749,5 +751,70 @@ def _print_addnorm(out: dict) -> None:
         print(f"| {k['kernel']} | {k['unfused_us']:.1f} | {k['fused_us']:.1f} | {k['bits_equal']} |")
 
 
+# ----------------------------------------------------------------------------- fp8 quantised by the producers
+FUSED_CONFIGS = (("bf16", "bf16"), ("fp8-today", "fp8 as served today (bf16 GEMMs < 2,048 rows)"),
+                 ("fp8-unfused", "fp8 every GEMM, quantiser in the GEMM layers"),
+                 ("fp8-fused", "fp8 every GEMM, quantised by the producers"))
+
+
+@torch.inference_mode()
+def part_fp8_fused(args, device, dtype) -> dict:
+    """Single-branch step at --sizes: bf16; fp8 as served today (GemmPolicy.for_device: model-dtype GEMMs below
+    2,048 rows); fp8 on every GEMM with the activations quantised in the GEMM layers (GemmPolicy.fused False:
+    U1SERVE_FP8_FUSED=0) and by their producers (RMSNorm / add + RMSNorm / silu*mul -> fp8: the default), fast
+    accumulation as served; eager and (CUDA) with CUDA graphs; rounds interleaved, median s/step. Issue 25's
+    targets: 1024² >= 1.3x bf16, 2048² toward the fp8-GEMM floor 0.070 s."""
+    from services.model.quant import GemmPolicy
+    sizes = _sizes(args)
+    m16, m8 = _fp8_models(args, device, dtype)
+    serving = _fp8_policies(device)["serving"]
+    policies = {"bf16": None, "fp8-today": serving,
+                "fp8-unfused": GemmPolicy(0, serving.fast_accum_min_tokens, False),
+                "fp8-fused": GemmPolicy(0, serving.fast_accum_min_tokens, True)}
+    modes = ("off", "on") if device.type == "cuda" else ("off",)
+    engines = {(w, g): Engine(m16 if w == "bf16" else m8, None, cuda_graphs=g) for w in ("bf16", "fp8") for g in modes}
+    out = {"device": _device_name(device), "torch": torch.__version__, "serving_policy": str(serving), "rows": []}
+    _burn([engines[("bf16", "off")], engines[("fp8", "off")]], max(sizes), 0.0 if args.tiny else 3.0)
+    w, n = max(args.warmup, 2), args.steps       # graphs capture on a composition's 2nd step
+    for size in sizes:
+        for graphs in modes:
+            samples: dict[str, list] = {name: [] for name in policies}
+            for r in range(1 if args.tiny else 2):
+                for name, pol in policies.items():
+                    if pol is not None:
+                        set_policy(m8, pol)
+                    engine = engines[("bf16" if pol is None else "fp8", graphs)]
+                    samples[name] += step_times(engine, spec(f"{name}-{r}", size, w + n + 1, 1.0), w, n)
+            med = {name: statistics.median(ts) for name, ts in samples.items()}
+            out["rows"].append({"size": size, "rows_per_gemm": (size // 32) ** 2, "graphs": graphs, "s_per_step": med,
+                                "speedup_vs_bf16": {k: med["bf16"] / v for k, v in med.items()},
+                                **{f"{k}_counts": _graph_counts(e) for (k, g), e in engines.items() if g == graphs}})
+    set_policy(m8, serving)
+    _print_fp8_fused(out)
+    return out
+
+
+def _print_fp8_fused(out: dict) -> None:
+    print(f"device: {out['device']}, torch {out['torch']}; serving policy {out['serving_policy']}; single-branch "
+          f"s/step (speedup vs bf16)")
+    print("\n| image | CUDA graphs | " + " | ".join(label for _, label in FUSED_CONFIGS) + " | target |")
+    print("|---|---|" + "---:|" * len(FUSED_CONFIGS) + "---|")
+    for r in out["rows"]:
+        cells = [f"{r['s_per_step'][k]:.4f} ({r['speedup_vs_bf16'][k]:.2f}x)" for k, _ in FUSED_CONFIGS]
+        target = {1024: ">= 1.3x bf16", 2048: "toward 0.070 s (fp8-GEMM floor)"}.get(r["size"], "")
+        print(f"| {r['size']}² | {r['graphs']} | " + " | ".join(cells) + f" | {target} |")
+    for r in out["rows"]:   # what the policy threshold (GemmPolicy.min_tokens, 2,048 on CUDA) should say
+        t = r["s_per_step"]
+        if r["rows_per_gemm"] < 2048 and t["fp8-fused"] < min(t["bf16"], t["fp8-today"]):
+            print(f"\n{r['size']}² with graphs {r['graphs']}: fp8 on every GEMM beats what is served today "
+                  f"({t['fp8-today'] / t['fp8-fused']:.2f}x): try U1SERVE_FP8_MIN_TOKENS={r['rows_per_gemm']}")
+
+
+def part_formats(args, device, dtype) -> dict:
+    from genperf_formats import part_formats as run   # bf16 / fp8 / int8 / gguf (its own module)
+    return run(args, device, dtype)
+
+
 PARTS = {"fp8": part_fp8, "fp8-profile": part_fp8_profile, "cache": part_cache, "preset": part_preset,
-         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm}
+         "warmstart": part_warmstart, "graphs": part_graphs, "addnorm": part_addnorm, "fp8-fused": part_fp8_fused,
+         "formats": part_formats}

@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_genperf.sh                        # the default parts (below)
 #   bash bench/gpu_genperf.sh --only fp8,fp8-profile # some parts: fp8 fp8-profile warmstart preset pixels cfgp cache graphs
-#                                                    # addnorm
+#                                                    # addnorm fp8-fused
 #   bash bench/gpu_genperf.sh --smoke                # CPU, tiny geometry (checks the script)
 #
 # Writes $OUT/<name>.md (the markdown tables) and $OUT/<name>.json, then $OUT/genperf.json (all of
@@ -71,5 +71,8 @@ run graphs graphs 300 python $B --part graphs "${GEO[@]}"
 # s/step at 1024² / 2048², bf16 and fp8 as served, eager and CUDA graphs; final x bit-equal; the kernels alone
 # (bits vs torch add + norm kernel, us); not in the default set
 run addnorm addnorm 300 python $B --part addnorm "${GEO[@]}"
+# fp8 quantised by the producers (RMSNorm / silu*mul -> fp8) vs in the GEMM layers vs as served today vs bf16:
+# single-branch s/step at 1024² / 2048², eager and CUDA graphs; not in the default set
+run fp8-fused fp8-fused 300 python $B --part fp8-fused "${GEO[@]}"
 
 finish genperf

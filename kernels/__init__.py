@@ -19,6 +19,7 @@ from .kv_copy import (
     register_host_memory,
     unregister_host_memory,
 )
+from .moe import fused_moe, fused_moe_ref
 from .norm_act import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, rope_table
@@ -26,6 +27,7 @@ from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, rope_table
 __all__ = [
     "HAS_TRITON", "HAS_FLASH_ATTN", "kernel_mode",
     "prefill_attention", "prefill_attention_ref",
+    "fused_moe", "fused_moe_ref",
     "denoise_attention", "denoise_attention_ref",
     "decode_attention", "decode_attention_ref",
     "qk_norm_rope_", "qk_norm_rope_ref_", "rope_table",

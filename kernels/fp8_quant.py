@@ -31,8 +31,11 @@ with a slow-path call; two per value made the producers compute-bound, 2026-12):
 
 Launch variants (`fp8_launch`; `U1SERVE_FP8_VARIANT`, or the `variant` argument of the producers; every
 variant gives the same bits): `legacy` (the first kernel: the row padded to a power of two in registers,
-two div_rn per value; for timing comparisons), `row` (the same layout, no division), `pieces` (default:
-the row in registers as <= 4 unmasked power-of-two pieces, e.g. 12288 = 3 x 4096: no padded lanes),
+two div_rn per value; for timing comparisons), `row` (the same layout, no division), `pieces` (the row in
+registers as <= 4 unmasked power-of-two pieces, e.g. 12288 = 3 x 4096: no padded lanes; the default from
+2,048 rows), `auto` (default: `row` below 2,048 rows where the row needs several pieces, else `pieces`:
+on the H200 silu*mul -> fp8 at [1024, 12288] took 64.3 us with `pieces`, 29.2 with `row`; at 2,048 rows
+42.6 vs 49.7; docs/benchmarks/kernels.md),
 `twopass` (column chunks: pass 1 the amax, pass 2 re-reads, mostly from L2, and stores: small programs,
 many per SM). A spec may add the block (`twopass-1024`, `pieces-2048`) and the warps (`-w8`).
 
@@ -74,6 +77,7 @@ VARIANT_ENV = "U1SERVE_FP8_VARIANT"      # a variant spec (`fp8_launch`); unset 
 ROUND_ENV = "U1SERVE_FP8_ROUND"          # "hw" (default): the GPU's RNE satfinite cast; "explicit": round here
 TWOPASS_CHUNK = 2048
 PIECE = 4096
+AUTO_PIECES_MIN_ROWS = 2048              # auto: fewer rows of several pieces run `row` (module doc)
 
 
 @dataclass(frozen=True)
@@ -98,17 +102,19 @@ class Fp8Launch:
         return f"{self.variant}-{self.block}-w{self.warps}"
 
 
-def fp8_launch(n: int, variant: str | None = None) -> Fp8Launch:
-    """The launch for rows of n columns from a spec `name[-block][-wWARPS]` (name in FP8_VARIANTS;
-    block: chunk / piece width, a power of two), else $U1SERVE_FP8_VARIANT, else auto: `pieces` (the
-    row in registers as <= 4 pieces of up to 4096 columns). Cached: it runs before every fp8 launch."""
+def fp8_launch(n: int, variant: str | None = None, rows: int | None = None) -> Fp8Launch:
+    """The launch for `rows` rows (None: many) of n columns from a spec `name[-block][-wWARPS]` (name in
+    FP8_VARIANTS; block: chunk / piece width, a power of two), else $U1SERVE_FP8_VARIANT, else auto: `row`
+    below AUTO_PIECES_MIN_ROWS rows of more than one piece, else `pieces` (the row in registers as <= 4
+    pieces of up to 4096 columns). Cached: it runs before every fp8 launch."""
     spec = (variant or os.environ.get(VARIANT_ENV, "") or "auto").strip().lower()
-    return _launch(n, spec, interpreting(), os.environ.get(ROUND_ENV, "hw").strip().lower())
+    few = rows is not None and rows < AUTO_PIECES_MIN_ROWS and n > PIECE
+    return _launch(n, spec, interpreting(), os.environ.get(ROUND_ENV, "hw").strip().lower(), few)
 
 
 @functools.lru_cache(maxsize=256)
-def _launch(n: int, spec: str, interpreted: bool, rounding: str) -> Fp8Launch:
-    name, *opts = ("pieces" if spec == "auto" else spec).split("-")
+def _launch(n: int, spec: str, interpreted: bool, rounding: str, few_rows: bool = False) -> Fp8Launch:
+    name, *opts = (("row" if few_rows else "pieces") if spec == "auto" else spec).split("-")
     block = warps = None
     for o in opts:
         if o.isdigit() and int(o) >= 16 and next_pow2(int(o)) == int(o):
@@ -284,7 +290,7 @@ def quant_fp8_rowwise(x: torch.Tensor, variant: str | None = None) -> tuple[torc
     ok = x.stride(1) == 1 and n <= 16384 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     if not use_triton(x, ok):
         return quant_fp8_rowwise_ref(x)
-    launch = fp8_launch(n, variant)
+    launch = fp8_launch(n, variant, x.shape[0])
     q, s = empty_fp8_rows(x.shape[0], n, x.device)
     if x.shape[0]:
         bind_fp8_helpers()

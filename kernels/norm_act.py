@@ -11,8 +11,8 @@ dtype as above, then quantised row-wise in the same kernel (kernels/fp8_quant.py
 so the activation is never written in bf16 and read back. Measured on the H200: silu*mul -> fp8 gives the
 bits of the plain kernel followed by `quant_fp8_rowwise`; RMSNorm -> fp8 gives the torch reference's bits
 (torch RMSNorm + quantiser), not those of the plain Triton RMSNorm + quantiser (the reduction above).
-silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`pieces` by default: the 12288-wide
-row as 3 x 4096 in registers); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
+silu*mul -> fp8 runs in every launch variant of kernels/fp8_quant.py (`auto` by default: from 2,048
+rows `pieces`, the 12288-wide row as 3 x 4096 in registers; below, `row`); RMSNorm -> fp8 keeps the plain kernel's one-row layout and warps (its sum
 of squares, whose order follows the layout, must stay the same bits), so only its arithmetic follows the
 variant (`legacy` divides).
 
@@ -276,7 +276,7 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, variant: str | None = Non
     if not use_triton(gate, ok):
         return silu_mul_fp8_ref(gate, up)
     m, n = gate.shape
-    launch = fp8_launch(n, variant)
+    launch = fp8_launch(n, variant, m)
     q, s = empty_fp8_rows(m, n, gate.device)
     if m:
         bind_fp8_helpers()

@@ -455,8 +455,9 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
-    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs)")
+    p.add_argument("--quantization", choices=["none", "fp8", "int8"], default="none",
+                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 "
+                        "(GPUs without fp8); none serves a converted checkpoint in its own format")
     p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="off",
                    help="generation: replay each job's denoise layer stack from a CUDA graph where the step "
                         "allows it (auto = on; off by default, see docs/deployment.md)")
@@ -619,7 +620,28 @@ def cmd_ray(args) -> int:
     return run(args)
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray]
+def add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write a quantised copy of a safetensors checkpoint (fp8, int8, GGUF) that "
+                                       "the server loads without requantising (docs/model.md, weight formats)")
+    p.add_argument("src", help="float safetensors checkpoint directory (official schema)")
+    p.add_argument("dst", help="output directory (new or empty)")
+    p.add_argument("--to", required=True, metavar="fp8|int8|gguf[:TYPE]",
+                   help="fp8 / int8: W8A8 safetensors with per-channel scales for both branches; "
+                        "gguf[:q8_0|q4_k] (default q8_0): GGUF, dequantised at load")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from services.model.convert import ConvertError, convert_checkpoint  # lazy: pulls in torch
+    try:
+        print(convert_checkpoint(args.src, args.dst, args.to))
+    except ConvertError as e:
+        print(f"u1serve convert: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = [add_up, add_demo, add_tiny, add_rl_train, add_ray, add_convert]
 
 
 def main(argv: list[str] | None = None) -> None:

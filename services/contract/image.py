@@ -75,16 +75,20 @@ class SamplerParams(Guidance):
 
 SAMPLER_FIELDS = tuple(SamplerParams.model_fields)
 
-CacheMode = Literal["off", "first_block"]
+CacheMode = Literal["off", "first_block", "teacache"]
 
 
 class CacheOptions(BaseModel):
-    """Step caching of the denoiser (services/model/step_cache.py): per CFG branch, layers 1.. are skipped and
-    their residual reused while the first block's output changes less than `threshold`; `cfg_truncation` ends
-    CFG early (only the cond branch runs while t > value). Threshold 0 reproduces the exact output."""
+    """Step caching of the denoiser (services/model/step_cache.py), per CFG branch: `first_block` skips layers
+    1.. and reuses their residual while the first block's output changes less than `threshold`; `teacache`
+    skips every layer while the calibrated change of the stack's input, accumulated since the last computed
+    step, stays below `threshold`. `cfg_truncation` ends CFG early (only the cond branch runs while
+    t > value). Threshold 0 reproduces the exact output."""
     model_config = INTERNAL
     mode: CacheMode = "off"
-    threshold: Float = Field(0.0, ge=0.0, le=10.0, description="relative L1 change of the first block's residual")
+    threshold: Float = Field(0.0, ge=0.0, le=10.0,
+                             description="first_block: relative L1 change of the first block's residual; "
+                                         "teacache: the accumulated, rescaled relative L1 change of the input")
     warmup_steps: Int = Field(1, ge=0, le=L.MAX_STEPS, description="steps always computed at the start")
     max_consecutive: Int = Field(0, ge=0, le=L.MAX_STEPS, description="reused steps in a row (0: no limit)")
     cfg_truncation: Optional[Float] = Field(None, ge=0.0, le=1.0, description="CFG only while t <= value")
@@ -95,7 +99,7 @@ class CacheOptions(BaseModel):
 
     @property
     def reuses(self) -> bool:
-        return self.mode == "first_block" and self.threshold > 0
+        return self.mode != "off" and self.threshold > 0
 
 
 def check_cache_for(mode: str, cfg_interval: tuple[float, float], cache: Optional[CacheOptions]) -> None:

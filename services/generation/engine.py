@@ -3,8 +3,8 @@
 One step = one `gen_forward` over the image tokens of every active (job, local branch, image) row,
 packed varlen; attention per job over its own KV buffer; then per job: head, velocity, (all-gather of
 velocities across CFG ranks), CFG combine and Euler step. Jobs join and leave between steps.
-With step caching on for some job (its `cache` options), the forward gets a FirstBlockCache whose
-groups are the (job, branch) row ranges: branches that reuse skip layers 1.. (model.gen_forward).
+With step caching on for some job (its `cache` options), the forward gets a StepCache whose
+groups are the (job, branch) row ranges: branches that reuse skip the stack (model.gen_forward).
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
 rows; attention sees whole segments for its heads (Ulysses) or its own query rows against every row's
 K/V (kv-gather), and the hidden rows are gathered before the head.
@@ -22,7 +22,7 @@ from kernels import kv_write_
 from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
 from services.model import sampler
-from services.model.step_cache import CacheGroup, FirstBlockCache
+from services.model.step_cache import CacheGroup, StepCache
 
 from . import previews, rollout
 from .attention import pick_denoise_attention
@@ -166,7 +166,7 @@ class Engine:
                              pos.view(3, -1, job.N)[:, :, lo:hi].reshape(3, -1))
             per = job.n * (hi - lo)
             groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
-                                  job.flow.index, key=(job, b)) for i, b in enumerate(act)]
+                                  job.flow.index, key=(job, b), tokens=job.N) for i, b in enumerate(act)]
             segments += [job.N] * (len(act) * job.n)
             plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
             r += per * len(act)
@@ -185,8 +185,8 @@ class Engine:
             else:
                 self.graphs.not_graphable()
                 if any(j.cache.mode != "off" for j in jobs):
-                    cache = FirstBlockCache(groups, self._attend_for_groups,
-                                            reduce=sp.sum_over_ranks if sp.world > 1 else None)
+                    cache = StepCache(groups, self._attend_for_groups,
+                                      reduce=sp.sum_over_ranks if sp.world > 1 else None)
                 hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
                                                 cache)
             if cache is None:

@@ -18,7 +18,8 @@ def add_perf_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mode", default="off", choices=list(CACHE_MODES),
                    help="step caching for requests without a 'cache' object")
     p.add_argument("--cache-threshold", type=float, default=0.0,
-                   help="first-block relative change below which a branch reuses its residual")
+                   help="first_block: relative change below which a branch reuses its residual; "
+                        "teacache: the accumulated rescaled input change below which it does")
     p.add_argument("--cache-warmup-steps", type=int, default=1, help="steps always computed first")
     p.add_argument("--cache-max-consecutive", type=int, default=0,
                    help="reused steps in a row before one is computed (0: no limit)")

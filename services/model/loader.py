@@ -16,10 +16,14 @@ from safetensors import safe_open
 from .config import NeoConfig, load_config
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
+from .moe import checkpoint_views, expert_view, stacked_slot
 from .parallel import TPContext, shard, shard_dim
+from .quant_checkpoint import SCHEME_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 checkpoints: per-output-channel fp32 scale of `X.weight`
+FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 / int8 checkpoints: per-output-channel fp32 scale of `X.weight`
+QUANT_DTYPES = (FP8_DTYPE, torch.int8)
+_QUANT_DTYPE_NAMES = {"F8_E4M3": FP8_DTYPE, "I8": torch.int8}   # safetensors' header names
 LORA_ENV = "U1SERVE_LORA"            # "path[:strength],path[:strength]" (what `u1serve up --lora` sets)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,7 +66,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
     cfg = cfg or load_config(model_dir)
     h = hashlib.sha256(cfg.fingerprint.encode())
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
+        if name.endswith((".safetensors", ".gguf")):
             h.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
     return h.hexdigest()[:16]
 
@@ -70,7 +74,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
 def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         full = NeoModel(cfg, "both")
-    return {k: p.shape for k, p in full.named_parameters()}
+    return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
 
 
 RANDOM_WEIGHTS_ENV = "U1SERVE_RANDOM_WEIGHTS"
@@ -86,33 +90,57 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
                random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
     """`lora`: one path (with `lora_strength`) or a list of (path, strength); each adapter is merged
     into the loaded branch if it names weights of it (None: the adapters in $U1SERVE_LORA).
-    `quantization="fp8"`: the dense Linear layers of the gen branch (or of the und branch when only
-    that one is loaded) run in fp8 (services/model/quant.py), after the LoRA merge."""
-    from .quant import QUANTIZATIONS, check_fp8_device, quantize_model
+    `quantization="fp8"` / `"int8"`: the dense Linear layers of the gen branch (or of the und branch when only
+    that one is loaded) run W8A8 (services/model/quant.py, quant_int8.py), after the LoRA merge. A checkpoint
+    converted to fp8 / int8 (`u1serve convert`, services/model/quant_checkpoint.py) is served in its format
+    with its own scales when `quantization` is None / "none" (or names the same scheme): nothing is
+    requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
+    (services/model/gguf_io.py)."""
+    from .quant import QUANTIZATIONS, quantize_model
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "fp8":
-        check_fp8_device(torch.device(device), dtype)
     quant_branches = ("und",) if branch == "und" else ("gen",)
     cfg = load_config(model_dir)
     if random_weights if random_weights is not None else random_weights_requested():
         from .tiny import build_random_model
+        _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
-        if quantization == "fp8":
-            quantize_model(model, quant_branches)
+        if quantization != "none":
+            quantize_model(model, quant_branches, scheme_name=quantization)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
+    from .gguf_io import find_gguf, read_gguf_state
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        _check_quant_device(quantization, device, dtype)
+        params = dict(model.named_parameters())
+        state = {}
+        for key, t in read_gguf_state(gguf_file, dict(checkpoint_views(params.items())), _expected_shapes(cfg),
+                                      tp, device, dtype).items():
+            _place(state, params, key, t, device, dtype)
+        return _finish_load(model, state, {}, quantization, quant_branches, lora, lora_strength, tp, model_dir, cfg)
     wm = weight_map(model_dir)
+    ckpt_scheme = _checkpoint_scheme(cfg, wm)
+    if quantization == "none" and ckpt_scheme is not None:
+        quantization = ckpt_scheme       # served as converted, with the checkpoint's scales
+        try:
+            _check_quant_device(quantization, device, dtype)
+        except RuntimeError as e:
+            raise type(e)(f"{model_dir} is a {ckpt_scheme} checkpoint (u1serve convert), which {device} cannot "
+                          f"serve: {e}. Serve the float checkpoint, or one converted with another --to.") from e
+    else:
+        _check_quant_device(quantization, device, dtype)
     full_shapes = _expected_shapes(cfg)
     unexpected = sorted(k for k in set(wm) - set(full_shapes) if not k.endswith(FP8_SCALE_SUFFIX))
     if unexpected:
         raise LoadError(f"unexpected tensor {unexpected[0]!r} in the checkpoint"
                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    needed = dict(model.named_parameters())
+    needed = dict(checkpoint_views(model.named_parameters()))   # checkpoint keys (experts: per expert)
+    params = dict(model.named_parameters())                     # meta: the layout to fill
     missing = sorted(k for k in needed if k not in wm)
     if missing:
         raise LoadError(f"missing tensor {missing[0]!r} in the checkpoint"
@@ -140,23 +168,73 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
             t = sl[tuple(index)]
         else:
             t = f.get_tensor(key)
-        if t.dtype == FP8_DTYPE:
+        slot = stacked_slot(key)
+        if t.dtype in QUANT_DTYPES:
             q, s = t, _fp8_scale(handles, wm, key, shape, dim, tp)
-            prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
+            # served in its own format: kept as is (experts are never quantised layers: model/quant.py)
+            if slot is None and t.dtype == SCHEME_DTYPES.get(quantization):
+                prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
+        _place(state, params, key, t, device, dtype)
+    return _finish_load(model, state, prequantized, quantization, quant_branches, lora, lora_strength, tp,
+                        model_dir, cfg)
+
+
+def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) -> None:
+    """Put checkpoint tensor `key` into `state`: as itself, or an expert's weight straight into its stacked
+    tensor (model/moe.py), so the experts never exist twice."""
+    slot = stacked_slot(key)
+    if slot is None:
         state[key] = t.to(device=device, dtype=dtype)
+        return
+    name, e, proj = slot
+    if name not in state:
+        state[name] = torch.empty(params[name].shape, dtype=dtype, device=device)
+    expert_view(state[name], e, proj).copy_(t)
+
+
+def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization: str, quant_branches, lora,
+                 lora_strength: float, tp, model_dir: str, cfg: NeoConfig) -> NeoModel:
+    """Assign the weights, merge the LoRAs, quantise (from `prequantized` where the checkpoint had them)."""
+    from .quant import quantize_model
     model.load_state_dict(state, strict=True, assign=True)
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
-        if lora_branches(path) & set(BRANCHES[branch]):
+        if lora_branches(path) & set(BRANCHES[model.branch]):
             merge_lora(model, path, strength=strength, tp=tp)
-    if quantization == "fp8":
+    if quantization != "none":
         # merged adapters changed the weights: quantise those from the merged values
-        quantize_model(model, quant_branches, {} if loras else prequantized)
+        quantize_model(model, quant_branches, {} if loras else prequantized, scheme_name=quantization)
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _check_quant_device(quantization: str, device, dtype: torch.dtype) -> None:
+    """Fail before loading where the scheme cannot run on `device`."""
+    if quantization == "fp8":
+        from .quant import check_fp8_device
+        check_fp8_device(torch.device(device), dtype)
+    elif quantization == "int8":
+        from .quant_int8 import check_int8_device
+        check_int8_device(torch.device(device))
+
+
+def _checkpoint_scheme(cfg: NeoConfig, wm: dict[str, str]) -> str | None:
+    """fp8 / int8 for a converted checkpoint (its config and tensor dtypes agree), None for a plain one."""
+    from .quant_checkpoint import QuantConfigError, check_tensors
+    quantized, handles = {}, {}
+    for key, path in wm.items():
+        if key.endswith(".weight"):
+            f = handles.get(path) or handles.setdefault(path, _open(path))
+            dt = _QUANT_DTYPE_NAMES.get(f.get_slice(key).get_dtype())
+            if dt is not None:
+                quantized[key] = dt
+    try:
+        return check_tensors(cfg.raw, quantized, [k for k in wm if k.endswith(".weight")])
+    except QuantConfigError as e:
+        raise LoadError(str(e)) from None
 
 
 def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
@@ -168,7 +246,7 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
     merged = 0
-    params = dict(model.named_parameters())
+    params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
     for name, delta in lora_deltas(path, params, strength, tp):
         param = params[name]
         param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))

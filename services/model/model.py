@@ -152,24 +152,13 @@ class NeoModel(nn.Module):
     def gen_forward(self, x: torch.Tensor, rope: Rope, attend: Attend, cache=None) -> torch.Tensor:
         """Gen-branch forward -> hidden after `norm_mot_gen`.
 
-        `cache` (step_cache.FirstBlockCache): layer 0 runs on every row, the cache decides per CFG
-        branch from the change of layer 0's residual whether the rest of the stack is needed; rows of
-        branches that reuse take their last computed residual, layers 1.. run on the other rows only.
+        `cache` (step_cache.StepCache): per CFG branch, a first-block or TeaCache decision whether the
+        stack (after layer 0 for first-block) runs on the branch's rows or its last computed residual is
+        reused; the layers run on the computing rows only (StepCache.forward).
         """
         if cache is None:
             return self.gen_layers(x, rope, attend, final_norm=True)
-        h1 = self.gen_layers(x, rope, attend, stop=1)
-        rows = cache.decide(h1 - x)
-        if rows is None:   # every branch computes: the bits of the forward without the cache
-            h = self.gen_layers(h1, rope, attend, start=1)
-        else:
-            rest = None
-            if any(g.compute for g in cache.groups):   # not rows.numel(): an SP rank may hold none
-                rest = self.gen_layers(h1.index_select(0, rows), self.rope(rope.positions[:, rows]),
-                                       cache.attend_subset(), start=1)
-            h = cache.fill(h1, rest)
-        cache.store(h1, h)
-        return self.gen_norm(h)
+        return self.gen_norm(cache.forward(self, x, rope, attend))
 
     def gen_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.norm_mot_gen(h)

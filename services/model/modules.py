@@ -1,6 +1,7 @@
 """Building blocks of NEO-unify: norms, 3-D RoPE, vision embedder, time embedders, MLP/MoE, heads.
 
-Module and parameter names follow the official checkpoint keys exactly, so a state dict loads 1:1.
+Module and parameter names follow the official checkpoint keys exactly, so a state dict loads 1:1 — except the
+A3B experts, stacked per MoE block (moe.py: each per-expert key is a view of its rows, `checkpoint_views`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import kernels
 
+from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
 
 
@@ -85,30 +87,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
-
-
-class SparseMoE(nn.Module):
-    """Qwen3-MoE block: fp32 softmax router, top-k, renormalise, weighted sum of SwiGLU experts."""
-
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk_prob: bool):
-        super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList([SwiGLU(hidden, inter) for _ in range(num_experts)])
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-
-    def forward(self, x):
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
-        return out
 
 
 # ----------------------------------------------------------------------------- attention + layer

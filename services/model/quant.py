@@ -21,13 +21,21 @@ tested on CPU.
                                the down GEMM
 Layers whose dims are not multiples of 16 (`_scaled_mm`'s rule) stay in the model dtype.
 
+Each distinct activation is quantised once, by its producer where we own the kernel (RMSNorm, add + RMSNorm,
+silu*mul: the fp8 row and its per-token scale written in the kernel that computes the activation, handed to
+the GEMMs as an `Fp8Activation`), by the one standalone quantiser pass otherwise (o_proj: cuDNN attention
+writes its input). `GemmPolicy.fused` False (U1SERVE_FP8_FUSED=0; for comparing) runs the producers in the
+model dtype and quantises in the GEMM layers instead (still once per input: q and k|v share it), the same
+values to the fp8 rounding rule (kernels/norm_act.py says which producers are bit-exact).
+
 `GemmPolicy` decides per GEMM from its row count M alone (a pure function of the shape, so the same
 batch shape always gets the same numerics): below `min_tokens` rows the layer runs the model-dtype
 weights it kept (fp8 loses there: quantiser passes and `_scaled_mm` launch costs are not repaid by the
 faster GEMM; measured 1024² single-branch, 1,024 rows: fp8 0.042 s/step vs bf16 0.035 s), at or above
 `fast_accum_min_tokens` rows `_scaled_mm` uses fast accumulation (faster at 4,096 rows, much slower at
 1,024 on H200, run 1). Keeping the model-dtype weights costs their memory (2x the fp8 weights); with
-`min_tokens` 0 they are dropped. Env: U1SERVE_FP8_MIN_TOKENS, U1SERVE_FP8_FAST_ACCUM (0 | 1 | auto).
+`min_tokens` 0 they are dropped. Env: U1SERVE_FP8_MIN_TOKENS, U1SERVE_FP8_FAST_ACCUM (0 | 1 | auto),
+U1SERVE_FP8_FUSED (1 | 0).
 
 What stays in bf16: attention itself (softmax(QK^T)V), RoPE, the gen embedder convs, the time
 embedders, the output head (fm_head: it writes the pixels), and MoE experts and routers (A3B: only the
@@ -47,10 +55,11 @@ from kernels.norm_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul, silu_mul_
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "int8")   # int8: services/model/quant_int8.py
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
 MIN_TOKENS_ENV = "U1SERVE_FP8_MIN_TOKENS"
 FAST_ACCUM_ENV = "U1SERVE_FP8_FAST_ACCUM"
+FUSED_ENV = "U1SERVE_FP8_FUSED"
 CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
 CUDA_FAST_ACCUM_MIN_TOKENS = 4096
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -64,9 +73,16 @@ class Fp8Unsupported(RuntimeError):
 @dataclass(frozen=True)
 class GemmPolicy:
     """Which GEMM a quantised layer runs for M rows: model dtype below `min_tokens`, else fp8, with
-    `_scaled_mm`'s fast accumulation from `fast_accum_min_tokens` rows (None: never)."""
+    `_scaled_mm`'s fast accumulation from `fast_accum_min_tokens` rows (None: never). `fused`: the
+    activation producers (RMSNorm, silu*mul) write the fp8 activation themselves (else the GEMM layers
+    quantise their input: the comparison of U1SERVE_FP8_FUSED=0)."""
     min_tokens: int = 0
     fast_accum_min_tokens: int | None = None
+    fused: bool = True
+
+    def fused_producer(self, rows: int) -> bool:
+        """Whether a producer of `rows` rows quantises what it computes."""
+        return self.fused and self.fp8(rows)
 
     def fp8(self, rows: int) -> bool:
         return rows >= self.min_tokens
@@ -84,7 +100,10 @@ class GemmPolicy:
         if fast not in ("0", "1", "auto"):
             raise ValueError(f"{FAST_ACCUM_ENV} must be 0, 1 or auto, got {fast!r}")
         fast_min = {"0": None, "1": 0, "auto": CUDA_FAST_ACCUM_MIN_TOKENS if cuda else None}[fast]
-        return cls(max(0, min_tokens), fast_min)
+        fused = os.environ.get(FUSED_ENV, "1").strip() or "1"
+        if fused not in ("0", "1"):
+            raise ValueError(f"{FUSED_ENV} must be 0 or 1, got {fused!r}")
+        return cls(max(0, min_tokens), fast_min, fused == "1")
 
 
 class Fp8Activation:
@@ -101,15 +120,15 @@ class Fp8Activation:
         return torch.Size(self.lead + (self.q.shape[1],))
 
 
-def quantize_input(x, policy: GemmPolicy):
-    """x for the fp8 GEMMs of one input: an Fp8Activation (quantised here unless its producer did),
-    or x itself when its row count runs in the model dtype."""
+def quantize_input(x, policy: GemmPolicy, quantize_rows=quant_fp8_rowwise):
+    """x for the quantised GEMMs of one input: an Fp8Activation (quantised here by `quantize_rows` unless
+    its producer did), or x itself when its row count runs in the model dtype."""
     if isinstance(x, Fp8Activation):
         return x
     x2 = x.reshape(-1, x.shape[-1])
     if not policy.fp8(x2.shape[0]):
         return x
-    return Fp8Activation(*quant_fp8_rowwise(x2), x.dtype, x.shape[:-1])
+    return Fp8Activation(*quantize_rows(x2), x.dtype, x.shape[:-1])
 
 
 def scaled_mm_emulated(q_x, q_w, scale_x, scale_w, out_dtype) -> torch.Tensor:
@@ -138,14 +157,18 @@ class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in e4m3 and one fp32 scale per output channel. With `splits` the weight
     holds several Linear layers' rows (one GEMM for all of them) and the result is their outputs.
     `weight_hp` (model dtype, kept when the policy has a `min_tokens`) serves the row counts that run
-    unquantised: one GEMM per part there, exactly the unquantised layers' computation."""
+    unquantised: one GEMM per part there, exactly the unquantised layers' computation.
+    Subclasses for another 8-bit scheme (quant_int8.Int8Linear) override WEIGHT_DTYPE, `quantize_rows`
+    and `gemm`."""
+    WEIGHT_DTYPE = FP8_DTYPE
+    quantize_rows = staticmethod(quant_fp8_rowwise)   # x [M, K] -> (q, scale [M, 1])
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  policy: GemmPolicy = GemmPolicy(), weight_hp: torch.Tensor | None = None,
                  splits: tuple[int, ...] | None = None):
         super().__init__()
-        if weight_q.dtype != FP8_DTYPE:
-            raise ValueError(f"weight must be {FP8_DTYPE}, got {weight_q.dtype}")
+        if weight_q.dtype != self.WEIGHT_DTYPE:
+            raise ValueError(f"weight must be {self.WEIGHT_DTYPE}, got {weight_q.dtype}")
         if policy.min_tokens > 0 and weight_hp is None:
             raise ValueError("a policy with min_tokens > 0 needs the model-dtype weights (weight_hp)")
         self.out_features, self.in_features = weight_q.shape
@@ -165,7 +188,7 @@ class Fp8Linear(nn.Module):
         (q, scale) from an fp8 checkpoint, or None to quantise its weight here."""
         qs, ss = [], []
         for lin, pre in zip(linears, quantized or [None] * len(linears)):
-            q, s = pre if pre is not None else quant_fp8_rowwise(lin.weight.detach())
+            q, s = pre if pre is not None else cls.quantize_rows(lin.weight.detach())
             qs.append(q.to(lin.weight.device))
             ss.append(s.reshape(-1).to(lin.weight.device))
         biases = [lin.bias for lin in linears]
@@ -185,15 +208,22 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x):
         """x: a tensor [..., K] or an Fp8Activation. Returns [..., N] (or one tensor per split)."""
-        x = quantize_input(x, self.policy)
+        x = self.quantize_input(x)
         if not isinstance(x, Fp8Activation):
             return self._forward_unquantized(x)
-        rows = x.q.shape[0]
-        y = scaled_mm(x.q, self.weight, x.scale, self.weight_scale, x.dtype, self.policy.fast_accum(rows))
+        y = self.gemm(x)
         if self.bias is not None:
             y = y + self.bias
         y = y.view(*x.lead, self.out_features)
         return y.split(self.splits, dim=-1) if self.splits else y
+
+    def quantize_input(self, x):
+        return quantize_input(x, self.policy, self.quantize_rows)
+
+    def gemm(self, x: Fp8Activation) -> torch.Tensor:
+        """[rows, out_features] in x.dtype, before the bias."""
+        fast = self.policy.fast_accum(x.q.shape[0])
+        return scaled_mm(x.q, self.weight, x.scale, self.weight_scale, x.dtype, fast)
 
     def _forward_unquantized(self, x: torch.Tensor):
         if not self.splits:
@@ -216,7 +246,7 @@ class Fp8QKV(nn.Module):
         self.q_proj, self.kv_proj = q_proj, kv_proj
 
     def forward(self, x):
-        x = quantize_input(x, self.q_proj.policy)
+        x = self.q_proj.quantize_input(x)
         k, v = self.kv_proj(x)
         return self.q_proj(x), k, v
 
@@ -233,9 +263,13 @@ class Fp8SwiGLU(nn.Module):
         gate, up = self.gate_up_proj(x)
         lead, n = gate.shape[:-1], gate.shape[-1]
         g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
-        if self.down_proj.policy.fp8(g2.shape[0]):
-            return self.down_proj(Fp8Activation(*silu_mul_fp8(g2, u2), gate.dtype, lead))
+        if self.down_proj.policy.fused_producer(g2.shape[0]):
+            return self.down_proj(Fp8Activation(*self.silu_mul_quantized(g2, u2), gate.dtype, lead))
         return self.down_proj(silu_mul(gate, up))
+
+    def silu_mul_quantized(self, gate: torch.Tensor, up: torch.Tensor):
+        """(q, scale) of silu(gate) * up in the down GEMM's format."""
+        return silu_mul_fp8(gate, up)
 
 
 class Fp8RMSNorm(RMSNorm):
@@ -260,7 +294,7 @@ class Fp8RMSNorm(RMSNorm):
         return s, Fp8Activation(q, scale, x.dtype, x.shape[:-1])
 
     def _fp8(self, x: torch.Tensor) -> bool:
-        return self.policy.fp8(x.numel() // max(x.shape[-1], 1))
+        return self.policy.fused_producer(x.numel() // max(x.shape[-1], 1))
 
 
 def require_fp8(capability: tuple[int, int], name: str) -> None:
@@ -319,13 +353,33 @@ def fp8_eligible(lin) -> bool:
     return isinstance(lin, nn.Linear) and lin.in_features % 16 == 0 and lin.out_features % 16 == 0
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """The layer classes of one 8-bit scheme; `norm` None: the norms stay (the GEMMs quantise their input)."""
+    linear: type
+    qkv: type
+    swiglu: type
+    norm: type | None
+    policy: object        # device -> GemmPolicy
+
+
+def scheme(name: str) -> Scheme:
+    if name == "fp8":
+        return Scheme(Fp8Linear, Fp8QKV, Fp8SwiGLU, Fp8RMSNorm, GemmPolicy.for_device)
+    if name == "int8":
+        from .quant_int8 import INT8_SCHEME
+        return INT8_SCHEME
+    raise ValueError(f"no 8-bit scheme {name!r} (fp8, int8)")
+
+
 def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
-                   policy: GemmPolicy | None = None) -> int:
-    """Swap the branch's dense Linear layers (and the norms / activation feeding them) for their fp8
-    versions in place (module doc). `prequantized`: {param name without '.weight': (q, scale)} from an
-    fp8 checkpoint (used as is). `policy`: GemmPolicy.for_device(the model's device) by default.
-    Returns the Linear layers now running in fp8."""
-    policy = policy or GemmPolicy.for_device(model.device)
+                   policy: GemmPolicy | None = None, scheme_name: str = "fp8") -> int:
+    """Swap the branch's dense Linear layers (and the norms / activation feeding them) for their 8-bit
+    versions (`scheme_name`: fp8, int8) in place (module doc). `prequantized`: {param name without '.weight':
+    (q, scale)} from a quantised checkpoint of that scheme (used as is). `policy`: the scheme's default for
+    the model's device. Returns the Linear layers now running quantised."""
+    sch = scheme(scheme_name)
+    policy = policy or sch.policy(model.device)
     pre = prequantized or {}
     n = 0
     for i, layer in enumerate(model.language_model.model.layers):
@@ -336,75 +390,34 @@ def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
             qkv = [x + sfx for x in ("q_proj", "k_proj", "v_proj")]
             if hasattr(attn, qkv[0]) and all(fp8_eligible(getattr(attn, x)) for x in qkv):
                 attn_pre = prefix + "self_attn."
-                setattr(attn, "qkv_proj" + sfx, Fp8QKV(_fp8_layer(attn, qkv[:1], attn_pre, pre, policy),
-                                                       _fp8_layer(attn, qkv[1:], attn_pre, pre, policy)))
+                setattr(attn, "qkv_proj" + sfx, sch.qkv(_fp8_layer(sch, attn, qkv[:1], attn_pre, pre, policy),
+                                                        _fp8_layer(sch, attn, qkv[1:], attn_pre, pre, policy)))
                 for x in qkv:
                     delattr(attn, x)
-                _quantize_norm(layer, "input_layernorm" + sfx, policy)
+                _quantize_norm(sch, layer, "input_layernorm" + sfx, policy)
                 n += 3
             o = "o_proj" + sfx
             if hasattr(attn, o) and fp8_eligible(getattr(attn, o)):
-                setattr(attn, o, _fp8_layer(attn, [o], prefix + "self_attn.", pre, policy))
+                setattr(attn, o, _fp8_layer(sch, attn, [o], prefix + "self_attn.", pre, policy))
                 n += 1
             if isinstance(mlp, SwiGLU) and all(fp8_eligible(getattr(mlp, x)) for x in _MLP):
                 mlp_pre = f"{prefix}mlp{sfx}."
-                gate_up = _fp8_layer(mlp, ["gate_proj", "up_proj"], mlp_pre, pre, policy)
-                setattr(layer, "mlp" + sfx, Fp8SwiGLU(gate_up, _fp8_layer(mlp, ["down_proj"], mlp_pre, pre, policy)))
-                _quantize_norm(layer, "post_attention_layernorm" + sfx, policy)
+                gate_up = _fp8_layer(sch, mlp, ["gate_proj", "up_proj"], mlp_pre, pre, policy)
+                down = _fp8_layer(sch, mlp, ["down_proj"], mlp_pre, pre, policy)
+                setattr(layer, "mlp" + sfx, sch.swiglu(gate_up, down))
+                _quantize_norm(sch, layer, "post_attention_layernorm" + sfx, policy)
                 n += 3
     return n
 
 
-def _fp8_layer(owner, names: list[str], prefix: str, prequantized: dict, policy: GemmPolicy) -> Fp8Linear:
-    """One Fp8Linear from the Linear layers `names` of `owner` (checkpoint names `prefix + name`)."""
-    return Fp8Linear.from_linears([getattr(owner, x) for x in names],
-                                  [prequantized.get(prefix + x) for x in names], policy)
+def _fp8_layer(sch: Scheme, owner, names: list[str], prefix: str, prequantized: dict,
+               policy: GemmPolicy) -> Fp8Linear:
+    """One quantised layer from the Linear layers `names` of `owner` (checkpoint names `prefix + name`)."""
+    return sch.linear.from_linears([getattr(owner, x) for x in names],
+                                   [prequantized.get(prefix + x) for x in names], policy)
 
 
-def _quantize_norm(layer, name: str, policy: GemmPolicy) -> None:
+def _quantize_norm(sch: Scheme, layer, name: str, policy: GemmPolicy) -> None:
     norm = getattr(layer, name)
-    if type(norm) is RMSNorm:
-        setattr(layer, name, Fp8RMSNorm(norm, policy))
-
-
-def write_fp8_checkpoint(src_dir: str, out_dir: str, branches=("gen",)) -> str:
-    """A copy of a checkpoint whose branch's dense Linear weights are stored as e4m3 with their
-    per-output-channel fp32 scales (`X.weight` + `X.weight_scale`): what `load_model` reads as an
-    fp8 checkpoint (half the bytes of the gen branch on disk and at load)."""
-    import json
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from .config import load_config
-    from .loader import FP8_SCALE_SUFFIX, INDEX_FILE, weight_map
-    from .model import NeoModel
-    with torch.device("meta"):
-        meta = NeoModel(load_config(src_dir), "both")
-    targets = {name + ".weight" for owner, attr, name in target_linears(meta, branches)
-               if fp8_eligible(getattr(owner, attr))}
-    os.makedirs(out_dir, exist_ok=True)
-    wm = weight_map(src_dir)
-    new_map = {}
-    for path in sorted(set(wm.values())):
-        out = {}
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                t = f.get_tensor(key)
-                if key in targets:
-                    q, scale = quant_fp8_rowwise(t.float())
-                    out[key], out[key[: -len(".weight")] + FP8_SCALE_SUFFIX] = q, scale.reshape(-1)
-                else:
-                    out[key] = t
-        name = os.path.basename(path)
-        save_file(out, os.path.join(out_dir, name), metadata={"format": "pt"})
-        new_map.update({k: name for k in out})
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {}, "weight_map": new_map}, f, indent=2)
-    for name in os.listdir(src_dir):
-        if not name.endswith(".safetensors") and name != INDEX_FILE:
-            src = os.path.join(src_dir, name)
-            if os.path.isfile(src):
-                shutil.copy(src, os.path.join(out_dir, name))
-    return out_dir
+    if sch.norm is not None and type(norm) is RMSNorm:
+        setattr(layer, name, sch.norm(norm, policy))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache, truncated_interval
+from .step_cache import BranchState, CacheGroup, CacheOptions, StepCache, truncated_interval
 
 if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
     from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
@@ -188,7 +188,7 @@ def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, i
 
 
 def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: torch.Tensor, z: torch.Tensor,
-                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: FirstBlockCache | None = None) -> torch.Tensor:
+                 t: torch.Tensor, th: int, tw: int, t_eps: float, cache: StepCache | None = None) -> torch.Tensor:
     """One gen-branch forward for B images against one prefix: x_in [B, N, H] -> v [B, N, 3072]."""
     B, N, _ = x_in.shape
     positions = image_token_positions(th, tw, t_offset, device=model.device).repeat(1, B)
@@ -212,12 +212,15 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 @torch.no_grad()
 def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
             seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
-            branch_steps: dict | None = None, noise_draw: int = 0, on_estimate=None) -> torch.Tensor:
+            branch_steps: dict | None = None, noise_draw: int = 0, on_estimate=None,
+            observe=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
 
     `cache`: step caching (services/model/step_cache.py), per branch; `branch_steps`, if given, is
     filled with {branch: (computed, reused)} steps; `noise_draw`: which draw of the seeded generator the
-    noise is (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image z + (1 - t) v."""
+    noise is (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image z + (1 - t) v;
+    `observe(branch)`: the step-cache object of that branch's forward in place of `cache`'s (StepCache's
+    `forward` interface; bench/calibrate_teacache.py records the stack's input and residual with it)."""
     cache = cache or CacheOptions()
     params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
     if width % S.BLOCK or height % S.BLOCK:
@@ -236,9 +239,10 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
         active = needed if S.uses_cfg(params, float(t)) else ["cond"]
         v = {}
         for b in active:
-            fb = FirstBlockCache([CacheGroup(0, n * th * tw, states[b], cache, i)])
+            sc = StepCache([CacheGroup(0, n * th * tw, states[b], cache, i, tokens=th * tw)]) \
+                if cache.mode != "off" else None
             v[b] = gen_velocity(model, kvs[b], prefixes[b].t_offset, x_in, z, t, th, tw, params.t_eps,
-                                fb if cache.mode != "off" else None)
+                                observe(b) if observe is not None else sc)
             if cache.mode == "off":
                 states[b].computed += 1
         v = S.combine(v, params, i, float(t))

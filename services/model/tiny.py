@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from .config import parse_config
 from .model import NeoModel
+from .moe import checkpoint_views
 from .tokenizer import byte_unicode as _byte_unicode
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<IMG_CONTEXT>",
@@ -125,7 +126,7 @@ def write_tokenizer(out_dir: str) -> None:
 def random_init_(model: NeoModel, seed: int = 0, std: float = 0.02) -> NeoModel:
     """Deterministic random weights: normal(std) for matrices, ~1 for norm weights, small biases."""
     g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
+    for name, p in checkpoint_views(model.named_parameters()):   # the official key order (experts one by one)
         if p.dim() == 1 and "norm" in name:
             vals = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
         elif p.dim() == 1:
@@ -142,7 +143,7 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
     cfg = parse_config(config)
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)   # dtype on meta: no fp32 copy (A3B und is 61 GB in bf16)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():  # fast on-device init; values are irrelevant for timing
@@ -160,7 +161,7 @@ def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_
     config = tiny_config(variant)
     cfg = parse_config(config)
     model = random_init_(NeoModel(cfg, "both"), seed)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in checkpoint_views(model.named_parameters())}
     keys = sorted(state)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}

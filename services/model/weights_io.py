@@ -5,6 +5,7 @@ The model's parameter names are the checkpoint keys (modules.py), except where s
 - fp8 (model/quant.py): q|k|v of a layer live in `qkv_proj{sfx}` (a q GEMM and one k|v GEMM), gate|up in
   `mlp{sfx}.gate_up_proj`, as e4m3 rows with one fp32 scale per row (and the model-dtype rows when kept);
   a key maps to a row range of such a layer, and an update requantises only those rows (row-wise scales);
+- A3B experts (model/moe.py): stacked per MoE block; a per-expert key is a view of its rows there;
 - tensor parallel (understanding): each rank holds its shard of the column / row-parallel weights
   (parallel.shard_dim) and reads only that shard, as the loader does.
 
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 
 from .loader import FP8_DTYPE, FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, lora_deltas, weight_map
 from .model import NeoModel
+from .moe import checkpoint_views
 from .parallel import shard, shard_dim
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -52,7 +54,7 @@ def checkpoint_shapes(model: NeoModel) -> dict[str, torch.Size]:
     if shapes is None:
         with torch.device("meta"):
             full = NeoModel(model.cfg, "both")
-        shapes = {k: p.shape for k, p in full.named_parameters()}
+        shapes = {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
         model._checkpoint_shapes = shapes
     return shapes
 
@@ -96,7 +98,7 @@ def _fp8_keys(path: str, splits) -> list[str]:
 def targets(model: NeoModel) -> dict[str, _Target]:
     """Checkpoint key -> where its values live in `model` (this rank's shard)."""
     from .quant import Fp8Linear
-    out = {name: _Target(param=p) for name, p in model.named_parameters()}
+    out = {name: _Target(param=p) for name, p in checkpoint_views(model.named_parameters())}
     for path, mod in model.named_modules():
         if not isinstance(mod, Fp8Linear):
             continue
@@ -319,7 +321,6 @@ def _open_get(handles: dict, path: str, key: str) -> torch.Tensor:
 
 
 def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: list[str]) -> StagedUpdate:
-    from kernels.fp8_quant import quant_fp8_rowwise
     staged = StagedUpdate(skipped=sorted(skipped))
     for key in sorted(values):
         t, v = where[key], values[key]
@@ -329,7 +330,7 @@ def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: 
         if t.param is not None:
             staged.params.append((t.param, v))
         else:                       # as quant.Fp8Linear.from_linears quantises at load: rows of the model dtype
-            q, s = quant_fp8_rowwise(v.to(t.fp8.weight.device))
+            q, s = t.fp8.quantize_rows(v.to(t.fp8.weight.device))   # its scheme's: fp8 or int8
             hp = v if t.fp8.weight_hp is not None else None
             staged.fp8.append((t.fp8, t.r0, t.r1, q, s, hp))
         staged.keys.append(key)

@@ -44,6 +44,7 @@ class EngineConfig:
     max_queue_wait_s: float = 0.0     # a request waiting longer for admission fails (0 = no limit)
     yield_signal: str = ""            # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
     log_level: str = "WARNING"
+    quantization: str = "none"        # none | fp8 | int8 (services/model/quant.py)
     in_addr: str = ""       # HTTP -> engine (PULL here)
     out_addr: str = ""      # engine -> HTTP (PUSH here)
 
@@ -99,7 +100,8 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = _dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp)
+        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
+                                quantization=cfg.quantization)
         self.weights = EngineWeights(self.model, tp)
         tok = NeoTokenizer.from_dir(cfg.model_dir)
         cfg.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)

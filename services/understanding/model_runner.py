@@ -40,7 +40,7 @@ class ModelRunner:
         self.graphs = None
         if warmup if warmup is not None else self.device.type == "cuda":
             self.warmup()
-        if cuda_graph_max_bs > 0 and self.device.type == "cuda" and not model.cfg.llm.is_moe:
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":   # A3B too: its MoE has no host sync
             from .cuda_graphs import DecodeGraphs
             try:
                 self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))

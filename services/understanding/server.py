@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda (the current CUDA device) or cuda:N")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel engine processes")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
+                   help="W8A8 for the und branch's dense Linear layers (services/model/quant.py); none serves a "
+                        "converted checkpoint (u1serve convert) in its own format")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool to create for image prefixes")
     p.add_argument("--yield-signal", default="", help="colocate QoS: shm page to raise while a decode step "
                    "runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")

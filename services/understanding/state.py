@@ -76,7 +76,8 @@ class AppState:
                             max_model_len=a.max_model_len, chunked_prefill_size=a.chunked_prefill_size,
                             enable_prefix_cache=not a.no_prefix_cache, kv_pool_name=a.kv_pool_name,
                             cuda_graph_max_bs=a.cuda_graph_max_bs, max_queue_wait_s=a.max_queue_wait_s,
-                            log_level=a.log_level, yield_signal=a.yield_signal)
+                            log_level=a.log_level, yield_signal=a.yield_signal,
+                            quantization=a.quantization)
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
         self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)

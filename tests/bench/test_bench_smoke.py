@@ -15,7 +15,8 @@ SMOKE = {
     # the speed-option parts (bench/genperf_parts.py, what bench/gpu_genperf.sh runs on the GPU)
     **{f"generation-{part}": ["bench/bench_generation.py", "--part", part, "--device", "cpu", "--tiny", "--size", "128",
                               "--steps", "1", "--warmup", "1"] for part in ("fp8", "fp8-profile", "warmstart", "preset",
-                                                                               "graphs", "addnorm")},
+                                                                               "graphs", "addnorm", "fp8-fused",
+                                                                               "formats")},
     "handoff": ["bench/bench_handoff.py", "--device", "cpu", "--layers", "2", "--tokens", "17,100", "--iters", "3"],
     "understanding": ["bench/bench_understanding.py", "--tiny", "--device", "cpu", "--dtype", "float32",
                       "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",
@@ -63,3 +64,24 @@ def test_bench_rl_smoke_produces_every_figure(tmp_path):
     assert (shared["prefixes"], separate["prefixes"]) == (2, 4)
     assert r["weights"]["api_s"] > 0 and r["weights"]["tensors"] > 0
     assert "| 32² | 2 | 4 |" in (out / "bench_rl.md").read_text()
+
+
+def test_calibrate_teacache_smoke_writes_every_bucket(tmp_path):
+    """bench/calibrate_teacache.py on the tiny checkpoint: one fitted bucket per size, which the step cache reads."""
+    import json
+    import math
+
+    from services.model.step_cache import rescaled_change
+    out = tmp_path / "tea.json"
+    argv = ["bench/calibrate_teacache.py", "--smoke", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    assert [b["max_tokens"] for b in data["buckets"]] == [1, 4] and data["random_weights"]
+    for b in data["buckets"]:
+        assert b["points"] == 8 and len(b["coefficients"]) == 5      # 2 branches x 4 step pairs, degree 4
+        assert all(math.isfinite(c) for c in b["coefficients"]) and b["fit_rel_rms_err"] < 1.0
+        lo, hi = b["input_change"]
+        assert 0 < lo <= hi and rescaled_change((lo + hi) / 2, b["max_tokens"], str(out)) >= 0.0
+    assert "| 64² | 4 | 8 |" in proc.stdout

@@ -199,7 +199,8 @@ def test_a_rank_whose_graph_capture_fails_stays_in_step_with_the_others(tiny_dir
 
 def test_kv_gather_sp3_takes_any_sp(tiny_dir, ref_model):
     """3 ranks on the tiny model's 4 q / 2 KV heads: Ulysses refuses, kv-gather splits rows 12/12/11 of a
-    35-token image and 1/1/1 of a 3-token one, packed in one forward with step caching on."""
+    35-token image and 1/1/1 of a 3-token one, packed in one forward with step caching on (first-block and
+    TeaCache: the ranks sum the statistic and take SP1's decisions)."""
     from services.generation.engine import Engine
     from services.generation.sequence_parallel import SeqParallel
     from services.generation.cfg_parallel import CfgComm
@@ -207,12 +208,15 @@ def test_kv_gather_sp3_takes_any_sp(tiny_dir, ref_model):
         Engine(ref_model[0], None, CfgComm(0, 3, sp=SeqParallel(0, 3, mode="ulysses")))
     cfg = prefixes(ref_model, guidance_scale=4.0)
     batches = [[job("odd3", cfg, width=224, height=160),
-                job("strip", cfg, width=96, height=32, cache={"mode": "first_block", "threshold": 0.5})]]
+                job("strip", cfg, width=96, height=32, cache={"mode": "first_block", "threshold": 0.5}),
+                job("tea", cfg, width=64, height=64, num_inference_steps=5,
+                    cache={"mode": "teacache", "threshold": 0.1})]]
     sp1 = run_local(tiny_dir, batches)
     sp3 = assert_ranks_agree(run_ranks(tiny_dir, batches, world=3, sp=3, mode="kv-gather"))
     for rid, (x, steps) in sp1.items():
         torch.testing.assert_close(sp3[rid][0], x, **TOL, msg=rid)
         assert sp3[rid][1] == steps, rid
+    assert sum(s["reused"] for s in sp1["tea"][1].values()) > 0      # TeaCache did reuse
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -144,7 +144,7 @@ def test_cache_options_validation():
     assert parse_job(base, cache_defaults=defaults).cache.threshold == 0.2
     assert parse_job({**base, "cache": {"mode": "off"}},
                      cache_defaults=defaults).cache.model_dump() == {**defaults.model_dump(), "mode": "off"}
-    for bad in [{"mode": "teacache"}, {"threshold": -1}, {"threshold": "x"}, {"warmup_steps": 1.5},
+    for bad in [{"mode": "tea"}, {"threshold": -1}, {"threshold": "x"}, {"warmup_steps": 1.5},
                 {"bogus": 1}, "fast", {"cfg_truncation": 2}]:
         with pytest.raises(APIError) as e:
             parse_job({**base, "cache": bad})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from services.model.reference import masked_attention
-from services.model.step_cache import BranchState, CacheGroup, CacheOptions, FirstBlockCache
+from services.model.step_cache import BranchState, CacheGroup, CacheOptions, StepCache
 
 ROWS = 12
 
@@ -46,9 +46,9 @@ def _two_cached_steps(model, x, rope, attend):
     half = ROWS // 2
     groups = [CacheGroup(0, half, BranchState(), CacheOptions(mode="first_block", threshold=10.0), step=0),
               CacheGroup(half, ROWS, BranchState(), CacheOptions(mode="first_block", threshold=0.0), step=0)]
-    first = model.gen_forward(x, rope, attend, FirstBlockCache(groups, lambda gs: attend))
+    first = model.gen_forward(x, rope, attend, StepCache(groups, lambda gs: attend))
     for grp in groups:
         grp.step = 1
-    second = model.gen_forward(x * 0.9, rope, attend, FirstBlockCache(groups, lambda gs: attend))
+    second = model.gen_forward(x * 0.9, rope, attend, StepCache(groups, lambda gs: attend))
     assert [grp.compute for grp in groups] == [False, True], "step 1: the first group reuses, the other computes"
     return first, second

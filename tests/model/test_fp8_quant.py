@@ -188,7 +188,7 @@ def test_quantize_model_gen_branch_only(tiny_checkpoint):
     a3b = load_model(tiny_checkpoint("a3b"), "gen", quantization="fp8")
     layer = a3b.language_model.model.layers[0]
     assert type(layer.self_attn.o_proj_mot_gen).__name__ == "Fp8Linear"
-    assert type(layer.mlp_mot_gen.experts[0].up_proj).__name__ == "Linear"         # MoE experts stay
+    assert layer.mlp_mot_gen.experts.gate_up_proj.dtype == torch.float32           # MoE experts stay
     assert type(layer.post_attention_layernorm_mot_gen).__name__ == "RMSNorm"      # it feeds the MoE
 
 
@@ -207,26 +207,6 @@ def test_fp8_velocity_close_to_fp32(tiny_checkpoint):
                         4, 4, 0.02) for m in (m32, m8)]
     rel = ((v[1] - v[0]).norm() / v[0].norm()).item()
     assert 0 < rel < 0.02, rel
-
-
-def test_fp8_checkpoint_loads_its_scales(tiny_checkpoint, tmp_path):
-    """An fp8 checkpoint (X.weight e4m3 + X.weight_scale) loads to the same fp8 layers as quantising
-    at load; without --quantization it dequantises."""
-    from services.model.loader import load_model
-    from services.model.quant import write_fp8_checkpoint
-    d = tiny_checkpoint("u1")
-    out = write_fp8_checkpoint(d, str(tmp_path / "fp8"))
-    a = load_model(d, "gen", quantization="fp8")
-    b = load_model(out, "gen", quantization="fp8")
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k].view(torch.uint8) if sa[k].dtype == FP8_DTYPE else sa[k],
-                           sb[k].view(torch.uint8) if sb[k].dtype == FP8_DTYPE else sb[k]), k
-    plain = load_model(out, "gen")
-    attn = plain.language_model.model.layers[0].self_attn
-    kv = a.language_model.model.layers[0].self_attn.qkv_proj_mot_gen.kv_proj
-    assert torch.equal(torch.cat([attn.k_proj_mot_gen.weight, attn.v_proj_mot_gen.weight]), kv.dequantized_weight())
 
 
 def test_fp8_after_lora_merge(tiny_checkpoint, tmp_path):

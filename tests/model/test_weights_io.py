@@ -63,7 +63,7 @@ def test_export_round_trips_through_the_loader(tiny, tmp_path):
     assert set(gen) | set(W.checkpoint_state(model, "und")) == set(W.checkpoint_shapes(model))
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.parametrize("quantization", ["none", "fp8", "int8"])
 def test_staged_update_equals_a_fresh_load(tiny, base_state, tmp_path, quantization):
     new = new_values(base_state, GEN_KEYS + UND_KEYS)
     W.write_tensors(new, str(tmp_path / "update"))
@@ -157,3 +157,22 @@ def test_lora_delta_equals_the_merge_at_load(tiny, tmp_path, quantization):
         else:   # CPU fp8 keeps no model-dtype rows: the delta lands on the dequantised weights
             a, b = W.checkpoint_state(model, "gen"), W.checkpoint_state(want, "gen")
             assert all(torch.allclose(a[k], b[k], atol=0.02, rtol=0.1) for k in a)
+
+
+def test_a3b_expert_keys_export_update_and_shard(tiny_checkpoint, tmp_path):
+    """A3B experts are stacked in the model (model/moe.py); export, live updates and TP shards still go by the
+    official per-expert keys, each a view of its rows."""
+    from services.model.loader import weight_map
+    a3b = tiny_checkpoint("a3b")
+    state = W.checkpoint_state(load_model(a3b, "both"))
+    assert set(state) == set(weight_map(a3b))
+    layer = "language_model.model.layers.1."
+    keys = (layer + "mlp.experts.3.up_proj.weight", layer + "mlp.experts.0.down_proj.weight",
+            layer + "mlp.experts.5.gate_proj.weight")
+    new = new_values(state, keys)
+    W.write_tensors(new, str(tmp_path / "update"))
+    ckpt = updated_checkpoint(a3b, state, new, str(tmp_path / "ckpt"))
+    for tp in (None, TPContext(1, 2)):
+        model = load_model(a3b, "und", tp=tp)
+        assert W.stage_update(model, str(tmp_path / "update")).commit() == len(keys)
+        assert same_model(model, load_model(ckpt, "und", tp=tp))
