@@ -115,7 +115,7 @@ class Runner:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
         t0 = time.perf_counter()
-        while not job.done:
+        while not job.flow.done:
             self.engine.step()
         img = self.engine.pixels(job)[0]
         seconds = time.perf_counter() - t0

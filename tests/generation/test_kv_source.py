@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "shm
 from shm_peer import Peer  # noqa: E402
 
 from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.generation.request import ApiError  # noqa: E402
+from services.kit.errors import APIError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 FP = "tiny-u1:test-fingerprint"
@@ -68,7 +68,7 @@ def test_claim_holds_a_queued_jobs_pages_past_the_lease(name):
 
 def test_missing_pool_is_a_503(name):
     src = PrefixSource(name, FP, torch.device("cpu"), attach_timeout_s=0.1)
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(APIError) as e:
         src.pool()
     assert e.value.status == 503 and e.value.code == "kv_pool_unavailable"
     src.release([{"not": "a handle"}])  # best effort, never raises
