@@ -191,7 +191,7 @@ def part_services(args) -> dict:
 
     import httpx
 
-    from services.cli import add_stack_flags, build_stack
+    from services.stack import add_stack_flags, build_stack
     from services import knobs
     from services.kit import timeline
     from services.netutil import free_port

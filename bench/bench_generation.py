@@ -127,7 +127,7 @@ def time_steps(engine: Engine, specs, warmup: int, steps: int) -> tuple[list[flo
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
     for job in list(engine.running):
-        engine.drop(job.request_id)
+        engine.abort(job.request_id)
     return times, stats
 
 

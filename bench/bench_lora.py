@@ -91,7 +91,7 @@ def step_time(model, size: int, n_jobs: int, loras: list, prefix: tuple[int, int
         _sync(device)
         times.append(time.perf_counter() - t0)
     for job in list(engine.running):
-        engine.drop(job.request_id)
+        engine.abort(job.request_id)
     return statistics.median(times)
 
 

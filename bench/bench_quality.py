@@ -85,7 +85,7 @@ def prompts_of(args) -> list[str]:
 
 def model_dir(name: str) -> str:
     if name.startswith("tiny"):
-        from services.cli import ensure_tiny_checkpoint, tiny_variant
+        from services.stack import ensure_tiny_checkpoint, tiny_variant
         return ensure_tiny_checkpoint(tiny_variant(name), out=sys.stderr)
     return name
 
@@ -112,7 +112,7 @@ class Runner:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
         t0 = time.perf_counter()
-        while not job.done:
+        while not job.flow.done:
             self.engine.step()
         img = self.engine.pixels(job)[0]
         seconds = time.perf_counter() - t0

@@ -81,7 +81,7 @@ def cases_for(part: str, smoke: bool) -> list[dict]:
 
 
 def _spec(name: str, size: int, guidance: float, steps: int):
-    from services.generation.request import parse_job
+    from services.generation.inputs import parse_job
     branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
     return parse_job({"request_id": name, "handles": {b: {} for b in branches}, "width": size,
                            "height": size, "num_inference_steps": steps, "guidance_scale": guidance, "seed": 0})
@@ -116,7 +116,7 @@ def _time_case(engine, case, args, device) -> dict:
         times.append(time.perf_counter() - t0)
     stride = max(1, case["size"] // 64)          # a 64x64 probe of the final state, to compare layouts
     probe = job.x[:, :, ::stride, ::stride].float().cpu().flatten().tolist()
-    engine.drop(job.request_id)
+    engine.abort(job.request_id)
     out = {"step_s": statistics.median(times), "steps": times, "probe": probe}
     if device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -34,6 +34,7 @@ def _weights_gb(model) -> float:
 
 def _row(args, device, dtype, name: str, scheme: str | None, policy=None) -> dict:
     from services.model.quant import quantize_model
+    from services.model.quant_schemes import scheme as quant_scheme
     args.quantization = "none"
     model = build(args, device, dtype)
     if scheme:
@@ -43,7 +44,7 @@ def _row(args, device, dtype, name: str, scheme: str | None, policy=None) -> dic
         else:
             from services.model.quant import check_fp8_device
             check_fp8_device(device, dtype)
-        quantize_model(model, ("gen",), policy=policy, scheme_name=scheme)
+        quantize_model(model, ("gen",), policy=policy, scheme=quant_scheme(scheme))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     row = {"format": name, "weights_gib": _weights_gb(model), "step_s": {}}

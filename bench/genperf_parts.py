@@ -58,7 +58,7 @@ def step_times(engine: Engine, sp: GenerateRequest, warmup: int, steps: int,
         engine.step()
         _sync(engine.device)
         times.append(time.perf_counter() - t0)
-    engine.drop(job.request_id)
+    engine.abort(job.request_id)
     return times
 
 
@@ -67,7 +67,7 @@ def job_seconds(engine: Engine, sp: GenerateRequest) -> tuple[float, dict]:
     job = admit(engine, sp)
     _sync(engine.device)
     t0 = time.perf_counter()
-    while not job.done:
+    while not job.flow.done:
         engine.step()
     engine.pixels(job)
     seconds = time.perf_counter() - t0
@@ -375,7 +375,7 @@ def part_fp8_profile(args, device, dtype) -> dict:
         with profile(activities=acts) as prof:
             engine.step()
             _sync(device)
-        engine.drop(job.request_id)
+        engine.abort(job.request_id)
         rows = kernel_rows(prof, device)
         cats: dict[str, list] = {}
         for k, ms, cnt in rows:
@@ -578,7 +578,7 @@ def _two_jobs(model, device, size: int, args) -> dict:
 
 
 def _cancel_then_new(model, device, size: int, args) -> dict:
-    """A job dropped mid-way (engine.drop: its graph must go before its KV is freed), then a new job of
+    """A job aborted mid-way (engine.abort: its graph must go before its KV is freed), then a new job of
     the same shape (new KV addresses: a stale graph would read the freed buffer): its final x vs eager."""
     steps = 6
     xs, counts = {}, {}
@@ -587,7 +587,7 @@ def _cancel_then_new(model, device, size: int, args) -> dict:
         first = admit(engine, spec("cancelled", size, steps, 4.0))
         for _ in range(4):                # eager, capture, replay, replay
             engine.step()
-        engine.drop(first.request_id)
+        engine.abort(first.request_id)
         xs[name], _ = run_to_end(engine, [spec("next", size, steps, 4.0)])
         counts[name] = _graph_counts(engine)
     return {"size": size, "steps": steps, "bits_equal": torch.equal(xs["graphs"]["next"], xs["eager"]["next"]),

@@ -3,8 +3,8 @@ an interleaved answer (interleave.py) is the same job whose understanding stream
 and may end it without an image (`answer_done`).
 
 However a job ends early (client gone, upstream timeout or deadline, an engine error, a 429, a broken
-connection), one path undoes it: the engine still working on it is told to stop (`/internal/abort` on
-understanding, `/internal/cancel` on generation) and the prefix pages the gateway owns are released
+connection), one path undoes it: the engine still working on it is told to stop (`/internal/abort`, on
+understanding or generation) and the prefix pages the gateway owns are released
 (handles.PrefixHandles decides which). The undo runs as a background task, so the client's answer never
 waits for a hung engine.
 """
@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
+from services.contract.control import AbortRequest, ReleaseRequest
 from services.kit import timeline
 from services.kit.errors import APIError, unavailable
 
@@ -177,15 +178,16 @@ class Orchestrator:
     async def _undo(self, rid: str, hdrs: dict, working: Optional[str], und: Target, gen: Target,
                     handles: PrefixHandles) -> None:
         """Stop the engine still working on the job, then release the pages nobody else will free."""
+        abort = AbortRequest(request_id=rid).model_dump()
         if working == UND and und.ep is not None:
-            await tell(self.http, und.ep.url + "/internal/abort", {"request_id": rid}, hdrs, CONTROL_TIMEOUT_S)
+            await tell(self.http, und.ep.url + "/internal/abort", abort, hdrs, CONTROL_TIMEOUT_S)
         if working == GEN:
             answer = None
             if gen.ep is not None:
-                answer = await tell(self.http, gen.ep.url + "/internal/cancel", {"request_id": rid}, hdrs,
-                                    CONTROL_TIMEOUT_S)
-            if not (isinstance(answer, dict) and answer.get("cancelled")):
+                answer = await tell(self.http, gen.ep.url + "/internal/abort", abort, hdrs, CONTROL_TIMEOUT_S)
+            if not (isinstance(answer, dict) and answer.get("aborted")):
                 handles.returned()       # generation did not confirm it has the job: it may never free them
         release = handles.close()
         if release and und.ep is not None:
-            await tell(self.http, und.ep.url + "/internal/release", {"handles": release}, hdrs, CONTROL_TIMEOUT_S)
+            await tell(self.http, und.ep.url + "/internal/release", ReleaseRequest(handles=release).model_dump(),
+                       hdrs, CONTROL_TIMEOUT_S)

@@ -6,14 +6,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.contract.control import ErrorDetail
+
 OPEN = ConfigDict(extra="allow")
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
 
 
 class ErrorResponse(BaseModel):

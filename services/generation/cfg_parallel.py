@@ -4,7 +4,7 @@ Branch k (in canonical order cond, uncond, img_cond among a job's branches) runs
 2 ranks split cond/uncond (or cond/img_cond) and 3-branch editing puts two branches on rank 0. Only
 velocities cross CFG ranks (one padded all_gather per step); every rank then runs the same combine +
 Euler on identical inputs, so states stay identical without a broadcast. Control (admissions,
-cancellations) goes from rank 0 as small pickled objects over a gloo group of all ranks.
+aborts) goes from rank 0 as small pickled objects over a gloo group of all ranks.
 
 With sequence parallelism (`sp` > 1, sequence_parallel.py) the world is cfg x sp ranks: rank =
 cfg_rank * sp + sp_rank, so the SP ranks of one CFG rank are neighbours (one SP group per CFG rank, one

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 
 from kernels import kv_write_
+from services.contract.image import GenerateRequest
+from services.kit.errors import APIError
 from services.model import sampler
 from services.model.lora_batched import lora_rows
 from services.model.step_cache import CacheGroup, StepCache
@@ -26,11 +28,11 @@ from services.model.step_cache import CacheGroup, StepCache
 from . import previews, rollout
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
-from .job_state import JobState
 from .lora import step_slots
 from .kv_source import PrefixSource
+from .protocol import KvImportStats
 from .qos import YieldGate
-from .request import ApiError, GenerateRequest
+from .request import JobState
 from .sequence_parallel import check_heads
 from .step_graph import StepGraphs, composition_key, graphable
 
@@ -52,7 +54,7 @@ class Engine:
                  yield_gate: YieldGate | None = None, cuda_graphs: str = "off"):
         """yield_gate (colocate QoS, qos.py): before each layer's attention, give the GPU to a
         waiting decode step of the understanding engine. cuda_graphs: auto | on | off (step_graph.py;
-        the server passes --cuda-graphs, default auto)."""
+        the server passes --cuda-graphs, default off)."""
         self.model = model
         self.gate = yield_gate
         self.device = model.device
@@ -69,12 +71,12 @@ class Engine:
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
 
     # -- admission -----------------------------------------------------------------------------
-    def admit(self, spec: GenerateRequest) -> tuple[JobState, list[dict]]:
-        """Build the job and import this rank's prefixes. Returns (job, stats). Raises ApiError."""
+    def admit(self, spec: GenerateRequest) -> tuple[JobState, list[KvImportStats]]:
+        """Build the job and import this rank's prefixes. Returns (job, stats). Raises APIError."""
         handles = {b: self.source.parse(spec.handles[b]) for b in spec.handles}
         for b, h in handles.items():
             if h.branch not in (b, "") and h.branch in ("cond", "uncond", "img_cond"):
-                raise ApiError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
+                raise APIError(400, f"handle for branch {b!r} was exported as {h.branch!r}",
                                param=f"handles.{b}", code="kv_branch_mismatch")
         job, stats = None, []
         sp = self.sp.world > 1
@@ -95,7 +97,7 @@ class Engine:
                                                           release=not sp)
                 job.set_prefix(b, staging)
                 del staging
-                stats.append({"stat": "kv_import", "bytes": nbytes, "seconds": seconds})
+                stats.append(KvImportStats(bytes=nbytes, seconds=seconds))
         except BaseException:
             if job is not None:
                 job.free()
@@ -130,7 +132,7 @@ class Engine:
     def add(self, job: JobState) -> None:
         self.running.append(job)
 
-    def drop(self, request_id: str) -> JobState | None:
+    def abort(self, request_id: str) -> JobState | None:
         for i, job in enumerate(self.running):
             if job.request_id == request_id:
                 del self.running[i]
@@ -157,7 +159,7 @@ class Engine:
                 continue
             # Embeddings once per job and step, shared by its branches (rows branch-major); this
             # rank's rows of each (branch, image) segment are its tokens [lo, hi).
-            x_in = self.model.gen_embed(job.x, job.t, job.noise_scale)
+            x_in = self.model.gen_embed(job.x, job.flow.t, job.noise_scale)
             lo, hi = sp.bounds(job.N)
             meta = job.meta(act)
             rows.append(x_in[:, lo:hi].reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
@@ -166,7 +168,7 @@ class Engine:
                              pos.view(3, -1, job.N)[:, :, lo:hi].reshape(3, -1))
             per = job.n * (hi - lo)
             groups += [CacheGroup(r + i * per, r + (i + 1) * per, job.branch_state[b], job.cache,
-                                  job.step, key=(job, b), tokens=job.N) for i, b in enumerate(act)]
+                                  job.flow.index, key=(job, b), tokens=job.N) for i, b in enumerate(act)]
             segments += [job.N] * (len(act) * job.n)
             runs.append((job, per * len(act)))         # this job's rows: its LoRA adapter (lora.py)
             plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
@@ -197,19 +199,21 @@ class Engine:
                     g.state.computed += 1
             for p, x_hat in self._heads(plan, hidden, layout):
                 for i in range(len(p.act)):
-                    local_v.append(sampler.velocity(x_hat[i], p.z, p.job.t, p.job.spec.t_eps))
+                    local_v.append(sampler.velocity(x_hat[i], p.z, p.job.flow.t, p.job.spec.t_eps))
 
         v_all = self.comm.gather_velocities(jobs, local_v)
         finished = []
         for p in plan:
             job = p.job
-            v = sampler.combine(v_all[job.request_id], job.params, job.step,
-                                job.t_values[job.step])
+            v = sampler.combine(v_all[job.request_id], job.params, job.flow.index, job.flow.t_host)
             job.preview = previews.capture(job, p.z, v) if self.comm.rank == 0 else None
-            z = sampler.euler(p.z, v, job.t, job.t_next) if job.rl is None else job.rl.transition(job, p.z, v)
+            if job.rl is None:
+                z = job.flow.step(p.z, v)
+            else:                       # the RL transition (SDE steps, or a stored trajectory's next state)
+                z = job.rl.transition(job, p.z, v)
+                job.flow.advance()
             job.x = sampler.unpatchify(z, job.th, job.tw)
-            job.step += 1
-            if job.done:
+            if job.flow.done:
                 finished.append(job)
         for job in finished:
             self.running.remove(job)

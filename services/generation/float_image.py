@@ -11,7 +11,7 @@ import torch
 
 from services.contract.interleave import FLOAT_IMAGE_BRANCH
 
-from .request import ApiError
+from services.kit.errors import APIError
 
 IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read extends it)
 
@@ -19,7 +19,7 @@ IMAGE_LEASE_S = 300.0        # until understanding first reads it (every read ex
 def export(source, x: torch.Tensor, near: dict) -> dict:
     """x [3, H, W] (the model's dtype) into new pages of the pool that holds `near` (the job's cond handle: the
     understanding replica that reads the image back is the one that made the prefix; with replicas that is not
-    necessarily this service's own pool); returns the KVHandle dict. ApiError when the pool is full or unavailable
+    necessarily this service's own pool); returns the KVHandle dict. APIError when the pool is full or unavailable
     (it is on another host: interleaved answers need generation beside understanding): the job fails alone."""
     from shm_transfer import KVHandle, PoolFull
     from shm_transfer.errors import KVTransferError
@@ -29,16 +29,16 @@ def export(source, x: torch.Tensor, near: dict) -> dict:
         h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH,
                        near=KVHandle.from_dict(near))
     except PoolFull as e:
-        raise ApiError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
+        raise APIError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
                        code="kv_pool_full") from None
     except (KVTransferError, ValueError) as e:      # no pool attached, replaced, or of another layout
-        raise ApiError(503, f"the KV pool cannot take the generated image: {e}", type="server_error",
+        raise APIError(503, f"the KV pool cannot take the generated image: {e}", type="server_error",
                        code="kv_pool_unavailable") from None
     try:
         t.write_kv(h, pack(x, t.layout))
     except (KVTransferError, ValueError) as e:
         t.release(h)
-        raise ApiError(503, f"the generated image could not be written to the KV pool: {e}", type="server_error",
+        raise APIError(503, f"the generated image could not be written to the KV pool: {e}", type="server_error",
                        code="kv_pool_unavailable") from None
     except BaseException:
         t.release(h)

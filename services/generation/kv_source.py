@@ -11,20 +11,20 @@ import time
 
 import torch
 
-from .request import ApiError
+from services.kit.errors import APIError
 
 # HandleError codes whose KV is simply gone (producer restarted, pages freed or reclaimed).
 _GONE = {"stale_generation", "pages_freed", "lease_expired"}
 _UNAVAILABLE = {"pool_unavailable", "producer_unreachable"}
 
 
-def handle_error_to_api(e) -> ApiError:
+def handle_error_to_api(e) -> APIError:
     code = getattr(e, "code", "invalid_handle")
     if code in _UNAVAILABLE:
-        return ApiError(503, f"KV handle rejected: {e}", type="server_error", code="kv_pool_unavailable",
+        return APIError(503, f"KV handle rejected: {e}", type="server_error", code="kv_pool_unavailable",
                         param="handles")
     status = 410 if code in _GONE else 400
-    return ApiError(status, f"KV handle rejected: {e}", code=f"kv_{code}", param="handles")
+    return APIError(status, f"KV handle rejected: {e}", code=f"kv_{code}", param="handles")
 
 
 class PrefixSource:
@@ -41,7 +41,7 @@ class PrefixSource:
     # -- transports ----------------------------------------------------------------------------
     def transport(self, kind: str = "shm"):
         """The transport for handles of `kind`, opened when needed (shm: re-attached when the producer
-        replaced its pool). ApiError 503 when it cannot be opened."""
+        replaced its pool). APIError 503 when it cannot be opened."""
         from shm_transfer.errors import HandleError, PoolError
         t = self._transports.get(kind)
         if t is not None and t.is_stale():
@@ -54,7 +54,7 @@ class PrefixSource:
             try:
                 t = self._open(kind)
             except (PoolError, FileNotFoundError, OSError) as e:
-                raise ApiError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
+                raise APIError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
             self._transports[kind] = t
         return t
@@ -70,21 +70,21 @@ class PrefixSource:
                                          pin=self.device.type == "cuda", timeout_s=self.attach_timeout_s)
             try:
                 self._check_geometry(t.layout)
-            except ApiError:
+            except APIError:
                 t.close()
                 raise
             return t
         if kind == "nixl":
             from shm_transfer.nixl_transport import NixlTransport
             return NixlTransport.connect(expected_fingerprint=self.fingerprint or None)
-        raise ApiError(400, f"unknown KV transport {kind!r}", code="kv_malformed_handle", param="handles")
+        raise APIError(400, f"unknown KV transport {kind!r}", code="kv_malformed_handle", param="handles")
 
     def _check_geometry(self, lay) -> None:
         if self.geometry is None:
             return
         have = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.torch_dtype)
         if have != tuple(self.geometry):
-            raise ApiError(503, f"KV pool {self.pool_name!r} holds [layers, kv heads, head_dim, dtype]"
+            raise APIError(503, f"KV pool {self.pool_name!r} holds [layers, kv heads, head_dim, dtype]"
                            f" = {have}, this engine needs {tuple(self.geometry)} (both services "
                            "must run the same model and --dtype)", type="server_error",
                            code="kv_pool_mismatch")
@@ -153,18 +153,13 @@ class PrefixSource:
                 pass
 
     def release(self, handle_dicts) -> None:
-        """Free handles never imported (cancelled / failed jobs). Idempotent: a handle only frees pages it
+        """Free handles never imported (aborted / failed jobs). Idempotent: a handle only frees pages it
         still owns."""
         self._each(handle_dicts, lambda t, h: t.release(h))
 
-    def keep_alive(self, handle_dicts, seconds: float) -> None:
-        """Extend the leases of handles of jobs still queued here, so a long queue does not turn them
-        into 410s (best effort: a handle that is already gone fails at import with a clear error)."""
-        self._each(handle_dicts, lambda t, h: t.extend_lease(h, seconds))
-
     def claim(self, handle_dicts) -> None:
         """Hold the pages of an accepted job's handles for as long as this process lives (no lease to
-        renew; a killed process's claims are reclaimed). Best effort like keep_alive."""
+        renew; a killed process's claims are reclaimed). Best effort: a handle already gone fails at import."""
         self._each(handle_dicts, lambda t, h: t.claim(h))
 
     def close(self) -> None:

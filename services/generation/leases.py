@@ -4,7 +4,7 @@ At acceptance the HTTP process claims the job's pages (shm_transfer `claim`): th
 reclaimed at their lease deadline but only when this process dies, so a job may wait behind any number of
 long steps (or a stopped engine) without its KV turning into a 410, and a dead service still gives its pages
 back at once. The engine frees them right after its import. This module also frees the pages of jobs that
-will never import them (rejected, cancelled, timed out, caught in an engine crash). Every pool operation runs
+will never import them (rejected, aborted, timed out, caught in an engine crash). Every pool operation runs
 on one thread here: the event loop only queues commands.
 """
 from __future__ import annotations

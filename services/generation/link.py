@@ -4,10 +4,12 @@ Why threads: a pipe holds ~64 KiB. If the side that writes also had to wait for 
 reader needs (a lock, the event loop, the engine loop), a burst of submissions against a stream of finished
 images would block both processes for good. So nobody writes to a pipe except its `Outbox` thread (`send`
 only queues), and nobody reads except one reader thread per pipe that hands each message on without
-blocking. Image pixels cross as a raw byte frame right after their message (no pickling of 12 MB arrays).
+blocking. The messages are protocol.py's dataclasses; the `pixels` of one (an image, a preview, a trajectory)
+cross as a raw byte frame right after it (no pickling of 12 MB arrays).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -17,8 +19,15 @@ import numpy as np
 
 log = logging.getLogger("u1serve.generation.link")
 
-_PAYLOAD = "_payload"          # message key: (shape, dtype) of the raw frame that follows
 _CLOSE = object()
+
+
+@dataclasses.dataclass
+class _Framed:
+    """A message whose `pixels` follow as a raw frame of this shape and dtype."""
+    msg: object
+    shape: tuple
+    dtype: str
 
 
 class Outbox:
@@ -31,9 +40,9 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def send(self, msg, pixels: Optional[np.ndarray] = None) -> None:
-        """Queue a message (a dict or tuple); `pixels` (a dict message only) follows it as a raw frame."""
-        self._q.put((msg, pixels))
+    def send(self, msg) -> None:
+        """Queue a message (a protocol.py dataclass); its `pixels`, if any, follow it as a raw frame."""
+        self._q.put(msg)
 
     def pending(self) -> int:
         return self._q.qsize()
@@ -45,13 +54,14 @@ class Outbox:
                 break
             if self.broken:
                 continue                     # the peer is gone: drop, but keep draining
-            msg, pixels = item
+            msg = item
+            pixels = getattr(msg, "pixels", None)
             try:
                 if pixels is None:
                     self._conn.send(msg)
                 else:
                     pixels = np.ascontiguousarray(pixels)
-                    self._conn.send({**msg, _PAYLOAD: (pixels.shape, pixels.dtype.str)})
+                    self._conn.send(_Framed(dataclasses.replace(msg, pixels=None), pixels.shape, pixels.dtype.str))
                     self._conn.send_bytes(memoryview(pixels).cast("B"))
             except (OSError, EOFError, ValueError) as exc:
                 self.broken = True
@@ -70,12 +80,12 @@ class Outbox:
 
 
 def receive(conn):
-    """One message; a dict that carried pixels gets them as a read-only uint8 array under "pixels".
-    EOFError / OSError when the peer is gone."""
+    """One message; one that carried pixels gets them back as a read-only array. EOFError / OSError when the
+    peer is gone."""
     msg = conn.recv()
-    if isinstance(msg, dict) and _PAYLOAD in msg:
-        shape, dtype = msg.pop(_PAYLOAD)
-        msg["pixels"] = np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dtype)).reshape(shape)
+    if isinstance(msg, _Framed):
+        pixels = np.frombuffer(conn.recv_bytes(), dtype=np.dtype(msg.dtype)).reshape(msg.shape)
+        return dataclasses.replace(msg.msg, pixels=pixels)
     return msg
 
 

@@ -12,6 +12,8 @@ import time
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
                                CONTENT_TYPE_LATEST)
 
+from .protocol import IdleStats, KvImportStats, StepStats
+
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 _IMPORT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 
@@ -42,36 +44,37 @@ class GenerationMetrics:
         self.requests = Counter("u1_gen_requests", "requests by outcome (ok, an error code, disconnected)",
                                 ["outcome"],
                                 registry=r)
-        self.streams_behind = Counter("u1_gen_streams_fell_behind", "jobs cancelled because their stream's "
+        self.streams_behind = Counter("u1_gen_streams_fell_behind", "jobs aborted because their stream's "
                                       "reader left more than --max-stream-backlog-mb of pixels waiting", registry=r)
         self.engine_restarts = Counter("u1_gen_engine_restarts", "engine process restarts",
                                        registry=r)
         self._recent = collections.deque()
         self._lock = threading.Lock()
 
-    def on_stats(self, msg: dict) -> None:
-        """Apply one stats message from the engine."""
-        kind = msg.get("stat")
-        if kind == "step":
+    def on_stats(self, msg) -> None:
+        """Apply one stats message from the engine (protocol.py)."""
+        if isinstance(msg, StepStats):
             self.steps.inc()
-            self.job_steps.inc(msg.get("jobs", 0))
-            self.step_seconds.observe(msg["seconds"])
-            self.batch_rows.set(msg.get("tokens", 0))
-            self.running_jobs.set(msg.get("running", 0))
-            if msg.get("peak_memory") is not None:
-                self.peak_gpu_memory.set(msg["peak_memory"])
-            now = time.monotonic()
-            with self._lock:
-                self._recent.append(now)
-                while self._recent and now - self._recent[0] > 10.0:
-                    self._recent.popleft()
-                span = now - self._recent[0] if len(self._recent) > 1 else 0.0
-                self.steps_per_second.set((len(self._recent) - 1) / span if span else 0.0)
-        elif kind == "kv_import":
-            self.kv_import_seconds.observe(msg["seconds"])
-            self.kv_import_bytes.inc(msg["bytes"])
-        elif kind == "idle":
-            self.running_jobs.set(msg.get("running", 0))
+            self.job_steps.inc(msg.jobs)
+            self.step_seconds.observe(msg.seconds)
+            self.batch_rows.set(msg.tokens)
+            self.running_jobs.set(msg.running)
+            if msg.peak_memory is not None:
+                self.peak_gpu_memory.set(msg.peak_memory)
+            self._count_step(time.monotonic())
+        elif isinstance(msg, KvImportStats):
+            self.kv_import_seconds.observe(msg.seconds)
+            self.kv_import_bytes.inc(msg.bytes)
+        elif isinstance(msg, IdleStats):
+            self.running_jobs.set(msg.running)
+
+    def _count_step(self, now: float) -> None:
+        with self._lock:
+            self._recent.append(now)
+            while self._recent and now - self._recent[0] > 10.0:
+                self._recent.popleft()
+            span = now - self._recent[0] if len(self._recent) > 1 else 0.0
+            self.steps_per_second.set((len(self._recent) - 1) / span if span else 0.0)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

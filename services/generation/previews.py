@@ -36,11 +36,11 @@ def capture(job, z: torch.Tensor, v: torch.Tensor) -> Optional[tuple[int, np.nda
     want = getattr(job, "preview_at", None)
     if want is None:
         want = job.preview_at = preview_steps(job.num_inference_steps, job.spec.partial_images)
-    if job.step not in want:
+    if job.flow.index not in want:
         return None
-    x0 = sampler.unpatchify(z + (1 - job.t) * v, job.th, job.tw)
+    x0 = sampler.unpatchify(z + (1 - job.flow.t) * v, job.th, job.tw)
     h, w = x0.shape[-2:]
     scale = min(1.0, PREVIEW_MAX_SIDE / max(h, w))
     if scale < 1.0:
         x0 = F.interpolate(x0.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
-    return want.index(job.step), sampler.to_uint8(x0).numpy()
+    return want.index(job.flow.index), sampler.to_uint8(x0).numpy()

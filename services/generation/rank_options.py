@@ -1,4 +1,5 @@
-"""The generation server's rank options: how many ranks one image uses, how they share their GPUs.
+"""The generation engine's rank options (fields of config.GenerationConfig): how many ranks one image uses, how
+they share their GPUs.
 
 `--sp N` (sequence parallelism, sequence_parallel.py): the engine runs `--cfg-parallel` x `--sp`
 ranks, one GPU each (rank r on visible device r). `--sp-mode ulysses` (default): sp must divide the
@@ -10,30 +11,13 @@ the shm page NAME that the understanding engine on the same GPUs raises while it
 """
 from __future__ import annotations
 
-import argparse
-
 from .qos import YieldGate, YieldPolicy
-from .sequence_parallel import MODES, check_heads
+from .sequence_parallel import check_heads
 
 
-def add_rank_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sp", type=int, default=1,
-                   help="sequence-parallel ranks per CFG rank: one image's tokens over N GPUs "
-                        "(engine ranks = --cfg-parallel x --sp; with --sp-mode ulysses N must divide the "
-                        "head counts)")
-    p.add_argument("--sp-mode", choices=MODES, default="ulysses",
-                   help="how the --sp ranks attend: ulysses (two all-to-alls a layer, each rank a slice of "
-                        "the heads) or kv-gather (one all-gather of K/V a layer, each rank every KV head and "
-                        "its own query rows); no effect with --sp 1")
-    p.add_argument("--yield-to", default="", metavar="NAME",
-                   help="colocate QoS: the shm page the understanding engine on these GPUs raises while "
-                        "it decodes (its --yield-signal); the ranks yield the GPU between layers")
-    p.add_argument("--yield-share", type=float, default=YieldPolicy.share,
-                   help="with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)")
-
-
-def check_rank_flags(args: argparse.Namespace) -> None:
-    """A SystemExit naming the flag for a value the engine cannot run (before any weights load)."""
+def check_rank_flags(args) -> None:
+    """A SystemExit naming the flag for a value the engine cannot run (before any weights load); `args`: the
+    parsed flags or a GenerationConfig."""
     if args.sp < 1:
         raise SystemExit("--sp must be >= 1")
     if args.sp > 1:
@@ -57,17 +41,8 @@ def check_rank_flags(args: argparse.Namespace) -> None:
             raise SystemExit(f"--yield-to: {e}") from None
 
 
-def engine_world(args: argparse.Namespace) -> int:
-    return args.cfg_parallel * args.sp
-
-
-def rank_engine_args(args: argparse.Namespace) -> dict:
-    return {"sp": args.sp, "sp_mode": args.sp_mode, "yield_to": args.yield_to, "yield_share": args.yield_share}
-
-
-def yield_gate(engine_args: dict, device) -> YieldGate | None:
+def yield_gate(cfg, device) -> YieldGate | None:
     """The rank's gate (None without --yield-to)."""
-    name = engine_args.get("yield_to")
-    if not name:
+    if not cfg.yield_to:
         return None
-    return YieldGate(name, device, YieldPolicy(share=float(engine_args.get("yield_share", YieldPolicy.share))))
+    return YieldGate(cfg.yield_to, device, YieldPolicy(share=float(cfg.yield_share)))

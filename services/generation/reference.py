@@ -49,9 +49,9 @@ class EngineSet:
     def add(self, job) -> None:
         self._for(job.spec).add(job)
 
-    def drop(self, request_id: str):
+    def abort(self, request_id: str):
         for e in self._engines():
-            job = e.drop(request_id)
+            job = e.abort(request_id)
             if job is not None:
                 return job
         return None
@@ -77,14 +77,14 @@ class EngineSet:
             setattr(self.primary, name, value)
 
 
-def reference_factory(args: dict, device, dtypes: dict, source, comm, yield_gate) -> Callable[[], object]:
+def reference_factory(cfg, device, dtype, source, comm, yield_gate) -> Callable[[], object]:
     """Builds the reference Engine: the checkpoint (with the same LoRA / quantisation) loaded again."""
     def make():
         from services.model.loader import load_model
 
         from .engine import Engine
-        model = load_model(args["model"], branch="gen", dtype=dtypes[args["dtype"]], device=device,
-                           lora=[tuple(x) for x in args.get("lora") or ()], quantization=args.get("quantization"))
+        model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
+                           quantization=cfg.quantization)
         model.eval()
         model.requires_grad_(False)
         engine = Engine(model, source, comm, yield_gate=yield_gate, cuda_graphs="off")

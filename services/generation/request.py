@@ -1,59 +1,151 @@
-"""One `/internal/generate` body -> a validated `GenerateRequest` (services.contract.image) with the server's
-step-caching defaults applied, plus the invariants only this engine can check: every handle parses as a KVHandle
-and was produced by the model it serves.
+"""Per-job state inside the engine: its place on the timestep grid (sampler.FlowMatchEuler), its KV buffer and
+its attention metadata.
 
-The `GenerateRequest` itself is the job spec that crosses to the rank processes (pickled through the link).
+KV buffer of one job on one rank: `[L, 2, S, Hkv, D]`, one segment per (local branch, image) laid out
+branch-major: `[prefix_b ; N image slots]`. The prefix is imported once at admission and never moves;
+each step writes the new image K/V into the N slots of every active segment (no per-step copies).
+With Ulysses sequence parallelism the buffer holds only this rank's KV-head slice (`kv_heads`), all N
+slots; with kv-gather every KV head and all N slots (each rank writes every rank's K/V rows).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
 
-from pydantic import ValidationError
+import torch
 
-from services.contract.image import BRANCH_ORDER, CacheOptions, GenerateRequest, check_cache_for  # noqa: F401
-from services.kit.errors import APIError, bad_request, from_validation
+from services.contract.image import GenerateRequest
+from services.model import sampler
+from services.model.positions import image_token_positions
+from services.model.step_cache import BranchState, CacheOptions, truncated_interval
 
-# The engine modules (engine.py, kv_source.py) raise this under its old name.
-ApiError = APIError
-
-
-def parse_job(body: Any, cache_defaults: Optional[CacheOptions] = None) -> GenerateRequest:
-    """Validate a body (400 naming the field) and fill `cache` from the server's defaults."""
-    try:
-        job = GenerateRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation(exc.errors()) from None
-    defaults = cache_defaults or CacheOptions()
-    job.cache = job.cache.over(defaults) if job.cache is not None else defaults
-    try:
-        check_cache_for(job.mode, job.cfg_interval, job.cache)
-    except ValueError as exc:
-        raise bad_request(f"cache: {exc}", param="cache") from None
-    return job
+from .lora import job_adapter
 
 
-def check_handles(job: GenerateRequest, fingerprint: Optional[str]) -> None:
-    """400 `kv_fingerprint_mismatch` for another model's handles, `kv_malformed_handle` for one that does not
-    parse (before the stream starts)."""
-    from .kv_source import PrefixSource
-    for branch, h in job.handles.items():
-        theirs = h.get("model_fingerprint")
-        if fingerprint and theirs is not None and theirs != fingerprint:
-            raise APIError(400, f"handle '{branch}' was produced by a different model (fingerprint {theirs!r}, "
-                           f"this service serves {fingerprint!r})", param=f"handles.{branch}",
-                           code="kv_fingerprint_mismatch")
-        PrefixSource.parse(h)
+@dataclass
+class _Segment:
+    branch: str
+    image: int
+    start: int        # first slot of this segment in the job's KV buffer
+    prefix_len: int
 
 
-def handles_of(body: Any) -> list[dict]:
-    """The handle dicts of a body, valid or not (to free them when the request is rejected)."""
-    handles = body.get("handles") if isinstance(body, dict) else None
-    if not isinstance(handles, dict):
-        return []
-    return [h for h in handles.values() if isinstance(h, dict)]
+@dataclass
+class StepMeta:
+    """Attention/positions metadata of one job for one set of active local branches."""
+    positions: torch.Tensor      # [3, rows]
+    write_idx: torch.Tensor      # [rows] KV slot of each row's K/V
+    cu_q: torch.Tensor           # int32 [segments + 1]
+    cu_k: torch.Tensor           # int32 [segments + 1]
+    cu_q_host: torch.Tensor      # the same on the CPU (backends that loop over sequences)
+    cu_k_host: torch.Tensor
+    max_q: int
+    max_k: int
+    k_start: int                 # keys live in kv[:, :, k_start:k_end] (cu_k relative to k_start)
+    k_end: int
 
 
-def busiest_rank_tokens(job: GenerateRequest, world: int, sp: int = 1) -> int:
-    """Image tokens this job adds to every forward on the rank holding most of its branches (`world` CFG
-    ranks; with `sp` sequence-parallel ranks each holds at most ceil(N / sp) tokens of a segment)."""
-    return -(-job.num_tokens // sp) * job.n * -(-len(job.handles) // world)
+class JobState:
+    def __init__(self, spec: GenerateRequest, local_branches: list[str], model, device, dtype,
+                 kv_heads: int | None = None):
+        self.spec = spec
+        self.lora = job_adapter(model, spec)     # held until free() (lora.py)
+        self.request_id = spec.request_id
+        self.params = spec.sampler()
+        self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
+        self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
+        self.branches = list(spec.handles)  # all branches (every rank knows them)
+        self.local = [b for b in self.branches if b in local_branches]
+        self.branch_state = {b: BranchState() for b in self.local}   # step cache + step counters
+        self.th, self.tw = spec.height // 32, spec.width // 32
+        self.N = self.th * self.tw
+        self.n = spec.n
+        self.num_inference_steps = spec.num_inference_steps
+        self.flow = sampler.FlowMatchEuler(spec.num_inference_steps, spec.timestep_shift, device=device)
+        self.noise_scale = sampler.noise_scale(model.cfg, self.N)
+        self.x = sampler.initial_noise(spec.n, spec.height, spec.width, spec.seed, device, dtype,
+                                       self.noise_scale, spec.noise_draws)
+        self.preview = None                      # uint8 x0 estimate of this step, when it is a preview step
+        self.rl = None                           # RL jobs: rollout.RolloutState / ScoreState (rollout.py)
+        self.device = device
+        self.dtype = dtype
+        self._model_geom = (model.num_layers, kv_heads or model.num_kv_heads, model.head_dim)
+        self.kv: torch.Tensor | None = None
+        self.segments: list[_Segment] = []
+        self.t_offsets: dict[str, int] = {}
+        self._meta: dict[tuple, StepMeta] = {}
+        self.branch_steps: dict[str, dict] = {}   # at finish: every rank's branches (Engine.step)
+
+    # -- KV --------------------------------------------------------------------------------------
+    def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
+        L, Hkv, D = self._model_geom
+        start = 0
+        for b in self.local:
+            for i in range(self.n):
+                self.segments.append(_Segment(b, i, start, prefix_lens[b]))
+                start += prefix_lens[b] + self.N
+        self.t_offsets = dict(t_offsets)
+        self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
+
+    def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
+        """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""
+        for seg in self.segments:
+            if seg.branch == branch:
+                self.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(kv)
+
+    def free(self) -> None:
+        if self.lora is not None:
+            self.lora.release()
+            self.lora = None
+        self.kv = None
+        self._meta.clear()
+        self.branch_state = {b: BranchState(computed=s.computed, reused=s.reused)
+                             for b, s in self.branch_state.items()}   # drop cached residuals
+
+    def step_counts(self) -> dict[str, tuple[int, int]]:
+        """{local branch: (steps computed in full, steps that reused the cached residual)}."""
+        return {b: (s.computed, s.reused) for b, s in self.branch_state.items()}
+
+    # -- steps -----------------------------------------------------------------------------------
+    def active_branches(self) -> list[str]:
+        """Branches whose velocity this step's CFG rule reads (outside the interval: cond only)."""
+        if sampler.uses_cfg(self.params, self.flow.t_host):
+            return self.branches
+        return ["cond"]
+
+    def active_local(self) -> list[str]:
+        active = self.active_branches()
+        return [b for b in self.local if b in active]
+
+    def meta(self, active_local: list[str], rows: tuple[int, int] | None = None) -> StepMeta:
+        """Cached metadata of the rows of `active_local` (in buffer order). The keys span the
+        segments from the first to the last selected one; a segment in between that is not selected
+        (a branch that reuses its cached residual) is a sequence with no queries. `rows` (lo, hi):
+        the queries are only tokens [lo, hi) of each image segment (sequence parallel by K/V gather:
+        cu_q / max_q count those); keys, positions and write slots stay every token's."""
+        lo, hi = rows or (0, self.N)
+        key = tuple(active_local) if (lo, hi) == (0, self.N) else (tuple(active_local), lo, hi)
+        m = self._meta.get(key)
+        if m is not None:
+            return m
+        sel = [i for i, s in enumerate(self.segments) if s.branch in active_local]
+        segs = self.segments[sel[0]:sel[-1] + 1]
+        pos, idx, cu_q, cu_k = [], [], [0], [0]
+        ar = torch.arange(self.N, device=self.device)
+        for s in segs:
+            cu_k.append(cu_k[-1] + s.prefix_len + self.N)
+            if s.branch not in active_local:
+                cu_q.append(cu_q[-1])
+                continue
+            pos.append(image_token_positions(self.th, self.tw, self.t_offsets[s.branch],
+                                             device=self.device))
+            idx.append(ar + s.start + s.prefix_len)
+            cu_q.append(cu_q[-1] + hi - lo)
+        m = StepMeta(positions=torch.cat(pos, dim=1), write_idx=torch.cat(idx),
+                     cu_q=torch.tensor(cu_q, dtype=torch.int32, device=self.device),
+                     cu_k=torch.tensor(cu_k, dtype=torch.int32, device=self.device),
+                     cu_q_host=torch.tensor(cu_q, dtype=torch.int32),
+                     cu_k_host=torch.tensor(cu_k, dtype=torch.int32),
+                     max_q=hi - lo, max_k=max(s.prefix_len for s in segs) + self.N,
+                     k_start=segs[0].start, k_end=segs[0].start + cu_k[-1])
+        self._meta[key] = m
+        return m

@@ -12,13 +12,15 @@ scoring the stored trajectory reproduces it exactly.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, ScoreJobRequest
 from services.model import flow_sde, sampler
+
+from .protocol import RlResult
 
 
 def weights_version(engine) -> str:
@@ -31,15 +33,16 @@ class _Sde:
     def __init__(self, job, sde, num_steps: int):
         self.kind, self.a = sde.kind, float(sde.noise_level)
         self.steps = flow_sde.sde_step_indices(num_steps, sde.window_tuple(), sde.steps)
-        self.t1 = job.timesteps[1] if num_steps >= 1 else job.timesteps[0]
+        self.t1 = job.flow.grid[1] if num_steps >= 1 else job.flow.grid[0]
 
     def mean_std(self, job, z, v):
-        return flow_sde.sde_mean_std(self.kind, z, v, job.t, job.t_next, self.t1, self.a, job.noise_scale,
+        return flow_sde.sde_mean_std(self.kind, z, v, job.flow.t, job.flow.t_next, self.t1, self.a, job.noise_scale,
                                      job.spec.t_eps)
 
-    def meta(self, job, version: str) -> dict:
-        return {"timesteps": [float(t) for t in job.timesteps.float().cpu().tolist()], "sde_steps": self.steps,
-                "noise_scale": float(job.noise_scale), "weights_version": version}
+    def result(self, job, logprobs: list, trajectory: Optional[np.ndarray] = None) -> RlResult:
+        return RlResult(request_id=job.request_id, logprobs=_nulls(logprobs),
+                        timesteps=[float(t) for t in job.flow.grid.float().cpu().tolist()], sde_steps=self.steps,
+                        noise_scale=float(job.noise_scale), weights_version=self.version, pixels=trajectory)
 
 
 class RolloutState(_Sde):
@@ -62,26 +65,25 @@ class RolloutState(_Sde):
         self._sde = set(self.steps)
 
     def transition(self, job, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = job.step
+        k = job.flow.index
         if k in self._sde:
             mean, std = self.mean_std(job, z, v)
             xi = flow_sde.draw_noise((job.n, 3, job.spec.height, job.spec.width), job.device, self.gens)
             z_next = (mean + std * sampler.patchify(xi)).to(z.dtype)
             self.logprobs[:, k] = flow_sde.transition_logprob(self.kind, z_next, mean, std)
         else:
-            z_next = sampler.euler(z, v, job.t, job.t_next)
+            z_next = sampler.euler(z, v, job.flow.t, job.flow.t_next)
         if self.latents is not None:
             self.latents.append(sampler.unpatchify(z_next, job.th, job.tw).float())
         return z_next
 
-    def results(self, job) -> Iterator[tuple[dict, Optional[np.ndarray]]]:
-        """The job's `rl` event (log-probs, grid, version) with the trajectory as its raw frame."""
+    def results(self, job) -> RlResult:
+        """The job's result (log-probs, grid, version) with the trajectory as its raw frame."""
         frame = None
         if self.latents is not None:
             frame = sampler.to_host(torch.stack(self.latents, dim=1)).numpy()
             self.latents = None
-        lp = self.logprobs.cpu().tolist()
-        yield {"type": "rl", "logprobs": _nulls(lp), **self.meta(job, self.version)}, frame
+        return self.result(job, self.logprobs.cpu().tolist(), frame)
 
 
 class ScoreState(_Sde):
@@ -96,24 +98,24 @@ class ScoreState(_Sde):
                                    device=job.device)
         self._next = list(self.steps)
         first = self._next.pop(0) if self._next else spec.num_inference_steps - 1
-        job.step = first
+        job.flow.index = first
         job.x = self.latents[:, first].to(job.dtype)
 
     def transition(self, job, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = job.step
+        k = job.flow.index
         if k in self.steps:
             mean, std = self.mean_std(job, z, v)
             z_next = sampler.patchify(self.latents[:, k + 1].to(z.dtype))
             self.logprobs[:, k] = flow_sde.transition_logprob(self.kind, z_next, mean, std)
         if not self._next:
-            job.step = job.num_inference_steps - 1        # the engine's += 1 ends the job
+            job.flow.index = job.num_inference_steps - 1  # the engine's advance() ends the job
             return z
         k2 = self._next.pop(0)
-        job.step = k2 - 1
+        job.flow.index = k2 - 1
         return sampler.patchify(self.latents[:, k2].to(z.dtype))
 
-    def results(self, job) -> Iterator[tuple[dict, Optional[np.ndarray]]]:
-        yield {"type": "rl", "logprobs": _nulls(self.logprobs.cpu().tolist()), **self.meta(job, self.version)}, None
+    def results(self, job) -> RlResult:
+        return self.result(job, self.logprobs.cpu().tolist())
 
 
 def _nulls(rows: list[list[float]]) -> list[list[Optional[float]]]:
@@ -126,13 +128,3 @@ def attach(job, spec, engine) -> None:
         job.rl = RolloutState(job, spec, weights_version(engine), record=spec.rl.trajectory_id is not None)
     elif isinstance(spec, ScoreJobRequest):
         job.rl = ScoreState(job, spec, spec.latents(), weights_version(engine))
-
-
-def send_results(out, job) -> bool:
-    """Send an RL job's result events (before its images / done); True when the job's images are wanted."""
-    rl = getattr(job, "rl", None)
-    if rl is None:
-        return True
-    for ev, frame in rl.results(job):
-        out.send({"request_id": job.request_id, **ev}, pixels=frame)
-    return rl.wants_images

@@ -11,7 +11,7 @@ the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, ma
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
 frequencies), the second captures, the later ones replay. One graph per engine: a new key, or a job of
-the key leaving (finished, dropped, cancelled), releases it first — BEFORE job.free() frees the KV the
+the key leaving (finished or aborted), releases it first — BEFORE job.free() frees the KV the
 graph points at. Every capture of an engine uses one side stream; each graph has its own private memory
 pool (torch's default). One pool shared by successive captures (a held `torch.cuda.MemPool`) breaks the
 second capture on torch 2.11 (an internal assert in the pinned-host allocator's per-pool bookkeeping,

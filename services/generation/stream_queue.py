@@ -1,9 +1,9 @@
-"""One job's events on their way from the engine (the link reader thread) to its HTTP stream, bounded.
+"""One job's events (protocol.py) on their way from the engine (the link reader thread) to its HTTP stream, bounded.
 
 Images and previews arrive as raw pixels (a 2048² image is 12 MiB) and wait here until the stream encodes and
 writes them; a stream whose reader stalls would hold them for as long as it stalls. So the pixels waiting here
 are bounded by `max_bytes`: an event that would go beyond it while others still wait ends the job instead
-(`on_overflow`: it is cancelled in the engine, the stream gets the error and ends) and from then on pixels are
+(`on_overflow`: it is aborted in the engine, the stream gets the error and ends) and from then on pixels are
 dropped as they come (an exported float image among them is released at once). The first event is always
 taken: a single image larger than the bound still reaches a reader that keeps up.
 """
@@ -12,11 +12,18 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Optional
 
-PIXEL_EVENTS = ("preview", "image")
+from .protocol import Image, Preview
+
+PIXEL_EVENTS = (Preview, Image)
 
 
-def _nbytes(ev: dict) -> int:
-    return int(getattr(ev.get("pixels"), "nbytes", 0) or 0)
+def _nbytes(ev) -> int:
+    return int(ev.pixels.nbytes) if isinstance(ev, PIXEL_EVENTS) and ev.pixels is not None else 0
+
+
+def _handle(ev) -> Optional[dict]:
+    """The float image handle an event carries (an exported image), else None."""
+    return ev.image_handle if isinstance(ev, Image) else None
 
 
 class StreamQueue:
@@ -31,40 +38,39 @@ class StreamQueue:
         self.closed = False                   # the stream is over: whatever comes now is dropped
         self._q: asyncio.Queue = asyncio.Queue()
 
-    def deliver(self, ev: dict) -> None:
+    def deliver(self, ev) -> None:
         """Any thread; never blocks."""
         try:
             self.loop.call_soon_threadsafe(self._put, ev)
         except RuntimeError:           # the loop is closed: the server is gone
             pass
 
-    def _put(self, ev: dict) -> None:
+    def _put(self, ev) -> None:
         if self.closed:
-            if ev.get("image_handle"):
-                self.release([ev["image_handle"]])
+            if _handle(ev):
+                self.release([_handle(ev)])
             return
-        size = _nbytes(ev) if ev.get("type") in PIXEL_EVENTS else 0
+        size = _nbytes(ev)
         if size and not self.overflowed and self.waiting_bytes and self.waiting_bytes + size > self.max_bytes:
             self.overflowed = True
             self.on_overflow(self.waiting_bytes + size)
         if size and self.overflowed:
-            if ev.get("image_handle"):
-                self.release([ev["image_handle"]])
+            if _handle(ev):
+                self.release([_handle(ev)])
             return
         self.waiting_bytes += size
         self._q.put_nowait(ev)
 
-    async def get(self, timeout_s: Optional[float]) -> Optional[dict]:
+    async def get(self, timeout_s: Optional[float]):
         """The next event, or None when none came within timeout_s (time for a heartbeat)."""
         try:
             ev = await asyncio.wait_for(self._q.get(), timeout_s)
         except asyncio.TimeoutError:
             return None
-        if ev.get("type") in PIXEL_EVENTS:
-            self.waiting_bytes -= _nbytes(ev)
+        self.waiting_bytes -= _nbytes(ev)
         return ev
 
-    def close(self) -> list[dict]:
+    def close(self) -> list:
         """End the queue: what the stream never took (its client went first); later events are dropped."""
         self.closed = True
         left = []

@@ -14,16 +14,19 @@ import threading
 import time
 from typing import Callable, Optional
 
+from services.contract.image import GenerateRequest
 from services.kit.errors import APIError, overloaded, unavailable
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
 from .capacity import queue_limit
-from .jobs import END, Deliver, JobTable, Ticket
+from .config import GenerationConfig
+from .job_table import END, Deliver, JobTable, Ticket
 from .leases import HandleKeeper
 from .link import Outbox, start_reader
-from .request import GenerateRequest
+from .protocol import (AbortJob, Fatal, Image, JobDone, JobFailed, JobStarted, Preview, Progress, Ready, RlResult,
+                       Stop, SubmitJob)
 
 log = logging.getLogger("u1serve.generation")
 
@@ -33,14 +36,15 @@ _EXPIRY_EVERY_S = 0.5
 class EngineRanks:
     """One incarnation: the rank processes and the link to rank 0 (a kit.supervisor Unit)."""
 
-    def __init__(self, ctx, engine_args: dict, world: int, on_message: Callable[["EngineRanks", dict], None],
+    def __init__(self, ctx, cfg: GenerationConfig, on_message: Callable[["EngineRanks", object], None],
                  grace_s: float = 5.0):
         from .worker import run_rank
         cmd_r, cmd_w = ctx.Pipe(duplex=False)     # HTTP process -> rank 0
         evt_r, evt_w = ctx.Pipe(duplex=False)     # rank 0 -> HTTP process
+        world = cfg.world
         port = free_port() if world > 1 else 0
         self.procs = [ctx.Process(target=run_rank, name=f"u1-gen-rank{r}", daemon=True,
-                                  args=(r, world, port, engine_args, cmd_r if r == 0 else None,
+                                  args=(r, world, port, cfg, cmd_r if r == 0 else None,
                                         evt_w if r == 0 else None)) for r in range(world)]
         self.started_at = time.monotonic()
         try:
@@ -58,7 +62,8 @@ class EngineRanks:
         self.capacity: Optional[dict] = None
         self._asked_to_stop = False
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
+        """A protocol.py command to rank 0 (dropped once the ranks are dead)."""
         if not self.dead:
             self.outbox.send(msg)
 
@@ -83,7 +88,7 @@ class EngineRanks:
         kill whatever is left. Idempotent."""
         if self.alive() and not self._asked_to_stop:
             self._asked_to_stop = True
-            self.outbox.send(("stop",))
+            self.outbox.send(Stop())
             deadline = time.monotonic() + self.grace_s
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -98,15 +103,18 @@ class EngineRanks:
 
 
 class EngineSupervisor:
-    def __init__(self, engine_args: dict, world: int, keeper: HandleKeeper, *,
-                 on_stats: Callable[[dict], None] = lambda msg: None,
+    def __init__(self, cfg: GenerationConfig, keeper: HandleKeeper, *,
+                 on_stats: Callable[[object], None] = lambda msg: None,
+                 on_restart: Callable[[], None] = lambda: None,
                  on_give_up: Callable[[str], None] = lambda why: None,
                  max_queued: int = 0, max_queue_wait_s: float = 600.0,
                  policy: RestartPolicy = RestartPolicy()):
-        self.engine_args = engine_args
-        self.world = world
+        """on_stats: the engine's stats and weights replies (protocol.py), from the link reader thread."""
+        self.cfg = cfg
+        self.world = cfg.world
         self.keeper = keeper
         self.on_stats = on_stats
+        self.on_restart = on_restart
         self.on_give_up = on_give_up
         self.configured_queue = max_queued
         self.max_queued = max_queued or None          # resolved when the engine reports its memory
@@ -133,7 +141,7 @@ class EngineSupervisor:
         for t in self.table.take_all():
             self._end(t, unavailable("the generation service is shutting down; retry the request",
                                      code="shutting_down"), release=True)
-            t.unit.send(("cancel", t.request_id))
+            t.unit.send(AbortJob(t.request_id))
 
     def stop(self) -> None:
         """Fail what is in flight (503), stop the ranks gracefully, stop the threads."""
@@ -186,11 +194,12 @@ class EngineSupervisor:
 
         self.table.add_if(Ticket(job, deliver, unit), admit)
         self.keeper.hold(job.handles.values())
-        unit.send(("job", job))
+        unit.send(SubmitJob(job))
 
-    def cancel(self, request_id: str, reason: str = "request cancelled") -> bool:
-        """End the job now (its stream gets 499 cancelled); the engine drops it before its next step."""
-        t = self.table.finish(request_id, APIError(499, reason, type="cancelled", code="cancelled").event())
+    def abort(self, request_id: str, reason: str = "request cancelled") -> bool:
+        """End the job now (its stream gets 499 cancelled); the engine aborts it before its next step."""
+        t = self.table.finish(request_id, JobFailed(request_id, APIError(499, reason, type="cancelled",
+                                                                          code="cancelled").event()))
         if t is None:
             return False
         self._after_end(t)
@@ -202,54 +211,56 @@ class EngineSupervisor:
     # -- internals -------------------------------------------------------------------------------
     def _spawn(self) -> EngineRanks:
         if self.sup.unit is not None:
-            self.on_stats({"stat": "restart"})
-        return EngineRanks(self._ctx, self.engine_args, self.world, self._on_message)
+            self.on_restart()
+        return EngineRanks(self._ctx, self.cfg, self._on_message)
 
     def _end(self, t: Ticket, err: APIError, release: bool) -> None:
-        t.deliver(err.event())
+        t.deliver(JobFailed(t.request_id, err.event()))
         t.deliver(END)
         if release:
             self.keeper.release(t.handles)
 
     def _after_end(self, t: Ticket) -> None:
         """A job ended on this side: stop it in the engine and free its pages if it never imported them."""
-        t.unit.send(("cancel", t.request_id))
+        t.unit.send(AbortJob(t.request_id))
         if t.started is None:
             self.keeper.release(t.handles)
 
-    def _on_message(self, unit: EngineRanks, msg: dict) -> None:
+    def _on_message(self, unit: EngineRanks, msg) -> None:
         """The link reader thread: route one engine event (no blocking here)."""
-        kind = msg.get("type")
-        rid = msg.get("request_id")
-        if rid is None:
-            if kind == "stats":
-                self.on_stats(msg)
-            elif kind == "ready":
-                unit.capacity = msg.get("capacity")
-                self.max_queued = queue_limit(self.configured_queue, unit.capacity,
-                                              self.engine_args.get("max_running_jobs", 16))
+        match msg:
+            case Ready(capacity=capacity):
+                unit.capacity = capacity
+                self.max_queued = queue_limit(self.configured_queue, capacity, self.cfg.max_running_jobs)
                 unit.ready = True
                 self.sup.mark_ready(unit)
                 log.info("generation engine ready: %d rank(s), %.1f s, queue limit %d", self.world,
                          time.monotonic() - unit.started_at, self.max_queued)
-            elif kind == "fatal":     # the rank logged it with its traceback; the supervisor reports it
-                unit.fatal = msg.get("message")
-            return
+            case Fatal(message=message):     # the rank logged it with its traceback; the supervisor reports it
+                unit.fatal = message
+            case JobStarted() | Progress() | Preview() | Image() | RlResult() | JobDone() | JobFailed():
+                self._on_job_event(unit, msg)
+            case _:                          # stats, weights replies
+                self.on_stats(msg)
+
+    def _on_job_event(self, unit: EngineRanks, msg) -> None:
+        rid = msg.request_id
         t = self.table.get(rid)
-        if t is None or t.unit is not unit:         # ended already (cancelled, timed out) or a stale unit:
-            if msg.get("image_handle"):             # a float image nobody will read back
-                self.keeper.release([msg["image_handle"]])
+        if t is None or t.unit is not unit:          # ended already (aborted, timed out) or a stale unit:
+            if isinstance(msg, Image) and msg.image_handle:     # a float image nobody will read back
+                self.keeper.release([msg.image_handle])
             return
-        if kind == "started":
-            self.table.mark_started(rid)
-        elif kind in ("progress", "preview", "image", "rl"):
-            t.deliver(msg)
-        elif kind == "done":
-            if self.table.finish(rid) is not None:
-                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
-        elif kind == "error":
-            if self.table.finish(rid, {k: v for k, v in msg.items() if k != "request_id"}) is not None:
-                self.keeper.release(t.handles)   # the engine freed them too; idempotent
+        match msg:
+            case JobStarted():
+                self.table.mark_started(rid)
+            case JobDone():
+                if self.table.finish(rid) is not None:
+                    self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
+            case JobFailed():
+                if self.table.finish(rid, msg) is not None:
+                    self.keeper.release(t.handles)   # the engine freed them too; idempotent
+            case _:
+                t.deliver(msg)
 
     def _on_death(self, reason: str) -> None:
         """kit watcher thread: the incarnation died. Fail its jobs (503) and free their pages."""
@@ -272,5 +283,5 @@ class EngineSupervisor:
             for t in self.table.waiting_longer_than(self.max_queue_wait_s):
                 err = overloaded(f"waited {self.max_queue_wait_s:.0f} s for the generation engine "
                                  "(--max-queue-wait-s); retry later", self.retry_after_s(), code="queue_timeout")
-                if self.table.finish(t.request_id, err.event()) is not None:
+                if self.table.finish(t.request_id, JobFailed(t.request_id, err.event())) is not None:
                     self._after_end(t)

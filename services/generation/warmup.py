@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .request import BRANCH_ORDER, GenerateRequest
+from services.contract.image import BRANCH_ORDER, GenerateRequest
 
 WARMUP_PREFIX_TOKENS = 64
 
@@ -70,7 +70,7 @@ def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
         job = engine.admit_local(spec, {b: kv for b in spec.handles},
                                  {b: WARMUP_PREFIX_TOKENS for b in spec.handles})
         engine.add(job)
-        while not job.done:
+        while not job.flow.done:
             engine.step()
         engine.pixels(job)
         job.free()

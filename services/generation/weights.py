@@ -22,6 +22,8 @@ from typing import Callable, Optional
 from services.kit.errors import APIError
 from services.kit.weights_api import WeightsEndpoint
 
+from .protocol import WeightsOp
+
 MISMATCH = "weights_version_mismatch"
 
 
@@ -117,11 +119,11 @@ def mismatch(theirs: Optional[str], ours: str) -> APIError:
 # -- the HTTP process ----------------------------------------------------------------------------------
 def weights_endpoint(engine) -> WeightsEndpoint:
     """The internal weights API of the generation service over its EngineSupervisor (ops go to rank 0 over
-    the command link; rank 0 replies as a `weights` stat)."""
+    the command link; rank 0 replies with a WeightsReply)."""
     def send(op: dict) -> bool:
         unit = engine.unit
         if unit is None or not engine.ready:
             return False
-        unit.send(("weights", op))
+        unit.send(WeightsOp(op))
         return True
     return WeightsEndpoint("generation", send)

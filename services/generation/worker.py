@@ -1,16 +1,13 @@
-"""Engine rank process: load the gen branch, then loop admission -> one batched step -> events.
+"""Engine rank process: load the gen branch, then loop: plan -> execute -> emit.
 
 Rank 0 (the leader) talks to the HTTP process over the link (link.py): a reader thread fills its inbox and an
-outbox thread writes its events, so the engine loop never waits on a pipe. Between steps it decides which jobs
-join (FIFO within `max_batch_tokens`) and which leave (cancelled) and broadcasts that plan to the other CFG
-ranks, so every rank runs the same job list in lock step.
-
-Messages in: ("job", GenerateRequest), ("cancel", request_id), ("stop",). Events out (dicts): ready, stats,
-fatal, and per job started -> progress ... -> image (pixels as a raw frame) ... -> done, or one error (final).
+outbox thread writes its events, so the engine loop never waits on a pipe. Each iteration the scheduler
+(scheduler.py) turns the commands waiting in the inbox into a StepPlan, rank 0 broadcasts it so every CFG / SP
+rank runs the same job list in lock step, every rank applies it (abort, admit, the weights op) and steps the
+running jobs once, and rank 0 emits the events (emitter.py). Messages both ways: protocol.py.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -20,61 +17,28 @@ import traceback
 import torch
 
 from services.kit import timeline
+from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
-from . import float_image
-from .request import APIError, GenerateRequest, busiest_rank_tokens
+from .config import GenerationConfig
+from .emitter import Emitter
+from .protocol import Fatal, KvImportStats, Ready, StepPlan, Stop, WarmupStats
+from .scheduler import Scheduler
 from .weights import RankWeights
-from .rollout import send_results
 
 log = logging.getLogger("u1serve.generation.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_IDLE_WAIT_S = 0.5
 
 
-class Scheduler:
-    """Step-level admission: FIFO, bounded by image tokens per forward and by job count."""
-
-    def __init__(self, max_batch_tokens: int, max_running_jobs: int, world: int, sp: int = 1):
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running_jobs = max_running_jobs
-        self.world = world      # CFG ranks
-        self.sp = sp
-        self.pending: collections.deque[GenerateRequest] = collections.deque()
-
-    def tokens(self, spec: GenerateRequest) -> int:
-        return busiest_rank_tokens(spec, self.world, self.sp)
-
-    def pick(self, running_tokens: int, running_jobs: int) -> list[GenerateRequest]:
-        out = []
-        budget = self.max_batch_tokens - running_tokens
-        while self.pending and running_jobs + len(out) < self.max_running_jobs:
-            need = self.tokens(self.pending[0])
-            if need > budget and (running_jobs or out):
-                break  # strict FIFO: a big job is not overtaken forever by small ones
-            out.append(self.pending.popleft())
-            budget -= need
-        return out
-
-    def remove(self, request_id: str) -> GenerateRequest | None:
-        for spec in self.pending:
-            if spec.request_id == request_id:
-                self.pending.remove(spec)
-                return spec
-        return None
-
-
-def _apply_plan(engine, comm, plan: dict, stats_out: list) -> dict:
-    """Drop and admit as rank 0 decided; agree on failures across ranks. Returns {request_id: error event}."""
-    for rid in plan["drop"]:
-        engine.drop(rid)
-    admitted, errors = [], {}
-    for spec in plan["admit"]:
+def _admit(engine, comm, specs: list) -> tuple[dict[str, dict], list[KvImportStats]]:
+    """Admit as rank 0 decided; agree on failures across ranks. Returns ({request_id: error event}, stats)."""
+    admitted, errors, stats = [], {}, []
+    for spec in specs:
         try:
-            job, stats = engine.admit(spec)
+            job, job_stats = engine.admit(spec)
             admitted.append(job)
-            stats_out.extend(stats)
+            stats.extend(job_stats)
         except APIError as e:
             errors[spec.request_id] = e.event()
         except torch.cuda.OutOfMemoryError:
@@ -92,122 +56,55 @@ def _apply_plan(engine, comm, plan: dict, stats_out: list) -> dict:
             job.free()
         else:
             engine.add(job)
-    return merged
+    return merged, stats
 
 
-def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
-    msgs = []
-    try:
-        msgs.append(inbox.get(timeout=_IDLE_WAIT_S) if block else inbox.get_nowait())
-        while True:
-            msgs.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-    return msgs
+def _apply(engine, comm, weights: RankWeights, plan: StepPlan):
+    """Every rank the same, in this order: abort, admit, the weights op. Returns (failed admissions, their
+    stats, rank 0's weights reply)."""
+    for rid in plan.abort:
+        engine.abort(rid)
+    failed, stats = _admit(engine, comm, plan.admit)
+    reply = weights.run(plan.weights) if plan.weights is not None else None
+    return failed, stats, reply
 
 
-def _leader_loop(engine, comm, source, inbox, out, args: dict) -> None:
-    sched = Scheduler(args["max_batch_tokens"], args["max_running_jobs"], comm.cfg_world, comm.sp.world)
+def _step(engine) -> tuple[list, int, float]:
+    """One step of every running job: (finished jobs, rows in the forward, seconds)."""
+    t0 = time.perf_counter()
+    finished, rows = engine.step()
+    if timeline.ENABLED:       # the step's end on the device, not its launch
+        engine.synchronize()
+        timeline.mark("gen", "step_done")
+    return finished, rows, time.perf_counter() - t0
+
+
+def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: GenerationConfig) -> None:
     weights = RankWeights(engine, comm)
-
-    def refuse(spec, err: APIError) -> None:   # a queued job that never imported its pages
-        source.release(spec.handles.values())
-        out.send({"request_id": spec.request_id, **err.event()})
-    stop = False
-    while not stop:
-        drop = []
-        for msg in _drain(inbox, block=not engine.running and not sched.pending):
-            if msg[0] == "stop":
-                stop = True
-            elif msg[0] == "job":
-                sched.pending.append(msg[1])
-            elif msg[0] == "weights":
-                weights.take(msg[1])
-            elif msg[0] == "cancel":  # the HTTP process already ended the stream; just stop the work
-                spec = sched.remove(msg[1]) or weights.remove_held(msg[1])
-                if spec is not None:  # never imported: free its pages now, not at lease expiry
-                    source.release(spec.handles.values())
-                elif any(j.request_id == msg[1] for j in engine.running):
-                    drop.append(msg[1])
-        running_tokens = sum(sched.tokens(j.spec) for j in engine.running)
-        weights.screen(sched.pending, refuse)      # jobs whose prefix another weights version computed
-        op = None if stop else weights.next_op(bool(engine.running))
-        admit = [] if stop or not weights.admitting(op) else sched.pick(running_tokens, len(engine.running))
-        plan = comm.broadcast({"admit": admit, "drop": drop, "stop": stop, "weights": op})
-        stats: list = []
-        errors = _apply_plan(engine, comm, plan, stats)
-        if op is not None:
-            out.send({"type": "stats", "stat": "weights", **weights.run(op)})
-            if op["op"] in ("commit", "abort"):       # (not a LoRA op: it changes no version)
-                weights.release_held(sched.pending, refuse)
-        for s in stats:
-            out.send({"type": "stats", **s})
-        for spec in admit:
-            if spec.request_id in errors:
-                source.release(spec.handles.values())
-                out.send({"request_id": spec.request_id, **errors[spec.request_id]})
-            else:
-                out.send({"request_id": spec.request_id, "type": "started",
-                          "weights_version": engine.weights_version})
-                timeline.mark("gen", "admitted")
-        if stop:
+    emit = Emitter(out, source, engine)
+    sched = Scheduler(cfg.max_batch_tokens, cfg.max_running_jobs, comm.cfg_world, comm.sp.world,
+                      weights=weights, release=source.release, refuse=emit.refuse)
+    while True:
+        plan = comm.broadcast(sched.schedule(inbox, engine.running))
+        emit.applied(plan, *_apply(engine, comm, weights, plan))
+        if plan.weights is not None:
+            sched.weights_done(plan.weights)
+        if plan.stop:
             break
         if not engine.running:
             source.drop_stale()   # unmap a pool the producer replaced, not only at the next job
-            out.send({"type": "stats", "stat": "idle", "running": 0, "queued": len(sched.pending)})
+            emit.idle(len(sched.pending))
             continue
-        t0 = time.perf_counter()
-        finished, rows = engine.step()
-        if timeline.ENABLED:       # the step's end on the device, not its launch
-            engine.synchronize()
-            timeline.mark("gen", "step_done")
-        seconds = time.perf_counter() - t0
-        for job in list(engine.running) + finished:
-            out.send({"request_id": job.request_id, "type": "progress", "step": job.step,
-                      "total": job.num_inference_steps})
-            if job.preview is not None:
-                k, frames = job.preview
-                job.preview = None
-                for i in range(job.n):
-                    out.send({"request_id": job.request_id, "type": "preview", "index": i,
-                              "partial_image_index": k, "step": job.step}, pixels=frames[i])
-        # the step's stats before its images: a client that got its last image finds the step in /metrics
-        out.send({"type": "stats", "stat": "step", "seconds": seconds, "tokens": rows,
-                  "jobs": len(engine.running) + len(finished), "running": len(engine.running),
-                  "queued": len(sched.pending), "peak_memory": engine.peak_memory(),
-                  "graph": engine.graphs.last})
-        for job in finished:
-            if not send_results(out, job):       # an RL job whose images are not wanted
-                out.send({"request_id": job.request_id, "type": "done"})
-                job.free()
-                continue
-            pixels = engine.pixels(job)
-            timeline.mark("gen", "pixels")
-            image_handle = None
-            if job.spec.export_image:
-                try:
-                    image_handle = float_image.export(source, job.x[0], job.spec.handles["cond"])
-                except APIError as e:
-                    out.send({"request_id": job.request_id, **e.event()})
-                    job.free()
-                    continue
-            for i in range(job.n):
-                out.send({"request_id": job.request_id, "type": "image", "index": i,
-                          "branch_steps": job.branch_steps, "image_handle": image_handle,
-                          "weights_version": engine.weights_version}, pixels=pixels[i])
-            out.send({"type": "stats", "stat": "branch_steps", "branch_steps": job.branch_steps})
-            out.send({"request_id": job.request_id, "type": "done"})
-            job.free()
+        finished, rows, seconds = _step(engine)
+        emit.stepped(finished, rows, seconds, len(sched.pending))
 
 
 def _follower_loop(engine, comm, source) -> None:
     weights = RankWeights(engine, comm)
     while True:
-        plan = comm.broadcast(None)
-        _apply_plan(engine, comm, plan, [])
-        if plan.get("weights") is not None:
-            weights.run(plan["weights"])
-        if plan["stop"]:
+        plan: StepPlan = comm.broadcast(None)
+        _apply(engine, comm, weights, plan)
+        if plan.stop:
             break
         if engine.running:
             for job in engine.step()[0]:
@@ -216,55 +113,63 @@ def _follower_loop(engine, comm, source) -> None:
             source.drop_stale()
 
 
-def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_conn) -> None:
+def _device(cfg: GenerationConfig, rank: int) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torch.device):
+    """This rank's communicator, prefix source and engine(s), warmed up. Returns (engine, comm, source, warm-up
+    stats)."""
+    from services.model.loader import load_model
+    from services.model.lora_registry import attach_lora
+
+    from .cfg_parallel import CfgComm
+    from .engine import Engine
+    from .kv_source import PrefixSource
+    from .rank_options import yield_gate
+    from .reference import EngineSet, reference_factory    # RL jobs alone, the reference policy
+    from .warmup import parse_sizes, run_warmup
+    comm = CfgComm.init(rank, world, port, device, sp=cfg.sp, sp_mode=cfg.sp_mode) if world > 1 \
+        else CfgComm.single()
+    dtype = _DTYPES[cfg.dtype]
+    model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
+                       quantization=cfg.quantization)
+    model.eval()
+    attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
+    source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
+                          geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype))
+    gate = yield_gate(cfg, device)
+    engine = EngineSet(Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs),
+                       reference_factory(cfg, device, dtype, source, comm, gate) if cfg.rl_reference == "on"
+                       else None)
+    warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps)
+    return engine, comm, source, warm
+
+
+def run_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn, outbox_conn) -> None:
     """Process entry point (spawned by the supervisor); rank 0 gets the two pipe ends."""
     die_with_parent()
     ignore_stop_signals()   # a group-wide SIGTERM shuts down through the server, which stops us
-    logging.basicConfig(level=str(args.get("log_level", "info")).upper(),
-                        format=f"%(asctime)s %(levelname)s gen-rank{rank}: %(message)s")
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(levelname)s gen-rank{rank}: %(message)s")
     from .link import Outbox, start_reader
     out = Outbox(outbox_conn, "u1-gen-events") if rank == 0 else None
     try:
-        if args.get("threads"):
-            torch.set_num_threads(int(args["threads"]))
-        if args["device"] == "cuda":
-            device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        from services.model.loader import load_model
-        from services.model.lora_registry import attach_lora
-
-        from .capacity import measure
-        from .cfg_parallel import CfgComm
-        from .engine import Engine
-        from .kv_source import PrefixSource
-        from .rank_options import yield_gate
-        comm = CfgComm.init(rank, world, port, device, sp=int(args.get("sp", 1)),
-                            sp_mode=args.get("sp_mode", "ulysses")) if world > 1 else CfgComm.single()
-        model = load_model(args["model"], branch="gen", dtype=_DTYPES[args["dtype"]], device=device,
-                           lora=[tuple(x) for x in args.get("lora") or ()],
-                           quantization=args.get("quantization"))
-        model.eval()
-        attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
-        source = PrefixSource(args["kv_pool_name"], model.fingerprint, device,
-                              geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
-                                        model.dtype))
-        gate = yield_gate(args, device)
-        engine = Engine(model, source, comm, yield_gate=gate, cuda_graphs=args.get("cuda_graphs", "off"))
-        from .reference import EngineSet, reference_factory    # RL jobs alone, the reference policy
-        engine = EngineSet(engine, reference_factory(args, device, _DTYPES, source, comm, gate)
-                           if args.get("rl_reference") == "on" else None)
-        from .warmup import parse_sizes, run_warmup
-        warm = run_warmup(engine, parse_sizes(args.get("default_size"), args.get("warmup_sizes")),
-                          int(args.get("warmup_steps", 0)))
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = _device(cfg, rank)
+        engine, comm, source, warm = _build(rank, world, port, cfg, device)
         if rank == 0:
-            out.send({"type": "stats", "stat": "warmup", **warm})
+            from .capacity import measure
+            out.send(WarmupStats(**warm))
             inbox: queue.SimpleQueue = queue.SimpleQueue()
-            start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(("stop",)))
-            h0, h1 = comm.sp.kv_heads(model.num_kv_heads)
-            out.send({"type": "ready", "capacity": measure(model, device, comm.cfg_world, h1 - h0)})
-            _leader_loop(engine, comm, source, inbox, out, args)
+            start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(Stop()))
+            h0, h1 = comm.sp.kv_heads(engine.model.num_kv_heads)
+            out.send(Ready(measure(engine.model, device, comm.cfg_world, h1 - h0)))
+            _leader_loop(engine, comm, source, inbox, out, cfg)
         else:
             _follower_loop(engine, comm, source)
         source.close()
@@ -275,6 +180,6 @@ def run_rank(rank: int, world: int, port: int, args: dict, inbox_conn, outbox_co
         msg = f"rank {rank}: {e!r}"
         log.error("engine failed: %s\n%s", msg, traceback.format_exc())
         if out is not None:
-            out.send({"type": "fatal", "message": msg})
+            out.send(Fatal(msg))
             out.close(timeout=2)
         os._exit(1)

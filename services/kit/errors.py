@@ -126,6 +126,15 @@ def from_validation(errors: list[dict]) -> APIError:
     return APIError(400, text, param=param, code=code)
 
 
+def validated(model, body):
+    """`body` as pydantic `model`, or the 400 that names the first bad field (from_validation)."""
+    from pydantic import ValidationError
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc.errors()) from None
+
+
 def install(app, service: str) -> None:
     """Register the handlers that turn every exception into an OpenAI-shaped response."""
     from fastapi.exceptions import RequestValidationError

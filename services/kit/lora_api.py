@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from services.contract import limits as L
+from services.kit.errors import validated
 from services.kit.web import json_body
 
 LORA_TIMEOUT_S = 600.0      # reading an adapter + waiting for the step in flight
@@ -32,19 +33,18 @@ class LoraUnloadBody(BaseModel):
 
 def lora_router(endpoint) -> APIRouter:
     """The routes over `endpoint` (a WeightsEndpoint: its channel to the engine ranks)."""
-    from services.kit.weights_api import _parse
     r = APIRouter()
 
     @r.post("/internal/lora/load")
     async def load(request: Request):
-        body = _parse(LoraLoadBody, await json_body(request))
+        body = validated(LoraLoadBody, await json_body(request))
         msg = await endpoint._call({"op": "lora_load", "id": "l-" + uuid.uuid4().hex[:12], **body.model_dump()},
                                    LORA_TIMEOUT_S)
         return {k: msg.get(k) for k in ("name", "slot", "modules", "seconds")}
 
     @r.post("/internal/lora/unload")
     async def unload(request: Request):
-        body = _parse(LoraUnloadBody, await json_body(request))
+        body = validated(LoraUnloadBody, await json_body(request))
         msg = await endpoint._call({"op": "lora_unload", "id": "l-" + uuid.uuid4().hex[:12], **body.model_dump()},
                                    LORA_TIMEOUT_S)
         return {k: msg.get(k) for k in ("name", "requests", "seconds")}

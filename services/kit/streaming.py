@@ -1,8 +1,9 @@
 """Streamed responses that cannot be held hostage by their client.
 
-- `OwnedStream`: an SSE response that runs its `on_close` however it ends: finished, failed, cut, or the client
-  gone before the body even started (an async generator that never started runs no `finally`, so the cleanup
-  of the work it relays cannot live there alone).
+- `OwnedStream`: the one way a service answers with SSE (gateway, understanding, generation). It closes its body
+  and then runs its `on_close` however the response ends: finished, failed, cut, or the client gone before the
+  body even started (an async generator that never started runs no `finally`, so the cleanup of the work it
+  relays cannot live there).
 - `SlowReaderGuard`: the outermost ASGI wrapper of a service (around the app handed to uvicorn). A response
   chunk waits while the client's socket buffers are full; if the client then takes no byte for
   `write_timeout_s`, the connection is aborted. To the app that is a client that left: the stream's
@@ -27,8 +28,8 @@ DEFAULT_WRITE_TIMEOUT_S = 30.0
 
 
 class OwnedStream(StreamingResponse):
-    """An SSE response that runs `on_close` however it ends (finished, failed, or the client gone before or
-    while it streamed), so the upstream work it relays is never left running."""
+    """An SSE response that closes its body and then runs `on_close` however it ends (finished, failed, or the
+    client gone before or while it streamed), so the upstream work it relays is never left running."""
 
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
         super().__init__(body, media_type="text/event-stream", headers=sse.HEADERS)
@@ -39,6 +40,9 @@ class OwnedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
                 await self.on_close()
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from fastapi import APIRouter, Request
 
 from services.contract.rl_weights import WeightsCommitBody, WeightsStageBody
-from services.kit.errors import APIError, from_validation, unavailable
+from services.kit.errors import APIError, unavailable, validated
 from services.kit.lora_api import lora_router
 from services.kit.web import json_body
 
@@ -132,11 +132,11 @@ class WeightsEndpoint:
 
         @r.post("/internal/weights/stage")
         async def stage(request: Request):
-            return await self.stage(_parse(WeightsStageBody, await json_body(request)))
+            return await self.stage(validated(WeightsStageBody, await json_body(request)))
 
         @r.post("/internal/weights/commit")
         async def commit(request: Request):
-            return await self.commit(_parse(WeightsCommitBody, await json_body(request)))
+            return await self.commit(validated(WeightsCommitBody, await json_body(request)))
 
         @r.post("/internal/weights/abort")
         async def abort(request: Request):
@@ -145,11 +145,3 @@ class WeightsEndpoint:
             return await self.abort(op_id if isinstance(op_id, str) else None)
         r.include_router(lora_router(self))     # LoRA load / unload ride the same channel (lora_api.py)
         return r
-
-
-def _parse(model, body):
-    from pydantic import ValidationError
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation(exc.errors()) from None

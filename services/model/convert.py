@@ -77,7 +77,7 @@ def _write_quantized(wm: dict[str, str], dst: str, scheme: str) -> list[str]:
 
     from .checkpoint_files import INDEX_FILE
     from .loader import QUANT_DTYPES
-    from .quant import scheme as quant_scheme
+    from .quant_schemes import scheme as quant_scheme
     quantize_rows = quant_scheme(scheme).linear.quantize_rows
     new_map, ignore = {}, []
     for path in sorted(set(wm.values())):

@@ -55,6 +55,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
     (services/model/gguf_io.py)."""
     from .quant import QUANTIZATIONS, quantize_model
+    from .quant_schemes import scheme
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -65,7 +66,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
         if quantization != "none":
-            quantize_model(model, quant_branches, scheme_name=quantization)
+            quantize_model(model, quant_branches, scheme=scheme(quantization))
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
@@ -155,6 +156,7 @@ def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization:
                  lora_strength: float, tp, model_dir: str, cfg: NeoConfig) -> NeoModel:
     """Assign the weights, merge the LoRAs, quantise (from `prequantized` where the checkpoint had them)."""
     from .quant import quantize_model
+    from .quant_schemes import scheme
     model.load_state_dict(state, strict=True, assign=True)
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
@@ -162,7 +164,7 @@ def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization:
             merge_lora(model, path, strength=strength, tp=tp)
     if quantization != "none":
         # merged adapters changed the weights: quantise those from the merged values
-        quantize_model(model, quant_branches, {} if loras else prequantized, scheme_name=quantization)
+        quantize_model(model, quant_branches, {} if loras else prequantized, scheme=scheme(quantization))
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)

@@ -55,7 +55,7 @@ from services import knobs
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
-QUANTIZATIONS = ("none", "fp8", "int8")   # int8: services/model/quant_int8.py
+QUANTIZATIONS = ("none", "fp8", "int8")   # the schemes by name: services/model/quant_schemes.py
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
 CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
 CUDA_FAST_ACCUM_MIN_TOKENS = 4096
@@ -357,22 +357,14 @@ class Scheme:
     policy: object        # device -> GemmPolicy
 
 
-def scheme(name: str) -> Scheme:
-    if name == "fp8":
-        return Scheme(Fp8Linear, Fp8QKV, Fp8SwiGLU, Fp8RMSNorm, GemmPolicy.for_device)
-    if name == "int8":
-        from .quant_int8 import INT8_SCHEME
-        return INT8_SCHEME
-    raise ValueError(f"no 8-bit scheme {name!r} (fp8, int8)")
-
-
 def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
-                   policy: GemmPolicy | None = None, scheme_name: str = "fp8") -> int:
+                   policy: GemmPolicy | None = None, scheme: Scheme | None = None) -> int:
     """Swap the branch's dense Linear layers (and the norms / activation feeding them) for their 8-bit
-    versions (`scheme_name`: fp8, int8) in place (module doc). `prequantized`: {param name without '.weight':
-    (q, scale)} from a quantised checkpoint of that scheme (used as is). `policy`: the scheme's default for
-    the model's device. Returns the Linear layers now running quantised."""
-    sch = scheme(scheme_name)
+    versions (`scheme`: FP8_SCHEME when None; by name: quant_schemes.scheme) in place (module doc).
+    `prequantized`: {param name without '.weight': (q, scale)} from a quantised checkpoint of that scheme (used
+    as is). `policy`: the scheme's default for the model's device. Returns the Linear layers now running
+    quantised."""
+    sch = scheme or FP8_SCHEME
     policy = policy or sch.policy(model.device)
     pre = prequantized or {}
     n = 0
@@ -415,3 +407,6 @@ def _quantize_norm(sch: Scheme, layer, name: str, policy: GemmPolicy) -> None:
     norm = getattr(layer, name)
     if sch.norm is not None and type(norm) is RMSNorm:
         setattr(layer, name, sch.norm(norm, policy))
+
+
+FP8_SCHEME = Scheme(Fp8Linear, Fp8QKV, Fp8SwiGLU, Fp8RMSNorm, GemmPolicy.for_device)

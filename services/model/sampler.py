@@ -114,6 +114,42 @@ def euler(z: torch.Tensor, v: torch.Tensor, t: torch.Tensor, t_next: torch.Tenso
     return z + (t_next - t) * v
 
 
+class FlowMatchEuler:
+    """One job's timestep grid and where it is on it: the sampler side of a denoise loop (the CFG rule,
+    `combine`, is the loop's). `step` is the Euler step from the current timestep to the next, then moves on;
+    a job whose transition is computed elsewhere (RL's SDE steps) calls `advance` instead."""
+
+    def __init__(self, num_steps: int, shift: float, device=None):
+        self.num_steps = num_steps
+        self.grid = timesteps(num_steps, shift, device=device)
+        self.grid_host = self.grid.tolist()      # host copies: the CFG rule needs no device sync
+        self.index = 0
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self.grid[self.index]
+
+    @property
+    def t_next(self) -> torch.Tensor:
+        return self.grid[self.index + 1]
+
+    @property
+    def t_host(self) -> float:
+        return self.grid_host[self.index]
+
+    @property
+    def done(self) -> bool:
+        return self.index >= self.num_steps
+
+    def step(self, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        z_next = euler(z, v, self.t, self.t_next)
+        self.index += 1
+        return z_next
+
+    def advance(self) -> None:
+        self.index += 1
+
+
 def to_uint8_device(x: torch.Tensor) -> torch.Tensor:
     """[-1, 1] image tensor -> contiguous uint8 [B, H, W, 3] on x's device (x*0.5+0.5, clamp, *255,
     round)."""

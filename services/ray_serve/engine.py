@@ -1,7 +1,7 @@
 """One engine replica (understanding or generation) as a Serve deployment: the real engine server as a child
 process on the replica's node, bound to the node's address, on the replica's GPUs (Ray's CUDA_VISIBLE_DEVICES).
 
-The command line is the one `u1serve up` builds for that service (services/cli.py, a dry run of the stack with
+The command line is the one `u1serve up` builds for that service (services/stack.py, a dry run of the stack with
 the same flags); only the address, the port, the KV pool name and the KV transport are the replica's own.
 Serve's health check asks the process (any answer of /health counts, a 503 while the engine loads or restarts
 itself too); a dead or silent process fails it and Serve replaces the replica. The engine's load (/health) is this replica's autoscaling
@@ -30,7 +30,7 @@ GRACE_S = 20.0
 
 def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
     """The ServiceSpec `u1serve up` would start for service `name` (und, gen, gateway) with these flags."""
-    from services.cli import build_stack
+    from services.stack import build_stack
     if not knobs.INTERNAL_TOKEN.get():
         raise RuntimeError("U1SERVE_INTERNAL_TOKEN is not set in this replica's environment: every replica of the "
                            "application needs the same internal token (u1serve ray sets it; with `serve run`, set "

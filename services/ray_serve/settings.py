@@ -85,12 +85,12 @@ class RayAppSettings:
 
 
 def _has_cuda() -> bool:
-    from services.cli import has_cuda
+    from services.stack import has_cuda
     return has_cuda()
 
 
 def stack_parser() -> argparse.ArgumentParser:
-    from services.cli import add_stack_flags
+    from services.stack import add_stack_flags
     p = argparse.ArgumentParser(prog="u1serve up flags", add_help=False)
     add_stack_flags(p, model_default=None)
     return p

@@ -50,7 +50,7 @@ def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str
 
 def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False):
     """A stack on this machine (CPU for the tiny checkpoint), started; the caller stops it."""
-    from services.cli import add_stack_flags, build_stack
+    from services.stack import add_stack_flags, build_stack
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     argv = ["--model", model, "--host", "127.0.0.1", "--port", str(free_port()), "--und-port", str(free_port()),
@@ -67,7 +67,7 @@ def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False):
 
 def main(args: argparse.Namespace) -> int:
     from services import knobs
-    from services.cli import ensure_tiny_checkpoint
+    from services.stack import ensure_tiny_checkpoint
     cfg = config_from_args(args)
     api_key = args.api_key or knobs.API_KEY.get()
     model_dir = ensure_tiny_checkpoint("u1", out=sys.stderr) if args.model == "tiny" else args.model

@@ -209,7 +209,6 @@ DEFAULT_REPLIES = {
         *[{"type": "image", "index": i, "b64": tiny_png_b64(), "format": body["output_format"],
            "width": body["width"], "height": body["height"], "seed": body["seed"], "nsfw": False}
           for i in range(body["n"])]),
-    "/internal/cancel": lambda body: {"request_id": body["request_id"], "cancelled": False},
     "/internal/release": lambda body: {"released_pages": 0},
     "/internal/abort": lambda body: {"request_id": body["request_id"], "aborted": 0},
 }

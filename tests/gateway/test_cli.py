@@ -4,19 +4,19 @@ import os
 
 import pytest
 
-from services import cli
+from services import cli, stack
 
 
 def up_args(*extra):
     p = argparse.ArgumentParser()
-    cli.add_stack_flags(p, model_default=None)
+    stack.add_stack_flags(p, model_default=None)
     args = p.parse_args(["--model", "/m", *extra])
-    cli.resolve_ports(args, probe=False)
+    stack.resolve_ports(args, probe=False)
     return args
 
 
 def ctx_for(args):
-    return {"model": "/m", "placement": cli.Placement(args), "pool": "pool", "pool_gb": 1.0,
+    return {"model": "/m", "placement": stack.Placement(args), "pool": "pool", "pool_gb": 1.0,
             "env": {"U1SERVE_INTERNAL_TOKEN": "t"}, "model_name": "m", "default_size": "64x64"}
 
 
@@ -24,7 +24,7 @@ def test_colocate_shares_gpus_with_memory_fractions():
     args = up_args("--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                    "--gen-cfg-parallel", "2")
     ctx = ctx_for(args)
-    und, gen = cli.build_und(args, ctx), cli.build_gen(args, ctx)
+    und, gen = stack.build_und(args, ctx), stack.build_gen(args, ctx)
     assert und.env["CUDA_VISIBLE_DEVICES"] == gen.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert float(und.env["U1SERVE_GPU_MEMORY_FRACTION"]) + float(gen.env["U1SERVE_GPU_MEMORY_FRACTION"]) <= 0.95
     assert und.env["U1SERVE_INTERNAL_TOKEN"] == "t"
@@ -33,20 +33,20 @@ def test_colocate_shares_gpus_with_memory_fractions():
 def test_separate_uses_disjoint_gpus():
     args = up_args("--device", "cuda", "--mode", "separate", "--und-tp", "2", "--gen-cfg-parallel", "2")
     ctx = ctx_for(args)
-    assert cli.build_und(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert cli.build_gen(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert "U1SERVE_GPU_MEMORY_FRACTION" not in cli.build_gen(args, ctx).env
+    assert stack.build_und(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert stack.build_gen(args, ctx).env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "U1SERVE_GPU_MEMORY_FRACTION" not in stack.build_gen(args, ctx).env
     with pytest.raises(SystemExit):
-        cli.Placement(up_args("--device", "cuda", "--mode", "separate", "--und-gpus", "0", "--gen-gpus", "0"))
+        stack.Placement(up_args("--device", "cuda", "--mode", "separate", "--und-gpus", "0", "--gen-gpus", "0"))
     with pytest.raises(SystemExit):
-        cli.Placement(up_args("--device", "cuda", "--und-gpus", "0", "--und-tp", "2"))
+        stack.Placement(up_args("--device", "cuda", "--und-gpus", "0", "--und-tp", "2"))
 
 
 def test_cpu_defaults():
     args = up_args("--device", "cpu")
-    pl = cli.Placement(args)
+    pl = stack.Placement(args)
     assert (pl.device, pl.dtype) == ("cpu", "float32")
-    assert cli.build_und(args, ctx_for(args)).env["CUDA_VISIBLE_DEVICES"] == ""
+    assert stack.build_und(args, ctx_for(args)).env["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_built_command_lines_parse_with_the_engines_own_parsers():
@@ -57,8 +57,8 @@ def test_built_command_lines_parse_with_the_engines_own_parsers():
     args = up_args("--device", "cpu", "--und-args", "--kv-cache-tokens 1024",
                    "--gen-args", "--max-batch-tokens 2048")
     ctx = ctx_for(args)
-    for build, parser in ((cli.build_und, und_parser), (cli.build_gen, gen_parser),
-                          (cli.build_gateway, gateway_parser)):
+    for build, parser in ((stack.build_und, und_parser), (stack.build_gen, gen_parser),
+                          (stack.build_gateway, gateway_parser)):
         spec = build(args, ctx)
         assert spec.argv[1] == "-m"
         parsed = parser().parse_args(spec.argv[3:])
@@ -88,15 +88,15 @@ def test_taken_ports_free_ones_or_an_error_that_names_the_flag():
         busy.listen()
         taken = busy.getsockname()[1]
         p = argparse.ArgumentParser()
-        cli.add_stack_flags(p, model_default=None)
+        stack.add_stack_flags(p, model_default=None)
         args = p.parse_args(["--model", "/m", "--host", "127.0.0.1", "--port", str(taken - 100)])
-        cli.resolve_ports(args)                  # the derived understanding port is taken: a free one
+        stack.resolve_ports(args)                  # the derived understanding port is taken: a free one
         assert args.und_port != taken and args.gen_port == taken + 100
         for flags, flag in ((["--port", str(taken)], "--port"), (["--und-port", str(taken)], "--und-port"),
                             (["--gen-port", str(taken)], "--gen-port")):
             args = p.parse_args(["--model", "/m", "--host", "127.0.0.1", *flags])
             with pytest.raises(SystemExit) as e:
-                cli.resolve_ports(args)
+                stack.resolve_ports(args)
             assert f"({flag}" in str(e.value) and "already in use" in str(e.value)
 
 
@@ -107,21 +107,21 @@ def test_secrets_come_from_files_or_the_environment_and_stay_off_command_lines(t
     (tmp_path / "tok").write_text("tok-file\n")
     args = up_args("--device", "cpu", "--api-key-file", str(tmp_path / "key"),
                    "--internal-token-file", str(tmp_path / "tok"))
-    assert cli.resolve_secrets(args) == ("tok-file", None)   # the key file goes to the gateway as a path
+    assert stack.resolve_secrets(args) == ("tok-file", None)   # the key file goes to the gateway as a path
     ctx = {**ctx_for(args), "env": {"U1SERVE_INTERNAL_TOKEN": "tok-file"}, "api_key": None}
-    specs = [b(args, ctx) for b in cli.SERVICE_BUILDERS]
+    specs = [b(args, ctx) for b in stack.SERVICE_BUILDERS]
     for spec in specs:
         assert not any("sk-file" in a or "tok-file" in a for a in spec.argv), spec.argv
         assert spec.env["U1SERVE_INTERNAL_TOKEN"] == "tok-file"
     assert specs[-1].argv[specs[-1].argv.index("--api-key-file") + 1] == str(tmp_path / "key")
     monkeypatch.setenv("U1SERVE_API_KEY", "sk-env")
     args = up_args("--device", "cpu")
-    token, key = cli.resolve_secrets(args)
+    token, key = stack.resolve_secrets(args)
     assert key == "sk-env" and len(token) == 32            # always an internal token: a random one
-    gateway = cli.build_gateway(args, {**ctx_for(args), "api_key": key})
+    gateway = stack.build_gateway(args, {**ctx_for(args), "api_key": key})
     assert gateway.env["U1SERVE_API_KEY"] == "sk-env" and "--api-key-file" not in gateway.argv
     with pytest.raises(SystemExit):
-        cli.resolve_secrets(up_args("--device", "cpu", "--gateway-args", "--api-key sk"))
+        stack.resolve_secrets(up_args("--device", "cpu", "--gateway-args", "--api-key sk"))
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(SystemExit):
-        cli.resolve_secrets(up_args("--device", "cpu", "--api-key-file", str(tmp_path / "empty")))
+        stack.resolve_secrets(up_args("--device", "cpu", "--api-key-file", str(tmp_path / "empty")))

@@ -140,7 +140,7 @@ def test_gen_sp_mode_choices_are_the_engines():
     """u1serve up lists the modes without importing torch; they are sequence_parallel.MODES."""
     import argparse
 
-    from services.cli import add_stack_flags
+    from services.stack import add_stack_flags
     from services.generation.sequence_parallel import MODES
     p = argparse.ArgumentParser()
     add_stack_flags(p, "tiny")

@@ -31,7 +31,7 @@ def adm(tiny_dir, ref_model):
 
 
 def _cancel(server, rid):
-    httpx.post(server.url + "/internal/cancel", json={"request_id": rid}, headers={"X-U1-Internal-Token": TOKEN},
+    httpx.post(server.url + "/internal/abort", json={"request_id": rid}, headers={"X-U1-Internal-Token": TOKEN},
                timeout=10)
 
 

@@ -10,8 +10,9 @@ from .genhelp import publish
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
-from services.generation.request import ApiError, check_handles, parse_job
-from services.generation.worker import Scheduler
+from services.generation.inputs import check_handles, parse_job
+from services.kit.errors import APIError
+from services.generation.scheduler import Scheduler
 from services.model import reference as R
 from services.model import sampler as S
 
@@ -42,17 +43,17 @@ def test_parse_defaults_and_errors():
                        ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"output_format": "gif"}, "output_format"),
                        ({"mode": "edit", "cfg_norm": "cfg_zero_star"}, "cfg_norm"),
                        ({"guidance_scale": "x"}, "guidance_scale"), ({"bogus": 1}, "bogus")]:
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(APIError) as e:
             parse_job({"request_id": "r", "handles": H, "seed": 1, "width": 64, "height": 64, **bad})
         assert e.value.status == 400 and e.value.param == param, (bad, e.value.body())
-    with pytest.raises(ApiError) as e:   # guidance 4 needs uncond too
+    with pytest.raises(APIError) as e:   # guidance 4 needs uncond too
         parse_job({"request_id": "r", "handles": {"cond": H["cond"]}, "seed": 1, "width": 64, "height": 64})
     assert e.value.status == 400 and "need handles" in e.value.message
     check_handles(job, "f")
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(APIError) as e:
         check_handles(job, "g")
     assert e.value.code == "kv_fingerprint_mismatch" and e.value.param == "handles.cond"
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(APIError) as e:
         check_handles(parse_job({"request_id": "r", "handles": {**H, "cond": {"page_ids": [1]}}, "seed": 1,
                                  "width": 64, "height": 64}), None)
     assert e.value.code == "kv_malformed_handle"
@@ -79,6 +80,28 @@ def test_scheduler_fifo_within_token_budget():
     assert [j.request_id for j in s2.pick(0, 0)] == ["x", "y"]    # job-count bound
 
 
+def test_scheduler_turns_commands_into_plans():
+    """Rank 0's scheduler in-process: typed commands in, StepPlans out."""
+    import queue
+    from types import SimpleNamespace
+
+    from services.generation.protocol import AbortJob, Stop, SubmitJob
+    released = []
+    s = Scheduler(max_batch_tokens=10**6, max_running_jobs=4, world=1, release=released.extend)
+    inbox = queue.SimpleQueue()
+    for rid in ("a", "b"):
+        inbox.put(SubmitJob(spec(rid, 64)))
+    inbox.put(AbortJob("b"))                       # still queued: leaves the queue, its pages are freed
+    plan = s.schedule(inbox, running=[])
+    assert [j.request_id for j in plan.admit] == ["a"] and plan.abort == [] and not plan.stop
+    assert released == list(H.values())
+    running = [SimpleNamespace(request_id="a", spec=plan.admit[0])]
+    inbox.put(AbortJob("a"))                       # running: aborted on every rank by the plan
+    inbox.put(Stop())
+    plan = s.schedule(inbox, running)
+    assert plan.abort == ["a"] and plan.stop and plan.admit == [] and plan.weights is None
+
+
 def test_bf16_engine_matches_bf16_reference(tiny_dir):
     """bf16: equal to the bf16 reference here (same CPU kernels); the stated tolerance is 1 uint8 level,
     and bf16 vs fp32 differs by up to ~0.1 in [-1, 1] units on the tiny model (model_spec 12.10)."""
@@ -97,7 +120,7 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
                          "cfg_norm": "global"})
         engine = Engine(gen, PrefixSource(pool.name, gen.fingerprint, torch.device("cpu")))
         state, stats = engine.admit(job)
-        assert pool.stats()["pages_used"] == 0 and [s["stat"] for s in stats] == ["kv_import"] * 2
+        assert pool.stats()["pages_used"] == 0 and [type(s).__name__ for s in stats] == ["KvImportStats"] * 2
         # layout: per (branch, image) segment [prefix ; N image slots], prefixes copied in once
         assert [(s.branch, s.image) for s in state.segments] == [("cond", 0), ("cond", 1),
                                                                    ("uncond", 0), ("uncond", 1)]
@@ -124,7 +147,7 @@ def test_pool_of_another_dtype_is_a_clear_503(ref_model):
         src = PrefixSource(pool.name, model.fingerprint, torch.device("cpu"),
                            geometry=(model.num_layers, model.num_kv_heads, model.head_dim,
                                      torch.float32))
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(APIError) as e:
             src.pool()
         assert e.value.status == 503 and e.value.code == "kv_pool_mismatch"
         assert "--dtype" in e.value.message

@@ -4,8 +4,10 @@ expiry, a restarted service works), producer restart (stale handles rejected, re
 fingerprint."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -13,7 +15,7 @@ import uuid
 import httpx
 import pytest
 from .conftest import make_pool
-from .genhelp import (HEADERS, GenServer, body, errors_of, generate, images_of, prefixes,
+from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, images_of, prefixes,
                       publish, wait_until)
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
@@ -137,7 +139,7 @@ def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):
                        (b'{"a":' * 40 + b"1" + b"}" * 40, "nested"), (b"[" * 5000 + b"]" * 5000, "nested")):
         s, e = post(None, raw=raw)
         assert s == 400 and e["error"]["code"] == "invalid_json" and words in e["error"]["message"]
-    r = httpx.post(server.url + "/internal/cancel", content=b"{}", headers=HEADERS, timeout=10)
+    r = httpx.post(server.url + "/internal/abort", content=b"{}", headers=HEADERS, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
     assert server.health()[0] == 200
@@ -151,13 +153,13 @@ def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
     assert b.queued.wait(30)
     time.sleep(0.3)
     assert pool.stats()["pages_used"] > 0  # b waits behind a (one job at a time) with its pages
-    r = httpx.post(server.url + "/internal/cancel", json={"request_id": "cancel-b"},
+    r = httpx.post(server.url + "/internal/abort", json={"request_id": "cancel-b"},
                    headers=HEADERS, timeout=10)
-    assert r.json()["cancelled"] is True
+    assert r.json()["aborted"] == 1
     b.join(30)
     assert errors_of(b.events)[0]["error"]["code"] == "cancelled" and b.events[-1] == "[DONE]"
     assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)  # freed now, not at expiry
-    httpx.post(server.url + "/internal/cancel", json={"request_id": "cancel-a"}, headers=HEADERS)
+    httpx.post(server.url + "/internal/abort", json={"request_id": "cancel-a"}, headers=HEADERS)
     a.join(30)
     assert errors_of(a.events)[0]["error"]["code"] == "cancelled" and a.events[-1] == "[DONE]"
     wait_until(lambda: server.health()[1]["running"] == 0, 10)
@@ -179,7 +181,7 @@ def test_queued_job_keeps_its_lease_through_a_stalled_engine(fault_env, ref_mode
         assert pool.stats()["pages_expired"] == 0
     finally:
         os.kill(rank0, signal.SIGCONT)
-    httpx.post(server.url + "/internal/cancel", json={"request_id": "lease-a"}, headers=HEADERS)
+    httpx.post(server.url + "/internal/abort", json={"request_id": "lease-a"}, headers=HEADERS)
     a.join(30)
     b.join(60)
     assert b.status == 200 and not errors_of(b.events), b.events[-3:]
@@ -198,6 +200,38 @@ def test_client_disconnect_cancels(fault_env, ref_model):
     # the engine is free again: the next job runs to the end
     status, events = generate(server.url, body("after-gone", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events)
+
+
+def _post_and_leave(port: int, path: str, payload: dict) -> None:
+    """Send a whole request, then close the connection without reading a byte of the answer."""
+    data = json.dumps(payload).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"X-U1-Internal-Token: {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + data)
+        s.shutdown(socket.SHUT_WR)
+
+
+def test_client_gone_before_its_stream_starts_leaks_nothing(fault_env, ref_model):
+    """Clients that leave right after sending (an image job and an RL rollout, queued behind a running job): the
+    HTTP process claimed their pages at acceptance, so only the stream's own cleanup can free them; it runs
+    even when the body never started (kit.streaming.OwnedStream), and the jobs leave the table."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    a = running_job(server.url, body("early-a", publish(pool, _pre(ref_model))))
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)       # a imported (and freed) its pages
+    before = server.metrics().get('u1_gen_requests_total{outcome="disconnected"}', 0.0)
+    _post_and_leave(server.port, "/internal/generate", body("early-b", publish(pool, _pre(ref_model))))
+    _post_and_leave(server.port, "/internal/rl/rollout", body("early-rl", publish(pool, _pre(ref_model)),
+                                                              rl={"seeds": [3]}))
+    assert wait_until(lambda: server.metrics().get('u1_gen_requests_total{outcome="disconnected"}', 0.0)
+                      == before + 1, 15)                                # b reached the app and ended there
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 15)       # b's and the rollout's pages
+    assert pool.stats()["pages_expired"] == 0                           # freed, not left to a lease
+    assert wait_until(lambda: server.health()[1]["queued"] == 0, 10)
+    assert server.health()[1]["running"] == 1                           # a only
+    httpx.post(server.url + "/internal/abort", json={"request_id": "early-a"}, headers=HEADERS)
+    a.join(30)
+    assert wait_until(lambda: server.health()[1]["running"] == 0, 10)
 
 
 def test_engine_killed_mid_job(fault_env, ref_model):

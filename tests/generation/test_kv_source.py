@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.generation.kv_source import PrefixSource
-from services.generation.request import ApiError
+from services.kit.errors import APIError
 from shm_transfer import KVLayout, ShmKVPool, write_kv
 from tests.shm_transfer.shm_peer import Peer
 
@@ -64,7 +64,7 @@ def test_claim_holds_a_queued_jobs_pages_past_the_lease(name):
 
 def test_missing_pool_is_a_503(name):
     src = PrefixSource(name, FP, torch.device("cpu"), attach_timeout_s=0.1)
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(APIError) as e:
         src.pool()
     assert e.value.status == 503 and e.value.code == "kv_pool_unavailable"
     src.release([{"not": "a handle"}])  # best effort, never raises

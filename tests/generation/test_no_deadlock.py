@@ -38,7 +38,7 @@ def _threads(pid: int) -> int:
 
 
 async def _run(url: str, b: dict, cancel_after_queued: float | None = None) -> tuple[int, list]:
-    """One streamed generate; optionally cancel it (POST /internal/cancel) a moment after `queued`."""
+    """One streamed generate; optionally cancel it (POST /internal/abort) a moment after `queued`."""
     events: list = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30)) as client:
         async with client.stream("POST", url + "/internal/generate", json=b, headers=HEADERS) as r:
@@ -49,7 +49,7 @@ async def _run(url: str, b: dict, cancel_after_queued: float | None = None) -> t
                 events.append(ev)
                 if ev != sse.DONE and ev["type"] == "queued" and cancel_after_queued is not None:
                     await asyncio.sleep(cancel_after_queued)
-                    c = await client.post(url + "/internal/cancel", json={"request_id": b["request_id"]},
+                    c = await client.post(url + "/internal/abort", json={"request_id": b["request_id"]},
                                           headers=HEADERS)
                     assert c.status_code == 200
     return 200, events

@@ -168,7 +168,7 @@ def test_share_bounds_the_time_given_away(name, writer):
 
 def test_engine_yields_between_layers_same_image(name, writer, tiny_dir, ref_model):
     from services.generation.engine import Engine
-    from services.generation.request import parse_job
+    from services.generation.inputs import parse_job
     from services.model.loader import load_model
     pre = prefixes(ref_model, guidance_scale=4.0)
     body = {"request_id": "q", "handles": {b: {} for b in pre}, "width": 128, "height": 128,

@@ -31,7 +31,7 @@ def _rank_main(rank: int, world: int, sp: int, mode: str, port: int, model_dir: 
     from services.generation import engine as engine_mod
     from services.generation.cfg_parallel import CfgComm
     from services.generation.engine import Engine
-    from services.generation.request import parse_job
+    from services.generation.inputs import parse_job
     from services.model.loader import load_model
     torch.set_num_threads(1)
     try:
@@ -93,7 +93,7 @@ def run_ranks(model_dir: str, batches, world: int, sp: int, timeout: float = 240
 def run_local(model_dir: str, batches) -> dict:
     """The same batches on one rank in this process (SP1, CFG1)."""
     from services.generation.engine import Engine
-    from services.generation.request import parse_job
+    from services.generation.inputs import parse_job
     from services.model.loader import load_model
     engine = Engine(load_model(model_dir, "gen"), None)
     out = {}

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from services.generation.engine import Engine
-from services.generation.request import ApiError, parse_job
+from services.generation.inputs import parse_job
+from services.kit.errors import APIError
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import CacheOptions
@@ -69,7 +70,7 @@ def _engine(ref_model, cache: dict | None, steps=5, guidance=4.0, rid="job"):
 
 
 def _run(engine, job):
-    while not job.done:
+    while not job.flow.done:
         engine.step()
     return S.to_uint8(job.x).numpy()
 
@@ -145,10 +146,10 @@ def test_cache_options_validation():
                      cache_defaults=defaults).cache.model_dump() == {**defaults.model_dump(), "mode": "off"}
     for bad in [{"mode": "tea"}, {"threshold": -1}, {"threshold": "x"}, {"warmup_steps": 1.5},
                 {"bogus": 1}, "fast", {"cfg_truncation": 2}]:
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(APIError) as e:
             parse_job({**base, "cache": bad})
         assert e.value.status == 400 and e.value.param.startswith("cache")
-    with pytest.raises(ApiError, match="editing ignores"):
+    with pytest.raises(APIError, match="editing ignores"):
         parse_job({**base, "mode": "edit", "guidance_scale": 4.0, "handles": {"cond": {}, "img_cond": {}},
                    "cache": {"cfg_truncation": 0.5}})
 

@@ -20,7 +20,7 @@ import torch
 
 from services.generation import engine as engine_mod
 from services.generation.engine import Engine
-from services.generation.request import GenerateRequest
+from services.contract.image import GenerateRequest
 from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
                                             composition_key, graphable, out_of_memory, resolve_mode)
 

@@ -47,7 +47,7 @@ def test_a_queued_job_sends_heartbeats(env, ref_model):
                 break
     assert lines[0] == 'data: {"type":"queued"}' and ": keep-alive" in lines, lines
     for rid in ("hb-a", "hb-b"):
-        httpx.post(server.url + "/internal/cancel", json={"request_id": rid}, headers=HEADERS, timeout=10)
+        httpx.post(server.url + "/internal/abort", json={"request_id": rid}, headers=HEADERS, timeout=10)
     a.join(30)
     assert wait_until(lambda: _idle(server, pool), 20)
 

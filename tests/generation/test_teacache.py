@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.generation.engine import Engine
-from services.generation.request import parse_job
+from services.generation.inputs import parse_job
 from services.knobs import TEACACHE_COEFFICIENTS
 from services.model import reference as R
 from services.model import sampler as S

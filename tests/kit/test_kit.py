@@ -192,3 +192,40 @@ def test_sse_splices_base64_bytes():
     for bad in (b'ab"c', b"ab\\c", b"ab\nc", "é".encode()):
         with pytest.raises(ValueError, match="base64"):
             sse.encode({"b64": bad})
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_owned_stream_cleans_up_when_the_client_left_before_the_body_started(spec_version):
+    """The client is gone before the first byte (ASGI 2.4: `send` raises OSError; 2.3: `receive` says
+    http.disconnect at once): the body never runs, yet it is closed and `on_close` runs, once."""
+    import asyncio
+
+    from services.kit.streaming import OwnedStream
+    ran, closed = [], []
+
+    async def body():
+        ran.append(True)
+        yield b"data: {}\n\n"
+
+    async def on_close():
+        closed.append(True)
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec_version == "2.4":
+            raise OSError("client gone")
+        await asyncio.sleep(0.05)
+
+    async def run():
+        stream = body()
+        scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+        try:
+            await OwnedStream(stream, on_close=on_close)(scope, receive, send)
+        except Exception:
+            pass                      # Starlette's ClientDisconnect (2.4): the server drops it
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()  # closed
+    asyncio.run(run())
+    assert closed == [True] and ran == []

@@ -21,6 +21,7 @@ from services.model.convert import ConvertError, convert_checkpoint
 from services.model.loader import LoadError, load_model
 from services.model.modules import SwiGLU
 from services.model.quant import Fp8Activation, Fp8Linear, quantize_model
+from services.model.quant_schemes import scheme
 from services.model.quant_int8 import Int8Linear, Int8QKV, Int8SwiGLU
 
 gguf = pytest.importorskip("gguf")   # the [gguf] extra, installed by the test extra (pyproject)
@@ -69,7 +70,7 @@ def test_int8_layers_are_the_fp8_structure_in_int8():
 
 def test_int8_quantize_model_swaps_both_branches(tiny_checkpoint):
     m = load_model(tiny_checkpoint("u1"), "both")
-    assert quantize_model(m, ("gen", "und"), scheme_name="int8") == 2 * 2 * 7
+    assert quantize_model(m, ("gen", "und"), scheme=scheme("int8")) == 2 * 2 * 7
     layer = m.language_model.model.layers[1]
     assert type(layer.self_attn.qkv_proj_mot_gen) is Int8QKV and type(layer.mlp) is Int8SwiGLU
     assert type(layer.input_layernorm_mot_gen).__name__ == "RMSNorm"    # int8: the GEMM quantises its input

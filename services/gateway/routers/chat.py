@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from services.contract import limits as L
 from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ImagePart, TextPart
+from services.contract.control import AbortRequest
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
@@ -107,8 +108,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
 # ------------------------------------------------------------------------------------------ text: proxied
 def _abort_later(state: GatewayState, target: Target, hdrs: dict, rid: str) -> None:
     if target.ep is not None:
-        state.janitor.later(tell(state.http, target.ep.url + "/internal/abort", {"request_id": rid}, hdrs,
-                                 CONTROL_TIMEOUT_S))
+        state.janitor.later(tell(state.http, target.ep.url + "/internal/abort",
+                                 AbortRequest(request_id=rid).model_dump(), hdrs, CONTROL_TIMEOUT_S))
 
 
 async def _open(state: GatewayState, body: dict, hdrs: dict, deadline: Deadline, target: Target,

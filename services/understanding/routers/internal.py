@@ -2,30 +2,16 @@
 /internal/abort."""
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
 
-from services.contract import limits as L
+from services.contract.control import AbortReply, AbortRequest, ReleaseRequest
 from services.contract.image import PrefixRequest
 from services.contract.interleave import InterleaveSegmentRequest
-from services.contract.types import INTERNAL
 from services.kit.web import json_body
 
 from ..state import app_state
 
 router = APIRouter()
-
-
-class ReleaseRequest(BaseModel):
-    model_config = INTERNAL
-    handles: list[Any] = Field(description="KVHandle dicts the caller will not use")
-
-
-class AbortRequest(BaseModel):
-    model_config = INTERNAL
-    request_id: str = Field(min_length=1, max_length=L.MAX_REQUEST_ID_CHARS)
 
 
 @router.post("/internal/image_prefix")
@@ -59,4 +45,4 @@ async def abort(request: Request):
         for engine_rid in [r for r in st.engine.queues if r == rid or r.startswith(rid + ".")]:
             st.engine.abort(engine_rid)
             n += 1
-    return {"request_id": rid, "aborted": n}
+    return AbortReply(request_id=rid, aborted=n).model_dump()

@@ -1,7 +1,7 @@
 """The HTTP process's table of jobs in flight: who gets each job's events, and whether it still waits.
 
 A job ends exactly once (`finish` pops it under the lock), whichever thread gets there first: the link
-reader (done / error from the engine), the event loop (cancel, client gone), the queue-timeout thread, or
+reader (done / error from the engine), the event loop (abort, client gone), the queue-timeout thread, or
 the supervisor (engine died). The lock guards only the dict: nobody does I/O or calls out while holding it.
 """
 from __future__ import annotations
@@ -13,8 +13,15 @@ from typing import Callable, Optional
 
 from services.contract.image import GenerateRequest
 
-Deliver = Callable[[dict], None]     # thread-safe and non-blocking (hands the event to the stream's loop)
-END = {"type": "end"}                # the stream's last internal event (then [DONE])
+from .protocol import JobFailed
+
+
+class End:
+    """The stream's last internal event (then [DONE])."""
+
+
+Deliver = Callable[[object], None]   # a JobEvent or END; thread-safe and non-blocking (hands it to the stream's loop)
+END = End()
 
 
 @dataclass
@@ -57,8 +64,8 @@ class JobTable:
                 t.started = time.monotonic()
             return t
 
-    def finish(self, request_id: str, final: Optional[dict] = None) -> Optional[Ticket]:
-        """End the job: deliver `final` (an error event) if given, then END. None if it had already ended."""
+    def finish(self, request_id: str, final: Optional[JobFailed] = None) -> Optional[Ticket]:
+        """End the job: deliver `final` (its error) if given, then END. None if it had already ended."""
         with self._lock:
             t = self._tickets.pop(request_id, None)
         if t is not None:

@@ -1,0 +1,124 @@
+"""The generation engine's configuration: one frozen dataclass that every engine rank gets, declared once.
+
+Each field is a flag of `services.generation.server` (kit.flags generates them: `--help` shows the defaults);
+`config_from_args` builds it after parsing, resolving what depends on other flags or the environment (the
+warm-up size on cpu, the CUDA-graph override). `ServerConfig` is the HTTP process's own settings (listen
+address, queue, streams, encoder, RL store), declared the same way; the step-caching defaults for requests are
+perf_options.py's `--cache-*` flags and the slow-reader ones kit.streaming's.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional
+
+from services import timeouts
+from services.kit import flags
+from services.kit.flags import flag
+from services.model.lora_spec import parse_lora_spec
+from services.model.quant import QUANTIZATIONS
+
+from .qos import YieldPolicy
+from .sequence_parallel import MODES as SP_MODES
+from .step_graph import ENV as CUDA_GRAPHS_ENV
+from .step_graph import MODES as CUDA_GRAPH_MODES
+from .step_graph import resolve_mode
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    model: str = field(metadata=flag("checkpoint directory"))
+    device: str = field(default="cuda", metadata=flag("where the engine ranks run", choices=("cpu", "cuda")))
+    dtype: str = field(default="bfloat16", metadata=flag("model dtype", choices=DTYPES))
+    kv_pool_name: str = field(default="u1serve-kv", metadata=flag("shm_transfer pool to attach"))
+    # ranks
+    cfg_parallel: int = field(default=1, metadata=flag("engine ranks; CFG branches are spread over them"))
+    sp: int = field(default=1, metadata=flag(
+        "sequence-parallel ranks per CFG rank: one image's tokens over N GPUs (engine ranks = --cfg-parallel x "
+        "--sp; with --sp-mode ulysses N must divide the head counts)"))
+    sp_mode: str = field(default="ulysses", metadata=flag(
+        "how the --sp ranks attend: ulysses (two all-to-alls a layer, each rank a slice of the heads) or kv-gather "
+        "(one all-gather of K/V a layer, each rank every KV head and its own query rows); no effect with --sp 1",
+        choices=SP_MODES))
+    yield_to: str = field(default="", metadata=flag(
+        "colocate QoS: the shm page the understanding engine on these GPUs raises while it decodes (its "
+        "--yield-signal); the ranks yield the GPU between layers", metavar="NAME"))
+    yield_share: float = field(default=YieldPolicy.share, metadata=flag(
+        "with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)"))
+    # scheduling
+    max_batch_tokens: int = field(default=16384, metadata=flag(
+        "image tokens per forward (per rank); a larger single job runs alone"))
+    max_running_jobs: int = field(default=16, metadata=flag("jobs in the running batch"))
+    threads: int = field(default=0, metadata=flag("torch CPU threads per engine rank (0: torch's default)"))
+    log_level: str = field(default="info", metadata=flag("log level of the server and the engine ranks"))
+    # speed
+    quantization: str = field(default="none", metadata=flag(
+        "fp8: gen-branch Linear layers in fp8 e4m3 (needs compute capability >= 8.9 on CUDA; emulated on CPU)",
+        choices=QUANTIZATIONS))
+    lora: tuple[tuple[str, float], ...] = field(default=(), metadata=flag(
+        "merge a LoRA into the gen branch at load (repeatable); adapters that name no gen-branch weight are "
+        "skipped", metavar="PATH[:STRENGTH]", parse=parse_lora_spec, repeat=True))
+    cuda_graphs: str = field(default="off", metadata=flag(
+        "replay each job's denoise layer stack from a CUDA graph (captured on its second step) where the step "
+        "allows it: CUDA, no step cache, no --yield-to. Off unless asked: auto and on both turn it on where "
+        f"allowed (eager on cpu); {CUDA_GRAPHS_ENV}=0|1 overrides the flag", choices=CUDA_GRAPH_MODES))
+    default_size: Optional[str] = field(default=None, metadata=flag(
+        "the gateway's default image size, warmed up before /health turns 200 (unset: 2048x2048 on cuda, none "
+        "on cpu)"))
+    warmup_sizes: str = field(default="", metadata=flag("more sizes to warm up, e.g. 1024x1024,1536x2720"))
+    warmup_steps: int = field(default=2, metadata=flag("denoising steps per warm-up size (0: no warm-up)"))
+    # RL
+    rl_reference: str = field(default="on", metadata=flag(
+        "RL scoring against a frozen copy of the start weights (loaded on first use: one more copy of the gen "
+        "branch in device memory)", choices=("on", "off")))
+
+    @property
+    def world(self) -> int:
+        """Engine ranks: CFG ranks x sequence-parallel ranks."""
+        return self.cfg_parallel * self.sp
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=flag("listen address"))
+    port: int = field(default=8200, metadata=flag("listen port"))
+    internal_token: Optional[str] = field(default=None, metadata=flag(
+        "the stack's internal token (visible in /proc: prefer the file or the environment)"))
+    internal_token_file: Optional[str] = field(default=None, metadata=flag(
+        "file whose first line is the internal token"))
+    max_queued_requests: int = field(default=0, metadata=flag(
+        "jobs waiting for the engine before 429 (0: sized from free memory, see capacity.py)"))
+    max_queue_wait_s: float = field(default=timeouts.GEN_MAX_QUEUE_WAIT_S, metadata=flag(
+        "a job that waited this long for the engine fails with 429 queue_timeout"))
+    stream_heartbeat_s: float = field(default=timeouts.GEN_HEARTBEAT_S, metadata=flag(
+        "a stream with nothing to say for this long (a queued job) sends an SSE comment, so idle timeouts on the "
+        "way (the gateway's --upstream-idle-timeout-s) wait for the queue's own 429; 0 = never"))
+    max_stream_backlog_mb: float = field(default=256.0, metadata=flag(
+        "pixels of one stream waiting for its reader beyond this: the job is aborted and the stream cut (a single "
+        "larger image still passes)"))
+    encode_threads: int = field(default=2, metadata=flag("threads encoding images (PNG / JPEG / WebP)"))
+    rl_trajectory_store_mb: float = field(default=4096.0, metadata=flag(
+        "host memory for RL rollout trajectories (LRU by bytes)"))
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    flags.add_flags(p, GenerationConfig)
+    flags.add_flags(p, ServerConfig)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return flags.from_args(ServerConfig, args)
+
+
+def config_from_args(args: argparse.Namespace) -> GenerationConfig:
+    """The engine config of the parsed flags (SystemExit naming the flag for a value that cannot run)."""
+    if args.cfg_parallel < 1:
+        raise SystemExit("--cfg-parallel must be >= 1")
+    try:
+        graphs = resolve_mode(args.cuda_graphs)
+    except ValueError as e:
+        raise SystemExit(f"--cuda-graphs: {e}")
+    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs,
+                           default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))

@@ -1,0 +1,169 @@
+"""Messages between the generation HTTP process (supervisor.py) and engine rank 0 (worker.py), pickled over the
+link (link.py). Commands go down, events come back; both sides dispatch with isinstance / match.
+
+A message with a `pixels` field (an image, a preview, an RL trajectory) crosses with the array as a raw byte frame
+right after it (link.py), never pickled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from services.contract.image import GenerateRequest
+
+
+# -- commands: HTTP process -> rank 0 ------------------------------------------------------------------------
+@dataclass
+class SubmitJob:
+    job: GenerateRequest                  # or an RL rollout / score job (services.contract.rl)
+
+
+@dataclass
+class AbortJob:
+    """The HTTP process already ended the job's stream: stop the work, free what it holds."""
+    request_id: str
+
+
+@dataclass
+class WeightsOp:
+    op: dict                              # a services.kit.weights_api op: stage / commit / abort / lora_*
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Command = Union[SubmitJob, AbortJob, WeightsOp, Stop]
+
+
+# -- engine events: rank 0 -> HTTP process --------------------------------------------------------------------
+@dataclass
+class Ready:
+    capacity: dict                        # capacity.measure(): the reference job's KV bytes, free memory
+
+
+@dataclass
+class Fatal:
+    message: str                          # the rank logged it with its traceback; the supervisor reports it
+
+
+@dataclass
+class WarmupStats:
+    sizes: list[str]
+    steps: int
+    seconds: float
+
+
+@dataclass
+class KvImportStats:
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class StepStats:
+    seconds: float
+    tokens: int                           # image-token rows in the forward
+    jobs: int
+    running: int
+    queued: int
+    peak_memory: Optional[int]
+    graph: Optional[str]                  # step_graph: eager | capture | replay
+
+
+@dataclass
+class IdleStats:
+    queued: int
+    running: int = 0
+
+
+@dataclass
+class BranchSteps:
+    """A finished job's computed / reused steps per CFG branch (step caching)."""
+    branch_steps: dict[str, dict]
+
+
+@dataclass
+class WeightsReply:
+    reply: dict                           # rank 0's answer to a WeightsOp (services.kit.weights_api)
+
+
+Stats = Union[WarmupStats, KvImportStats, StepStats, IdleStats, BranchSteps]
+
+
+# -- per-job events ------------------------------------------------------------------------------------------
+@dataclass
+class JobStarted:
+    request_id: str
+    weights_version: str
+
+
+@dataclass
+class Progress:
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass
+class Preview:
+    request_id: str
+    index: int
+    partial_image_index: int
+    step: int
+    pixels: Optional[np.ndarray] = None   # uint8 [h, w, 3]
+
+
+@dataclass
+class Image:
+    request_id: str
+    index: int
+    branch_steps: dict
+    image_handle: Optional[dict]          # the float image exported into the pool (interleave), or None
+    weights_version: str
+    pixels: Optional[np.ndarray] = None   # uint8 [H, W, 3]
+
+
+@dataclass
+class RlResult:
+    request_id: str
+    logprobs: list[list[Optional[float]]]
+    timesteps: list[float]
+    sde_steps: list[int]
+    noise_scale: float
+    weights_version: str
+    pixels: Optional[np.ndarray] = None   # a rollout's trajectory z_0..z_N (float32), when one is stored
+
+    def result(self) -> dict[str, Any]:
+        """What the `rl_result` event carries (everything but the trajectory)."""
+        return {"logprobs": self.logprobs, "timesteps": self.timesteps, "sde_steps": self.sde_steps,
+                "noise_scale": self.noise_scale, "weights_version": self.weights_version}
+
+
+@dataclass
+class JobDone:
+    request_id: str
+
+
+@dataclass
+class JobFailed:
+    request_id: str
+    error: dict = field(default_factory=dict)   # APIError.event(): {"type": "error", "status", "error": {...}}
+
+
+JobEvent = Union[JobStarted, Progress, Preview, Image, RlResult, JobDone, JobFailed]
+Event = Union[Ready, Fatal, WeightsReply, WarmupStats, KvImportStats, StepStats, IdleStats, BranchSteps, JobEvent]
+
+
+# -- the step plan: rank 0 -> every rank (broadcast over the CPU control group, cfg_parallel.py) ----------------
+@dataclass
+class StepPlan:
+    """What every rank does this iteration, in this order: abort, admit, the weights op; then one step (unless
+    `stop`)."""
+    admit: list = field(default_factory=list)          # job specs, FIFO
+    abort: list[str] = field(default_factory=list)     # request ids of running jobs
+    weights: Optional[dict] = None                     # a WeightsOp's op, when one runs now
+    stop: bool = False

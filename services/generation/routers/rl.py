@@ -1,0 +1,126 @@
+"""Generation's internal RL routes (docs/rl.md): rollout and score jobs, and the trajectory store.
+
+    POST   /internal/rl/rollout              RolloutJobRequest -> SSE: queued, progress..., image... (when asked),
+                                             rl_result (log-probs, grid, weights version), [DONE]
+    POST   /internal/rl/score                ScoreJobRequest   -> SSE: queued, progress..., rl_result, [DONE]
+    GET    /internal/rl/trajectories/{id}    safetensors bytes (trajectory_store.py); .../info: its size
+    POST   /internal/rl/trajectories/{id}    store an uploaded trajectory (safetensors bytes)
+    DELETE /internal/rl/trajectories/{id}
+
+The jobs are ordinary engine jobs (one batch of n samples over one set of prefix handles), streamed by
+job_stream.RlJobStream; the rollout's trajectory arrives as the raw frame of its RlResult and goes into the
+store (state.trajectories) under (trajectory_id, part).
+Step caching is off for RL jobs (a reused residual is not the policy's velocity).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from services.contract.image import CacheOptions
+from services.contract.rl import RolloutJobRequest, ScoreJobRequest
+from services.kit.errors import APIError, from_validation
+from services.kit.web import json_body
+
+from ..inputs import check_handles, handles_of
+from ..job_stream import RlJobStream
+from ..protocol import RlResult
+from ..state import GenerationState, app_state
+from ..trajectory_store import Part, not_found
+
+log = logging.getLogger("u1serve.generation.rl")
+MAX_UPLOAD_BYTES = 64 << 20
+
+router = APIRouter()
+
+
+def _parse(st: GenerationState, model, body, check=lambda job: None):
+    """The job of a body (a refusal frees the body's handles): validated, step caching and previews off, the
+    size and handle checks, then `check(job)`."""
+    try:
+        try:
+            job = model.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation(exc.errors()) from None
+        job.cache = CacheOptions()
+        job.partial_images = 0
+        st.check_size(job)
+        check_handles(job, st.fingerprint)
+        check(job)
+    except APIError as err:
+        raise st.reject(err, body.get("request_id") if isinstance(body, dict) else None, handles_of(body)) from None
+    return job
+
+
+def _respond(st: GenerationState, job, on_result):
+    try:
+        return RlJobStream(st, job, on_result).respond()
+    except APIError as err:
+        raise st.reject(err, job.request_id, list(job.handles.values())) from None
+
+
+def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) -> None:
+    """The rollout's trajectory into the store, when it asked for one."""
+    if job.rl.trajectory_id is None or ev.pixels is None:
+        return
+    lp = np.array([[np.nan if x is None else x for x in row] for row in ev.logprobs], dtype=np.float32)
+    meta = {"timesteps": ev.timesteps, "sde_steps": ev.sde_steps, "noise_scale": ev.noise_scale,
+            "weights_version": ev.weights_version}
+    meta.update(samples=[{"seed": s, "part": job.rl.part} for s in job.rl.seeds], kind=job.rl.sde.kind,
+                noise_level=job.rl.sde.noise_level, guidance_scale=job.guidance_scale,
+                timestep_shift=job.timestep_shift, t_eps=job.t_eps, cfg_norm=job.cfg_norm,
+                width=job.width, height=job.height)
+    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.array(ev.pixels, dtype=np.float32), lp, meta))
+
+
+@router.post("/internal/rl/rollout")
+async def rollout(request: Request):
+    st = app_state(request)
+    job = _parse(st, RolloutJobRequest, await json_body(request))
+    return _respond(st, job, lambda job, ev: _store_rollout(st, job, ev))
+
+
+@router.post("/internal/rl/score")
+async def score(request: Request):
+    st = app_state(request)
+
+    def check(job: ScoreJobRequest) -> None:
+        if job.weights == "reference" and st.cfg.rl_reference != "on":
+            raise APIError(400, "this stack runs without a reference model (--rl-reference off)",
+                           param="weights", code="reference_unavailable")
+        job.with_latents(st.trajectories.latents(job.trajectory_id, job.part, job.n, job.num_inference_steps,
+                                                 job.height, job.width))
+    return _respond(st, _parse(st, ScoreJobRequest, await json_body(request), check), lambda job, ev: None)
+
+
+@router.get("/internal/rl/trajectories/{tid}")
+async def get_trajectory(tid: str, request: Request):
+    blob = await asyncio.to_thread(app_state(request).trajectories.to_safetensors, tid)
+    return Response(blob, media_type="application/octet-stream")
+
+
+@router.get("/internal/rl/trajectories/{tid}/info")
+async def trajectory_info(tid: str, request: Request):
+    traj = app_state(request).trajectories.get(tid)
+    return {"trajectory_id": tid, "parts": len(traj.parts), "bytes": traj.nbytes}
+
+
+@router.post("/internal/rl/trajectories/{tid}")
+async def put_trajectory(tid: str, request: Request):
+    blob = await request.body()
+    if len(blob) > MAX_UPLOAD_BYTES:
+        raise APIError(413, f"trajectory larger than {MAX_UPLOAD_BYTES} bytes", code="request_too_large")
+    samples = await asyncio.to_thread(app_state(request).trajectories.put_safetensors, tid, blob)
+    return {"trajectory_id": tid, "samples": samples}
+
+
+@router.delete("/internal/rl/trajectories/{tid}")
+async def delete_trajectory(tid: str, request: Request):
+    if not app_state(request).trajectories.delete(tid):
+        raise not_found(tid)
+    return JSONResponse({"trajectory_id": tid, "deleted": True})

@@ -1,0 +1,106 @@
+"""Rank 0's scheduler: decides what the next step runs. It takes the HTTP process's commands (protocol.py) from
+the inbox and returns the StepPlan every rank executes: the running jobs to abort, the queued jobs that join
+(FIFO within `max_batch_tokens` image tokens per forward and `max_running_jobs`), the weights op that runs now
+(weights.py: a commit waits until no job runs, and admission pauses meanwhile), and whether to stop.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+from typing import Callable, Iterable, Optional
+
+from services.contract.image import GenerateRequest
+from services.kit.errors import APIError
+
+from .inputs import busiest_rank_tokens
+from .protocol import AbortJob, StepPlan, Stop, SubmitJob, WeightsOp
+
+IDLE_WAIT_S = 0.5          # an idle rank 0 wakes this often (a stop, a weights op)
+
+
+class Scheduler:
+    def __init__(self, max_batch_tokens: int, max_running_jobs: int, world: int, sp: int = 1, *,
+                 weights=None, release: Callable[[Iterable[dict]], None] = lambda handles: None,
+                 refuse: Callable[[GenerateRequest, APIError], None] = lambda spec, err: None):
+        """world: CFG ranks; sp: sequence-parallel ranks per CFG rank; weights: the rank's RankWeights (None:
+        no live weight updates); release(handles) frees the pages of a job that never imported them;
+        refuse(spec, err) ends a queued job with an error."""
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_jobs = max_running_jobs
+        self.world = world
+        self.sp = sp
+        self.weights = weights
+        self.release = release
+        self.refuse = refuse
+        self.pending: collections.deque[GenerateRequest] = collections.deque()
+        self.stopping = False
+
+    def tokens(self, spec: GenerateRequest) -> int:
+        return busiest_rank_tokens(spec, self.world, self.sp)
+
+    # -- the plan ----------------------------------------------------------------------------------
+    def schedule(self, inbox: queue.SimpleQueue, running: list) -> StepPlan:
+        """The commands waiting in `inbox` (waits for one when nothing runs or waits), then the next plan."""
+        aborts = [rid for msg in _drain(inbox, block=not running and not self.pending)
+                  if (rid := self.take(msg, running)) is not None]
+        if self.weights is not None:
+            self.weights.screen(self.pending, self.refuse)   # jobs whose prefix another weights version computed
+        op = None if self.stopping or self.weights is None else self.weights.next_op(bool(running))
+        admit = []
+        if not self.stopping and (self.weights is None or self.weights.admitting(op)):
+            admit = self.pick(sum(self.tokens(j.spec) for j in running), len(running))
+        return StepPlan(admit=admit, abort=aborts, weights=op, stop=self.stopping)
+
+    def take(self, msg, running: list) -> Optional[str]:
+        """Apply one command; the request id of a running job to abort, if it is one."""
+        match msg:
+            case Stop():
+                self.stopping = True
+            case SubmitJob(job=job):
+                self.pending.append(job)
+            case WeightsOp(op=op):
+                self.weights.take(op)
+            case AbortJob(request_id=rid):      # the HTTP process already ended the stream: just stop the work
+                spec = self.remove(rid) or (self.weights.remove_held(rid) if self.weights is not None else None)
+                if spec is not None:            # never imported: free its pages now, not at lease expiry
+                    self.release(spec.handles.values())
+                elif any(j.request_id == rid for j in running):
+                    return rid
+            case _:
+                raise TypeError(f"unknown command {msg!r}")
+        return None
+
+    def pick(self, running_tokens: int, running_jobs: int) -> list[GenerateRequest]:
+        out = []
+        budget = self.max_batch_tokens - running_tokens
+        while self.pending and running_jobs + len(out) < self.max_running_jobs:
+            need = self.tokens(self.pending[0])
+            if need > budget and (running_jobs or out):
+                break  # strict FIFO: a big job is not overtaken forever by small ones
+            out.append(self.pending.popleft())
+            budget -= need
+        return out
+
+    def remove(self, request_id: str) -> GenerateRequest | None:
+        for spec in self.pending:
+            if spec.request_id == request_id:
+                self.pending.remove(spec)
+                return spec
+        return None
+
+    def weights_done(self, op: dict) -> None:
+        """A weights op ran: after a commit the jobs held for it queue first; after an abort they are refused
+        (a LoRA load / unload changes no version: nothing is held for it)."""
+        if op["op"] in ("commit", "abort"):
+            self.weights.release_held(self.pending, self.refuse)
+
+
+def _drain(inbox: queue.SimpleQueue, block: bool) -> list:
+    msgs = []
+    try:
+        msgs.append(inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait())
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return msgs

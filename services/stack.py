@@ -1,0 +1,481 @@
+"""How `u1serve up` (and `u1serve ray`, `u1serve rl-train`, the benches) build a stack: the tiny checkpoints, the
+GPU placement, one ServiceSpec per service, ports, secrets, the KV pool, MPS, and the stack's flags. Light at
+module level (no torch): `u1serve --help` stays instant.
+To add a service to the stack, add a builder to SERVICE_BUILDERS (started in that order).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import shutil
+import sys
+from typing import Callable
+
+from services import knobs
+from services.lora_flags import add_lora_flags, lora_env
+from services.netutil import free_port
+
+TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
+
+
+# ------------------------------------------------------------------------------------- helpers
+def cache_dir() -> str:
+    return os.path.expanduser(knobs.CACHE.get())
+
+
+def tiny_variant(alias: str) -> str:
+    return "u1" if alias == "tiny" else alias[len("tiny-"):]
+
+
+def ensure_tiny_checkpoint(variant: str = "u1", seed: int = 0, out=sys.stdout) -> str:
+    """The cached tiny checkpoint directory, written on first use."""
+    path = os.path.join(cache_dir(), f"tiny-{variant}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        out.write(f"[u1serve] writing tiny {variant} checkpoint to {path}\n")
+        from services.model import tiny  # lazy: pulls in torch
+        tmp = path + f".tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tiny.write_tiny_checkpoint(tmp, variant=variant, seed=seed)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    return path
+
+
+def has_cuda() -> bool:
+    """Cheap check (no torch import): an NVIDIA driver node exists."""
+    return os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
+
+
+def gpu_list(text: str | None) -> list[str]:
+    return [g.strip() for g in (text or "").split(",") if g.strip()]
+
+
+# ------------------------------------------------------------------------------------- stack
+class Placement:
+    """Resolved placement of one stack: device, GPUs and memory fractions per engine."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.gpus_asked = bool(gpu_list(args.und_gpus) or gpu_list(args.gen_gpus))
+        # auto: CUDA when GPUs are asked for (a start then checks they are there, check_devices) or a driver exists
+        self.device = args.device if args.device != "auto" else (
+            "cuda" if self.gpus_asked or has_cuda() else "cpu")
+        self.note = ("device auto: no NVIDIA driver here and no GPU asked for (--und-gpus / --gen-gpus): running "
+                     "on the CPU" if args.device == "auto" and self.device == "cpu" else "")
+        self.dtype = args.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        self.und_gpus: list[str] = []
+        self.gen_gpus: list[str] = []
+        self.und_fraction = self.gen_fraction = None
+        self.gen_world = args.gen_cfg_parallel * args.gen_sp     # generation ranks, one GPU each
+        if args.gen_cfg_parallel < 1 or args.gen_sp < 1:
+            raise SystemExit("--gen-cfg-parallel and --gen-sp must be >= 1")
+        if self.device != "cuda":
+            return
+        und = gpu_list(args.und_gpus) or [str(i) for i in range(args.und_tp)]
+        if args.mode == "colocate":
+            gen = gpu_list(args.gen_gpus) or und
+            self.und_fraction, self.gen_fraction = args.und_memory_fraction, args.gen_memory_fraction
+        else:
+            gen = gpu_list(args.gen_gpus) or [str(len(und) + i) for i in range(self.gen_world)]
+            if set(und) & set(gen):
+                raise SystemExit(f"--mode separate needs disjoint GPUs: und {und}, gen {gen}")
+        if len(und) < args.und_tp:
+            raise SystemExit(f"--und-tp {args.und_tp} needs {args.und_tp} GPUs, got {und}")
+        if len(gen) < self.gen_world:
+            need = f"--gen-cfg-parallel {args.gen_cfg_parallel}" + \
+                (f" x --gen-sp {args.gen_sp}" if args.gen_sp > 1 else "")
+            raise SystemExit(f"{need} needs {self.gen_world} GPUs, got {gen}")
+        self.und_gpus, self.gen_gpus = und, gen
+
+    @property
+    def gpus(self) -> list[str]:
+        return list(dict.fromkeys(self.und_gpus + self.gen_gpus))
+
+    def env(self, gpus: list[str], fraction: float | None) -> dict[str, str]:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+        if fraction is not None:
+            env[knobs.GPU_MEMORY_FRACTION.name] = f"{fraction:.3f}"
+        return env
+
+
+def check_devices(args: argparse.Namespace, placement: Placement) -> Placement:
+    """Before a real start: a CUDA plan needs its GPUs to be there. Missing GPUs that were asked for (--und-gpus,
+    --gen-gpus, --device cuda) are an error that says so; `--device auto` with none asked falls back to the CPU
+    (and says so). A dry run plans any profile anywhere and skips this."""
+    if placement.device != "cuda" or knobs.MPS_ON_CPU.get():   # (the MPS tests' CPU stand-in)
+        return placement
+    from .gpus import cuda_devices
+    _, why = cuda_devices(placement.gpus)
+    if not why:
+        return placement
+    if args.device == "auto" and not placement.gpus_asked:
+        fallback = Placement(argparse.Namespace(**{**vars(args), "device": "cpu"}))
+        fallback.note = f"device auto: CUDA is not usable here ({why}): running on the CPU"
+        return fallback
+    asked = " ".join(f"{flag} {value}" for flag, value in (("--und-gpus", args.und_gpus), ("--gen-gpus", args.gen_gpus),
+                                                          ("--device", args.device)) if value and value != "auto")
+    raise SystemExit(f"u1serve up: the GPUs asked for ({asked}: GPU {','.join(placement.gpus)}) are not usable "
+                     f"here: {why}. Nothing was started. Pass --device cpu to run on the CPU instead.")
+
+
+def build_und(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    pl: Placement = ctx["placement"]
+    argv = [sys.executable, "-m", "services.understanding.server", "--model", ctx["model"],
+            "--host", "127.0.0.1", "--port", str(args.und_port), "--device", pl.device,
+            "--dtype", pl.dtype, "--tp", str(args.und_tp), "--kv-pool-name", ctx["pool"],
+            "--kv-pool-gb", str(ctx["pool_gb"]), "--served-model-name", ctx["model_name"]]
+    if ctx.get("yield_page"):
+        argv += ["--yield-signal", ctx["yield_page"]]
+    argv += shlex.split(args.und_args or "")
+    env = {**ctx["env"], **pl.env(pl.und_gpus, pl.und_fraction)}
+    if args.lora:   # the loader merges the adapters that name und weights (services/model/loader.py)
+        env[knobs.LORA.name] = ",".join(lora_specs(args))
+    return ServiceSpec("und", argv, f"http://127.0.0.1:{args.und_port}/health", env)
+
+
+def build_gen(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    pl: Placement = ctx["placement"]
+    argv = [sys.executable, "-m", "services.generation.server", "--model", ctx["model"],
+            "--host", "127.0.0.1", "--port", str(args.gen_port), "--device", pl.device,
+            "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel), "--sp", str(args.gen_sp),
+            "--sp-mode", args.gen_sp_mode, "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
+    if ctx.get("yield_page"):
+        argv += ["--yield-to", ctx["yield_page"], "--yield-share", str(args.qos_yield_share)]
+    if args.quantization != "none":
+        argv += ["--quantization", args.quantization]
+    if args.cuda_graphs != "off":
+        argv += ["--cuda-graphs", args.cuda_graphs]
+    for spec in lora_specs(args):
+        argv += ["--lora", spec]
+    argv += ["--rl-reference", getattr(args, "rl_reference", "on")]
+    argv += shlex.split(args.gen_args or "")
+    return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
+                       {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
+
+
+def lora_specs(args) -> list[str]:
+    """--lora values with absolute paths (the services may run elsewhere); a missing file is an error."""
+    from services.model.lora_spec import parse_lora_spec
+    out = []
+    for text in args.lora:
+        path, strength = parse_lora_spec(text)
+        if not os.path.isfile(path):
+            raise SystemExit(f"--lora {text!r}: no such file")
+        out.append(f"{os.path.abspath(path)}:{strength}")
+    return out
+
+
+def preset_values(name: str | None):
+    if not name:
+        return None
+    from services.model.presets import PRESETS
+    return PRESETS[name]
+
+
+def build_gateway(args, ctx) -> "ServiceSpec":
+    from .launcher import ServiceSpec
+    # no --host: the gateway picks (loopback without an API key, every interface with one) and says so
+    argv = [sys.executable, "-m", "services.gateway.server", *(["--host", args.host] if args.host else []),
+            "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
+            "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
+            "--default-size", ctx["default_size"]]
+    if ctx.get("max_pixels"):    # before --gateway-args: an operator may tighten it further
+        argv += ["--max-pixels", str(ctx["max_pixels"])]
+    # the gateway's drain on SIGTERM ends inside the launcher's --grace (its cleanup after the drain takes ~1 s)
+    argv += ["--graceful-shutdown-s", f"{max(0.5, min(5.0, args.grace - 3.0)):g}"]
+    argv += shlex.split(args.gateway_args or "")
+    preset = preset_values(args.preset)
+    steps = args.default_steps or (preset.num_inference_steps if preset else None)
+    if steps:
+        argv += ["--default-steps", str(steps)]
+    if preset:
+        argv += ["--default-guidance", str(preset.guidance_scale),
+                 "--default-timestep-shift", str(preset.timestep_shift)]
+    env = dict(ctx["env"])
+    if ctx.get("api_key"):
+        env[knobs.API_KEY.name] = ctx["api_key"]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
+    return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
+
+
+SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
+SECRET_ENV = (knobs.INTERNAL_TOKEN.name, knobs.API_KEY.name)   # never printed, never on a command line
+_SECRET_FLAGS = ("--internal-token", "--api-key")
+
+
+def resolve_ports(args: argparse.Namespace, probe: bool = True) -> None:
+    """The engines' ports follow --port (+100, +200) unless given; a derived port that is taken is replaced by
+    a free one, a given port that is taken is an error naming its flag. Sets args.und_port / args.gen_port."""
+    from .launcher import port_free
+    if probe and not port_free(args.host or "0.0.0.0", args.port):
+        raise SystemExit(f"port {args.port} (--port, the gateway) is already in use: pass another --port, or stop "
+                         f"what listens there (a running stack lists its pids in {cache_dir()}/run-PORT/stack.json)")
+    taken = {args.port}
+    for flag, attr, offset in (("--und-port", "und_port", 100), ("--gen-port", "gen_port", 200)):
+        given = getattr(args, attr)
+        port = given or args.port + offset
+        if probe and (port in taken or not port_free("127.0.0.1", port)):
+            if given:
+                raise SystemExit(f"port {port} ({flag}) is already in use: pass another {flag}, or leave it out "
+                                 "to get a free one")
+            port = free_port()
+        taken.add(port)
+        setattr(args, attr, port)
+
+
+def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(internal token, API key): from --x-file, --x or the environment; a random token when none is given.
+    They reach the services through the environment only: argv is readable by every local user in /proc.
+    An --api-key-file (one key per line) goes to the gateway as a path, checked here."""
+    from services.kit.config import read_secret, read_secrets
+    for extra in (args.und_args, args.gen_args, args.gateway_args):
+        if any(flag in (extra or "") for flag in _SECRET_FLAGS):
+            raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
+                             "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
+    token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
+    if args.api_key_file:
+        read_secrets(None, args.api_key_file, knobs.API_KEY)     # readable, with at least one key
+        args.api_key_file = os.path.abspath(args.api_key_file)
+        return token or secrets.token_hex(16), None
+    return token or secrets.token_hex(16), read_secret(args.api_key, None, knobs.API_KEY)
+
+
+def check_gen_sp(args, model: str) -> None:
+    """--gen-sp must divide the checkpoint's head counts under --gen-sp-mode ulysses (said here, before
+    anything starts)."""
+    if args.gen_sp <= 1:
+        return
+    from services.model.config import ConfigError, load_config
+    try:
+        llm = load_config(model).llm
+    except ConfigError as e:
+        raise SystemExit(f"--model: {e}") from None
+    from services.generation.sequence_parallel import check_heads   # imports torch: only with --gen-sp
+    try:
+        check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.gen_sp, args.gen_sp_mode)
+    except ValueError as e:
+        raise SystemExit(f"--gen-sp {args.gen_sp}: {e}") from None
+
+
+def qos_page(args, pool: str) -> str | None:
+    """--qos-yield-share F: the shm page both engines share (understanding raises it while it decodes,
+    generation yields to it), named after the KV pool; None without the flag."""
+    share = args.qos_yield_share
+    if share is None:
+        return None
+    if args.mode != "colocate":
+        raise SystemExit("--qos-yield-share is for --mode colocate (engines sharing GPUs); in separate mode "
+                         "each engine owns its GPUs")
+    if not 0 < share <= 1:
+        raise SystemExit(f"--qos-yield-share must be in (0, 1], got {share}")
+    if args.und_replicas > 1 or args.gen_replicas > 1:
+        raise SystemExit("--qos-yield-share works with one understanding and one generation replica")
+    from services.kit.yield_signal import signal_name
+    return signal_name(pool)
+
+
+def default_pool_name(port: int) -> str:
+    """The KV pool of the stack on this host (or container) and port: the same name for the next stack there, so a
+    stack killed with SIGKILL leaves its segment to the next one, which reclaims it (shm_transfer/segment.py)."""
+    import re
+    import socket
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:64] or "host"
+    return f"u1serve-kv-{host}-{port}"
+
+
+def usage_error(text: str) -> None:
+    """A flag combination `u1serve up` refuses: the reason on stderr, exit status 2 (as argparse's errors)."""
+    sys.stderr.write(f"u1serve up: error: {text}\n")
+    raise SystemExit(2)
+
+
+def sm_percent(text: str) -> int:
+    """--gen-sm-percent: an integer 1..100."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 100 (a share of the GPU's SMs), got {text!r}")
+    return value
+
+
+def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
+    """--gpu-sharing mps: the deployment's MPS control daemon (services/mps.py), or None for time slicing.
+    Refused (exit 2) where nothing is shared or nothing is CUDA."""
+    from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
+    if args.gpu_sharing != "mps":
+        if args.gen_sm_percent is not None:
+            usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
+        if args.gen_priority is not None:
+            usage_error("--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps")
+        return None
+    if args.mode != "colocate":
+        usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
+                    "owns its GPUs and there is nothing to share")
+    if placement.device != "cuda" and not knobs.MPS_ON_CPU.get():
+        usage_error("--gpu-sharing mps needs CUDA GPUs (--device cuda, or auto on a machine with an NVIDIA "
+                    f"driver); this stack runs on {placement.device}")
+    for name, flag in ((SM_PERCENT_ENV, "--gen-sm-percent"), (PRIORITY_ENV, "--gen-priority")):
+        if name in os.environ:
+            usage_error(f"{name} is set in this environment and would apply to understanding too: unset it "
+                        f"({flag} sets it for generation only)")
+    gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
+    return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT,
+                     args.gen_priority or DEFAULT_GEN_PRIORITY)
+
+
+def under_mps(specs: list, mps) -> list:
+    """Every GPU service (all but the gateway) as a client of the deployment's MPS daemon; generation capped."""
+    import dataclasses
+    return [s if s.name == "gateway" else
+            dataclasses.replace(s, env=mps.client_env(s.env, capped=s.name.startswith("gen"))) for s in specs]
+
+
+def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
+    from services.contract.limits import IMAGE_BLOCK
+    from services.generation.image_limits import checkpoint_max_tokens
+    from services.timeouts import stack_problems
+
+    from .launcher import Stack
+    placement = Placement(args)
+    run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
+    mps = mps_daemon(args, placement, run_dir)
+    for problem in stack_problems(args.und_args, args.gen_args, args.gateway_args):
+        usage_error(f"timeouts out of order: {problem} (services/timeouts.py)")
+    if not dry_run:
+        placement = check_devices(args, placement)
+    if placement.note:
+        (sys.stderr if dry_run else out).write(f"[u1serve] {placement.note} ({placement.dtype})\n")
+    model = args.model
+    tiny = model in TINY_ALIASES
+    if tiny:
+        model = ensure_tiny_checkpoint(tiny_variant(model), out=out)
+    elif not os.path.isdir(model):
+        raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
+    check_gen_sp(args, model)
+    resolve_ports(args, probe=not dry_run)
+    token, api_key = resolve_secrets(args)
+    pool = args.kv_pool_name or default_pool_name(args.port)
+    pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else 16.0)
+    stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
+    ctx = {
+        "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
+        "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args)}, "api_key": api_key,
+        "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
+        "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
+        "yield_page": qos_page(args, pool),
+        # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
+        "max_pixels": checkpoint_max_tokens(model) * IMAGE_BLOCK ** 2,
+    }
+    from .stack_replicas import replicate
+    specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
+    if mps is not None:
+        specs = under_mps(specs, mps)
+    shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
+    stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
+                  stack_id=stack_id, private_dirs=["u1und-"],
+                  grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
+                  state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
+                  echo_logs=echo_logs, daemons=[mps] if mps else [])
+    stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"
+                                                              if placement.gpus else "")
+    return stack
+
+
+def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
+    p.add_argument("--model", default=model_default, required=model_default is None,
+                   help="checkpoint directory, or 'tiny' (a small random checkpoint, CPU friendly)")
+    p.add_argument("--mode", choices=["colocate", "separate"], default="colocate",
+                   help="colocate: both engines on the same GPUs; separate: disjoint GPU groups")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--und-gpus", default=None, help="GPU ids for understanding, e.g. 0,1")
+    p.add_argument("--gen-gpus", default=None, help="GPU ids for generation, e.g. 2,3")
+    p.add_argument("--und-tp", type=int, default=1, help="understanding tensor parallel size")
+    p.add_argument("--gen-cfg-parallel", type=int, default=1, help="generation CFG-parallel ranks")
+    p.add_argument("--gen-sp", type=int, default=1,
+                   help="generation sequence-parallel ranks per CFG rank (one image's tokens over N GPUs; "
+                        "generation uses --gen-cfg-parallel x --gen-sp GPUs)")
+    p.add_argument("--gen-sp-mode", choices=["ulysses", "kv-gather"], default="ulysses",   # sequence_parallel.MODES
+                   help="how the --gen-sp ranks attend: ulysses (two all-to-alls a layer; N must divide the "
+                        "head counts) or kv-gather (one all-gather of K/V a layer, every rank holds every KV "
+                        "head; any N). Allowed with --gen-sp 1, where it changes nothing")
+    p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
+                   help="colocate QoS: generation yields the shared GPUs to understanding's decode steps "
+                        "between its layers, at most F of its time (0 < F <= 1)")
+    p.add_argument("--gpu-sharing", choices=["time-slice", "mps"], default="time-slice",
+                   help="colocate on CUDA: how the engines share a GPU. time-slice: the driver alternates them; mps: "
+                        "their kernels run side by side under a CUDA MPS control daemon that u1serve up starts for "
+                        "this stack (nvidia-cuda-mps-control), generation capped by --gen-sm-percent")
+    p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
+                   help="with --gpu-sharing mps: the share of each GPU's SMs generation may use "
+                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")
+    p.add_argument("--gen-priority", choices=["normal", "low"], default=None,
+                   help="with --gpu-sharing mps: generation's scheduling priority against understanding's "
+                        "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "
+                        "blocks; default low, normal: no priority)")
+    p.add_argument("--und-memory-fraction", type=float, default=0.35,
+                   help="colocate: GPU memory share of understanding")
+    p.add_argument("--gen-memory-fraction", type=float, default=0.55,
+                   help="colocate: GPU memory share of generation")
+    p.add_argument("--host", default=None,
+                   help="gateway bind address (default: every interface with an API key, 127.0.0.1 without one)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--und-port", type=int, default=None,
+                   help="understanding port (default: --port + 100, or a free one if that is taken)")
+    p.add_argument("--gen-port", type=int, default=None,
+                   help="generation port (default: --port + 200, or a free one if that is taken)")
+    p.add_argument("--und-replicas", type=int, default=1,
+                   help="understanding replicas on this host (own port, GPUs, KV pool each); the gateway routes "
+                        "over them")
+    p.add_argument("--gen-replicas", type=int, default=1, help="generation replicas on this host (own port, GPUs)")
+    p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
+    p.add_argument("--kv-pool-gb", type=float, default=None,
+                   help="KV pool size (default 0.25 on cpu, 16 on cuda)")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file whose first line is the engines' internal token (default: U1SERVE_INTERNAL_TOKEN, "
+                        "else a random token per stack)")
+    p.add_argument("--internal-token", default=None,
+                   help="the token itself (visible in /proc to local users: prefer the file or the environment)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file with the Bearer keys accepted on the public API, one per line "
+                        "(default: U1SERVE_API_KEY, else open)")
+    p.add_argument("--api-key", default=None,
+                   help="the key itself (visible in /proc to local users: prefer the file or the environment)")
+    p.add_argument("--model-name", default=None,
+                   help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
+    p.add_argument("--default-size", default=None, help="default image size WxH")
+    p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
+    p.add_argument("--quantization", choices=["none", "fp8", "int8"], default="none",
+                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 "
+                        "(GPUs without fp8); none serves a converted checkpoint in its own format")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="off",
+                   help="generation: replay each job's denoise layer stack from a CUDA graph where the step "
+                        "allows it (auto = on; off by default, see docs/deployment.md)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="merge a LoRA at load into the branch(es) it names (repeatable)")
+    add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)
+    p.add_argument("--preset", choices=["8step"], default=None,
+                   help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
+                        "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
+    p.add_argument("--rl-reference", choices=["on", "off"], default="on",
+                   help="RL scoring against a frozen copy of the start weights (docs/rl.md; built on first use)")
+    p.add_argument("--und-args", default="", help="extra flags for the understanding server")
+    p.add_argument("--gen-args", default="", help="extra flags for the generation server")
+    p.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    p.add_argument("--run-dir", default=None, help="logs and stack.json (default ~/.cache/u1serve/run-PORT)")
+    p.add_argument("--state-file", default=None, help="where to write pids/ports as JSON")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a service may take to get healthy (loading 8B weights takes a while)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="shut everything down when a service dies instead of restarting it")
+
+
+# ------------------------------------------------------------------------------------- commands
