@@ -189,8 +189,8 @@ def single_device(args, device, dtype) -> dict:
                 rows.append(st[0])
                 hs = publish(pool, {"cond": n}, {"cond": n})
             pool.release(__import__("shm_transfer").KVHandle.from_dict(hs["cond"]))
-            sec = statistics.median(r["seconds"] for r in rows)
-            nbytes = rows[0]["bytes"]
+            sec = statistics.median(r.seconds for r in rows)
+            nbytes = rows[0].bytes
             out["import"].append({"tokens": n, "bytes": nbytes, "seconds": sec,
                                   "memcpy_s": pinned_memcpy_seconds(nbytes, device)})
         # 4) step-level batching: two half-size jobs in one forward vs one after the other
