@@ -14,11 +14,11 @@ Two parts, each runs alone:
     services/kit/timeline.py); the median time of each stage: gateway, prefix prefill + export, admission
     (KV import), the steps (measured on the device), pixels, pipe, encode, SSE, transfers, response.
 
-    python bench/bench_breakdown.py --part engine --device cuda --sizes 1024,2048
-    python bench/bench_breakdown.py --part services --model DIR_OR_tiny --device cuda --size 2048
+    python -m bench.bench_breakdown --part engine --device cuda --sizes 1024,2048
+    python -m bench.bench_breakdown --part services --model DIR_OR_tiny --device cuda --size 2048
 CPU smoke (seconds):
-    python bench/bench_breakdown.py --part engine --device cpu --sizes 256
-    python bench/bench_breakdown.py --part services --model tiny --device cpu --size 64 --steps 4 --repeat 2
+    python -m bench.bench_breakdown --part engine --device cpu --sizes 256
+    python -m bench.bench_breakdown --part services --model tiny --device cpu --size 64 --steps 4 --repeat 2
 Target (GPU): everything but the steps <= 0.35 s for one 2048² image.
 """
 from __future__ import annotations
@@ -30,14 +30,11 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from services.model import sampler as S  # noqa: E402
+from services.model import sampler as S
 
 
 def parse_args():

@@ -1,8 +1,8 @@
 """The fused fp8 producers (kernels/fp8_quant.py, kernels/norm_act.py): every launch variant timed and
 checked bit for bit, at the 8B geometry (hidden 4096, intermediate 12288).
 
-Usage (CUDA, < 90 s on an H200): python bench/bench_fp8_kernels.py [--json PATH] [--variants a,b,..]
-CPU smoke (Triton interpreter, tiny shapes): python bench/bench_fp8_kernels.py --smoke
+Usage (CUDA, < 90 s on an H200): python -m bench.bench_fp8_kernels [--json PATH] [--variants a,b,..]
+CPU smoke (Triton interpreter, tiny shapes): python -m bench.bench_fp8_kernels --smoke
 Kernels: `quant` (the standalone quantiser [rows, n]), `rms` (RMSNorm -> fp8 [rows, n]), `silu` (silu(gate)*up
 -> fp8 on the two halves of one [rows, 2n] gate|up output). Each variant's median time (triton.testing.do_bench:
 L2 flushed before every run) becomes GB/s from its compulsory traffic (read once, write once), next to the plain
@@ -33,8 +33,6 @@ os.environ["U1SERVE_KERNELS"] = "triton"
 os.environ.pop("U1SERVE_FP8_VARIANT", None)
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.fp8_quant import ROUND_ENV, fp8_launch, quant_fp8_rowwise, quant_fp8_rowwise_ref  # noqa: E402
 from kernels.norm_act import (add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8, rms_norm_fp8_ref,  # noqa: E402

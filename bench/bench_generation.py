@@ -2,11 +2,11 @@
 import through the engine's admission path, and step-level batching.
 
 GPU, one H200 (the real measurement):
-    python bench/bench_generation.py
+    python -m bench.bench_generation
 GPU, CFG-parallel over 2 H200 (one branch per GPU, velocities all-gathered):
-    python bench/bench_generation.py --cfg-parallel 2
+    python -m bench.bench_generation --cfg-parallel 2
 CPU smoke run (tiny geometry, seconds):
-    python bench/bench_generation.py --device cpu --tiny --size 128 --steps 2
+    python -m bench.bench_generation --device cpu --tiny --size 128 --steps 2
 
 Speed options, each a part that runs alone (`--part`, torch only; see gpu_genperf.sh):
     --part fp8        single-branch step at --sizes: bf16 vs fp8 (serving GemmPolicy, every GEMM fp8,
@@ -39,22 +39,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from services.generation.engine import Engine  # noqa: E402
-from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.contract.image import GenerateRequest  # noqa: E402
-from services.model.tiny import build_random_model, full_config, tiny_config  # noqa: E402
-from shm_transfer import KVLayout, ShmKVPool, write_kv  # noqa: E402
+from services.generation.engine import Engine
+from services.generation.kv_source import PrefixSource
+from services.contract.image import GenerateRequest
+from services.model.tiny import build_random_model, full_config, tiny_config
+from shm_transfer import KVLayout, ShmKVPool, write_kv
 
 FLOOR_SINGLE = 0.124      # s, one gen-branch forward at 2048², P=365, measured floor
 PUBLISHED_CFGP = 0.152    # s/step, SenseNova docs, H200 TP2+CFG2
@@ -74,8 +70,10 @@ def parse_args():
     p.add_argument("--cfg-parallel", type=int, default=1)
     p.add_argument("--skip-batching", action="store_true")
     p.add_argument("--json", default=None)
-    p.add_argument("--part", default="step", choices=["step", "fp8", "fp8-profile", "cache", "preset", "warmstart",
-                                                     "graphs", "addnorm", "fp8-fused", "formats"])
+    p.add_argument("--part", default="step", type=_parts,
+                   help="step, or one or more speed-option parts, comma-separated (bench/genperf_parts.py PARTS: "
+                        "fp8, fp8-profile, cache, preset, warmstart, graphs, addnorm, fp8-fused, formats); several "
+                        "run in one process (the CPU smoke), the GPU runs each alone (gpu_genperf.sh)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--sizes", default="2048,1024", help="image sides for --part fp8 / preset / cache")
     p.add_argument("--thresholds", default="0,0.05,0.1,0.2", help="--part cache")
@@ -167,7 +165,7 @@ def single_device(args, device, dtype) -> dict:
     pool = make_pool(model, 4 * (p_cond + p_uncond) + 2 * sum(imp), dtype)
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "size": args.size, "dtype": str(dtype), "prefix": [p_cond, p_uncond]}
     total = args.warmup + args.steps + 1
     try:
@@ -191,8 +189,8 @@ def single_device(args, device, dtype) -> dict:
                 rows.append(st[0])
                 hs = publish(pool, {"cond": n}, {"cond": n})
             pool.release(__import__("shm_transfer").KVHandle.from_dict(hs["cond"]))
-            sec = statistics.median(r["seconds"] for r in rows)
-            nbytes = rows[0]["bytes"]
+            sec = statistics.median(r.seconds for r in rows)
+            nbytes = rows[0].bytes
             out["import"].append({"tokens": n, "bytes": nbytes, "seconds": sec,
                                   "memcpy_s": pinned_memcpy_seconds(nbytes, device)})
         # 4) step-level batching: two half-size jobs in one forward vs one after the other
@@ -261,6 +259,14 @@ def cfg_parallel(args, dtype) -> dict:
         pool.close()
 
 
+def _parts(text: str) -> str:
+    from bench.genperf_parts import PARTS
+    bad = [p for p in text.split(",") if p not in PARTS] if text != "step" else []
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown part {', '.join(bad)}; step or {', '.join(PARTS)}")
+    return text
+
+
 def _dtype(args) -> torch.dtype:
     name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return getattr(torch, name)
@@ -271,8 +277,10 @@ def main():
     device = torch.device(args.device)
     dtype = _dtype(args)
     if args.part != "step":
-        from genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
-        res = PARTS[args.part](args, device, dtype)
+        from bench.genperf_parts import PARTS   # the speed-option parts (bench/genperf_parts.py)
+        names = args.part.split(",")
+        res = {name: PARTS[name](args, device, dtype) for name in names}
+        res = res[names[0]] if len(names) == 1 else res
     elif args.cfg_parallel > 1:
         res = cfg_parallel(args, dtype)
         target = "0.095" if args.quantization == "fp8" else "0.14"

@@ -5,14 +5,14 @@ producer's pool over what UCX finds: RDMA, CUDA IPC, shared memory or TCP). On C
 memcpy of the same bytes as the floor.
 
 GPU (the real measurement, 8B geometry by default):
-    python bench/bench_handoff.py --transport shm --tokens 365,4096
-    python bench/bench_handoff.py --transport network --tokens 365,4096
+    python -m bench.bench_handoff --transport shm --tokens 365,4096
+    python -m bench.bench_handoff --transport network --tokens 365,4096
 CPU smoke run (tiny shapes, seconds; CI runs it):
-    python bench/bench_handoff.py --smoke --transport shm
-    UCX_TLS=tcp python bench/bench_handoff.py --smoke --transport network
+    python -m bench.bench_handoff --smoke --transport shm
+    UCX_TLS=tcp python -m bench.bench_handoff --smoke --transport network
 Across two network namespaces joined by a veth pair (as two hosts on one machine: root, Linux, iproute2; the
 namespaces and the pair are made for the run and removed after it):
-    python bench/bench_handoff.py --transport network --netns --tokens 365,4096
+    python -m bench.bench_handoff --transport network --netns --tokens 365,4096
 
 Prints a markdown table and, with --json PATH, writes the raw numbers. Exits non-zero if any import is
 not bit-exact.
@@ -34,12 +34,10 @@ import uuid
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from shm_transfer import KVHandle, KVLayout  # noqa: E402
-from shm_transfer.producer import create_producer  # noqa: E402
-from shm_transfer.transport import LocalShmTransport  # noqa: E402
-import kernels  # noqa: E402
+from shm_transfer import KVHandle, KVLayout
+from shm_transfer.producer import create_producer
+from shm_transfer.transport import LocalShmTransport
+import kernels
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,8 +114,9 @@ def in_netns_main(args, argv: list[str]) -> int:
     in the other one), remove the pair."""
     with netns_pair(args.veth_mtu) as side:
         inner = [a for a in argv if a != "--netns"] + ["--in-netns", json.dumps(side)]
-        return subprocess.run(["ip", "netns", "exec", side["consumer"][0], sys.executable, os.path.abspath(__file__),
-                               *inner]).returncode
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["ip", "netns", "exec", side["consumer"][0], sys.executable, "-m", "bench.bench_handoff",
+                               *inner], cwd=root).returncode
 
 
 def engine_kv(lay: KVLayout, max_t: int, device) -> tuple[torch.Tensor, dict]:

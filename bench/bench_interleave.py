@@ -7,24 +7,20 @@ cond and tu) + the prefix export of its CFG branches + the denoise + the float i
 overhead per image against T2I is what interleaving costs. Random weights (config-only checkpoint), as
 bench_deployment.py.
 
-GPU (1 H200, 8B geometry): python bench/bench_interleave.py --profiles colocate-1 --size 1024x1024
-CPU smoke run:            python bench/bench_interleave.py --tiny --profiles cpu-colocate --size 64x64 --steps 2
+GPU (1 H200, 8B geometry): python -m bench.bench_interleave --profiles colocate-1 --size 1024x1024
+CPU smoke run:            python -m bench.bench_interleave --tiny --profiles cpu-colocate --size 64x64 --steps 2
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_deployment import ROOT, prepare_model, run_all, stack_args  # noqa: E402
-
-sys.path.insert(0, ROOT)
-from services.kit import sse  # noqa: E402
+from bench.stack import exit_status, prepare_model, profile_table, run_all, stack_args
+from services.kit import sse
 
 
 async def t2i(client, args, seed: int) -> float:
@@ -83,22 +79,18 @@ def make_measure(args):
 
 
 def table(results: dict, args) -> str:
-    rows = [f"{args.images}-image interleaved answer vs text-to-image, {args.size}, {args.steps} steps, CFG 4 "
-            f"(2 branches), median of {args.requests}.", "",
-            "| profile | T2I s | interleave s / image | overhead s / image | segment + prefix before denoise s | "
-            "answer s |", "|---|---:|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:80]} | | | | |")
-            continue
-        rows.append(f"| {name} | {r['t2i_s']:.2f} | {r['interleave_per_image_s']:.2f} | "
-                    f"{r['overhead_per_image_s']:+.2f} | {r['before_denoise_s']:.2f} | {r['interleave_answer_s']:.2f} |")
-    return "\n".join(rows)
+    return profile_table(
+        f"{args.images}-image interleaved answer vs text-to-image, {args.size}, {args.steps} steps, CFG 4 "
+        f"(2 branches), median of {args.requests}.",
+        ["profile", "T2I s", "interleave s / image", "overhead s / image", "segment + prefix before denoise s",
+         "answer s"], results,
+        lambda r: [f"{r['t2i_s']:.2f}", f"{r['interleave_per_image_s']:.2f}", f"{r['overhead_per_image_s']:+.2f}",
+                   f"{r['before_denoise_s']:.2f}", f"{r['interleave_answer_s']:.2f}"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    stack_args(p, "colocate-1", 18100)
+    stack_args(p, "colocate-1")
     p.add_argument("--size", default="1024x1024")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--images", type=int, default=3)
@@ -107,9 +99,7 @@ def main() -> None:
     model_dir = prepare_model(args)
     from services.model.tokenizer import NeoTokenizer
     args.img_token = NeoTokenizer.from_dir(model_dir).img_start_id
-    results = run_all(args, model_dir, make_measure(args), table)
-    if any("error" in r for r in results.values()):
-        sys.exit(1)
+    sys.exit(exit_status(run_all(args, model_dir, make_measure(args), table)))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 """Sustained mixed load through the gateway: N concurrent clients for T seconds, each sending chat, streamed
 chat, images, streamed images, edits, cancelled streams and bad inputs (weighted, seeded), back to back.
 
-    python bench/bench_load.py --base http://127.0.0.1:8000 --clients 32 --duration 300 \
+    python -m bench.bench_load --base http://127.0.0.1:8000 --clients 32 --duration 300 \
         --size 1024x1024 --steps 8 [--api-key KEY] [--json out.json] [--markdown out.md]
-    python bench/bench_load.py --smoke        # CPU: a tiny `u1serve up` stack, 8 clients for 8 s
+    python -m bench.bench_load --smoke        # CPU: a tiny `u1serve up` stack, 8 clients for 8 s
 
 Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind, the 429 rate and every 5xx by code.
 Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import random
 import struct
 import sys
@@ -41,8 +40,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from services.kit import sse  # noqa: E402  (the one SSE decoder; imports nothing heavy)
+from services.kit import sse  # the one SSE decoder; imports nothing heavy
 
 KINDS = ("chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad")
 DEFAULT_MIX = {"chat": 3, "chat_stream": 2, "image": 2, "image_stream": 2, "edit": 1, "cancel": 1, "bad": 1}

@@ -9,9 +9,9 @@ on the random 8B geometry (services.model.tiny.full_config), bf16, adapters of r
 (q/k/v/o, gate/up/down of the gen branch).
 
 GPU (one H200, about 2 min):
-    python bench/bench_lora.py --device cuda --sizes 1024,2048 --resident 1,4,16 --json docs/benchmarks/lora.json
+    python -m bench.bench_lora --device cuda --sizes 1024,2048 --resident 1,4,16 --json docs/benchmarks/lora.json
 CPU smoke (seconds):
-    python bench/bench_lora.py --device cpu --tiny --sizes 64 --jobs 2 --resident 1,2 --steps 1 --warmup 1
+    python -m bench.bench_lora --device cpu --tiny --sizes 64 --jobs 2 --resident 1,2 --steps 1 --warmup 1
 """
 from __future__ import annotations
 
@@ -24,12 +24,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from services.contract.image import GenerateRequest  # noqa: E402
-from services.generation.engine import Engine  # noqa: E402
-from services.model.lora_registry import LoraRegistry, Staged, target_names  # noqa: E402
-from services.model.tiny import build_random_model, full_config, tiny_config  # noqa: E402
+from services.contract.image import GenerateRequest
+from services.generation.engine import Engine
+from services.model.lora_registry import LoraRegistry, Staged, target_names
+from services.model.tiny import build_random_model, full_config, tiny_config
 
 
 def parse_args():
@@ -93,7 +91,7 @@ def step_time(model, size: int, n_jobs: int, loras: list, prefix: tuple[int, int
         _sync(device)
         times.append(time.perf_counter() - t0)
     for job in list(engine.running):
-        engine.drop(job.request_id)
+        engine.abort(job.request_id)
     return statistics.median(times)
 
 

@@ -16,13 +16,13 @@ trajectory of the first prompt (the fp8 numerics check), and, when both step cac
 TeaCache at equal quality: for each first-block threshold the TeaCache threshold of at least its PSNR that
 computed the fewest steps (a first-block reused step still runs layer 0; a TeaCache one runs no layer).
 
-    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
+    python -m bench.bench_quality --model /models/SenseNova-U1-8B-MoT --prompts prompts.txt \
         --size 2048 --steps 50 --settings fp8,cache:0.05,cache:0.1,truncate:0.8
-    U1SERVE_TEACACHE_COEFFICIENTS=tea.json python bench/bench_quality.py --model ... --size 1024 --steps 50 \
+    U1SERVE_TEACACHE_COEFFICIENTS=tea.json python -m bench.bench_quality --model ... --size 1024 --steps 50 \
         --settings cache:0.05,cache:0.1,cache:0.2,tea:0.1,tea:0.2,tea:0.4,tea:0.8
-    python bench/bench_quality.py --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
+    python -m bench.bench_quality --model /models/SenseNova-U1-8B-MoT --settings fp8,int8,gguf:q8_0,gguf:q4_k \
         --convert-dir /scratch/u1-converted       # the weight formats' quality cost on real weights
-    python bench/bench_quality.py --smoke        # CPU, tiny checkpoint, seconds
+    python -m bench.bench_quality --smoke        # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
 
@@ -35,14 +35,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from image_quality import psnr, ssim  # noqa: E402
-from services.generation.engine import Engine  # noqa: E402
-from services.contract.image import GenerateRequest  # noqa: E402
-from services.model import reference as R  # noqa: E402
-from services.model import sampler as S  # noqa: E402
+from bench.image_quality import psnr, ssim
+from services.generation.engine import Engine
+from services.contract.image import GenerateRequest
+from services.model import reference as R
+from services.model import sampler as S
 
 DEFAULT_PROMPTS = ["a red fox in the snow, watercolor", "a lighthouse at dusk, photo",
                    "a poster that says OPEN SOURCE in bold letters"]

@@ -5,11 +5,11 @@ up --kv-transport shm`), measured in the same run as a client sees it:
 
 GPU (one H200; the 8B geometry with random weights, as bench_deployment.py; ray carried in .whl/, see
 docs/deployment.md "Many machines"):
-    python bench/bench_ray.py --profile colocate-1 --size 1024x1024 --steps 50 --requests 5 --chats 20
+    python -m bench.bench_ray --profile colocate-1 --size 1024x1024 --steps 50 --requests 5 --chats 20
 CPU smoke run (tiny checkpoint):
-    python bench/bench_ray.py --smoke
+    python -m bench.bench_ray --smoke
 Against deployments that already run (CI measures the test cluster's application and its `u1serve up` this way):
-    python bench/bench_ray.py --smoke --up-url http://127.0.0.1:8000 --ray-url http://127.0.0.1:9000
+    python -m bench.bench_ray --smoke --up-url http://127.0.0.1:8000 --ray-url http://127.0.0.1:9000
 
 Prints a markdown table and, with --json PATH, writes the raw numbers. Exits non-zero when a side failed.
 """
@@ -26,13 +26,10 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from bench_deployment import PROFILES, image_request, prepare_model, run_profile  # noqa: E402
-
-from services.netutil import free_port  # noqa: E402
+from bench.bench_deployment import has_token, image_request
+from bench.stack import PROFILES, ROOT, exit_status, prepare_model, profile_table, run_profile, write_json
+from services.kit import sse
+from services.netutil import free_port
 
 
 async def first_token_s(client: httpx.AsyncClient, i: int, tokens: int) -> float:
@@ -42,11 +39,9 @@ async def first_token_s(client: httpx.AsyncClient, i: int, tokens: int) -> float
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"chat failed: {r.status_code} {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ch = (json.loads(line[6:]).get("choices") or [{}])[0]
-                if ch.get("token_ids") or ch.get("delta", {}).get("content"):
-                    return time.perf_counter() - t0
+        async for ev in sse.aevents(r.aiter_lines()):
+            if has_token(ev):
+                return time.perf_counter() - t0
     raise RuntimeError("the chat stream returned no token")
 
 
@@ -89,16 +84,14 @@ def run_ray(model_dir: str, args) -> dict:
 
 def table(results: dict, args) -> str:
     up, ray = results.get("u1serve up", {}), results.get("ray serve", {})
-    rows = [f"Image: {args.size}, {args.steps} steps, CFG 4, {args.requests} sequential requests (median). Chat: "
-            f"{args.chats} sequential streams, time to the first token (median).", "",
-            "| | image e2e s | chat TTFT ms |", "|---|---:|---:|"]
-    for name, r in results.items():
-        rows.append(f"| {name} | failed: {r['error'][:80]} | |" if "error" in r else
-                    f"| {name} | {r['image_e2e_s']:.3f} | {r['ttft_ms']:.1f} |")
+    text = profile_table(
+        f"Image: {args.size}, {args.steps} steps, CFG 4, {args.requests} sequential requests (median). Chat: "
+        f"{args.chats} sequential streams, time to the first token (median).",
+        ["", "image e2e s", "chat TTFT ms"], results, lambda r: [f"{r['image_e2e_s']:.3f}", f"{r['ttft_ms']:.1f}"])
     if "image_e2e_s" in up and "image_e2e_s" in ray:
-        rows.append(f"| Ray's cost | {100 * (ray['image_e2e_s'] / up['image_e2e_s'] - 1):+.1f} % | "
-                    f"{100 * (ray['ttft_ms'] / up['ttft_ms'] - 1):+.1f} % |")
-    return "\n".join(rows)
+        text += (f"\n| Ray's cost | {100 * (ray['image_e2e_s'] / up['image_e2e_s'] - 1):+.1f} % | "
+                 f"{100 * (ray['ttft_ms'] / up['ttft_ms'] - 1):+.1f} % |")
+    return text
 
 
 def main() -> int:
@@ -113,6 +106,7 @@ def main() -> int:
     p.add_argument("--chat-tokens", type=int, default=16)
     p.add_argument("--ray-cpus", type=float, default=4, help="CPUs the Ray head offers")
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--port", type=int, default=0, help="`u1serve up`'s gateway port (default: a free one)")
     p.add_argument("--up-args", default="")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
@@ -126,7 +120,7 @@ def main() -> int:
     model_dir = None if args.up_url and args.ray_url else prepare_model(args)
     results = {}
     for name, run in (("u1serve up", lambda: asyncio.run(measure(args.up_url, args)) if args.up_url else
-                       run_profile(args.profile, model_dir, args, free_port(), measure)),
+                       run_profile(args.profile, model_dir, args, measure)),
                       ("ray serve", lambda: asyncio.run(measure(args.ray_url, args)) if args.ray_url else
                        run_ray(model_dir, args))):
         try:
@@ -135,10 +129,8 @@ def main() -> int:
             results[name] = {"error": repr(e)}
         print(name, json.dumps(results[name]), flush=True)
     print(table(results, args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
-    return 1 if any("error" in r for r in results.values()) else 0
+    write_json(args, results)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@
    bench/bench_weight_update.py writes it) through `POST /v1/rl/weights`.
 
 GPU, one H200 (random 8B weights: `u1serve tiny-checkpoint DIR --variant u1-8b` + U1SERVE_RANDOM_WEIGHTS=1):
-    python bench/bench_rl.py --profiles colocate-1 --out /tmp/bench-rl
+    python -m bench.bench_rl --profiles colocate-1 --out /tmp/bench-rl
 CPU smoke run (tiny checkpoint, a minute):
-    python bench/bench_rl.py --tiny --profiles cpu-colocate --sizes 32 --steps 2 --group-size 2 --prompts 1 \\
+    python -m bench.bench_rl --tiny --profiles cpu-colocate --sizes 32 --steps 2 --group-size 2 --prompts 1 \\
         --repeat 1 --out DIR
 Results: a markdown table on stdout and in DIR/bench_rl.md, every number in DIR/bench_rl.json.
 """
@@ -31,12 +31,9 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
-from bench_deployment import prepare_model, run_all, stack_args  # noqa: E402
-from bench_weight_update import write_gen_update  # noqa: E402
-
-from services.contract.limits import MAX_IMAGES_PER_REQUEST as MAX_IMAGES  # noqa: E402
+from bench.bench_weight_update import write_gen_update
+from bench.stack import exit_status, prepare_model, run_all, stack_args
+from services.contract.limits import MAX_IMAGES_PER_REQUEST as MAX_IMAGES
 
 PROMPTS = ["a red fox in the snow, watercolor", "a lighthouse at dusk, oil painting", "a bowl of ramen, photo",
            "a robot reading a book, pixel art", "a mountain lake at sunrise", "a cat in a spacesuit",
@@ -171,9 +168,8 @@ def table(results: dict, args) -> str:
 
 
 def main() -> None:
-    from services.netutil import free_port
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    stack_args(p, "colocate-1", 0)
+    stack_args(p, "colocate-1")
     p.add_argument("--sizes", default="512,1024", help="image sides, comma-separated")
     p.add_argument("--steps", default="10,20", help="step counts, comma-separated")
     p.add_argument("--group-size", type=int, default=8)
@@ -185,7 +181,6 @@ def main() -> None:
     args.size_list = [int(s) for s in args.sizes.split(",")]
     args.step_list = [int(s) for s in args.steps.split(",")]
     args.prompts = min(args.prompts, len(PROMPTS))
-    args.port = args.port or free_port()
     os.makedirs(args.out, exist_ok=True)
     args.json = os.path.join(args.out, "bench_rl.json")
     model_dir = prepare_model(args)
@@ -197,8 +192,7 @@ def main() -> None:
         shutil.rmtree(args.update_dir, ignore_errors=True)
     with open(os.path.join(args.out, "bench_rl.md"), "w") as f:
         f.write(table(results, args) + "\n")
-    if any("error" in r for r in results.values()):
-        sys.exit(1)
+    sys.exit(exit_status(results))
 
 
 if __name__ == "__main__":

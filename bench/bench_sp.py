@@ -1,10 +1,10 @@
 """Sequence parallelism and 4K: denoising step time of one image over 1, 2 (and 4) GPUs,
 engine level (torch only: the real Engine, rank processes, NCCL), full-size geometry, random weights.
 
-    python bench/bench_sp.py --part sp        # u1-8b 2048², guidance 1: SP1 vs SP2 (target SP2 <= 0.072 s)
-    python bench/bench_sp.py --part 4k        # u1.5-8b 4096²: SP1, SP2, CFG, CFG2, SP2 x CFG; peak memory
-    python bench/bench_sp.py --part comm      # the collectives alone at 2048² / 4096² (per layer, per step)
-    python bench/bench_sp.py --smoke          # CPU, tiny geometry, gloo (checks the script; both modes)
+    python -m bench.bench_sp --part sp        # u1-8b 2048², guidance 1: SP1 vs SP2 (target SP2 <= 0.072 s)
+    python -m bench.bench_sp --part 4k        # u1.5-8b 4096²: SP1, SP2, CFG, CFG2, SP2 x CFG; peak memory
+    python -m bench.bench_sp --part comm      # the collectives alone at 2048² / 4096² (per layer, per step)
+    python -m bench.bench_sp --smoke          # CPU, tiny geometry, gloo (checks the script; both modes)
 
 `--sp-mode ulysses|kv-gather|both` (default both): which SP mode(s) the SP cases run (sequence_parallel.py:
 Ulysses' two all-to-alls a layer, or one all-gather of K/V); in `comm`, each mode's per-layer collective.
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PREFIX = {"cond": 365, "uncond": 9}
 SP_LAYOUTS = ("sp", "cfgxsp")

@@ -3,11 +3,11 @@ cost of one T2I prefix export, ours (scheduler + paged KV + Triton kernels + CUD
 reference pipeline (services.model.reference) in the same run. Full 8B geometry with random weights.
 
 GPU (the real measurement):
-    python bench/bench_understanding.py --json docs/benchmarks/understanding.json
+    python -m bench.bench_understanding --json docs/benchmarks/understanding.json
 GPU, A3B (random weights; its fused MoE, decode CUDA graphs on; the batch-1 bound counts the top-k experts only):
-    python bench/bench_understanding.py --variant a3b-full --batches 1,64 --iters 3 --json /tmp/und_a3b.json
+    python -m bench.bench_understanding --variant a3b-full --batches 1,64 --iters 3 --json /tmp/und_a3b.json
 CPU smoke run (tiny checkpoint, small sizes; --variant a3b for the tiny MoE):
-    python bench/bench_understanding.py --tiny --device cpu --dtype float32 --batches 1,4 \\
+    python -m bench.bench_understanding --tiny --device cpu --dtype float32 --batches 1,4 \\
         --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
 
 Targets: batch-64 decode >= 20x the reference's tokens/s (the reference serves one request at a
@@ -22,21 +22,18 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from services.model import prompts as PR  # noqa: E402
-from services.model import reference as R  # noqa: E402
-from services.understanding.config import EngineConfig  # noqa: E402
-from services.understanding.engine import Engine  # noqa: E402
-from services.understanding.protocol import SubmitRequest  # noqa: E402
-from services.understanding.sampling import SamplingParams  # noqa: E402
+from services.model import prompts as PR
+from services.model import reference as R
+from services.understanding.config import EngineConfig
+from services.understanding.engine import Engine
+from services.understanding.protocol import SubmitRequest
+from services.understanding.sampling import SamplingParams
 
 
 def parse_args():
@@ -132,7 +129,9 @@ def bench_ttft(engine, tok, args, rng):
 
 
 def bench_prefix(engine, tok, pool, args, rng):
-    from shm_transfer import KVHandle, export_kv
+    """A T2I prefix exported into the handoff pool the way the service does it (the engine attached the pool
+    by name, as under `u1serve up`): the whole request, and the copy alone through the engine's transport."""
+    from shm_transfer import KVHandle
     total, copy = [], []
     for _ in range(args.iters):
         rid = f"pre-{uuid.uuid4().hex[:8]}"
@@ -149,7 +148,7 @@ def bench_prefix(engine, tok, pool, args, rng):
         hh = KVHandle.from_dict(o.handle)
         sync(engine.device)
         c0 = time.perf_counter()
-        export_kv(pool, hh, engine.runner.kv_pool, slots)
+        engine.pool.export_kv(hh, engine.runner.kv_pool, slots)
         sync(engine.device)
         copy.append(time.perf_counter() - c0)
         pool.release(hh)
@@ -226,7 +225,30 @@ def main():
         os.environ[knobs.RANDOM_WEIGHTS.name] = "1"
     rng = random.Random(0)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = make_engine(model_dir, args, max_running=max(128, max(batches)))
+    pool = handoff_pool(model_dir, args)
+    try:
+        run(model_dir, args, rng, batches, pool)
+    finally:
+        pool.close()
+
+
+def handoff_pool(model_dir, args):
+    """The producer side of the KV handoff as the understanding service makes it (services/understanding/
+    state.py): created before the engine, which attaches it by name."""
+    from services.model.config import load_config
+    from services.model.loader import model_fingerprint
+    from shm_transfer import KVLayout
+    from shm_transfer.producer import create_producer
+    cfg = load_config(model_dir)
+    llm = cfg.llm
+    layout = KVLayout(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, args.dtype, 256)
+    return create_producer("shm", f"bench-und-{uuid.uuid4().hex[:8]}", layout,
+                           4 * (args.prefix_len + 256) * layout.bytes_per_token, model_fingerprint(model_dir, cfg),
+                           pin=False)
+
+
+def run(model_dir, args, rng, batches, pool):
+    engine = make_engine(model_dir, args, pool_name=pool.pool.name, max_running=max(128, max(batches)))
     tok_ = __import__("services.model.tokenizer", fromlist=["NeoTokenizer"]).NeoTokenizer.from_dir(model_dir)
     print(f"model loaded on {args.device} ({args.dtype}); graphs: {engine.runner.graphs is not None}", flush=True)
     bench_decode(engine, tok_, min(batches), args, rng)           # warm-up: compile the kernels
@@ -237,23 +259,9 @@ def main():
         print(f"ours: batch {d['batch']}: {d['ms_per_step']:.2f} ms/step, {d['tokens_per_s']:.0f} tokens/s", flush=True)
     print(f"ours: TTFT {ttft:.1f} ms", flush=True)
 
-    from shm_transfer import KVLayout, ShmKVPool
-    llm = engine.model.cfg.llm
-    layout = KVLayout(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, args.dtype, 256)
-    pool_name = f"bench-und-{uuid.uuid4().hex[:8]}"
-    prefix_ms = copy_ms = float("nan")
-    try:   # /dev/shm may be small on some machines: the prefix numbers are then skipped, not the rest
-        pool = ShmKVPool.create(pool_name, layout, 4 * (args.prefix_len + 256) * layout.bytes_per_token,
-                                engine.model.fingerprint)
-        try:
-            engine.pool = ShmKVPool.attach(pool_name, expected_fingerprint=engine.model.fingerprint)
-            bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
-            prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
-            engine.pool.close()
-        finally:
-            pool.close()
-    except Exception as e:
-        print(f"prefix export skipped: {type(e).__name__}: {e}", flush=True)
+    bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
+    prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
+    engine.pool.close()
     ref = reference_numbers(engine.model, tok_, args, rng)
     bound_ms, bw_tbs = hbm_bound_ms(engine.model, args)
 

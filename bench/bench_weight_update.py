@@ -4,9 +4,9 @@ geometry, under the checkpoint's key names) written to disk, then `POST /v1/rl/w
 goes on, with the new weights).
 
 GPU, one H200 (8B geometry, random weights; the update is the full gen branch, ~15 GB bf16 on disk):
-    python bench/bench_weight_update.py --profiles colocate-1 --repeat 3 --json weight_update.json
+    python -m bench.bench_weight_update --profiles colocate-1 --repeat 3 --json weight_update.json
 CPU smoke run (tiny checkpoint, seconds; also the upload route):
-    python bench/bench_weight_update.py --tiny --profiles cpu-colocate --repeat 1
+    python -m bench.bench_weight_update --tiny --profiles cpu-colocate --repeat 1
 
 The update directory goes to --update-dir (default: a temporary directory, removed at the end).
 """
@@ -22,9 +22,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
-from bench_deployment import prepare_model, run_all, stack_args  # noqa: E402
+from bench.stack import exit_status, prepare_model, profile_table, run_all, stack_args
 
 
 def write_gen_update(model_dir: str, out_dir: str, seed: int = 0) -> tuple[int, int]:
@@ -96,26 +94,21 @@ async def measure(base: str, args) -> dict:
 
 
 def table(results: dict, args) -> str:
-    rows = [f"Whole generation-branch update ({args.update_tensors} tensors, {args.update_bytes / 2**30:.2f} GiB "
-            f"bf16 on disk), `POST /v1/rl/weights`, {args.repeat} runs (median); then one {args.size} "
-            f"{args.steps}-step image.", "",
-            "| profile | stage s | commit s | total s (API) | wall s | image after s (before) |",
-            "|---|---:|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:80]} | | | | |")
-            continue
+    def row(r: dict) -> list[str]:
         med = {k: statistics.median(x[k] for x in r["runs"])
                for k in ("stage_seconds", "commit_seconds", "seconds", "wall_s", "image_after_s")}
-        rows.append(f"| {name} | {med['stage_seconds']:.2f} | {med['commit_seconds']:.2f} | {med['seconds']:.2f} | "
-                    f"{med['wall_s']:.2f} | {med['image_after_s']:.2f} ({r['image_before_s']:.2f}) |")
-    return "\n".join(rows)
+        return [f"{med['stage_seconds']:.2f}", f"{med['commit_seconds']:.2f}", f"{med['seconds']:.2f}",
+                f"{med['wall_s']:.2f}", f"{med['image_after_s']:.2f} ({r['image_before_s']:.2f})"]
+    return profile_table(
+        f"Whole generation-branch update ({args.update_tensors} tensors, {args.update_bytes / 2**30:.2f} GiB "
+        f"bf16 on disk), `POST /v1/rl/weights`, {args.repeat} runs (median); then one {args.size} "
+        f"{args.steps}-step image.",
+        ["profile", "stage s", "commit s", "total s (API)", "wall s", "image after s (before)"], results, row)
 
 
 def main() -> None:
-    from services.netutil import free_port
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    stack_args(p, "colocate-1", 0)
+    stack_args(p, "colocate-1")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--size", default="512x512")
     p.add_argument("--steps", type=int, default=4)
@@ -123,7 +116,6 @@ def main() -> None:
     args = p.parse_args()
     if args.tiny:
         args.size = "64x64" if args.size == "512x512" else args.size
-    args.port = args.port or free_port()
     model_dir = prepare_model(args)
     made = args.update_dir is None
     args.update_dir = args.update_dir or tempfile.mkdtemp(prefix="u1bench-update-")
@@ -136,8 +128,7 @@ def main() -> None:
     finally:
         if made:
             shutil.rmtree(args.update_dir, ignore_errors=True)
-    if any("error" in r for r in results.values()):
-        sys.exit(1)
+    sys.exit(exit_status(results))
 
 
 if __name__ == "__main__":

@@ -11,15 +11,14 @@ and reuses the residual while the sum stays below the request's threshold. Write
 Coefficients belong to a checkpoint and a schedule (steps, shift): random weights (U1SERVE_RANDOM_WEIGHTS=1)
 calibrate only the mechanism; operators run this on their real checkpoint:
 
-    python bench/calibrate_teacache.py --model /models/SenseNova-U1-8B-MoT --sizes 1024,2048 --steps 50 \\
+    python -m bench.calibrate_teacache --model /models/SenseNova-U1-8B-MoT --sizes 1024,2048 --steps 50 \\
         --out /models/SenseNova-U1-8B-MoT/teacache_coefficients.json
-    python bench/calibrate_teacache.py --smoke --out /tmp/tea.json   # CPU, tiny checkpoint, seconds
+    python -m bench.calibrate_teacache --smoke --out /tmp/tea.json   # CPU, tiny checkpoint, seconds
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,13 +26,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_quality import DEFAULT_PROMPTS, model_dir, prompts_of  # noqa: E402
-from services.model import reference as R  # noqa: E402
-from services.model import sampler as S  # noqa: E402
-from services.model.step_cache import relative_change  # noqa: E402
+from bench.bench_quality import DEFAULT_PROMPTS, model_dir, prompts_of
+from services.model import reference as R
+from services.model import sampler as S
+from services.model.step_cache import relative_change
 
 
 class StackRecorder:

@@ -1,5 +1,6 @@
-"""`bench_generation.py --part formats`: the weight formats side by side on the random 8B geometry (gen branch):
-CFG step time (guidance 4, P = 365 / 9) at --sizes and the GPU memory the branch's weights take, for
+"""`python -m bench.bench_generation --part formats`: the weight formats side by side on the random 8B
+geometry (gen branch): CFG step time (guidance 4, P = 365 / 9) at --sizes and the GPU memory the branch's
+weights take, for
     bf16        the model dtype
     fp8         `--quantization fp8` as served (GemmPolicy.for_device: below 2,048 rows the kept bf16 weights run,
                 so the bf16 copy stays resident) and fp8-only (every row count fp8, no bf16 copy)
@@ -17,8 +18,8 @@ import time
 
 import torch
 
-from bench_generation import build
-from genperf_parts import _device_name, _sizes, spec, step_times
+from bench.bench_generation import build
+from bench.genperf_parts import _device_name, _sizes, spec, step_times
 from services.generation.engine import Engine
 
 

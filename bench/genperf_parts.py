@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bench_generation import _sync, build
+from bench.bench_generation import _sync, build
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest
 from services.model import reference as R
@@ -130,11 +130,6 @@ def _burn(engines, size: int, seconds: float) -> None:
     while time.perf_counter() - t0 < seconds:
         for e in engines:
             step_times(e, spec("burn", size, 3, 1.0), 0, 2)
-
-
-def _median_rounds(fn, rounds: int) -> float:
-    """Median over `rounds` calls of fn() (each a list of step seconds), configs interleaved by the caller."""
-    return statistics.median(t for _ in range(rounds) for t in fn())
 
 
 @torch.inference_mode()
@@ -811,7 +806,7 @@ def _print_fp8_fused(out: dict) -> None:
 
 
 def part_formats(args, device, dtype) -> dict:
-    from genperf_formats import part_formats as run   # bf16 / fp8 / int8 / gguf (its own module)
+    from bench.genperf_formats import part_formats as run   # bf16 / fp8 / int8 / gguf (its own module)
     return run(args, device, dtype)
 
 

@@ -33,7 +33,7 @@ fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 
-B=bench/bench_generation.py
+B="-m bench.bench_generation"
 # single-branch step at 1024² / 2048²: bf16 vs fp8 (serving policy, every GEMM fp8, fast accumulation),
 # fp8 velocity error (accurate and fast accumulation), every layer GEMM by row count, kernels vs torch bits
 run fp8 fp8 "$LIMIT" python $B --part fp8 "${GEO[@]}"
@@ -54,7 +54,7 @@ done
 # the 8-step preset (guidance 1): bf16, fp8 as served, fp8 on every GEMM
 run preset preset "$LIMIT" python $B --part preset "${GEO[@]}"
 # pixels -> uint8 -> host, and encoders (Pillow rows only where Pillow is installed)
-run pixels pixels 120 python bench/bench_breakdown.py --part engine --device "${GEO[1]}" --sizes "$PIXSIZES"
+run pixels pixels 120 python -m bench.bench_breakdown --part engine --device "${GEO[1]}" --sizes "$PIXSIZES"
 # CFG-parallel over 2 GPUs, bf16 and fp8 (proxy of colocate TP2+CFG2: target <= 0.095 s/step fp8)
 if [ "$NGPU" -ge 2 ]; then
   run cfgp cfgp-bf16 "$LIMIT" python $B --cfg-parallel 2 --size 2048 --steps 5 --warmup 2 --skip-batching

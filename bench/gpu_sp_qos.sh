@@ -48,11 +48,11 @@ fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 
-run sp sp "$LIMIT" python bench/bench_sp.py --part sp --sp-mode "$SP_MODE" --cuda-graphs both "${SP[@]}"
-run 4k 4k "$LIMIT" python bench/bench_sp.py --part 4k --sp-mode ulysses "${SP[@]}"
-run comm comm 90 python bench/bench_sp.py --part comm --sp-mode "$SP_MODE" "${SP[@]}"
+run sp sp "$LIMIT" python -m bench.bench_sp --part sp --sp-mode "$SP_MODE" --cuda-graphs both "${SP[@]}"
+run 4k 4k "$LIMIT" python -m bench.bench_sp --part 4k --sp-mode ulysses "${SP[@]}"
+run comm comm 90 python -m bench.bench_sp --part comm --sp-mode "$SP_MODE" "${SP[@]}"
 # 2048², 12 steps, CFG 4; 8 chat streams x 128 tokens, alone and with 2 image jobs (load delay 2 s)
-run qos qos 200 python bench/bench_deployment.py --profiles "${QOS_PROFILES:-colocate-tp2-cfg2-yield}" \
+run qos qos 200 python -m bench.bench_deployment --profiles "${QOS_PROFILES:-colocate-tp2-cfg2-yield}" \
   --size 2048x2048 --steps 12 --requests 1 --chat-streams 8 --chat-tokens 128 --image-load 2 \
   --load-delay 2 --startup-timeout 150 --log-dir "$OUT/qos-logs"
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Smoke test of one deployment profile through the public API (deploy/gpu_smoke.sh runs every profile).
 
-    python3 deploy/gpu_smoke.py run --profile colocate-1 --out OUT/colocate-1.json
-    python3 deploy/gpu_smoke.py report OUT          # markdown table of OUT/*.json, OUT/summary.json
-    python3 deploy/gpu_smoke.py profiles --gpus 2   # the default profiles of a machine with 2 GPUs
+    python -m deploy.gpu_smoke run --profile colocate-1 --out OUT/colocate-1.json
+    python -m deploy.gpu_smoke report OUT          # markdown table of OUT/*.json, OUT/summary.json
+    python -m deploy.gpu_smoke profiles --gpus 2   # the default profiles of a machine with 2 GPUs
 
 A run starts `u1serve up` (GPU profiles: the random-weight 8B geometry, `u1serve tiny-checkpoint DIR --variant
 u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with an API key from a file, then checks: chat,
@@ -32,12 +32,11 @@ from typing import Callable, Optional
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
-from bench_load import LoadConfig, bomb_png, data_url, png, run_burst, summarize  # noqa: E402
+from bench.bench_load import LoadConfig, bomb_png, data_url, png, run_burst, summarize
+from services.kit import sse
+from services.netutil import free_port
 
-from services.kit import sse  # noqa: E402
-from services.netutil import free_port  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "cpu": (0, ["--device", "cpu"]),

@@ -64,7 +64,7 @@ else
         echo "gpu_smoke: no GPU found (nvidia-smi -L); use --cpu for the CPU mode" >&2
         exit 2
     fi
-    profiles=${profiles:-$(python3 deploy/gpu_smoke.py profiles --gpus "$gpus")}
+    profiles=${profiles:-$(python3 -m deploy.gpu_smoke profiles --gpus "$gpus")}
     limit=${PROFILE_LIMIT_S:-170}
 fi
 mkdir -p "$out"
@@ -74,7 +74,7 @@ for p in "${list[@]}"; do
     rm -f "$out/$p.json"
     start=$(date +%s)
     # SIGTERM at the limit reaches the launcher too (it dies with its parent) and stops the stack cleanly
-    timeout --kill-after=30 "$limit" python3 deploy/gpu_smoke.py run --profile "$p" --out "$out/$p.json" \
+    timeout --kill-after=30 "$limit" python3 -m deploy.gpu_smoke run --profile "$p" --out "$out/$p.json" \
         || echo "gpu_smoke: $p failed or hit its time limit ($(( $(date +%s) - start )) s)"
 done
-python3 deploy/gpu_smoke.py report "$out" --profiles "$profiles"
+python3 -m deploy.gpu_smoke report "$out" --profiles "$profiles"

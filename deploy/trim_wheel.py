@@ -3,7 +3,7 @@
 the repository (the GPU machine: 64 MiB in all). The NIXL CUDA wheel is 59 MB, mostly plugins we never load
 (object stores, GPUDirect Storage, ...) and their libraries.
 
-    python deploy/trim_wheel.py nixl_cu13-1.5.1-cp312-*.whl --also nixl-1.5.1-py3-none-any.whl \\
+    python -m deploy.trim_wheel nixl_cu13-1.5.1-cp312-*.whl --also nixl-1.5.1-py3-none-any.whl \\
         --root 'nixl_cu13/*.so' --root '*/libplugin_UCX.so' --root 'nixl_cu13.libs/ucx/libuct_*.so*' \\
         --root 'nixl_cu13.libs/ucx/libucm_*.so*' --out .whl/nixl_cu13-1.5.1-slim-cp312.site.tar.xz
 

@@ -1,14 +1,11 @@
 """Shared fixtures: tiny checkpoints are written once per test session."""
 import os
 import random
-import sys
 import zlib
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 # Every test runs with a seed derived from this one and its own id: reproducible, yet tests do not share
 # a random stream. Replay or vary with U1SERVE_TEST_SEED=N.

@@ -21,7 +21,7 @@ fi
 status=0
 nice -n 10 python3 -m pytest -q -p no:cacheprovider tests/ray/test_ray_serve.py "$@" || status=1
 if [ "$(id -u)" = 0 ] && command -v ip >/dev/null && [ $# -eq 0 ]; then
-    UCX_TLS=tcp nice -n 10 python3 bench/bench_handoff.py --smoke --transport network --netns || status=1
+    UCX_TLS=tcp nice -n 10 python3 -m bench.bench_handoff --smoke --transport network --netns || status=1
 else
     echo "ray smoke: the network-namespace KV check needs root and iproute2: skipped" >&2
 fi

@@ -10,9 +10,9 @@ import zipfile
 
 import PIL
 
+from deploy import trim_wheel
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "deploy"))
-import trim_wheel  # noqa: E402
 
 SITE = os.path.dirname(os.path.dirname(PIL.__file__))
 
@@ -31,8 +31,9 @@ def test_trimmed_pillow_imports_and_encodes(tmp_path):
     assert libs, "Pillow without vendored libraries: not the manylinux wheel this test is about"
     wheel, out = str(tmp_path / "pillow.whl"), str(tmp_path / "pillow.site.tar.xz")
     _wheel(wheel)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "deploy", "trim_wheel.py"), wheel,
-                           "--root", "PIL/_imaging.*.so", "--out", out], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "deploy.trim_wheel", wheel,
+                           "--root", "PIL/_imaging.*.so", "--out", out], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(out) as tar:
         names = set(tar.getnames())

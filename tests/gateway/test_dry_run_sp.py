@@ -148,12 +148,8 @@ def test_gen_sp_mode_choices_are_the_engines():
 
 
 def test_every_bench_deployment_profile_dry_runs(configs):
-    """bench/bench_deployment.py's profiles (colocate-tp2-cfg2-yield included) are valid `u1serve up` flags."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        from bench_deployment import PROFILES as BENCH
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
+    """bench/stack.py's profiles (colocate-tp2-cfg2-yield included) are valid `u1serve up` flags."""
+    from bench.stack import PROFILES as BENCH
     for name, flags in BENCH.items():
         r = dry_run(configs["u1-8b"], flags.replace("--device cpu", ""))
         assert r.returncode == 0, (name, r.stderr)
@@ -165,11 +161,7 @@ def test_every_bench_deployment_profile_dry_runs(configs):
 def test_gpu_smoke_sp_profiles_dry_run(configs, tmp_path):
     """deploy/gpu_smoke.py's SP profiles plan generation over both GPUs, colocate-tp2-sp2-kv in kv-gather
     mode (run on request only)."""
-    sys.path[:0] = [os.path.join(ROOT, "deploy"), os.path.join(ROOT, "bench")]
-    try:
-        import gpu_smoke
-    finally:
-        del sys.path[:2]
+    from deploy import gpu_smoke
     assert "colocate-tp2-sp2-kv" in gpu_smoke.ON_REQUEST and "colocate-tp2-sp2-kv" not in gpu_smoke.profiles_for(8)
     assert "colocate-tp2-sp2-kv-graphs" in gpu_smoke.ON_REQUEST
     for name, mode in (("colocate-tp2-sp2", "ulysses"), ("colocate-tp2-sp2-kv", "kv-gather"),

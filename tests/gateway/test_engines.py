@@ -5,7 +5,6 @@ cancelled as for a client that went away, and no exit path leaves a KV page behi
 import base64
 import contextlib
 import io
-import json
 import os
 import signal
 import time
@@ -14,6 +13,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from services.kit import sse
 from tests.waiting import wait_until
 
 from .conftest import API_KEY, GatewayProc
@@ -53,9 +53,7 @@ def stopped(pid: int):
 
 
 def sse_lines(r: httpx.Response):
-    for line in r.iter_lines():
-        if line.startswith("data: "):
-            yield "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
+    return sse.events(r.iter_lines(), done=True)
 
 
 def png_bytes(w: int, h: int) -> bytes:

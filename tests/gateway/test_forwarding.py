@@ -4,12 +4,12 @@ internal token), engine 429s passed on with Retry-After, unknown event fields re
 released on every early end once the gateway owns them."""
 import asyncio
 import hashlib
-import json
 
 import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
+from services.kit import sse
 from tests.waiting import wait_until
 
 from .conftest import API_KEY, API_KEY_2, sse_response
@@ -40,11 +40,7 @@ def post(base, path, body, key=API_KEY, **kw):
 
 
 def events(r: httpx.Response) -> list:
-    out = []
-    for line in r.text.splitlines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-    return out
+    return list(sse.events(r.text.splitlines(), done=True))
 
 
 def test_chat_is_forwarded_with_its_known_fields_the_salt_and_the_token(side_gateway, peer, keyfile):

@@ -1,7 +1,6 @@
 """Helpers for the generation tests: a real server process, a test KV producer, SSE parsing."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from services.kit import sse
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
@@ -92,16 +92,9 @@ def generate(url: str, body: dict, on_event=None, timeout: float = 120.0):
         if r.status_code != 200:
             r.read()
             return r.status_code, r.json()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
-                events.append("[DONE]")
-                break
-            ev = json.loads(payload)
+        for ev in sse.events(r.iter_lines(), done=True):
             events.append(ev)
-            if on_event is not None and on_event(ev):
+            if ev != sse.DONE and on_event is not None and on_event(ev):
                 break
     return 200, events
 

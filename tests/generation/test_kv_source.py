@@ -3,20 +3,16 @@ dropped promptly, claims hold queued jobs' pages, imports release."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 
 import pytest
 import torch
 
+from services.generation.kv_source import PrefixSource
+from services.kit.errors import APIError
 from shm_transfer import KVLayout, ShmKVPool, write_kv
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "shm_transfer"))
-from shm_peer import Peer  # noqa: E402
-
-from services.generation.kv_source import PrefixSource  # noqa: E402
-from services.kit.errors import APIError  # noqa: E402
+from tests.shm_transfer.shm_peer import Peer
 
 pytestmark = pytest.mark.timeout(120)
 FP = "tiny-u1:test-fingerprint"

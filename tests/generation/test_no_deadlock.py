@@ -7,12 +7,13 @@ behind: no pool pages, no queued commands or held leases, no extra threads."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 
 import httpx
 import pytest
+
+from services.kit import sse
 
 from .conftest import make_pool
 from .genhelp import HEADERS, GenServer, body, prefixes, publish, wait_until
@@ -44,16 +45,9 @@ async def _run(url: str, b: dict, cancel_after_queued: float | None = None) -> t
             if r.status_code != 200:
                 await r.aread()
                 return r.status_code, [r.json()]
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    events.append("[DONE]")
-                    break
-                ev = json.loads(data)
+            async for ev in sse.aevents(r.aiter_lines(), done=True):
                 events.append(ev)
-                if ev["type"] == "queued" and cancel_after_queued is not None:
+                if ev != sse.DONE and ev["type"] == "queued" and cancel_after_queued is not None:
                     await asyncio.sleep(cancel_after_queued)
                     c = await client.post(url + "/internal/abort", json={"request_id": b["request_id"]},
                                           headers=HEADERS)

@@ -1,10 +1,5 @@
 """Fixtures for the kernel tests (tests/kernels and tests/kernels/interpreted)."""
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kernel_testutil
 
 # interpreted/ runs only in the TRITON_INTERPRET=1 child process that test_interpreted.py starts.
 collect_ignore = ["interpreted"]

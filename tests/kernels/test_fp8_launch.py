@@ -1,15 +1,9 @@
 """The fp8 producers' launch variants (kernels/fp8_quant.py fp8_launch) and how a profile files their kernels
 (bench/genperf_parts.py PROFILE_CATEGORIES). The variants' bits: tests/kernels/interpreted/check_fp8.py."""
-import os
-import sys
-
 import pytest
 
+from bench.genperf_parts import profile_category
 from kernels.fp8_quant import FP8_VARIANTS, VARIANT_ENV, fp8_launch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "bench"))      # bench scripts import each other by module name
-from genperf_parts import profile_category  # noqa: E402
 
 
 def test_default_launch_keeps_the_row_in_registers_without_padding(monkeypatch):

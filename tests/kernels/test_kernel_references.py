@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.qk_norm_rope import qk_norm_rope_ref_
 
-from kernel_testutil import rel_err
+from tests.kernels.kernel_testutil import rel_err
 
 
 def _sdpa64(q, k, v, scale):

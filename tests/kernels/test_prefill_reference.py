@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref
 
-from kernel_testutil import PREFILL_CASES, Seq, build_prefill, rel_err
+from tests.kernels.kernel_testutil import PREFILL_CASES, Seq, build_prefill, rel_err
 
 CASES = {**PREFILL_CASES, "text_only": [Seq(0, 37), Seq(11, 20), Seq(0, 1)]}
 

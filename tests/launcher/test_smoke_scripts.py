@@ -34,7 +34,7 @@ def test_gpu_smoke_cpu_mode(smoke, name):
 
 def test_bench_load_smoke(tmp_path):
     out = tmp_path / "load.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_load.py"), "--smoke", "--json", str(out),
+    r = subprocess.run([sys.executable, "-m", "bench.bench_load", "--smoke", "--json", str(out),
                         "--hostile-fraction", "0.25", "--out-dir", str(tmp_path / "stack")], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                        capture_output=True, text=True, timeout=300)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]

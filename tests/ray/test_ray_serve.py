@@ -60,7 +60,7 @@ def app_load(url: str) -> float:
 def test_bench_ray_measures_both_deployments(app, up, tmp_path):
     """bench/bench_ray.py's measurement (CPU smoke sizes) against this application and `u1serve up`."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "bench/bench_ray.py", "--smoke", "--up-url", up.base, "--ray-url", app.base,
+    r = subprocess.run([sys.executable, "-m", "bench.bench_ray", "--smoke", "--up-url", up.base, "--ray-url", app.base,
                         "--json", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -19,7 +19,7 @@ def test_bench_handoff_smoke(transport, tmp_path):
         pytest.skip("NIXL not installed (pip install -e '.[network]')")
     out = tmp_path / "r.json"
     env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "bench/bench_handoff.py", "--smoke", "--transport", transport,
+    r = subprocess.run([sys.executable, "-m", "bench.bench_handoff", "--smoke", "--transport", transport,
                         "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "imports bit-exact: True" in r.stdout
@@ -38,8 +38,8 @@ def test_bench_handoff_smoke_between_network_namespaces(tmp_path):
         pytest.skip("NIXL not installed (pip install -e '.[network]')")
     out = tmp_path / "r.json"
     env = dict(os.environ, UCX_TLS="tcp", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "bench/bench_handoff.py", "--smoke", "--transport", "network", "--netns",
-                             "--json", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_handoff", "--smoke", "--transport", "network",
+                             "--netns", "--json", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     stdout, stderr = proc.communicate(timeout=150)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]

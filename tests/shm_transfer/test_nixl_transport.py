@@ -11,7 +11,7 @@ import torch
 
 from shm_transfer import KVLayout
 from shm_transfer.nixl_transport import NixlTransport, nixl_available
-from shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import Peer, PeerError, wire
 from tests.waiting import wait_until
 
 if not nixl_available():

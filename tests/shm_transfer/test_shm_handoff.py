@@ -8,7 +8,7 @@ import torch
 
 from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, export_kv,
                           import_kv, read_kv, write_kv)
-from shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import Peer, PeerError, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)

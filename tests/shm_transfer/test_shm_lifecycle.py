@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVHandle, KVLayout, ShmKVPool, read_kv, write_kv
-from shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import Peer, PeerError, wire
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVLayout, PoolError, PoolFull, ShmKVPool, read_kv, unlink_exact, write_kv
-from shm_peer import Peer, wire
+from tests.shm_transfer.shm_peer import Peer, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)

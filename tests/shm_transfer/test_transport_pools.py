@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shm_transfer import LocalShmTransport, KVLayout
-from shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import Peer, PeerError, wire
 
 pytestmark = pytest.mark.timeout(120)
 

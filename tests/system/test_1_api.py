@@ -1,13 +1,14 @@
 """The whole stack through real clients: the openai SDK and raw SSE (colocate mode, CPU, tiny model)."""
 import base64
 import io
-import json
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
+
+from services.kit import sse
 
 STEPS = 4
 
@@ -128,11 +129,7 @@ def test_chat_modalities_image_with_input_image_is_an_edit(stack):
 
 
 def sse_events(resp):
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-    return out
+    return list(sse.events(resp.iter_lines(), done=True))
 
 
 def test_streaming_image_request_events(stack):

@@ -1,11 +1,11 @@
 """Faults on the shared stack (runs after test_1_api): client disconnects, a killed generation service."""
-import json
 import os
 import signal
 import sys
 
 import httpx
 
+from services.kit import sse
 from tests.waiting import wait_until
 
 from .stackproc import Service, free_port
@@ -88,12 +88,7 @@ def test_kill_generation_mid_request_then_restart(stack):
     events = []
     with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            ev = json.loads(line[6:])
+        for ev in sse.events(r.iter_lines()):
             events.append(ev)
             if ev["type"] == "image_generation.progress" and ev["step"] == 2:
                 os.killpg(gen_pid, signal.SIGKILL)

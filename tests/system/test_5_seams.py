@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from services.kit import sse
 from .stackproc import Service, free_port
 
 
@@ -107,9 +108,9 @@ def test_generation_without_the_pool_fails_fast_and_pages_are_freed(stack, side_
         assert settles_to_zero(stack)
         with httpx.stream("POST", base + "/v1/images/generations", timeout=60,
                           json={"prompt": "x", "num_inference_steps": 1, "stream": True}) as s:
-            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert '"status":503' in lines[-2] and "kv_pool_unavailable" in lines[-2], lines
-        assert lines[-1] == "data: [DONE]"
+            evs = list(sse.events(s.iter_lines(), done=True))
+        assert evs[-2]["status"] == 503 and evs[-2]["error"]["code"] == "kv_pool_unavailable", evs
+        assert evs[-1] == sse.DONE
         assert settles_to_zero(stack)
     finally:
         gen.stop()

@@ -5,13 +5,13 @@ in the stream, and nothing left behind when the client goes away mid-answer. The
 <img> by itself: a small logit_bias on <img> (the reference gets it too) gives "<img>, two tokens, <img>, ..."."""
 import base64
 import io
-import json
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
+from services.kit import sse
 from tests.waiting import wait_until
 
 SIZE, STEPS, SEED, BIAS = 64, 2, 9, 0.2
@@ -73,8 +73,7 @@ def test_interleaved_answer_matches_the_reference(openai_client, expected):
 def _stream(stack, body: dict) -> list:
     with httpx.stream("POST", stack.base + "/v1/chat/completions", json=body, timeout=180) as resp:
         assert resp.status_code == 200, resp.read()
-        return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
-                for line in resp.iter_lines() if line.startswith("data: ")]
+        return list(sse.events(resp.iter_lines(), done=True))
 
 
 def test_interleaved_stream_in_order_with_progress_and_previews(stack, expected):

@@ -8,6 +8,8 @@ import httpx
 import pytest
 from PIL import Image
 
+from services.kit import sse
+
 MSGS = [{"role": "user", "content": "Write a short poem"}]
 
 
@@ -113,7 +115,6 @@ def test_chat_logit_bias_through_the_gateway(openai_client, reference):
 
 def test_partial_image_is_the_x0_estimate(stack, reference):
     """The preview is the model's estimate of the clean image, z + (1 - t) v, at its step (JPEG-compressed)."""
-    import json
 
     import numpy as np
 
@@ -124,7 +125,7 @@ def test_partial_image_is_the_x0_estimate(stack, reference):
     body = {"prompt": "a kite over a field", "size": "64x64", "num_inference_steps": 8, "seed": 21, "stream": True,
             "partial_images": 1}
     with httpx.stream("POST", stack.base + "/v1/images/generations", json=body, timeout=120) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        events = list(sse.events(r.iter_lines()))
     partial = [e for e in events if e["type"] == "image_generation.partial_image"]
     assert len(partial) == 1
     model, tok = reference

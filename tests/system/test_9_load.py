@@ -12,15 +12,11 @@ import dataclasses
 import glob
 import json
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench"), os.path.join(ROOT, "deploy")]
-
-from bench_load import KINDS, LoadConfig, run_load, summarize  # noqa: E402
-from gpu_smoke import Stack  # noqa: E402
+from bench.bench_load import KINDS, LoadConfig, run_load, summarize
+from deploy.gpu_smoke import Stack
 
 CLIENTS = 32
 HALF_S = 30.0

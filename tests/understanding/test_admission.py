@@ -10,13 +10,13 @@ wait and a small shm pool (one request may hold half of it):
 The server reads its token from --internal-token-file."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from services.kit import sse
 from .conftest import HEADERS, TOKEN, UndServer
 
 QUEUE_WAIT_S = 5.0
@@ -169,12 +169,10 @@ def test_handles_sent_in_the_stream_belong_to_the_client(small):
     with httpx.stream("POST", small.url + "/internal/image_prefix", json=_prefix("mine", stream=True, guidance_scale=1.0),
                       headers=HEADERS, timeout=60) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                if ev["type"] == "handles":
-                    handles = ev["handles"]
-                    break             # the client goes away right after the handles event
+        for ev in sse.events(r.iter_lines()):
+            if ev["type"] == "handles":
+                handles = ev["handles"]
+                break             # the client goes away right after the handles event
     assert handles
     time.sleep(0.5)
     used = small.health()["shm_pages_used"]

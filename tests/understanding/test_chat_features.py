@@ -1,10 +1,10 @@
 """Chat features through the real server: think mode split, seeded sampling, stop strings, native API."""
 from __future__ import annotations
 
-import json
 
 import httpx
 
+from services.kit import sse
 from services.model import prompts as PR
 from services.model import reference as R
 
@@ -62,8 +62,6 @@ def test_generate_stream_native(server):
     plain = httpx.post(server.url + "/generate", json=body, headers=HEADERS, timeout=60).json()
     events = []
     with httpx.stream("POST", server.url + "/generate_stream", json=body, headers=HEADERS, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
+        events += sse.events(r.iter_lines())
     assert events[-1]["finished"] and events[-1]["finish_reason"] == plain["finish_reason"]
     assert "".join(e["token"]["text"] for e in events) == plain["generated_text"][0]

@@ -7,7 +7,6 @@ the shm pool (same pool generation), /health is 503 while a fresh engine starts 
 /health."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from services.kit import sse
 from .conftest import TOKEN, _start
 from .helpers import chat_body, mixed_requests, reference_ids
 
@@ -46,13 +46,10 @@ class _Stream(threading.Thread):
                 "max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, headers=H, timeout=120) as r:
             self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[6:]
-                    ev = data if data == "[DONE]" else json.loads(data)
-                    self.events.append(ev)
-                    if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0]["delta"].get("content"):
-                        self.first.set()
+            for ev in sse.events(r.iter_lines(), done=True):
+                self.events.append(ev)
+                if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                    self.first.set()
         self.first.set()
 
 

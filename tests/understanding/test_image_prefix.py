@@ -2,12 +2,12 @@
 for every branch (T2I, 2- and 3-branch editing, think mode, TP=2); pool full -> fast 503; release frees."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import pytest
 import torch
 
+from services.kit import sse
 from services.model import reference as R
 from services.model import sampler as S
 
@@ -26,10 +26,7 @@ def _stream_prefix(server, body):
     with httpx.stream("POST", server.url + "/internal/image_prefix", json={**body, "stream": True}, headers=H,
                       timeout=300) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line[6:]
-                events.append(data if data == "[DONE]" else json.loads(data))
+        events += sse.events(r.iter_lines(), done=True)
     return events
 
 
@@ -130,11 +127,8 @@ def test_internal_abort_stops_a_prefix_and_frees_its_pages(server):
     events = []
     with httpx.stream("POST", server.url + "/internal/image_prefix", json=body, headers=H, timeout=120) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
+        for ev in sse.events(r.iter_lines(), done=True):
+            events.append(ev)
             if len(events) == 1:
                 a = _post(server, "/internal/abort", {"request_id": "abort-me"})
                 assert a.status_code == 200 and a.json()["aborted"] >= 1

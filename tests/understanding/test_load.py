@@ -4,13 +4,13 @@ holds KV and the shared-memory pool is empty."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from services.kit import sse
 from .conftest import TOKEN
 
 
@@ -42,10 +42,7 @@ async def _prefix(url: str, i: int, cancel: bool):
     async with httpx.AsyncClient(timeout=300) as c:
         async with c.stream("POST", url + "/internal/image_prefix", json=body, headers=headers) as r:
             assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
+            async for ev in sse.aevents(r.aiter_lines()):
                 if cancel and ev["type"] == "think_delta":
                     return "cancelled"
                 if ev["type"] == "handles":

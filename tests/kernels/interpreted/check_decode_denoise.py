@@ -6,7 +6,7 @@ import torch
 from kernels.decode_attention import decode_attention, decode_attention_ref, decode_attention_triton
 from kernels.denoise_attention import denoise_attention, denoise_attention_ref, denoise_attention_triton
 
-from kernel_testutil import assert_close, poisoned
+from tests.kernels.kernel_testutil import assert_close, poisoned
 
 
 def _decode_inputs(lens, hq, hkv, d, dtype):

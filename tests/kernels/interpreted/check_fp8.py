@@ -9,7 +9,7 @@ fp32 -> bf16 cast truncates (docs/kernels.md), the GPU's rounds.
 """
 import pytest
 import torch
-from kernel_testutil import ULPS, assert_close_ulp, assert_same_bits, residual_pair
+from tests.kernels.kernel_testutil import ULPS, assert_close_ulp, assert_same_bits, residual_pair
 
 from kernels.fp8_quant import INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
 from kernels.norm_act import (add_rms_norm_fp8, add_rms_norm_fp8_ref, rms_norm, rms_norm_fp8, rms_norm_fp8_ref,

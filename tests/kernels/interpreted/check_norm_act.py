@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1)."""
 import pytest
 import torch
-from kernel_testutil import assert_close_ulp, assert_same_bits, residual_pair
+from tests.kernels.kernel_testutil import assert_close_ulp, assert_same_bits, residual_pair
 
 from kernels.norm_act import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref
 

@@ -5,7 +5,7 @@ from kernels.kv_copy import (kv_export, kv_export_ref, kv_export_triton, kv_impo
                              kv_write_, kv_write_ref_)
 from kernels.qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, qk_norm_rope_triton_
 
-from kernel_testutil import assert_close
+from tests.kernels.kernel_testutil import assert_close
 
 
 def _norm_rope_inputs(T, hq, hkv, d, dtype):

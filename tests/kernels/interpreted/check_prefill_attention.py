@@ -5,7 +5,7 @@ import torch
 
 from kernels.prefill_attention import prefill_attention, prefill_attention_ref, prefill_attention_triton
 
-from kernel_testutil import PREFILL_CASES, Seq, assert_close, build_prefill, poisoned
+from tests.kernels.kernel_testutil import PREFILL_CASES, Seq, assert_close, build_prefill, poisoned
 
 CASES = {**PREFILL_CASES, "mixed_batch": [Seq(0, 17, ((1, 16),)), Seq(3, 33), Seq(0, 5, ((0, 5),))]}
 
