@@ -44,7 +44,7 @@ def lora_apply_ref_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
 
 
 def _shrink_kernel(X, A, H, SLOTS, T, K, S, stride_x, stride_as, stride_ar, R: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
     rr = tl.arange(0, R)
@@ -58,12 +58,12 @@ def _shrink_kernel(X, A, H, SLOTS, T, K, S, stride_x, stride_as, stride_ar, R: t
                              mask=hit[:, None] & (kk[None, :] < K), other=0.0)
                 ab = tl.load(A + s * stride_as + rr[None, :] * stride_ar + kk[:, None], mask=kk[:, None] < K,
                              other=0.0)
-                acc += tl.dot(xb, ab)
+                acc += tl.dot(xb, ab, input_precision=PRECISION)
             tl.store(H + rows[:, None].to(tl.int64) * R + rr[None, :], acc, mask=hit[:, None])
 
 
 def _expand_kernel(H, B, Y, SLOTS, T, N, S, stride_y, stride_bs, stride_bn, R: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     sl = tl.load(SLOTS + rows, mask=rows < T, other=-1)
     rr = tl.arange(0, R)
@@ -74,7 +74,7 @@ def _expand_kernel(H, B, Y, SLOTS, T, N, S, stride_y, stride_bs, stride_bn, R: t
             hb = tl.load(H + rows[:, None].to(tl.int64) * R + rr[None, :], mask=hit[:, None], other=0.0)
             bb = tl.load(B + s * stride_bs + nn[None, :] * stride_bn + rr[:, None], mask=nn[None, :] < N,
                          other=0.0)
-            d = tl.dot(hb.to(bb.dtype), bb)
+            d = tl.dot(hb.to(bb.dtype), bb, input_precision=PRECISION)
             m = hit[:, None] & (nn[None, :] < N)
             ptr = Y + rows[:, None].to(tl.int64) * stride_y + nn[None, :]
             yv = tl.load(ptr, mask=m, other=0.0)
@@ -101,11 +101,13 @@ def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     S, K, N = a.shape[0], a.shape[2], b.shape[1]
     h = torch.empty((T, R), device=x.device, dtype=torch.float32)
     bm = 16 if T <= 16 else 64
+    # fp32 weights: full-precision dots (as torch's fp32 matmul by default), not tf32's 10-bit inputs
+    prec = "ieee" if a.dtype == torch.float32 else "tf32"
     _shrink[(triton_cdiv(T, bm),)](x, a, h, slots, T, K, S, x.stride(0), a.stride(0), a.stride(1), R=R,
-                                    BLOCK_M=bm, BLOCK_K=64)
+                                    BLOCK_M=bm, BLOCK_K=64, PRECISION=prec)
     bn = 128
     _expand[(triton_cdiv(T, bm), triton_cdiv(N, bn))](h, b, y, slots, T, N, S, y.stride(0), b.stride(0),
-                                                       b.stride(1), R=R, BLOCK_M=bm, BLOCK_N=bn)
+                                                       b.stride(1), R=R, BLOCK_M=bm, BLOCK_N=bn, PRECISION=prec)
     return y
 
 

@@ -29,7 +29,7 @@ def test_lora_apply_matches_reference_on_gpu(dtype, T, K, N, S, R):
     y0 = torch.randn(T, N, generator=g, device=dev).to(dtype)
     got = lora_apply_(y0.clone(), x, a, b, slots)
     want = lora_apply_ref_(y0.clone(), x, a, b, slot_groups(slots))
-    tol = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]   # fp32: tf32 dots
+    tol = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}[dtype]   # fp32: ieee dots
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     base = slots < 0
     assert torch.equal(got[base], y0[base])
