@@ -198,6 +198,8 @@ def sse_content(payload: type[BaseModel]) -> dict:
 ERRORS: dict = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "bad input: the message says what is allowed"), (401, "missing or invalid API key"),
     (403, "a gateway without an API key: a Host or Origin it does not serve"),
+    (404, "the request's `model` is neither the served model nor a loaded LoRA adapter (or, on the adapter routes, "
+          "the named adapter is not loaded)"),
     (413, "body over the route's size limit"), (415, "a body that is not JSON (or multipart where taken)"),
     (429, "too many requests in flight (Retry-After)"),
     (499, "the client went away"), (502, "an engine answered something unusable"),
