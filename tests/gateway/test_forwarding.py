@@ -115,7 +115,8 @@ def test_engine_429_passes_on_with_retry_after(side_gateway, peer, keyfile):
         list(peer.bodies("/internal/generate")[-1]["handles"].values())
 
 
-def test_unknown_event_fields_are_relayed_and_unknown_events_skipped(side_gateway, peer, keyfile):
+def test_unknown_event_fields_are_relayed_unknown_events_skipped_malformed_ones_refused(side_gateway, peer,
+                                                                                       keyfile):
     base = gw(side_gateway, peer, keyfile)
     peer.replies["/internal/generate"] = lambda body: sse_response(
         {"type": "queued", "position": 2}, {"type": "heartbeat"}, {"type": "progress", "step": 1, "total": 1,
@@ -128,12 +129,8 @@ def test_unknown_event_fields_are_relayed_and_unknown_events_skipped(side_gatewa
     assert [e["type"] for e in evs[:-1]] == ["image_generation.progress", "image_generation.completed"]
     assert evs[0]["eta_s"] == 0.5 and evs[0]["step"] == 1 and evs[1]["nsfw"] is False
     assert evs[1]["b64_json"] == "aGk=" and "b64" not in evs[1] and evs[-1] == "[DONE]"
-
-
-def test_a_malformed_generation_event_is_a_502_and_the_handles_go_back(side_gateway, peer, keyfile):
-    """An event of a declared type whose fields do not fit the contract (an image without its b64) ends the job
-    with a 502 naming the field (an error event once the stream started), never a KeyError's 500."""
-    base = gw(side_gateway, peer, keyfile)
+    # an event of a declared type whose fields do not fit the contract (an image without its b64) ends the job with
+    # a 502 naming the field (an error event once the stream started), never a KeyError's 500; the handles go back
     peer.replies["/internal/generate"] = lambda body: sse_response(
         {"type": "queued"}, {"type": "image", "index": 0, "format": "png", "width": 64, "height": 64})
     for stream in (False, True):
