@@ -56,8 +56,9 @@ class lazy_jit:
     """`triton.jit` applied on first launch, once per interpreter setting."""
 
     def __init__(self, fn, helpers=None):
-        """`helpers`: {global name: plain function} of `@triton.jit` helpers the kernel calls;
-        they are jitted with the kernel (same interpreter setting) and bound into its module."""
+        """`helpers`: {global name: plain function} of `@triton.jit` helpers the kernel calls (directly or
+        through each other); they are jitted with the kernel (same interpreter setting) and bound into its
+        module and the helpers' own modules (a helper's calls resolve in the module that defines it)."""
         self.fn = fn
         self.helpers = dict(helpers or {})
         self._built: dict[bool, object] = {}
@@ -74,7 +75,9 @@ class lazy_jit:
             k = (triton.jit(self.fn), {n: triton.jit(f) for n, f in self.helpers.items()})
             self._built[key] = k
         if self._bound is not key:  # (re)bind the helpers of this interpreter setting
-            self.fn.__globals__.update(k[1])
+            modules = {id(f.__globals__): f.__globals__ for f in (self.fn, *self.helpers.values())}
+            for module_globals in modules.values():
+                module_globals.update(k[1])
             self._bound = key
         return k[0]
 

@@ -39,8 +39,9 @@ on the H200 silu*mul -> fp8 at [1024, 12288] took 64.3 us with `pieces`, 29.2 wi
 `twopass` (column chunks: pass 1 the amax, pass 2 re-reads, mostly from L2, and stores: small programs,
 many per SM). A spec may add the block (`twopass-1024`, `pieces-2048`) and the warps (`-w8`).
 
-The helpers (`_fp8_scale`, `_fp8_value`, `_fp8_load`, `_fp8_put`, `_fp8_store_pieces`) are shared with
-the producers that quantise what they compute (RMSNorm, silu*mul: kernels/norm_act.py).
+The helpers (`_fp8_scale`, `_fp8_value`, `_fp8_put`, `_fp8_store_pieces`, and kernels/row_quant.py's, which
+the int8 quantiser shares) are shared with the producers that quantise what they compute (RMSNorm, silu*mul:
+kernels/norm_act.py).
 """
 from __future__ import annotations
 
@@ -51,16 +52,16 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import interpreting, lazy_jit, next_pow2, tl, use_triton
+from .row_quant import AMAX_FLOOR, ROW_QUANT_HELPERS, row_scale_ref  # noqa: F401  (AMAX_FLOOR: re-exported)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INV_FP8_MAX = 0.0022321429569274187   # fl32(1 / 448), exactly representable in fp32
-AMAX_FLOOR = 9.999999960041972e-13    # fl32(1e-12): an all-zero row gets a tiny scale (its values are 0)
 
 
 def fp8_scale_ref(amax: torch.Tensor) -> torch.Tensor:
     """The row scale from the row's amax (fp32): max(amax, floor) * fl32(1/448)."""
-    return amax.float().clamp_min(AMAX_FLOOR) * INV_FP8_MAX
+    return row_scale_ref(amax, INV_FP8_MAX)
 
 
 def quant_fp8_rowwise_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +157,8 @@ def row_warps(n: int) -> int:
 
 # ---- the quantising arithmetic (Triton helpers, jitted with each kernel that calls them) ----------------
 def _fp8_scale_fn(amax):
-    """The row scale from the row amax (fp32): what `fp8_scale_ref` computes."""
-    return tl.maximum(amax, 9.999999960041972e-13) * 0.0022321429569274187
+    """(the row scale, its reciprocal) from the row amax (fp32): the scale `fp8_scale_ref` computes."""
+    return _row_scale(amax, 0.0022321429569274187)   # INV_FP8_MAX
 
 
 def _fp8_value_fn(y, s, r, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
@@ -169,11 +170,7 @@ def _fp8_value_fn(y, s, r, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
     if DIV_RN:
         v = tl.math.div_rn(a, s)
     else:
-        # RN(a / s) without a division (module doc): q0 = RN(a r) is within 1.5 ulp of a / s, the first
-        # FMA correction makes it faithful, the second (exact residual, Markstein) correctly rounded.
-        v = a * r
-        v = tl.fma(tl.fma(-v, s, a), r, v)
-        v = tl.fma(tl.fma(-v, s, a), r, v)
+        v = _div_rn(a, s, r)    # RN(a / s) without a division (module doc)
     if not HW_CVT:
         v = tl.minimum(v, 448.0)
         # quantum 2^(e-3) for normals, 2^-9 below 2^-6 (fp32 exponent field 121); its reciprocal is exact
@@ -187,13 +184,6 @@ def _fp8_value_fn(y, s, r, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
         v = t * quantum
     sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
     return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-def _fp8_load_fn(P, offs, n_cols, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """fp32 values at P + offs (0 past n_cols unless EVEN: no mask)."""
-    if EVEN:
-        return tl.load(P + offs, eviction_policy=EVICT).to(tl.float32)
-    return tl.load(P + offs, mask=offs < n_cols, other=0.0, eviction_policy=EVICT).to(tl.float32)
 
 
 def _fp8_put_fn(Q, offs, n_cols, y, s, r, EVEN: tl.constexpr, DIV_RN: tl.constexpr, HW_CVT: tl.constexpr):
@@ -215,8 +205,7 @@ def _fp8_store_pieces_fn(Q, S, cols, n_cols, y0, y1, y2, y3, BLOCK: tl.constexpr
         m = tl.maximum(m, tl.abs(y2))
     if NP > 3:
         m = tl.maximum(m, tl.abs(y3))
-    s = _fp8_scale(tl.max(m, axis=0))
-    r = tl.math.div_rn(tl.full([], 1.0, tl.float32), s)
+    s, r = _fp8_scale(tl.max(m, axis=0))
     _fp8_put(Q, cols, n_cols, y0, s, r, EVEN, DIV_RN, HW_CVT)
     if NP > 1:
         _fp8_put(Q, BLOCK + cols, n_cols, y1, s, r, EVEN, DIV_RN, HW_CVT)
@@ -233,16 +222,16 @@ def _quant_kernel(X, Q, S, n_cols, stride_x, stride_q, BLOCK: tl.constexpr, NP: 
     row = tl.program_id(0).to(tl.int64)
     X += row * stride_x
     cols = tl.arange(0, BLOCK)
-    y0 = _fp8_load(X, cols, n_cols, EVEN, "")
+    y0 = _row_load(X, cols, n_cols, EVEN, "")
     y1 = y0
     y2 = y0
     y3 = y0
     if NP > 1:
-        y1 = _fp8_load(X, BLOCK + cols, n_cols, EVEN, "")
+        y1 = _row_load(X, BLOCK + cols, n_cols, EVEN, "")
     if NP > 2:
-        y2 = _fp8_load(X, 2 * BLOCK + cols, n_cols, EVEN, "")
+        y2 = _row_load(X, 2 * BLOCK + cols, n_cols, EVEN, "")
     if NP > 3:
-        y3 = _fp8_load(X, 3 * BLOCK + cols, n_cols, EVEN, "")
+        y3 = _row_load(X, 3 * BLOCK + cols, n_cols, EVEN, "")
     _fp8_store_pieces(Q + row * stride_q, S + row, cols, n_cols, y0, y1, y2, y3, BLOCK, NP, EVEN, DIV_RN, HW_CVT)
 
 
@@ -253,27 +242,19 @@ def _quant_twopass_kernel(X, Q, S, n_cols, stride_x, stride_q, CHUNK: tl.constex
     X += row * stride_x
     Q += row * stride_q
     cols = tl.arange(0, CHUNK)
-    m = tl.zeros([CHUNK], tl.float32)
+    s, r = _chunked_row_scale(X, cols, n_cols, CHUNK, EVEN, 0.0022321429569274187)   # INV_FP8_MAX
     for c in range(0, n_cols, CHUNK):
-        m = tl.maximum(m, tl.abs(_fp8_load(X, c + cols, n_cols, EVEN, "evict_last")))
-    s = _fp8_scale(tl.max(m, axis=0))
-    r = tl.math.div_rn(tl.full([], 1.0, tl.float32), s)
-    for c in range(0, n_cols, CHUNK):
-        _fp8_put(Q, c + cols, n_cols, _fp8_load(X, c + cols, n_cols, EVEN, "evict_first"), s, r, EVEN, False,
+        _fp8_put(Q, c + cols, n_cols, _row_load(X, c + cols, n_cols, EVEN, "evict_first"), s, r, EVEN, False,
                  HW_CVT)
     tl.store(S + row, s)
 
 
-# Helpers for the producers here and in kernels/norm_act.py. They call each other by their names in this
-# module: `bind_fp8_helpers()` (jitting a kernel of this module) binds those names before a launch.
-FP8_ROW_HELPERS = {"_fp8_scale": _fp8_scale_fn, "_fp8_value": _fp8_value_fn, "_fp8_load": _fp8_load_fn,
+# Helpers for the producers here and in kernels/norm_act.py (`lazy_jit` binds their names where they call each
+# other).
+FP8_ROW_HELPERS = {**ROW_QUANT_HELPERS, "_fp8_scale": _fp8_scale_fn, "_fp8_value": _fp8_value_fn,
                    "_fp8_put": _fp8_put_fn, "_fp8_store_pieces": _fp8_store_pieces_fn}
 _quant = lazy_jit(_quant_kernel, helpers=FP8_ROW_HELPERS)
 _quant_twopass = lazy_jit(_quant_twopass_kernel, helpers=FP8_ROW_HELPERS)
-
-
-def bind_fp8_helpers() -> None:
-    _quant._get()
 
 
 def empty_fp8_rows(m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +274,6 @@ def quant_fp8_rowwise(x: torch.Tensor, variant: str | None = None) -> tuple[torc
     launch = fp8_launch(n, variant, x.shape[0])
     q, s = empty_fp8_rows(x.shape[0], n, x.device)
     if x.shape[0]:
-        bind_fp8_helpers()
         args = (x, q, s, n, x.stride(0), q.stride(0))
         if launch.twopass:
             _quant_twopass[(x.shape[0],)](*args, CHUNK=launch.block, EVEN=launch.even, HW_CVT=launch.hw_cvt,

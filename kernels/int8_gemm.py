@@ -26,16 +26,16 @@ from __future__ import annotations
 import torch
 
 from ._backend import lazy_jit, tl, use_triton
+from .row_quant import ROW_QUANT_HELPERS, row_scale_ref
 
 INT8_MAX = 127
 INV_INT8_MAX = 0.007874015718698502   # fl32(1 / 127)
-AMAX_FLOOR = 9.999999960041972e-13    # fl32(1e-12): an all-zero row gets a tiny scale (its values are 0)
 _INT_MM_MIN_ROWS = 17                 # torch._int_mm on CUDA wants M > 16
 _PAD_ROWS = 32
 
 
 def int8_scale_ref(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp_min(AMAX_FLOOR) * INV_INT8_MAX
+    return row_scale_ref(amax, INV_INT8_MAX)
 
 
 def quant_int8_rowwise_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,26 +51,18 @@ def _quant_int8_kernel(X, Q, S, n_cols, stride_x, stride_q, CHUNK: tl.constexpr)
     X += row * stride_x
     Q += row * stride_q
     cols = tl.arange(0, CHUNK)
-    m = tl.zeros([CHUNK], tl.float32)
-    for c in range(0, n_cols, CHUNK):
-        x = tl.load(X + c + cols, mask=c + cols < n_cols, other=0.0, eviction_policy="evict_last")
-        m = tl.maximum(m, tl.abs(x.to(tl.float32)))
-    s = tl.maximum(tl.max(m, axis=0), 9.999999960041972e-13) * 0.007874015718698502
-    r = tl.math.div_rn(tl.full([], 1.0, tl.float32), s)
+    s, r = _chunked_row_scale(X, cols, n_cols, CHUNK, False, 0.007874015718698502)   # INV_INT8_MAX
     for c in range(0, n_cols, CHUNK):
         ok = c + cols < n_cols
         y = tl.load(X + c + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        a = tl.abs(y)
-        v = a * r                                   # RN(a / s): Markstein (module doc)
-        v = tl.fma(tl.fma(-v, s, a), r, v)
-        v = tl.fma(tl.fma(-v, s, a), r, v)
+        v = _div_rn(tl.abs(y), s, r)                # RN(|y| / s): kernels/row_quant.py
         v = tl.minimum((v + 12582912.0) - 12582912.0, 127.0)   # round half to even, then the clamp
         q = tl.where(y < 0, -v, v)
         tl.store(Q + c + cols, q.to(tl.int8), mask=ok)
     tl.store(S + row, s)
 
 
-_quant_int8 = lazy_jit(_quant_int8_kernel)
+_quant_int8 = lazy_jit(_quant_int8_kernel, helpers=ROW_QUANT_HELPERS)
 _CHUNK = 2048
 
 

@@ -114,6 +114,28 @@ def _tile(PAIRS, BLOCK_EXPERT, n_pairs, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: 
     return e, pairs, pairs < n_pairs, offs_n, offs_n < n_cols
 
 
+def _expert_gemm(A, a_rows, stride_a, W, offs_n, stride_wn, K, valid, n_ok, W_ROW_OFFSET,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """The tile's fp32 products over K: A's rows a_rows (masked by valid) times the expert's weight rows offs_n
+    (W [N, K], K contiguous); PAIR: also times rows offs_n + W_ROW_OFFSET into the second accumulator, from the
+    same A tiles (the up projection's gate and up halves; else the second accumulator stays zero)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(A + a_rows[:, None] * stride_a + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(W + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        if PAIR:
+            w2 = tl.load(W + (offs_n[None, :] + W_ROW_OFFSET) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+        acc += _dot(a, w, IEEE)
+        if PAIR:
+            acc2 += _dot(a, w2, IEEE)
+    return acc, acc2
+
+
 def _moe_up_kernel(X, W13, ACT, PAIRS, BLOCK_EXPERT, n_pairs, top_k, H, I,
                    stride_xm, stride_we, stride_wn, stride_am,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -121,18 +143,8 @@ def _moe_up_kernel(X, W13, ACT, PAIRS, BLOCK_EXPERT, n_pairs, top_k, H, I,
     if e < 0:
         return
     tok = (pairs // top_k).to(tl.int64)
-    w_base = W13 + e * stride_we
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        a = tl.load(X + tok[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_base + (offs_n[None, :] + I) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-        acc_g += _dot(a, wg, IEEE)
-        acc_u += _dot(a, wu, IEEE)
+    acc_g, acc_u = _expert_gemm(X, tok, stride_xm, W13 + e * stride_we, offs_n, stride_wn, H, valid, n_ok, I,
+                                BLOCK_M, BLOCK_N, BLOCK_K, True, IEEE)
     dt = ACT.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt)
@@ -148,23 +160,15 @@ def _moe_down_kernel(ACT, W2, OUT, PAIRS, BLOCK_EXPERT, WEIGHTS, n_pairs, H, I,
     if e < 0:
         return
     rows = pairs.to(tl.int64)
-    w_base = W2 + e * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
-        a = tl.load(ACT + rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        acc += _dot(a, w, IEEE)
+    acc, _ = _expert_gemm(ACT, rows, stride_am, W2 + e * stride_we, offs_n, stride_wn, I, valid, n_ok, 0,
+                          BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE)
     dt = OUT.dtype.element_ty
     rw = tl.load(WEIGHTS + rows, mask=valid, other=0.0).to(tl.float32)
     y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt)
     tl.store(OUT + rows[:, None] * stride_om + offs_n[None, :], y, mask=valid[:, None] & n_ok[None, :])
 
 
-_HELPERS = {"_dot": _dot, "_tile": _tile}
+_HELPERS = {"_dot": _dot, "_tile": _tile, "_expert_gemm": _expert_gemm}
 _up = lazy_jit(_moe_up_kernel, helpers=_HELPERS)
 _down = lazy_jit(_moe_down_kernel, helpers=_HELPERS)
 

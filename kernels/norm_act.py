@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import lazy_jit, next_pow2, tl, use_triton
-from .fp8_quant import FP8_ROW_HELPERS, bind_fp8_helpers, empty_fp8_rows, fp8_launch, quant_fp8_rowwise_ref
+from .fp8_quant import FP8_ROW_HELPERS, empty_fp8_rows, fp8_launch, quant_fp8_rowwise_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,19 +124,19 @@ def _silu_mul_fp8_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, BLOCK
     U += row * stride_u
     dt = G.dtype.element_ty
     cols = tl.arange(0, BLOCK)
-    y0 = _silu_mul_value(_fp8_load(G, cols, n_cols, EVEN, ""), _fp8_load(U, cols, n_cols, EVEN, ""), dt)
+    y0 = _silu_mul_value(_row_load(G, cols, n_cols, EVEN, ""), _row_load(U, cols, n_cols, EVEN, ""), dt)
     y1 = y0
     y2 = y0
     y3 = y0
     if NP > 1:
         c1 = BLOCK + cols
-        y1 = _silu_mul_value(_fp8_load(G, c1, n_cols, EVEN, ""), _fp8_load(U, c1, n_cols, EVEN, ""), dt)
+        y1 = _silu_mul_value(_row_load(G, c1, n_cols, EVEN, ""), _row_load(U, c1, n_cols, EVEN, ""), dt)
     if NP > 2:
         c2 = 2 * BLOCK + cols
-        y2 = _silu_mul_value(_fp8_load(G, c2, n_cols, EVEN, ""), _fp8_load(U, c2, n_cols, EVEN, ""), dt)
+        y2 = _silu_mul_value(_row_load(G, c2, n_cols, EVEN, ""), _row_load(U, c2, n_cols, EVEN, ""), dt)
     if NP > 3:
         c3 = 3 * BLOCK + cols
-        y3 = _silu_mul_value(_fp8_load(G, c3, n_cols, EVEN, ""), _fp8_load(U, c3, n_cols, EVEN, ""), dt)
+        y3 = _silu_mul_value(_row_load(G, c3, n_cols, EVEN, ""), _row_load(U, c3, n_cols, EVEN, ""), dt)
     _fp8_store_pieces(Q + row * stride_q, S + row, cols, n_cols, y0, y1, y2, y3, BLOCK, NP, EVEN, DIV_RN, HW_CVT)
 
 
@@ -152,13 +152,12 @@ def _silu_mul_fp8_twopass_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_
     cols = tl.arange(0, CHUNK)
     m = tl.zeros([CHUNK], tl.float32)
     for c in range(0, n_cols, CHUNK):
-        g = _fp8_load(G, c + cols, n_cols, EVEN, "evict_last")
-        m = tl.maximum(m, tl.abs(_silu_mul_value(g, _fp8_load(U, c + cols, n_cols, EVEN, "evict_last"), dt)))
-    s = _fp8_scale(tl.max(m, axis=0))
-    r = tl.math.div_rn(tl.full([], 1.0, tl.float32), s)
+        g = _row_load(G, c + cols, n_cols, EVEN, "evict_last")
+        m = tl.maximum(m, tl.abs(_silu_mul_value(g, _row_load(U, c + cols, n_cols, EVEN, "evict_last"), dt)))
+    s, r = _fp8_scale(tl.max(m, axis=0))
     for c in range(0, n_cols, CHUNK):
-        g = _fp8_load(G, c + cols, n_cols, EVEN, "evict_first")
-        y = _silu_mul_value(g, _fp8_load(U, c + cols, n_cols, EVEN, "evict_first"), dt)
+        g = _row_load(G, c + cols, n_cols, EVEN, "evict_first")
+        y = _silu_mul_value(g, _row_load(U, c + cols, n_cols, EVEN, "evict_first"), dt)
         _fp8_put(Q, c + cols, n_cols, y, s, r, EVEN, False, HW_CVT)
     tl.store(S + row, s)
 
@@ -193,8 +192,6 @@ def _rms_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     r = x2 if delta is None else torch.empty_like(x2)
     launch = fp8_launch(n, variant) if scale is not None else None
     if x2.shape[0]:
-        if launch is not None:
-            bind_fp8_helpers()
         _rms[(x2.shape[0],)](x2, d2, r, weight, y, y if scale is None else scale, n, x2.stride(0), d2.stride(0),
                              r.stride(0), y.stride(0), eps, BLOCK=next_pow2(n), ADD=delta is not None,
                              QUANT=launch is not None, DIV_RN=launch is not None and launch.div_rn,
@@ -279,7 +276,6 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, variant: str | None = Non
     launch = fp8_launch(n, variant, m)
     q, s = empty_fp8_rows(m, n, gate.device)
     if m:
-        bind_fp8_helpers()
         args = (gate, up, q, s, n, gate.stride(0), up.stride(0), q.stride(0))
         if launch.twopass:
             _silu_fp8_twopass[(m,)](*args, CHUNK=launch.block, EVEN=launch.even, HW_CVT=launch.hw_cvt,

@@ -29,6 +29,12 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_checkpoint):
+    """The tiny u1 checkpoint's directory (read-only: copy it to change it)."""
+    return tiny_checkpoint("u1")
+
+
 def pytest_report_header(config):
     return f"u1serve test seed: U1SERVE_TEST_SEED={BASE_SEED}"
 

@@ -17,11 +17,12 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
-from services.contract.control import AbortRequest, ReleaseRequest
+from services.contract.control import AbortRequest, ErrorEvent, ImageEvent, ProgressEvent, ReleaseRequest
 from services.kit import timeline
 from services.kit.errors import APIError, unavailable
 
 from .config import GatewayConfig
+from .gen_events import generation_event, relayed
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
@@ -56,10 +57,10 @@ class Orchestrator:
 
     async def attempt(self, job: ImageJob, deadline: Deadline, pins: Optional[dict] = None) -> AsyncIterator[dict]:
         """Yield the engines' events: think_delta (or a segment's `text`), think_done (with the rest of the
-        handles event under `prefix`), then generation's (queued, progress, partial_image, image, and whatever else
-        it sends); or `answer_done` when an interleave segment ends the answer. `pins` {service: url} keeps the
-        job on the endpoints an earlier part of the same answer used (filled in here). Raises APIError;
-        cancelling or closing the iterator undoes the job."""
+        handles event under `prefix`), then generation's, checked against the contract (gen_events.py: queued,
+        progress, partial_image, image, rl_result); or `answer_done` when an interleave segment ends the answer.
+        `pins` {service: url} keeps the job on the endpoints an earlier part of the same answer used (filled in
+        here). Raises APIError; cancelling or closing the iterator undoes the job."""
         rid = job.request_id
         hdrs = engine_headers(self.cfg.internal_token, rid)
         handles = PrefixHandles()
@@ -116,19 +117,20 @@ class Orchestrator:
                     working = None
                     raise await error_from_response(resp, GEN, deadline)
                 handles.accepted()
-                async for ev in deadline.events(resp, GEN):
-                    kind = ev.get("type")
-                    if kind == "error":
+                async for raw in deadline.events(resp, GEN):
+                    ev = generation_event(raw)       # the contract's types (gen_events.py); None: undeclared
+                    if isinstance(ev, ErrorEvent):
                         # the job is over on generation's side: it imports nothing after this
                         working = None
                         handles.returned()
-                        raise error_from_event(ev, GEN)
-                    if kind == "progress":
+                        raise error_from_event(ev.model_dump(), GEN)
+                    if isinstance(ev, ProgressEvent):
                         self.metrics.denoise_steps.inc()
-                    elif kind == "image":
+                    elif isinstance(ev, ImageEvent):
                         images += 1
                         self.metrics.images.inc()
-                    yield ev
+                    if ev is not None:
+                        yield relayed(raw, ev)
             working = None
             if images < job.expected_images():
                 handles.returned()

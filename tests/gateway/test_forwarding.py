@@ -1,7 +1,7 @@
 """What the gateway sends to the engines and relays back, against a scripted HTTP peer standing in for both
 engines (conftest.Peer): the bodies it sends (cache salt, flow_shift on chat images, extension fields, the
-internal token), engine 429s passed on with Retry-After, unknown event fields relayed, and the prefix handles
-released on every early end once the gateway owns them."""
+internal token), engine 429s passed on with Retry-After, unknown event fields relayed, malformed generation events
+refused, and the prefix handles released on every early end once the gateway owns them."""
 import asyncio
 import hashlib
 
@@ -115,7 +115,8 @@ def test_engine_429_passes_on_with_retry_after(side_gateway, peer, keyfile):
         list(peer.bodies("/internal/generate")[-1]["handles"].values())
 
 
-def test_unknown_event_fields_are_relayed_and_unknown_events_skipped(side_gateway, peer, keyfile):
+def test_unknown_event_fields_are_relayed_unknown_events_skipped_malformed_ones_refused(side_gateway, peer,
+                                                                                       keyfile):
     base = gw(side_gateway, peer, keyfile)
     peer.replies["/internal/generate"] = lambda body: sse_response(
         {"type": "queued", "position": 2}, {"type": "heartbeat"}, {"type": "progress", "step": 1, "total": 1,
@@ -128,6 +129,18 @@ def test_unknown_event_fields_are_relayed_and_unknown_events_skipped(side_gatewa
     assert [e["type"] for e in evs[:-1]] == ["image_generation.progress", "image_generation.completed"]
     assert evs[0]["eta_s"] == 0.5 and evs[0]["step"] == 1 and evs[1]["nsfw"] is False
     assert evs[1]["b64_json"] == "aGk=" and "b64" not in evs[1] and evs[-1] == "[DONE]"
+    # an event of a declared type whose fields do not fit the contract (an image without its b64) ends the job with
+    # a 502 naming the field (an error event once the stream started), never a KeyError's 500; the handles go back
+    peer.replies["/internal/generate"] = lambda body: sse_response(
+        {"type": "queued"}, {"type": "image", "index": 0, "format": "png", "width": 64, "height": 64})
+    for stream in (False, True):
+        before = len(peer.bodies("/internal/release"))
+        r = post(base, GEN, {"prompt": "p", "stream": stream, "size": "64x64"})
+        assert r.status_code == (200 if stream else 502), r.text
+        err = events(r)[-2]["error"] if stream else r.json()["error"]
+        assert err["code"] == "upstream_protocol_error" and "image event (b64: Field required)" in err["message"]
+        released = wait_until(lambda: peer.bodies("/internal/release")[before:], 15)
+        assert released[0]["handles"] == list(peer.bodies("/internal/generate")[-1]["handles"].values())
 
 
 def test_every_early_end_releases_the_handles_the_gateway_owns(side_gateway, peer, keyfile):

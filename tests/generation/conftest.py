@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny checkpoint, one reference model, one pool, one generation server."""
+"""Shared fixtures: one reference model, one pool, one generation server (on tests/conftest.py's `tiny_dir`)."""
 from __future__ import annotations
 
 import uuid
@@ -6,14 +6,6 @@ import uuid
 import pytest
 
 from .genhelp import GenServer
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from services.model.tiny import write_tiny_checkpoint
-    d = tmp_path_factory.mktemp("gen-tiny-u1")
-    write_tiny_checkpoint(str(d), "u1", seed=0)
-    return str(d)
 
 
 @pytest.fixture(scope="session")

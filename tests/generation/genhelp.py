@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +12,7 @@ import torch
 from services.kit import sse
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
+from tests.waiting import stop_group, wait_ok
 from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,18 +46,8 @@ class GenServer:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"generation server exited with {self.proc.returncode}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2)
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("generation server did not become healthy")
+        """/health's answer once the server is up (its output goes to the test run's)."""
+        return wait_ok(self.url + "/health", self.proc, lambda: "", timeout, self.argv[2], interval=0.1).json()
 
     def health(self) -> tuple[int, dict]:
         r = httpx.get(self.url + "/health", timeout=5)
@@ -74,13 +63,8 @@ class GenServer:
         return out
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc:
+            stop_group(self.proc, 15)
 
 
 def generate(url: str, body: dict, on_event=None, timeout: float = 120.0):

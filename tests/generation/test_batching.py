@@ -2,9 +2,7 @@
 forwards, and each result equals the job run alone (== the reference pipeline, bit-exact in fp32)."""
 from __future__ import annotations
 
-import threading
-
-from .genhelp import (assert_same_images_as_reference, body, generate, prefixes, publish)
+from .genhelp import assert_same_images_as_reference, body, generate_all, prefixes, publish
 
 
 def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):
@@ -19,18 +17,7 @@ def test_three_concurrent_jobs_equal_each_alone(gen_server, pool, ref_model):
     ]
     before = gen_server.metrics()
     bodies = {rid: body(rid, publish(pool, pre), **kw) for rid, pre, kw in jobs}
-    results = {}
-    start = threading.Barrier(len(jobs))
-
-    def run(rid):
-        start.wait()
-        results[rid] = generate(gen_server.url, bodies[rid])
-
-    threads = [threading.Thread(target=run, args=(rid,)) for rid in bodies]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = generate_all(gen_server.url, bodies, timeout=120)
     after = gen_server.metrics()
 
     assert_same_images_as_reference(ref_model[0], results, jobs, bodies)

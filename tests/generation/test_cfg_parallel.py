@@ -6,7 +6,8 @@ import threading
 
 import numpy as np
 import pytest
-from .genhelp import (assert_same_images_as_reference, GenServer, body, generate, photo, prefixes, publish)
+from .genhelp import (assert_same_images_as_reference, GenServer, body, generate, generate_all, photo, prefixes,
+                      publish)
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +32,7 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
          dict(mode="edit", guidance_scale=4.0, image_guidance_scale=1.5, num_inference_steps=3)),
     ]
     bodies = {rid: body(rid, publish(pool, pre), **kw) for rid, pre, kw in cases}
-    results = {}
-
-    def run(rid):
-        results[rid] = generate(cfgp_server.url, bodies[rid])
-
-    threads = [threading.Thread(target=run, args=(rid,)) for rid in bodies]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    results = generate_all(cfgp_server.url, bodies, timeout=180)
     assert_same_images_as_reference(ref_model[0], results, cases, bodies)
     assert pool.stats()["pages_used"] == 0  # each rank released its own branches' pages
 

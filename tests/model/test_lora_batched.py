@@ -12,16 +12,11 @@ from services.model.tiny_lora import write_tiny_lora
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    return tiny_checkpoint("u1")
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny, tmp_path_factory):
+def adapters(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("loras")
-    return {"peft": write_tiny_lora(str(d / "peft"), tiny, seed=1),
-            "official": write_tiny_lora(str(d / "off.safetensors"), tiny, seed=2, layout="official", rank=8),
-            "gen_only": write_tiny_lora(str(d / "gen"), tiny, seed=3, branches=("gen",))}
+    return {"peft": write_tiny_lora(str(d / "peft"), tiny_dir, seed=1),
+            "official": write_tiny_lora(str(d / "off.safetensors"), tiny_dir, seed=2, layout="official", rank=8),
+            "gen_only": write_tiny_lora(str(d / "gen"), tiny_dir, seed=3, branches=("gen",))}
 
 
 def rowwise_attend(layer, q, k, v):
@@ -39,8 +34,8 @@ def forward(model, x, branch, slots=None):
 
 
 @pytest.mark.parametrize("branch", ["und", "gen"])
-def test_mixed_batch_equals_each_row_alone_and_the_merge(tiny, adapters, branch):
-    model = load_model(tiny, branch)
+def test_mixed_batch_equals_each_row_alone_and_the_merge(tiny_dir, adapters, branch):
+    model = load_model(tiny_dir, branch)
     reg = attach_lora(model, max_loras=3, max_rank=8,
                       modules=[("p", adapters["peft"], 1.0), ("o", adapters["official"], 0.5)])
     p, o = reg.adapters["p"], reg.adapters["o"]
@@ -53,14 +48,14 @@ def test_mixed_batch_equals_each_row_alone_and_the_merge(tiny, adapters, branch)
                                                                                      adapters["official"], 0.5)):
         alone = forward(model, x[rows], branch, torch.full((3,), adapter.slot, dtype=torch.int32))
         torch.testing.assert_close(mixed[rows], alone, rtol=1e-5, atol=1e-5)
-        merged = load_model(tiny, branch, lora=[(path, strength)])
+        merged = load_model(tiny_dir, branch, lora=[(path, strength)])
         torch.testing.assert_close(mixed[rows], forward(merged, x[rows], branch), rtol=1e-4, atol=1e-4)
         assert not torch.allclose(mixed[rows], base[rows], atol=1e-3)     # the adapter does something
     torch.testing.assert_close(mixed[3:5], base[3:5], rtol=0, atol=0)     # base rows: the base model's bits
 
 
-def test_adapter_of_the_other_branch_takes_no_slot(tiny, adapters):
-    model = load_model(tiny, "und")
+def test_adapter_of_the_other_branch_takes_no_slot(tiny_dir, adapters):
+    model = load_model(tiny_dir, "und")
     reg = attach_lora(model, max_loras=1, max_rank=8, modules=[("g", adapters["gen_only"], 1.0)])
     assert reg.adapters["g"].slot == -1 and reg.free_slots() == [0]
 
@@ -70,8 +65,8 @@ def _write(path, tensors):
     return str(path)
 
 
-def test_adapters_that_do_not_bind_are_refused_with_their_names(tiny, adapters, tmp_path):
-    model = load_model(tiny, "gen")
+def test_adapters_that_do_not_bind_are_refused_with_their_names(tiny_dir, adapters, tmp_path):
+    model = load_model(tiny_dir, "gen")
     reg = LoraRegistry(model, 2, 8)
     h = model.cfg.llm.hidden_size
     good = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
@@ -89,13 +84,13 @@ def test_adapters_that_do_not_bind_are_refused_with_their_names(tiny, adapters, 
         reg.load("shape", _write(tmp_path / "shape.safetensors", {
             f"{good}.lora_down.weight": torch.zeros(4, h + 1), f"{good}.lora_up.weight": torch.zeros(3, 4)}))
     with pytest.raises(LoraError) as e:
-        reg.load("wide", write_tiny_lora(str(tmp_path / "wide"), tiny, rank=16))
+        reg.load("wide", write_tiny_lora(str(tmp_path / "wide"), tiny_dir, rank=16))
     assert e.value.code == "lora_rank_too_large"
     assert not reg.adapters and reg.free_slots() == [0, 1]     # nothing half-loaded
 
 
-def test_unload_frees_the_slot_only_after_the_last_request(tiny, adapters):
-    model = load_model(tiny, "gen")
+def test_unload_frees_the_slot_only_after_the_last_request(tiny_dir, adapters):
+    model = load_model(tiny_dir, "gen")
     reg = attach_lora(model, max_loras=1, max_rank=8)
     a = reg.load("a", adapters["peft"])
     held = reg.acquire("a")
@@ -117,10 +112,10 @@ def test_unload_frees_the_slot_only_after_the_last_request(tiny, adapters):
         reg.acquire("a")                       # its tables are gone
 
 
-def test_ops_agree_on_rank_zeros_slot(tiny, adapters):
+def test_ops_agree_on_rank_zeros_slot(tiny_dir, adapters):
     """The weights channel's op: every rank stages, rank 0's free slot is taken everywhere; errors come back as the
     HTTP answer's status and code."""
-    model = load_model(tiny, "gen")
+    model = load_model(tiny_dir, "gen")
     reg = attach_lora(model, max_loras=2, max_rank=8)
     gather = lambda obj: [obj, (None, [1])]   # noqa: E731  (rank 0: this one; a follower thinks slot 1 is free)
     r = reg.run({"op": "lora_load", "id": "1", "name": "a", "path": adapters["peft"]}, gather)
@@ -155,23 +150,23 @@ def _tp_rank(rank, world, ckpt, adapter, init_file, out):
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_shards_the_factors(tiny, adapters, tmp_path):
+def test_tensor_parallel_shards_the_factors(tiny_dir, adapters, tmp_path):
     """TP 2: B sharded with the column-parallel q/k/v/gate/up, A with the row-parallel o/down (the all-reduce after
     them sums the partial products): the TP 1 result."""
     import torch.multiprocessing as mp
     out = str(tmp_path / "tp.pt")
-    mp.spawn(_tp_rank, args=(2, tiny, adapters["peft"], str(tmp_path / "init"), out), nprocs=2, join=True)
-    model = load_model(tiny, "gen")
+    mp.spawn(_tp_rank, args=(2, tiny_dir, adapters["peft"], str(tmp_path / "init"), out), nprocs=2, join=True)
+    model = load_model(tiny_dir, "gen")
     reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapters["peft"], 1.0)])
     x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(0))
     want = forward(model, x, "gen", torch.tensor([reg.adapters["p"].slot] * 4 + [-1] * 2, dtype=torch.int32))
     torch.testing.assert_close(torch.load(out, weights_only=True), want, rtol=1e-4, atol=1e-5)
 
 
-def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny, tmp_path):
+def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny_dir, tmp_path):
     """`--lora` (merged) reads the same files and refuses the same way: no silent partial merge."""
     from services.model.loader import LoadError
-    model = load_model(tiny, "gen")
+    model = load_model(tiny_dir, "gen")
     h = model.cfg.llm.hidden_size
     good = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
     path = _write(tmp_path / "partly.safetensors", {
@@ -179,13 +174,13 @@ def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny, tmp_path):
         "transformer.blocks.0.attn.to_q.lora_down.weight": torch.zeros(4, h),
         "transformer.blocks.0.attn.to_q.lora_up.weight": torch.zeros(h, 4)})
     with pytest.raises(LoadError, match="1 of its 2 modules do not bind.*transformer.blocks.0.attn.to_q"):
-        load_model(tiny, "gen", lora=path)
+        load_model(tiny_dir, "gen", lora=path)
 
 
-def test_a_subset_forward_keeps_each_rows_adapter(tiny, adapters):
+def test_a_subset_forward_keeps_each_rows_adapter(tiny_dir, adapters):
     """The step cache runs layers 1.. on a subset of the batch's rows (lora_subset): each keeps its own slot."""
     from services.model.lora_batched import lora_subset
-    model = load_model(tiny, "gen")
+    model = load_model(tiny_dir, "gen")
     reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapters["peft"], 1.0)])
     s = reg.adapters["p"].slot
     x = torch.randn(6, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -23,13 +23,8 @@ UND_KEYS = ("language_model.model.layers.1.self_attn.q_proj.weight",
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    return tiny_checkpoint("u1")
-
-
-@pytest.fixture(scope="module")
-def base_state(tiny):
-    return W.checkpoint_state(load_model(tiny, "both"))
+def base_state(tiny_dir):
+    return W.checkpoint_state(load_model(tiny_dir, "both"))
 
 
 def new_values(base_state, keys, seed=1) -> dict:
@@ -37,9 +32,9 @@ def new_values(base_state, keys, seed=1) -> dict:
     return {k: (0.05 * torch.randn(base_state[k].shape, generator=g)).to(torch.bfloat16) for k in keys}
 
 
-def updated_checkpoint(tiny: str, base_state: dict, new: dict, out: str) -> str:
+def updated_checkpoint(tiny_dir: str, base_state: dict, new: dict, out: str) -> str:
     """The tiny checkpoint with `new` replacing its tensors (bf16, as the original)."""
-    shutil.copytree(tiny, out)
+    shutil.copytree(tiny_dir, out)
     for name in os.listdir(out):
         if name.endswith(".safetensors") or name.endswith(".index.json"):
             os.remove(os.path.join(out, name))
@@ -52,11 +47,11 @@ def same_model(a, b) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_export_round_trips_through_the_loader(tiny, tmp_path):
-    model = load_model(tiny, "both")
+def test_export_round_trips_through_the_loader(tiny_dir, tmp_path):
+    model = load_model(tiny_dir, "both")
     out = W.write_checkpoint_weights(model, str(tmp_path / "w"), max_shard_bytes=300_000)
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))     # sharded as the loader reads
-    shutil.copy(os.path.join(tiny, "config.json"), out)
+    shutil.copy(os.path.join(tiny_dir, "config.json"), out)
     assert same_model(load_model(out, "both"), model)
     gen = W.checkpoint_state(model, "gen")
     assert gen and all(W.key_branch(k) == "gen" for k in gen)
@@ -64,14 +59,14 @@ def test_export_round_trips_through_the_loader(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8", "int8"])
-def test_staged_update_equals_a_fresh_load(tiny, base_state, tmp_path, quantization):
+def test_staged_update_equals_a_fresh_load(tiny_dir, base_state, tmp_path, quantization):
     new = new_values(base_state, GEN_KEYS + UND_KEYS)
     W.write_tensors(new, str(tmp_path / "update"))
-    model = load_model(tiny, "gen", quantization=quantization)
+    model = load_model(tiny_dir, "gen", quantization=quantization)
     staged = W.stage_update(model, str(tmp_path / "update"))
     assert sorted(staged.keys) == sorted(GEN_KEYS) and sorted(staged.skipped) == sorted(UND_KEYS)
     assert staged.commit() == len(GEN_KEYS)
-    fresh = load_model(updated_checkpoint(tiny, base_state, new, str(tmp_path / "ckpt")), "gen",
+    fresh = load_model(updated_checkpoint(tiny_dir, base_state, new, str(tmp_path / "ckpt")), "gen",
                        quantization=quantization)
     assert same_model(model, fresh)
     if quantization == "fp8":     # the export reads fp8 rows back (dequantised where no model-dtype copy is kept)
@@ -79,19 +74,19 @@ def test_staged_update_equals_a_fresh_load(tiny, base_state, tmp_path, quantizat
         assert torch.allclose(got, new[GEN_KEYS[0]].float(), rtol=0.07, atol=1e-3)   # e4m3: 3 mantissa bits
 
 
-def test_a_tensor_parallel_rank_takes_its_shard(tiny, base_state, tmp_path):
+def test_a_tensor_parallel_rank_takes_its_shard(tiny_dir, base_state, tmp_path):
     new = new_values(base_state, UND_KEYS + ("language_model.model.layers.0.self_attn.o_proj.weight",))
     W.write_tensors(new, str(tmp_path / "update"))
-    ckpt = updated_checkpoint(tiny, base_state, new, str(tmp_path / "ckpt"))
+    ckpt = updated_checkpoint(tiny_dir, base_state, new, str(tmp_path / "ckpt"))
     for rank in (0, 1):
         tp = TPContext(rank, 2)      # loading and staging need no collective
-        model = load_model(tiny, "und", tp=tp)
+        model = load_model(tiny_dir, "und", tp=tp)
         W.stage_update(model, str(tmp_path / "update")).commit()
         assert same_model(model, load_model(ckpt, "und", tp=tp))
 
 
-def test_bad_updates_are_refused_and_change_nothing(tiny, base_state, tmp_path):
-    model = load_model(tiny, "gen")
+def test_bad_updates_are_refused_and_change_nothing(tiny_dir, base_state, tmp_path):
+    model = load_model(tiny_dir, "gen")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     k0, k1, k2 = GEN_KEYS[:3]
     cases = {
@@ -143,14 +138,14 @@ def _peft_from_official(official: str, out_dir: str, alpha: float, r: int) -> st
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
-def test_lora_delta_equals_the_merge_at_load(tiny, tmp_path, quantization):
-    params = {k: torch.empty(s) for k, s in W.checkpoint_shapes(load_model(tiny, "gen")).items()}
+def test_lora_delta_equals_the_merge_at_load(tiny_dir, tmp_path, quantization):
+    params = {k: torch.empty(s) for k, s in W.checkpoint_shapes(load_model(tiny_dir, "gen")).items()}
     mods = [k[: -len(".weight")] for k in GEN_KEYS] + ["language_model.model.layers.0.self_attn.v_proj"]
     official = _official_lora(str(tmp_path / "a.safetensors"), params, mods)
     peft = _peft_from_official(official, str(tmp_path / "peft"), alpha=8.0, r=4)
-    want = load_model(tiny, "gen", lora=[(official, 0.7)], quantization=quantization)
+    want = load_model(tiny_dir, "gen", lora=[(official, 0.7)], quantization=quantization)
     for adapter in (official, peft):
-        model = load_model(tiny, "gen", quantization=quantization)
+        model = load_model(tiny_dir, "gen", quantization=quantization)
         W.stage_update(model, lora=adapter, lora_strength=0.7).commit()
         if quantization == "none":
             assert same_model(model, want), adapter

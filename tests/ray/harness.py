@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
 from services.netutil import free_port
 from services.ray_serve.local_cluster import LocalCluster, NodeSpec
+from tests.waiting import wait_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "ray-test-internal-token"
@@ -102,17 +102,9 @@ class UpStack:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 300.0) -> "UpStack":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"u1serve up exited {self.proc.returncode}: see {self.log.name}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"u1serve up not ready in {timeout_s} s: see {self.log.name}")
+        wait_ok(self.base + "/health", self.proc, lambda: f"see {self.log.name}", timeout_s, "u1serve up",
+                interval=0.5)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:

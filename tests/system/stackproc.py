@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
 
 import httpx
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
-from tests.waiting import wait_until
+from tests.waiting import wait_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,24 +45,6 @@ def group_alive(pgid: int) -> bool:
     except OSError:
         pass
     return False
-
-
-def wait_ok(url: str, proc: subprocess.Popen, output: Callable[[], str], timeout: float,
-            what: str = "service") -> httpx.Response:
-    """Poll `url` until it answers 200 (the response); RuntimeError with the output when the process exits or
-    the time is up."""
-    def ok():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{output()}")
-        try:
-            r = httpx.get(url, timeout=2)
-        except httpx.HTTPError:
-            return None
-        return r if r.status_code == 200 else None
-    try:
-        return wait_until(ok, timeout, interval=0.3)
-    except TimeoutError:
-        raise RuntimeError(f"{what} not up in time:\n{output()}") from None
 
 
 class Service:

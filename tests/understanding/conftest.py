@@ -5,7 +5,6 @@ Servers are module/session scoped and shared, so the whole directory runs in a f
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import torch
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
+from tests.waiting import stop_group, wait_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "und-test-token"
@@ -51,17 +51,9 @@ class UndServer:
                                      start_new_session=True, preexec_fn=preexec_die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> "UndServer":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"understanding server exited: {open(self.log_path).read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"understanding server not ready: {open(self.log_path).read()[-3000:]}")
+        wait_ok(self.url + "/health", self.proc, lambda: open(self.log_path).read()[-3000:], timeout,
+                "understanding server", interval=0.5)
+        return self
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -79,19 +71,8 @@ class UndServer:
         raise AssertionError(f"server did not drain: {h}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 30)
         self.log.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tiny_checkpoint):
-    return tiny_checkpoint("u1")
 
 
 @pytest.fixture(scope="session")

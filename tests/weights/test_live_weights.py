@@ -82,15 +82,10 @@ def versions(s: RunningStack, c: httpx.Client) -> set:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    return tiny_checkpoint("u1")
-
-
-@pytest.fixture(scope="module")
-def files(tiny, tmp_path_factory):
+def files(tiny_dir, tmp_path_factory):
     """The updates: new values for some keys of both branches, the base values of the same keys, an adapter."""
     d = tmp_path_factory.mktemp("updates")
-    base = W.checkpoint_state(load_model(tiny, "both"))
+    base = W.checkpoint_state(load_model(tiny_dir, "both"))
     g = torch.Generator().manual_seed(11)
     new = {k: (0.2 * torch.randn(base[k].shape, generator=g)).to(torch.bfloat16) for k in GEN_KEYS + UND_KEYS}
     lora = {}
@@ -107,8 +102,8 @@ def files(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny, tmp_path_factory):
-    s = start_stack(tiny, str(tmp_path_factory.mktemp("weights-stack")))
+def stack(tiny_dir, tmp_path_factory):
+    s = start_stack(tiny_dir, str(tmp_path_factory.mktemp("weights-stack")))
     yield s
     s.stop_clean()
 
@@ -200,7 +195,7 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
         assert outputs(c) == RECORD["v1"]
 
 
-def test_lora_delta_and_a_fresh_stack_agree(stack, files, tiny, tmp_path_factory):
+def test_lora_delta_and_a_fresh_stack_agree(stack, files, tiny_dir, tmp_path_factory):
     with client(stack) as c:
         r = c.post("/v1/rl/weights", json={"lora": files["lora"], "lora_strength": 0.7})
         assert r.status_code == 200, r.text
@@ -210,7 +205,7 @@ def test_lora_delta_and_a_fresh_stack_agree(stack, files, tiny, tmp_path_factory
     assert got != RECORD["v1"]
     # the checkpoint the stack now serves: base + the update, the adapter merged (fp32, as the CPU stack holds it)
     ckpt = str(tmp_path_factory.mktemp("merged") / "ckpt")
-    shutil.copytree(tiny, ckpt)
+    shutil.copytree(tiny_dir, ckpt)
     for name in os.listdir(ckpt):
         if name.endswith(".safetensors") or name.endswith(".index.json"):
             os.remove(os.path.join(ckpt, name))
