@@ -199,15 +199,18 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torc
     weights, ids = moe_route(logits, top_k, renormalize, x.dtype)
     cfg = moe_config(n, E)
     bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    stages = cfg.get("num_stages", 3)
     pairs, block_expert = moe_align(ids, E, bm)
     m_blocks = block_expert.numel()
     ieee = x.dtype == torch.float32 or interpreting()
     act = torch.empty(n, I, dtype=x.dtype, device=x.device)
     _up[(m_blocks * -(-I // bn),)](x, w13, act, pairs, block_expert, n, top_k, H, I,
                                    x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps,
+                                   num_stages=stages)
     out = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _down[(m_blocks * -(-H // bn),)](act, w2, out, pairs, block_expert, weights.reshape(-1), n, H, I,
                                      act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps)
+                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, num_warps=warps,
+                                     num_stages=stages)
     return out.view(T, top_k, H).float().sum(1).to(x.dtype)
