@@ -8,8 +8,9 @@ padded to 16 for one tensor-core dot per tile (M = 1 costs the same as M = 16: t
 fp32 accumulation; the sum runs in a different order than cuBLAS's, so results differ by fp32 rounding
 before the final cast.
 
-`skinny_linear(x, w)` takes the kernel on CUDA for 2-D contiguous x with M <= 16 rows, K a multiple of the
-tile's K (64), and falls back to `torch.nn.functional.linear` otherwise (and on CPU).
+One row can also take `_gemv_kernel` (CUDA cores, tiles as narrow as 4 columns: more programs stream a narrow
+weight). `skinny_linear(x, w)` picks by shape (`skinny_config`, from the H200 sweep) and falls back to
+`torch.nn.functional.linear` where cuBLAS is as fast, for other shapes, and on CPU.
 """
 from __future__ import annotations
 
@@ -66,11 +67,19 @@ _skinny = lazy_jit(_skinny_kernel)
 _gemv = lazy_jit(_gemv_kernel)
 
 
-def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [N, K] weight (from the H200 sweep, see the docstring)."""
-    block_n = 32 if n >= 8192 else 16
-    block_k = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
-    return block_n, block_k, 4, 4
+def skinny_config(m: int, n: int, k: int) -> tuple[str, tuple[int, int, int, int]] | None:
+    """(kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages)) for x [m, k] @ w[n, k]^T, or None where cuBLAS is as
+    fast. From the H200 sweep (2026-12-02, .gpurun-style graph replay over rotated weights, docs/benchmarks/
+    kernels.md): for one row the CUDA-core kernel with 4-column tiles wins on every weight narrower than 8192
+    rows (1.1-2x: k/v, o, q, down), the tensor-core kernel on wide ones (gate/up 1.09x, lm_head 1.13x); for
+    2-16 rows only the wide weights gain (1.05-1.07x), cuBLAS keeps the rest."""
+    if n >= 8192:
+        return ("dot", (64, 256, 4, 3)) if n >= 65536 else ("dot", (32, 128, 4, 4))
+    if m > 1:
+        return None
+    if n * k <= (8 << 20):
+        return "gemv", (4, 1024, 8, 3)
+    return "gemv", (4, 512, 4, 4 if k <= 4096 else 2)
 
 
 def skinny_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -104,14 +113,14 @@ def gemv_launch(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int]
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T: the skinny kernel where it applies, else torch's linear."""
+    """x [M, K] @ w[N, K]^T: the skinny kernels where they beat cuBLAS, else torch's linear."""
     if not use_triton(x, skinny_ok(x, w)):
         return F.linear(x, w)
-    n, k = w.shape
-    cfg = skinny_config(n, k)
-    if k % cfg[1]:
+    choice = skinny_config(x.shape[0], w.shape[0], w.shape[1])
+    if choice is None or w.shape[1] % choice[1][1]:
         return F.linear(x, w)
-    return skinny_linear_launch(x, w, cfg)
+    kind, cfg = choice
+    return (gemv_launch if kind == "gemv" else skinny_linear_launch)(x, w, cfg)
 
 
 def triton_cdiv(a: int, b: int) -> int:
