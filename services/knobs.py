@@ -118,6 +118,8 @@ RANDOM_WEIGHTS = _knob("U1SERVE_RANDOM_WEIGHTS", bool, False, "load a config-onl
                        "(benchmarks of full-size geometries)", "model loader")
 FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fused into the next RMSNorm (0: apart, "
                        "the same bits; to compare speed)", "model")
+SKINNY_GEMM = _knob("U1SERVE_SKINNY_GEMM", bool, True, "linear layers with at most 16 rows (decode) take the "
+                    "skinny GEMM kernel on CUDA (kernels/skinny_gemm.py; 0: torch's linear, to compare)", "model")
 FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below this many tokens run in the model dtype "
                        "(unset: quant.CUDA_MIN_TOKENS on CUDA, 0 elsewhere)", "model (fp8)")
 FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast accumulation: 0, 1 or auto (from a "

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import NeoConfig
-from .modules import (BRANCH_SUFFIX, ConvDecoder, MoTDecoderLayer, RMSNorm, Rope, TimestepEmbedder,
+from .modules import (BRANCH_SUFFIX, ConvDecoder, Linear, MoTDecoderLayer, RMSNorm, Rope, TimestepEmbedder,
                       VisionModel, add_norm, fused_add_norm, token_mlp_head)
 from .parallel import TPContext
 
@@ -40,7 +40,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.model = DecoderStack(cfg, branches, tp)
         if "und" in branches:
-            self.lm_head = nn.Linear(cfg.llm.hidden_size, cfg.llm.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.llm.hidden_size, cfg.llm.vocab_size)
 
 
 class NeoModel(nn.Module):

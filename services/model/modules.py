@@ -51,6 +51,25 @@ def add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor | None, fused: 
     return x, norm(x)
 
 
+# ----------------------------------------------------------------------------- linear layers
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose forwards with few rows (a decode step: at most kernels.skinny_gemm.MAX_ROWS)
+    take the skinny GEMM kernel on CUDA, which reads the weight nearer the HBM bound than cuBLAS does for
+    such shapes (docs/benchmarks/kernels.md). Autograd (the RL trainer's copy) and other shapes use torch's
+    linear; hooks (LoRA) and quantised replacements (model/quant.py) see an nn.Linear as before.
+    U1SERVE_SKINNY_GEMM=0 (read when the model is built) turns the kernel off, to compare."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.skinny = knobs.SKINNY_GEMM.get()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.skinny and x.is_cuda and x.dim() == 2 and x.shape[0] <= kernels.SKINNY_MAX_ROWS
+                and not torch.is_grad_enabled()):
+            return kernels.skinny_linear(x, self.weight)
+        return F.linear(x, self.weight)
+
+
 # ----------------------------------------------------------------------------- 3-D RoPE
 class Rope:
     """Positions [3, T] (t, h, w) and the two bases; the fused Q/K norm + RoPE op reads them.
@@ -75,9 +94,9 @@ class Rope:
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter)
+        self.up_proj = Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
 
     def forward(self, x):
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -99,10 +118,10 @@ class MoTAttention(nn.Module):
         self.head_dim = d = llm.head_dim
         h = llm.hidden_size
         for sfx in branches:
-            setattr(self, "q_proj" + sfx, nn.Linear(h, self.num_heads * d, bias=False))
-            setattr(self, "k_proj" + sfx, nn.Linear(h, self.num_kv_heads * d, bias=False))
-            setattr(self, "v_proj" + sfx, nn.Linear(h, self.num_kv_heads * d, bias=False))
-            setattr(self, "o_proj" + sfx, nn.Linear(self.num_heads * d, h, bias=False))
+            setattr(self, "q_proj" + sfx, Linear(h, self.num_heads * d))
+            setattr(self, "k_proj" + sfx, Linear(h, self.num_kv_heads * d))
+            setattr(self, "v_proj" + sfx, Linear(h, self.num_kv_heads * d))
+            setattr(self, "o_proj" + sfx, Linear(self.num_heads * d, h))
             for n in ("q_norm", "q_norm_hw", "k_norm", "k_norm_hw"):
                 setattr(self, n + sfx, RMSNorm(d // 2, llm.rms_norm_eps))
 
