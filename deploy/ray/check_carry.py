@@ -43,14 +43,16 @@ def check(cluster: LocalCluster) -> None:
     import ray
     from ray import serve
 
-    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    # a runtime_env as u1serve's replicas have (their env vars): Ray's runtime-env agent sets it up
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0,
+                                                         "runtime_env": {"env_vars": {"U1_CHECK": "carried"}}})
     class Probe:
         def __init__(self):
             for name in APP_MODULES:
                 importlib.import_module(name)
 
         async def __call__(self, request) -> dict:
-            return {"python": sys.version.split()[0], "ray": ray.__version__}
+            return {"python": sys.version.split()[0], "ray": ray.__version__, "env": os.environ.get("U1_CHECK")}
 
     t0 = time.monotonic()
     try:
@@ -66,6 +68,8 @@ def check(cluster: LocalCluster) -> None:
         r = httpx.get(f"http://127.0.0.1:{port}/probe", timeout=60)
         if r.status_code != 200:
             raise RuntimeError(f"the Serve proxy answered {r.status_code}: {r.text[:500]}")
+        if r.json().get("env") != "carried":
+            raise RuntimeError(f"the replica's runtime_env was not applied: {r.json()}")
         print(f"HTTP through the Serve proxy: {r.json()}", flush=True)
         serve.shutdown()
         ray.shutdown()
