@@ -31,9 +31,9 @@ def test_trimmed_pillow_imports_and_encodes(tmp_path):
     assert libs, "Pillow without vendored libraries: not the manylinux wheel this test is about"
     wheel, out = str(tmp_path / "pillow.whl"), str(tmp_path / "pillow.site.tar.xz")
     _wheel(wheel)
-    proc = subprocess.run([sys.executable, "-m", "deploy.trim_wheel", wheel,
-                           "--root", "PIL/_imaging.*.so", "--drop", "PIL/ImageTk.py", "--strip", "--out", out], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "deploy.trim_wheel", wheel, "--root", "PIL/_imaging.*.so",
+                           "--drop", "PIL/ImageTk.py", "--strip", "--out", out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(out) as tar:
         names = set(tar.getnames())
