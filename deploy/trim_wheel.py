@@ -9,15 +9,20 @@ the repository (the GPU machine: 64 MiB in all). The NIXL CUDA wheel is 59 MB, m
 
 Keeps every pure-Python file and .dist-info, the --root shared objects, and every library they need (DT_NEEDED,
 transitively, found among the wheel's own files; read from the ELF dynamic section here, no binutils needed);
-writes a .tar.xz to unpack into a site directory (deploy/carried_wheels.sh does that when the cpXY tag matches the
-Python).
+writes a .tar.xz (xz -9e) to unpack into a site directory (deploy/carried_wheels.sh does that when the cpXY tag
+matches the Python). --drop leaves out files we never import (whole subpackages: Ray's RLlib, Data, LLM); --strip
+runs binutils' `strip --strip-unneeded` on the kept ELF files (Ray's wheel ships its binaries with their symbol
+tables: 44 MB of _raylet.so, 32 MB stripped). The Ray command is in docs/benchmarks/ray.md.
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import lzma
 import os
+import shutil
 import struct
+import subprocess
 import tarfile
 import tempfile
 import zipfile
@@ -47,8 +52,19 @@ def needed(path: str) -> list[str]:
     return names
 
 
-def keep_set(root: str, patterns: list[str]) -> set[str]:
+def extract(wheel: str, root: str) -> None:
+    """Unzip, keeping each file's mode bits (zipfile drops them: Ray's raylet and GCS server must stay executable)."""
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path = z.extract(info, root)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                os.chmod(path, mode)
+
+
+def keep_set(root: str, patterns: list[str], drop: tuple[str, ...] = ()) -> set[str]:
     files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
+    files = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in drop)]
     by_name: dict[str, str] = {}
     for f in files:
         by_name.setdefault(os.path.basename(f), f)
@@ -65,18 +81,33 @@ def keep_set(root: str, patterns: list[str]) -> set[str]:
     return keep
 
 
+def strip(path: str) -> None:
+    """The symbol tables out of a kept ELF file (what the dynamic loader reads stays)."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"\x7fELF":
+            return
+    subprocess.run(["strip", "--strip-unneeded", path], check=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("wheel")
     p.add_argument("--also", action="append", default=[], help="more (pure-Python) wheels to include whole")
     p.add_argument("--root", action="append", required=True, help="glob of shared objects to keep (repeatable)")
+    p.add_argument("--drop", action="append", default=[], help="glob of files to leave out (repeatable)")
+    p.add_argument("--strip", action="store_true", help="strip the kept ELF files (needs binutils' strip)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.strip and not shutil.which("strip"):
+        raise SystemExit("--strip needs binutils' `strip` on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         for w in [args.wheel, *args.also]:
-            zipfile.ZipFile(w).extractall(tmp)
-        keep = keep_set(tmp, args.root)
-        with tarfile.open(args.out, "w:xz") as tar:
+            extract(w, tmp)
+        keep = keep_set(tmp, args.root, tuple(args.drop))
+        if args.strip:
+            for f in keep:
+                strip(os.path.join(tmp, f))
+        with tarfile.open(args.out, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
             for f in sorted(keep):
                 tar.add(os.path.join(tmp, f), arcname=f)
         size = sum(os.path.getsize(os.path.join(tmp, f)) for f in keep)

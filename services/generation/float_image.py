@@ -25,9 +25,10 @@ def export(source, x: torch.Tensor, near: dict) -> dict:
     from shm_transfer.errors import KVTransferError
     from shm_transfer.tensors import pack, tokens_for
     try:
-        t = source.transport("shm")
+        near_handle = KVHandle.from_dict(near)
+        t = source.transport("shm", near_handle)
         h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH,
-                       near=KVHandle.from_dict(near))
+                       near=near_handle)
     except PoolFull as e:
         raise APIError(503, f"no room in the KV pool for the generated image: {e}", type="server_error",
                        code="kv_pool_full") from None

@@ -3,7 +3,8 @@ producer restart, claim, import, release.
 
 Handles say which transport moves their bytes: "shm" (the same-host pool `pool_name`, created by the
 understanding service, which may start after us or restart) or "nixl" (the producer's pool read over
-the network). Each transport is opened on the first handle that needs it.
+the network). Each transport is opened on the first handle that needs it. With no pool of our own name on the
+host (a Ray replica: its understanding neighbours name their pools), shm opens on the pool the handle names.
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ class PrefixSource:
         self._transports: dict = {}  # handle.transport -> Transport
 
     # -- transports ----------------------------------------------------------------------------
-    def transport(self, kind: str = "shm"):
+    def transport(self, kind: str = "shm", handle=None):
         """The transport for handles of `kind`, opened when needed (shm: re-attached when the producer
-        replaced its pool). APIError 503 when it cannot be opened."""
+        replaced its pool; opened on `handle`'s pool when ours is not there). APIError 503 when it cannot be
+        opened."""
         from shm_transfer.errors import HandleError, PoolError
         t = self._transports.get(kind)
         if t is not None and t.is_stale():
@@ -52,7 +54,7 @@ class PrefixSource:
                 t = None
         if t is None:
             try:
-                t = self._open(kind)
+                t = self._open(kind, handle)
             except (PoolError, FileNotFoundError, OSError) as e:
                 raise APIError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
@@ -63,11 +65,19 @@ class PrefixSource:
         """The shm pool (attached on demand)."""
         return self.transport("shm").pool
 
-    def _open(self, kind: str):
+    def _open(self, kind: str, handle=None):
         if kind == "shm":
+            from shm_transfer.errors import PoolError
             from shm_transfer.transport import LocalShmTransport
-            t = LocalShmTransport.attach(self.pool_name, expected_fingerprint=self.fingerprint or None,
-                                         pin=self.device.type == "cuda", timeout_s=self.attach_timeout_s)
+            attach = lambda name, timeout_s: LocalShmTransport.attach(    # noqa: E731
+                name, expected_fingerprint=self.fingerprint or None, pin=self.device.type == "cuda",
+                timeout_s=timeout_s)
+            try:
+                t = attach(self.pool_name, self.attach_timeout_s)
+            except (PoolError, FileNotFoundError, OSError):
+                if handle is None or getattr(handle, "pool_name", self.pool_name) == self.pool_name:
+                    raise
+                t = attach(handle.pool_name, 0)   # the transport follows other pools from there
             try:
                 self._check_geometry(t.layout)
             except APIError:
@@ -128,7 +138,7 @@ class PrefixSource:
         from shm_transfer.errors import HandleError
         if handle.transport != "shm":
             self._check_geometry(handle.kv_layout)
-        t = self.transport(handle.transport)
+        t = self.transport(handle.transport, handle)
         t0 = time.perf_counter()
         try:
             t.import_kv(handle, dst, heads=heads)
@@ -148,7 +158,7 @@ class PrefixSource:
         for d in list(handle_dicts):
             try:
                 h = self.parse(d)
-                op(self.transport(h.transport), h)
+                op(self.transport(h.transport, h), h)
             except Exception:
                 pass
 

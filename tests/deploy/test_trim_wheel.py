@@ -1,6 +1,6 @@
 """deploy/trim_wheel.py on a real native package: Pillow as its manylinux wheel installs it (PIL/ + pillow.libs/,
-the libraries renamed with hashes). Trimmed to PIL's core extension, the result must still import and encode in a
-fresh interpreter, and leave out what nothing kept needs."""
+the libraries renamed with hashes). Trimmed to PIL's core extension (stripped, a module dropped), the result must
+still import and encode in a fresh interpreter, keep the files' modes, and leave out what nothing kept needs."""
 import glob
 import os
 import subprocess
@@ -31,9 +31,9 @@ def test_trimmed_pillow_imports_and_encodes(tmp_path):
     assert libs, "Pillow without vendored libraries: not the manylinux wheel this test is about"
     wheel, out = str(tmp_path / "pillow.whl"), str(tmp_path / "pillow.site.tar.xz")
     _wheel(wheel)
-    proc = subprocess.run([sys.executable, "-m", "deploy.trim_wheel", wheel,
-                           "--root", "PIL/_imaging.*.so", "--out", out], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "deploy.trim_wheel", wheel, "--root", "PIL/_imaging.*.so",
+                           "--drop", "PIL/ImageTk.py", "--strip", "--out", out], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(out) as tar:
         names = set(tar.getnames())
@@ -50,7 +50,10 @@ def test_trimmed_pillow_imports_and_encodes(tmp_path):
     assert {f"pillow.libs/{lib}" for lib in closure} <= names
     assert not [n for n in names if n.startswith("PIL/_webp.")], "an extension no root needs was kept"
     assert any(f"pillow.libs/{lib}" not in names for lib in libs), "nothing was trimmed"
-    assert "PIL/Image.py" in names
+    assert "PIL/Image.py" in names and "PIL/ImageTk.py" not in names
+    installed = os.stat(os.path.join(SITE, core)).st_mode & 0o777
+    assert (site / core).stat().st_mode & 0o777 == installed, "the mode bits were not kept (executables)"
+    assert (site / core).stat().st_size <= os.path.getsize(os.path.join(SITE, core))
 
     check = ("import io, PIL; from PIL import Image; assert PIL.__file__.startswith(%r), PIL.__file__; "
              "im = Image.new('RGB', (8, 8), (200, 10, 10)); b = io.BytesIO(); im.save(b, 'PNG'); im.save(b, 'JPEG'); "

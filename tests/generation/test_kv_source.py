@@ -68,3 +68,22 @@ def test_missing_pool_is_a_503(name):
         src.pool()
     assert e.value.status == 503 and e.value.code == "kv_pool_unavailable"
     src.release([{"not": "a handle"}])  # best effort, never raises
+
+
+def test_without_its_own_pool_it_opens_the_pool_a_handle_names(name):
+    """A Ray replica's generation engine: no understanding service made a pool of its name; its neighbours' pools
+    (one per understanding replica on the node) are named by the handles."""
+    with ShmKVPool.create(f"{name}-und", LAY, 4 * LAY.page_bytes, FP) as pool:
+        src = PrefixSource(f"{name}-own", FP, torch.device("cpu"), attach_timeout_s=0.1)
+        held, h = pool.allocate(3, lease_s=0.5), pool.allocate(5, 30)
+        src.claim([held.to_dict()])
+        time.sleep(0.7)
+        pool.validate(held)            # claimed through the handle's pool
+        kv = torch.randn(LAY.kv_shape(5))
+        write_kv(pool, h, kv)
+        dst = torch.zeros(LAY.kv_shape(7))
+        src.import_into(h, dst)
+        assert torch.equal(dst[:, :, :5], kv)
+        src.release([held.to_dict()])
+        assert pool.stats()["pages_used"] == 0
+        src.close()
