@@ -108,7 +108,7 @@ class MpsDaemon:
                 raise
             self.stop(lambda text: None)      # one that came up late
             shutil.rmtree(self.pipe_dir, ignore_errors=True)     # no control pipe for the clients to find
-            self.active, self.fallback_reason = False, f"the MPS daemon did not start: {str(e).splitlines()[0]}"
+            self.active, self.fallback_reason = False, str(e).splitlines()[0]
             say(f"--gpu-sharing auto: {self.fallback_reason}; the engines share the GPUs by time slicing")
 
     def _start(self, say: Say) -> None:

@@ -326,11 +326,11 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sha
     chosen by auto falls back to time slicing if its daemon does not start."""
     from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if sharing.mode != "mps":
-        if args.gpu_sharing != "auto":     # under auto they apply when MPS is chosen
-            if args.gen_sm_percent is not None:
-                usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
-            if args.gen_priority is not None:
-                usage_error("--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps")
+        auto = f" (--gpu-sharing auto chose time-slice: {sharing.why})" if sharing.asked == "auto" else ""
+        if args.gen_sm_percent is not None:
+            usage_error(f"--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps{auto}")
+        if args.gen_priority is not None:
+            usage_error(f"--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps{auto}")
         return None
     if args.mode != "colocate":
         usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
