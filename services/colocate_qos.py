@@ -93,7 +93,7 @@ class Qos:
     def state(self, daemon=None) -> dict:
         """For stack.json: the sharing actually in force (an `auto` daemon that did not start: time-slice)."""
         out = {"gpu_sharing": self.in_force(daemon), "gpu_sharing_asked": self.sharing.asked,
-               "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share, "yield_why": self.yield_why}
+               "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share or 0.0, "yield_why": self.yield_why}
         if daemon is not None and not daemon.active:
             out["gpu_sharing_why"] = daemon.fallback_reason or "the MPS daemon is not running"
         return out
