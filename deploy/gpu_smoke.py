@@ -49,8 +49,7 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "colocate-tp2-sp2-kv": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                 "--gen-sp", "2", "--gen-sp-mode", "kv-gather"]),
     "colocate-tp2-sp2-kv-graphs": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
-                                       "--gen-sp", "2", "--gen-sp-mode", "kv-gather", "--cuda-graphs", "on",
-                                       "--qos-yield-share", "0"]),      # no gate: the graphs are what it checks
+                                       "--gen-sp", "2", "--gen-sp-mode", "kv-gather", "--cuda-graphs", "on"]),
     "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
     "colocate-1-mps": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps"]),
@@ -181,11 +180,10 @@ class Stack:
 
     def graphs_expected(self) -> bool:
         """--cuda-graphs on|auto on a GPU: generation's steps replay CUDA graphs (step_graph.py; SP stacks
-        too), but where the QoS yield gate keeps them eager (generation's /health `yield_gate`: on by default in
-        colocate, services/colocate_qos.py)."""
+        too), but where the QoS yield gate keeps them eager."""
         f = self.flags
         mode = f[f.index("--cuda-graphs") + 1] if "--cuda-graphs" in f else "off"
-        return bool(self.gpus) and mode != "off" and not _json(self.urls.get("gen", "") + "/health").get("yield_gate")
+        return bool(self.gpus) and mode != "off" and "--qos-yield-share" not in f
 
     def graph_problems(self) -> list[str]:
         """Rank 0's graph counters from generation's /metrics: some step replayed a graph."""
