@@ -156,9 +156,13 @@ def test_every_bench_deployment_profile_dry_runs(configs):
     for name, flags in BENCH.items():
         r = dry_run(configs["u1-8b"], flags.replace("--device cpu", ""))
         assert r.returncode == 0, (name, r.stderr)
-        if "--qos-yield-share" in flags:
-            p = plan(r.stdout)
-            assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield"
+        words = flags.split()
+        p = plan("\n".join(ln for ln in r.stdout.splitlines() if not ln.startswith("mps:")))   # the services
+        off = "--qos-yield-share" in words and float(words[words.index("--qos-yield-share") + 1]) == 0
+        if "colocate" in words and not off:     # the default gate, or an explicit share
+            assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield", name
+        else:
+            assert "--yield-to" not in p["gen"][1] and "--yield-signal" not in p["und"][1], name
 
 
 def test_gpu_smoke_sp_profiles_dry_run(configs, tmp_path):
