@@ -6,7 +6,9 @@ chat, images, streamed images, edits, cancelled streams and bad inputs (weighted
         --size 1024x1024 --steps 8 [--api-key KEY] [--json out.json] [--markdown out.md]
     python -m bench.bench_load --smoke        # CPU: a tiny `u1serve up` stack, 8 clients for 8 s
 
-Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind, the 429 rate and every 5xx by code.
+Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind and of every chat (streamed or not; with
+--ignore-eos each runs to --max-tokens), the 429 rate and every 5xx by code. bench/bench_qos.py runs it against
+stacks with and without the colocate QoS defaults.
 Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
 Retry-After (at most 2 s) before its next request.
 
@@ -71,6 +73,7 @@ class LoadConfig:
     timeout_s: float = 600.0
     seed: int = 0
     slow_hold_s: float = 20.0    # a slow reader holds its stream this long without reading
+    ignore_eos: bool = False     # chats run to max_tokens (a latency figure for exactly that many tokens)
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -136,17 +139,21 @@ class Client:
         return {"prompt": f"a lighthouse at dusk, variant {rng.randrange(10**6)}", "size": self.cfg.size,
                 "num_inference_steps": self.cfg.steps, "seed": rng.randrange(2**31), **kw}
 
+    def _chat_extra(self) -> dict:
+        return {"ignore_eos": True} if self.cfg.ignore_eos else {}
+
     async def _chat(self, rng) -> Outcome:
         r = await self.http.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": f"Describe a fox, take {rng.randrange(10**6)}."}],
-            "max_tokens": self.cfg.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31)})
+            "max_tokens": self.cfg.max_tokens, "temperature": 0.8, "seed": rng.randrange(2**31), **self._chat_extra()})
         if r.status_code != 200:
             return _failed("chat", r)
         return Outcome("chat", 200, 0.0, tokens=int(r.json().get("usage", {}).get("completion_tokens", 0)))
 
     async def _chat_stream(self, rng) -> Outcome:
         body = {"messages": [{"role": "user", "content": f"Count to ten, take {rng.randrange(10**6)}."}],
-                "max_tokens": self.cfg.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+                "max_tokens": self.cfg.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                **self._chat_extra()}
         tokens = chunks = 0
         async with self.http.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -393,10 +400,14 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
     for o in five:
         codes[f"{o.status} {o.error_code}"] = codes.get(f"{o.status} {o.error_code}", 0) + 1
     images = sum(o.images for o in outcomes if o.status == 200)
-    tokens = sum(o.tokens for o in outcomes if o.status == 200 and o.kind.startswith("chat"))
+    chats = [o for o in outcomes if o.status == 200 and o.kind.startswith("chat")]
+    tokens = sum(o.tokens for o in chats)
     return {"duration_s": duration_s, "requests": len(outcomes), "images": images,
             "images_per_min": 60.0 * images / duration_s if duration_s else None,
             "tokens_per_s": tokens / duration_s if duration_s else None,
+            # every answered chat, streamed or not (the colocate QoS target: p50 / p99 of a 64-token chat)
+            "chat_p50_s": _pct([o.latency_s for o in chats], 0.5), "chat_p99_s": _pct([o.latency_s for o in chats], 0.99),
+            "chat_tokens_mean": tokens / len(chats) if chats else None,
             "rate_429": sum(o.status == 429 for o in outcomes) / max(1, len(outcomes)),
             "count_5xx": len(five), "codes_5xx": codes,
             "transport_errors": sum(o.status == 0 for o in outcomes), "by_kind": by_kind,
@@ -419,15 +430,17 @@ def summarize_hostile(rows: list[Outcome]) -> dict:
 
 
 def markdown(summary: dict, title: str = "load") -> str:
+    fmt = (lambda v: f"{v:.2f}" if v is not None else "-")
     lines = [f"### {title}", "",
              f"{summary['requests']} requests in {summary['duration_s']:.0f} s: "
              f"{summary['images_per_min']:.1f} images/min, {summary['tokens_per_s']:.1f} chat tokens/s, "
+             f"chat p50 / p99 {fmt(summary['chat_p50_s'])} / {fmt(summary['chat_p99_s'])} s "
+             f"({fmt(summary['chat_tokens_mean'])} tokens a chat), "
              f"429 rate {100 * summary['rate_429']:.1f}%, 5xx {summary['count_5xx']}"
              + (f" {summary['codes_5xx']}" if summary["codes_5xx"] else "")
              + f", connection errors {summary['transport_errors']}", "",
              "| kind | requests | ok | p50 s | p99 s | statuses |", "|---|---:|---:|---:|---:|---|"]
     for kind, k in summary["by_kind"].items():
-        fmt = (lambda v: f"{v:.2f}" if v is not None else "-")
         lines.append(f"| {kind} | {k['n']} | {k['ok']} | {fmt(k['p50_s'])} | {fmt(k['p99_s'])} | "
                      f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))} |")
     for kind, k in summary.get("hostile", {}).items():
@@ -510,6 +523,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="1024x1024")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true", help="chats run to --max-tokens (latency for that many tokens)")
     p.add_argument("--mix", default=None, help="weights, e.g. chat=3,image=1,bad=0 (default: every kind)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="summary + every outcome")
@@ -539,7 +553,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--mix: unknown kind {k!r} (kinds: {', '.join(KINDS)})")
             mix[k] = float(v)
     cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
-                     seed=args.seed)
+                     seed=args.seed, ignore_eos=args.ignore_eos)
     hostile = hostile_clients(args.clients, args.hostile_fraction)
     base_summary = None
     if args.baseline and hostile:

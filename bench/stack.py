@@ -28,11 +28,15 @@ PROFILES = {  # name -> u1serve up flags
     "separate-tp2-cfg2": "--mode separate --und-gpus 0,1 --gen-gpus 2,3 --und-tp 2 --gen-cfg-parallel 2",
     "separate-1+1": "--mode separate --und-gpus 0 --gen-gpus 1",
     "colocate-1": "--mode colocate --und-gpus 0",
+    # the colocate QoS defaults off, explicitly: today's behaviour before issue 25 (bench/bench_qos.py's A side)
+    "colocate-1-timeslice": "--mode colocate --und-gpus 0 --gpu-sharing time-slice --qos-yield-share 0",
+    "colocate-1-mps-nogate": "--mode colocate --und-gpus 0 --gpu-sharing mps --qos-yield-share 0",
     "colocate-1-mps": "--mode colocate --und-gpus 0 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps-normal": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing "
                                     "mps --gen-priority normal",
     "cpu-colocate": "--mode colocate --device cpu",
+    "cpu-colocate-timeslice": "--mode colocate --device cpu --gpu-sharing time-slice --qos-yield-share 0",
     "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",
 }

@@ -42,8 +42,7 @@ def cmd_up(args) -> int:
         print_plan(stack)
         return 0
     host = "127.0.0.1" if args.host in (None, "0.0.0.0") else args.host
-    sharing = (f"; GPU sharing mps, generation at {stack.daemons[0].gen_sm_percent} % of the SMs, priority "
-               f"{stack.daemons[0].gen_priority}") if stack.daemons else ""
+    sharing = f"; {stack.qos.summary(stack.qos_daemon)}" if args.mode == "colocate" else ""   # colocate_qos.py
     return run_until_signal(stack, on_ready=lambda: stack.say(
         f"ready: http://{host}:{args.port}/v1 (mode {args.mode}, {stack.device}{sharing}; engines on "
         f"127.0.0.1:{args.und_port} and :{args.gen_port})"))

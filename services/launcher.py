@@ -238,6 +238,7 @@ class Stack:
         self.device = ""                    # for the start line, e.g. "cuda bfloat16, GPUs 0,1"
         self.state_file = state_file
         self.daemons = daemons or []      # each: name, argv, env(), start(say) (StartupError), stop(say), state()
+        self.info: dict = {}              # more stack.json entries: name -> value, or a function giving it
         policy = policy or (SERVICE_RESTARTS if restart else RestartPolicy(max_failures=1))
         self.services = [Service(s, ServiceLog(s.name, out if echo_logs else None, log_dir), grace_s=grace_s,
                                  startup_timeout_s=startup_timeout_s, policy=policy,
@@ -317,7 +318,8 @@ class Stack:
         state = {"launcher_pid": os.getpid(),
                  "services": {s.spec.name: {"pid": s.unit.pid if s.unit else None, "health_url": s.spec.health_url,
                                             "restarts": s.sup.restarts} for s in self.services},
-                 "shm": self.shm_names, **{d.name: d.state() for d in self.daemons}}
+                 "shm": self.shm_names, **{d.name: d.state() for d in self.daemons},
+                 **{k: v() if callable(v) else v for k, v in self.info.items()}}
         tmp = self.state_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)

@@ -1,4 +1,5 @@
-"""`u1serve up --gpu-sharing mps`: the deployment's own CUDA MPS control daemon and its GPU services' environment.
+"""`u1serve up --gpu-sharing mps` (and `auto`, the default, where MPS can run: services/colocate_qos.py): the
+deployment's own CUDA MPS control daemon and its GPU services' environment.
 
 Two engines on one GPU are time-sliced by the driver, so a chat decode step waits behind an image step. Under
 MPS their kernels run side by side; capping the generation processes' SM share
@@ -53,7 +54,10 @@ class MpsDaemon:
 
     name = "mps"
 
-    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = DEFAULT_GEN_PRIORITY):
+    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = DEFAULT_GEN_PRIORITY,
+                 fallback: bool = False):
+        """fallback: chosen by `--gpu-sharing auto` (services/colocate_qos.py): a daemon that cannot start leaves
+        the GPUs time-sliced (`active` False, `fallback_reason` says why) instead of failing the stack."""
         base = os.path.join(os.path.abspath(run_dir), "mps")
         self.pipe_dir = os.path.join(base, "pipe")
         self.log_dir = os.path.join(base, "log")
@@ -63,6 +67,9 @@ class MpsDaemon:
         self.argv = [CONTROL, "-d"]
         self.pid: Optional[int] = None
         self._launched = False      # `-d` ran: a daemon that came up after start() gave up is stopped too
+        self.fallback = fallback
+        self.active = True          # False once an auto daemon failed to start (the clients then run without MPS)
+        self.fallback_reason: Optional[str] = None
 
     # -- environments ------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -87,11 +94,24 @@ class MpsDaemon:
 
     def state(self) -> dict:
         return {"pid": self.pid, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir, "gpus": self.gpus,
-                "gen_sm_percent": self.gen_sm_percent, "gen_priority": self.gen_priority}
+                "gen_sm_percent": self.gen_sm_percent, "gen_priority": self.gen_priority, "active": self.active}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, say: Say) -> None:
-        """Start the daemon and wait until it runs; MpsError (a StartupError) says why it cannot."""
+        """Start the daemon and wait until it runs; MpsError (a StartupError) says why it cannot, or, for a
+        `fallback` daemon, the console does and the GPUs stay time-sliced: with no daemon behind the pipe
+        directory the CUDA clients run as ordinary processes (the MPS variables are then ignored)."""
+        try:
+            self._start(say)
+        except MpsError as e:
+            if not self.fallback:
+                raise
+            self.stop(lambda text: None)      # one that came up late
+            shutil.rmtree(self.pipe_dir, ignore_errors=True)     # no control pipe for the clients to find
+            self.active, self.fallback_reason = False, str(e).splitlines()[0]
+            say(f"--gpu-sharing auto: {self.fallback_reason}; the engines share the GPUs by time slicing")
+
+    def _start(self, say: Say) -> None:
         exe = shutil.which(CONTROL)
         if exe is None:
             raise MpsError(f"--gpu-sharing mps needs {CONTROL} on PATH. It comes with the NVIDIA driver's compute "

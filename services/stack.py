@@ -143,7 +143,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
             "--dtype", pl.dtype, "--cfg-parallel", str(args.gen_cfg_parallel), "--sp", str(args.gen_sp),
             "--sp-mode", args.gen_sp_mode, "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
     if ctx.get("yield_page"):
-        argv += ["--yield-to", ctx["yield_page"], "--yield-share", str(args.qos_yield_share)]
+        argv += ["--yield-to", ctx["yield_page"], "--yield-share", f"{ctx['yield_share']:g}"]
     if args.quantization != "none":
         argv += ["--quantization", args.quantization]
     if args.cuda_graphs != "off":
@@ -261,19 +261,35 @@ def check_gen_sp(args, model: str) -> None:
         raise SystemExit(f"--gen-sp {args.gen_sp}: {e}") from None
 
 
-def qos_page(args, pool: str) -> str | None:
-    """--qos-yield-share F: the shm page both engines share (understanding raises it while it decodes,
-    generation yields to it), named after the KV pool; None without the flag."""
+def resolve_qos(args, placement: Placement, qos_defaults: bool = True):
+    """The stack's colocate QoS (services/colocate_qos.py): the GPU sharing in force and the yield gate's share.
+    Explicit values that cannot run are usage errors; `qos_defaults` False (Ray places the engines itself): auto
+    means time slicing and no gate, as before."""
+    from .colocate_qos import Qos, choose_sharing, control_binary, default_yield_share
+    replicas = (args.und_replicas, args.gen_replicas)
+    asked = args.gpu_sharing if qos_defaults or args.gpu_sharing != "auto" else "time-slice"
+    sharing = choose_sharing(asked, mode=args.mode, device=placement.device, replicas=replicas,
+                             control=control_binary(), env=os.environ, cpu_standin=knobs.MPS_ON_CPU.get())
     share = args.qos_yield_share
-    if share is None:
+    if share:      # an explicit gate: where it can work
+        if args.mode != "colocate":
+            usage_error("--qos-yield-share is for --mode colocate (engines sharing GPUs); in separate mode each "
+                        "engine owns its GPUs")
+        if not 0 < share <= 1:
+            usage_error(f"--qos-yield-share must be in [0, 1] (0: no gate), got {share}")
+        if replicas != (1, 1):
+            usage_error("--qos-yield-share works with one understanding and one generation replica")
+    elif share is not None and share < 0:
+        usage_error(f"--qos-yield-share must be in [0, 1] (0: no gate), got {share}")
+    share, why = default_yield_share(share, mode=args.mode, replicas=replicas, enabled=qos_defaults)
+    return Qos(sharing, share, why)
+
+
+def qos_page(qos, pool: str) -> str | None:
+    """The shm page both engines share while the yield gate is on (understanding raises it while it decodes,
+    generation yields to it), named after the KV pool; None without a gate."""
+    if not qos.yield_share:
         return None
-    if args.mode != "colocate":
-        raise SystemExit("--qos-yield-share is for --mode colocate (engines sharing GPUs); in separate mode "
-                         "each engine owns its GPUs")
-    if not 0 < share <= 1:
-        raise SystemExit(f"--qos-yield-share must be in (0, 1], got {share}")
-    if args.und_replicas > 1 or args.gen_replicas > 1:
-        raise SystemExit("--qos-yield-share works with one understanding and one generation replica")
     from services.kit.yield_signal import signal_name
     return signal_name(pool)
 
@@ -304,15 +320,17 @@ def sm_percent(text: str) -> int:
     return value
 
 
-def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
-    """--gpu-sharing mps: the deployment's MPS control daemon (services/mps.py), or None for time slicing.
-    Refused (exit 2) where nothing is shared or nothing is CUDA."""
+def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sharing):
+    """The deployment's MPS control daemon (services/mps.py) when the sharing in force is mps, else None (time
+    slicing). An explicit --gpu-sharing mps is refused (exit 2) where nothing is shared or nothing is CUDA; one
+    chosen by auto falls back to time slicing if its daemon does not start."""
     from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
-    if args.gpu_sharing != "mps":
+    if sharing.mode != "mps":
+        auto = f" (--gpu-sharing auto chose time-slice: {sharing.why})" if sharing.asked == "auto" else ""
         if args.gen_sm_percent is not None:
-            usage_error("--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps")
+            usage_error(f"--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps{auto}")
         if args.gen_priority is not None:
-            usage_error("--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps")
+            usage_error(f"--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps{auto}")
         return None
     if args.mode != "colocate":
         usage_error("--gpu-sharing mps is for --mode colocate (the engines share GPUs); in separate mode each engine "
@@ -326,7 +344,7 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str):
                         f"({flag} sets it for generation only)")
     gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
     return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT,
-                     args.gen_priority or DEFAULT_GEN_PRIORITY)
+                     args.gen_priority or DEFAULT_GEN_PRIORITY, fallback=sharing.asked == "auto")
 
 
 def under_mps(specs: list, mps) -> list:
@@ -336,7 +354,10 @@ def under_mps(specs: list, mps) -> list:
             dataclasses.replace(s, env=mps.client_env(s.env, capped=s.name.startswith("gen"))) for s in specs]
 
 
-def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False):
+def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False,
+                qos_defaults: bool = True):
+    """The Stack of these flags (not started). `qos_defaults` False: no automatic colocate QoS (Ray, which places
+    the engines itself; services/colocate_qos.py)."""
     from services.contract.limits import IMAGE_BLOCK
     from services.generation.image_limits import checkpoint_max_tokens
     from services.timeouts import stack_problems
@@ -344,13 +365,14 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     from .launcher import Stack
     placement = Placement(args)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
-    mps = mps_daemon(args, placement, run_dir)
     for problem in stack_problems(args.und_args, args.gen_args, args.gateway_args):
         usage_error(f"timeouts out of order: {problem} (services/timeouts.py)")
     if not dry_run:
         placement = check_devices(args, placement)
     if placement.note:
         (sys.stderr if dry_run else out).write(f"[u1serve] {placement.note} ({placement.dtype})\n")
+    qos = resolve_qos(args, placement, qos_defaults)      # on the devices that will run (after the fallback)
+    mps = mps_daemon(args, placement, run_dir, qos.sharing)
     model = args.model
     tiny = model in TINY_ALIASES
     if tiny:
@@ -368,7 +390,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args)}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
-        "yield_page": qos_page(args, pool),
+        "yield_page": qos_page(qos, pool), "yield_share": qos.yield_share,
         # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
         "max_pixels": checkpoint_max_tokens(model) * IMAGE_BLOCK ** 2,
     }
@@ -382,6 +404,10 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                   grace_s=args.grace, startup_timeout_s=args.startup_timeout, restart=not args.no_restart,
                   state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
                   echo_logs=echo_logs, daemons=[mps] if mps else [])
+    stack.qos, stack.qos_daemon = qos, mps
+    stack.info["qos"] = lambda: qos.state(mps)        # stack.json: the sharing in force once the daemon ran
+    if args.mode == "colocate":
+        (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {qos.summary(mps)}\n")
     stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"
                                                               if placement.gpus else "")
     return stack
@@ -407,17 +433,20 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "head counts) or kv-gather (one all-gather of K/V a layer, every rank holds every KV "
                         "head; any N). Allowed with --gen-sp 1, where it changes nothing")
     p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
-                   help="colocate QoS: generation yields the shared GPUs to understanding's decode steps "
-                        "between its layers, at most F of its time (0 < F <= 1)")
-    p.add_argument("--gpu-sharing", choices=["time-slice", "mps"], default="time-slice",
-                   help="colocate on CUDA: how the engines share a GPU. time-slice: the driver alternates them; mps: "
-                        "their kernels run side by side under a CUDA MPS control daemon that u1serve up starts for "
-                        "this stack (nvidia-cuda-mps-control), generation capped by --gen-sm-percent")
+                   help="colocate QoS: generation yields the shared GPUs to understanding's decode steps between its "
+                        "layers, at most F of its time (0 <= F <= 1; 0: no gate). Default: 0.05 in colocate with one "
+                        "replica each, none otherwise (services/colocate_qos.py)")
+    p.add_argument("--gpu-sharing", choices=["auto", "time-slice", "mps"], default="auto",
+                   help="colocate on CUDA: how the engines share a GPU. mps: their kernels run side by side under a "
+                        "CUDA MPS control daemon that u1serve up starts for this stack (nvidia-cuda-mps-control), "
+                        "generation capped by --gen-sm-percent at --gen-priority; time-slice: the driver alternates "
+                        "them; auto (default): mps where it can run (colocate, CUDA, one replica each, the control "
+                        "binary on PATH), else time-slice, and a daemon that fails to start falls back to time-slice")
     p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
-                   help="with --gpu-sharing mps: the share of each GPU's SMs generation may use "
+                   help="under MPS: the share of each GPU's SMs generation may use "
                         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")
     p.add_argument("--gen-priority", choices=["normal", "low"], default=None,
-                   help="with --gpu-sharing mps: generation's scheduling priority against understanding's "
+                   help="under MPS: generation's scheduling priority against understanding's "
                         "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "
                         "blocks; default low, normal: no priority)")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,

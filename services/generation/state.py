@@ -109,7 +109,9 @@ class GenerationState:
     def health(self) -> dict:
         return {**self.engine.status(), "cfg_parallel": self.cfg.cfg_parallel, "sp": self.cfg.sp,
                 "sp_mode": self.cfg.sp_mode, "max_image_tokens": self.max_tokens, "warmup": self.perf.warmup,
-                "weights_version": self.weights.version, "rl_trajectories": self.trajectories.stats()}
+                "weights_version": self.weights.version, "rl_trajectories": self.trajectories.stats(),
+                # colocate QoS: the page the ranks yield to (services/generation/qos.py), null without a gate
+                "yield_gate": {"page": self.cfg.yield_to, "share": self.cfg.yield_share} if self.cfg.yield_to else None}
 
 
 def app_state(request: Request) -> GenerationState:

@@ -35,7 +35,8 @@ def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
         raise RuntimeError("U1SERVE_INTERNAL_TOKEN is not set in this replica's environment: every replica of the "
                            "application needs the same internal token (u1serve ray sets it; with `serve run`, set "
                            "it in the nodes' environment or the config's runtime_env)")
-    stack = build_stack(parse_stack_args(settings.stack_args), out=io.StringIO(), echo_logs=False, dry_run=True)
+    stack = build_stack(parse_stack_args(settings.stack_args), out=io.StringIO(), echo_logs=False, dry_run=True,
+                        qos_defaults=False)      # Ray places the engines: no automatic MPS or yield page
     return next(s.spec for s in stack.services if s.spec.name == name)
 
 

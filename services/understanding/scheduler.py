@@ -2,8 +2,9 @@
 image span, decodes every iteration, preemption by recompute, clean aborts — and never a hang.
 
 Every iteration builds one StepPlan holding the decode rows of all running requests (DecodeManager, decode.py)
-plus prefill chunks, continuing ones first, then newly admitted ones, up to the chunked-prefill budget
-(PrefillManager, prefill.py). The scheduler owns the requests and the KV they hold.
+plus prefill chunks, continuing ones first, then newly admitted ones, up to the chunked-prefill budget, chats before
+image prefixes and image prefixes capped while chats decode (PrefillManager, prefill.py: colocate QoS). The
+scheduler owns the requests and the KV they hold.
 """
 from __future__ import annotations
 
@@ -239,7 +240,7 @@ class Scheduler:
         if self._suspects:
             return self._schedule_alone()
         decodes = self.decode.rows()
-        entries = self.prefill.take(self.chunk_size, reserved=len(decodes))
+        entries = self.prefill.take(self.chunk_size, reserved=len(decodes), decoding=bool(decodes))
         if not entries and not decodes:
             return None
         for r, start, end in entries:

@@ -75,6 +75,12 @@ SMOKES = {
     "deployment": Smoke(("bench.bench_deployment", *STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "16",
                          "--requests", "1", "--load-delay", "0.1"),
                         tuple(PROFILE + p for p in ("image", "chat_alone", "chat_with_images"))),
+    # colocate QoS A/B (issue 25; on the GPU: the defaults off, then on): one side here (each stack costs CI ~30 s),
+    # its load figures, its QoS in force and the step cache's reused steps
+    "qos": Smoke(("bench.bench_qos", "--tiny", "--profiles", "cpu-colocate", "--clients", "6", "--duration", "4",
+                  "--log-dir", "{tmp}", "--json", "{tmp}/out.json"),
+                 tuple(f"results/cpu-colocate/{k}" for k in ("chat_p50_s", "chat_p99_s", "images_per_min",
+                                                             "images_share", "qos", "cache"))),
     "weight-update": Smoke(("bench.bench_weight_update", *STACK, "--repeat", "1"),
                            tuple(PROFILE + p for p in ("runs", "image_before_s", "upload", "final_version"))),
     "interleave": Smoke(("bench.bench_interleave", *STACK, "--size", "64x64", "--steps", "2", "--requests", "1"),

@@ -102,8 +102,11 @@ def test_qos_wires_both_engines_to_one_page(configs):
     from services.understanding.server import build_parser as und_parser
     assert und_parser().parse_args(und[2:]).yield_signal == "pool-x-yield"
     assert gen_parser().parse_args(gen[2:]).yield_to == "pool-x-yield"
-    # without the flag neither engine yields
+    # without the flag: the default gate (services/colocate_qos.py); with 0: neither engine yields
     p = plan(dry_run(configs["u1-8b"], "--mode colocate --und-gpus 0,1 --und-tp 2").stdout)
+    assert flag(p["und"][1], "--yield-signal") == flag(p["gen"][1], "--yield-to") == "pool-x-yield"
+    assert float(flag(p["gen"][1], "--yield-share")) == 0.05
+    p = plan(dry_run(configs["u1-8b"], "--mode colocate --und-gpus 0,1 --und-tp 2 --qos-yield-share 0").stdout)
     assert "--yield-signal" not in p["und"][1] and "--yield-to" not in p["gen"][1]
 
 
@@ -127,8 +130,8 @@ def test_gateway_gets_the_trained_size_limit(configs):
      "--gen-cfg-parallel 2 x --gen-sp 2 needs 4 GPUs"),
     ("--mode colocate --und-gpus 0 --gen-sp 2", "--gen-cfg-parallel 1 x --gen-sp 2 needs 2 GPUs"),
     ("--mode separate --und-gpus 0 --gen-gpus 1 --qos-yield-share 0.5", "--qos-yield-share is for --mode colocate"),
-    ("--mode colocate --und-gpus 0 --qos-yield-share 0", "--qos-yield-share must be in (0, 1]"),
-    ("--mode colocate --und-gpus 0 --qos-yield-share 1.5", "--qos-yield-share must be in (0, 1]"),
+    ("--mode colocate --und-gpus 0 --qos-yield-share -0.1", "--qos-yield-share must be in [0, 1]"),
+    ("--mode colocate --und-gpus 0 --qos-yield-share 1.5", "--qos-yield-share must be in [0, 1]"),
     ("--mode colocate --und-gpus 0,1 --und-replicas 2 --qos-yield-share 0.5", "one understanding and one generation"),
 ])
 def test_bad_combinations_are_refused(configs, flags, message):
@@ -153,9 +156,13 @@ def test_every_bench_deployment_profile_dry_runs(configs):
     for name, flags in BENCH.items():
         r = dry_run(configs["u1-8b"], flags.replace("--device cpu", ""))
         assert r.returncode == 0, (name, r.stderr)
-        if "--qos-yield-share" in flags:
-            p = plan(r.stdout)
-            assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield"
+        words = flags.split()
+        p = plan("\n".join(ln for ln in r.stdout.splitlines() if not ln.startswith("mps:")))   # the services
+        off = "--qos-yield-share" in words and float(words[words.index("--qos-yield-share") + 1]) == 0
+        if "colocate" in words and not off:     # the default gate, or an explicit share
+            assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield", name
+        else:
+            assert "--yield-to" not in p["gen"][1] and "--yield-signal" not in p["und"][1], name
 
 
 def test_gpu_smoke_sp_profiles_dry_run(configs, tmp_path):

@@ -1,15 +1,21 @@
-"""`u1serve up --qos-yield-share 0.5` on CPU (colocate, tiny checkpoint, the real process tree): both engines
-get the one page named after the KV pool, chat decode steps raise it, images still run, the gateway refuses
-sizes above the checkpoint's trained limit, and the page is gone after stop even when the understanding
-service (the page's writer) was SIGKILLed."""
+"""`u1serve up` in colocate on CPU with no QoS flag (tiny checkpoint, the real process tree): the default colocate
+QoS (services/colocate_qos.py) is wired — both engines get the one page named after the KV pool with the default
+share, generation's /health names its gate, stack.json and the ready line report the GPU-sharing choice (time
+slicing here: no CUDA) — chat decode steps raise the page, images still run with their step cache taking effect,
+the gateway refuses sizes above the checkpoint's trained limit, and the page is gone after stop even when the
+understanding service (the page's writer) was SIGKILLed."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import httpx
 
+from services.colocate_qos import DEFAULT_YIELD_SHARE
+
 from services.kit.yield_signal import YieldSignal, signal_name
+from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import RunningStack, group_alive
 from tests.waiting import wait_until
 
@@ -38,15 +44,22 @@ def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-def test_up_with_qos_yield_share(tiny_dir, tmp_path):
-    s = RunningStack(tiny_dir, "colocate", str(tmp_path), extra=["--qos-yield-share", "0.5"])
+def test_default_colocate_stack_wires_the_qos(tiny_dir, tmp_path):
+    s = RunningStack(tiny_dir, "colocate", str(tmp_path))
     name = signal_name(s.pool)
     path = os.path.join("/dev/shm", name)
     try:
         s.wait_ready()
         und, gen = _cmdline(s.pids["und"]), _cmdline(s.pids["gen"])
         assert _flag(und, "--yield-signal") == name
-        assert _flag(gen, "--yield-to") == name and _flag(gen, "--yield-share") == "0.5"
+        assert _flag(gen, "--yield-to") == name and float(_flag(gen, "--yield-share")) == DEFAULT_YIELD_SHARE
+        with open(s.state_file) as f:
+            qos = json.load(f)["qos"]
+        assert qos["gpu_sharing"] == "time-slice" and qos["gpu_sharing_asked"] == "auto", qos
+        assert qos["gpu_sharing_why"] == "no CUDA (cpu)" and qos["yield_share"] == DEFAULT_YIELD_SHARE, qos
+        assert "GPU sharing time-slice (auto: no CUDA (cpu)); yield gate share 0.05" in s.output()
+        health = httpx.get(f"http://127.0.0.1:{s.gen_port}/health", timeout=10).json()
+        assert health["yield_gate"] == {"page": name, "share": DEFAULT_YIELD_SHARE}, health
         page = YieldSignal.open(name)
         assert page is not None and page.busy_for() is None
         with httpx.Client(base_url=s.base, timeout=120) as c:
@@ -57,6 +70,7 @@ def test_up_with_qos_yield_share(tiny_dir, tmp_path):
             r = c.post("/v1/images/generations", json={"prompt": "a fox", "size": "64x64", "num_inference_steps": 2,
                                                        "seed": 3})
             assert r.status_code == 200, r.text
+            assert_cache_took_effect(s.base)          # the step cache under the gate (issue 25)
             # the writer (understanding rank 0) and the reader (the generation rank's YieldGate, which reads
             # it before each layer's attention) have the page mapped
             assert {s.pids["und"], s.pids["gen"]} <= _groups_mapping(path)

@@ -18,6 +18,7 @@ import pytest
 
 from services.netutil import free_port
 from tests.launcher.test_up import _Output, _up
+from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import ROOT, pid_alive
 from tests.waiting import wait_until
 
@@ -143,8 +144,8 @@ def test_dry_run_shows_the_daemon_and_each_services_mps_environment(config_model
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70 " in lines["gen"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in lines["und"]
     assert "CUDA_MPS" not in lines["gateway"]
-    # the default: time slicing, exactly as before (no daemon, no MPS variable)
-    r = dry_run(config_model, "--mode", "colocate", *flags)
+    # time slicing: no daemon, no MPS variable
+    r = dry_run(config_model, "--mode", "colocate", "--gpu-sharing", "time-slice", *flags)
     assert r.returncode == 0 and "CUDA_MPS" not in r.stdout and list(_lines(r.stdout)) == ["und", "gen", "gateway"]
     assert f"CUDA_VISIBLE_DEVICES={daemon_gpus} " in _lines(r.stdout)["und"]
 
@@ -176,13 +177,19 @@ def test_exclusive_process_is_fine_prohibited_is_not(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- lifecycle
 def test_daemon_runs_before_and_stops_after_the_services_and_a_restart_keeps_the_env(tiny_checkpoint, tmp_path,
                                                                                      run_dir):
+    """--gpu-sharing auto (the default) picks MPS where the control binary is there; the step cache of a request
+    takes effect under it (issue 25: it was reported ignored under MPS)."""
     pipe = os.path.join(run_dir, "mps", "pipe")
-    p = _up(*cpu_stack(tiny_checkpoint("u1"), run_dir, "--gen-sm-percent", "70"),
+    p = _up(*cpu_stack(tiny_checkpoint("u1"), run_dir, "--gen-sm-percent", "70", "--gpu-sharing", "auto"),
             env=standin_env(standin_bin(tmp_path)))
     output = _Output(p)
     try:
         assert wait_until(lambda: output.has("[u1serve] ready:") or p.poll() is not None, 240), output.text()
-        assert output.has("GPU sharing mps, generation at 70 % of the SMs"), output.text()
+        assert output.has("GPU sharing mps, generation at 70 % of the SMs, priority low (auto: colocate on CUDA"), \
+            output.text()
+        qos = json.loads(open(os.path.join(run_dir, "stack.json")).read())["qos"]
+        assert qos["gpu_sharing"] == "mps" and qos["gpu_sharing_asked"] == "auto", qos
+        assert_cache_took_effect(f"http://127.0.0.1:{_port(p)}")
         start = calls(run_dir)[0]
         assert start["argv"] == ["-d"]
         assert start["env"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
@@ -290,6 +297,45 @@ def test_prohibited_gpu_is_refused_before_the_daemon_starts(config_model, tmp_pa
     assert p.returncode == 1, out
     assert "GPU 0 is in compute mode Prohibited" in out and "starting und" not in out, out
     assert calls(run_dir) == []
+
+
+def _port(p: subprocess.Popen) -> int:
+    """The gateway port of a `u1serve up` started by _up (its --port)."""
+    argv = p.args
+    return int(argv[argv.index("--port") + 1])
+
+
+def test_auto_falls_back_to_time_slicing_when_the_daemon_does_not_start(config_model, tmp_path, run_dir):
+    """--gpu-sharing auto chose MPS (the control binary is there) but its daemon fails: the stack goes on time-sliced
+    and says so (the services then start; this config-only checkpoint cannot load on this machine, so the start
+    fails later, in und, not in the daemon)."""
+    p = _up("--model", config_model, "--device", "cuda", "--und-gpus", "0", "--port", str(free_port()),
+            "--run-dir", run_dir, "--startup-timeout", "30", "--no-restart",
+            env=standin_env(standin_bin(tmp_path), MPS_STANDIN_FAIL="1"))
+    out, _ = p.communicate(timeout=120)
+    assert "--gpu-sharing auto: the MPS control daemon did not start (nvidia-cuda-mps-control -d exited 1" in out, out
+    assert "the engines share the GPUs by time slicing" in out and "starting und" in out, out
+    assert not os.path.exists(os.path.join(run_dir, "mps", "pipe")), out
+
+
+@pytest.mark.parametrize("flags,env,says", [
+    ([], {"PATH": "/nonexistent"}, "GPU sharing time-slice (auto: nvidia-cuda-mps-control is not on PATH"),
+    (["--mode", "separate", "--gen-gpus", "1"], {}, ""),           # nothing shared: no QoS line, no daemon
+    (["--und-replicas", "2", "--und-gpus", "0,1"], {}, "pass --gpu-sharing mps to use it with replicas"),
+    ([], {"CUDA_MPS_CLIENT_PRIORITY": "0"}, "CUDA_MPS_CLIENT_PRIORITY is set in the launcher's environment"),
+    ([], {}, "GPU sharing mps, generation at 85 % of the SMs, priority low (auto: colocate on CUDA"),
+    (["--gpu-sharing", "time-slice", "--qos-yield-share", "0"], {}, "GPU sharing time-slice; no yield gate"),
+])
+def test_auto_sharing_plans(config_model, tmp_path, flags, env, says):
+    """What --gpu-sharing auto plans (the dry run's colocate QoS line): MPS with the control binary on PATH, time
+    slicing and the reason otherwise; explicit flags opt out."""
+    r = dry_run(config_model, "--und-gpus", "0", *flags,
+                env={**standin_env(standin_bin(tmp_path)), **env})
+    assert r.returncode == 0, r.stderr
+    assert says in r.stderr if says else "colocate QoS" not in r.stderr, r.stderr
+    assert ("nvidia-cuda-mps-control -d" in r.stdout) == ("GPU sharing mps" in says), r.stdout
+    gate = not {"--qos-yield-share", "separate", "--und-replicas"} & set(flags)      # the default gate's cases
+    assert ("--yield-to" in r.stdout) == gate, r.stdout
 
 
 def _read(path: str) -> str | None:

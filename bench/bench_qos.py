@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Colocate QoS, side by side (issue 25): the same mixed load (bench/bench_load.py) against a stack with the QoS
+defaults off (`--gpu-sharing time-slice --qos-yield-share 0`: the behaviour before them) and one with the defaults
+(`u1serve up --mode colocate` and nothing else: services/colocate_qos.py), then one markdown table.
+
+    python -m bench.bench_qos                      # one H200: colocate-1-timeslice vs colocate-1, 64 clients x 120 s
+    python -m bench.bench_qos --tiny --profiles cpu-colocate-timeslice,cpu-colocate --clients 6 --duration 4  # CPU
+
+Per profile: the load (default mix, chats of exactly --max-tokens tokens: ignore_eos), then one image with the step
+cache (`"cache": {"mode": "first_block", "threshold": 0.1}`) and the same image exact, with the steps each CFG branch
+reused as the response reports them (the cache was reported ignored under MPS). Reported: chat p50 / p99 (every
+answered chat, streamed or not), images/min and its share of the first profile's, 5xx, the GPU sharing and gate in
+force (stack.json `qos`), and the targets: chat p50 <= 0.6 s, p99 <= 1.5 s, images/min >= 95 % of the first
+profile's. bench/gpu_qos.sh is the GPU command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import httpx
+
+from bench.bench_load import LoadConfig, run_load_async, summarize
+from bench.stack import prepare_model, run_profile, stack_args, write_json
+
+TARGETS = {"chat_p50_s": 0.6, "chat_p99_s": 1.5, "images_share": 0.95}
+
+
+async def _image(http: httpx.AsyncClient, args, cache: dict | None) -> dict:
+    body = {"prompt": "a lighthouse at dusk", "size": args.cache_size, "num_inference_steps": args.cache_steps,
+            "seed": 7, **({"cache": cache} if cache else {})}
+    t0 = time.monotonic()
+    r = await http.post("/v1/images/generations", json=body)
+    r.raise_for_status()
+    steps = r.json()["data"][0].get("branch_steps") or {}
+    return {"seconds": time.monotonic() - t0, "reused": sum(b.get("reused", 0) for b in steps.values()),
+            "branch_steps": steps}
+
+
+def measure_for(name: str, args):
+    async def measure(base: str, _args) -> dict:
+        cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, ignore_eos=True,
+                         seed=args.seed)
+        summary = summarize(await run_load_async(base, args.clients, args.duration, cfg), args.duration)
+        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+            cached = await _image(http, args, {"mode": "first_block", "threshold": args.cache_threshold})
+            exact = await _image(http, args, None)
+        with open(os.path.join(args.log_dir, name, "stack.json")) as f:
+            qos = json.load(f).get("qos") or {}
+        return {"chat_p50_s": summary["chat_p50_s"], "chat_p99_s": summary["chat_p99_s"],
+                "chat_tokens_mean": summary["chat_tokens_mean"], "images_per_min": summary["images_per_min"],
+                "requests": summary["requests"], "count_5xx": summary["count_5xx"], "codes_5xx": summary["codes_5xx"],
+                "by_kind": summary["by_kind"], "qos": qos,
+                "cache": {"cached_s": cached["seconds"], "exact_s": exact["seconds"], "reused_steps": cached["reused"],
+                          "branch_steps": cached["branch_steps"]}}
+    return measure
+
+
+def verdicts(results: dict, first: str) -> dict:
+    """Each profile against the targets (images against the first profile's, the one without the defaults)."""
+    base = (results.get(first) or {}).get("images_per_min")
+    out = {}
+    for name, r in results.items():
+        if "error" in r:
+            continue
+        share = r["images_per_min"] / base if base else None
+        r["images_share"] = share
+        out[name] = {"chat_p50": r["chat_p50_s"] is not None and r["chat_p50_s"] <= TARGETS["chat_p50_s"],
+                     "chat_p99": r["chat_p99_s"] is not None and r["chat_p99_s"] <= TARGETS["chat_p99_s"],
+                     "images": share is not None and share >= TARGETS["images_share"]}
+    return out
+
+
+def table(results: dict, args) -> str:
+    fmt = (lambda v, spec=".2f": format(v, spec) if v is not None else "-")
+    first = args.profiles.split(",")[0]
+    checks = verdicts(results, first)
+    lines = [f"colocate QoS, {args.clients} clients x {args.duration:g} s, {args.size} {args.steps} steps, chats of "
+             f"{args.max_tokens} tokens; step cache: {args.cache_size} {args.cache_steps} steps",
+             "", "| profile | GPU sharing | yield gate | chat p50 / p99 s | images/min (vs first) | 5xx | "
+             "step cache: reused steps, s cached / exact | targets (p50 <= 0.6, p99 <= 1.5, images >= 95 %) |",
+             "|---|---|---|---|---|---:|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            continue
+        q, c, v = r["qos"], r["cache"], checks[name]
+        met = ", ".join(f"{k} {'met' if ok else 'missed'}" for k, ok in v.items())
+        lines.append(f"| {name} | {q.get('gpu_sharing', '?')} | {q.get('yield_share') or 'off'} | "
+                     f"{fmt(r['chat_p50_s'])} / {fmt(r['chat_p99_s'])} | {fmt(r['images_per_min'], '.1f')} "
+                     f"({fmt(100 * r['images_share'] if r['images_share'] is not None else None, '.0f')} %) | "
+                     f"{r['count_5xx']} | {c['reused_steps']}, {fmt(c['cached_s'])} / {fmt(c['exact_s'])} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    stack_args(p, "colocate-1-timeslice,colocate-1")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load per profile")
+    p.add_argument("--size", default="1024x1024")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-size", default="1024x1024", help="the step-cache check's image")
+    p.add_argument("--cache-steps", type=int, default=50)
+    p.add_argument("--cache-threshold", type=float, default=0.1,
+                   help="first_block threshold of the step-cache check (the tiny CPU run takes 10: it reuses surely)")
+    p.add_argument("--markdown", default=None, help="append the table here")
+    args = p.parse_args(argv)
+    if args.tiny and args.size == "1024x1024":
+        args.size = args.cache_size = "64x64"
+        args.steps, args.cache_steps, args.cache_threshold = 2, 6, 10.0
+    model_dir = prepare_model(args)
+    results = {}
+    for name in args.profiles.split(","):
+        try:
+            results[name] = run_profile(name, model_dir, args, measure_for(name, args))
+        except Exception as e:
+            results[name] = {"error": repr(e)}
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "by_kind"}), flush=True)
+    text = table(results, args)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text + "\n")
+    write_json(args, results)
+    failed = [n for n, r in results.items() if "error" in r or r["count_5xx"] or not r["cache"]["reused_steps"]]
+    for name in failed:
+        print(f"FAIL {name}: " + (results[name].get("error") or "5xx or the step cache reused nothing"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

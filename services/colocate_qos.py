@@ -1,0 +1,123 @@
+"""Colocate QoS of `u1serve up`: how the two engines share a GPU unless the flags say otherwise.
+
+A chat decode step reads the whole understanding branch (~16 GB at 8B: HBM-bound, ~7 ms alone); a denoise step
+is compute-bound (tens of ms at 1024²). Time-sliced by the driver, a decode step waits for the image engine's
+slices (64-token chats took 3.8 s under image load on one H200, 0.58 s alone). Under CUDA MPS their kernels run
+side by side: the decode's memory traffic overlaps the image's math, and with generation capped at a share of
+the SMs and dispatched at below-normal priority (services/mps.py) decode blocks find SMs. So the default is:
+
+- `--gpu-sharing auto` (the default): MPS where it can run — colocate, CUDA, one understanding and one
+  generation replica, `nvidia-cuda-mps-control` on PATH, no CUDA_MPS_* variable in the launcher's environment
+  (it would reach understanding too) — else time slicing, with the reason. A daemon that fails to start under
+  `auto` leaves the GPUs time-sliced (said on the console) instead of failing the stack.
+- the yield gate (services/generation/qos.py) on in colocate with one replica each, at `DEFAULT_YIELD_SHARE` of
+  generation's time: a decode step that arrives while an image step runs gets the GPU at the next layer
+  boundary, and images lose at most that share however busy chat is (chats arrive continuously under load, so
+  "stop whenever decode runs" would starve images: the token bucket bounds it). `--qos-yield-share 0` turns it
+  off, F sets another share.
+
+Every part is overridable (`--gpu-sharing time-slice|mps`, `--gen-sm-percent`, `--gen-priority`,
+`--qos-yield-share`). The choice is printed at start, in the `ready:` line and in stack.json (`qos`).
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional
+
+CONTROL = "nvidia-cuda-mps-control"     # services/mps.py starts it (the same name)
+MPS_ENV = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_CLIENT_PRIORITY")   # per client: ours to set
+# the image-goodput allowance of issue 25 (>= 95 % of time-sliced images/min): the gate may take at most this
+DEFAULT_YIELD_SHARE = 0.05
+SHARING_MODES = ("auto", "time-slice", "mps")
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How the engines share their GPUs: `mode` mps | time-slice, `asked` the flag's value, `why` one line."""
+    mode: str
+    asked: str
+    why: str
+
+
+def choose_sharing(asked: str, *, mode: str, device: str, replicas: tuple[int, int], control: Optional[str],
+                   env: Mapping[str, str], cpu_standin: bool = False) -> Sharing:
+    """The GPU sharing of a stack. `asked`: --gpu-sharing; `control`: the MPS control binary's path (None: not on
+    PATH); `env`: the launcher's environment; `cpu_standin`: U1SERVE_MPS_ON_CPU (tests: MPS launch path on CPU).
+    An explicit mode is returned as asked (services/stack.py refuses what cannot run); `auto` picks MPS only where
+    it can run, and says why not otherwise."""
+    if asked not in SHARING_MODES:
+        raise ValueError(f"--gpu-sharing must be one of {SHARING_MODES}, got {asked!r}")
+    if asked != "auto":
+        return Sharing(asked, asked, "asked for")
+    if mode != "colocate":
+        return Sharing("time-slice", asked, "separate mode: each engine owns its GPUs")
+    if device != "cuda" and not cpu_standin:
+        return Sharing("time-slice", asked, f"no CUDA ({device})")
+    if replicas != (1, 1):
+        return Sharing("time-slice", asked, "MPS is chosen automatically for one understanding and one generation "
+                                            "replica; pass --gpu-sharing mps to use it with replicas")
+    if control is None:
+        return Sharing("time-slice", asked, f"{CONTROL} is not on PATH (it ships with the NVIDIA driver's compute "
+                                            "utilities)")
+    set_here = [name for name in MPS_ENV if name in env]
+    if set_here:
+        return Sharing("time-slice", asked, f"{set_here[0]} is set in the launcher's environment and would apply to "
+                                            "understanding too")
+    return Sharing("mps", asked, f"colocate on CUDA and {CONTROL} is available")
+
+
+def default_yield_share(asked: Optional[float], *, mode: str, replicas: tuple[int, int],
+                        enabled: bool = True) -> tuple[Optional[float], str]:
+    """(the yield gate's share, None: no gate; why). `asked`: --qos-yield-share (None: the default; 0: off).
+    `enabled` False (Ray, which places the engines itself): no default gate. Explicit values are checked by
+    services/stack.py."""
+    if asked is not None:
+        return (asked or None), ("--qos-yield-share 0" if not asked else "asked for")
+    if not enabled:
+        return None, "no default gate where the engines are placed elsewhere (Ray)"
+    if mode != "colocate":
+        return None, "separate mode: nothing to yield to"
+    if replicas != (1, 1):
+        return None, "the gate pairs one understanding with one generation replica"
+    return DEFAULT_YIELD_SHARE, "default in colocate"
+
+
+@dataclass(frozen=True)
+class Qos:
+    """The resolved colocate QoS of one stack (stack.json `qos`)."""
+    sharing: Sharing
+    yield_share: Optional[float]
+    yield_why: str
+
+    def state(self, daemon=None) -> dict:
+        """For stack.json: the sharing actually in force (an `auto` daemon that did not start: time-slice)."""
+        out = {"gpu_sharing": self.in_force(daemon), "gpu_sharing_asked": self.sharing.asked,
+               "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share or 0.0, "yield_why": self.yield_why}
+        if daemon is not None and not daemon.active:
+            out["gpu_sharing_why"] = daemon.fallback_reason or "the MPS daemon is not running"
+        return out
+
+    def in_force(self, daemon=None) -> str:
+        if self.sharing.mode == "mps" and daemon is not None and not daemon.active:
+            return "time-slice"
+        return self.sharing.mode
+
+    def summary(self, daemon=None) -> str:
+        """One line for the console (`ready:` and the start)."""
+        if self.in_force(daemon) == "mps":
+            text = (f"GPU sharing mps, generation at {daemon.gen_sm_percent} % of the SMs, priority "
+                    f"{daemon.gen_priority}" if daemon is not None else "GPU sharing mps")
+        else:
+            text = "GPU sharing time-slice"
+        if self.sharing.asked == "auto":
+            text += f" (auto: {self.state(daemon)['gpu_sharing_why']})"
+        gate = f"yield gate share {self.yield_share:g}" if self.yield_share else "no yield gate"
+        return f"{text}; {gate} ({self.yield_why})"
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+def control_binary() -> Optional[str]:
+    return shutil.which(CONTROL)

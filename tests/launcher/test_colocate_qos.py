@@ -1,0 +1,59 @@
+"""services/colocate_qos.py, the decision alone (no GPU needed): what `--gpu-sharing auto` and the default yield
+gate choose given what is present; the whole launch path is tests/launcher/test_mps.py and
+tests/generation/test_qos_up.py."""
+from __future__ import annotations
+
+import pytest
+
+from services.colocate_qos import DEFAULT_YIELD_SHARE, Qos, Sharing, choose_sharing, default_yield_share
+
+MPS_BIN = "/usr/bin/nvidia-cuda-mps-control"
+HERE = dict(mode="colocate", device="cuda", replicas=(1, 1), control=MPS_BIN, env={})
+
+
+@pytest.mark.parametrize("change,mode,why", [
+    ({}, "mps", "colocate on CUDA and nvidia-cuda-mps-control is available"),
+    ({"mode": "separate"}, "time-slice", "separate mode"),
+    ({"device": "cpu"}, "time-slice", "no CUDA (cpu)"),
+    ({"device": "cpu", "cpu_standin": True}, "mps", "colocate on CUDA"),          # the tests' stand-in
+    ({"replicas": (2, 1)}, "time-slice", "pass --gpu-sharing mps to use it with replicas"),
+    ({"control": None}, "time-slice", "nvidia-cuda-mps-control is not on PATH"),
+    ({"env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}, "time-slice", "would apply to understanding too"),
+])
+def test_auto_picks_mps_only_where_it_can_run(change, mode, why):
+    got = choose_sharing("auto", **{**HERE, **change})
+    assert got.mode == mode and got.asked == "auto" and why in got.why, got
+
+
+@pytest.mark.parametrize("asked", ["mps", "time-slice"])
+def test_an_explicit_mode_is_kept(asked):
+    got = choose_sharing(asked, **{**HERE, "control": None, "device": "cpu"})
+    assert (got.mode, got.why) == (asked, "asked for")
+    with pytest.raises(ValueError):
+        choose_sharing("green", **HERE)
+
+
+def test_the_default_gate_is_on_in_colocate_with_one_replica_each():
+    assert default_yield_share(None, mode="colocate", replicas=(1, 1)) == (DEFAULT_YIELD_SHARE, "default in colocate")
+    assert default_yield_share(0.0, mode="colocate", replicas=(1, 1))[0] is None          # --qos-yield-share 0
+    assert default_yield_share(0.5, mode="colocate", replicas=(1, 1))[0] == 0.5
+    for kw in ({"mode": "separate", "replicas": (1, 1)}, {"mode": "colocate", "replicas": (1, 2)}):
+        assert default_yield_share(None, **kw)[0] is None
+    assert default_yield_share(None, mode="colocate", replicas=(1, 1), enabled=False)[0] is None    # Ray
+
+
+class _Daemon:
+    gen_sm_percent, gen_priority = 85, "low"
+
+    def __init__(self, active: bool):
+        self.active, self.fallback_reason = active, None if active else "the MPS control daemon did not start"
+
+
+def test_the_report_says_what_is_in_force():
+    qos = Qos(Sharing("mps", "auto", "colocate on CUDA and nvidia-cuda-mps-control is available"), 0.05, "default")
+    assert qos.summary(_Daemon(True)).startswith("GPU sharing mps, generation at 85 % of the SMs, priority low (auto:")
+    fell_back = qos.state(_Daemon(False))        # an auto daemon that did not start: time slicing, and why
+    assert fell_back["gpu_sharing"] == "time-slice" and fell_back["gpu_sharing_why"].startswith("the MPS control")
+    assert qos.summary(_Daemon(False)).startswith("GPU sharing time-slice (auto: the MPS control daemon did not start")
+    assert Qos(Sharing("time-slice", "time-slice", "asked for"), None, "--qos-yield-share 0").summary() == \
+        "GPU sharing time-slice; no yield gate (--qos-yield-share 0)"
