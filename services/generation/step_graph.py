@@ -254,26 +254,11 @@ class StepGraphs:
         the key is refused (out of memory) or graphs are off for the engine's life."""
         chained = any(h is s.out for s in held.segments.values())
         static = h if chained else h.clone()
-        error = None
         try:
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            if held.pool is None:
-                held.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            main = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(main)      # the static copy (and the job's KV writes so far) first
-            with torch.cuda.stream(self._side):   # restores the stream even if capture_end raises
-                graph.capture_begin(pool=held.pool, capture_error_mode="thread_local")
-                try:
-                    out = layers(static, held.rope)
-                except BaseException as e:
-                    error = e
-                finally:
-                    graph.capture_end()       # raises when the capture was invalidated
-            main.wait_stream(self._side)
-        except Exception as e:
-            error = error or e
+            graph, out = self._record(held, lambda x: layers(x, held.rope), static)
+            error = None
+        except BaseException as e:
+            error = e
         if error is not None:
             if not isinstance(error, Exception):
                 raise error                   # KeyboardInterrupt and the like are not capture failures
@@ -290,9 +275,38 @@ class StepGraphs:
         self.captures += 1
         return seg
 
+    def _record(self, held: _KeyGraphs, fn: Callable[[torch.Tensor], torch.Tensor], static: torch.Tensor):
+        """Capture fn(static) into a new CUDA graph in the key's pool: (graph, its output buffer). Raises what
+        the capture raised (an error inside fn first: capture_end's own error would hide it)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        if held.pool is None:
+            held.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)      # the static copy (and the job's KV writes so far) first
+        error = None
+        with torch.cuda.stream(self._side):   # restores the stream even if capture_end raises
+            graph.capture_begin(pool=held.pool, capture_error_mode="thread_local")
+            try:
+                out = fn(static)
+            except BaseException as e:
+                error = e
+            finally:
+                try:
+                    graph.capture_end()   # raises when the capture was invalidated
+                except Exception:
+                    if error is None:
+                        raise
+        if error is not None:
+            raise error
+        main.wait_stream(self._side)
+        return graph, out
+
     def _refuse(self, key: tuple, reason: str) -> None:
         self.oom_captures += 1
         self._held = None
+        self.plan.released()                  # begin() made the key the held one
         self.plan.refuse(key)
         torch.cuda.empty_cache()              # the key's pool
         log.warning("CUDA graph capture of the denoise step ran out of memory (%s); this batch runs eagerly, "
