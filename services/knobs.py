@@ -119,7 +119,8 @@ RANDOM_WEIGHTS = _knob("U1SERVE_RANDOM_WEIGHTS", bool, False, "load a config-onl
 FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fused into the next RMSNorm (0: apart, "
                        "the same bits; to compare speed)", "model")
 FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below this many tokens run in the model dtype "
-                       "(unset: quant.CUDA_MIN_TOKENS on CUDA, 0 elsewhere)", "model (fp8)")
+                       "(unset: on CUDA quant.GRAPHED_MIN_TOKENS where the steps replay CUDA graphs, else "
+                       "quant.CUDA_MIN_TOKENS; 0 elsewhere)", "model (fp8)")
 FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast accumulation: 0, 1 or auto (from a "
                        "token count on CUDA)", "model (fp8)")
 FP8_FUSED = _knob("U1SERVE_FP8_FUSED", bool, True, "the norms / silu*mul feeding an fp8 GEMM write fp8 themselves (0: "
