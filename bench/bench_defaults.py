@@ -23,36 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 
 import httpx
 
+from bench.bench_deployment import image_request
 from bench.stack import prepare_model, run_profile, stack_args, write_json
 from services.contract.limits import SIZE_TABLE
-from services.kit import sse
 
 SIDES = {"before": "--cuda-graphs off --gen-args '--warmup-table off --max-batch-tokens 16384'", "after": ""}
 
 
 async def image(client: httpx.AsyncClient, size: str, steps: int, seed: int) -> dict:
     """One streamed CFG request: end-to-end seconds and the median gap between progress events."""
-    body = {"prompt": f"a lighthouse at dusk, {seed}", "size": size, "num_inference_steps": steps,
-            "guidance_scale": 4.0, "seed": seed, "stream": True}
-    t0 = time.perf_counter()
-    progress = []
-    async with client.stream("POST", "/v1/images/generations", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"image request failed: {r.status_code} {(await r.aread())[:300]!r}")
-        async for ev in sse.aevents(r.aiter_lines()):
-            kind = ev.get("type", "")
-            if kind.endswith("progress"):
-                progress.append(time.perf_counter())
-            elif kind == "error":
-                raise RuntimeError(f"image stream error: {ev}")
-    gaps = [b - a for a, b in zip(progress, progress[1:])]
-    return {"e2e_s": round(time.perf_counter() - t0, 4), "step_s": round(statistics.median(gaps), 5) if gaps else None}
+    r = await image_request(client, size, steps, seed)
+    return {"e2e_s": round(r["e2e_s"], 4), "step_s": r["step_s"] and round(r["step_s"], 5)}
 
 
 async def engine_warmup(client: httpx.AsyncClient) -> dict:
@@ -81,7 +67,7 @@ async def measure(base: str, args) -> dict:
                                   "first_over_steady": round(first["e2e_s"] / steady["e2e_s"], 3)}
         alone = await image(c, args.pair_size, args.steps, 300)
         t0 = time.perf_counter()
-        both = await asyncio.gather(image(c, args.pair_size, args.steps, 301), image(c, args.pair_size, args.steps, 302))
+        both = await asyncio.gather(*(image(c, args.pair_size, args.steps, seed) for seed in (301, 302)))
         together = time.perf_counter() - t0
         out["pair"] = {"size": args.pair_size, "alone_s": alone["e2e_s"], "together_s": round(together, 4),
                        "each_s": [b["e2e_s"] for b in both], "pair_ratio": round(together / (2 * alone["e2e_s"]), 3)}
@@ -105,8 +91,8 @@ def table(results: dict, args) -> str:
     for name, r in results.items():
         if "error" not in r:
             p = r["pair"]
-            rows.append(f"| {name} | {p['size']} | {p['alone_s']:.3f} | {p['together_s']:.3f} | {p['pair_ratio']:.3f} | "
-                        f"{json.dumps(r['applied'])} |")
+            rows.append(f"| {name} | {p['size']} | {p['alone_s']:.3f} | {p['together_s']:.3f} | "
+                        f"{p['pair_ratio']:.3f} | {json.dumps(r['applied'])} |")
     return "\n".join(rows)
 
 

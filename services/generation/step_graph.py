@@ -11,10 +11,10 @@ plus the packed row count. Everything a graph bakes in is constant for a key: te
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
-frequencies), the second captures (each segment when it first runs), the later ones replay. One composition's graphs per engine: a new key, or a job of
-the key leaving (finished or aborted), releases them first — BEFORE job.free() frees the KV the
-graphs point at. Every capture of an engine uses one side stream; each composition's segments share a
-`torch.cuda.graph_pool_handle()` pool, as the understanding engine's decode graphs do (a held
+frequencies), the second captures (each segment when it first runs), the later ones replay. One
+composition's graphs per engine: a new key, or a job of the key leaving (finished or aborted), releases
+them first — BEFORE job.free() frees the KV the graphs point at. Every capture of an engine uses one side
+stream; each composition's segments share a `torch.cuda.graph_pool_handle()` pool, as the understanding engine's decode graphs do (a held
 `torch.cuda.MemPool` shared by successive compositions broke the second capture on torch 2.11: an internal
 assert in the pinned-host allocator's per-pool bookkeeping, measured on the H200); released graphs' pool is
 handed back with `torch.cuda.empty_cache()` (`release`).

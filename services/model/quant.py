@@ -58,8 +58,9 @@ from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 QUANTIZATIONS = ("none", "fp8", "int8")   # the schemes by name: services/model/quant_schemes.py
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
 CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
-GRAPHED_MIN_TOKENS = 1024         # ... where the step replays CUDA graphs (no launch gaps): 1024² single-branch
-                                  # step, fp8 on every GEMM, graphs: 0.0219 s = 1.43x bf16 (eager 0.79x), H200 2026-12-02
+GRAPHED_MIN_TOKENS = 1024         # ... where the steps replay CUDA graphs (no launch gaps): 1024² single-branch
+                                  # step, fp8 on every GEMM, graphs: 0.0219 s = 1.43x bf16 (eager: 0.79x);
+                                  # H200, 2026-12-02
 CUDA_FAST_ACCUM_MIN_TOKENS = 4096
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

@@ -24,7 +24,7 @@ from services.generation.step_graph import REPLAY, StepGraphs
 from services.generation.warmup import run_warmup, warmup_plan
 from services.model.quant import CUDA_MIN_TOKENS, GRAPHED_MIN_TOKENS, GemmPolicy
 
-from .genhelp import prefixes
+from .genhelp import run_jobs
 
 
 class _RecordedGraph:
@@ -68,16 +68,7 @@ def _spec(rid: str, guidance: float, steps: int, cache: dict | None = None) -> G
 
 
 def _run(engine: Engine, ref_model, specs) -> dict:
-    pre = prefixes(ref_model, guidance_scale=4.0)
-    jobs = []
-    for sp in specs:
-        job = engine.admit_local(sp, {b: pre[b].kv for b in sp.handles}, {b: pre[b].t_offset for b in sp.handles})
-        engine.add(job)
-        jobs.append(job)
-    while engine.running:
-        for job in engine.step()[0]:
-            job.free()
-    return {j.request_id: (j.x, j.branch_steps, j.graph_steps) for j in jobs}
+    return {rid: (j.x, j.branch_steps, j.graph_steps) for rid, j in run_jobs(engine, ref_model, specs).items()}
 
 
 CACHE = {"mode": "first_block", "threshold": 0.3, "warmup_steps": 1}

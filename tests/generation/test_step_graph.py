@@ -25,7 +25,8 @@ from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURE
                                             composition_key, graphable, layer_segments, out_of_memory,
                                             resolve_mode)
 
-from .genhelp import REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels
+from .genhelp import (REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels,
+                      run_jobs)
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -133,16 +134,7 @@ def _spec(rid: str, guidance: float, steps: int = 4, size: int = 128) -> Generat
 
 def _run_jobs(engine: Engine, ref_model, specs) -> dict[str, torch.Tensor]:
     """Run jobs together to the end (reference prefix KV, no pool); {request_id: final x}."""
-    pre = prefixes(ref_model, guidance_scale=4.0)
-    jobs = []
-    for sp in specs:
-        job = engine.admit_local(sp, {b: pre[b].kv for b in sp.handles}, {b: pre[b].t_offset for b in sp.handles})
-        engine.add(job)
-        jobs.append(job)
-    while engine.running:
-        for job in engine.step()[0]:
-            job.free()
-    return {j.request_id: j.x for j in jobs}
+    return {rid: job.x for rid, job in run_jobs(engine, ref_model, specs).items()}
 
 
 def test_engine_with_graphs_on_runs_eagerly_on_cpu_bit_for_bit(ref_model):

@@ -1,12 +1,12 @@
 """Every request speed option takes effect, as reported, in every deployment mode that runs on a CPU.
 
 A real `u1serve up` (tiny checkpoint, loopback): colocate (the session's stack), and one stack of the modes
-that compose: separate placement, CFG parallelism 2, sequence parallelism 2 and fp8. One image request with a first-block step
-cache whose threshold makes every step after the cache's warm-up reuse, and one without: each image's
-`applied` must say what ran — the cache's computed / reused branch-steps (nothing silently ignored),
-CUDA graphs "not_applicable" (no CUDA here: said, not pretended), fp8 "emulated" where the stack quantises
-(CPU: the numerics, not the speed) and false where it does not. Whether graphs and fp8 apply on CUDA is
-what bench/gpu_defaults.sh reads from the same field on the H200.
+that compose: separate placement, CFG parallelism 2, sequence parallelism 2 and fp8. One image request with
+a first-block step cache whose threshold makes every step after the cache's warm-up reuse, and one without:
+each image's `applied` must say what ran — the cache's computed / reused branch-steps (nothing silently
+ignored), CUDA graphs "not_applicable" (no CUDA here: said, not pretended), fp8 "emulated" where the stack
+quantises (CPU: the numerics, not the speed) and false where it does not. Whether graphs and fp8 apply on
+CUDA is what bench/gpu_defaults.sh reads from the same field on the H200.
 """
 from __future__ import annotations
 
