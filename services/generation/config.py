@@ -69,7 +69,7 @@ class GenerationConfig:
         f"on cpu; off: always eager. {CUDA_GRAPHS_ENV}=0|1 overrides the flag", choices=CUDA_GRAPH_MODES))
     graph_segment_layers: int = field(default=4, metadata=flag(
         "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
-        "them (a decode step waits at most one segment; each segment keeps its own scratch in the graph pool)"))
+        "them (a decode step waits at most one segment; the segments share one memory pool)"))
     default_size: Optional[str] = field(default=None, metadata=flag(
         "the gateway's default image size, warmed up before /health turns 200 (unset: 2048x2048 on cuda, none "
         "on cpu)"))

@@ -25,7 +25,7 @@ from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
 from services.model import sampler
 from services.model.lora_batched import lora_rows
-from services.model.quant import gemm_policy
+from services.model.quant import fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
 from . import previews, rollout
@@ -42,7 +42,7 @@ from .step_graph import EAGER, StepGraphs, composition_key, graphable, layer_seg
 
 def fp8_applies(model):
     """rows -> whether this forward's GEMMs run in fp8 (the GemmPolicy's row threshold; False: not quantised)."""
-    policy = gemm_policy(model)
+    policy = fp8_policy(model)
     return (lambda rows: False) if policy is None else policy.fp8
 
 

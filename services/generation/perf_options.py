@@ -53,8 +53,8 @@ class EnginePerfMetrics:
         self.warmup: dict | None = None
         self.graph_replays = Counter("u1_gen_graph_replays", "steps whose layer stack ran from a CUDA graph "
                                      "(rank 0)", registry=registry)
-        self.graph_captures = Counter("u1_gen_graph_captures", "CUDA graphs captured: one per job "
-                                      "composition that ran two steps (rank 0)", registry=registry)
+        self.graph_captures = Counter("u1_gen_graph_captures", "CUDA graphs captured: one per layer segment "
+                                      "of a job composition that ran two steps (rank 0)", registry=registry)
 
     def on_stats(self, msg) -> None:
         if isinstance(msg, BranchSteps):

@@ -14,10 +14,10 @@ warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants 
 frequencies), the second captures (each segment when it first runs), the later ones replay. One
 composition's graphs per engine: a new key, or a job of the key leaving (finished or aborted), releases
 them first — BEFORE job.free() frees the KV the graphs point at. Every capture of an engine uses one side
-stream; each composition's segments share a `torch.cuda.graph_pool_handle()` pool, as the understanding engine's decode graphs do (a held
-`torch.cuda.MemPool` shared by successive compositions broke the second capture on torch 2.11: an internal
-assert in the pinned-host allocator's per-pool bookkeeping, measured on the H200); released graphs' pool is
-handed back with `torch.cuda.empty_cache()` (`release`).
+stream; each composition's segments share a `torch.cuda.graph_pool_handle()` pool, as the understanding
+engine's decode graphs do (a held `torch.cuda.MemPool` shared by successive compositions broke the second
+capture on torch 2.11: an internal assert in the pinned-host allocator's per-pool bookkeeping, measured on
+the H200); released graphs' pool is handed back with `torch.cuda.empty_cache()` (`release`).
 
 Segments: the stack is captured as a few graphs of consecutive layers (`layer_segments`), replayed in
 order, so host code can run between them while the step keeps its graphs: the QoS yield gate (qos.py)

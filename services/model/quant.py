@@ -105,9 +105,9 @@ class GemmPolicy:
         return cls(max(0, min_tokens), fast_min, knobs.FP8_FUSED.get())
 
 
-def gemm_policy(model) -> GemmPolicy | None:
-    """The policy the model's 8-bit layers run under (None: no layer is quantised)."""
-    return next((m.policy for m in model.modules() if isinstance(getattr(m, "policy", None), GemmPolicy)), None)
+def fp8_policy(model) -> GemmPolicy | None:
+    """The policy the model's fp8 layers run under (None: no fp8 layer; int8 layers are not fp8)."""
+    return next((m.policy for m in model.modules() if type(m) is Fp8Linear), None)
 
 
 def use_policy(model, policy: GemmPolicy) -> None:
