@@ -9,14 +9,17 @@
   - pair: two concurrent 2048² CFG requests against one alone; `pair_ratio` = together / (2 x alone): above 1,
     running them concurrently was slower than one after the other (before: the 16,384-row budget batches them;
     after: 8,192 rows, they run in turns);
-  - applied: what a short request's `applied` says (graphs / fp8 took effect).
+  - applied / applied_cached: what a short request's `applied` says, without and with a first-block step cache
+    (graphs / fp8 / the cache took effect).
 
 before = `--cuda-graphs off --gen-args '--warmup-table off --max-batch-tokens 16384'` (today's defaults),
 after = no flags. Both sides get --up-args (default in bench/gpu_defaults.sh: --quantization fp8).
 
 GPU (1 H200): bash bench/gpu_defaults.sh   (python -m bench.bench_defaults --profiles colocate-1 ...)
-CPU smoke:    python -m bench.bench_defaults --tiny --profiles cpu-colocate --sides after --sizes 64x64,96x64 \\
-                --pair-size 64x64 --steps 2 --up-args "--default-size 64x64"
+CPU smoke:    python -m bench.bench_defaults --tiny --profiles cpu-separate-cfg2-sp2 --sides after --sizes 64x64 \\
+                --pair-size 64x64 --steps 2 --up-args "--default-size 64x64 --quantization fp8"
+              (separate placement, CFG-parallel, SP and fp8 in one stack: tests/bench/test_bench_defaults.py also
+              checks there that `applied` reports each option as it ran)
 """
 from __future__ import annotations
 
@@ -48,9 +51,12 @@ async def engine_warmup(client: httpx.AsyncClient) -> dict:
     return r.json().get("warmup") if r.status_code == 200 else {"unavailable": r.status_code}
 
 
-async def applied(client: httpx.AsyncClient, size: str) -> dict:
-    r = await client.post("/v1/images/generations", json={"prompt": "a fox", "size": size, "num_inference_steps": 4,
-                                                          "guidance_scale": 4.0, "seed": 1})
+CACHE = {"mode": "first_block", "threshold": 10.0, "warmup_steps": 1}   # reuses on every step after the first
+
+
+async def applied(client: httpx.AsyncClient, size: str, cache: dict | None = None) -> dict:
+    body = {"prompt": "a fox", "size": size, "num_inference_steps": 4, "guidance_scale": 4.0, "seed": 1}
+    r = await client.post("/v1/images/generations", json=body if cache is None else {**body, "cache": cache})
     if r.status_code != 200:
         raise RuntimeError(f"image request failed: {r.status_code} {r.text[:300]}")
     return r.json()["data"][0].get("applied") or {}
@@ -72,6 +78,7 @@ async def measure(base: str, args) -> dict:
         out["pair"] = {"size": args.pair_size, "alone_s": alone["e2e_s"], "together_s": round(together, 4),
                        "each_s": [b["e2e_s"] for b in both], "pair_ratio": round(together / (2 * alone["e2e_s"]), 3)}
         out["applied"] = await applied(c, args.pair_size)
+        out["applied_cached"] = await applied(c, args.pair_size, CACHE)
     return out
 
 

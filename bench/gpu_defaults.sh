@@ -8,7 +8,7 @@
 #   one alone (together / (2 x alone) <= 1: never slower than one after the other); `applied` of a request.
 #
 #   bash bench/gpu_defaults.sh                 # the GPU run
-#   bash bench/gpu_defaults.sh --smoke         # CPU, tiny checkpoint, the new side only (checks the script)
+#   bash bench/gpu_defaults.sh --smoke         # CPU, tiny checkpoint, the new side only (checks the script; CI)
 #   STEPS=50 bash bench/gpu_defaults.sh        # steps per request (default 30: stricter for the 1.2x target)
 #
 # Writes $OUT/defaults-<side>.md / .json, then $OUT/defaults.json; OUT defaults to ./out.
@@ -22,7 +22,9 @@ use_carried_wheels
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SMOKE" = 1 ]; then
-  ARGS=(--tiny --profiles cpu-colocate --sizes 64x64,96x64 --pair-size 64x64 --steps 2 --up-args "--default-size 64x64")
+  # the modes that compose, in one stack: separate, CFG-parallel 2, SP 2, fp8 (emulated on a CPU)
+  ARGS=(--tiny --profiles cpu-separate-cfg2-sp2 --sizes 64x64 --pair-size 64x64 --steps 2
+        --up-args "--default-size 64x64 --quantization fp8")
   ONLY="after"; LIMIT=400
 else
   ARGS=(--profiles colocate-1 --up-args "--quantization fp8" --steps "${STEPS:-30}")

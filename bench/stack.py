@@ -35,6 +35,7 @@ PROFILES = {  # name -> u1serve up flags
     "cpu-colocate": "--mode colocate --device cpu",
     "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",
+    "cpu-separate-cfg2-sp2": "--mode separate --device cpu --gen-cfg-parallel 2 --gen-sp 2",
 }
 
 
