@@ -109,8 +109,8 @@ def main() -> None:
     p.add_argument("--sides", default="before,after", help=f"which defaults: {', '.join(SIDES)}")
     p.add_argument("--sizes", default=",".join(f"{w}x{h}" for w, h in SIZE_TABLE))
     p.add_argument("--pair-size", default="2048x2048")
-    p.add_argument("--steps", type=int, default=30, help="denoising steps per request (a fixed first-request cost "
-                                                         "weighs more at fewer steps: 30 is stricter than 50)")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps per request (a fixed first-request cost "
+                                                         "weighs more at fewer steps: 20 is stricter than 50)")
     args = p.parse_args()
     model_dir = prepare_model(args)
     results, common = {}, args.up_args

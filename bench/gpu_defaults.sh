@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving defaults of issue 25 on one H200, in ONE call (about 5-6 minutes; each side under its own limit):
+# The serving defaults of issue 25 on one H200, in ONE call (about 4-6 minutes; each side under a 260 s limit):
 # today's defaults ("before": graphs off, default size warmed only, 16,384-row batches) beside the new ones
 # ("after": CUDA graphs on, the size table warmed, 8,192-row batches), each a `u1serve up --mode colocate
 # --und-gpus 0 --quantization fp8` stack (8B geometry, random weights) through the public API:
@@ -9,7 +9,7 @@
 #
 #   bash bench/gpu_defaults.sh                 # the GPU run
 #   bash bench/gpu_defaults.sh --smoke         # CPU, tiny checkpoint, the new side only (checks the script; CI)
-#   STEPS=50 bash bench/gpu_defaults.sh        # steps per request (default 30: stricter for the 1.2x target)
+#   STEPS=50 bash bench/gpu_defaults.sh        # steps per request (default 20: stricter for the 1.2x target)
 #
 # Writes $OUT/defaults-<side>.md / .json, then $OUT/defaults.json; OUT defaults to ./out.
 set -euo pipefail
@@ -27,8 +27,8 @@ if [ "$SMOKE" = 1 ]; then
         --up-args "--default-size 64x64 --quantization fp8")
   ONLY="after"; LIMIT=400
 else
-  ARGS=(--profiles colocate-1 --up-args "--quantization fp8" --steps "${STEPS:-30}")
-  LIMIT=270
+  ARGS=(--profiles colocate-1 --up-args "--quantization fp8" --steps "${STEPS:-20}")
+  LIMIT=260
   nvidia-smi -L | tee "$OUT/gpus.txt" || true
 fi
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
