@@ -39,6 +39,7 @@ PROFILES = {  # name -> u1serve up flags
     "cpu-colocate-timeslice": "--mode colocate --device cpu --gpu-sharing time-slice --qos-yield-share 0",
     "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",
+    "cpu-separate-cfg2-sp2": "--mode separate --device cpu --gen-cfg-parallel 2 --gen-sp 2",
 }
 
 
@@ -81,15 +82,17 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("stack did not become healthy in time")
 
 
-def run_profile(name: str, model_dir: str, args, measure: Callable) -> dict:
-    """Start the profile's stack on free ports, run `measure(base, args)` against it (async), stop it."""
+def run_profile(name: str, model_dir: str, args, measure: Callable, label: str | None = None) -> dict:
+    """Start the profile's stack on free ports, run `measure(base, args)` against it (async), stop it. `label`:
+    its run directory and log name (default: the profile's name)."""
     port = args.port or free_port()
+    label = (label or name).replace("/", "-")
     cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(free_port()), "--gen-port", str(free_port()), "--host", "127.0.0.1",
-           "--no-restart", "--run-dir", os.path.join(args.log_dir, name), *PROFILES[name].split(),
+           "--no-restart", "--run-dir", os.path.join(args.log_dir, label), *PROFILES[name].split(),
            *shlex.split(args.up_args)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1"})
-    log = open(os.path.join(args.log_dir, f"{name}.log"), "w")
+    log = open(os.path.join(args.log_dir, f"{label}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
     try:

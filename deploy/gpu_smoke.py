@@ -10,7 +10,7 @@ u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with an API key 
 a chat stream, an image stream, a 1024² image (256² on CPU), an edit, hostile inputs (temperature 1e-40,
 repetition_penalty 1e-300, seed 2**64, NaN, Infinity, nesting deeper than 32, a decompression-bomb image,
 non-ASCII and wrong keys: a 4xx, never a 5xx), a burst of 32 mixed requests with cancels (bench_load), then
-/health, empty KV pools (understanding's shm_pages_used, generation's queue), with --cuda-graphs on that
+/health, empty KV pools (understanding's shm_pages_used, generation's queue), on a GPU (graphs are on by default) that
 generation's steps replayed CUDA graphs, clean logs (no Traceback, no 500), and stops the stack
 (exit code 0, nothing left running).
 """
@@ -179,11 +179,11 @@ class Stack:
             time.sleep(0.5)
 
     def graphs_expected(self) -> bool:
-        """--cuda-graphs on|auto on a GPU: generation's steps replay CUDA graphs (step_graph.py; SP stacks
-        too), but where the QoS yield gate keeps them eager."""
+        """On a GPU, unless --cuda-graphs off: generation's steps replay CUDA graphs (step_graph.py; on by default,
+        SP stacks and the QoS yield gate too: it runs between graph segments)."""
         f = self.flags
-        mode = f[f.index("--cuda-graphs") + 1] if "--cuda-graphs" in f else "off"
-        return bool(self.gpus) and mode != "off" and "--qos-yield-share" not in f
+        mode = f[f.index("--cuda-graphs") + 1] if "--cuda-graphs" in f else "auto"
+        return bool(self.gpus) and mode != "off"
 
     def graph_problems(self) -> list[str]:
         """Rank 0's graph counters from generation's /metrics: some step replayed a graph."""

@@ -121,7 +121,8 @@ FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fus
 SKINNY_GEMM = _knob("U1SERVE_SKINNY_GEMM", bool, True, "linear layers with at most 16 rows (decode) take the "
                     "skinny GEMM kernel on CUDA (kernels/skinny_gemm.py; 0: torch's linear, to compare)", "model")
 FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below this many tokens run in the model dtype "
-                       "(unset: quant.CUDA_MIN_TOKENS on CUDA, 0 elsewhere)", "model (fp8)")
+                       "(unset: on CUDA quant.GRAPHED_MIN_TOKENS where the steps replay CUDA graphs, else "
+                       "quant.CUDA_MIN_TOKENS; 0 elsewhere)", "model (fp8)")
 FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast accumulation: 0, 1 or auto (from a "
                        "token count on CUDA)", "model (fp8)")
 FP8_FUSED = _knob("U1SERVE_FP8_FUSED", bool, True, "the norms / silu*mul feeding an fp8 GEMM write fp8 themselves (0: "

@@ -146,7 +146,7 @@ def build_gen(args, ctx) -> "ServiceSpec":
         argv += ["--yield-to", ctx["yield_page"], "--yield-share", f"{ctx['yield_share']:g}"]
     if args.quantization != "none":
         argv += ["--quantization", args.quantization]
-    if args.cuda_graphs != "off":
+    if args.cuda_graphs != "auto":     # the generation server's own default is auto
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
@@ -484,9 +484,10 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--quantization", choices=["none", "fp8", "int8"], default="none",
                    help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 "
                         "(GPUs without fp8); none serves a converted checkpoint in its own format")
-    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="off",
-                   help="generation: replay each job's denoise layer stack from a CUDA graph where the step "
-                        "allows it (auto = on; off by default, see docs/deployment.md)")
+    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="generation: replay each job's denoise layer stack from CUDA graphs where the step allows "
+                        "it (CUDA, no LoRA adapter rows; step caching and the colocate yield gate keep graphs). "
+                        "auto (default) = on = on wherever the device is CUDA; off: eager")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
     add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)

@@ -70,6 +70,9 @@ class ImageEvent(BaseModel):
         None, description="per CFG branch: steps computed in full and steps that reused a cached residual")
     weights_version: Optional[str] = None
     image_handle: Optional[dict] = Field(None, description="the float image in the KV pool (interleave only)")
+    applied: Optional[dict] = Field(None, description="the speed options the steps ran with: step cache "
+                                    "computed / reused branch-steps, CUDA graphs and fp8 (true / false / "
+                                    "not_applicable / emulated) and their step counts")
 
 
 class RlResultEvent(BaseModel):

@@ -10,6 +10,9 @@ DEFAULT_THINK_TOKENS = 1024
 IMAGE_BLOCK = 32                  # pixels per image-token side
 MAX_IMAGE_SIDE = 4096             # U1.5 is trained up to 4096^2
 DEFAULT_IMAGE_SIDE = 2048         # the server's default size is DEFAULT_IMAGE_SIDE^2 (the model's native area)
+# The size table: the default size, the 8-step preset's 1024², and 16:9 / 9:16 at the default area (what the
+# gateway's aspect_ratio gives). The generation engine warms each before it reports ready (warmup.py).
+SIZE_TABLE = ((2048, 2048), (1024, 1024), (2720, 1536), (1536, 2720))
 MIN_IMAGE_SIDE = 32
 MAX_PROMPT_CHARS = 16384
 MAX_REQUEST_ID_CHARS = 256

@@ -24,6 +24,10 @@ class ImageData(BaseModel):
     seed: Optional[int] = None
     branch_steps: Optional[dict[str, dict[str, int]]] = Field(
         None, description="denoising steps each CFG branch computed / reused (step caching)")
+    applied: Optional[dict[str, Any]] = Field(
+        None, description="the speed options the denoising steps actually ran with: cache {computed, reused} "
+                          "branch-steps and cache_mode, graphs (true / false / \"not_applicable\" off CUDA) and "
+                          "graph_steps, fp8 (true / false / \"emulated\" on CPU) and fp8_steps")
 
 
 class ImageUsage(BaseModel):

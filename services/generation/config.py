@@ -19,6 +19,7 @@ from services.model.lora_spec import parse_lora_spec
 from services.model.quant import QUANTIZATIONS
 
 from .qos import YieldPolicy
+from .scheduler import BATCH_TOKENS
 from .sequence_parallel import MODES as SP_MODES
 from .step_graph import ENV as CUDA_GRAPHS_ENV
 from .step_graph import MODES as CUDA_GRAPH_MODES
@@ -48,8 +49,9 @@ class GenerationConfig:
     yield_share: float = field(default=YieldPolicy.share, metadata=flag(
         "with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)"))
     # scheduling
-    max_batch_tokens: int = field(default=16384, metadata=flag(
-        "image tokens per forward (per rank); a larger single job runs alone"))
+    max_batch_tokens: int = field(default=BATCH_TOKENS, metadata=flag(
+        "image tokens per forward (per rank): jobs batch while their rows fit, the others wait their turn (FIFO); "
+        "a larger single job runs alone. The default is where batching stops paying (scheduler.py)"))
     max_running_jobs: int = field(default=16, metadata=flag("jobs in the running batch"))
     threads: int = field(default=0, metadata=flag("torch CPU threads per engine rank (0: torch's default)"))
     log_level: str = field(default="info", metadata=flag("log level of the server and the engine ranks"))
@@ -60,15 +62,24 @@ class GenerationConfig:
     lora: tuple[tuple[str, float], ...] = field(default=(), metadata=flag(
         "merge a LoRA into the gen branch at load (repeatable); adapters that name no gen-branch weight are "
         "skipped", metavar="PATH[:STRENGTH]", parse=parse_lora_spec, repeat=True))
-    cuda_graphs: str = field(default="off", metadata=flag(
-        "replay each job's denoise layer stack from a CUDA graph (captured on its second step) where the step "
-        "allows it: CUDA, no step cache, no --yield-to. Off unless asked: auto and on both turn it on where "
-        f"allowed (eager on cpu); {CUDA_GRAPHS_ENV}=0|1 overrides the flag", choices=CUDA_GRAPH_MODES))
+    cuda_graphs: str = field(default="auto", metadata=flag(
+        "replay each job composition's denoise layer stack from CUDA graphs (captured on its second step) where "
+        "the step allows it: CUDA and no LoRA adapter rows (a step cache and --yield-to keep graphs: they run "
+        "between graph segments). auto (the default) and on are the same: on wherever the device is CUDA, eager "
+        f"on cpu; off: always eager. {CUDA_GRAPHS_ENV}=0|1 overrides the flag", choices=CUDA_GRAPH_MODES))
+    graph_segment_layers: int = field(default=4, metadata=flag(
+        "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
+        "them (a decode step waits at most one segment; the segments share one memory pool)"))
     default_size: Optional[str] = field(default=None, metadata=flag(
         "the gateway's default image size, warmed up before /health turns 200 (unset: 2048x2048 on cuda, none "
         "on cpu)"))
-    warmup_sizes: str = field(default="", metadata=flag("more sizes to warm up, e.g. 1024x1024,1536x2720"))
-    warmup_steps: int = field(default=2, metadata=flag("denoising steps per warm-up size (0: no warm-up)"))
+    warmup_sizes: str = field(default="", metadata=flag(
+        "more sizes to warm up with --warmup-steps, e.g. 1024x1024,1536x2720"))
+    warmup_table: str = field(default="auto", metadata=flag(
+        "warm every size of the size table (services/contract/limits.py SIZE_TABLE) with one step per branch count "
+        "before ready: auto = on cuda, off on cpu (no JIT or kernel plans to build)", choices=("auto", "on", "off")))
+    warmup_steps: int = field(default=2, metadata=flag(
+        "denoising steps per warm-up job of --default-size and --warmup-sizes (0: no warm-up at all)"))
     # RL
     rl_reference: str = field(default="on", metadata=flag(
         "RL scoring against a frozen copy of the start weights (loaded on first use: one more copy of the gen "
@@ -116,9 +127,12 @@ def config_from_args(args: argparse.Namespace) -> GenerationConfig:
     """The engine config of the parsed flags (SystemExit naming the flag for a value that cannot run)."""
     if args.cfg_parallel < 1:
         raise SystemExit("--cfg-parallel must be >= 1")
+    if args.graph_segment_layers < 1:
+        raise SystemExit("--graph-segment-layers must be >= 1")
     try:
         graphs = resolve_mode(args.cuda_graphs)
     except ValueError as e:
         raise SystemExit(f"--cuda-graphs: {e}")
-    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs,
+    table = args.warmup_table if args.warmup_table != "auto" else ("on" if args.device == "cuda" else "off")
+    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table,
                            default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))

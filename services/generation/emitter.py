@@ -81,6 +81,6 @@ class Emitter:
                 return
         for i in range(job.n):
             self.out.send(Image(job.request_id, i, job.branch_steps, image_handle, self.engine.weights_version,
-                                pixels=pixels[i]))
+                                pixels=pixels[i], applied=job.applied()))
         self.out.send(BranchSteps(job.branch_steps))
         self.out.send(JobDone(job.request_id))

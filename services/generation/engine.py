@@ -8,8 +8,10 @@ groups are the (job, branch) row ranges: branches that reuse skip the stack (mod
 With sequence parallelism (comm.sp, sequence_parallel.py) this rank runs its slice of every segment's
 rows; attention sees whole segments for its heads (Ulysses) or its own query rows against every row's
 K/V (kv-gather), and the hidden rows are gathered before the head.
-Where the step is graphable (step_graph.py: CUDA, no step cache, no yield gate) the layer stack
-runs from a CUDA graph captured on the second step of a composition and replayed after.
+Where the step is graphable (step_graph.py: CUDA, no LoRA rows; on by default) the layer stack runs from
+CUDA graphs captured on the second step of a composition and replayed after, in segments so that the
+yield gate and a first-block step cache run on the host between them. Each job counts the steps that
+replayed graphs and ran fp8 GEMMs (`JobState.applied`: the response says which speed options applied).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
 from services.model import sampler
 from services.model.lora_batched import lora_rows
+from services.model.quant import fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
 from . import previews, rollout
@@ -34,7 +37,13 @@ from .protocol import KvImportStats
 from .qos import YieldGate
 from .request import JobState
 from .sequence_parallel import check_heads
-from .step_graph import StepGraphs, composition_key, graphable
+from .step_graph import EAGER, StepGraphs, composition_key, graphable, layer_segments
+
+
+def fp8_applies(model):
+    """rows -> whether this forward's GEMMs run in fp8 (the GemmPolicy's row threshold; False: not quantised)."""
+    policy = fp8_policy(model)
+    return (lambda rows: False) if policy is None else policy.fp8
 
 
 class _Rows(NamedTuple):
@@ -51,10 +60,11 @@ class _Rows(NamedTuple):
 
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
-                 yield_gate: YieldGate | None = None, cuda_graphs: str = "off"):
-        """yield_gate (colocate QoS, qos.py): before each layer's attention, give the GPU to a
-        waiting decode step of the understanding engine. cuda_graphs: auto | on | off (step_graph.py;
-        the server passes --cuda-graphs, default off)."""
+                 yield_gate: YieldGate | None = None, cuda_graphs: str = "off", graph_segment_layers: int = 4):
+        """yield_gate (colocate QoS, qos.py): before each layer's attention (eager steps) or between graph
+        segments of `graph_segment_layers` layers (graphed steps), give the GPU to a waiting decode step of the
+        understanding engine. cuda_graphs: auto | on | off (step_graph.py; the server passes --cuda-graphs,
+        default auto = on where the device is CUDA)."""
         self.model = model
         self.gate = yield_gate
         self.device = model.device
@@ -68,6 +78,8 @@ class Engine:
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
         self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
         self.graphs = StepGraphs(self.device, cuda_graphs)
+        self.graph_segment_layers = graph_segment_layers
+        self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
 
     # -- admission -----------------------------------------------------------------------------
@@ -182,18 +194,20 @@ class Engine:
             spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in plan if p.act]
             layout = sp.layout(segments, self.device) if sp.world > 1 else None
             cache = None
+            if any(j.cache.mode != "off" for j in jobs):
+                cache = StepCache(groups, self._attend_for_groups, reduce=sp.sum_over_ranks if sp.world > 1 else None)
             slots = step_slots(runs)
-            if self.graphs.enabled and slots is None and graphable(self.device, self.gate is not None,
-                                                                   [j.cache.mode for j in jobs]):
-                hidden = self._graphed_forward(spans, packed, pos, layout)
+            if self.graphs.enabled and graphable(self.device, slots is not None):
+                hidden = self._graphed_forward(spans, packed, pos, layout, cache)
             else:
                 self.graphs.not_graphable()
-                if any(j.cache.mode != "off" for j in jobs):
-                    cache = StepCache(groups, self._attend_for_groups,
-                                      reduce=sp.sum_over_ranks if sp.world > 1 else None)
                 with lora_rows(self.model, slots):
                     hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
                                                     cache)
+            fp8 = self.fp8(r)
+            for p in plan:
+                if p.act:
+                    p.job.count_applied(graphs=self.graphs.last != EAGER, fp8=fp8)
             if cache is None:
                 for g in groups:
                     g.state.computed += 1
@@ -221,14 +235,40 @@ class Engine:
         self._record_branch_steps(finished)
         return finished, r
 
-    def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor, layout) -> torch.Tensor:
-        """The layer stack without step cache, through the engine's CUDA graph (step_graph.py). What the
-        attend closure bakes in (job.kv, each job's cached StepMeta and its host ints, under SP the row
-        layout and the collectives) is fixed by the key."""
-        attend = self._attend(spans, layout)
-        model = self.model
-        return self.graphs.run(composition_key(spans, packed.shape[0]),
-                               lambda x, p: model.gen_forward(x, model.rope(p), attend), packed, pos)
+    def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor, layout, cache) -> torch.Tensor:
+        """The layer stack through the engine's CUDA graphs (step_graph.py), in segments: the yield gate runs
+        between them, and a step cache decides between [0, 1) and the rest. What the attend closure bakes in
+        (job.kv, each job's cached StepMeta and its host ints, under SP the row layout and the collectives) is
+        fixed by the key; the segment layout too (the gate is the engine's, a job's cache mode is its own)."""
+        model, graphs, gate = self.model, self.graphs, self.gate
+        rope = graphs.begin(composition_key(spans, packed.shape[0]), pos, model.rope)
+        if rope is None:        # the composition's first step (its warm-up), or graphs refused: eager
+            hidden = model.gen_forward(packed, model.rope(pos), self._attend(spans, layout), cache)
+            graphs.end()
+            return hidden
+        attend = self._attend(spans, layout, gated=False)     # no host work inside a capture
+        last = model.num_layers
+        segs = layer_segments(last, self.graph_segment_layers if gate is not None else 0,
+                              cache is not None and cache.probes)
+
+        def stack(h: torch.Tensor, start: int, stop: int | None, final: bool = False) -> torch.Tensor:
+            stop = last if stop is None else stop
+            for a, b in segs:
+                if a < start or b > stop:
+                    continue
+                if gate is not None and a > 0:
+                    gate.boundary()
+                h = graphs.segment((a, b), lambda x, r, a=a, b=b: model.gen_layers(
+                    x, r, attend, a, b, final_norm=final and b == last), h)
+            return h
+
+        if cache is None:
+            hidden = stack(packed, 0, last, final=True)
+        else:
+            cache.layers = stack
+            hidden = model.gen_forward(packed, rope, attend, cache)
+        graphs.end()
+        return hidden
 
     def _heads(self, plan: list["_Rows"], hidden: torch.Tensor, layout):
         """(rows, x_hat per active branch [n, N, 3072]) of every job that ran. Without SP: the head per
@@ -282,12 +322,13 @@ class Engine:
             segments += [job.N] * job.n
         return self._attend(spans, self.sp.layout(segments, self.device) if self.sp.world > 1 else None)
 
-    def _attend(self, spans, layout):
-        """The forward's attend: per-job attention (under SP wrapped by the mode's collective)."""
+    def _attend(self, spans, layout, gated: bool = True):
+        """The forward's attend: per-job attention (under SP wrapped by the mode's collective), with the yield
+        gate before each layer (`gated`: eager steps; graphed steps run it between segments)."""
         attend = self._make_attend(spans)
         if layout is not None:
             attend = self.sp.wrap_attend(layout, attend)
-        return attend if self.gate is None else self.gate.wrap(attend)
+        return attend if self.gate is None or not gated else self.gate.wrap(attend)
 
     def _make_attend(self, spans):
         """spans: (job, active local branches, canonical rows [a, b), local rows [la, lb)). k / v come

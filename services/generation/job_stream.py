@@ -91,7 +91,8 @@ class JobStream:
         b64 = await self._encode(ev.pixels, job.output_format)
         timeline.mark("gen", "encoded")
         fields = dict(index=ev.index, b64=b64, format=job.output_format, width=job.width, height=job.height,
-                      seed=job.seed, branch_steps=ev.branch_steps, weights_version=ev.weights_version)
+                      seed=job.seed, branch_steps=ev.branch_steps, weights_version=ev.weights_version,
+                      applied=ev.applied)
         if ev.image_handle:
             self.exported.append(ev.image_handle)
             fields["image_handle"] = ev.image_handle

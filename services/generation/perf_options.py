@@ -47,11 +47,14 @@ class EnginePerfMetrics:
                               "residual (step caching) instead of layers 1..", ["branch"], registry=registry)
         self.warmup_seconds = Gauge("u1_gen_warmup_seconds", "warm-up run before the engine reported "
                                     "ready", registry=registry)
+        self.warmup_size_seconds = Gauge("u1_gen_warmup_size_seconds", "warm-up of one size (the size table's "
+                                         "and the configured ones) before the engine reported ready", ["size"],
+                                         registry=registry)
         self.warmup: dict | None = None
         self.graph_replays = Counter("u1_gen_graph_replays", "steps whose layer stack ran from a CUDA graph "
                                      "(rank 0)", registry=registry)
-        self.graph_captures = Counter("u1_gen_graph_captures", "CUDA graphs captured: one per job "
-                                      "composition that ran two steps (rank 0)", registry=registry)
+        self.graph_captures = Counter("u1_gen_graph_captures", "CUDA graphs captured: one per layer segment "
+                                      "of a job composition that ran two steps (rank 0)", registry=registry)
 
     def on_stats(self, msg) -> None:
         if isinstance(msg, BranchSteps):
@@ -64,5 +67,7 @@ class EnginePerfMetrics:
             elif msg.graph == "capture":
                 self.graph_captures.inc()
         elif isinstance(msg, WarmupStats):
-            self.warmup = {"sizes": msg.sizes, "steps": msg.steps, "seconds": msg.seconds}
+            self.warmup = {"sizes": msg.sizes, "steps": msg.steps, "seconds": msg.seconds, "per_size": msg.per_size}
             self.warmup_seconds.set(msg.seconds)
+            for size, seconds in msg.per_size.items():
+                self.warmup_size_seconds.labels(size=size).set(seconds)

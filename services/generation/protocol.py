@@ -55,6 +55,7 @@ class WarmupStats:
     sizes: list[str]
     steps: int
     seconds: float
+    per_size: dict = field(default_factory=dict)   # every warmed size (the size table's too): seconds
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Image:
     image_handle: Optional[dict]          # the float image exported into the pool (interleave), or None
     weights_version: str
     pixels: Optional[np.ndarray] = None   # uint8 [H, W, 3]
+    applied: Optional[dict] = None        # JobState.applied(): the speed options the steps ran with
 
 
 @dataclass

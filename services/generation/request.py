@@ -74,6 +74,8 @@ class JobState:
         self.t_offsets: dict[str, int] = {}
         self._meta: dict[tuple, StepMeta] = {}
         self.branch_steps: dict[str, dict] = {}   # at finish: every rank's branches (Engine.step)
+        self.graph_steps = 0                     # steps whose layer stack ran from CUDA graphs (this rank)
+        self.fp8_steps = 0                       # steps whose GEMMs ran in fp8 (the GemmPolicy's row rule)
 
     # -- KV --------------------------------------------------------------------------------------
     def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
@@ -100,6 +102,22 @@ class JobState:
         self._meta.clear()
         self.branch_state = {b: BranchState(computed=s.computed, reused=s.reused)
                              for b, s in self.branch_state.items()}   # drop cached residuals
+
+    def count_applied(self, graphs: bool, fp8: bool) -> None:
+        self.graph_steps += graphs
+        self.fp8_steps += fp8
+
+    def applied(self) -> dict:
+        """Which speed options this job's steps actually ran with (the response's `applied`): the step cache's
+        computed / reused branch-steps, CUDA graphs and fp8 as true / false, or "not_applicable" for graphs off
+        CUDA and "emulated" for fp8 on a CPU (its numerics, not its speed)."""
+        cache = {"computed": sum(c["computed"] for c in self.branch_steps.values()),
+                 "reused": sum(c["reused"] for c in self.branch_steps.values())}
+        cuda = torch.device(self.device).type == "cuda"
+        fp8 = self.fp8_steps > 0
+        return {"cache": cache, "cache_mode": self.cache.mode,
+                "graphs": self.graph_steps > 0 if cuda else "not_applicable", "graph_steps": self.graph_steps,
+                "fp8": fp8 if cuda or not fp8 else "emulated", "fp8_steps": self.fp8_steps}
 
     def step_counts(self) -> dict[str, tuple[int, int]]:
         """{local branch: (steps computed in full, steps that reused the cached residual)}."""

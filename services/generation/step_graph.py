@@ -4,21 +4,33 @@ Within a job every step runs the same kernels on the same shapes; only the value
 rows change (x_t, t), the rope positions are the same, and the KV buffers attention writes and reads
 (job.kv) keep their addresses. So the layer stack (`model.gen_forward`) of a step is captured once and
 replayed for the later steps with the same composition, which removes the launch gaps between kernels.
+On by default (`--cuda-graphs auto`): wherever the device is CUDA; eager on CPU.
 
 Key = the running composition: per job with rows (the job itself, its active local branches), in order,
 plus the packed row count. Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
-frequencies), the second captures, the later ones replay. One graph per engine: a new key, or a job of
-the key leaving (finished or aborted), releases it first — BEFORE job.free() frees the KV the
-graph points at. Every capture of an engine uses one side stream; each graph has its own private memory
-pool (torch's default). One pool shared by successive captures (a held `torch.cuda.MemPool`) breaks the
-second capture on torch 2.11 (an internal assert in the pinned-host allocator's per-pool bookkeeping,
-measured on the H200); a released graph's pool is handed back with `torch.cuda.empty_cache()` (`release`).
+frequencies), the second captures (each segment when it first runs), the later ones replay. One
+composition's graphs per engine: a new key, or a job of the key leaving (finished or aborted), releases
+them first — BEFORE job.free() frees the KV the graphs point at. Every capture of an engine uses one side
+stream; each composition's segments share a `torch.cuda.graph_pool_handle()` pool, as the understanding
+engine's decode graphs do (a held `torch.cuda.MemPool` shared by successive compositions broke the second
+capture on torch 2.11: an internal assert in the pinned-host allocator's per-pool bookkeeping, measured on
+the H200); released graphs' pool is handed back with `torch.cuda.empty_cache()` (`release`).
 
-Used only where the step is graphable (`graphable`): CUDA, no step cache for any running job (its
-decisions are made on the host), no QoS yield gate (it yields on the host between layers). Sequence
+Segments: the stack is captured as a few graphs of consecutive layers (`layer_segments`), replayed in
+order, so host code can run between them while the step keeps its graphs: the QoS yield gate (qos.py)
+runs between segments of `--graph-segment-layers` layers instead of before every layer (a decode step
+waits at most one segment), and a first-block step cache (step_cache.py) decides after the [0, 1)
+segment: when every branch computes, the rest replays; when some reuse, the computing rows run the rest
+eagerly (their row count changes step to step; a graph per subset would rarely replay). TeaCache decides
+on the input before any layer, so its computing steps replay the whole stack. The segments of a key
+share one memory pool (they replay in layer order; one segment's scratch is the next one's), and each
+segment after the first reads the previous one's output buffer in place (no copy).
+
+Used where the step is graphable (`graphable`): CUDA and no LoRA rows (lora_batched.py sets the rows'
+adapter slots per step on the host). Sequence
 parallelism is graphable: its collectives (NCCL all-gather / all-to-all) are captured into the graph, and
 its row layout is a function of the key (segments) built before the capture; every rank of the group
 runs the same keys in the same order, and an eager step issues the same collectives as a replay, so a
@@ -58,9 +70,9 @@ def resolve_mode(flag: str, env: dict | None = None) -> str:
     return "on" if value == "1" else "off"
 
 
-def graphable(device: torch.device, yield_gate: bool, cache_modes) -> bool:
-    """Whether a step may run from a CUDA graph (module doc); `cache_modes`: every running job's."""
-    return device.type == "cuda" and not yield_gate and all(mode == "off" for mode in cache_modes)
+def graphable(device: torch.device, lora_rows: bool) -> bool:
+    """Whether a step may run from CUDA graphs (module doc): a step cache and the yield gate may, LoRA rows not."""
+    return device.type == "cuda" and not lora_rows
 
 
 def composition_key(spans, rows: int) -> tuple:
@@ -118,19 +130,44 @@ class GraphPlan:
         return self.graph_key is not None and any(j is job for j in key_jobs(self.graph_key))
 
 
-class _Captured:
-    """A captured layer stack: its static input rows and positions, its output, the graph (and pool)."""
+class _Segment:
+    """A captured run of layers: its static input (the previous segment's output buffer, or a copy of the
+    step's input rows for the first), its output buffer, the graph."""
 
-    def __init__(self, graph, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
-        self.graph, self.x, self.positions, self.out = graph, x, positions, out
+    def __init__(self, graph, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self.graph, self.inp, self.out = graph, inp, out
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (packed rows, positions) -> hidden
+class _KeyGraphs:
+    """The graphs of the held composition: its segments by layer range, the memory pool they share (they
+    always replay in layer order, so one segment's scratch is the next one's), the static positions and
+    the Rope the segments read (its cos / sin table is built inside the first captured segment)."""
+
+    def __init__(self, positions: torch.Tensor, make_rope) -> None:
+        self.positions = positions.clone()
+        self.rope = make_rope(self.positions)
+        self.pool = None                    # made by the first capture (it fails there, not here, off CUDA)
+        self.segments: dict[tuple[int, int], _Segment] = {}
+
+
+Layers = Callable[[torch.Tensor, object], torch.Tensor]   # (rows, rope) -> the rows after a segment's layers
+
+
+def layer_segments(num_layers: int, per_segment: int, probe: bool) -> list[tuple[int, int]]:
+    """The layer ranges a graphed step runs as separate graphs: [0, 1) alone when a first-block step cache
+    decides after layer 0 (`probe`), the rest in runs of `per_segment` layers (0: one run) so a host-side
+    gate (the QoS yield gate) runs between them."""
+    bounds = [0, 1] if probe and num_layers > 1 else [0]
+    step = per_segment if per_segment > 0 else num_layers
+    while bounds[-1] < num_layers:
+        bounds.append(min(num_layers, bounds[-1] + step))
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class StepGraphs:
-    """The engine's CUDA graph of the layer stack (one at a time). `run` is called once per graphable step;
-    `forget(job)` before a job's KV is freed; `release()` when a step is not graphable."""
+    """The engine's CUDA graphs of the layer stack (one composition at a time, in segments). Per step:
+    `begin(key, positions, make_rope)`, then `segment(range, layers, h)` for each layer range in order;
+    `forget(job)` before a job's KV is freed; `not_graphable()` when a step runs outside."""
 
     def __init__(self, device: torch.device, mode: str) -> None:
         if mode not in MODES:
@@ -140,93 +177,145 @@ class StepGraphs:
         if mode == "on" and device.type != "cuda":
             log.info("--cuda-graphs on: %s is not a CUDA device; steps run eagerly", device)
         self.plan = GraphPlan()
-        self._graph: _Captured | None = None
+        self._held: _KeyGraphs | None = None
         self._side = None                    # the capture stream every capture uses
-        self.captures = 0
-        self.replays = 0
+        self._key: tuple | None = None       # the key of the step in progress (None: it runs eagerly)
+        self._eager_rope = None              # the step's own Rope, for segments that fall back to eager
+        self._ran: set[str] = set()
+        self.captures = 0                    # segments captured
+        self.replays = 0                     # steps that replayed every segment they ran
         self.failure: str | None = None      # why graphs were turned off (a failed capture)
         self.oom_captures = 0                # captures that ran out of device memory (MAX_OOM_CAPTURES)
-        self.last = EAGER                    # how the last step ran (the worker's step stats)
+        self.last = EAGER                    # how the last step ran (the worker's step stats, the job's `applied`)
 
     # -- the step ----------------------------------------------------------------------------------
-    def run(self, key: tuple, forward: Forward, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """hidden = forward(x, positions): eagerly, by capturing then replaying, or by replaying (see
-        GraphPlan). The returned tensor of a replay is the graph's output buffer: valid until the next
-        step."""
+    def begin(self, key: tuple, positions: torch.Tensor, make_rope):
+        """Start a step of composition `key`: the Rope its segments read, or None when the step runs eagerly
+        (graphs off, the first step of a composition: also its warm-up, or a refused one)."""
+        self._key, self._ran, self.last = None, set(), EAGER
         if not self.enabled:
-            return self.eager(forward, x, positions)
+            return None
         if self.plan.release_needed(key):
             self.release()
         action = self.plan.action(key)
         if action == EAGER:
-            return self.eager(forward, x, positions)
-        if action == CAPTURE and not self._capture(key, forward, x, positions):
-            return self.eager(forward, x, positions)
-        g = self._graph
-        g.x.copy_(x)
-        g.positions.copy_(positions)
-        g.graph.replay()
-        if action == REPLAY:
+            return None
+        if action == CAPTURE:
+            self._held = _KeyGraphs(positions, make_rope)
+            self.plan.captured(key)
+        else:
+            self._held.positions.copy_(positions)
+        self._key = key
+        self._eager_rope = lambda: make_rope(positions)
+        return self._held.rope
+
+    def segment(self, layers_range: tuple[int, int], layers: Layers, h: torch.Tensor) -> torch.Tensor:
+        """h after the layers of `layers_range`: replayed from its graph (captured on first use), or eagerly when
+        graphs went off during this step. The returned tensor of a replay is the graph's output buffer: valid
+        until the segment's next replay."""
+        held = self._held if self._key is not None else None
+        if held is None:
+            return layers(h, self._rope_for_eager())
+        seg = held.segments.get(layers_range)
+        if seg is None:
+            seg = self._capture(held, layers_range, layers, h)
+            if seg is None:
+                return layers(h, self._rope_for_eager())
+            self._ran.add(CAPTURE)
+        else:
+            self._ran.add(REPLAY)
+        if h is not seg.inp:
+            seg.inp.copy_(h)
+        seg.graph.replay()
+        return seg.out
+
+    def end(self) -> str:
+        """How the step ran (EAGER | CAPTURE | REPLAY), counted."""
+        self.last = CAPTURE if CAPTURE in self._ran else REPLAY if self._ran else EAGER
+        if self.last == REPLAY:
             self.replays += 1
-        self.last = action
-        return g.out
+        self._key = None
+        return self.last
+
+    def _rope_for_eager(self):
+        """A Rope of the step's live positions: a failed capture may have left the held one's table unset."""
+        if callable(self._eager_rope):
+            self._eager_rope = self._eager_rope()
+        return self._eager_rope
 
     def not_graphable(self) -> None:
-        """This step runs eagerly outside `run` (step cache, yield gate): no graph is kept."""
+        """This step runs eagerly outside the graphs (LoRA rows): no graph is kept."""
         self.release()
         self.last = EAGER
 
-    def eager(self, forward: Forward, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.last = EAGER
-        return forward(x, positions)
-
-    def _capture(self, key: tuple, forward: Forward, x: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Record forward on static copies of the inputs into a new graph (in its own pool). False
-        (and graphs off for good) when the capture fails."""
-        static_x, static_pos = x.clone(), positions.clone()
-        error = None
+    def _capture(self, held: _KeyGraphs, layers_range, layers: Layers, h: torch.Tensor) -> _Segment | None:
+        """Record `layers` on the static input into a new graph in the key's pool (it is replayed by the caller:
+        a capture records the work, it does not run it). None when the capture fails: the step goes on eagerly,
+        the key is refused (out of memory) or graphs are off for the engine's life."""
+        chained = any(h is s.out for s in held.segments.values())
+        static = h if chained else h.clone()
         try:
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            graph = torch.cuda.CUDAGraph()
-            main = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(main)      # the static copies (and the job's KV writes so far) first
-            with torch.cuda.stream(self._side):   # restores the stream even if capture_end raises
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = forward(static_x, static_pos)
-                except BaseException as e:
-                    error = e
-                finally:
-                    graph.capture_end()       # raises when the capture was invalidated
-            main.wait_stream(self._side)
-        except Exception as e:
-            error = error or e
+            graph, out = self._record(held, lambda x: layers(x, held.rope), static)
+            error = None
+        except BaseException as e:
+            error = e
         if error is not None:
             if not isinstance(error, Exception):
                 raise error                   # KeyboardInterrupt and the like are not capture failures
             reason = f"{type(error).__name__}: {error}"
+            key = self._key
+            self._key = None                  # the rest of this step runs eagerly
             if out_of_memory(error) and self.oom_captures + 1 < MAX_OOM_CAPTURES:
                 self._refuse(key, reason)
             else:
                 self._disable(reason)
-            return False
-        self._graph = _Captured(graph, static_x, static_pos, out)
-        self.plan.captured(key)
+            return None
+        seg = _Segment(graph, static, out)
+        held.segments[layers_range] = seg
         self.captures += 1
-        return True
+        return seg
+
+    def _record(self, held: _KeyGraphs, fn: Callable[[torch.Tensor], torch.Tensor], static: torch.Tensor):
+        """Capture fn(static) into a new CUDA graph in the key's pool: (graph, its output buffer). Raises what
+        the capture raised (an error inside fn first: capture_end's own error would hide it)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        if held.pool is None:
+            held.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)      # the static copy (and the job's KV writes so far) first
+        error = None
+        with torch.cuda.stream(self._side):   # restores the stream even if capture_end raises
+            graph.capture_begin(pool=held.pool, capture_error_mode="thread_local")
+            try:
+                out = fn(static)
+            except BaseException as e:
+                error = e
+            finally:
+                try:
+                    graph.capture_end()   # raises when the capture was invalidated
+                except Exception:
+                    if error is None:
+                        raise
+        if error is not None:
+            raise error
+        main.wait_stream(self._side)
+        return graph, out
 
     def _refuse(self, key: tuple, reason: str) -> None:
         self.oom_captures += 1
+        self._held = None
+        self.plan.released()                  # begin() made the key the held one
         self.plan.refuse(key)
-        torch.cuda.empty_cache()              # the failed capture's pool
+        torch.cuda.empty_cache()              # the key's pool
         log.warning("CUDA graph capture of the denoise step ran out of memory (%s); this batch runs eagerly, "
                     "later ones capture again (%d of %d)", reason, self.oom_captures, MAX_OOM_CAPTURES)
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
         self.failure = reason
-        self._graph = None
+        self._held = None
         self.plan = GraphPlan()
         try:   # a failed capture leaves no sticky error; a device fault would show here (and fail eagerly)
             torch.cuda.synchronize(self.device)
@@ -237,16 +326,17 @@ class StepGraphs:
 
     # -- invalidation ------------------------------------------------------------------------------
     def forget(self, job) -> None:
-        """`job` leaves the engine: release the graph if it points at its KV (call before job.free())."""
+        """`job` leaves the engine: release the graphs if they point at its KV (call before job.free())."""
         if self.plan.forget(job):
             self.release()
 
     def release(self) -> None:
-        """Drop the held graph and return its private pool's memory: torch frees a released graph pool only
-        when an ordinary allocation fails (never during a capture), so without this every change of the
-        batch's composition would leave one step's working set reserved, and a later capture could run out."""
-        held = self._graph is not None
-        self._graph = None
+        """Drop the held graphs and return their pool's memory: torch frees a released graph pool only when an
+        ordinary allocation fails (never during a capture), so without this every change of the batch's
+        composition would leave one step's working set reserved, and a later capture could run out."""
+        held = self._held is not None
+        self._held = None
+        self._key = None
         self.plan.released()
         if held and self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -15,6 +15,13 @@ see builds a plan on its first step (~40 ms each at 2048², GPU run 1: first ste
 warm-up whose prefix length differed from the request's). services/generation/attention.py turns on
 torch's length-bucketed cuDNN plans (lengths rounded up to a power of two), so the one prefix length
 here covers every prompt up to the image's own token count.
+
+Every size of the size table (services/contract/limits.py SIZE_TABLE; on cuda by default) is warmed too,
+with ONE step per branch count: what a first request of a size pays is per shape (Triton JIT / autotune,
+cuBLAS and `_scaled_mm` selection, cuDNN plans, allocator growth), all of it paid by one eager step; a
+second step would only capture CUDA graphs, which belong to a job and are captured again by every
+request (H200 2026-12-01: the first 1024² 50-step request after a 2048²-only warm-up took 6.87 s vs 3.66 s
+steady). The time each size took is reported (/health "warmup", metric u1_gen_warmup_size_seconds).
 """
 from __future__ import annotations
 
@@ -58,13 +65,33 @@ def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateReques
             for branches in (BRANCH_ORDER[:2], BRANCH_ORDER[:1])]
 
 
+def warmup_plan(sizes: list[tuple[int, int]], steps: int,
+                table: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    """[((w, h), steps)]: the configured sizes with `steps`, then the table's other sizes with one step
+    (none at all with steps 0: --warmup-steps 0 turns the warm-up off)."""
+    if steps <= 0:
+        return []
+    return [(s, steps) for s in sizes] + [(s, 1) for s in table if s not in sizes]
+
+
 @torch.inference_mode()
-def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
-    """Run `warmup_jobs(sizes, steps)` through `engine`, one after the other (nothing else may be
-    running). Returns {"sizes", "steps", "seconds"}."""
+def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2, table=()) -> dict:
+    """Run the warm-up jobs of `warmup_plan(sizes, steps, table)` through `engine`, one after the other
+    (nothing else may be running). Returns {"sizes", "steps", "seconds", "per_size": {size: seconds}}."""
     t0 = time.perf_counter()
+    per_size = {}
+    plan = warmup_plan(sizes, steps, list(table))
+    for (w, h), n in plan:
+        t = time.perf_counter()
+        _run_jobs(engine, warmup_jobs([(w, h)], n))
+        per_size[f"{w}x{h}"] = round(time.perf_counter() - t, 3)
+    return {"sizes": list(per_size), "steps": steps, "seconds": round(time.perf_counter() - t0, 3),
+            "per_size": per_size}
+
+
+def _run_jobs(engine, specs: list[GenerateRequest]) -> None:
     m = engine.model
-    for spec in warmup_jobs(sizes, steps):
+    for spec in specs:
         kv = torch.zeros((m.num_layers, 2, WARMUP_PREFIX_TOKENS, m.num_kv_heads, m.head_dim),
                          device=engine.device, dtype=engine.dtype)
         job = engine.admit_local(spec, {b: kv for b in spec.handles},
@@ -76,5 +103,3 @@ def run_warmup(engine, sizes: list[tuple[int, int]], steps: int = 2) -> dict:
         job.free()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    return {"sizes": [f"{w}x{h}" for w, h in sizes], "steps": steps,
-            "seconds": round(time.perf_counter() - t0, 3)}

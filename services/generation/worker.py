@@ -127,8 +127,11 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     from services.model.loader import load_model
     from services.model.lora_registry import attach_lora
 
+    from services.contract.limits import SIZE_TABLE
+    from services.model.quant import GemmPolicy, use_policy
+
     from .cfg_parallel import CfgComm
-    from .engine import Engine
+    from .engine import Engine, fp8_applies
     from .kv_source import PrefixSource
     from .rank_options import yield_gate
     from .reference import EngineSet, reference_factory    # RL jobs alone, the reference policy
@@ -143,10 +146,16 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
                           geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype))
     gate = yield_gate(cfg, device)
-    engine = EngineSet(Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs),
+    main = Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs,
+                  graph_segment_layers=cfg.graph_segment_layers)
+    if main.graphs.enabled and cfg.quantization == "fp8":   # fp8 pays from fewer rows where steps replay graphs
+        use_policy(model, GemmPolicy.for_device(device, graphed=True))
+        main.fp8 = fp8_applies(model)
+    engine = EngineSet(main,
                        reference_factory(cfg, device, dtype, source, comm, gate) if cfg.rl_reference == "on"
                        else None)
-    warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps)
+    warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps,
+                      table=list(SIZE_TABLE) if cfg.warmup_table == "on" else [])
     return engine, comm, source, warm
 
 

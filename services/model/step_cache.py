@@ -144,19 +144,28 @@ class StepCache:
     `reduce` (sequence parallel: each rank holds a slice of every group's rows) sums a [k, 2] tensor of
     change_sums over the ranks, identically on each, so every rank takes the same decision."""
 
-    def __init__(self, groups: list[CacheGroup], attend_for=None, reduce=None):
+    def __init__(self, groups: list[CacheGroup], attend_for=None, reduce=None, layers=None):
+        """layers(h, start, stop): runs layers [start, stop) on every row (None: model.gen_layers with the
+        forward's rope and attend); the generation engine passes its CUDA-graph segments."""
         self.groups = groups
         self.attend_for = attend_for
         self.reduce = reduce
+        self.layers = layers
+
+    @property
+    def probes(self) -> bool:
+        """Whether layer 0 runs on every row before the decision (some group uses the first-block policy)."""
+        return any(g.mode == "first_block" for g in self.groups)
 
     def forward(self, model, x: torch.Tensor, rope, attend) -> torch.Tensor:
         """The residual after the last layer for the packed rows x. Layer 0 runs on every row first when
         some group uses the first-block policy (its statistic); TeaCache decides on x alone."""
-        probe = 1 if any(g.mode == "first_block" for g in self.groups) else 0
-        h1 = model.gen_layers(x, rope, attend, stop=1) if probe else x
+        probe = 1 if self.probes else 0
+        run = self.layers or (lambda h, start, stop: model.gen_layers(h, rope, attend, start=start, stop=stop))
+        h1 = run(x, 0, 1) if probe else x
         rows = self.decide(x, h1)
         if rows is None:   # every branch computes: the bits of the forward without the cache
-            h = model.gen_layers(h1, rope, attend, start=probe)
+            h = run(h1, probe, None)
         else:
             rest = None
             if any(g.compute for g in self.groups):   # not rows.numel(): an SP rank may hold none

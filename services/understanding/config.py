@@ -64,5 +64,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens per iteration (0 = no chunking); image spans are never split")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
-                   help="largest decode batch replayed from a CUDA graph (0 = eager; CUDA, dense models only)")
+                   help="largest decode batch replayed from a CUDA graph: on by default on CUDA, dense and MoE "
+                        "(A3B) models alike (0 = eager; CPU: always eager)")
     p.add_argument("--log-level", default=d.log_level, help="log level of the server and its engine")

@@ -219,3 +219,18 @@ def photo(seed: int, w: int = 64, h: int = 96) -> Image.Image:
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def run_jobs(engine, ref_model, specs) -> dict:
+    """Run GenerateRequests together on `engine` to their end (the reference's prefix KV, no pool);
+    {request_id: the finished JobState}."""
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    jobs = []
+    for sp in specs:
+        job = engine.admit_local(sp, {b: pre[b].kv for b in sp.handles}, {b: pre[b].t_offset for b in sp.handles})
+        engine.add(job)
+        jobs.append(job)
+    while engine.running:
+        for job in engine.step()[0]:
+            job.free()
+    return {j.request_id: j for j in jobs}

@@ -22,9 +22,11 @@ from services.generation import engine as engine_mod
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest
 from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
-                                            composition_key, graphable, out_of_memory, resolve_mode)
+                                            composition_key, graphable, layer_segments, out_of_memory,
+                                            resolve_mode)
 
-from .genhelp import REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels
+from .genhelp import (REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels,
+                      run_jobs)
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -41,11 +43,17 @@ def test_flag_and_environment_override():
 
 
 def test_which_steps_are_graphable():
-    assert graphable(CUDA, False, ["off", "off"])                # sequence parallelism too: its collectives are captured
-    assert graphable(CUDA, False, [])
-    assert not graphable(CPU, False, ["off"])                    # eager on CPU, whatever the flag
-    assert not graphable(CUDA, True, ["off"])                    # QoS yield gate
-    assert not graphable(CUDA, False, ["off", "first_block"])    # any job with a step cache
+    assert graphable(CUDA, False)            # step caches, the yield gate, sequence parallelism too (segments)
+    assert not graphable(CPU, False)         # eager on CPU, whatever the flag
+    assert not graphable(CUDA, True)         # LoRA adapter rows
+
+
+def test_layer_segments_cover_the_stack_in_order():
+    assert layer_segments(36, 0, False) == [(0, 36)]                       # no gate, no probe: one graph
+    assert layer_segments(36, 0, True) == [(0, 1), (1, 36)]                # first-block cache decides after layer 0
+    assert layer_segments(10, 4, False) == [(0, 4), (4, 8), (8, 10)]       # the yield gate runs between these
+    assert layer_segments(10, 4, True) == [(0, 1), (1, 5), (5, 9), (9, 10)]
+    assert layer_segments(1, 4, True) == [(0, 1)]
 
 
 class _Job:   # only identity matters to the key
@@ -126,16 +134,7 @@ def _spec(rid: str, guidance: float, steps: int = 4, size: int = 128) -> Generat
 
 def _run_jobs(engine: Engine, ref_model, specs) -> dict[str, torch.Tensor]:
     """Run jobs together to the end (reference prefix KV, no pool); {request_id: final x}."""
-    pre = prefixes(ref_model, guidance_scale=4.0)
-    jobs = []
-    for sp in specs:
-        job = engine.admit_local(sp, {b: pre[b].kv for b in sp.handles}, {b: pre[b].t_offset for b in sp.handles})
-        engine.add(job)
-        jobs.append(job)
-    while engine.running:
-        for job in engine.step()[0]:
-            job.free()
-    return {j.request_id: j.x for j in jobs}
+    return {rid: job.x for rid, job in run_jobs(engine, ref_model, specs).items()}
 
 
 def test_engine_with_graphs_on_runs_eagerly_on_cpu_bit_for_bit(ref_model):
@@ -189,10 +188,11 @@ def test_bad_environment_value_stops_the_server_at_start(tiny_dir, pool):
     assert proc.returncode != 0 and f"{ENV} must be 0 or 1" in proc.stderr
 
 
-def test_u1serve_up_passes_the_flag_only_when_set():
+def test_u1serve_up_passes_the_flag_only_when_not_the_default():
     def gen_line(*extra):
         out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
                               "--dry-run", *extra], cwd=REPO, check=True, capture_output=True, text=True).stdout
         return next(ln for ln in out.splitlines() if ln.startswith("gen:"))
     assert "--cuda-graphs on" in gen_line("--cuda-graphs", "on")
-    assert "--cuda-graphs" not in gen_line()
+    assert "--cuda-graphs off" in gen_line("--cuda-graphs", "off")
+    assert "--cuda-graphs" not in gen_line()          # auto: the generation server's own default

@@ -113,7 +113,7 @@ def test_a_reused_step_runs_no_layer(ref_model, monkeypatch):
     monkeypatch.setattr(model, "gen_layers", lambda *a, **k: calls.append(k) or real(*a, **k))
     group = CacheGroup(0, x.shape[0], BranchState(), CacheOptions(mode="teacache", threshold=10.0), step=0)
     first = StepCache([group], lambda gs: attend).forward(model, x, rope, attend)
-    assert group.compute and calls == [{"start": 0}]
+    assert group.compute and calls == [{"start": 0, "stop": None}]
     group.step = 1
     x2 = x * 0.99
     second = StepCache([group], lambda gs: attend).forward(model, x2, rope, attend)

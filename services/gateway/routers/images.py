@@ -51,6 +51,8 @@ def image_items(job: ImageJob, images: list[dict], think_text: str | None) -> li
         item: dict[str, Any] = {"revised_prompt": think_text, "seed": im.get("seed", job.seed)}
         if im.get("branch_steps"):   # denoising steps each CFG branch computed / reused (step caching)
             item["branch_steps"] = im["branch_steps"]
+        if im.get("applied"):        # which speed options the steps actually ran with (cache, graphs, fp8)
+            item["applied"] = im["applied"]
         if job.response_format == "url":
             item["url"] = data_url(im["b64"], im.get("format", job.output_format))
         else:
