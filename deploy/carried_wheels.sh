@@ -4,10 +4,10 @@
 # .whl/*-cpXY.site.tar.xz: a native wheel too large to carry whole, trimmed to what we import by
 # deploy/trim_wheel.py (NIXL: its bindings, core and UCX plugin with their libraries; the command is in its
 # docstring; Ray: deploy/ray/build_carry.sh), unpacked as is into the same site dir when the Python matches.
-# U1SERVE_SITE names another site dir (a check of a carry on a machine where another one is unpacked).
+# CARRY_SITE_DIR names another site dir (a check of a carry on a machine where another one is unpacked).
 use_carried_wheels() {
     compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl/*.site.tar.xz" >/dev/null || return 0
-    local site=${U1SERVE_SITE:-/tmp/u1serve-site} tag bundle
+    local site=${CARRY_SITE_DIR:-/tmp/u1serve-site} tag bundle
     tag=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
     if ! compgen -G ".whl/*.whl" >/dev/null ||
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>/dev/null; then

@@ -26,7 +26,7 @@ opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 proto-plus=
 pyasn1==0.6.3 pyasn1-modules==0.4.2 referencing==0.37.0 rpds-py==0.30.0 rsa==4.7.2 smart-open==9.0.2
 watchfiles==1.3.0 websockets==17.4"
 # u1serve's own (deploy/gpu_smoke.sh's list, less what the image has) and gguf (services/model/gguf_io.py)
-U1SERVE_DEPS="annotated-doc==0.0.7 annotated-types==0.7.0 fastapi==0.165.0 gguf==0.19.0 prometheus-client==0.26.0
+OWN_DEPS="annotated-doc==0.0.7 annotated-types==0.7.0 fastapi==0.165.0 gguf==0.19.0 prometheus-client==0.26.0
 pydantic==2.13.4 pydantic-core==2.46.4 python-multipart==0.0.34 pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0
 tqdm==4.70.1 typing-extensions==4.16.0 typing-inspection==0.4.2 uvicorn==0.54.0"
 
@@ -48,7 +48,7 @@ python3 -m deploy.trim_wheel "$tmp"/ray-2.60.0-cp312-*.whl --root 'ray/_raylet.s
     --root 'ray/thirdparty_files/psutil/*.so' \
     --drop 'ray/rllib/*' --drop 'ray/data/*' --drop 'ray/llm/*' --strip --out "$out/ray-2.60.0-slim-cp312.site.tar.xz"
 # shellcheck disable=SC2086
-download "$out" $RAY_DEPS $U1SERVE_DEPS
+download "$out" $RAY_DEPS $OWN_DEPS
 
 tracked=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 du -b "$out"/* | awk -v out="$out" -v tracked="$tracked" '{s += $1; n += 1} END {
