@@ -1,6 +1,6 @@
 """Packed rows computed as if each sequence ran alone: every linear layer over the packed rows runs once per block.
 
-CPU BLAS (MKL) picks its GEMM kernel by the row count, and below ~16 rows (decode's one row, a 6-token image, a
+CPU BLAS (MKL) picks its GEMM kernel by the row count, and below 12 rows (decode's one row, a 6-token image, a
 1-token `<img>` prefill) a row's result depends on that count: the same row rounds differently alone and packed
 with other sequences' rows. The official code runs each sequence (prompt, CFG branch) alone, so the engines, on
 CPU, run each linear once per sequence to give its bits (`sizes`: the rows of each sequence in packing order);
