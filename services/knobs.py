@@ -127,6 +127,8 @@ FP8_FAST_ACCUM = _knob("U1SERVE_FP8_FAST_ACCUM", str, "auto", "fp8 GEMM fast acc
                        "token count on CUDA)", "model (fp8)")
 FP8_FUSED = _knob("U1SERVE_FP8_FUSED", bool, True, "the norms / silu*mul feeding an fp8 GEMM write fp8 themselves (0: "
                   "they write the model dtype and the GEMM layers quantise; for comparing)", "model (fp8)")
+EXACT_ROWS = _knob("U1SERVE_EXACT_ROWS", bool, None, "linear layers run once per packed sequence, as alone (the "
+                   "official code's bits; unset: on CPU only; model/row_blocks.py)", "both engines")
 TEACACHE_COEFFICIENTS = _knob("U1SERVE_TEACACHE_COEFFICIENTS", str, None, "a TeaCache coefficients file calibrated "
                               "on this checkpoint (bench/calibrate_teacache.py; unset: the packaged one)",
                               "model (step cache)")

@@ -23,7 +23,7 @@ import torch
 from kernels import kv_write_
 from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
-from services.model import sampler
+from services.model import row_blocks, sampler
 from services.model.lora_batched import lora_rows
 from services.model.quant import fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
@@ -201,7 +201,9 @@ class Engine:
                 hidden = self._graphed_forward(spans, packed, pos, layout, cache)
             else:
                 self.graphs.not_graphable()
-                with lora_rows(self.model, slots):
+                # each (job, branch) block's rows as the reference's per-branch forward (row_blocks)
+                blocks = [] if cache is not None or layout is not None else [g.stop - g.start for g in groups]
+                with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device):
                     hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
                                                     cache)
             fp8 = self.fp8(r)

@@ -234,10 +234,11 @@ class ImagePrefixService:
 
     def start_job(self, request_id: str, inputs: dict, admission, cache_salt: Optional[str] = None,
                   think: bool = False, max_think_tokens: int = 0,
-                  think_sample: Optional[SamplingParams] = None, lora: Optional[str] = None) -> PrefixJob:
+                  think_sample: Optional[SamplingParams] = None, lora: Optional[str] = None,
+                  salts: Optional[dict] = None) -> PrefixJob:
         """Reserve the pages of every branch's prefix and submit them (think: the cond branch decodes a think
-        block first, greedily or sampled with `think_sample`). The job owns `admission` from here on, also when
-        this raises."""
+        block first, greedily or sampled with `think_sample`). `salts`: a branch's own cache salt in place of
+        `cache_salt`. The job owns `admission` from here on, also when this raises."""
         st = self.state
         try:
             tail = st.tok.encode(PR.THINK_TAIL) if think else []
@@ -260,7 +261,8 @@ class ImagePrefixService:
                 "prefix", think=thinks, max_think_tokens=max_think_tokens if thinks else 0,
                 think_sample=bool(thinks and think_sample),
                 think_tail_ids=tail if thinks else [], think_stop_id=st.tok.im_end_id,
-                think_end_id=st.tok.end_think_id, handle=handles[branch], cache_salt=cache_salt, lora=lora)
+                think_end_id=st.tok.end_think_id, handle=handles[branch],
+                cache_salt=(salts or {}).get(branch, cache_salt), lora=lora)
         try:
             job.submit(msgs)
         except EngineDead as e:

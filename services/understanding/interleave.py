@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import uuid
 from typing import Optional
 
 from services.contract.chat import TextSampling
@@ -26,6 +27,7 @@ from services.kit import sse
 from services.kit.errors import APIError, bad_request
 from services.model import images as IM
 from services.model import prompts as PR
+from services.model import row_blocks
 
 from . import textgen
 from .inputs import image_refs, prompt_messages, text_params
@@ -120,6 +122,30 @@ class InterleaveService:
                               stop_token_ids=[self.state.tok.img_start_id])
         return text_params(greedy, prompt_len, self.state.limits, clamp=True)   # the answer's remaining budget
 
+    async def _official_blocks(self, rid: str, tu: PR.PromptInput, inputs: dict,
+                               req: InterleaveSegmentRequest) -> dict:
+        """Where bits matter (row_blocks: CPU), the branches' rows are computed in the blocks the official loop
+        computes them in. A row's bits depend on its block's row count (CPU GEMM kernels below ~12 rows) and its
+        attention's key count: cond already grows as the official cache does (prompt, then one row per token,
+        `<img>` alone, each image + `</img>` as one block); tu would compute the newest image + `</img>` +
+        `<img>` together (the official: the image block, then `<img>` alone), so its transcript is cached first
+        (a one-token text request) and the export computes `<img>` alone; iu, a cache hit but for its last
+        token, would compute that token alone (the official: the whole prefix once), so it skips the cache (a
+        salt of its own). Returns the per-branch salts for start_job."""
+        salts = {}
+        if TEXT_FREE in inputs:
+            gen = textgen.generate(self.state, f"{rid}:tu", tu, SamplingParams(max_tokens=1, temperature=0.0), False,
+                                   req.cache_salt, req.lora)
+            try:
+                async for ev in gen:
+                    if "finish_reason" in ev:
+                        break
+            finally:
+                await gen.aclose()
+        if ALL_UNCOND in inputs:
+            salts[ALL_UNCOND] = f"{req.cache_salt or ''}:iu:{uuid.uuid4().hex}"
+        return salts
+
     async def handle(self, req: InterleaveSegmentRequest):
         """The segment as SSE (the gateway reads its text as it comes)."""
         st = self.state
@@ -177,8 +203,12 @@ class InterleaveService:
                       TEXT_FREE: PR.PromptInput(tu.input_ids + [tok.img_start_id], tu.images),
                       ALL_UNCOND: PR.PromptInput(tok.encode(PR.UNCOND_TEXT))}
             inputs = {b: inputs[b] for b in req.branches()}
+            salts = None
+            if row_blocks.enabled(st.args.device):
+                salts = await self._official_blocks(rid, tu, inputs, req)
             # the prefix job takes over the segment's admission slot (the text request is done)
-            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora)
+            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora,
+                                        salts=salts)
             async for pev in job.events():
                 if isinstance(pev, APIError):
                     raise pev

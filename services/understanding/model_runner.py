@@ -14,6 +14,7 @@ from kernels.decode_attention import decode_attention
 from kernels.kv_copy import kv_write_
 from kernels.prefill_attention import prefill_attention
 
+from services.model import row_blocks
 from services.model.lora_batched import lora_rows
 
 from .step_plan import StepPlan
@@ -140,6 +141,8 @@ class ModelRunner:
                                                           int(plan.d_seq_len.max()), dev)
         # the input images' rows are the prompt's image spans (image_end > 0); a generated <IMG_CONTEXT> is text
         image_rows = (plan.image_end > 0).to(dev) if plan.images else None
-        with lora_rows(self.model, plan.lora_slots):
+        # each sequence's rows: its prefill chunk, or its one decode row (row_blocks: the bits of it alone)
+        rows = ((plan.p_cu_q[1:] - plan.p_cu_q[:-1]).tolist() if n_p else []) + [1] * int(plan.d_rows.numel())
+        with lora_rows(self.model, plan.lora_slots), row_blocks.per_sequence(rows, dev):
             return self.core(plan.input_ids.to(dev), plan.positions.to(dev), plan.images, plan.out_slots.to(dev),
                              n_p, p_meta, d_meta, plan.logit_rows.to(dev), image_rows)

@@ -1,0 +1,43 @@
+"""Packed rows computed as if each sequence ran alone: every linear layer over the packed rows runs once per block.
+
+CPU BLAS (MKL) picks its GEMM kernel by the row count, and below 12 rows (decode's one row, a 6-token image, a
+1-token `<img>` prefill) a row's result depends on that count: the same row rounds differently alone and packed
+with other sequences' rows. The official code runs each sequence (prompt, CFG branch) alone, so the engines, on
+CPU, run each linear once per sequence to give its bits (`sizes`: the rows of each sequence in packing order);
+every other op of the layer stack is row-wise already and attention is per sequence. Off on GPUs: one GEMM for
+the whole batch is the point there, and bits are not promised in bf16 (U1SERVE_EXACT_ROWS overrides).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from services import knobs
+
+
+def enabled(device: torch.device) -> bool:
+    return bool(knobs.EXACT_ROWS.get(default=torch.device(device).type == "cpu"))
+
+
+class _PerBlockLinear(TorchFunctionMode):
+    def __init__(self, sizes: list[int]):
+        super().__init__()
+        self.sizes = sizes
+        self.total = sum(sizes)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and args[0].dim() == 2 and args[0].shape[0] == self.total:
+            return torch.cat([func(x, *args[1:], **kwargs) for x in args[0].split(self.sizes)])
+        return func(*args, **kwargs)
+
+
+def per_sequence(sizes: list[int], device: torch.device):
+    """Context: linear layers over sum(sizes) packed rows run once per block of `sizes` (when `enabled`)."""
+    sizes = [int(s) for s in sizes if s]
+    if len(sizes) < 2 or not enabled(device):
+        return contextlib.nullcontext()
+    return _PerBlockLinear(sizes)
