@@ -29,6 +29,7 @@ from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
                                   ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
+from services.kit.streaming import OwnedStream
 from services.kit.web import ParsedJsonRoute, until_disconnect
 
 from ..context import cache_salt, gateway, request_id
@@ -39,6 +40,7 @@ from ..upstream import CONTROL_TIMEOUT_S, engine_headers
 
 router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 MAX_REMEMBERED_TRAJECTORIES = 4096
+TRAJECTORY_READ_TIMEOUT_S = 300.0       # between two chunks of a trajectory from generation
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -399,25 +401,43 @@ async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
                    code="trajectory_not_found")
 
 
-TRAJECTORY_DOC = {200: {"description": "safetensors bytes: latents f32 [S, N+1, 3, H, W], timesteps f32 [N+1], "
+TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Length set): latents f32 [S, N+1, 3, H, W], timesteps f32 [N+1], "
                                        "logprobs f32 [S, N] (NaN on ODE steps), sde_mask u8 [N]; metadata "
                                        "'u1serve' = JSON of the rollout parameters and weights_version",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                  404: ERRORS[400] | {"description": "unknown or evicted trajectory"}}
+                  206: {"description": "the bytes of the one range asked (`Range: bytes=a-b`), with Content-Range",
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                  404: ERRORS[400] | {"description": "unknown or evicted trajectory"},
+                  416: ERRORS[400] | {"description": "the range lies past the end"}}
+
+
+RELAYED_HEADERS = ("content-length", "content-range", "accept-ranges")
 
 
 @router.get("/v1/rl/trajectories/{trajectory_id}", response_class=Response, responses=TRAJECTORY_DOC)
 async def get_trajectory(trajectory_id: str, request: Request, state: GatewayState = Depends(gateway)):
-    """A rollout's trajectory as safetensors bytes (application/octet-stream)."""
+    """A rollout's trajectory as safetensors bytes (application/octet-stream), streamed; one `Range: bytes=a-b`
+    is honoured (206 Partial Content) to resume a cut download."""
     url = await _holder(state, _placement(request), trajectory_id)
+    headers = engine_headers(state.config.internal_token) | {"accept-encoding": "identity"}
+    if "range" in request.headers:
+        headers["range"] = request.headers["range"]
+    upstream = state.http.build_request("GET", f"{url}/internal/rl/trajectories/{trajectory_id}", headers=headers,
+                                        timeout=httpx.Timeout(CONTROL_TIMEOUT_S, read=TRAJECTORY_READ_TIMEOUT_S))
     try:
-        r = await state.http.get(f"{url}/internal/rl/trajectories/{trajectory_id}",
-                                 headers=engine_headers(state.config.internal_token), timeout=300.0)
+        r = await state.http.send(upstream, stream=True)
     except httpx.HTTPError as exc:
         raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
-    if r.status_code != 200:
+    if r.status_code not in (200, 206):
+        try:
+            await r.aread()
+        finally:
+            await r.aclose()
         raise _engine_error(r)
-    return Response(r.content, media_type="application/octet-stream")
+    # Relayed chunk by chunk: the next upstream read waits for the client to take the last chunk (back-pressure,
+    # bounded memory), and a client that goes away closes the upstream response (OwnedStream).
+    return OwnedStream(r.aiter_raw(), r.aclose, media_type="application/octet-stream", status_code=r.status_code,
+                       headers={k: r.headers[k] for k in RELAYED_HEADERS if k in r.headers})
 
 
 @router.delete("/v1/rl/trajectories/{trajectory_id}", responses={404: ERRORS[400]})
