@@ -10,6 +10,7 @@ goes away is undone as an image job is (engines stopped, pages released) and its
 from __future__ import annotations
 
 import asyncio
+import json
 import base64
 import binascii
 import hashlib
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import aiohttp
 import httpx
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
@@ -41,6 +43,7 @@ from ..upstream import CONTROL_TIMEOUT_S, engine_headers
 router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 MAX_REMEMBERED_TRAJECTORIES = 4096
 TRAJECTORY_READ_TIMEOUT_S = 300.0       # between two chunks of a trajectory from generation
+RELAY_READ_BYTES = 4 << 20              # the largest chunk the trajectory relay reads from generation at once
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -369,15 +372,16 @@ async def _upload(state: GatewayState, url: str, tid: str, blob: bytes) -> None:
     except httpx.HTTPError as exc:
         raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
     if r.status_code != 200:
-        raise _engine_error(r)
+        raise _engine_error(r.status_code, r.content)
 
 
-def _engine_error(r: httpx.Response) -> APIError:
+def _engine_error(status: int, body: bytes) -> APIError:
+    """Generation's OpenAI-shaped refusal, passed on (502 when it is not one)."""
     try:
-        err = r.json()["error"]
-        return APIError(r.status_code, err["message"], param=err.get("param"), code=err.get("code"))
+        err = json.loads(body)["error"]
+        return APIError(status, err["message"], param=err.get("param"), code=err.get("code"))
     except (ValueError, KeyError, TypeError):
-        return APIError(502, f"generation answered {r.status_code}", code="upstream_error")
+        return APIError(502, f"generation answered {status}", code="upstream_error")
 
 
 async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
@@ -414,29 +418,43 @@ TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Len
 RELAYED_HEADERS = ("content-length", "content-range", "accept-ranges")
 
 
+async def _open_trajectory(url: str, headers: dict) -> tuple[aiohttp.ClientSession,
+                                                                                   aiohttp.ClientResponse]:
+    """The upstream GET, its body not yet read. aiohttp rather than the gateway's httpx client for this one
+    relay: httpcore reads a body 64 KiB at a time and spent 6x the CPU per byte here (a GB-sized body is
+    CPU-bound in the gateway; docs/benchmarks/rl.md); aiohttp reads what the socket has, up to
+    RELAY_READ_BYTES, and stops reading (TCP back-pressure) while twice that waits unsent."""
+    session = aiohttp.ClientSession(read_bufsize=RELAY_READ_BYTES, auto_decompress=False,
+                                    timeout=aiohttp.ClientTimeout(sock_connect=CONTROL_TIMEOUT_S,
+                                                                  sock_read=TRAJECTORY_READ_TIMEOUT_S))
+    try:
+        return session, await session.get(url, headers=headers)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        await session.close()
+        raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
+
+
 @router.get("/v1/rl/trajectories/{trajectory_id}", response_class=Response, responses=TRAJECTORY_DOC)
 async def get_trajectory(trajectory_id: str, request: Request, state: GatewayState = Depends(gateway)):
     """A rollout's trajectory as safetensors bytes (application/octet-stream), streamed; one `Range: bytes=a-b`
     is honoured (206 Partial Content) to resume a cut download."""
     url = await _holder(state, _placement(request), trajectory_id)
-    headers = engine_headers(state.config.internal_token) | {"accept-encoding": "identity"}
+    headers = engine_headers(state.config.internal_token)
     if "range" in request.headers:
         headers["range"] = request.headers["range"]
-    upstream = state.http.build_request("GET", f"{url}/internal/rl/trajectories/{trajectory_id}", headers=headers,
-                                        timeout=httpx.Timeout(CONTROL_TIMEOUT_S, read=TRAJECTORY_READ_TIMEOUT_S))
-    try:
-        r = await state.http.send(upstream, stream=True)
-    except httpx.HTTPError as exc:
-        raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
-    if r.status_code not in (200, 206):
+    session, r = await _open_trajectory(f"{url}/internal/rl/trajectories/{trajectory_id}", headers)
+
+    async def close() -> None:
+        r.release()
+        await session.close()
+    if r.status not in (200, 206):
         try:
-            await r.aread()
+            raise _engine_error(r.status, await r.read())
         finally:
-            await r.aclose()
-        raise _engine_error(r)
-    # Relayed chunk by chunk: the next upstream read waits for the client to take the last chunk (back-pressure,
-    # bounded memory), and a client that goes away closes the upstream response (OwnedStream).
-    return OwnedStream(r.aiter_raw(), r.aclose, media_type="application/octet-stream", status_code=r.status_code,
+            await close()
+    # Relayed as read: the next upstream read waits for the client to take the last chunk (bounded memory), and
+    # a client that goes away closes the upstream response (OwnedStream runs `close` however the stream ends).
+    return OwnedStream(r.content.iter_any(), close, media_type="application/octet-stream", status_code=r.status,
                        headers={k: r.headers[k] for k in RELAYED_HEADERS if k in r.headers})
 
 
@@ -448,5 +466,5 @@ async def delete_trajectory(trajectory_id: str, request: Request, state: Gateway
     answer = await _delete(state, url, trajectory_id)
     placement.forget(trajectory_id)
     if answer is not None and answer.status_code != 200:
-        raise _engine_error(answer)
+        raise _engine_error(answer.status_code, answer.content)
     return {"trajectory_id": trajectory_id, "deleted": True}
