@@ -3,13 +3,13 @@ while the bytes pass, and while a client stops reading), the bytes are the gener
 resumes, the client helper decodes it in place, and a client that disconnects mid-fetch leaves no stream open."""
 import hashlib
 import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
 
+from bench.bench_trajectory_fetch import PeakRss
 from services.gateway.upstream import TOKEN_HEADER
 from services.rl.client import RLClient
 from tests.waiting import wait_until
@@ -20,34 +20,6 @@ BIG = {"prompts": [{"prompt": "a red cat"}], "group_size": 4, "size": "512x512",
        "guidance_scale": 1.0, "timestep_shift": 3.0, "seed": 3, "sde": {"kind": "flow", "steps": [0]},
        "return_images": False}
 RSS_BOUND = 96 * MB        # the old gateway held the whole blob (twice: httpx's body and the Response's)
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-class RssWatch:
-    """Samples a process's RSS every few ms in a thread; `.peak` the largest seen."""
-
-    def __init__(self, pid: int):
-        self.pid, self.peak, self._stop = pid, rss(pid), threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.003):
-            self.peak = max(self.peak, rss(self.pid))
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +43,8 @@ def test_big_trajectory_streams_with_bounded_gateway_memory(stack, big):
         assert r.status_code == 200
         for chunk in r.iter_raw():
             direct.update(chunk)
-    before, got, relayed = rss(gw), 0, hashlib.sha256()
-    with RssWatch(gw) as watch, httpx.stream("GET", f"{stack.base}/v1/rl/trajectories/{tid}", timeout=120) as r:
+    got, relayed = 0, hashlib.sha256()
+    with PeakRss(gw) as watch, httpx.stream("GET", f"{stack.base}/v1/rl/trajectories/{tid}", timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
         size = int(r.headers["content-length"])
         assert r.headers["accept-ranges"] == "bytes"
@@ -81,7 +53,7 @@ def test_big_trajectory_streams_with_bounded_gateway_memory(stack, big):
             got += len(chunk)
     assert size == got >= 200 * MB
     assert relayed.hexdigest() == direct.hexdigest()               # the store's bytes, unchanged
-    assert watch.peak - before < RSS_BOUND, (watch.peak - before) / MB
+    assert watch.peak < RSS_BOUND, watch.peak / MB                    # above the gateway's RSS before the fetch
     # the client helper: one buffer, tensors viewing it, the rollout's numbers
     with RLClient(stack.base) as c:
         buf = c.trajectory_buffer(tid)
@@ -102,7 +74,7 @@ def test_big_trajectory_streams_with_bounded_gateway_memory(stack, big):
 def test_a_stalled_then_vanished_client_leaves_nothing(stack, big):
     tid, gw = big["trajectory_id"], stack.service_pids()["gateway"]
     assert streams(stack) == 0
-    before = rss(gw)
+    watch = PeakRss(gw)                                 # the gateway's RSS now is the base
     host, port = stack.base.rsplit("/", 1)[-1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
@@ -111,9 +83,9 @@ def test_a_stalled_then_vanished_client_leaves_nothing(stack, big):
     while got < 16 * MB:                                # read a part, then stop reading: back-pressure
         got += len(sock.recv(MB))
     assert streams(stack) == 1
-    with RssWatch(gw) as watch:
+    with watch:
         time.sleep(1.5)
-    assert watch.peak - before < RSS_BOUND, (watch.peak - before) / MB
+    assert watch.peak < RSS_BOUND, watch.peak / MB
     sock.close()                                        # the client goes away mid-fetch
     wait_until(lambda: streams(stack) == 0, 30, interval=0.1)   # generation's read was cancelled too
     r = httpx.get(f"{stack.base}/v1/rl/trajectories/{tid}", headers={"range": "bytes=0-7"}, timeout=30)
