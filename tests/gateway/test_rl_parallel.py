@@ -1,5 +1,5 @@
-"""RL on a multi-rank generation engine (CFG-parallel 2, sequence parallel 2; CPU, gloo) against the single-rank
-stack: the same seeds give the same rollout log-probs (1e-5, fp32 CPU), scoring reproduces them, and a live weight
+"""RL on a multi-rank generation engine (CFG-parallel 2 x sequence parallel 2: four ranks, both modes at once, one
+stack to start; CPU, gloo) against the single-rank stack: the same seeds give the same rollout log-probs (1e-5, fp32 CPU), scoring reproduces them, and a live weight
 update reaches every rank (the rollouts of both stacks agree again under the new weights, which they would not if
 a rank kept the old ones: with CFG-parallel rank 1 computes the unconditional branch, with SP half the tokens)."""
 import httpx
@@ -18,7 +18,7 @@ BODY = {"prompts": [{"prompt": "a red cat"}, {"prompt": "a blue dog"}], "group_s
 GEN_KEY = "language_model.model.layers.0.mlp_mot_gen.down_proj.weight"
 
 
-@pytest.fixture(scope="module", params=[["--gen-cfg-parallel", "2"], ["--gen-sp", "2"]], ids=["cfgp2", "sp2"])
+@pytest.fixture(scope="module", params=[["--gen-cfg-parallel", "2", "--gen-sp", "2"]], ids=["cfgp2-sp2"])
 def par_stack(request, tiny_checkpoint, tmp_path_factory):
     from tests.system.stackproc import RunningStack
     s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-par")), extra=request.param)
