@@ -126,15 +126,20 @@ def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str
             jrid = f"{rid}-rl{first}"
             own, expected_images = extra(p, first, n)
             fields = {**_sampling_fields(req, w, h, mode), "request_id": jrid, "n": n, **own}
-            jobs.append(RLJob(_prefix(jrid, req, p, images[p], salt, think(p, first) if own_think else {}), fields,
+            # a cache domain per prompt: no prompt reads another's pages (see _own_salt)
+            psalt = f"{salt}-{p}" if salt else None
+            jobs.append(RLJob(_prefix(jrid, req, p, images[p], psalt, think(p, first) if own_think else {}), fields,
                               "b64_json", False, path=path, images=expected_images, first_sample=first))
     return jobs
 
 
 def _own_salt(request: Request, state: GatewayState, rid: str) -> str:
-    """A prefix-cache domain of this request alone: every prefix is computed the same way (cold, never partly
-    from the radix cache, whose reused and recomputed tokens differ from a full prefill in the last bits), so a
-    replayed rollout gets the same prefix KV and the same trajectory bit for bit."""
+    """A prefix-cache domain of this request alone (and _plan gives each prompt its own inside it): every prefix is
+    computed the same way, cold, never partly from the radix cache, whose reused and recomputed tokens differ from
+    a full prefill in the last bits. One domain per request was not enough: the prompts' unconditional prefixes
+    are the same tokens, so prompt 2's read prompt 1's pages or not depending on whether those were in the radix
+    tree yet when it started (timing: a loaded machine gave prompt 2's samples other bits, ~1e-7, in 1 of 6
+    replays); a replayed rollout now gets the same prefix KV and the same trajectory bit for bit."""
     seen = f"{cache_salt(request, state, None) or ''}\0{rid}".encode()
     return "rl-" + hashlib.sha256(seen).hexdigest()[:32]
 
