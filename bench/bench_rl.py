@@ -32,6 +32,7 @@ import time
 import httpx
 
 from bench.bench_weight_update import write_gen_update
+from bench.bench_trajectory_fetch import fetch_raw
 from bench.stack import exit_status, prepare_model, run_all, stack_args
 from services.contract.limits import MAX_IMAGES_PER_REQUEST as MAX_IMAGES
 
@@ -57,15 +58,13 @@ async def rollout_once(c: httpx.AsyncClient, body: dict) -> dict:
     resp = _ok(await c.post("/v1/rl/rollout", json=body))
     t_roll = time.perf_counter() - t0
     t1 = time.perf_counter()
-    r = await c.get(f"/v1/rl/trajectories/{resp['trajectory_id']}")
-    if r.status_code != 200:
-        raise RuntimeError(f"trajectory fetch: HTTP {r.status_code}")
+    nbytes = await asyncio.to_thread(fetch_raw, str(c.base_url).rstrip("/"), resp["trajectory_id"])   # streamed
     t_traj = time.perf_counter() - t1
     await c.delete(f"/v1/rl/trajectories/{resp['trajectory_id']}")
     images = len(resp["samples"])
     assert all(s["image"] for s in resp["samples"]) and all(
         any(lp is not None for lp in s["logprobs"]) for s in resp["samples"])
-    return {"seconds": t_roll, "trajectory_s": t_traj, "trajectory_mb": len(r.content) / 2 ** 20, "images": images,
+    return {"seconds": t_roll, "trajectory_s": t_traj, "trajectory_mb": nbytes / 2 ** 20, "images": images,
             "prefill": resp["prefill"], "prefill_max_s": resp.get("timings", {}).get("prefill_max_s")}
 
 

@@ -4,7 +4,8 @@ A trajectory is one rollout's samples, filled in parts (one part per generation 
 or one sample with its own think prefix), each keyed by its first sample's index. Bounded by bytes: the least
 recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_found`). The wire format is
 safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
-`sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON.
+`sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON. `blob()` serves
+those bytes as views of the stored arrays (streamed by range, never joined: a trajectory is GBs).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import collections
 import json
 import threading
 from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
 import numpy as np
 
 from services.kit.errors import APIError, bad_request
@@ -20,6 +23,51 @@ from services.kit.errors import APIError, bad_request
 def not_found(tid: str) -> APIError:
     return APIError(404, f"trajectory {tid!r} not found (never stored, deleted, or evicted: the store is bounded "
                     "by --rl-trajectory-store-mb)", param="trajectory_id", code="trajectory_not_found")
+
+
+CHUNK_BYTES = 4 << 20          # one streamed piece: large enough that per-chunk overheads vanish, small next to RAM
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A safetensors file as a list of buffers (its header, then each tensor's bytes, possibly in several arrays)
+    served by byte range without ever joining them. The layout is safetensors' own: tensors ordered by dtype
+    (wider first) then name, the header JSON padded with spaces to 8 bytes so every f32 tensor is aligned."""
+    pieces: tuple[memoryview, ...]
+    size: int
+
+    @classmethod
+    def of(cls, tensors: list[tuple[str, str, Optional[list[int]], list[np.ndarray]]], metadata: dict) -> "Blob":
+        """`tensors`: (name, safetensors dtype, shape (None: the one array's), arrays whose bytes in order form
+        the tensor), already in safetensors order."""
+        header: dict = {"__metadata__": metadata}
+        pieces, offset = [], 0
+        for name, dtype, shape, arrays in tensors:
+            views = [memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays]
+            n = sum(v.nbytes for v in views)
+            header[name] = {"dtype": dtype, "shape": list(arrays[0].shape) if shape is None else shape,
+                            "data_offsets": [offset, offset + n]}
+            pieces += views
+            offset += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        first = memoryview(len(head).to_bytes(8, "little") + head)
+        return cls((first, *pieces), first.nbytes + offset)
+
+    def chunks(self, start: int = 0, end: Optional[int] = None, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        """Bytes [start, end) as views of at most `size` bytes."""
+        end = self.size if end is None else end
+        pos = 0
+        for piece in self.pieces:
+            lo, hi = max(start - pos, 0), min(end - pos, piece.nbytes)
+            for a in range(lo, hi, size):
+                yield piece[a:min(a + size, hi)]
+            pos += piece.nbytes
+            if pos >= end:
+                return
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.chunks())
 
 
 @dataclass
@@ -62,6 +110,7 @@ class TrajectoryStore:
         self._lock = threading.Lock()
         self._items: collections.OrderedDict[str, Trajectory] = collections.OrderedDict()
         self._bytes = 0
+        self.streams = 0                     # GETs being streamed (event-loop only; /health shows it)
 
     def put(self, tid: str, first_sample: int, part: Part) -> None:
         """Add a part; evicts least recently used trajectories (never the one being filled) to stay in bounds.
@@ -104,22 +153,26 @@ class TrajectoryStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"trajectories": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes}
+            return {"trajectories": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "streams": self.streams}
 
     # -- wire format -----------------------------------------------------------------------------------------
-    def to_safetensors(self, tid: str) -> bytes:
-        from safetensors.numpy import save
+    def blob(self, tid: str) -> "Blob":
+        """The trajectory's safetensors bytes as views of the stored arrays (nothing of the latents is copied)."""
         traj = self.get(tid)
         parts = [traj.parts[k] for k in sorted(traj.parts)]
         meta0 = parts[0].meta
         mask = np.zeros(len(meta0["timesteps"]) - 1, dtype=np.uint8)
         mask[list(meta0["sde_steps"])] = 1
-        tensors = {"latents": np.ascontiguousarray(np.concatenate([p.latents for p in parts])),
-                   "logprobs": np.ascontiguousarray(np.concatenate([p.logprobs for p in parts])),
-                   "timesteps": np.asarray(meta0["timesteps"], dtype=np.float32), "sde_mask": mask}
         meta = {k: v for k, v in meta0.items() if k != "timesteps"}
         meta["samples"] = [s for p in parts for s in p.meta.get("samples", [])]
-        return save(tensors, metadata={"u1serve": json.dumps(meta), "trajectory_id": tid})
+        lat = parts[0].latents
+        tensors = [("latents", "F32", [sum(p.latents.shape[0] for p in parts), *lat.shape[1:]],
+                    [p.latents for p in parts]),
+                   ("logprobs", "F32", None, [np.concatenate([p.logprobs for p in parts])]),
+                   ("timesteps", "F32", None, [np.asarray(meta0["timesteps"], dtype=np.float32)]),
+                   ("sde_mask", "U8", None, [mask])]
+        return Blob.of(tensors, {"trajectory_id": tid, "u1serve": json.dumps(meta)})
 
     def put_safetensors(self, tid: str, blob: bytes) -> int:
         """Store an uploaded trajectory (the GET format) as one part; returns its sample count. 400 on a blob that

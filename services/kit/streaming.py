@@ -1,6 +1,7 @@
 """Streamed responses that cannot be held hostage by their client.
 
-- `OwnedStream`: the one way a service answers with SSE (gateway, understanding, generation). It closes its body
+- `OwnedStream`: the one way a service answers with SSE (gateway, understanding, generation) or relays a large
+  binary body (RL trajectories). It closes its body
   and then runs its `on_close` however the response ends: finished, failed, cut, or the client gone before the
   body even started (an async generator that never started runs no `finally`, so the cleanup of the work it
   relays cannot live there).
@@ -31,8 +32,10 @@ class OwnedStream(StreamingResponse):
     """An SSE response that closes its body and then runs `on_close` however it ends (finished, failed, or the
     client gone before or while it streamed), so the upstream work it relays is never left running."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
-        super().__init__(body, media_type="text/event-stream", headers=sse.HEADERS)
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], *,
+                 media_type: str = "text/event-stream", headers: Optional[dict] = None, status_code: int = 200):
+        super().__init__(body, status_code=status_code, media_type=media_type,
+                         headers=sse.HEADERS if headers is None else headers)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -76,6 +76,7 @@ class TrainConfig:
     think_max_tokens: int = 16
     think_temperature: float = 1.0
     text_weight: float = 1.0
+    text_lr: Optional[float] = None           # the LM head's learning rate (MixGRPO's think tokens); None: lr
     train_branch: Optional[str] = None        # "gen" | "und" | "both"; default: gen, both for mix-grpo
 
     def __post_init__(self):
@@ -116,9 +117,19 @@ class Trainer:
         self.log = log
         self.rng = random.Random(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.999),
+        self.opt = torch.optim.AdamW(self.param_groups(), lr=cfg.lr, betas=(0.9, 0.999),
                                      weight_decay=cfg.weight_decay, eps=1e-8)
         self.iteration = 0
+
+    def param_groups(self) -> list[dict]:
+        """The trained parameters; the LM head (only the think tokens read it) at `text_lr` when set. Each token's
+        logit has its own row there, seen only when that token is sampled, so at the image's learning rate the
+        think policy barely moves in a few iterations (docs/rl.md "Trainers")."""
+        named = [(n, p) for n, p in self.policy.model.named_parameters() if p.requires_grad]
+        head = [p for n, p in named if "lm_head" in n]
+        if self.cfg.text_lr is None or not head:
+            return [{"params": [p for _, p in named]}]
+        return [{"params": [p for n, p in named if "lm_head" not in n]}, {"params": head, "lr": self.cfg.text_lr}]
 
     # ------------------------------------------------------------------------------------------ hooks
     def sde(self) -> dict:

@@ -88,10 +88,10 @@ class U1ServeRollout(BaseRollout):
         cols = steps + [steps[-1] + 1] if steps else [traj.latents.shape[1] - 1]
         samples = resp["samples"]
         tensors = {
-            "all_latents": traj.latents[:, cols][rows],
-            "all_log_probs": traj.logprobs[:, steps][rows],
+            "all_latents": traj.latents[rows[:, None], torch.tensor(cols)],     # one gather: one copy
+            "all_log_probs": traj.logprobs[rows[:, None], torch.tensor(steps, dtype=torch.long)],
             "all_timesteps": traj.timesteps[steps].expand(len(order), -1).contiguous(),
-            "images": (traj.latents[:, -1].float() * 0.5 + 0.5).clamp(0, 1)[rows],
+            "images": (traj.latents[rows, -1] * 0.5 + 0.5).clamp_(0, 1),
         }
         non_tensors = {
             "prompt": np.array(texts, dtype=object),

@@ -6,6 +6,8 @@ import base64
 import io
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -206,3 +208,21 @@ def test_sampled_think_never_holds_image_markers_and_always_rescores(client, tin
     assert sum(map(len, ids)) >= 24 and not excluded & {t for row in ids for t in row}
     sc = score(client, {**body, "trajectory_id": out["trajectory_id"], "think_token_ids": ids})
     close(sc["logprobs"], [s["logprobs"] for s in out["samples"]])
+
+
+def test_replays_are_bit_exact_under_cpu_load(client):
+    """Same seeds, same weights: the same trajectory bit for bit, also while other processes load every core (the
+    prompts' prefixes once read each other's cached pages or not depending on timing; _own_salt)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        runs = []
+        for _ in range(4):
+            out = rollout(client, sde={"kind": "flow", "noise_level": 0.9})
+            blob = client.get(f"/v1/rl/trajectories/{out['trajectory_id']}").content
+            client.delete(f"/v1/rl/trajectories/{out['trajectory_id']}")
+            runs.append((load(blob)[0]["latents"].tobytes(), [s["logprobs"] for s in out["samples"]]))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert all(r == runs[0] for r in runs[1:])

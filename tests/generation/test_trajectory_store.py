@@ -20,14 +20,14 @@ def test_parts_assemble_in_order_and_round_trip():
     st = TrajectoryStore(1 << 20)
     st.put("t", 2, part(2, 2))
     st.put("t", 0, part(2, 0))
-    t = load(st.to_safetensors("t"))
+    t = load(st.blob("t").tobytes())
     assert t["latents"].shape == (4, 3, 3, 4, 4) and t["latents"][:, 0, 0, 0, 0].tolist() == [0, 0, 2, 2]
     assert t["sde_mask"].tolist() == [1, 0] and t["timesteps"].tolist() == [0.0, 0.5, 1.0]
     assert st.latents("t", 1, 2, 2, 4, 4)[:, 0, 0, 0, 0].tolist() == [0, 2]
     with pytest.raises(APIError) as e:
         st.latents("t", 0, 4, 3, 4, 4)                         # wrong number of steps
     assert e.value.code == "trajectory_mismatch"
-    assert st.put_safetensors("u", st.to_safetensors("t")) == 4
+    assert st.put_safetensors("u", st.blob("t").tobytes()) == 4
 
 
 def test_lru_by_bytes():

@@ -25,11 +25,11 @@ def run_rl_train(base: str, *flags: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def assert_clear_rise(means: list[float], stds: list[float]) -> None:
+def assert_clear_rise(means: list[float], stds: list[float], errors: float = 10) -> None:
     rise = sum(means[-3:]) / 3 - sum(means[:3]) / 3
     se_one = [s / math.sqrt(SAMPLES) for s in stds[:3] + stds[-3:]]         # standard error of one iteration
     se = math.sqrt(sum(s * s for s in se_one)) / 3                          # of the difference of the means
-    assert rise > 10 * se, f"rise {rise:.3g} vs standard error {se:.3g}: {means}"
+    assert rise > errors * se, f"rise {rise:.3g} vs standard error {se:.3g}: {means}"
 
 
 @pytest.mark.parametrize("algo", ["flow-grpo", "dance-grpo", "mix-grpo"])
@@ -49,8 +49,12 @@ def test_reward_rises(rl_stack, algo):
     if algo != "mix-grpo":
         assert_clear_rise([r["reward_mean"] for r in records], [r["reward_std"] for r in records])
         return
-    # MixGRPO: one advantage from the image and the think rewards, each normalised in its group; the image term is
-    # measured precisely (its spread is small), the think term (random text, large spread) is reported
+    # MixGRPO: one advantage from the image and the think rewards, each normalised in its group; BOTH terms rise:
+    # the image term (small spread) by 10 standard errors, the think term (share of lowercase letters in the
+    # sampled think text, in [0, 1], large spread) by 0.2 and 5 standard errors
     assert_clear_rise([r["rewards"]["brightness"] for r in records], [r["rewards_std"]["brightness"] for r in records])
+    text = [r["rewards"]["think-chars"] for r in records]
+    assert sum(text[-3:]) / 3 - sum(text[:3]) / 3 > 0.2, text
+    assert_clear_rise(text, [r["rewards_std"]["think-chars"] for r in records], errors=5)
     assert len({tuple(r["sde_steps"]) for r in records}) > 1        # the SDE window moved
     assert all(r["text_loss"] != 0 and r["text_ratio_err_first"] < 1e-4 for r in records)

@@ -10,6 +10,7 @@ goes away is undone as an image job is (engines stopped, pages released) and its
 from __future__ import annotations
 
 import asyncio
+import json
 import base64
 import binascii
 import hashlib
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import aiohttp
 import httpx
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
@@ -29,6 +31,7 @@ from services.contract.image import PrefixRequest
 from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
                                   ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
+from services.kit.streaming import OwnedStream
 from services.kit.web import ParsedJsonRoute, until_disconnect
 
 from ..context import cache_salt, gateway, request_id
@@ -39,6 +42,8 @@ from ..upstream import CONTROL_TIMEOUT_S, engine_headers
 
 router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 MAX_REMEMBERED_TRAJECTORIES = 4096
+TRAJECTORY_READ_TIMEOUT_S = 300.0       # between two chunks of a trajectory from generation
+RELAY_READ_BYTES = 4 << 20              # the largest chunk the trajectory relay reads from generation at once
 
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -121,15 +126,20 @@ def _plan(req, rid: str, images: list[list[str]], salt: Optional[str], path: str
             jrid = f"{rid}-rl{first}"
             own, expected_images = extra(p, first, n)
             fields = {**_sampling_fields(req, w, h, mode), "request_id": jrid, "n": n, **own}
-            jobs.append(RLJob(_prefix(jrid, req, p, images[p], salt, think(p, first) if own_think else {}), fields,
+            # a cache domain per prompt: no prompt reads another's pages (see _own_salt)
+            psalt = f"{salt}-{p}" if salt else None
+            jobs.append(RLJob(_prefix(jrid, req, p, images[p], psalt, think(p, first) if own_think else {}), fields,
                               "b64_json", False, path=path, images=expected_images, first_sample=first))
     return jobs
 
 
 def _own_salt(request: Request, state: GatewayState, rid: str) -> str:
-    """A prefix-cache domain of this request alone: every prefix is computed the same way (cold, never partly
-    from the radix cache, whose reused and recomputed tokens differ from a full prefill in the last bits), so a
-    replayed rollout gets the same prefix KV and the same trajectory bit for bit."""
+    """A prefix-cache domain of this request alone (and _plan gives each prompt its own inside it): every prefix is
+    computed the same way, cold, never partly from the radix cache, whose reused and recomputed tokens differ from
+    a full prefill in the last bits. One domain per request was not enough: the prompts' unconditional prefixes
+    are the same tokens, so prompt 2's read prompt 1's pages or not depending on whether those were in the radix
+    tree yet when it started (timing: a loaded machine gave prompt 2's samples other bits, ~1e-7, in 1 of 6
+    replays); a replayed rollout now gets the same prefix KV and the same trajectory bit for bit."""
     seen = f"{cache_salt(request, state, None) or ''}\0{rid}".encode()
     return "rl-" + hashlib.sha256(seen).hexdigest()[:32]
 
@@ -367,15 +377,16 @@ async def _upload(state: GatewayState, url: str, tid: str, blob: bytes) -> None:
     except httpx.HTTPError as exc:
         raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
     if r.status_code != 200:
-        raise _engine_error(r)
+        raise _engine_error(r.status_code, r.content)
 
 
-def _engine_error(r: httpx.Response) -> APIError:
+def _engine_error(status: int, body: bytes) -> APIError:
+    """Generation's OpenAI-shaped refusal, passed on (502 when it is not one)."""
     try:
-        err = r.json()["error"]
-        return APIError(r.status_code, err["message"], param=err.get("param"), code=err.get("code"))
+        err = json.loads(body)["error"]
+        return APIError(status, err["message"], param=err.get("param"), code=err.get("code"))
     except (ValueError, KeyError, TypeError):
-        return APIError(502, f"generation answered {r.status_code}", code="upstream_error")
+        return APIError(502, f"generation answered {status}", code="upstream_error")
 
 
 async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
@@ -399,25 +410,57 @@ async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
                    code="trajectory_not_found")
 
 
-TRAJECTORY_DOC = {200: {"description": "safetensors bytes: latents f32 [S, N+1, 3, H, W], timesteps f32 [N+1], "
+TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Length set): latents f32 [S, N+1, 3, H, W], timesteps f32 [N+1], "
                                        "logprobs f32 [S, N] (NaN on ODE steps), sde_mask u8 [N]; metadata "
                                        "'u1serve' = JSON of the rollout parameters and weights_version",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                  404: ERRORS[400] | {"description": "unknown or evicted trajectory"}}
+                  206: {"description": "the bytes of the one range asked (`Range: bytes=a-b`), with Content-Range",
+                        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                  404: ERRORS[400] | {"description": "unknown or evicted trajectory"},
+                  416: ERRORS[400] | {"description": "the range lies past the end"}}
+
+
+RELAYED_HEADERS = ("content-length", "content-range", "accept-ranges")
+
+
+async def _open_trajectory(url: str, headers: dict) -> tuple[aiohttp.ClientSession,
+                                                                                   aiohttp.ClientResponse]:
+    """The upstream GET, its body not yet read. aiohttp rather than the gateway's httpx client for this one
+    relay: httpcore reads a body 64 KiB at a time and spent 6x the CPU per byte here (a GB-sized body is
+    CPU-bound in the gateway; docs/benchmarks/rl.md); aiohttp reads what the socket has, up to
+    RELAY_READ_BYTES, and stops reading (TCP back-pressure) while twice that waits unsent."""
+    session = aiohttp.ClientSession(read_bufsize=RELAY_READ_BYTES, auto_decompress=False,
+                                    timeout=aiohttp.ClientTimeout(sock_connect=CONTROL_TIMEOUT_S,
+                                                                  sock_read=TRAJECTORY_READ_TIMEOUT_S))
+    try:
+        return session, await session.get(url, headers=headers)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        await session.close()
+        raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
 
 
 @router.get("/v1/rl/trajectories/{trajectory_id}", response_class=Response, responses=TRAJECTORY_DOC)
 async def get_trajectory(trajectory_id: str, request: Request, state: GatewayState = Depends(gateway)):
-    """A rollout's trajectory as safetensors bytes (application/octet-stream)."""
+    """A rollout's trajectory as safetensors bytes (application/octet-stream), streamed; one `Range: bytes=a-b`
+    is honoured (206 Partial Content) to resume a cut download."""
     url = await _holder(state, _placement(request), trajectory_id)
-    try:
-        r = await state.http.get(f"{url}/internal/rl/trajectories/{trajectory_id}",
-                                 headers=engine_headers(state.config.internal_token), timeout=300.0)
-    except httpx.HTTPError as exc:
-        raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
-    if r.status_code != 200:
-        raise _engine_error(r)
-    return Response(r.content, media_type="application/octet-stream")
+    headers = engine_headers(state.config.internal_token)
+    if "range" in request.headers:
+        headers["range"] = request.headers["range"]
+    session, r = await _open_trajectory(f"{url}/internal/rl/trajectories/{trajectory_id}", headers)
+
+    async def close() -> None:
+        r.release()
+        await session.close()
+    if r.status not in (200, 206):
+        try:
+            raise _engine_error(r.status, await r.read())
+        finally:
+            await close()
+    # Relayed as read: the next upstream read waits for the client to take the last chunk (bounded memory), and
+    # a client that goes away closes the upstream response (OwnedStream runs `close` however the stream ends).
+    return OwnedStream(r.content.iter_any(), close, media_type="application/octet-stream", status_code=r.status,
+                       headers={k: r.headers[k] for k in RELAYED_HEADERS if k in r.headers})
 
 
 @router.delete("/v1/rl/trajectories/{trajectory_id}", responses={404: ERRORS[400]})
@@ -428,5 +471,5 @@ async def delete_trajectory(trajectory_id: str, request: Request, state: Gateway
     answer = await _delete(state, url, trajectory_id)
     placement.forget(trajectory_id)
     if answer is not None and answer.status_code != 200:
-        raise _engine_error(answer)
+        raise _engine_error(answer.status_code, answer.content)
     return {"trajectory_id": trajectory_id, "deleted": True}

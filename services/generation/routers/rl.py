@@ -3,7 +3,8 @@
     POST   /internal/rl/rollout              RolloutJobRequest -> SSE: queued, progress..., image... (when asked),
                                              rl_result (log-probs, grid, weights version), [DONE]
     POST   /internal/rl/score                ScoreJobRequest   -> SSE: queued, progress..., rl_result, [DONE]
-    GET    /internal/rl/trajectories/{id}    safetensors bytes (trajectory_store.py); .../info: its size
+    GET    /internal/rl/trajectories/{id}    safetensors bytes, streamed, Range honoured (trajectory_store.py);
+                                             .../info: its size
     POST   /internal/rl/trajectories/{id}    store an uploaded trajectory (safetensors bytes)
     DELETE /internal/rl/trajectories/{id}
 
@@ -19,12 +20,14 @@ import logging
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.contract.image import CacheOptions
 from services.contract.rl import RolloutJobRequest, ScoreJobRequest
 from services.kit.errors import APIError, from_validation
+from services.kit.ranges import byte_range
+from services.kit.streaming import OwnedStream
 from services.kit.web import json_body
 
 from ..inputs import check_handles, handles_of
@@ -100,8 +103,28 @@ async def score(request: Request):
 
 @router.get("/internal/rl/trajectories/{tid}")
 async def get_trajectory(tid: str, request: Request):
-    blob = await asyncio.to_thread(app_state(request).trajectories.to_safetensors, tid)
-    return Response(blob, media_type="application/octet-stream")
+    """The safetensors bytes streamed from the stored arrays (no copy of the latents), one `Range: bytes=a-b`
+    honoured (206) so a trainer can resume a cut fetch."""
+    st = app_state(request)
+    blob = st.trajectories.blob(tid)
+    span = byte_range(request.headers.get("range"), blob.size)
+    headers = {"accept-ranges": "bytes"}
+    if span is None:
+        start, end, status = 0, blob.size, 200
+    else:
+        start, end, status = span[0], span[1], 206
+        headers["content-range"] = f"bytes {start}-{end - 1}/{blob.size}"
+    headers["content-length"] = str(end - start)
+
+    async def body():
+        for chunk in blob.chunks(start, end):
+            yield chunk
+
+    st.trajectories.streams += 1
+
+    async def closed() -> None:
+        st.trajectories.streams -= 1
+    return OwnedStream(body(), closed, media_type="application/octet-stream", headers=headers, status_code=status)
 
 
 @router.get("/internal/rl/trajectories/{tid}/info")
