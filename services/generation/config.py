@@ -34,6 +34,10 @@ class GenerationConfig:
     device: str = field(default="cuda", metadata=flag("where the engine ranks run", choices=("cpu", "cuda")))
     dtype: str = field(default="bfloat16", metadata=flag("model dtype", choices=DTYPES))
     kv_pool_name: str = field(default="u1serve-kv", metadata=flag("shm_transfer pool to attach"))
+    kv_pool_follow_handles: str = field(default="off", metadata=flag(
+        "on: where no pool of --kv-pool-name exists, attach the shm pool each handle names (Ray replicas, whose "
+        "understanding neighbours name their own pools); off: such a handle is 503 kv_pool_unavailable",
+        choices=("on", "off")))
     # ranks
     cfg_parallel: int = field(default=1, metadata=flag("engine ranks; CFG branches are spread over them"))
     sp: int = field(default=1, metadata=flag(

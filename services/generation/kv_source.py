@@ -3,8 +3,9 @@ producer restart, claim, import, release.
 
 Handles say which transport moves their bytes: "shm" (the same-host pool `pool_name`, created by the
 understanding service, which may start after us or restart) or "nixl" (the producer's pool read over
-the network). Each transport is opened on the first handle that needs it. With no pool of our own name on the
-host (a Ray replica: its understanding neighbours name their pools), shm opens on the pool the handle names.
+the network). Each transport is opened on the first handle that needs it. With `follow_handles` (a Ray replica:
+its understanding neighbours name their pools) and no pool of our own name on the host, shm opens on the pool the
+handle names; without it such a handle is 503 (a stack never reads a pool it was not configured for).
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def handle_error_to_api(e) -> APIError:
 
 class PrefixSource:
     def __init__(self, pool_name: str, fingerprint: str, device: torch.device,
-                 attach_timeout_s: float = 1.0, geometry: tuple | None = None):
+                 attach_timeout_s: float = 1.0, geometry: tuple | None = None, follow_handles: bool = False):
         """geometry: (num_layers, num_kv_heads, head_dim, dtype) the engine's buffers use."""
         self.pool_name = pool_name
+        self.follow_handles = follow_handles
         self.fingerprint = fingerprint
         self.device = device
         self.geometry = geometry
@@ -75,7 +77,8 @@ class PrefixSource:
             try:
                 t = attach(self.pool_name, self.attach_timeout_s)
             except (PoolError, FileNotFoundError, OSError):
-                if handle is None or getattr(handle, "pool_name", self.pool_name) == self.pool_name:
+                if (not self.follow_handles or handle is None
+                        or getattr(handle, "pool_name", self.pool_name) == self.pool_name):
                     raise
                 t = attach(handle.pool_name, 0)   # the transport follows other pools from there
             try:

@@ -18,8 +18,9 @@ log = logging.getLogger("u1serve.generation")
 
 
 class HandleKeeper:
-    def __init__(self, pool_name: str, fingerprint: Optional[str]):
+    def __init__(self, pool_name: str, fingerprint: Optional[str], follow_handles: bool = False):
         self.pool_name = pool_name
+        self.follow_handles = follow_handles
         self.fingerprint = fingerprint or ""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._source = None
@@ -67,5 +68,6 @@ class HandleKeeper:
             import torch
 
             from .kv_source import PrefixSource
-            self._source = PrefixSource(self.pool_name, self.fingerprint, torch.device("cpu"))
+            self._source = PrefixSource(self.pool_name, self.fingerprint, torch.device("cpu"),
+                                        follow_handles=self.follow_handles)
         return self._source

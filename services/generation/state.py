@@ -58,7 +58,7 @@ class GenerationState:
                on_give_up: Callable[[str], None] = lambda why: None) -> "GenerationState":
         metrics = GenerationMetrics()
         fingerprint = _model_fingerprint(cfg.model)
-        keeper = HandleKeeper(cfg.kv_pool_name, fingerprint)
+        keeper = HandleKeeper(cfg.kv_pool_name, fingerprint, cfg.kv_pool_follow_handles == "on")
         engine = EngineSupervisor(cfg, keeper, on_give_up=on_give_up, max_queued=server.max_queued_requests,
                                   max_queue_wait_s=server.max_queue_wait_s)
         state = cls(

@@ -144,7 +144,8 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     model.eval()
     attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
     source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
-                          geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype))
+                          geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype),
+                          follow_handles=cfg.kv_pool_follow_handles == "on")
     gate = yield_gate(cfg, device)
     main = Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs,
                   graph_segment_layers=cfg.graph_segment_layers)

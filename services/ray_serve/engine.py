@@ -46,6 +46,8 @@ def engine_spec(kind: str, settings: RayAppSettings, host: str, port: int, pool:
     argv = _with(_with(_with(spec.argv, "--host", host), "--port", str(port)), "--kv-pool-name", pool)
     if kind == "und":
         argv += ["--kv-transport", settings.kv_transport, "--kv-advertise-host", host]
+    else:   # its understanding neighbours on the node name their own pools
+        argv += ["--kv-pool-follow-handles", "on"]
     env = {k: v for k, v in spec.env.items() if k != "CUDA_VISIBLE_DEVICES"}   # Ray's assignment stays
     return ServiceSpec(NAMES[kind], argv, f"http://{host}:{port}/health", env)
 

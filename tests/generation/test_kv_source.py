@@ -71,10 +71,18 @@ def test_missing_pool_is_a_503(name):
 
 
 def test_without_its_own_pool_it_opens_the_pool_a_handle_names(name):
-    """A Ray replica's generation engine: no understanding service made a pool of its name; its neighbours' pools
-    (one per understanding replica on the node) are named by the handles."""
+    """A Ray replica's generation engine (follow_handles): no understanding service made a pool of its name; its
+    neighbours' pools (one per understanding replica on the node) are named by the handles. Without follow_handles
+    (u1serve up) a handle of another pool is refused: 503, the stack reads only the pool it was given."""
     with ShmKVPool.create(f"{name}-und", LAY, 4 * LAY.page_bytes, FP) as pool:
-        src = PrefixSource(f"{name}-own", FP, torch.device("cpu"), attach_timeout_s=0.1)
+        strict = PrefixSource(f"{name}-own", FP, torch.device("cpu"), attach_timeout_s=0.1)
+        other = pool.allocate(2, 30)
+        with pytest.raises(APIError) as e:
+            strict.import_into(other, torch.zeros(LAY.kv_shape(2)))
+        assert e.value.status == 503 and e.value.code == "kv_pool_unavailable"
+        pool.release(other)
+        strict.close()
+        src = PrefixSource(f"{name}-own", FP, torch.device("cpu"), attach_timeout_s=0.1, follow_handles=True)
         held, h = pool.allocate(3, lease_s=0.5), pool.allocate(5, 30)
         src.claim([held.to_dict()])
         time.sleep(0.7)
