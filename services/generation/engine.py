@@ -58,6 +58,20 @@ class _Rows(NamedTuple):
     z: torch.Tensor
 
 
+class _Pack(NamedTuple):
+    """A step's rows, built once from its jobs (`Engine._pack`): every job's _Rows (in job order), this
+    rank's embedded rows and positions of each job that runs, the step cache's (job, branch) groups, the
+    SP segment lengths, each job's LoRA run, and the row counts."""
+    plan: list[_Rows]
+    inputs: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    groups: list[CacheGroup]
+    segments: list[int]
+    runs: list
+    local_rows: int         # rows on this rank
+    rows: int               # rows of the whole forward (canonical)
+
+
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
                  yield_gate: YieldGate | None = None, cuda_graphs: str = "off", graph_segment_layers: int = 4):
@@ -157,24 +171,36 @@ class Engine:
     @torch.inference_mode()
     def step(self, jobs: list[JobState] | None = None) -> tuple[list[JobState], int]:
         """Advance every running job (or those of `jobs`) by one step. Returns (finished jobs, rows in the
-        forward)."""
+        forward). Pack the rows, run the layer stack, heads -> velocities, then (after the CFG gather)
+        combine and step each job."""
         jobs = list(self.running) if jobs is None else jobs
+        pack = self._pack(jobs)
+        local_v: list[torch.Tensor] = []
+        if pack.rows:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
+            hidden, layout, cache = self._forward(jobs, pack)
+            self._count_applied(pack, cache)
+            local_v = self._velocities(pack.plan, hidden, layout)
+        finished = self._advance(pack.plan, self.comm.gather_velocities(jobs, local_v))
+        self._retire(finished)
+        return finished, pack.local_rows
+
+    def _pack(self, jobs: list[JobState]) -> _Pack:
+        """Each job's rows of this step, embedded once per job and shared by its branches (rows
+        branch-major); this rank's rows of each (branch, image) segment are its tokens [lo, hi)."""
         sp = self.sp
         plan: list[_Rows] = []
-        rows, positions, groups, segments, runs = [], [], [], [], []
+        inputs, positions, groups, segments, runs = [], [], [], [], []
         r = c = 0                     # rows on this rank, rows of the whole forward (canonical)
         for job in jobs:
             act = job.active_local()
             z = sampler.patchify(job.x)
-            if not act:
+            if not act:               # no local branch this step: it still advances (others' velocities)
                 plan.append(_Rows(job, act, c, c, r, r, z))
                 continue
-            # Embeddings once per job and step, shared by its branches (rows branch-major); this
-            # rank's rows of each (branch, image) segment are its tokens [lo, hi).
             x_in = self.model.gen_embed(job.x, job.flow.t, job.noise_scale)
             lo, hi = sp.bounds(job.N)
             meta = job.meta(act)
-            rows.append(x_in[:, lo:hi].reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
+            inputs.append(x_in[:, lo:hi].reshape(-1, x_in.shape[-1]).repeat(len(act), 1))
             pos = meta.positions
             positions.append(pos if sp.world == 1 else
                              pos.view(3, -1, job.N)[:, :, lo:hi].reshape(3, -1))
@@ -186,38 +212,51 @@ class Engine:
             plan.append(_Rows(job, act, c, c + meta.write_idx.numel(), r, r + per * len(act), z))
             r += per * len(act)
             c += meta.write_idx.numel()
+        return _Pack(plan, inputs, positions, groups, segments, runs, r, c)
 
-        local_v: list[torch.Tensor] = []
-        if c:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
-            packed = torch.cat(rows) if len(rows) > 1 else rows[0]
-            pos = torch.cat(positions, dim=1)
-            spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in plan if p.act]
-            layout = sp.layout(segments, self.device) if sp.world > 1 else None
-            cache = None
-            if any(j.cache.mode != "off" for j in jobs):
-                cache = StepCache(groups, self._attend_for_groups, reduce=sp.sum_over_ranks if sp.world > 1 else None)
-            slots = step_slots(runs)
-            if self.graphs.enabled and graphable(self.device, slots is not None):
-                hidden = self._graphed_forward(spans, packed, pos, layout, cache)
-            else:
-                self.graphs.not_graphable()
-                # each (job, branch) block's rows as the reference's per-branch forward (row_blocks)
-                blocks = [] if cache is not None or layout is not None else [g.stop - g.start for g in groups]
-                with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device):
-                    hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout),
-                                                    cache)
-            fp8 = self.fp8(r)
-            for p in plan:
-                if p.act:
-                    p.job.count_applied(graphs=self.graphs.last != EAGER, fp8=fp8)
-            if cache is None:
-                for g in groups:
-                    g.state.computed += 1
-            for p, x_hat in self._heads(plan, hidden, layout):
-                for i in range(len(p.act)):
-                    local_v.append(sampler.velocity(x_hat[i], p.z, p.job.flow.t, p.job.spec.t_eps))
+    def _forward(self, jobs: list[JobState], pack: _Pack):
+        """The layer stack over the packed rows -> (hidden, SP row layout or None, step cache or None):
+        replayed from the step graphs where graphable (no LoRA rows), eager otherwise."""
+        sp = self.sp
+        packed = torch.cat(pack.inputs) if len(pack.inputs) > 1 else pack.inputs[0]
+        pos = torch.cat(pack.positions, dim=1)
+        spans = [(p.job, p.act, p.a, p.b, p.la, p.lb) for p in pack.plan if p.act]
+        layout = sp.layout(pack.segments, self.device) if sp.world > 1 else None
+        cache = None
+        if any(j.cache.mode != "off" for j in jobs):
+            cache = StepCache(pack.groups, self._attend_for_groups, reduce=sp.sum_over_ranks if sp.world > 1 else None)
+        slots = step_slots(pack.runs)
+        if self.graphs.enabled and graphable(self.device, slots is not None):
+            return self._graphed_forward(spans, packed, pos, layout, cache), layout, cache
+        self.graphs.not_graphable()
+        # each (job, branch) block's rows as the reference's per-branch forward (row_blocks)
+        blocks = [] if cache is not None or layout is not None else [g.stop - g.start for g in pack.groups]
+        with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device):
+            hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout), cache)
+        return hidden, layout, cache
 
-        v_all = self.comm.gather_velocities(jobs, local_v)
+    def _count_applied(self, pack: _Pack, cache: StepCache | None) -> None:
+        """What this step's forward applied, per job (graphs, fp8) and, without a step cache deciding it,
+        per (job, branch): a computed step."""
+        fp8 = self.fp8(pack.local_rows)
+        for p in pack.plan:
+            if p.act:
+                p.job.count_applied(graphs=self.graphs.last != EAGER, fp8=fp8)
+        if cache is None:
+            for g in pack.groups:
+                g.state.computed += 1
+
+    def _velocities(self, plan: list[_Rows], hidden: torch.Tensor, layout) -> list[torch.Tensor]:
+        """This rank's velocity per (job, active local branch), in plan order (what the CFG gather expects)."""
+        local_v = []
+        for p, x_hat in self._heads(plan, hidden, layout):
+            for i in range(len(p.act)):
+                local_v.append(sampler.velocity(x_hat[i], p.z, p.job.flow.t, p.job.spec.t_eps))
+        return local_v
+
+    def _advance(self, plan: list[_Rows], v_all: dict[str, dict]) -> list[JobState]:
+        """Per job: CFG combine of every branch's velocity, the preview, the Euler step (or the RL
+        transition), the new state. Returns the jobs whose schedule is done."""
         finished = []
         for p in plan:
             job = p.job
@@ -231,11 +270,14 @@ class Engine:
             job.x = sampler.unpatchify(z, job.th, job.tw)
             if job.flow.done:
                 finished.append(job)
+        return finished
+
+    def _retire(self, finished: list[JobState]) -> None:
+        """The finished leave the running set (and their graphs); their branch step counts are agreed."""
         for job in finished:
             self.running.remove(job)
             self.graphs.forget(job)         # the caller frees its KV next
         self._record_branch_steps(finished)
-        return finished, r
 
     def _graphed_forward(self, spans, packed: torch.Tensor, pos: torch.Tensor, layout, cache) -> torch.Tensor:
         """The layer stack through the engine's CUDA graphs (step_graph.py), in segments: the yield gate runs
