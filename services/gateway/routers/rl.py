@@ -415,9 +415,13 @@ TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Len
                                        "'u1serve' = JSON of the rollout parameters and weights_version",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                   206: {"description": "the bytes of the one range asked (`Range: bytes=a-b`), with Content-Range",
+                        "headers": {"Content-Range": {"description": "bytes FIRST-LAST/SIZE",
+                                                      "schema": {"type": "string"}}},
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                   404: ERRORS[400] | {"description": "unknown or evicted trajectory"},
-                  416: ERRORS[400] | {"description": "the range lies past the end"}}
+                  416: ERRORS[400] | {"description": "the range lies past the end",
+                                      "headers": {"Content-Range": {"description": "bytes */SIZE",
+                                                                    "schema": {"type": "string"}}}}}
 
 
 RANGE_HEADERS = ("content-range", "accept-ranges")       # a 206's, and a 416's `Content-Range: bytes */SIZE`
