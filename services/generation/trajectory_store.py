@@ -158,11 +158,15 @@ class TrajectoryStore:
 
     def get(self, tid: str) -> Trajectory:
         with self._lock:
-            traj = self._items.get(tid)
-            if traj is None:
-                raise not_found(tid)
-            self._items.move_to_end(tid)
-            return traj
+            return self._touch(tid)
+
+    def _touch(self, tid: str) -> Trajectory:
+        """The trajectory, now the most recently used (lock held; 404 when it is not stored)."""
+        traj = self._items.get(tid)
+        if traj is None:
+            raise not_found(tid)
+        self._items.move_to_end(tid)
+        return traj
 
     def delete(self, tid: str) -> bool:
         with self._lock:
@@ -183,10 +187,7 @@ class TrajectoryStore:
     def reader(self, tid: str) -> Reader:
         """A hold on the trajectory's bytes for one stream (404 when it is not stored); close it when done."""
         with self._lock:
-            traj = self._items.get(tid)
-            if traj is None:
-                raise not_found(tid)
-            self._items.move_to_end(tid)
+            traj = self._touch(tid)
             blob = _blob(tid, traj)
             traj.readers += 1
             self._streams += 1
