@@ -4,6 +4,7 @@ resumes (a 416 keeps its `Content-Range`), the client helper decodes it in place
 cutting TCP proxy in front of the gateway), a client that disconnects mid-fetch leaves no stream open, and a
 trajectory deleted mid-fetch still streams whole, then frees its memory."""
 import argparse
+import asyncio
 import hashlib
 import http.client
 import os
@@ -267,7 +268,6 @@ def test_the_fetch_bench_measures_on_the_stack(stack):
     minute): both ways of fetching timed, the gateway's RSS watched, the table written."""
     args = argparse.Namespace(prompts=1, group_size=2, size=64, steps=2, repeat=1,
                               log_dir=os.path.dirname(stack.run_dir))
-    import asyncio
     out = asyncio.run(measure(stack.base, args))
     assert [r["how"] for r in out["runs"]] == ["raw", "decoded"]
     assert all(r["mb"] > 0 and r["mb_per_s"] > 0 and r["gateway_peak_rss_mb"] >= 0 for r in out["runs"])
