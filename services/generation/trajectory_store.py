@@ -5,7 +5,10 @@ or one sample with its own think prefix), each keyed by its first sample's index
 recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_found`). The wire format is
 safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
 `sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON. `blob()` serves
-those bytes as views of the stored arrays (streamed by range, never joined: a trajectory is GBs).
+those bytes as views of the stored arrays (streamed by range, never joined: a trajectory is GBs); `reader()` is one
+GET's hold on them. A trajectory deleted or evicted while it is streamed leaves the store at once (404 for any new
+request), but its arrays live until the last open stream of it ends; `stats()` counts those bytes as
+`draining_bytes` (outside the store's bound) until then.
 """
 from __future__ import annotations
 
@@ -84,6 +87,8 @@ class Part:
 @dataclass
 class Trajectory:
     parts: dict[int, Part] = field(default_factory=dict)     # first sample index -> part
+    readers: int = 0                   # open streams of it (Reader)
+    draining: int = 0                  # its bytes, once it left the store while readers held it
 
     @property
     def nbytes(self) -> int:
@@ -104,13 +109,30 @@ class Trajectory:
         return out[0] if len(out) == 1 else np.concatenate(out)
 
 
+class Reader:
+    """One GET's hold on a trajectory: `blob` (views of its arrays) until `close()`, which the stream's cleanup
+    runs however it ends; the last reader of a deleted or evicted trajectory frees its draining bytes."""
+
+    def __init__(self, store: "TrajectoryStore", traj: Trajectory, blob: "Blob"):
+        self._store, self._traj, self.blob = store, traj, blob
+
+    def chunks(self, start: int, end: int) -> Iterator[memoryview]:
+        yield from self.blob.chunks(start, end)
+
+    def close(self) -> None:
+        if self._traj is not None:
+            self._store._release(self._traj)
+            self._traj = self.blob = None          # the arrays go with the last reference (the store's is gone)
+
+
 class TrajectoryStore:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._lock = threading.Lock()
         self._items: collections.OrderedDict[str, Trajectory] = collections.OrderedDict()
         self._bytes = 0
-        self.streams = 0                     # GETs being streamed (event-loop only; /health shows it)
+        self._draining = 0                   # bytes of trajectories gone from the store that streams still read
+        self._streams = 0                    # open Readers
 
     def put(self, tid: str, first_sample: int, part: Part) -> None:
         """Add a part; evicts least recently used trajectories (never the one being filled) to stay in bounds.
@@ -126,8 +148,7 @@ class TrajectoryStore:
             traj.parts[first_sample] = part
             self._bytes += part.nbytes
             while self._bytes > self.max_bytes and self._items:
-                _, victim = self._items.popitem(last=False)
-                self._bytes -= victim.nbytes
+                self._left(self._items.popitem(last=False)[1])
             self._items[tid] = traj
             if self._bytes > self.max_bytes:          # only this trajectory left and still too big
                 traj.parts.pop(first_sample)
@@ -137,42 +158,58 @@ class TrajectoryStore:
 
     def get(self, tid: str) -> Trajectory:
         with self._lock:
-            traj = self._items.get(tid)
-            if traj is None:
-                raise not_found(tid)
-            self._items.move_to_end(tid)
-            return traj
+            return self._touch(tid)
+
+    def _touch(self, tid: str) -> Trajectory:
+        """The trajectory, now the most recently used (lock held; 404 when it is not stored)."""
+        traj = self._items.get(tid)
+        if traj is None:
+            raise not_found(tid)
+        self._items.move_to_end(tid)
+        return traj
 
     def delete(self, tid: str) -> bool:
         with self._lock:
             traj = self._items.pop(tid, None)
             if traj is None:
                 return False
-            self._bytes -= traj.nbytes
+            self._left(traj)
             return True
+
+    def _left(self, traj: Trajectory) -> None:
+        """`traj` has just left the store (deleted or evicted; lock held): its bytes stay counted, as draining,
+        while open streams still read it."""
+        self._bytes -= traj.nbytes
+        if traj.readers:
+            traj.draining = traj.nbytes
+            self._draining += traj.draining
+
+    def reader(self, tid: str) -> Reader:
+        """A hold on the trajectory's bytes for one stream (404 when it is not stored); close it when done."""
+        with self._lock:
+            traj = self._touch(tid)
+            blob = _blob(tid, traj)
+            traj.readers += 1
+            self._streams += 1
+        return Reader(self, traj, blob)
+
+    def _release(self, traj: Trajectory) -> None:
+        with self._lock:
+            traj.readers -= 1
+            self._streams -= 1
+            if not traj.readers and traj.draining:
+                self._draining -= traj.draining
+                traj.draining = 0
 
     def stats(self) -> dict:
         with self._lock:
             return {"trajectories": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "streams": self.streams}
+                    "streams": self._streams, "draining_bytes": self._draining}
 
     # -- wire format -----------------------------------------------------------------------------------------
     def blob(self, tid: str) -> "Blob":
         """The trajectory's safetensors bytes as views of the stored arrays (nothing of the latents is copied)."""
-        traj = self.get(tid)
-        parts = [traj.parts[k] for k in sorted(traj.parts)]
-        meta0 = parts[0].meta
-        mask = np.zeros(len(meta0["timesteps"]) - 1, dtype=np.uint8)
-        mask[list(meta0["sde_steps"])] = 1
-        meta = {k: v for k, v in meta0.items() if k != "timesteps"}
-        meta["samples"] = [s for p in parts for s in p.meta.get("samples", [])]
-        lat = parts[0].latents
-        tensors = [("latents", "F32", [sum(p.latents.shape[0] for p in parts), *lat.shape[1:]],
-                    [p.latents for p in parts]),
-                   ("logprobs", "F32", None, [np.concatenate([p.logprobs for p in parts])]),
-                   ("timesteps", "F32", None, [np.asarray(meta0["timesteps"], dtype=np.float32)]),
-                   ("sde_mask", "U8", None, [mask])]
-        return Blob.of(tensors, {"trajectory_id": tid, "u1serve": json.dumps(meta)})
+        return _blob(tid, self.get(tid))
 
     def put_safetensors(self, tid: str, blob: bytes) -> int:
         """Store an uploaded trajectory (the GET format) as one part; returns its sample count. 400 on a blob that
@@ -212,3 +249,19 @@ class TrajectoryStore:
                               code="trajectory_mismatch")
         return lat
 
+
+def _blob(tid: str, traj: Trajectory) -> Blob:
+    """`traj`'s safetensors bytes: views of its latents, the small tensors built here."""
+    parts = [traj.parts[k] for k in sorted(traj.parts)]
+    meta0 = parts[0].meta
+    mask = np.zeros(len(meta0["timesteps"]) - 1, dtype=np.uint8)
+    mask[list(meta0["sde_steps"])] = 1
+    meta = {k: v for k, v in meta0.items() if k != "timesteps"}
+    meta["samples"] = [s for p in parts for s in p.meta.get("samples", [])]
+    lat = parts[0].latents
+    tensors = [("latents", "F32", [sum(p.latents.shape[0] for p in parts), *lat.shape[1:]],
+                [p.latents for p in parts]),
+               ("logprobs", "F32", None, [np.concatenate([p.logprobs for p in parts])]),
+               ("timesteps", "F32", None, [np.asarray(meta0["timesteps"], dtype=np.float32)]),
+               ("sde_mask", "U8", None, [mask])]
+    return Blob.of(tensors, {"trajectory_id": tid, "u1serve": json.dumps(meta)})

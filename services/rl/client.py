@@ -83,7 +83,7 @@ class RLClient:
             conn = self._connection()
             try:
                 conn.request("GET", self._prefix + path, headers={**self._headers, "accept-encoding": "identity",
-                                                                  **({"range": f"bytes={pos}-"} if pos else {})})
+                                                                  **({} if buf is None else {"range": f"bytes={pos}-"})})
                 r = conn.getresponse()
                 if r.status >= 400:
                     body = r.read()
@@ -91,8 +91,10 @@ class RLClient:
                 if buf is None:
                     buf = torch.empty(int(r.headers["content-length"]), dtype=torch.uint8)
                     view = memoryview(buf.numpy())
-                elif r.status != 206:
-                    raise RLAPIError(502, f"resuming {path} at byte {pos}: the server answered {r.status}, not 206")
+                elif r.status != 206 or r.headers.get("content-range") != f"bytes {pos}-{len(view) - 1}/{len(view)}":
+                    raise RLAPIError(502, f"resuming {path} at byte {pos}: the server answered {r.status} "
+                                     f"{r.headers.get('content-range')!r}, not 206 for bytes {pos}-{len(view) - 1}"
+                                     f"/{len(view)}")
                 while pos < len(view):
                     got = r.readinto(view[pos:pos + READ_BYTES])
                     if not got:
@@ -107,7 +109,8 @@ class RLClient:
                 return buf
             resumes += 1
             if resumes > FETCH_RESUMES:
-                raise RLAPIError(502, f"fetching {path}: {pos} of {buf.numel()} bytes after {FETCH_RESUMES} resumes")
+                raise RLAPIError(502, f"fetching {path}: the transfer was cut {resumes} times ({FETCH_RESUMES} "
+                                 f"resumes), {pos} of {buf.numel()} bytes read")
 
     def _connection(self) -> http.client.HTTPConnection:
         u = urllib.parse.urlsplit(self.base)

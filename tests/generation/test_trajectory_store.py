@@ -51,3 +51,32 @@ def test_bad_upload_is_400():
     with pytest.raises(APIError) as e:
         st.put_safetensors("x", b"not safetensors")
     assert e.value.status == 400
+
+
+def test_a_trajectory_read_when_it_leaves_drains_until_its_last_reader_closes():
+    one = part(1, 0).nbytes
+    st = TrajectoryStore(2 * one)
+    st.put("a", 0, part(1, 0))
+    st.put("b", 0, part(1, 1))
+    first, second = st.reader("a"), st.reader("a")
+    whole = first.blob.tobytes()
+    assert st.delete("a")                                      # deleted mid-read: gone for new requests ...
+    with pytest.raises(APIError) as e:
+        st.reader("a")
+    assert e.value.code == "trajectory_not_found"
+    assert st.stats() | {"max_bytes": 0} == {"trajectories": 1, "bytes": one, "max_bytes": 0, "streams": 2,
+                                             "draining_bytes": one}
+    assert b"".join(first.chunks(0, first.blob.size)) == whole  # ... the running reads go on
+    first.close()
+    first.close()                                              # closing twice releases once
+    assert st.stats()["draining_bytes"] == one and st.stats()["streams"] == 1
+    second.close()
+    assert st.stats()["draining_bytes"] == 0 and st.stats()["streams"] == 0
+    reading = st.reader("b")                                   # evicted mid-read: the same
+    st.put("c", 0, part(1, 2))
+    st.put("d", 0, part(1, 3))
+    assert st.stats()["draining_bytes"] == one and st.stats()["bytes"] == 2 * one
+    reading.close()
+    assert st.stats()["draining_bytes"] == 0 and st.stats()["streams"] == 0
+    st.reader("c").close()                                     # a reader of a stored trajectory frees nothing
+    assert st.stats()["bytes"] == 2 * one and st.stats()["draining_bytes"] == 0

@@ -380,11 +380,11 @@ async def _upload(state: GatewayState, url: str, tid: str, blob: bytes) -> None:
         raise _engine_error(r.status_code, r.content)
 
 
-def _engine_error(status: int, body: bytes) -> APIError:
-    """Generation's OpenAI-shaped refusal, passed on (502 when it is not one)."""
+def _engine_error(status: int, body: bytes, headers: Optional[dict[str, str]] = None) -> APIError:
+    """Generation's OpenAI-shaped refusal, passed on with `headers` (502 when it is not one)."""
     try:
         err = json.loads(body)["error"]
-        return APIError(status, err["message"], param=err.get("param"), code=err.get("code"))
+        return APIError(status, err["message"], param=err.get("param"), code=err.get("code"), headers=headers)
     except (ValueError, KeyError, TypeError):
         return APIError(502, f"generation answered {status}", code="upstream_error")
 
@@ -415,12 +415,16 @@ TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Len
                                        "'u1serve' = JSON of the rollout parameters and weights_version",
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                   206: {"description": "the bytes of the one range asked (`Range: bytes=a-b`), with Content-Range",
+                        "headers": {"Content-Range": {"description": "bytes FIRST-LAST/SIZE",
+                                                      "schema": {"type": "string"}}},
                         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                   404: ERRORS[400] | {"description": "unknown or evicted trajectory"},
-                  416: ERRORS[400] | {"description": "the range lies past the end"}}
+                  416: ERRORS[400] | {"description": "the range lies past the end",
+                                      "headers": {"Content-Range": {"description": "bytes */SIZE",
+                                                                    "schema": {"type": "string"}}}}}
 
 
-RELAYED_HEADERS = ("content-length", "content-range", "accept-ranges")
+RANGE_HEADERS = ("content-range", "accept-ranges")       # a 206's, and a 416's `Content-Range: bytes */SIZE`
 
 
 async def _open_trajectory(url: str, headers: dict) -> tuple[aiohttp.ClientSession,
@@ -452,15 +456,16 @@ async def get_trajectory(trajectory_id: str, request: Request, state: GatewaySta
     async def close() -> None:
         r.release()
         await session.close()
+    ranges = {k: r.headers[k] for k in RANGE_HEADERS if k in r.headers}
     if r.status not in (200, 206):
         try:
-            raise _engine_error(r.status, await r.read())
+            raise _engine_error(r.status, await r.read(), ranges)
         finally:
             await close()
     # Relayed as read: the next upstream read waits for the client to take the last chunk (bounded memory), and
     # a client that goes away closes the upstream response (OwnedStream runs `close` however the stream ends).
     return OwnedStream(r.content.iter_any(), close, media_type="application/octet-stream", status_code=r.status,
-                       headers={k: r.headers[k] for k in RELAYED_HEADERS if k in r.headers})
+                       headers={**ranges, "content-length": r.headers["content-length"]})
 
 
 @router.delete("/v1/rl/trajectories/{trajectory_id}", responses={404: ERRORS[400]})

@@ -104,26 +104,29 @@ async def score(request: Request):
 @router.get("/internal/rl/trajectories/{tid}")
 async def get_trajectory(tid: str, request: Request):
     """The safetensors bytes streamed from the stored arrays (no copy of the latents), one `Range: bytes=a-b`
-    honoured (206) so a trainer can resume a cut fetch."""
-    st = app_state(request)
-    blob = st.trajectories.blob(tid)
-    span = byte_range(request.headers.get("range"), blob.size)
+    honoured (206) so a trainer can resume a cut fetch. A DELETE meanwhile does not cut the stream: its reader
+    holds the arrays until the stream ends (trajectory_store.Reader)."""
+    reader = app_state(request).trajectories.reader(tid)
+    try:
+        size = reader.blob.size
+        span = byte_range(request.headers.get("range"), size)
+    except APIError:
+        reader.close()
+        raise
     headers = {"accept-ranges": "bytes"}
     if span is None:
-        start, end, status = 0, blob.size, 200
+        start, end, status = 0, size, 200
     else:
         start, end, status = span[0], span[1], 206
-        headers["content-range"] = f"bytes {start}-{end - 1}/{blob.size}"
+        headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
     headers["content-length"] = str(end - start)
 
     async def body():
-        for chunk in blob.chunks(start, end):
+        for chunk in reader.chunks(start, end):
             yield chunk
 
-    st.trajectories.streams += 1
-
     async def closed() -> None:
-        st.trajectories.streams -= 1
+        reader.close()
     return OwnedStream(body(), closed, media_type="application/octet-stream", headers=headers, status_code=status)
 
 
