@@ -153,7 +153,13 @@ class RunningStack:
     def stop_clean(self) -> None:
         """Stop (Ctrl-C) and assert a clean exit: status 0, no service process group, no new shm entry."""
         code = self.stop()
+        # a rank's multiprocessing semaphores (sem.mp-*) go with its resource tracker, which can outlive the
+        # launcher's exit by a moment: what is still there after a few seconds is a leak
+        deadline = time.monotonic() + 5.0
         groups, shm = self.leftovers()
+        while (groups or shm) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            groups, shm = self.leftovers()
         assert code == 0, self.output()
         assert not groups and not shm, (groups, shm)
 
