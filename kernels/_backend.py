@@ -85,6 +85,11 @@ class lazy_jit:
         return self._get()[grid]
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    """Launch-grid ceil division (host ints)."""
+    return (a + b - 1) // b
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import lazy_jit, next_pow2, tl, use_triton
+from ._backend import lazy_jit, next_pow2, tl, triton_cdiv, use_triton
 
 MIN_RANK = 16   # tl.dot needs >= 16 on every side: ranks are padded up to this (zeros add nothing)
 
@@ -109,7 +109,3 @@ def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     _expand[(triton_cdiv(T, bm), triton_cdiv(N, bn))](h, b, y, slots, T, N, S, y.stride(0), b.stride(0),
                                                        b.stride(1), R=R, BLOCK_M=bm, BLOCK_N=bn, PRECISION=prec)
     return y
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import lazy_jit, next_pow2, tl, use_triton
+from ._backend import lazy_jit, next_pow2, tl, triton_cdiv, use_triton
 from .fp8_quant import FP8_ROW_HELPERS, empty_fp8_rows, fp8_launch, quant_fp8_rowwise_ref
 
 
@@ -284,7 +284,3 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, variant: str | None = Non
             _silu_fp8[(m,)](*args, BLOCK=launch.block, NP=launch.pieces, EVEN=launch.even, DIV_RN=launch.div_rn,
                             HW_CVT=launch.hw_cvt, num_warps=launch.warps)
     return q, s
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

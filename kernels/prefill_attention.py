@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._backend import HAS_TRITON, kernel_mode, lazy_jit, tl, use_triton
+from ._backend import HAS_TRITON, kernel_mode, lazy_jit, tl, triton_cdiv, use_triton
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -300,10 +300,6 @@ def prefill_attention_triton(q, k_pool, v_pool, req_to_token, b_start, b_seq_len
         num_warps=nw, num_stages=ns,
     )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def _kv_base_torch(req_to_token, b_seq_len):

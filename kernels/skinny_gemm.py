@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import lazy_jit, tl, use_triton
+from ._backend import lazy_jit, tl, triton_cdiv, use_triton
 
 MAX_ROWS = 16
 
@@ -69,8 +69,8 @@ _gemv = lazy_jit(_gemv_kernel)
 
 def skinny_config(m: int, n: int, k: int) -> tuple[str, tuple[int, int, int, int]] | None:
     """(kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages)) for x [m, k] @ w[n, k]^T, or None where cuBLAS is as
-    fast. From the H200 sweep (2026-12-02, .gpurun-style graph replay over rotated weights, docs/benchmarks/
-    kernels.md): for one row the CUDA-core kernel with 4-column tiles wins on every weight narrower than 8192
+    fast. From the H200 sweep (2026-12-02, `python -m bench.bench_decode_kernels --parts skinny`: one graph replay over
+    rotated weights, docs/benchmarks/kernels.md): for one row the CUDA-core kernel with 4-column tiles wins on every weight narrower than 8192
     rows (1.1-2x: k/v, o, q, down), the tensor-core kernel on wide ones (gate/up 1.09x, lm_head 1.13x); for
     2-16 rows only the wide weights gain (1.05-1.07x), cuBLAS keeps the rest."""
     if n >= 8192:
@@ -121,7 +121,3 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
     kind, cfg = choice
     return (gemv_launch if kind == "gemv" else skinny_linear_launch)(x, w, cfg)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
