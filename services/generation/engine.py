@@ -15,6 +15,7 @@ replayed graphs and ran fp8 GEMMs (`JobState.applied`: the response says which s
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -38,6 +39,8 @@ from .qos import YieldGate
 from .request import JobState
 from .sequence_parallel import check_heads
 from .step_graph import EAGER, StepGraphs, composition_key, graphable, layer_segments
+
+log = logging.getLogger("u1serve.generation.engine")
 
 
 def fp8_applies(model):
@@ -339,6 +342,11 @@ class Engine:
         """Each finished job's {branch: {"computed", "reused"}} over every rank's branches."""
         if not finished:
             return
+        for j in finished:
+            if j.cache.mode != "off":   # why a cache reused what it did: the changes it measured vs its threshold
+                log.info("step cache %s (threshold %s): %s", j.cache.mode, j.cache.threshold, "; ".join(
+                    f"{b} computed {s.computed} reused {s.reused} change {_fmt_range(s.change_range)}"
+                    for b, s in j.branch_state.items()))
         local = {j.request_id: j.step_counts() for j in finished}
         parts = self.comm.all_gather_objects(local) if self.comm.world > 1 else [local]
         for job in finished:
@@ -415,3 +423,7 @@ class Engine:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return None
+
+
+def _fmt_range(r) -> str:
+    return "not measured" if r is None else f"{r[0]:.4g}..{r[1]:.4g}"

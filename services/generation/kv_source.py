@@ -9,6 +9,7 @@ handle names; without it such a handle is 503 (a stack never reads a pool it was
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -18,6 +19,7 @@ from services.kit.errors import APIError
 # HandleError codes whose KV is simply gone (producer restarted, pages freed or reclaimed).
 _GONE = {"stale_generation", "pages_freed", "lease_expired"}
 _UNAVAILABLE = {"pool_unavailable", "producer_unreachable"}
+log = logging.getLogger("u1serve.generation.kv")
 
 
 def handle_error_to_api(e) -> APIError:
@@ -55,12 +57,14 @@ class PrefixSource:
                 self._close(kind)
                 t = None
         if t is None:
+            t0 = time.perf_counter()
             try:
                 t = self._open(kind, handle)
             except (PoolError, FileNotFoundError, OSError) as e:
                 raise APIError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
             self._transports[kind] = t
+            log.info("KV transport %s opened in %.3f s", kind, time.perf_counter() - t0)  # shm: mapping pinned
         return t
 
     def pool(self):

@@ -97,6 +97,7 @@ class BranchState:
     rest: torch.Tensor | None = None         # the skipped layers' residual at the last computed step
     streak: int = 0                          # reused steps in a row
     last_change: float | None = None         # the last relative change measured (host copy)
+    change_range: tuple[float, float] | None = None   # (min, max) of the changes measured (the job's log line)
     accumulated: float = 0.0                 # teacache: rescaled change summed since the last computed step
     computed: int = 0
     reused: int = 0
@@ -186,6 +187,8 @@ class StepCache:
             probes = [self._probe(g, x, h1) for g in cand]
             for g, c in zip(cand, self._changes(cand, probes)):
                 g.state.last_change = c
+                lo, hi = g.state.change_range or (c, c)
+                g.state.change_range = (min(lo, c), max(hi, c))
                 if g.mode == "teacache":
                     acc = g.state.accumulated + rescaled_change(c, g.tokens or g.stop - g.start)
                     g.compute = not acc < g.options.threshold
