@@ -272,6 +272,18 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
         assert _png_size(r.json()["data"][0]["b64_json"]) == (side, side)
         return f"{side}x{side}, {STEPS} steps, {time.monotonic() - t0:.1f} s"
 
+    def c_step_cache(c):
+        # threshold 10: every finite change reuses, so a branch that never reuses measured NaN/Inf (what a NaN
+        # image does; the engine now answers such a job 500 nonfinite_output, this check names the cause)
+        r = c.post("/v1/images/generations", json={"prompt": "a lighthouse", "size": f"{side}x{side}", "seed": 7,
+                                                    "num_inference_steps": 3 * STEPS,
+                                                    "cache": {"mode": "first_block", "threshold": 10.0}})
+        assert r.status_code == 200, r.text[:300]
+        steps = r.json()["data"][0].get("branch_steps") or {}
+        reused = {b: v.get("reused", 0) for b, v in steps.items()}
+        assert reused and all(reused.values()), f"a branch reused nothing (non-finite changes?): {steps}"
+        return f"reused per branch {reused} of {3 * STEPS} steps"
+
     def c_edit(c):
         r = c.post("/v1/images/edits", files=[("image[]", ("in.png", png(96, 64), "image/png"))],
                    data={"prompt": "make it blue", "num_inference_steps": str(STEPS), "size": "256x256"})
@@ -312,7 +324,7 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
             ", ".join(f"{k} {v['statuses']}" for k, v in kinds.items())
 
     return [("chat", c_chat), ("chat stream", c_chat_stream), ("image stream", c_image_stream),
-            ("image", c_image), ("edit", c_edit), *hostile, ("burst of 32 with cancels", c_burst)]
+            ("image", c_image), ("step cache reuses", c_step_cache), ("edit", c_edit), *hostile, ("burst of 32 with cancels", c_burst)]
 
 
 def run_profile(profile: str, out: Optional[str], work_dir: Optional[str] = None) -> dict:

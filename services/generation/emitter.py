@@ -4,7 +4,10 @@ job's results (RL result, images, done).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
+
+import torch
 
 from services.kit import timeline
 from services.kit.errors import APIError
@@ -12,6 +15,8 @@ from services.kit.errors import APIError
 from . import float_image
 from .protocol import (BranchSteps, IdleStats, Image, JobDone, JobFailed, JobStarted, KvImportStats, Preview,
                        Progress, StepPlan, StepStats, WeightsReply)
+
+log = logging.getLogger("u1serve.generation")
 
 
 class Emitter:
@@ -70,6 +75,12 @@ class Emitter:
             if not job.rl.wants_images:
                 self.out.send(JobDone(job.request_id))
                 return
+        if not bool(torch.isfinite(job.x).all()):   # a fault, not an image: never a silent black PNG
+            log.error("request %s: the denoised image holds NaN/Inf; answered 500 nonfinite_output", job.request_id)
+            self.failed(job.request_id, APIError(500, "the generated image came out non-finite (NaN/Inf): a server "
+                                                 "fault; the request may be retried", type="server_error",
+                                                 code="nonfinite_output").event())
+            return
         pixels = self.engine.pixels(job)
         timeline.mark("gen", "pixels")
         image_handle = None

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import httpx
+import torch
 import pytest
 from .conftest import make_pool
 from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, images_of, prefixes,
@@ -143,6 +144,23 @@ def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
     assert server.health()[0] == 200
+
+
+def test_nonfinite_image_is_a_500_not_a_black_png(fault_env, ref_model):
+    """A prefix KV holding NaN makes the whole image NaN: the job answers 500 nonfinite_output (a fault the
+    client may retry, in the logs and the 5xx counts) instead of a silent black PNG; its pages are freed and
+    the next request is served normally."""
+    from types import SimpleNamespace
+    server, pool = fault_env["server"], fault_env["pool"]
+    poisoned = {b: SimpleNamespace(num_tokens=p.num_tokens, t_offset=p.t_offset, kv=torch.full_like(p.kv, float("nan")))
+                for b, p in _pre(ref_model).items()}
+    status, events = generate(server.url, body("nan-prefix", publish(pool, poisoned)))
+    assert status == 200 and events[-1] == "[DONE]" and not images_of(events)
+    (err,) = errors_of(events)
+    assert err["status"] == 500 and err["error"]["code"] == "nonfinite_output", err
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+    status, events = generate(server.url, body("after-nan", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
 
 
 def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):

@@ -10,7 +10,7 @@ import pytest
 
 from tests.system.stackproc import ROOT
 
-CHECKS = ["chat", "chat stream", "image stream", "image", "edit", "temperature 1e-40", "repetition_penalty 1e-300",
+CHECKS = ["chat", "chat stream", "image stream", "image", "step cache reuses", "edit", "temperature 1e-40", "repetition_penalty 1e-300",
           "seed 2**64", "NaN", "Infinity", "nesting 64 deep", "decompression bomb", "non-ASCII API key",
           "wrong API key", "burst of 32 with cancels", "idle, KV pools empty", "clean logs", "clean stop"]
 
