@@ -79,7 +79,7 @@ SMOKES = {
     # its load figures, its QoS in force and the step cache's reused steps
     "qos": Smoke(("bench.bench_qos", "--tiny", "--profiles", "cpu-colocate", "--clients", "6", "--duration", "4",
                   "--log-dir", "{tmp}", "--json", "{tmp}/out.json"),
-                 tuple(f"results/cpu-colocate/{k}" for k in ("chat_p50_s", "chat_p99_s", "images_per_min",
+                 tuple(f"results/cpu-colocate/{k}" for k in ("chat_p50_s", "chat_p99_s", "chat_steady_p50_s", "images_per_min",
                                                              "images_share", "qos", "cache"))),
     "weight-update": Smoke(("bench.bench_weight_update", *STACK, "--repeat", "1"),
                            tuple(PROFILE + p for p in ("runs", "image_before_s", "upload", "final_version"))),
