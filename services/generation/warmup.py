@@ -54,9 +54,11 @@ def parse_sizes(*texts: str | None) -> list[tuple[int, int]]:
 
 
 def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateRequest:
+    """One preview too (jobs of 2+ steps): its downscale and host copy are a first request's too."""
     return GenerateRequest(request_id=f"warmup-{width}x{height}-{len(branches)}",
-                           handles={b: {} for b in branches}, mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
-                           guidance_scale=4.0 if len(branches) > 1 else 1.0, seed=0)
+                           handles={b: {} for b in branches}, mode="t2i", width=width, height=height, n=1,
+                           num_inference_steps=steps, guidance_scale=4.0 if len(branches) > 1 else 1.0, seed=0,
+                           partial_images=1)
 
 
 def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateRequest]:

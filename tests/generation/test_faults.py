@@ -23,9 +23,10 @@ LONG = 1000  # steps (the maximum): a job that only ends when cancelled or kille
 
 @pytest.fixture(scope="module")
 def fault_env(tiny_dir, ref_model):
-    """A server started BEFORE its pool exists (attach is lazy), one job at a time."""
+    """A server started BEFORE its pool exists (it waits --kv-pool-wait-s for it, then attaches lazily), one job at
+    a time."""
     name = f"u1gen-fault-{uuid.uuid4().hex[:8]}"
-    server = GenServer(tiny_dir, name, "--max-running-jobs", "1").start()
+    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1").start()
     env = {"server": server, "name": name, "pool": None}
     yield env
     env["server"].stop()
@@ -79,6 +80,8 @@ def _pre(ref_model):
 
 def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
     server = fault_env["server"]
+    kv_pool = server.health()[1]["kv_pool"]        # ready anyway, after the bounded wait
+    assert not kv_pool["attached"] and kv_pool["waited_s"] >= 1 and "first request" in kv_pool["detail"]
     tmp = make_pool(ref_model[0])  # handles from another pool: the named one does not exist yet
     try:
         status, events = generate(server.url, body("nopool", publish(tmp, _pre(ref_model))))
@@ -92,6 +95,8 @@ def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
     status, events = generate(server.url, body("pool-now", publish(fault_env["pool"],
                                                                    _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    kv_pool = server.health()[1]["kv_pool"]        # opened by that job
+    assert kv_pool["attached"] and not kv_pool["before_ready"] and kv_pool["pool"] == fault_env["name"]
 
 
 def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):
