@@ -3,10 +3,10 @@ producer restart, claim, import, release.
 
 Handles say which transport moves their bytes: "shm" (the same-host pool `pool_name`, created by the
 understanding service, which may start after us or restart) or "nixl" (the producer's pool read over
-the network). The engine ranks open the shm pool before they report ready (`open_before_ready`: on CUDA the
-attach registers the whole segment, ~1 s for 16 GiB, and the first import compiles its kernel; a first request
-used to pay both, H200 2026-12-02: 4.75 s vs 3.39 s steady), waiting a bounded time for the producer; a pool
-that is not there by then, and every other transport, is opened on the first handle that needs it. With
+the network). The engine ranks open the shm pool before they report ready (`open_before_ready`: on CUDA
+the attach registers the whole segment, 16 GiB by default, and the first import compiles its kernel; a first
+request used to pay both, H200 2026-12-02: 4.75 s vs 3.39 s steady at 2048²), waiting a bounded time for the
+producer; a pool that is not there by then, and every other transport, is opened on the first handle. With
 `follow_handles` (a Ray replica: its understanding neighbours name their pools) and no pool of our own name on
 the host, shm opens on the pool the handle names; without it such a handle is 503 (a stack never reads a pool
 it was not configured for).
