@@ -94,8 +94,9 @@ class PrefixSource:
             why = e.message if isinstance(e, APIError) else repr(e)
             self._update(waited_s=round(time.perf_counter() - t0, 3),
                          detail=f"not opened before ready ({why}); opened on the first request instead")
-            log.warning("KV pool %r not opened before ready after %.1f s: %s; the first request opens it",
-                        self.pool_name, time.perf_counter() - t0, why)
+            log.log(logging.WARNING if wait_s > 0 else logging.INFO,    # cpu: one look, a lazy attach is cheap
+                    "KV pool %r not opened before ready after %.1f s: %s; the first request opens it",
+                    self.pool_name, time.perf_counter() - t0, why)
             return self.report
         finally:
             self._starting = False
@@ -109,9 +110,9 @@ class PrefixSource:
         return self.report
 
     def _update(self, **changes) -> None:
-        """Change `report`; after start-up on_change hears of it (rank 0 tells /health)."""
+        """Change `report`; on_change (set after start-up) hears of it: rank 0 tells /health."""
         self.report = {**self.report, **changes}
-        if self.on_change is not None and not self._starting:
+        if self.on_change is not None:
             self.on_change(dict(self.report))
 
     def pool(self):
