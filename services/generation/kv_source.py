@@ -51,6 +51,8 @@ class PrefixSource:
                              "pinned": False, "warm_import_seconds": None, "waited_s": None, "detail": None}
         self.on_change = None
         self._starting = False
+        self._look_again = False    # look for the shm pool while idle (drop_stale): it went, or was not there
+        self._heads = None          # this rank's KV heads (warm_import)
 
     # -- transports ----------------------------------------------------------------------------
     def transport(self, kind: str = "shm", handle=None, wait_s: float | None = None):
@@ -76,6 +78,7 @@ class PrefixSource:
             seconds = time.perf_counter() - t0
             log.info("KV transport %s opened in %.3f s", kind, seconds)  # shm: mapping pinned
             if kind == "shm":
+                self._look_again = False
                 self._update(pool=t.pool.name, attached=True, before_ready=self._starting,
                              seconds=round(seconds, 3), pinned=t.pool.pinned, detail=None)
         return t
@@ -84,30 +87,37 @@ class PrefixSource:
         """Start-up (every engine rank, after its warm-up): open the shm pool now, waiting up to `wait_s` for
         the producer to create it, and run the import kernel once on its memory (shm_transfer.copy.warm_import:
         this rank's KV heads `heads`), so the first request pays neither. Never raises: a pool that is not
-        there in time (or cannot be used) is left to the first handle, as before. Returns `report`."""
-        from shm_transfer.copy import warm_import
+        there in time is opened when it appears (drop_stale, while idle) or by the first handle, as before.
+        Returns `report`."""
         t0 = time.perf_counter()
+        self._heads = heads
         self._starting = True
         try:
             t = self.transport("shm", wait_s=wait_s)
         except Exception as e:   # absent, another model, pinning refused: the first handle tries again
+            self._look_again = isinstance(e, APIError)      # the engine loop looks again while idle
             why = e.message if isinstance(e, APIError) else repr(e)
-            self._update(waited_s=round(time.perf_counter() - t0, 3),
-                         detail=f"not opened before ready ({why}); opened on the first request instead")
+            later = "looked for again while idle, else opened by the first request" if self._look_again else \
+                "the first request tries again"
+            self._update(waited_s=round(time.perf_counter() - t0, 3), detail=f"not opened before ready ({why}); {later}")
             log.log(logging.WARNING if wait_s > 0 else logging.INFO,    # cpu: one look, a lazy attach is cheap
-                    "KV pool %r not opened before ready after %.1f s: %s; the first request opens it",
-                    self.pool_name, time.perf_counter() - t0, why)
+                    "KV pool %r not opened before ready after %.1f s: %s; %s", self.pool_name,
+                    time.perf_counter() - t0, why, later)
             return self.report
         finally:
             self._starting = False
-        try:
-            self._update(warm_import_seconds=round(warm_import(t.pool, self.device, heads=heads), 3))
-        except Exception as e:   # the first real import compiles it instead
-            log.warning("KV import warm-up on pool %r failed: %r", self.pool_name, e)
-            self._update(warm_import_seconds=None, detail=f"import warm-up failed: {e!r}")
+        self._warm(t)
         log.info("KV pool %r attached before ready in %.3f s (pinned: %s); import kernel warmed in %s s",
                  self.pool_name, self.report["seconds"], self.report["pinned"], self.report["warm_import_seconds"])
         return self.report
+
+    def _warm(self, t) -> None:
+        from shm_transfer.copy import warm_import
+        try:
+            self._update(warm_import_seconds=round(warm_import(t.pool, self.device, heads=self._heads), 3))
+        except Exception as e:   # the first real import compiles it instead
+            log.warning("KV import warm-up on pool %r failed: %r", self.pool_name, e)
+            self._update(warm_import_seconds=None, detail=f"import warm-up failed: {e!r}")
 
     def _update(self, **changes) -> None:
         """Change `report`; on_change (set after start-up) hears of it: rank 0 tells /health."""
@@ -124,8 +134,7 @@ class PrefixSource:
             from shm_transfer.errors import PoolError
             from shm_transfer.transport import LocalShmTransport
             attach = lambda name, timeout_s: LocalShmTransport.attach(    # noqa: E731
-                name, expected_fingerprint=self.fingerprint or None, pin=self.device.type == "cuda",
-                timeout_s=timeout_s)
+                name, expected_fingerprint=self.fingerprint or None, pin=False, timeout_s=timeout_s)
             try:
                 t = attach(self.pool_name, wait_s)
             except (PoolError, FileNotFoundError, OSError):
@@ -135,7 +144,9 @@ class PrefixSource:
                 t = attach(handle.pool_name, 0)   # the transport follows other pools from there
             try:
                 self._check_geometry(t.layout)
-            except APIError:
+                if self.device.type == "cuda":
+                    t.pool.pin()        # the slow part (the whole segment): only a pool this engine can read
+            except BaseException:
                 t.close()
                 raise
             return t
@@ -159,13 +170,31 @@ class PrefixSource:
         return any(t.is_stale() for t in self._transports.values())
 
     def drop_stale(self) -> bool:
-        """Unmap a replaced pool now (the engine loop calls this when idle), so the old pinned segment does
-        not stay mapped until the next job. The new pool is attached on the next call. Returns whether
-        anything was dropped."""
+        """The engine loop calls this when idle: unmap a replaced pool now, so the old pinned segment does not
+        stay mapped until the next job, and open the shm pool once it is there again (one look a call), or for
+        the first time when it was not there at start-up, so the next job pays no attach either. Returns
+        whether anything was dropped."""
         stale = [k for k, t in self._transports.items() if t.is_stale()]
         for kind in stale:
             self._close(kind)
+        if self._look_again and "shm" not in self._transports:
+            self._open_when_there()
         return bool(stale)
+
+    def _open_when_there(self) -> None:
+        """One look for the shm pool while idle (cheap when it is absent: a failed open()); its import kernel is
+        warmed too if start-up could not. A pool that fails otherwise (pinning refused) is left to the jobs."""
+        try:
+            t = self.transport("shm", wait_s=0)
+        except APIError:
+            return                  # not there (yet), or not ours: a mismatched pool is never pinned (_open)
+        except Exception as e:
+            self._look_again = False
+            log.warning("KV pool %r could not be opened while idle: %r; the next job tries again", self.pool_name, e)
+            return
+        log.info("KV pool %r attached while idle in %.3f s", self.pool_name, self.report["seconds"])
+        if self.report["warm_import_seconds"] is None:
+            self._warm(t)
 
     def _close(self, kind: str) -> None:
         t = self._transports.pop(kind, None)
@@ -175,8 +204,9 @@ class PrefixSource:
             except Exception:
                 pass
             if kind == "shm":
+                self._look_again = True
                 self._update(attached=False, before_ready=False, pinned=False,
-                             detail="the producer replaced its pool: the next job attaches the new one")
+                             detail="the producer replaced its pool: attached again once it is there")
 
     # -- handles -------------------------------------------------------------------------------
     @staticmethod

@@ -92,11 +92,14 @@ def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
     assert err["status"] == 503 and err["error"]["code"] == "kv_pool_unavailable"
     assert events[-1] == "[DONE]"
     fault_env["pool"] = make_pool(ref_model[0], name=fault_env["name"])
+    # the idle engine opens it once it is there (and warms its import), before any job needs it
+    wait_until(lambda: server.health()[1]["kv_pool"]["attached"], 30)
+    kv_pool = server.health()[1]["kv_pool"]
+    assert not kv_pool["before_ready"] and kv_pool["pool"] == fault_env["name"]
+    assert kv_pool["warm_import_seconds"] is not None
     status, events = generate(server.url, body("pool-now", publish(fault_env["pool"],
                                                                    _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
-    kv_pool = server.health()[1]["kv_pool"]        # opened by that job
-    assert kv_pool["attached"] and not kv_pool["before_ready"] and kv_pool["pool"] == fault_env["name"]
 
 
 def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):

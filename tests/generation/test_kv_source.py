@@ -134,7 +134,8 @@ def test_open_before_ready_waits_for_the_pool_and_warms_without_touching_pages(n
 
 def test_open_before_ready_without_a_producer_is_bounded_then_lazy(name):
     """No producer: start-up goes on after the bounded wait (never raises); the first handle opens the pool and
-    /health hears of it; a producer restart drops it (reported) and the next job re-attaches."""
+    /health hears of it. A producer restart: the idle engine drops the old pool and opens the new one once it is
+    there (reported each time); a job in between would open it itself."""
     src = PrefixSource(name, FP, torch.device("cpu"), attach_timeout_s=0.1)
     heard: list[dict] = []
     t0 = time.monotonic()
@@ -143,14 +144,17 @@ def test_open_before_ready_without_a_producer_is_bounded_then_lazy(name):
     assert not report["attached"] and report["waited_s"] >= 0.3 and "first request" in report["detail"]
     src.on_change = heard.append
     try:
+        assert not src.drop_stale() and not heard     # idle, no pool yet: nothing to tell
         with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as pool:
             h = pool.allocate(3, 30)
             src.import_into(h, torch.zeros(LAY.kv_shape(3)))
             assert heard[-1]["attached"] and not heard[-1]["before_ready"]
-        with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as fresh:   # the producer restarted
-            assert src.drop_stale() and not heard[-1]["attached"]
+        assert src.drop_stale() and not heard[-1]["attached"] and "replaced" in heard[-1]["detail"]
+        assert not src.drop_stale()                   # still gone: nothing happens
+        with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as fresh:   # the producer is back
+            assert not src.drop_stale() and heard[-1]["attached"] and heard[-1]["warm_import_seconds"] is not None
             src.import_into(fresh.allocate(3, 30), torch.zeros(LAY.kv_shape(3)))
-            assert heard[-1]["attached"] and fresh.stats()["pages_used"] == 0
+            assert fresh.stats()["pages_used"] == 0
     finally:
         src.close()
 
@@ -160,4 +164,8 @@ def test_open_before_ready_leaves_a_pool_of_another_shape_to_the_first_request(n
         src = PrefixSource(name, FP, torch.device("cpu"), geometry=(2, 2, 4, torch.float32))
         report = src.open_before_ready(5)
         assert not report["attached"] and "kv heads" in report["detail"]
+        assert not src.drop_stale() and not src.report["attached"]     # idle looks never take it
+        with pytest.raises(APIError) as e:
+            src.pool()
+        assert e.value.code == "kv_pool_mismatch"
         src.close()
