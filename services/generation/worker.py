@@ -92,7 +92,7 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
         if plan.stop:
             break
         if not engine.running:
-            source.drop_stale()   # unmap a pool the producer replaced, not only at the next job
+            source.drop_stale()   # unmap a pool the producer replaced (and open its new one) before the next job
             emit.idle(len(sched.pending))
             continue
         finished, rows, seconds = _step(engine)
