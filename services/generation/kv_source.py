@@ -76,7 +76,8 @@ class PrefixSource:
                                type="server_error", code="kv_pool_unavailable") from e
             self._transports[kind] = t
             seconds = time.perf_counter() - t0
-            log.info("KV transport %s opened in %.3f s", kind, seconds)  # shm: mapping pinned
+            if not self._starting:      # start-up logs its own line (open_before_ready)
+                log.info("KV transport %s opened in %.3f s", kind, seconds)  # shm: mapping pinned
             if kind == "shm":
                 self._look_again = False
                 self._update(pool=t.pool.name, attached=True, before_ready=self._starting,
