@@ -10,7 +10,9 @@
     running them concurrently was slower than one after the other (before: the 16,384-row budget batches them;
     after: 8,192 rows, they run in turns);
   - applied / applied_cached: what a short request's `applied` says, without and with a first-block step cache
-    (graphs / fp8 / the cache took effect).
+    (graphs / fp8 / the cache took effect);
+  - warmup / kv_pool: generation's /health after ready: the warm-up per size, and whether the shm KV pool was
+    attached (pinned) and its import kernel warmed before ready (else the first request pays it).
 
 before = `--cuda-graphs off --gen-args '--warmup-table off --max-batch-tokens 16384'` (today's defaults),
 after = no flags. Both sides get --up-args (default in bench/gpu_defaults.sh: --quantization fp8).
@@ -44,11 +46,14 @@ async def image(client: httpx.AsyncClient, size: str, steps: int, seed: int) -> 
     return {"e2e_s": round(r["e2e_s"], 4), "step_s": r["step_s"] and round(r["step_s"], 5)}
 
 
-async def engine_warmup(client: httpx.AsyncClient) -> dict:
-    """The generation engine's /health "warmup" (sizes, seconds, per size), through the URL the gateway probes."""
+async def engine_warm_start(client: httpx.AsyncClient) -> tuple[dict, dict]:
+    """The generation engine's /health "warmup" (sizes, seconds, per size) and "kv_pool" (whether the shm KV pool
+    was attached before ready, and how long it took), through the URL the gateway probes."""
     gen = (await client.get("/health")).json()["generation"][0]["url"]
     r = await client.get(gen + "/health")
-    return r.json().get("warmup") if r.status_code == 200 else {"unavailable": r.status_code}
+    if r.status_code != 200:
+        return {"unavailable": r.status_code}, {"unavailable": r.status_code}
+    return r.json().get("warmup"), r.json().get("kv_pool")
 
 
 CACHE = {"mode": "first_block", "threshold": 10.0, "warmup_steps": 1}   # reuses on every step after the first
@@ -65,7 +70,7 @@ async def applied(client: httpx.AsyncClient, size: str, cache: dict | None = Non
 async def measure(base: str, args) -> dict:
     out: dict = {"sizes": {}}
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(1800, connect=10)) as c:
-        out["warmup"] = await engine_warmup(c)
+        out["warmup"], out["kv_pool"] = await engine_warm_start(c)
         for i, size in enumerate(args.sizes.split(",")):
             first = await image(c, size, args.steps, 100 + i)
             steady = await image(c, size, args.steps, 200 + i)
@@ -93,6 +98,11 @@ def table(results: dict, args) -> str:
         for size, s in r["sizes"].items():
             rows.append(f"| {name} | {r['startup_s']:.1f} | {size} | {s['first']['e2e_s']:.3f} | "
                         f"{s['steady']['e2e_s']:.3f} | {s['first_over_steady']:.2f} | {s['steady']['step_s']} |")
+    rows += ["", "| side | KV pool attached before ready | attach s | import warm-up s |", "|---|---|---:|---:|"]
+    for name, r in results.items():
+        k = r.get("kv_pool") or {}
+        if "error" not in r:
+            rows.append(f"| {name} | {k.get('before_ready')} | {k.get('seconds')} | {k.get('warm_import_seconds')} |")
     rows += ["", "| side | pair size | one alone s | two together s | together / (2 x alone) | applied |",
              "|---|---|---:|---:|---:|---|"]
     for name, r in results.items():

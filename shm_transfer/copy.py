@@ -194,6 +194,30 @@ def pages_into(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int, dst
     _kernel_import(pages, page_ids, num_tokens, dst)
 
 
+# The import kernel is specialised (Triton) on whether num_tokens is a multiple of 16: one warm copy of each.
+WARM_IMPORT_TOKENS = (32, 33)
+
+
+def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int] | None = None) -> float:
+    """What a process's first import_kv into `device` sets up, done now: the import kernel compiled (Triton JIT on
+    CUDA) and run on the pool's registered memory into a scratch buffer, for each of WARM_IMPORT_TOKENS. The page
+    table is not touched: the pages read are anyone's (a live handle's or free), the bytes are thrown away.
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    lay = pool.layout
+    h0, h1 = head_slice(lay, heads)
+    pages = heads_view(pool.pages, lay, h0, h1)
+    if device.type == "cuda":
+        pool.pin()
+    for n in WARM_IMPORT_TOKENS:
+        page_ids = torch.arange(lay.pages_for(n), dtype=torch.int32) % pool.num_pages
+        dst = torch.empty((lay.num_layers, 2, n, h1 - h0, lay.head_dim), dtype=lay.torch_dtype, device=device)
+        pages_into(pages, page_ids.to(device), n, dst)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",
             expected_fingerprint: str | None = None) -> torch.Tensor:
     """Convenience: a new [L, 2, T, Hkv, D] tensor holding the handle's KV."""
@@ -202,4 +226,4 @@ def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu
     return dst
 
 
-__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "CopyDone", "HandleError"]
+__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "warm_import", "CopyDone", "HandleError"]

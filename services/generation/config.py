@@ -26,6 +26,9 @@ from .step_graph import MODES as CUDA_GRAPH_MODES
 from .step_graph import resolve_mode
 
 DTYPES = ("float32", "bfloat16", "float16")
+# How long the engine ranks wait for the shm KV pool before ready by default on CUDA (the understanding service
+# creates it early in its start, so in `u1serve up` it is there long before generation's warm-up ends).
+KV_POOL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class GenerationConfig:
         "on: where no pool of --kv-pool-name exists, attach the shm pool each handle names (Ray replicas, whose "
         "understanding neighbours name their own pools); off: such a handle is 503 kv_pool_unavailable",
         choices=("on", "off")))
+    kv_pool_wait_s: Optional[float] = field(default=None, metadata=flag(
+        "before /health turns 200, wait this long for --kv-pool-name to appear and open it (pinned on CUDA) so the "
+        f"first request does not; not there by then: opened on the first request (unset: {KV_POOL_WAIT_S:g} on "
+        "cuda, 0 on cpu or with --kv-pool-follow-handles on: one look, no wait)"))
     # ranks
     cfg_parallel: int = field(default=1, metadata=flag("engine ranks; CFG branches are spread over them"))
     sp: int = field(default=1, metadata=flag(
@@ -138,5 +145,9 @@ def config_from_args(args: argparse.Namespace) -> GenerationConfig:
     except ValueError as e:
         raise SystemExit(f"--cuda-graphs: {e}")
     table = args.warmup_table if args.warmup_table != "auto" else ("on" if args.device == "cuda" else "off")
-    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table,
+    if args.kv_pool_wait_s is not None and args.kv_pool_wait_s < 0:
+        raise SystemExit("--kv-pool-wait-s must be >= 0")
+    pool_wait = args.kv_pool_wait_s if args.kv_pool_wait_s is not None else (
+        KV_POOL_WAIT_S if args.device == "cuda" and args.kv_pool_follow_handles == "off" else 0.0)
+    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table, kv_pool_wait_s=pool_wait,
                            default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))

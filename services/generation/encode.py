@@ -128,6 +128,16 @@ def encode_image(pixels: np.ndarray, fmt: str) -> bytes:
     return base64.b64encode(encode_bytes(pixels, fmt))
 
 
+def warm() -> None:
+    """What a process's first images would set up, done at start-up (GenerationState.start, on the encoder pool
+    while the engine loads): the PNG strip pool's threads (an image of one strip per thread) and Pillow's JPEG /
+    WebP plugins (previews are JPEG by default)."""
+    width = 512
+    encode_png(np.zeros((png_threads() * (PNG_STRIP_BYTES // (3 * width) + 1), width, 3), np.uint8))
+    for fmt in _SAVE_ARGS:
+        encode_bytes(np.zeros((16, 16, 3), np.uint8), fmt)
+
+
 def decode_image(b64: str) -> np.ndarray:
     """Inverse of `encode_image` (lossless only for PNG); used by tests and clients."""
     with Image.open(io.BytesIO(base64.b64decode(b64))) as im:

@@ -49,6 +49,10 @@ class HandleKeeper:
 
     # -- the keeper thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        try:    # open the pool if it is there (one look): its modules load now, not on the first request's claim
+            self._pool_source().transport("shm", wait_s=0)
+        except Exception:
+            pass    # not there yet: the first claim opens it
         while True:
             kind, handles = self._commands.get()
             if kind == "stop":

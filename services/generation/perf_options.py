@@ -10,7 +10,7 @@ from prometheus_client import Counter, Gauge
 
 from services.model.step_cache import CACHE_MODES, CacheOptions
 
-from .protocol import BranchSteps, StepStats, WarmupStats
+from .protocol import BranchSteps, KvPoolStats, StepStats, WarmupStats
 
 
 def add_perf_flags(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,7 @@ class EnginePerfMetrics:
                                          "and the configured ones) before the engine reported ready", ["size"],
                                          registry=registry)
         self.warmup: dict | None = None
+        self.kv_pool: dict | None = None      # rank 0's shm pool: attached before ready or not (kv_source.py)
         self.graph_replays = Counter("u1_gen_graph_replays", "steps whose layer stack ran from a CUDA graph "
                                      "(rank 0)", registry=registry)
         self.graph_captures = Counter("u1_gen_graph_captures", "CUDA graphs captured: one per layer segment "
@@ -66,6 +67,8 @@ class EnginePerfMetrics:
                 self.graph_replays.inc()
             elif msg.graph == "capture":
                 self.graph_captures.inc()
+        elif isinstance(msg, KvPoolStats):
+            self.kv_pool = msg.report
         elif isinstance(msg, WarmupStats):
             self.warmup = {"sizes": msg.sizes, "steps": msg.steps, "seconds": msg.seconds, "per_size": msg.per_size}
             self.warmup_seconds.set(msg.seconds)

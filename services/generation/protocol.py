@@ -59,6 +59,13 @@ class WarmupStats:
 
 
 @dataclass
+class KvPoolStats:
+    """The shm KV pool as rank 0 has it (kv_source.PrefixSource.report, /health "kv_pool"): sent before Ready,
+    then whenever a job opens it or a producer restart drops it."""
+    report: dict
+
+
+@dataclass
 class KvImportStats:
     bytes: int
     seconds: float
@@ -92,7 +99,7 @@ class WeightsReply:
     reply: dict                           # rank 0's answer to a WeightsOp (services.kit.weights_api)
 
 
-Stats = Union[WarmupStats, KvImportStats, StepStats, IdleStats, BranchSteps]
+Stats = Union[WarmupStats, KvPoolStats, KvImportStats, StepStats, IdleStats, BranchSteps]
 
 
 # -- per-job events ------------------------------------------------------------------------------------------
@@ -157,7 +164,8 @@ class JobFailed:
 
 
 JobEvent = Union[JobStarted, Progress, Preview, Image, RlResult, JobDone, JobFailed]
-Event = Union[Ready, Fatal, WeightsReply, WarmupStats, KvImportStats, StepStats, IdleStats, BranchSteps, JobEvent]
+Event = Union[Ready, Fatal, WeightsReply, WarmupStats, KvPoolStats, KvImportStats, StepStats, IdleStats, BranchSteps,
+              JobEvent]
 
 
 # -- the step plan: rank 0 -> every rank (broadcast over the CPU control group, cfg_parallel.py) ----------------

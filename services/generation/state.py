@@ -17,6 +17,7 @@ from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
 from services.kit.weights_api import WeightsEndpoint
 
+from . import encode
 from .config import GenerationConfig, ServerConfig
 from .image_limits import checkpoint_max_tokens, size_error
 from .leases import HandleKeeper
@@ -74,6 +75,8 @@ class GenerationState:
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         self.engine.start()
+        warm = self.encoder.submit(encode.warm)     # the encoders' first-use costs, while the engine loads
+        warm.add_done_callback(lambda f: f.exception() and log.warning("encoder warm-up failed: %r", f.exception()))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.stop)
@@ -109,6 +112,7 @@ class GenerationState:
     def health(self) -> dict:
         return {**self.engine.status(), "cfg_parallel": self.cfg.cfg_parallel, "sp": self.cfg.sp,
                 "sp_mode": self.cfg.sp_mode, "max_image_tokens": self.max_tokens, "warmup": self.perf.warmup,
+                "kv_pool": self.perf.kv_pool,
                 "weights_version": self.weights.version, "rl_trajectories": self.trajectories.stats(),
                 # colocate QoS: the page the ranks yield to (services/generation/qos.py), null without a gate
                 "yield_gate": {"page": self.cfg.yield_to, "share": self.cfg.yield_share} if self.cfg.yield_to else None}

@@ -22,6 +22,12 @@ cuBLAS and `_scaled_mm` selection, cuDNN plans, allocator growth), all of it pai
 second step would only capture CUDA graphs, which belong to a job and are captured again by every
 request (H200 2026-12-01: the first 1024² 50-step request after a 2048²-only warm-up took 6.87 s vs 3.66 s
 steady). The time each size took is reported (/health "warmup", metric u1_gen_warmup_size_seconds).
+
+The jobs of 2+ steps ask for one preview (its downscale and pinned host copy are a request's too). What a first
+request pays outside the steps is warmed elsewhere, once per process: the shm KV pool's attach (on CUDA the
+whole 16 GiB segment is pinned) and the import kernel's JIT by kv_source.PrefixSource.open_before_ready
+right after this warm-up (worker.py; H200 2026-12-02: 4.75 s first vs 3.39 s steady at 2048² without it), the
+image encoders by encode.warm in the HTTP process.
 """
 from __future__ import annotations
 
@@ -54,9 +60,11 @@ def parse_sizes(*texts: str | None) -> list[tuple[int, int]]:
 
 
 def warmup_job(width: int, height: int, steps: int, branches=BRANCH_ORDER[:2]) -> GenerateRequest:
+    """One preview too (jobs of 2+ steps): its downscale and host copy are a first request's too."""
     return GenerateRequest(request_id=f"warmup-{width}x{height}-{len(branches)}",
-                           handles={b: {} for b in branches}, mode="t2i", width=width, height=height, n=1, num_inference_steps=steps,
-                           guidance_scale=4.0 if len(branches) > 1 else 1.0, seed=0)
+                           handles={b: {} for b in branches}, mode="t2i", width=width, height=height, n=1,
+                           num_inference_steps=steps, guidance_scale=4.0 if len(branches) > 1 else 1.0, seed=0,
+                           partial_images=1)
 
 
 def warmup_jobs(sizes: list[tuple[int, int]], steps: int) -> list[GenerateRequest]:

@@ -22,7 +22,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from .config import GenerationConfig
 from .emitter import Emitter
-from .protocol import Fatal, KvImportStats, Ready, StepPlan, Stop, WarmupStats
+from .protocol import Fatal, KvImportStats, KvPoolStats, Ready, StepPlan, Stop, WarmupStats
 from .scheduler import Scheduler
 from .weights import RankWeights
 
@@ -92,7 +92,7 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
         if plan.stop:
             break
         if not engine.running:
-            source.drop_stale()   # unmap a pool the producer replaced, not only at the next job
+            source.drop_stale()   # unmap a pool the producer replaced (and open its new one) before the next job
             emit.idle(len(sched.pending))
             continue
         finished, rows, seconds = _step(engine)
@@ -122,8 +122,8 @@ def _device(cfg: GenerationConfig, rank: int) -> torch.device:
 
 
 def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torch.device):
-    """This rank's communicator, prefix source and engine(s), warmed up. Returns (engine, comm, source, warm-up
-    stats)."""
+    """This rank's communicator, prefix source and engine(s), warmed up, and the shm KV pool opened when it is there
+    (after the warm-up: the producer had that long to create it). Returns (engine, comm, source, warm-up stats)."""
     from services.model.loader import load_model
     from services.model.lora_registry import attach_lora
 
@@ -157,6 +157,8 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                        else None)
     warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps,
                       table=list(SIZE_TABLE) if cfg.warmup_table == "on" else [])
+    h0, h1 = comm.sp.kv_heads(model.num_kv_heads)      # this rank's share of each import (engine.admit)
+    source.open_before_ready(cfg.kv_pool_wait_s or 0.0, heads=(h0, h1) if h1 - h0 < model.num_kv_heads else None)
     return engine, comm, source, warm
 
 
@@ -175,6 +177,8 @@ def run_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn
         if rank == 0:
             from .capacity import measure
             out.send(WarmupStats(**warm))
+            out.send(KvPoolStats(source.report))
+            source.on_change = lambda report: out.send(KvPoolStats(report))     # opened on a job, dropped
             inbox: queue.SimpleQueue = queue.SimpleQueue()
             start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(Stop()))
             h0, h1 = comm.sp.kv_heads(engine.model.num_kv_heads)

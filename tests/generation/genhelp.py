@@ -40,9 +40,14 @@ class GenServer:
                     U1SERVE_INTERNAL_TOKEN=TOKEN)
 
     def start(self, timeout: float = 120.0) -> "GenServer":
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self) -> "GenServer":
+        """Start the process without waiting for /health (start() waits)."""
         self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True,
                                      preexec_fn=preexec_die_with_parent)
-        self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> dict:
@@ -179,6 +184,7 @@ class UndServer:
 
     env = staticmethod(GenServer.env)
     start = GenServer.start
+    launch = GenServer.launch
     wait_healthy = GenServer.wait_healthy
     stop = GenServer.stop
 

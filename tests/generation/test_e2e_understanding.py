@@ -19,8 +19,10 @@ from services.model import sampler as S
 @pytest.fixture(scope="module")
 def stack(tiny_dir):
     name = f"u1gen-e2e-{uuid.uuid4().hex[:8]}"
-    gen = GenServer(tiny_dir, name).start()  # before the pool exists: it attaches lazily
+    # both at once, as `u1serve up` starts them: generation waits for the pool understanding creates
+    gen = GenServer(tiny_dir, name, "--kv-pool-wait-s", "60").launch()
     und = UndServer(tiny_dir, name, pool_gb=0.002).start()  # ~3900 tokens: 3 T2I prefixes
+    gen.wait_healthy()
     yield und, gen
     gen.stop()
     und.stop()
@@ -34,6 +36,15 @@ def _exported(und, handles):
                 for b, h in handles.items()}
     finally:
         pool.close()
+
+
+def test_generation_opened_the_pool_before_ready(stack):
+    """Started with its producer, generation opened understanding's pool before its /health turned 200 (on CUDA
+    the pinning and the import kernel's JIT are then not the first request's)."""
+    und, gen = stack
+    kv_pool = gen.health()[1]["kv_pool"]
+    assert kv_pool["attached"] and kv_pool["before_ready"] and kv_pool["pool"] == und.pool_name
+    assert kv_pool["warm_import_seconds"] is not None
 
 
 CASES = [

@@ -24,9 +24,10 @@ LONG = 1000  # steps (the maximum): a job that only ends when cancelled or kille
 
 @pytest.fixture(scope="module")
 def fault_env(tiny_dir, ref_model):
-    """A server started BEFORE its pool exists (attach is lazy), one job at a time."""
+    """A server started BEFORE its pool exists (it waits --kv-pool-wait-s for it, then attaches lazily), one job at
+    a time."""
     name = f"u1gen-fault-{uuid.uuid4().hex[:8]}"
-    server = GenServer(tiny_dir, name, "--max-running-jobs", "1").start()
+    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1").start()
     env = {"server": server, "name": name, "pool": None}
     yield env
     env["server"].stop()
@@ -80,6 +81,8 @@ def _pre(ref_model):
 
 def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
     server = fault_env["server"]
+    kv_pool = server.health()[1]["kv_pool"]        # ready anyway, after the bounded wait
+    assert not kv_pool["attached"] and kv_pool["waited_s"] >= 1 and "first request" in kv_pool["detail"]
     tmp = make_pool(ref_model[0])  # handles from another pool: the named one does not exist yet
     try:
         status, events = generate(server.url, body("nopool", publish(tmp, _pre(ref_model))))
@@ -90,6 +93,11 @@ def test_pool_missing_is_503_then_attaches(fault_env, ref_model):
     assert err["status"] == 503 and err["error"]["code"] == "kv_pool_unavailable"
     assert events[-1] == "[DONE]"
     fault_env["pool"] = make_pool(ref_model[0], name=fault_env["name"])
+    # the idle engine opens it once it is there (and warms its import), before any job needs it
+    wait_until(lambda: server.health()[1]["kv_pool"]["attached"], 30)
+    kv_pool = server.health()[1]["kv_pool"]
+    assert not kv_pool["before_ready"] and kv_pool["pool"] == fault_env["name"]
+    assert kv_pool["warm_import_seconds"] is not None
     status, events = generate(server.url, body("pool-now", publish(fault_env["pool"],
                                                                    _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1

@@ -3,6 +3,7 @@ dropped promptly, claims hold queued jobs' pages, imports release."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -94,4 +95,77 @@ def test_without_its_own_pool_it_opens_the_pool_a_handle_names(name):
         assert torch.equal(dst[:, :, :5], kv)
         src.release([held.to_dict()])
         assert pool.stats()["pages_used"] == 0
+        src.close()
+
+
+def test_open_before_ready_waits_for_the_pool_and_warms_without_touching_pages(name):
+    """Start-up: the producer creates the pool a moment after the engine began to wait: it is opened then (before
+    ready); the import warm-up reads pool memory but leaves every page, lease and counter as it was."""
+    made: list = []
+    later = threading.Timer(0.3, lambda: made.append(ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP)))
+    later.start()
+    src = PrefixSource(name, FP, torch.device("cpu"), geometry=(2, 1, 4, torch.float32))
+    try:
+        t0 = time.monotonic()
+        report = src.open_before_ready(30)
+        assert time.monotonic() - t0 < 10 and made
+        assert report["attached"] and report["before_ready"] and report["pool"] == name
+        assert report["seconds"] >= 0 and report["warm_import_seconds"] >= 0 and report["detail"] is None
+        pool = made[0]
+        h = pool.allocate(5, 30)
+        kv = torch.randn(LAY.kv_shape(5))
+        write_kv(pool, h, kv)
+        before = pool.stats()
+        from shm_transfer.copy import warm_import
+        warm_import(src.pool(), torch.device("cpu"))
+        after = pool.stats()
+        for k in ("pages_used", "handles_live", "allocations", "pages_released", "bytes_imported_total"):
+            assert after[k] == before[k], k
+        pool.validate(h)
+        dst = torch.zeros(LAY.kv_shape(5))
+        src.import_into(h, dst)
+        assert torch.equal(dst, kv) and pool.stats()["pages_used"] == 0
+    finally:
+        later.cancel()
+        src.close()
+        for p in made:
+            p.close()
+
+
+def test_open_before_ready_without_a_producer_is_bounded_then_lazy(name):
+    """No producer: start-up goes on after the bounded wait (never raises); the first handle opens the pool and
+    /health hears of it. A producer restart: the idle engine drops the old pool and opens the new one once it is
+    there (reported each time); a job in between would open it itself."""
+    src = PrefixSource(name, FP, torch.device("cpu"), attach_timeout_s=0.1)
+    heard: list[dict] = []
+    t0 = time.monotonic()
+    report = src.open_before_ready(0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert not report["attached"] and report["waited_s"] >= 0.3 and "first request" in report["detail"]
+    src.on_change = heard.append
+    try:
+        assert not src.drop_stale() and not heard     # idle, no pool yet: nothing to tell
+        with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as pool:
+            h = pool.allocate(3, 30)
+            src.import_into(h, torch.zeros(LAY.kv_shape(3)))
+            assert heard[-1]["attached"] and not heard[-1]["before_ready"]
+        assert src.drop_stale() and not heard[-1]["attached"] and "replaced" in heard[-1]["detail"]
+        assert not src.drop_stale()                   # still gone: nothing happens
+        with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP) as fresh:   # the producer is back
+            assert not src.drop_stale() and heard[-1]["attached"] and heard[-1]["warm_import_seconds"] is not None
+            src.import_into(fresh.allocate(3, 30), torch.zeros(LAY.kv_shape(3)))
+            assert fresh.stats()["pages_used"] == 0
+    finally:
+        src.close()
+
+
+def test_open_before_ready_leaves_a_pool_of_another_shape_to_the_first_request(name):
+    with ShmKVPool.create(name, LAY, 4 * LAY.page_bytes, FP):
+        src = PrefixSource(name, FP, torch.device("cpu"), geometry=(2, 2, 4, torch.float32))
+        report = src.open_before_ready(5)
+        assert not report["attached"] and "kv heads" in report["detail"]
+        assert not src.drop_stale() and not src.report["attached"]     # idle looks never take it
+        with pytest.raises(APIError) as e:
+            src.pool()
+        assert e.value.code == "kv_pool_mismatch"
         src.close()

@@ -2,7 +2,6 @@
 runner's warm-up touches only its scratch slot."""
 from __future__ import annotations
 
-import subprocess
 import time
 
 import httpx
@@ -10,17 +9,14 @@ import pytest
 import torch
 
 from services.generation.warmup import parse_sizes
-from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
-from .genhelp import REPO, GenServer
+from .genhelp import GenServer
 
 
 def test_health_waits_for_the_warmup(tiny_dir, pool):
     server = GenServer(tiny_dir, pool.name, "--default-size", "64x64", "--warmup-sizes",
                        "512x512,64x64", "--warmup-steps", "3")
-    # started by hand: /health is watched from the first moment
-    server.proc = subprocess.Popen(server.argv, cwd=REPO, env=server.env(), start_new_session=True,
-                                   preexec_fn=preexec_die_with_parent)
+    server.launch()        # /health is watched from the first moment
     seen = []
     try:
         deadline = time.monotonic() + 120
@@ -39,6 +35,9 @@ def test_health_waits_for_the_warmup(tiny_dir, pool):
         warm = seen[-1][1]["warmup"]                          # the first 200 already reports it done
         assert warm["sizes"] == ["64x64", "512x512"] and warm["steps"] == 3 and warm["seconds"] > 0
         assert server.metrics()["u1_gen_warmup_seconds"] == warm["seconds"]
+        kv_pool = seen[-1][1]["kv_pool"]                      # the pool was there: opened before ready
+        assert kv_pool["attached"] and kv_pool["before_ready"] and kv_pool["pool"] == pool.name
+        assert kv_pool["warm_import_seconds"] is not None
     finally:
         server.stop()
 
