@@ -95,6 +95,7 @@ def run_profile(name: str, model_dir: str, args, measure: Callable, label: str |
     log = open(os.path.join(args.log_dir, f"{label}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
+    before = signal.signal(signal.SIGTERM, _interrupt)   # a bench killed by `timeout` / kill still stops its stack
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, proc, args.startup_timeout)
@@ -110,6 +111,11 @@ def run_profile(name: str, model_dir: str, args, measure: Callable, label: str |
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        signal.signal(signal.SIGTERM, before)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_all(args, model_dir: str, measure: Callable, table: Callable) -> dict:
