@@ -14,6 +14,7 @@ from torch import nn
 import kernels
 from services import knobs
 
+from .fused_rows import RowFusion   # q|k|v and gate|up as one weight (decode on CUDA)
 from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
 
@@ -91,20 +92,29 @@ class Rope:
 
 
 # ----------------------------------------------------------------------------- MLPs
-class SwiGLU(nn.Module):
+class SwiGLU(RowFusion, nn.Module):
+    """gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = Linear(hidden, inter)
         self.up_proj = Linear(hidden, inter)
         self.down_proj = Linear(inter, hidden)
+        self.init_row_fusion()
+
+    def fused_groups(self) -> dict[str, list[str]]:
+        return {"gate_up": ["gate_proj", "up_proj"]}
 
     def forward(self, x):
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = self.fused_call("gate_up", x)
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(gate, up))
 
 
 # ----------------------------------------------------------------------------- attention + layer
-class MoTAttention(nn.Module):
-    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`)."""
+class MoTAttention(RowFusion, nn.Module):
+    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`). A branch's q|k|v may
+    run as one GEMM (`fuse_rows`, model/fused_rows.py)."""
 
     def __init__(self, cfg, branches, tp: TPContext | None):
         super().__init__()
@@ -124,13 +134,18 @@ class MoTAttention(nn.Module):
             setattr(self, "o_proj" + sfx, Linear(self.num_heads * d, h))
             for n in ("q_norm", "q_norm_hw", "k_norm", "k_norm_hw"):
                 setattr(self, n + sfx, RMSNorm(d // 2, llm.rms_norm_eps))
+        self.suffixes = tuple(branches)
+        self.init_row_fusion()
+
+    def fused_groups(self) -> dict[str, list[str]]:
+        return {sfx: [n + sfx for n in ("q_proj", "k_proj", "v_proj")] for sfx in self.suffixes}
 
     def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
         T = x.shape[0]
         d = self.head_dim
-        fused = getattr(self, "qkv_proj" + sfx, None)   # fp8: one module for all three (model/quant.py)
-        q, k, v = fused(x) if fused is not None else (getattr(self, n + sfx)(x) for n in ("q_proj", "k_proj",
-                                                                                           "v_proj"))
+        quantized = getattr(self, "qkv_proj" + sfx, None)   # fp8: one module for all three (model/quant.py)
+        qkv = quantized(x) if quantized is not None else self.fused_call(sfx, x)
+        q, k, v = qkv if qkv is not None else (getattr(self, n + sfx)(x) for n in ("q_proj", "k_proj", "v_proj"))
         q = q.view(T, self.num_heads, d)
         k = k.view(T, self.num_kv_heads, d)
         v = v.view(T, self.num_kv_heads, d)
