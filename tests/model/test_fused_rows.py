@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.model import reference as R
 from services.model import weights_io as W
 from services.model.fused_rows import FusedRows, fuse_projections, fused_bytes, fusion_wanted
 from services.model.loader import load_model, merge_lora
 from services.model.lora_registry import LoraRegistry
 from services.model.parallel import TPContext
 from services.model.tiny_lora import write_tiny_lora
+from tests.model.stack_forward import stack_forward
 
 
 @pytest.fixture
@@ -50,20 +50,6 @@ def _storage_bytes(model) -> int:
     return sum(seen.values())
 
 
-def _forward(model, branch: str, rows: int = 5, seed: int = 0) -> torch.Tensor:
-    """The branch's layer stack on `rows` (<= 16: the fused GEMMs run) causal tokens."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, model.cfg.llm.hidden_size, generator=g).to(model.dtype)
-    t = torch.arange(rows)
-    rope = model.rope(torch.stack([t, t % 3, t % 2]))
-    causal = torch.tril(torch.ones(rows, rows, dtype=torch.bool))
-    attend = lambda i, q, k, v: R.masked_attention(q, k, v, causal, model.head_dim ** -0.5)  # noqa: E731
-    with torch.no_grad():
-        if branch == "und":
-            return model.und_forward(x, rope, attend)
-        return model.gen_layers(x, rope, attend, final_norm=True)
-
-
 def test_cpu_default_keeps_the_separate_layers(tiny_dir, monkeypatch):
     monkeypatch.delenv("U1SERVE_FUSED_PROJ", raising=False)
     assert fusion_wanted("cuda") and not fusion_wanted("cpu")
@@ -89,7 +75,7 @@ def test_fused_layout_views_memory_and_outputs(tiny_dir, forced):
     assert all(torch.equal(a, b) for a, b in zip(W.checkpoint_state(fused).values(),
                                                  W.checkpoint_state(plain).values()))
     for branch in ("und", "gen"):
-        torch.testing.assert_close(_forward(fused, branch), _forward(plain, branch), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stack_forward(fused, branch), stack_forward(plain, branch), rtol=1e-5, atol=1e-5)
     # the fused GEMM ran (not the layers): a layer's output from it is its rows of the one result
     attn = fused.language_model.model.layers[0].self_attn
     x = torch.randn(3, fused.cfg.llm.hidden_size)
@@ -134,10 +120,10 @@ def test_lora_hooks_run_the_separate_layers(tiny_dir, forced):
 
 def test_to_and_assign_load_refuse(tiny_dir, forced):
     model = load_model(tiny_dir, "und", lora=[])
-    want = _forward(model, "und").to(torch.bfloat16)
+    want = stack_forward(model, "und").to(torch.bfloat16)
     model.to(torch.bfloat16)
     assert all(_aliased(r) and r.weight.dtype == torch.bfloat16 for r in _groups(model))
-    torch.testing.assert_close(_forward(model, "und"), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(stack_forward(model, "und"), want, rtol=2e-2, atol=2e-2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(state, assign=True)
     assert all(_aliased(r) for r in _groups(model)) and len(list(_groups(model))) == 2 * model.num_layers
@@ -169,4 +155,4 @@ def test_quantised_layers_keep_their_own_layout(tiny_dir, forced):
     und = load_model(tiny_dir, "und", lora=[])
     quantize_model(und, ("und",))                                # quantising a fused model drops its fusion
     assert "" not in und.language_model.model.layers[0].self_attn.fused
-    _forward(und, "und")
+    stack_forward(und, "und")
