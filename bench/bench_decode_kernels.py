@@ -10,8 +10,9 @@ Parts (`--parts`, comma-separated):
   step on the generation experts), the current `moe_config` vs a sweep of tiles.
 - profile: the understanding engine (bench_understanding's) on the full 8B geometry, random weights: decode graph
   replay alone vs the engine step at batch 1 / 8 / 64, their ratio to the HBM bound, and the kernel table of a
-  batch-1 replay (torch profiler), with q|k|v and gate|up fused (model/fused_rows.py) and separate side by side
-  (one engine; the graphs re-captured in between). U1SERVE_SKINNY_GEMM=0 runs it on cuBLAS, to compare.
+  batch-1 replay (torch profiler), per layout side by side (`--legs`): q|k|v and gate|up fused (model/fused_rows.py),
+  that plus silu*mul inside the down GEMM (U1SERVE_GATED_DOWN), separate; one engine, the graphs re-captured in
+  between. U1SERVE_SKINNY_GEMM=0 runs it on cuBLAS, to compare.
 
 GPU:  python -m bench.bench_decode_kernels --json /tmp/decode_kernels.json
       python -m bench.bench_decode_kernels --parts profile --json /tmp/decode_profile.json
@@ -164,16 +165,19 @@ def part_moe(args, dev, dtype) -> list[dict]:
     return rows
 
 
+LEGS = ("fused", "fused_gated", "separate")
+
+
 def part_profile(args) -> dict:
-    """The 8B understanding engine's decode steps (bench_understanding's engine), replay vs step, kernel table: with
-    q|k|v and gate|up fused (model/fused_rows.py) and separate, one engine, the graphs re-captured in between."""
+    """The 8B understanding engine's decode steps (bench_understanding's engine), replay vs step, kernel table, per
+    layout (`--legs`: q|k|v and gate|up fused (model/fused_rows.py), that plus silu*mul inside the down GEMM, or
+    separate), one engine, the graphs re-captured between layouts."""
     import random
     import tempfile
 
     from bench import bench_understanding as bu
     from services import knobs
     from services.model import tiny
-    from services.model.fused_rows import fuse_projections, fused_bytes
     from services.model.tokenizer import NeoTokenizer
     saved = sys.argv
     sys.argv = [saved[0], "--variant", "u1-8b", "--decode-tokens", "64"]
@@ -187,20 +191,20 @@ def part_profile(args) -> dict:
     engine = bu.make_engine(model_dir, uargs, pool_name=pool.pool.name, max_running=128)
     tok = NeoTokenizer.from_dir(model_dir)
     rng = random.Random(0)
-    res = {"skinny_gemm": knobs.SKINNY_GEMM.get()}
+    res = {"skinny_gemm": knobs.SKINNY_GEMM.get(), "loaded_as": layout_of(engine.model)}
     res["hbm_bound_ms"], res["bandwidth_tbs"] = bu.hbm_bound_ms(engine.model, uargs)
     res["weight_gb"] = bu.decode_weight_bytes(engine.model) / 1e9
-    legs = ["fused", "separate"] if fused_bytes(engine.model) else ["separate", "fused"]   # as loaded first
-    for i, leg in enumerate(legs):
-        if i:
-            recapture(engine, lambda: fuse_projections(engine.model, on=leg == "fused"))
+    legs = args.legs
+    for leg in legs:
+        if layout_of(engine.model) != leg:
+            recapture(engine, lambda: use_layout(engine.model, leg))
         res[leg] = profile_leg(engine, tok, uargs, rng, res["hbm_bound_ms"])
     pool.close()
     print(json.dumps({k: v for k, v in res.items() if k not in legs}, indent=1), flush=True)
     keys = [k for k in res[legs[0]] if k != "kernels_per_step"]
-    print(f"{'':22s}" + "".join(f"{leg:>12s}" for leg in legs), flush=True)
+    print(f"{'':26s}" + "".join(f"{leg:>13s}" for leg in legs), flush=True)
     for k in keys:
-        print(f"{k:22s}" + "".join(f"{res[leg][k]:12.3f}" for leg in legs), flush=True)
+        print(f"{k:26s}" + "".join(f"{res[leg][k]:13.3f}" for leg in legs), flush=True)
     for leg in legs:
         print(f"kernels of a batch-1 replay, {leg}:")
         for r in res[leg]["kernels_per_step"]:
@@ -208,19 +212,36 @@ def part_profile(args) -> dict:
     return res
 
 
+def layout_of(model) -> str:
+    from services.model.fused_rows import fused_bytes
+    from services.model.modules import SwiGLU
+    if not fused_bytes(model):
+        return "separate"
+    return "fused_gated" if any(m.gated_down for m in model.modules() if isinstance(m, SwiGLU)) else "fused"
+
+
+def use_layout(model, leg: str) -> None:
+    from services.model.fused_rows import fuse_projections
+    from services.model.modules import SwiGLU
+    if (layout_of(model) == "separate") != (leg == "separate"):
+        fuse_projections(model, on=leg != "separate")
+    for m in model.modules():
+        if isinstance(m, SwiGLU):
+            m.gated_down = leg == "fused_gated"
+
+
 def recapture(engine, change) -> None:
-    """Drop the engine's decode graphs, `change()` the model, capture them again."""
+    """Drop the engine's decode graphs, `change()` the model, capture them again (up to batch 64: the bench's)."""
     import gc
 
     from services.understanding.cuda_graphs import DecodeGraphs
     runner = engine.runner
-    max_bs = runner.graphs.max_bs
     runner.graphs = None
     gc.collect()
     torch.cuda.synchronize()
     change()
     torch.cuda.empty_cache()
-    runner.graphs = DecodeGraphs(runner, max_bs)
+    runner.graphs = DecodeGraphs(runner, 64)
 
 
 def profile_leg(engine, tok, uargs, rng, bound_ms: float) -> dict:
@@ -252,8 +273,12 @@ def main() -> int:
     ap.add_argument("--parts", default="skinny,moe,profile")
     ap.add_argument("--rows", default="1,8,16", help="skinny part: rows of x")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (skinny, moe)")
+    ap.add_argument("--legs", default=",".join(LEGS), help=f"profile part: the layouts to run, of {LEGS}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.legs = [x for x in args.legs.split(",") if x]
+    if any(x not in LEGS for x in args.legs):
+        ap.error(f"--legs: each of {LEGS}")
     args.rows = [int(r) for r in args.rows.split(",")]
     parts = args.parts.split(",")
     if args.smoke:

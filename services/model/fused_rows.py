@@ -48,6 +48,11 @@ def fusable(linears) -> bool:
             and len({(w.shape[1], w.dtype, w.device) for w in ws}) == 1)
 
 
+def hooked(module: nn.Module) -> bool:
+    """A module with forward hooks (multi-LoRA's): it must run its own forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 class FusedRows:
     """The weights of `linears` as one tensor `weight` (rows in order), each layer's weight a view of its rows."""
 
@@ -73,11 +78,15 @@ class FusedRows:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The layers' outputs of x from one GEMM (column views of one result), or None where the layers must
         run one by one (module doc)."""
+        y = self.output(x)
+        return None if y is None else y.split(self.splits, dim=1)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The one GEMM's [rows, sum(splits)] result, or None (see __call__)."""
         if (torch.is_grad_enabled() or x.dim() != 2 or x.shape[0] > kernels.SKINNY_MAX_ROWS
-                or any(lin._forward_hooks or lin._forward_pre_hooks for lin in self.linears) or not self.intact()):
+                or any(hooked(lin) for lin in self.linears) or not self.intact()):
             return None
-        y = kernels.skinny_linear(x, self.weight) if self.skinny and x.is_cuda else F.linear(x, self.weight)
-        return y.split(self.splits, dim=1)
+        return kernels.skinny_linear(x, self.weight) if self.skinny and x.is_cuda else F.linear(x, self.weight)
 
     def split(self) -> None:
         """Give every layer its own storage again (the fused weight is dropped; for comparing)."""
@@ -98,7 +107,7 @@ class RowFusion:
 
     def init_row_fusion(self) -> None:
         self.fused: dict[str, FusedRows] = {}
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_fusion())
+        self.register_load_state_dict_post_hook(_refresh_after_load)
 
     def fuse_rows(self, on: bool = True) -> int:
         """Fuse every fusable group (`on`), or split every fused one. Returns the groups fused now."""
@@ -128,6 +137,10 @@ class RowFusion:
         out = super()._apply(fn, recurse)
         self.refresh_fusion()
         return out
+
+
+def _refresh_after_load(module: RowFusion, _incompatible_keys) -> None:
+    module.refresh_fusion()       # a module-level function, not a lambda: the model stays picklable
 
 
 def fuse_projections(model: nn.Module, on: bool | None = None) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 import kernels
 from services import knobs
 
-from .fused_rows import RowFusion   # q|k|v and gate|up as one weight (decode on CUDA)
+from .fused_rows import RowFusion, hooked   # q|k|v and gate|up as one weight (decode on CUDA)
 from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
 
@@ -93,22 +93,31 @@ class Rope:
 
 # ----------------------------------------------------------------------------- MLPs
 class SwiGLU(RowFusion, nn.Module):
-    """gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py)."""
+    """gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py); then, for one row with `gated_down`
+    (U1SERVE_GATED_DOWN, read when built), silu(gate) * up is computed inside the down GEMM (kernels.gated_linear:
+    the same bits, one launch fewer)."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = Linear(hidden, inter)
         self.up_proj = Linear(hidden, inter)
         self.down_proj = Linear(inter, hidden)
+        self.gated_down = knobs.GATED_DOWN.get()
         self.init_row_fusion()
 
     def fused_groups(self) -> dict[str, list[str]]:
         return {"gate_up": ["gate_proj", "up_proj"]}
 
     def forward(self, x):
-        gate_up = self.fused_call("gate_up", x)
-        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(kernels.silu_mul(gate, up))
+        rows = self.fused.get("gate_up")
+        gate_up = rows.output(x) if rows is not None else None
+        if gate_up is None:
+            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gated_down and self.down_proj.skinny and not hooked(self.down_proj):
+            y = kernels.gated_linear(gate_up, self.down_proj.weight)
+            if y is not None:
+                return y
+        return self.down_proj(kernels.silu_mul(*gate_up.split(rows.splits, dim=1)))
 
 
 # ----------------------------------------------------------------------------- attention + layer

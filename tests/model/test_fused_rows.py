@@ -76,6 +76,11 @@ def test_fused_layout_views_memory_and_outputs(tiny_dir, forced):
                                                  W.checkpoint_state(plain).values()))
     for branch in ("und", "gen"):
         torch.testing.assert_close(stack_forward(fused, branch), stack_forward(plain, branch), rtol=1e-5, atol=1e-5)
+    want = stack_forward(fused, "und", rows=1)
+    for m in fused.modules():
+        if hasattr(m, "gated_down"):
+            m.gated_down = True                     # CUDA's one-launch silu*mul + down: the CPU runs the two
+    assert torch.equal(stack_forward(fused, "und", rows=1), want)
     # the fused GEMM ran (not the layers): a layer's output from it is its rows of the one result
     attn = fused.language_model.model.layers[0].self_attn
     x = torch.randn(3, fused.cfg.llm.hidden_size)

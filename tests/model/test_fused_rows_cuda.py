@@ -1,6 +1,6 @@
 """The fused q|k|v and gate|up GEMMs on CUDA (services/model/fused_rows.py) give the separate layers' outputs within
 bf16 tolerance: at the 8B decode shapes (the skinny kernels on the fused weights, 1-16 rows, eager and in a CUDA
-graph) and through a whole tiny model loaded fused vs U1SERVE_FUSED_PROJ=0. Skipped without CUDA (the CPU checks of
+graph; silu*mul inside the down GEMM bit for bit) and through a whole tiny model loaded fused vs U1SERVE_FUSED_PROJ=0. Skipped without CUDA (the CPU checks of
 the layout: test_fused_rows.py).
 
     python -m pytest -q tests/model/test_fused_rows_cuda.py
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import gated_linear
 from kernels.norm_act import silu_mul, silu_mul_ref
 from services.model.fused_rows import FusedRows, fused_bytes
 from services.model.loader import load_model
@@ -78,7 +79,12 @@ def test_swiglu_fused_and_strided_silu(rows):
     with torch.no_grad():
         want = mlp(x)
         assert mlp.fuse_rows() == 1
-        _close(mlp(x), want)
+        fused = mlp(x)
+        _close(fused, want)
+        mlp.gated_down = True                      # silu*mul inside the down GEMM (one row): the same bits
+        assert torch.equal(mlp(x), fused)
+        if rows == 1:
+            assert gated_linear(mlp.fused["gate_up"].output(x), mlp.down_proj.weight) is not None
         gu = torch.randn(rows, 2 * 12288, device="cuda").bfloat16()
         g, u = gu.split(12288, dim=1)
         assert torch.equal(silu_mul(g, u), silu_mul(g.contiguous(), u.contiguous()))
