@@ -165,7 +165,7 @@ def part_moe(args, dev, dtype) -> list[dict]:
     return rows
 
 
-LEGS = ("fused", "fused_gated", "separate")
+LEGS = ("fused", "separate", "fused_gated")
 
 
 def part_profile(args) -> dict:
@@ -194,12 +194,19 @@ def part_profile(args) -> dict:
     res = {"skinny_gemm": knobs.SKINNY_GEMM.get(), "loaded_as": layout_of(engine.model)}
     res["hbm_bound_ms"], res["bandwidth_tbs"] = bu.hbm_bound_ms(engine.model, uargs)
     res["weight_gb"] = bu.decode_weight_bytes(engine.model) / 1e9
-    legs = args.legs
-    for leg in legs:
-        if layout_of(engine.model) != leg:
-            recapture(engine, lambda: use_layout(engine.model, leg))
-        res[leg] = profile_leg(engine, tok, uargs, rng, res["hbm_bound_ms"])
+    legs = []
+    for leg in args.legs:
+        try:
+            if layout_of(engine.model) != leg or engine.runner.graphs is None:
+                recapture(engine, lambda: use_layout(engine.model, leg))
+            res[leg] = profile_leg(engine, tok, uargs, rng, res["hbm_bound_ms"])
+            legs.append(leg)
+        except Exception as e:   # noqa: BLE001 - one layout failing must not lose the others' figures
+            res[f"{leg}_error"] = f"{type(e).__name__}: {e}"
+            print(f"layout {leg} failed: {res[f'{leg}_error']}", file=sys.stderr, flush=True)
     pool.close()
+    if not legs:
+        return res
     print(json.dumps({k: v for k, v in res.items() if k not in legs}, indent=1), flush=True)
     keys = [k for k in res[legs[0]] if k != "kernels_per_step"]
     print(f"{'':26s}" + "".join(f"{leg:>13s}" for leg in legs), flush=True)
