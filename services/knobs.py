@@ -120,8 +120,8 @@ FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fus
                        "the same bits; to compare speed)", "model")
 SKINNY_GEMM = _knob("U1SERVE_SKINNY_GEMM", bool, True, "linear layers with at most 16 rows (decode) take the "
                     "skinny GEMM kernel on CUDA (kernels/skinny_gemm.py; 0: torch's linear, to compare)", "model")
-FUSED_PROJ = _knob("U1SERVE_FUSED_PROJ", str, "auto", "a layer's q, k, v weights as one, and gate, up as one: one "
-                   "GEMM each per decode step (model/fused_rows.py): auto = on CUDA, 0 = separate GEMMs (to compare), 1 = on any "
+FUSED_PROJ = _knob("U1SERVE_FUSED_PROJ", str, "auto", "an und layer's q, k, v weights as one, and gate, up as one: "
+                   "one GEMM each per decode step (model/fused_rows.py): auto = on CUDA, 0 = separate GEMMs (to compare), 1 = on any "
                    "device (tests; CPU bits then differ)", "model loader")
 GATED_DOWN = _knob("U1SERVE_GATED_DOWN", bool, False, "a one-row decode step computes silu(gate) * up inside the "
                    "down GEMM (one launch fewer per layer, the same bits; needs the fused gate, up weight)", "model")

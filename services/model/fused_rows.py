@@ -1,4 +1,5 @@
-"""Several Linear layers of one input as one weight: q|k|v of an attention, gate|up of a SwiGLU.
+"""Several Linear layers of one input as one weight: q|k|v of an attention, gate|up of a SwiGLU (of the und
+branch, whose decode steps run them with a few rows; the gen branch's forwards have hundreds).
 
 A decode step reads every weight once; separate q / k / v GEMMs read the small k / v weights at half the
 bandwidth of the large ones (a [1024 x 4096] weight cannot fill the GPU: docs/benchmarks/kernels.md) and cost a

@@ -93,20 +93,21 @@ class Rope:
 
 # ----------------------------------------------------------------------------- MLPs
 class SwiGLU(RowFusion, nn.Module):
-    """gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py); then, for one row with `gated_down`
-    (U1SERVE_GATED_DOWN, read when built), silu(gate) * up is computed inside the down GEMM (kernels.gated_linear:
-    the same bits, one launch fewer)."""
+    """With `decodes` (the und branch's MLP) gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py); then,
+    for one row with `gated_down` (U1SERVE_GATED_DOWN, read when built), silu(gate) * up is computed inside the
+    down GEMM (kernels.gated_linear: the same bits, one launch fewer)."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, decodes: bool = True):
         super().__init__()
         self.gate_proj = Linear(hidden, inter)
         self.up_proj = Linear(hidden, inter)
         self.down_proj = Linear(inter, hidden)
+        self.decodes = decodes
         self.gated_down = knobs.GATED_DOWN.get()
         self.init_row_fusion()
 
     def fused_groups(self) -> dict[str, list[str]]:
-        return {"gate_up": ["gate_proj", "up_proj"]}
+        return {"gate_up": ["gate_proj", "up_proj"]} if self.decodes else {}
 
     def forward(self, x):
         rows = self.fused.get("gate_up")
@@ -122,8 +123,9 @@ class SwiGLU(RowFusion, nn.Module):
 
 # ----------------------------------------------------------------------------- attention + layer
 class MoTAttention(RowFusion, nn.Module):
-    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`). A branch's q|k|v may
-    run as one GEMM (`fuse_rows`, model/fused_rows.py)."""
+    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`). The und branch's
+    q|k|v may run as one GEMM (`fuse_rows`, model/fused_rows.py): decode steps are its; the gen branch's forwards
+    have hundreds of rows, where the layers run one by one anyway."""
 
     def __init__(self, cfg, branches, tp: TPContext | None):
         super().__init__()
@@ -147,7 +149,8 @@ class MoTAttention(RowFusion, nn.Module):
         self.init_row_fusion()
 
     def fused_groups(self) -> dict[str, list[str]]:
-        return {sfx: [n + sfx for n in ("q_proj", "k_proj", "v_proj")] for sfx in self.suffixes}
+        return {sfx: [n + sfx for n in ("q_proj", "k_proj", "v_proj")] for sfx in self.suffixes
+                if sfx == BRANCH_SUFFIX["und"]}
 
     def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
         T = x.shape[0]
@@ -180,8 +183,8 @@ class MoTDecoderLayer(nn.Module):
         for sfx in branches:
             setattr(self, "input_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
             setattr(self, "post_attention_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
+            gen = sfx == BRANCH_SUFFIX["gen"]
             if llm.is_moe:
-                gen = sfx == "_mot_gen"
                 n_exp = llm.gen_num_experts if gen else llm.num_experts
                 k = llm.gen_num_experts_per_tok if gen else llm.num_experts_per_tok
                 inter = llm.gen_moe_intermediate_size if gen else llm.moe_intermediate_size
@@ -191,7 +194,7 @@ class MoTDecoderLayer(nn.Module):
             else:
                 if llm.intermediate_size % ws:
                     raise ValueError(f"TP {ws} must divide intermediate_size {llm.intermediate_size}")
-                mlp = SwiGLU(llm.hidden_size, llm.intermediate_size // ws)
+                mlp = SwiGLU(llm.hidden_size, llm.intermediate_size // ws, decodes=not gen)
             setattr(self, "mlp" + sfx, mlp)
 
     def _reduce(self, x):

@@ -1,6 +1,6 @@
-"""q|k|v and gate|up as one weight (services/model/fused_rows.py), forced on the CPU with U1SERVE_FUSED_PROJ=1:
-the layers' Parameters are views of the fused weight (no second copy), loading / live updates / LoRA merges / TP
-shards land in it, `.to()` and load_state_dict(assign=True) re-fuse, and the fused GEMMs give the separate
+"""q|k|v and gate|up of the und (decode) branch as one weight each (services/model/fused_rows.py), forced on the CPU
+with U1SERVE_FUSED_PROJ=1: the layers' Parameters are views of the fused weight (no second copy), loading / live
+updates / LoRA merges / TP shards land in it, `.to()` and load_state_dict(assign=True) re-fuse, and the fused GEMMs give the separate
 layers' outputs. The CUDA comparison (the skinny kernels on the fused weights, bf16): test_fused_rows_cuda.py."""
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_fused_layout_views_memory_and_outputs(tiny_dir, forced):
     fuse_projections(plain, on=False)
     groups = list(_groups(fused))
     layers = fused.cfg.llm.num_hidden_layers
-    assert len(groups) == 4 * layers                           # q|k|v and gate|up of both branches
+    assert len(groups) == 2 * layers                           # q|k|v and gate|up of the und (decode) branch
     assert all(_aliased(r) for r in groups)
     assert _storage_bytes(fused) == _storage_bytes(plain)      # views: not a second copy
     assert W.checkpoint_state(fused).keys() == W.checkpoint_state(plain).keys()
@@ -152,10 +152,11 @@ def test_tp_shards_fuse_per_rank(tiny_dir, forced, world):
 
 
 def test_quantised_layers_keep_their_own_layout(tiny_dir, forced):
-    model = load_model(tiny_dir, "gen", lora=[], quantization="fp8")
+    model = load_model(tiny_dir, "und", lora=[], quantization="fp8")
     layer = model.language_model.model.layers[0]
-    assert "_mot_gen" not in layer.self_attn.fused and hasattr(layer.self_attn, "qkv_proj_mot_gen")
-    assert not hasattr(layer.mlp_mot_gen, "fused")              # Fp8SwiGLU: its own gate|up GEMM
+    assert "" not in layer.self_attn.fused and hasattr(layer.self_attn, "qkv_proj")
+    assert not hasattr(layer.mlp, "fused")                      # Fp8SwiGLU: its own gate|up GEMM
+    stack_forward(model, "und")
     from services.model.quant import quantize_model
     und = load_model(tiny_dir, "und", lora=[])
     quantize_model(und, ("und",))                                # quantising a fused model drops its fusion
