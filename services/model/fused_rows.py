@@ -9,8 +9,8 @@ layer's Parameter a view of its rows (`param.data = fused[r0:r1]`): the Paramete
 merges, optimiser steps) lands in the fused weight, and memory is not doubled (the separate storages are freed).
 
 The fused GEMM runs where it is safe and pays: no autograd (the trainer's differentiable forward keeps the
-layers), at most `kernels.SKINNY_MAX_ROWS` rows (decode; prefill and the generation branch keep the separate
-GEMMs: not measured, and cuDNN attention wants a contiguous q), no forward hooks on the layers (multi-LoRA's
+layers), at most `kernels.SKINNY_MAX_ROWS` rows (decode; prefill keeps the separate GEMMs: one launch saved of
+a long step, not measured), no forward hooks on the layers (multi-LoRA's
 hooks add per-layer products: those steps run the layers), and while every layer's weight still is its view
 (`intact`: something that replaced a Parameter falls back, and the owner's `_apply` / load hook re-fuse).
 Its outputs are column views of one [rows, sum(out)] result (row stride sum(out)): the consumers (q/k norm +
