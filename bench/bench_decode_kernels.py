@@ -9,11 +9,13 @@ Parts (`--parts`, comma-separated):
 - moe: kernels.fused_moe at the A3B shapes (decode batch 1 / 64 on the understanding experts, a 1024² CFG denoise
   step on the generation experts), the current `moe_config` vs a sweep of tiles.
 - profile: the understanding engine (bench_understanding's) on the full 8B geometry, random weights: decode graph
-  replay alone vs the engine step at batch 1 / 8 / 64, the HBM bound, and the kernel table of a batch-1 replay
-  (torch profiler). Run it twice, with U1SERVE_SKINNY_GEMM=0 and without, for the before / after.
+  replay alone vs the engine step at batch 1 / 8 / 64, their ratio to the HBM bound, and the kernel table of a
+  batch-1 replay (torch profiler), per layout side by side (`--legs`): q|k|v and gate|up fused (model/fused_rows.py),
+  that plus silu*mul inside the down GEMM (U1SERVE_GATED_DOWN), separate; one engine, the graphs re-captured in
+  between. U1SERVE_SKINNY_GEMM=0 runs it on cuBLAS, to compare.
 
 GPU:  python -m bench.bench_decode_kernels --json /tmp/decode_kernels.json
-      U1SERVE_SKINNY_GEMM=0 python -m bench.bench_decode_kernels --parts profile --json /tmp/decode_cublas.json
+      python -m bench.bench_decode_kernels --parts profile --json /tmp/decode_profile.json
 CPU smoke (Triton interpreter, tiny shapes, the skinny and moe parts):
       python -m bench.bench_decode_kernels --smoke --json /tmp/dk.json
 """
@@ -35,7 +37,8 @@ import torch.nn.functional as F  # noqa: E402
 
 SKINNY_SHAPES = {"8b_q_o": (4096, 4096), "8b_kv": (1024, 4096), "8b_gate_up": (12288, 4096),
                  "8b_down": (4096, 12288), "8b_lm_head": (151936, 4096), "a3b_q": (4096, 2048),
-                 "a3b_kv": (512, 2048), "a3b_o": (2048, 4096), "a3b_router": (128, 2048)}
+                 "a3b_kv": (512, 2048), "a3b_o": (2048, 4096), "a3b_router": (128, 2048),
+                 "8b_qkv_fused": (6144, 4096), "8b_gate_up_fused": (24576, 4096), "a3b_qkv_fused": (5120, 2048)}
 MOE_CASES = {"und_b1": (1, 128), "und_b64": (64, 128), "gen_1024cfg": (2048, 32)}
 
 
@@ -162,8 +165,13 @@ def part_moe(args, dev, dtype) -> list[dict]:
     return rows
 
 
+LEGS = ("fused", "separate", "fused_gated")
+
+
 def part_profile(args) -> dict:
-    """The 8B understanding engine's decode steps (bench_understanding's engine), replay vs step, kernel table."""
+    """The 8B understanding engine's decode steps (bench_understanding's engine), replay vs step, kernel table, per
+    layout (`--legs`: q|k|v and gate|up fused (model/fused_rows.py), that plus silu*mul inside the down GEMM, or
+    separate), one engine, the graphs re-captured between layouts."""
     import random
     import tempfile
 
@@ -183,27 +191,87 @@ def part_profile(args) -> dict:
     engine = bu.make_engine(model_dir, uargs, pool_name=pool.pool.name, max_running=128)
     tok = NeoTokenizer.from_dir(model_dir)
     rng = random.Random(0)
+    res = {"skinny_gemm": knobs.SKINNY_GEMM.get(), "loaded_as": layout_of(engine.model)}
+    res["hbm_bound_ms"], res["bandwidth_tbs"] = bu.hbm_bound_ms(engine.model, uargs)
+    res["weight_gb"] = bu.decode_weight_bytes(engine.model) / 1e9
+    legs = []
+    for leg in args.legs:
+        try:
+            if layout_of(engine.model) != leg or engine.runner.graphs is None:
+                recapture(engine, lambda: use_layout(engine.model, leg))
+            res[leg] = profile_leg(engine, tok, uargs, rng, res["hbm_bound_ms"])
+            legs.append(leg)
+        except Exception as e:   # noqa: BLE001 - one layout failing must not lose the others' figures
+            res[f"{leg}_error"] = f"{type(e).__name__}: {e}"
+            print(f"layout {leg} failed: {res[f'{leg}_error']}", file=sys.stderr, flush=True)
+    pool.close()
+    if not legs:
+        return res
+    print(json.dumps({k: v for k, v in res.items() if k not in legs}, indent=1), flush=True)
+    keys = [k for k in res[legs[0]] if k != "kernels_per_step"]
+    print(f"{'':26s}" + "".join(f"{leg:>13s}" for leg in legs), flush=True)
+    for k in keys:
+        print(f"{k:26s}" + "".join(f"{res[leg][k]:13.3f}" for leg in legs), flush=True)
+    for leg in legs:
+        print(f"kernels of a batch-1 replay, {leg}:")
+        for r in res[leg]["kernels_per_step"]:
+            print(f"  {r['us_per_step']:9.1f} us  x{r['calls']:4d}  {r['name']}")
+    return res
+
+
+def layout_of(model) -> str:
+    from services.model.fused_rows import fused_bytes
+    from services.model.modules import SwiGLU
+    if not fused_bytes(model):
+        return "separate"
+    return "fused_gated" if any(m.gated_down for m in model.modules() if isinstance(m, SwiGLU)) else "fused"
+
+
+def use_layout(model, leg: str) -> None:
+    from services.model.fused_rows import fuse_projections
+    from services.model.modules import SwiGLU
+    if (layout_of(model) == "separate") != (leg == "separate"):
+        fuse_projections(model, on=leg != "separate")
+    for m in model.modules():
+        if isinstance(m, SwiGLU):
+            m.gated_down = leg == "fused_gated"
+
+
+def recapture(engine, change) -> None:
+    """Drop the engine's decode graphs, `change()` the model, capture them again (up to batch 64: the bench's)."""
+    import gc
+
+    from services.understanding.cuda_graphs import DecodeGraphs
+    runner = engine.runner
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.synchronize()
+    change()
+    torch.cuda.empty_cache()
+    runner.graphs = DecodeGraphs(runner, 64)
+
+
+def profile_leg(engine, tok, uargs, rng, bound_ms: float) -> dict:
+    from bench import bench_understanding as bu
     bu.bench_decode(engine, tok, 1, uargs, rng)                       # warm-up
-    res = {"skinny_gemm": knobs.SKINNY_GEMM.get()}
+    res = {}
     for b in (1, 8, 64):
         res[f"engine_ms_b{b}"] = bu.bench_decode(engine, tok, b, uargs, rng)["ms_per_step"]
         graph, _ = engine.runner.graphs.graphs[b]
         res[f"replay_ms_b{b}"] = per_call_s(None, [graph.replay] * 20, "cuda") * 1e3
-    res["hbm_bound_ms"], res["bandwidth_tbs"] = bu.hbm_bound_ms(engine.model, uargs)
-    res["weight_gb"] = bu.decode_weight_bytes(engine.model) / 1e9
+    res["replay_b1_over_hbm_bound"] = res["replay_ms_b1"] / bound_ms
+    res["engine_b1_over_hbm_bound"] = res["engine_ms_b1"] / bound_ms
     from torch.profiler import ProfilerActivity, profile
     graph, _ = engine.runner.graphs.graphs[1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    res["kernel_us_b1"] = sum(e.device_time_total for e in events) / 5
+    res["launches_b1"] = sum(e.count for e in events) / 5
     res["kernels_per_step"] = [{"name": e.key[:90], "calls": e.count // 5, "us_per_step": e.device_time_total / 5}
-                               for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:20]
-                               if e.device_time_total > 0]
-    pool.close()
-    print(json.dumps({k: v for k, v in res.items() if k != "kernels_per_step"}, indent=1), flush=True)
-    for r in res["kernels_per_step"]:
-        print(f"  {r['us_per_step']:9.1f} us  x{r['calls']:4d}  {r['name']}")
+                               for e in sorted(events, key=lambda e: -e.device_time_total)[:20]]
     return res
 
 
@@ -212,8 +280,12 @@ def main() -> int:
     ap.add_argument("--parts", default="skinny,moe,profile")
     ap.add_argument("--rows", default="1,8,16", help="skinny part: rows of x")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (skinny, moe)")
+    ap.add_argument("--legs", default=",".join(LEGS), help=f"profile part: the layouts to run, of {LEGS}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.legs = [x for x in args.legs.split(",") if x]
+    if any(x not in LEGS for x in args.legs):
+        ap.error(f"--legs: each of {LEGS}")
     args.rows = [int(r) for r in args.rows.split(",")]
     parts = args.parts.split(",")
     if args.smoke:

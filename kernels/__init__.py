@@ -24,7 +24,7 @@ from .norm_act import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref, si
 from .prefill_attention import prefill_attention, prefill_attention_ref
 from .qk_norm_rope import qk_norm_rope_, qk_norm_rope_ref_, rope_table
 from .skinny_gemm import MAX_ROWS as SKINNY_MAX_ROWS
-from .skinny_gemm import skinny_linear
+from .skinny_gemm import gated_linear, skinny_linear
 
 __all__ = [
     "HAS_TRITON", "HAS_FLASH_ATTN", "kernel_mode",
@@ -33,7 +33,7 @@ __all__ = [
     "denoise_attention", "denoise_attention_ref",
     "decode_attention", "decode_attention_ref",
     "qk_norm_rope_", "qk_norm_rope_ref_", "rope_table",
-    "skinny_linear", "SKINNY_MAX_ROWS",
+    "skinny_linear", "gated_linear", "SKINNY_MAX_ROWS",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref", "silu_mul", "silu_mul_ref",
     "kv_export", "kv_export_ref", "kv_import", "kv_import_ref", "kv_write_", "kv_write_ref_",
     "register_host_memory", "unregister_host_memory", "device_view", "HostMappedView",

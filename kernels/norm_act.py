@@ -107,12 +107,14 @@ def _silu_mul_value_fn(g, u, dt):
     return (s * u).to(dt).to(tl.float32)
 
 
-def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, n, stride_g, stride_u, BLOCK: tl.constexpr):
+    # program (block of n columns, row): a contiguous input is one row of all its elements
+    row = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + offs, _silu_mul_value(g, u, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=ok)
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * n + offs, _silu_mul_value(g, u, Y.dtype.element_ty).to(Y.dtype.element_ty), mask=ok)
 
 
 def _silu_mul_fp8_kernel(G, U, Q, S, n_cols, stride_g, stride_u, stride_q, BLOCK: tl.constexpr, NP: tl.constexpr,
@@ -252,14 +254,18 @@ def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    ok = gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
+    """silu(gate) * up. Contiguous inputs, or [rows, n] ones with any row stride (the two halves of one gate|up
+    GEMM output, model/fused_rows.py); the result is contiguous."""
+    flat = gate.is_contiguous() and up.is_contiguous()
+    rows_ok = (gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1 and gate.shape[0] <= 65535)
+    ok = (flat or rows_ok) and gate.shape == up.shape and gate.dtype == up.dtype
     if not use_triton(gate, ok):
         return silu_mul_ref(gate, up)
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, n, sg, su = (1, gate.numel(), 0, 0) if flat else (gate.shape[0], gate.shape[1], gate.stride(0), up.stride(0))
+    if rows and n:
         block = 2048
-        _silu[(triton_cdiv(n, block),)](gate, up, y, n, BLOCK=block, num_warps=4)
+        _silu[(triton_cdiv(n, block), rows)](gate, up, y, n, sg, su, BLOCK=block, num_warps=4)
     return y
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import lazy_jit, tl, triton_cdiv, use_triton
+from .norm_act import _silu_mul_value_fn
 
 MAX_ROWS = 16
 
@@ -44,8 +45,10 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
 
 
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """M = 1 without the tensor cores: [BLOCK_N, BLOCK_K] products summed along K (tiles as narrow as 4)."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr = False):
+    """M = 1 without the tensor cores: [BLOCK_N, BLOCK_K] products summed along K (tiles as narrow as 4).
+    GATED: x is the [1, 2K] gate|up row and the GEMM's input is silu(gate) * up, computed at the load with
+    `silu_mul`'s rounding (so the bits of silu_mul then this kernel, without that launch)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -54,7 +57,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
     x_ptrs = x_ptr + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for _k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs).to(tl.float32)
+        if GATED:
+            x = _silu_mul_value(tl.load(x_ptrs).to(tl.float32), tl.load(x_ptrs + K).to(tl.float32),
+                                x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs).to(tl.float32)
         w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * x[None, :]
         x_ptrs += BLOCK_K
@@ -64,7 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
 
 
 _skinny = lazy_jit(_skinny_kernel)
-_gemv = lazy_jit(_gemv_kernel)
+_gemv = lazy_jit(_gemv_kernel, helpers={"_silu_mul_value": _silu_mul_value_fn})
 
 
 def skinny_config(m: int, n: int, k: int) -> tuple[str, tuple[int, int, int, int]] | None:
@@ -102,12 +109,13 @@ def skinny_linear_launch(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, 
 
 
 def gemv_launch(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int],
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """The M = 1 CUDA-core kernel with an explicit config (the sweep's entry point)."""
+                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """The M = 1 CUDA-core kernel with an explicit config (the sweep's entry point). `gated`: x is [1, 2K]
+    gate|up and the input silu(gate) * up (`_gemv_kernel`)."""
     n, k = w.shape
     block_n, block_k, warps, stages = cfg
     y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
-    _gemv[(triton_cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+    _gemv[(triton_cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
                                       num_warps=warps, num_stages=stages)
     return y
 
@@ -121,3 +129,17 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
     kind, cfg = choice
     return (gemv_launch if kind == "gemv" else skinny_linear_launch)(x, w, cfg)
+
+
+def gated_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up @ w^T for one row gate_up [1, 2K] (a fused gate|up output) in one launch, the bits of
+    `silu_mul` then `skinny_linear`; None where that is not the one-row kernel (the caller runs the two)."""
+    k = w.shape[1] if w.dim() == 2 else 0
+    if not (gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] == 2 * k and gate_up.is_contiguous()
+            and use_triton(gate_up, skinny_ok(gate_up[:, :k], w))):
+        return None
+    choice = skinny_config(1, w.shape[0], k)
+    if choice is None or choice[0] != "gemv" or k % choice[1][1]:
+        return None
+    return gemv_launch(gate_up, w, choice[1], gated=True)
+

@@ -120,6 +120,11 @@ FUSED_ADD_NORM = _knob("U1SERVE_FUSED_ADD_NORM", bool, True, "a residual add fus
                        "the same bits; to compare speed)", "model")
 SKINNY_GEMM = _knob("U1SERVE_SKINNY_GEMM", bool, True, "linear layers with at most 16 rows (decode) take the "
                     "skinny GEMM kernel on CUDA (kernels/skinny_gemm.py; 0: torch's linear, to compare)", "model")
+FUSED_PROJ = _knob("U1SERVE_FUSED_PROJ", str, "auto", "an und layer's q, k, v weights as one, and gate, up as one: "
+                   "one GEMM each per decode step (model/fused_rows.py): auto = on CUDA, 0 = separate GEMMs (to compare), 1 = on any "
+                   "device (tests; CPU bits then differ)", "model loader")
+GATED_DOWN = _knob("U1SERVE_GATED_DOWN", bool, False, "a one-row decode step computes silu(gate) * up inside the "
+                   "down GEMM (one launch fewer per layer, the same bits; needs the fused gate, up weight)", "model")
 FP8_MIN_TOKENS = _knob("U1SERVE_FP8_MIN_TOKENS", int, None, "fp8 GEMMs below this many tokens run in the model dtype "
                        "(unset: on CUDA quant.GRAPHED_MIN_TOKENS where the steps replay CUDA graphs, else "
                        "quant.CUDA_MIN_TOKENS; 0 elsewhere)", "model (fp8)")

@@ -16,6 +16,7 @@ from services import knobs
 
 from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
+from .fused_rows import fuse_projections
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
 from .moe import checkpoint_views, expert_view, stacked_slot
@@ -67,6 +68,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
         if quantization != "none":
             quantize_model(model, quant_branches, scheme=scheme(quantization))
+        fuse_projections(model)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
@@ -158,6 +160,7 @@ def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization:
     from .quant import quantize_model
     from .quant_schemes import scheme
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()          # the model holds the tensors now: fusing below frees each one as it is copied
     loras = lora_list(lora, lora_strength)
     for path, strength in loras:
         if lora_branches(path) & set(BRANCHES[model.branch]):
@@ -165,6 +168,7 @@ def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization:
     if quantization != "none":
         # merged adapters changed the weights: quantise those from the merged values
         quantize_model(model, quant_branches, {} if loras else prequantized, scheme=scheme(quantization))
+    fuse_projections(model)    # q|k|v, gate|up as one weight where wanted (CUDA), after every layout change
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)

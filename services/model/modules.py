@@ -14,6 +14,7 @@ from torch import nn
 import kernels
 from services import knobs
 
+from .fused_rows import RowFusion, hooked   # q|k|v and gate|up as one weight (decode on CUDA)
 from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)
 from .parallel import TPContext
 
@@ -91,20 +92,40 @@ class Rope:
 
 
 # ----------------------------------------------------------------------------- MLPs
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+class SwiGLU(RowFusion, nn.Module):
+    """With `decodes` (the und branch's MLP) gate|up may run as one GEMM (`fuse_rows`, model/fused_rows.py); then,
+    for one row with `gated_down` (U1SERVE_GATED_DOWN, read when built), silu(gate) * up is computed inside the
+    down GEMM (kernels.gated_linear: the same bits, one launch fewer)."""
+
+    def __init__(self, hidden: int, inter: int, decodes: bool = True):
         super().__init__()
         self.gate_proj = Linear(hidden, inter)
         self.up_proj = Linear(hidden, inter)
         self.down_proj = Linear(inter, hidden)
+        self.decodes = decodes
+        self.gated_down = knobs.GATED_DOWN.get()
+        self.init_row_fusion()
+
+    def fused_groups(self) -> dict[str, list[str]]:
+        return {"gate_up": ["gate_proj", "up_proj"]} if self.decodes else {}
 
     def forward(self, x):
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        rows = self.fused.get("gate_up")
+        gate_up = rows.output(x) if rows is not None else None
+        if gate_up is None:
+            return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gated_down and self.down_proj.skinny and not hooked(self.down_proj):
+            y = kernels.gated_linear(gate_up, self.down_proj.weight)
+            if y is not None:
+                return y
+        return self.down_proj(kernels.silu_mul(*gate_up.split(rows.splits, dim=1)))
 
 
 # ----------------------------------------------------------------------------- attention + layer
-class MoTAttention(nn.Module):
-    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`)."""
+class MoTAttention(RowFusion, nn.Module):
+    """Both branches' attention weights; `branch` picks und (no suffix) or gen (`_mot_gen`). The und branch's
+    q|k|v may run as one GEMM (`fuse_rows`, model/fused_rows.py): decode steps are its; the gen branch's forwards
+    have hundreds of rows, where the layers run one by one anyway."""
 
     def __init__(self, cfg, branches, tp: TPContext | None):
         super().__init__()
@@ -124,13 +145,19 @@ class MoTAttention(nn.Module):
             setattr(self, "o_proj" + sfx, Linear(self.num_heads * d, h))
             for n in ("q_norm", "q_norm_hw", "k_norm", "k_norm_hw"):
                 setattr(self, n + sfx, RMSNorm(d // 2, llm.rms_norm_eps))
+        self.suffixes = tuple(branches)
+        self.init_row_fusion()
+
+    def fused_groups(self) -> dict[str, list[str]]:
+        return {sfx: [n + sfx for n in ("q_proj", "k_proj", "v_proj")] for sfx in self.suffixes
+                if sfx == BRANCH_SUFFIX["und"]}
 
     def qkv(self, x: torch.Tensor, rope: Rope, sfx: str):
         T = x.shape[0]
         d = self.head_dim
-        fused = getattr(self, "qkv_proj" + sfx, None)   # fp8: one module for all three (model/quant.py)
-        q, k, v = fused(x) if fused is not None else (getattr(self, n + sfx)(x) for n in ("q_proj", "k_proj",
-                                                                                           "v_proj"))
+        quantized = getattr(self, "qkv_proj" + sfx, None)   # fp8: one module for all three (model/quant.py)
+        qkv = quantized(x) if quantized is not None else self.fused_call(sfx, x)
+        q, k, v = qkv if qkv is not None else (getattr(self, n + sfx)(x) for n in ("q_proj", "k_proj", "v_proj"))
         q = q.view(T, self.num_heads, d)
         k = k.view(T, self.num_kv_heads, d)
         v = v.view(T, self.num_kv_heads, d)
@@ -156,8 +183,8 @@ class MoTDecoderLayer(nn.Module):
         for sfx in branches:
             setattr(self, "input_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
             setattr(self, "post_attention_layernorm" + sfx, RMSNorm(llm.hidden_size, llm.rms_norm_eps))
+            gen = sfx == BRANCH_SUFFIX["gen"]
             if llm.is_moe:
-                gen = sfx == "_mot_gen"
                 n_exp = llm.gen_num_experts if gen else llm.num_experts
                 k = llm.gen_num_experts_per_tok if gen else llm.num_experts_per_tok
                 inter = llm.gen_moe_intermediate_size if gen else llm.moe_intermediate_size
@@ -167,7 +194,7 @@ class MoTDecoderLayer(nn.Module):
             else:
                 if llm.intermediate_size % ws:
                     raise ValueError(f"TP {ws} must divide intermediate_size {llm.intermediate_size}")
-                mlp = SwiGLU(llm.hidden_size, llm.intermediate_size // ws)
+                mlp = SwiGLU(llm.hidden_size, llm.intermediate_size // ws, decodes=not gen)
             setattr(self, "mlp" + sfx, mlp)
 
     def _reduce(self, x):

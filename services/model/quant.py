@@ -401,6 +401,7 @@ def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
                                                         _fp8_layer(sch, attn, qkv[1:], attn_pre, pre, policy)))
                 for x in qkv:
                     delattr(attn, x)
+                attn.fused.pop(sfx, None)        # a bf16 q|k|v fused at load (model/fused_rows.py) goes with them
                 _quantize_norm(sch, layer, "input_layernorm" + sfx, policy)
                 n += 3
             o = "o_proj" + sfx

@@ -24,6 +24,16 @@ def test_silu_mul(rng, dtype, shape, monkeypatch):
     assert_close_ulp(silu_mul(g, u), silu_mul_ref(g, u))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_silu_mul_of_one_gate_up_output(rng, rows, monkeypatch):
+    """The two column halves of one fused gate|up result (row stride 2n): the same bits as contiguous copies."""
+    monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    gu = torch.randn(rows, 2 * 2100, dtype=torch.float16)
+    g, u = gu.split(2100, dim=1)
+    assert_same_bits(silu_mul(g, u), silu_mul(g.contiguous(), u.contiguous()))
+    assert_close_ulp(silu_mul(g, u), silu_mul_ref(g, u))
+
+
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 64), (7, 96), (3, 5, 130), (4, 333)])

@@ -22,3 +22,14 @@ def test_gemv_kernel_interpreted(monkeypatch):
     x = torch.randn(1, 1024).bfloat16()
     w = torch.randn(37, 1024).bfloat16()
     _close(gemv_launch(x, w, (4, 512, 4, 2)), x, w, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gated_gemv_is_silu_mul_then_gemv(dtype, monkeypatch):
+    """silu(gate) * up computed at the down GEMM's load: the bits of the silu_mul kernel, then the plain gemv."""
+    from kernels.norm_act import silu_mul
+    monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    gate_up = torch.randn(1, 2 * 1024).to(dtype)
+    w = (torch.randn(37, 1024) * 0.05).to(dtype)
+    want = gemv_launch(silu_mul(*gate_up.split(1024, dim=1)), w, (4, 512, 4, 2))
+    assert torch.equal(gemv_launch(gate_up, w, (4, 512, 4, 2), gated=True), want)
