@@ -100,13 +100,16 @@ class ProbationMiddleware:
         return await err.response()(scope, receive, send)
 
 
-def hold_reporter(ledger: ClientLedger, on_strike: Callable[[], None], log) -> Callable[[dict, float], None]:
-    """The SlowReaderGuard's `on_hold`: a strike for the client of the held response."""
+def hold_reporter(ledger: ClientLedger, paths: frozenset[str], on_strike: Callable[[], None],
+                  log) -> Callable[[dict, float], None]:
+    """The SlowReaderGuard's `on_hold`: a strike for the client of a held response of `paths` (the routes that
+    make work; a trainer that pauses while it fetches a trajectory is not struck)."""
     def held(scope: dict, seconds: float) -> None:
+        if scope.get("path") not in paths:
+            return
         client = client_of(scope)
         left = ledger.strike(client)
         on_strike()
         log.warning("%s: client %s held its response unread for %.1f s with its receive window closed: a strike "
                     "(new requests refused for %.0f s)", scope.get("path", ""), client, seconds, left)
     return held
-
