@@ -473,15 +473,16 @@ def markdown(summary: dict, title: str = "load") -> str:
         extra += f" (429: {k['codes_429']})" if k.get("codes_429") else ""
         lines.append(f"| hostile {kind} | {k['n']} | - | - | - | "
                      f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))}{extra} |")
-    if summary.get("hostile"):
-        lines += ["", f"Images made for hostile clients (slow readers answered 200): {summary.get('images_for_hostile', 0)}"]
+    if summary.get("hostile") and "images_for_hostile" in summary:
+        lines += ["", f"Images made for the hostile clients (the gateway's images beyond the honest ones): "
+                      f"{summary['images_for_hostile']}"]
     if summary.get("gateway"):
         lines += ["", "Gateway over the run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["gateway"].items())]
     return "\n".join(lines) + "\n"
 
 
-GATEWAY_COUNTERS = ("u1serve_gateway_client_strikes_total", "u1serve_gateway_probation_refused_total",
-                    "u1serve_gateway_slow_readers_cut_total")
+GATEWAY_COUNTERS = ("u1serve_gateway_images_total", "u1serve_gateway_client_strikes_total",
+                    "u1serve_gateway_probation_refused_total", "u1serve_gateway_slow_readers_cut_total")
 
 
 def gateway_counters(base_url: str, api_key: Optional[str]) -> dict:
@@ -506,8 +507,8 @@ def measured_run(base_url: str, clients: int, duration_s: float, cfg: LoadConfig
     summary = summarize(outcomes, duration_s)
     after = gateway_counters(base_url, cfg.api_key)
     summary["gateway"] = {k: after[k] - before.get(k, 0.0) for k in after}
-    made = summary.get("hostile", {}).get("slow_reader", {}).get("statuses", {}).get("200", 0)
-    summary["images_for_hostile"] = made
+    if "images" in summary["gateway"]:      # what the stack made beyond the honest clients' images
+        summary["images_for_hostile"] = max(0, int(summary["gateway"]["images"]) - summary["images"])
     return outcomes, summary
 
 

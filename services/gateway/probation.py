@@ -6,7 +6,7 @@ response sat unread for `--strike-hold-s` with its receive window closed (its ap
 slow or lossy network keeps taking bytes, or keeps its window open, and is never struck) gets a strike. While
 it has strikes, its new requests are refused with 429 `client_on_probation` and a Retry-After saying when it
 may come back; strikes decay one per `--strike-decay-s`, so a repeat offender waits longer each time and a
-client struck once by accident is served again a minute later. A refused request adds nothing.
+client struck once by accident is served again two minutes later. A refused request adds nothing.
 
 A client is its API key (when the gateway has keys) together with its address (IPv6 by its /64: one host's
 interface has a whole /64 to pick from); behind a reverse proxy, the address is the one the proxy forwards
