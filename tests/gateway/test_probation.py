@@ -87,3 +87,31 @@ def test_a_slow_client_that_keeps_reading_is_not_struck(stack, side_gateway):
     assert time.monotonic() - started > 2 * HOLD_S         # it was slow, for longer than the hold limit
     assert _metric(g.base, "u1serve_gateway_client_strikes_total") == 0
     assert _image(g.base, "127.0.0.3").status_code == 200
+
+
+def test_strikes_add_up_and_drain_one_per_decay():
+    from services.gateway.probation import ClientLedger
+    now = [0.0]
+    ledger = ClientLedger(decay_s=10, max_clients=2, clock=lambda: now[0])
+    assert ledger.probation_s("a") == 0
+    assert ledger.strike("a") == 10
+    now[0] = 4
+    assert ledger.probation_s("a") == 6
+    assert ledger.strike("a") == 16                    # a repeat offender waits longer
+    now[0] = 20
+    assert ledger.probation_s("a") == 0 and ledger.on_probation() == 0 and not ledger.strikes
+    for c in ("a", "b", "c"):                          # bounded: the least recently struck is forgotten
+        ledger.strike(c)
+    assert list(ledger.strikes) == ["b", "c"]
+
+
+def test_a_client_is_its_key_and_its_address():
+    from services.gateway.probation import client_of
+
+    def scope(host, key=None):
+        return {"client": (host, 1234), "state": {"bearer": key} if key else {}}
+    assert client_of(scope("2001:db8::1")) == client_of(scope("2001:db8::ffff:1"))    # one /64
+    assert client_of(scope("2001:db8::1")) != client_of(scope("2001:db8:0:1::1"))
+    assert client_of(scope("::ffff:10.0.0.1")) == client_of(scope("10.0.0.1"))
+    assert client_of(scope("10.0.0.1", "k1")) != client_of(scope("10.0.0.1", "k2")) != client_of(scope("10.0.0.1"))
+    assert "k1" not in client_of(scope("10.0.0.1", "k1"))                             # a fingerprint, not the key
