@@ -571,7 +571,12 @@ def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
             json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "a") as f:
+            if summary.get("baseline"):
+                f.write(markdown(summary["baseline"], f"{args.title}: baseline") + "\n")
             f.write(markdown(summary, args.title) + "\n")
+            if summary.get("goodput_ratio"):
+                f.write("Honest goodput with hostile clients, share of the baseline: " + ", ".join(
+                    f"{k} {100 * v:.1f}%" for k, v in summary["goodput_ratio"].items() if v is not None) + "\n\n")
 
 
 def main(argv=None) -> int:
