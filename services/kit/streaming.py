@@ -102,7 +102,8 @@ class _Watch:
     """One connection while bytes written to it wait (in the server's buffer or the kernel's, also after the
     response that wrote them has ended): `on_hold(scope)` once when the client has taken no byte for `hold_s`
     with its receive window closed (its application is not reading: a network that loses packets keeps its
-    window open), and a cut when it has taken no byte for `timeout_s`. Ends when everything was taken or the
+    window open; where the kernel does not tell the window, any such hold counts), and a cut when it has taken
+    no byte for `timeout_s`. Ends when everything was taken or the
     connection closed."""
 
     def __init__(self, guard: "SlowReaderGuard", transport: asyncio.Transport, done: Callable[[], None]):
