@@ -93,7 +93,7 @@ class GatewayConfig:
     stream_send_buffer_bytes: int = 0         # SO_SNDBUF per connection; 0 = the kernel's autotuning
     # strikes (probation.py): a client that holds a response unread this long, its window closed, is refused
     strike_hold_s: float = 3.0                # 0 = no strikes
-    strike_decay_s: float = 120.0              # probation per strike; strikes drain one per this
+    strike_decay_s: float = 120.0             # probation per strike; strikes drain one per this
     forwarded_allow_ips: str | None = None    # proxies whose X-Forwarded-For is the client; None: uvicorn's
 
     def __post_init__(self) -> None:
