@@ -32,6 +32,7 @@ import asyncio
 import base64
 import json
 import random
+import shlex
 import struct
 import sys
 import time
@@ -119,8 +120,8 @@ def hostile_requests() -> list[tuple[str, str, bytes, dict]]:
 
 # ----------------------------------------------------------------------------------------- one request
 class Client:
-    def __init__(self, http: httpx.AsyncClient, cfg: LoadConfig, t0: float):
-        self.http, self.cfg, self.t0 = http, cfg, t0
+    def __init__(self, http: httpx.AsyncClient, cfg: LoadConfig, t0: float, source: Optional[str] = None):
+        self.http, self.cfg, self.t0, self.source = http, cfg, t0, source
         self.edit_image = data_url(png(64, 64))
         self.hostile = hostile_requests()
 
@@ -224,13 +225,17 @@ class Client:
             head, chunks = {}, (c for c in [b'{"messages": [', *(b"{}," * 21845 for _ in range(32 * mb // 65535))])
         status, code = await raw_post(str(self.http.base_url), "/v1/chat/completions",
                                       {**head, **{k: v for k, v in self.http.headers.items()
-                                                  if k.lower() == "authorization"}}, chunks)
-        return Outcome("big_body", status, 0.0, f"{how}: {code}")
+                                                  if k.lower() == "authorization"}}, chunks, self.source)
+        return Outcome("big_body", status, 0.0, code if status == 429 else f"{how}: {code}")
 
     async def _slow_reader(self, rng) -> Outcome:
-        """A streamed image whose client reads nothing for `slow_hold_s`, then reads one line a second."""
+        """A streamed image whose client reads nothing for `slow_hold_s`, then reads one line a second (five),
+        and leaves. Status 200: the stack made the image (GPU time spent on it)."""
         async with self.http.stream("POST", "/v1/images/generations", json=self._image_body(rng, stream=True)) as r:
             await asyncio.sleep(self.cfg.slow_hold_s)
+            if r.status_code != 200:        # refused: nothing was made for it
+                await r.aread()
+                return _failed("slow_reader", r)
             lines = r.aiter_lines()
             try:
                 for _ in range(5):
@@ -252,11 +257,13 @@ class Client:
         return Outcome("probe", 200, 0.0, cached_tokens=cached)
 
 
-async def raw_post(base_url: str, path: str, headers: dict, chunks) -> tuple[int, Optional[str]]:
+async def raw_post(base_url: str, path: str, headers: dict, chunks,
+                   source: Optional[str] = None) -> tuple[int, Optional[str]]:
     """POST a body piece by piece over a plain connection (chunked unless Content-Length is given) until the
     server answers; (status, error code). The server may close while we still send: its answer counts."""
     u = urlsplit(base_url)
-    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80,
+                                                   local_addr=(source, 0) if source else None)
     chunked = "Content-Length" not in headers
     lines = [f"POST {path} HTTP/1.1", f"Host: {u.netloc}", "Content-Type: application/json",
              *(f"{k}: {v}" for k, v in headers.items())] + (["Transfer-Encoding: chunked"] if chunked else [])
@@ -306,11 +313,20 @@ def _events(r: httpx.Response):
 
 
 # ----------------------------------------------------------------------------------------- drivers
-def _http(base_url: str, cfg: LoadConfig, clients: int) -> httpx.AsyncClient:
+def _http(base_url: str, cfg: LoadConfig, clients: int, source: Optional[str] = None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    return httpx.AsyncClient(base_url=base_url, headers=headers,
-                             timeout=httpx.Timeout(cfg.timeout_s, connect=30.0),
-                             limits=httpx.Limits(max_connections=clients * 2 + 4))
+    limits = httpx.Limits(max_connections=clients * 2 + 4)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(cfg.timeout_s, connect=30.0),
+                             transport=httpx.AsyncHTTPTransport(limits=limits, local_address=source))
+
+
+def hostile_source(base_url: str, i: int) -> Optional[str]:
+    """Hostile client i's own address: 127.0.0.(2+i) when the stack is on 127.0.0.1 (all of 127/8 is loopback on
+    Linux), so the gateway can tell it from the honest clients (127.0.0.1), as it would tell two hosts apart;
+    None (the honest clients' address) elsewhere."""
+    host = urlsplit(base_url).hostname
+    return f"127.0.0.{2 + i % 250}" if host in ("127.0.0.1", "localhost") and sys.platform.startswith("linux") \
+        else None
 
 
 def hostile_clients(clients: int, fraction: float) -> int:
@@ -325,15 +341,21 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
     t0 = time.monotonic()
     deadline = t0 + duration_s
     outcomes: list[Outcome] = []
-    async with _http(base_url, cfg, clients + hostile) as http:
+    async with _http(base_url, cfg, clients) as http:
         client = Client(http, cfg, t0)
 
         async def one_hostile(i: int) -> None:
             rng = random.Random(cfg.seed * 1000 + 500 + i)
             kind = HOSTILE_KINDS[i % len(HOSTILE_KINDS)]
-            while time.monotonic() < deadline:
-                outcomes.append(await client.run(kind, rng))
-                kind = rng.choice(HOSTILE_KINDS)
+            source = hostile_source(base_url, i)
+            async with _http(base_url, cfg, 1, source) as own:
+                mine = Client(own, cfg, t0, source)
+                while time.monotonic() < deadline:
+                    out = await mine.run(kind, rng)
+                    outcomes.append(out)
+                    kind = rng.choice(HOSTILE_KINDS)
+                    if out.status == 429:       # refused (on probation): as an honest client, it waits a little
+                        await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
 
         async def one_client(i: int) -> None:
             rng = random.Random(cfg.seed * 1000 + i)
@@ -424,6 +446,9 @@ def summarize_hostile(rows: list[Outcome]) -> dict:
         for o in mine:
             statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
         out[kind] = {"n": len(mine), "statuses": statuses}
+        refused = [o.error_code for o in mine if o.status == 429]
+        if refused:
+            out[kind]["codes_429"] = {c: refused.count(c) for c in sorted(set(map(str, refused)))}
         if kind == "probe":
             out[kind]["cached_tokens_seen"] = sorted({o.cached_tokens for o in mine if o.status == 200})
     return out
@@ -445,9 +470,46 @@ def markdown(summary: dict, title: str = "load") -> str:
                      f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))} |")
     for kind, k in summary.get("hostile", {}).items():
         extra = f" (cached_tokens seen: {k['cached_tokens_seen']})" if "cached_tokens_seen" in k else ""
+        extra += f" (429: {k['codes_429']})" if k.get("codes_429") else ""
         lines.append(f"| hostile {kind} | {k['n']} | - | - | - | "
                      f"{', '.join(f'{s}: {c}' for s, c in sorted(k['statuses'].items()))}{extra} |")
+    if summary.get("hostile") and "images_for_hostile" in summary:
+        lines += ["", f"Images made for the hostile clients (the gateway's images beyond the honest ones): "
+                      f"{summary['images_for_hostile']}"]
+    if summary.get("gateway"):
+        lines += ["", "Gateway over the run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["gateway"].items())]
     return "\n".join(lines) + "\n"
+
+
+GATEWAY_COUNTERS = ("u1serve_gateway_images_total", "u1serve_gateway_client_strikes_total",
+                    "u1serve_gateway_probation_refused_total", "u1serve_gateway_slow_readers_cut_total")
+
+
+def gateway_counters(base_url: str, api_key: Optional[str]) -> dict:
+    """The gateway's strike / probation / slow-reader counters from its /metrics ({} where it cannot say)."""
+    try:
+        r = httpx.get(base_url + "/metrics", timeout=10,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in r.text.splitlines() if r.status_code == 200 else []:
+        name, _, value = line.partition(" ")
+        if name in GATEWAY_COUNTERS:
+            out[name.removeprefix("u1serve_gateway_").removesuffix("_total")] = float(value)
+    return out
+
+
+def measured_run(base_url: str, clients: int, duration_s: float, cfg: LoadConfig, hostile: int = 0):
+    """One run: (outcomes, its summary with the gateway's counters over the run under `gateway`)."""
+    before = gateway_counters(base_url, cfg.api_key)
+    outcomes = run_load(base_url, clients, duration_s, cfg, hostile)
+    summary = summarize(outcomes, duration_s)
+    after = gateway_counters(base_url, cfg.api_key)
+    summary["gateway"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    if "images" in summary["gateway"]:      # what the stack made beyond the honest clients' images
+        summary["images_for_hostile"] = max(0, int(summary["gateway"]["images"]) - summary["images"])
+    return outcomes, summary
 
 
 def goodput_ratio(base: dict, hostile: dict) -> dict:
@@ -482,8 +544,7 @@ def smoke(args) -> int:
             cfg = LoadConfig(size="64x64", steps=2, max_tokens=8, api_key=stack.api_key, seed=args.seed,
                              slow_hold_s=2.0)
             hostile = hostile_clients(args.clients, args.hostile_fraction)
-            outcomes = run_load(stack.base, args.clients, args.duration, cfg, hostile)
-            summary = summarize(outcomes, args.duration)
+            outcomes, summary = measured_run(stack.base, args.clients, args.duration, cfg, hostile)
             problems = stack.settle_problems()
         problems += [] if stack.exit_code == 0 else [f"u1serve up exited {stack.exit_code}"]
     finally:
@@ -510,7 +571,12 @@ def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
             json.dump({"summary": summary, "outcomes": [asdict(o) for o in outcomes]}, f, indent=1)
     if args.markdown:
         with open(args.markdown, "a") as f:
+            if summary.get("baseline"):
+                f.write(markdown(summary["baseline"], f"{args.title}: baseline") + "\n")
             f.write(markdown(summary, args.title) + "\n")
+            if summary.get("goodput_ratio"):
+                f.write("Honest goodput with hostile clients, share of the baseline: " + ", ".join(
+                    f"{k} {100 * v:.1f}%" for k, v in summary["goodput_ratio"].items() if v is not None) + "\n\n")
 
 
 def main(argv=None) -> int:
@@ -535,8 +601,15 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="with --hostile-fraction: run the honest load alone first, then with the hostile clients, "
                         "and print honest goodput as a share of the baseline")
+    p.add_argument("--slow-hold-s", type=float, default=LoadConfig.slow_hold_s,
+                   help="a hostile slow reader holds its image stream this long without reading")
+    p.add_argument("--stack", default=None, metavar="PROFILE",
+                   help="start `u1serve up` of this deploy/gpu_smoke.py profile (cpu: the tiny checkpoint; colocate-1: "
+                        "one GPU, random 8B weights) for the run(s), with its own key and port, and stop it after")
+    p.add_argument("--stack-flags", default="",
+                   help="more `u1serve up` flags for --stack, one string (e.g. \"--gateway-args '--strike-hold-s 0'\")")
     p.add_argument("--smoke", action="store_true", help="CPU: start a tiny stack, 8 clients for 8 s, check")
-    p.add_argument("--out-dir", default=None, help="--smoke: where the stack's run dir goes")
+    p.add_argument("--out-dir", default=None, help="--smoke / --stack: where the stack's run dir goes")
     args = p.parse_args(argv)
     if args.smoke:
         if args.clients == 32:
@@ -553,14 +626,29 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--mix: unknown kind {k!r} (kinds: {', '.join(KINDS)})")
             mix[k] = float(v)
     cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
-                     seed=args.seed, ignore_eos=args.ignore_eos)
+                     seed=args.seed, ignore_eos=args.ignore_eos, slow_hold_s=args.slow_hold_s)
+    if not args.stack:
+        return measure(args, cfg)
+    from deploy.gpu_smoke import Stack
+    with Stack(args.stack, out_dir=args.out_dir, extra_flags=tuple(shlex.split(args.stack_flags))) as stack:
+        print(f"stack {args.stack} up in {stack.startup_s:.0f} s ({stack.dir})", flush=True)
+        args.base, cfg.api_key = stack.base, stack.api_key
+        rc = measure(args, cfg)
+        problems = stack.settle_problems()
+    problems += [] if stack.exit_code == 0 else [f"u1serve up exited {stack.exit_code}"]
+    for p in problems:
+        print(f"FAIL {p}")
+    return 1 if problems else rc
+
+
+def measure(args, cfg: LoadConfig) -> int:
+    """The run(s) against args.base: the honest baseline first with --baseline, then the (hostile) mix."""
     hostile = hostile_clients(args.clients, args.hostile_fraction)
     base_summary = None
     if args.baseline and hostile:
-        base_summary = summarize(run_load(args.base, args.clients, args.duration, cfg), args.duration)
-        print(markdown(base_summary, f"{args.title}: baseline, {args.clients} honest clients"))
-    outcomes = run_load(args.base, args.clients, args.duration, cfg, hostile)
-    summary = summarize(outcomes, args.duration)
+        base_summary = measured_run(args.base, args.clients, args.duration, cfg)[1]
+        print(markdown(base_summary, f"{args.title}: baseline, {args.clients} honest clients"), flush=True)
+    outcomes, summary = measured_run(args.base, args.clients, args.duration, cfg, hostile)
     print(markdown(summary, f"{args.title}: {args.clients} honest + {hostile} hostile clients" if hostile
                    else args.title))
     if base_summary is not None:
@@ -574,7 +662,6 @@ def main(argv=None) -> int:
     for p in problems:
         print(f"FAIL {p}")
     return 1 if problems else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

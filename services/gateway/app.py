@@ -1,6 +1,7 @@
 """The public OpenAI-compatible API: `create_app` wires the routers (chat, images, ops, the playground page) over
 one GatewayState, behind (outermost first) CORS when opened, the kit's request middleware (ids, access log, API
-key), the Host / Origin check of a keyless gateway, the shutdown drain, admission and, innermost, the body rules
+key), the Host / Origin check of a keyless gateway, the shutdown drain, the probation of struck clients
+(probation.py), admission and, innermost, the body rules
 (bodies.py: size, media type, JSON budget, strict JSON parsed off the event loop)."""
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from services.kit import errors, live
 from services.kit.bodies import BodyMiddleware
 from services.kit.middleware import ApiKeyAuth, ServiceMiddleware
 
-from .admission import AdmissionMiddleware
+from .admission import ADMITTED_PATHS, AdmissionMiddleware
 from .bodies import body_rules
 from .config import GatewayConfig
 from .drain import DrainMiddleware
 from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
+from .probation import ProbationMiddleware
 from .routers import chat, images, lora, ops, playground, rl, rl_weights
 from .state import GatewayState
 
@@ -48,6 +50,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # added last = outermost: no body byte is read before the key, the Host check, the drain and admission passed
     app.add_middleware(BodyMiddleware, rules=body_rules(cfg))
     app.add_middleware(AdmissionMiddleware, gate=state.admission)
+    if cfg.strike_hold_s > 0:         # a client on probation gets its 429 before it takes an admission slot
+        app.add_middleware(ProbationMiddleware, ledger=state.ledger, paths=ADMITTED_PATHS,
+                           on_refused=state.metrics.probation_refused.inc)
     app.add_middleware(DrainMiddleware, drain=state.drain)
     if not cfg.api_keys:
         app.add_middleware(HostCheckMiddleware, cfg=cfg)

@@ -91,6 +91,10 @@ class GatewayConfig:
     # slow readers (kit/streaming.py): a client that takes no byte for this long is cut, its work cancelled
     stream_write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     stream_send_buffer_bytes: int = 0         # SO_SNDBUF per connection; 0 = the kernel's autotuning
+    # strikes (probation.py): a client that holds a response unread this long, its window closed, is refused
+    strike_hold_s: float = 3.0                # 0 = no strikes
+    strike_decay_s: float = 120.0             # probation per strike; strikes drain one per this
+    forwarded_allow_ips: str | None = None    # proxies whose X-Forwarded-For is the client; None: uvicorn's
 
     def __post_init__(self) -> None:
         tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
@@ -123,6 +127,8 @@ class GatewayConfig:
             raise ValueError("health_interval_s and dns_refresh_s must be >= 0, retry_down_after_s > 0")
         if self.stream_write_timeout_s < 0 or self.stream_send_buffer_bytes < 0:
             raise ValueError("stream_write_timeout_s and stream_send_buffer_bytes must be >= 0 (0 = off)")
+        if self.strike_hold_s < 0 or self.strike_decay_s <= 0:
+            raise ValueError("strike_hold_s must be >= 0 (0 = off) and strike_decay_s > 0")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 
@@ -220,6 +226,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--stream-send-buffer-kb", type=int, default=0,
          help="cap each connection's kernel send buffer at this many KiB (how much a client that reads nothing "
               "absorbs before --stream-write-timeout-s counts); 0 = kernel default")
+    _add(p, "--strike-hold-s", type=float, default=GatewayConfig.strike_hold_s,
+         help="a client that holds a response unread this long with its receive window closed (its application "
+              "reads nothing; a slow network is not struck) gets a strike: its new requests get 429 "
+              "client_on_probation until the strike decays; 0 = no strikes")
+    _add(p, "--strike-decay-s", type=float, default=GatewayConfig.strike_decay_s,
+         help="how long one strike refuses its client; strikes add up and drain one per this many seconds")
+    _add(p, "--forwarded-allow-ips", default=None,
+         help="comma-separated proxy addresses (or '*') whose X-Forwarded-For header is taken as the client's "
+              "address (strikes, logs); default: uvicorn's, FORWARDED_ALLOW_IPS or 127.0.0.1,::1")
     _add(p, "--log-level", default="info")
     return p
 
@@ -286,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             health_interval_s=args.health_interval_s, dns_refresh_s=args.dns_refresh_s,
             retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s,
             graceful_shutdown_s=args.graceful_shutdown_s, stream_write_timeout_s=args.stream_write_timeout_s,
-            stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024)
+            stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024, strike_hold_s=args.strike_hold_s,
+            strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips)
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

@@ -38,6 +38,13 @@ class GatewayMetrics:
         self.slow_readers = Counter("u1serve_gateway_slow_readers_cut_total",
                                     "Responses cut because the client took no byte for --stream-write-timeout-s",
                                     registry=r)
+        self.strikes = Counter("u1serve_gateway_client_strikes_total",
+                               "Responses a client held unread with its window closed for --strike-hold-s",
+                               registry=r)
+        self.probation_refused = Counter("u1serve_gateway_probation_refused_total",
+                                         "Requests refused (429 client_on_probation) while their client had strikes",
+                                         registry=r)
+        self.on_probation = Gauge("u1serve_gateway_clients_on_probation", "Clients with strikes now", registry=r)
 
     @staticmethod
     def route_label(path: str) -> str:

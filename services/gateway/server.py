@@ -9,10 +9,12 @@ import uvicorn
 from services.kit.middleware import RequestIdFilter
 from services.kit.streaming import SlowReaderGuard
 
+from .admission import ADMITTED_PATHS
 from .app import create_app
 from .drain import Drain
 from .config import build_arg_parser, config_from_args
 from .exposure import bind_host, exposure_note
+from .probation import hold_reporter
 
 
 def setup_logging(level: str) -> None:
@@ -47,12 +49,17 @@ def main(argv: list[str] | None = None) -> None:
         "gateway on %s:%d -> understanding %s, generation %s (API key %s; %s)", host, args.port, cfg.und_urls,
         cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off", exposure_note(cfg))
     app = create_app(cfg)
+    state = app.state.gateway
+    strikes = hold_reporter(state.ledger, ADMITTED_PATHS, state.metrics.strikes.inc, logging.getLogger("u1serve.gateway"))
     served = SlowReaderGuard(app, write_timeout_s=cfg.stream_write_timeout_s,
-                             send_buffer_bytes=cfg.stream_send_buffer_bytes,
-                             on_cut=app.state.gateway.metrics.slow_readers.inc)
+                             send_buffer_bytes=cfg.stream_send_buffer_bytes, on_cut=state.metrics.slow_readers.inc,
+                             hold_s=cfg.strike_hold_s, on_hold=strikes)
+    # uvicorn's proxy headers: X-Forwarded-For from these peers is the client's address (strikes, logs)
+    proxy = {} if cfg.forwarded_allow_ips is None else {"forwarded_allow_ips": cfg.forwarded_allow_ips}
     server = GatewayServer(uvicorn.Config(served, host=host, port=args.port, log_level="warning",
-                                          access_log=False, timeout_graceful_shutdown=cfg.graceful_shutdown_s),
-                           app.state.gateway.drain)
+                                          access_log=False, timeout_graceful_shutdown=cfg.graceful_shutdown_s,
+                                          **proxy),
+                           state.drain)
     server.run()
     if not server.started:
         sys.exit(3)               # as uvicorn.run: the server could not start (e.g. the port is taken)

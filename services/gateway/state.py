@@ -1,5 +1,5 @@
 """The gateway's app state: one typed object the routers work over (config, the HTTP client to the engines,
-the replica pools and their monitor, the image-job orchestrator, the input-image checker, admission, metrics)."""
+the replica pools and their monitor, the image-job orchestrator, the input-image checker, admission, the strike ledger, metrics)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ from .drain import Drain
 from .inputs import ImageChecker
 from .metrics import GatewayMetrics
 from .orchestrator import Orchestrator
+from .probation import ClientLedger
 from .routing import EndpointPool, ReplicaMonitor
 from .upstream import CONTROL_TIMEOUT_S, Deadline, Janitor, engine_headers
 
@@ -30,6 +31,7 @@ class GatewayState:
     janitor: Janitor               # abort / cancel / release calls after early ends
     monitor: ReplicaMonitor        # replica discovery, health, load
     drain: Drain                   # on SIGTERM: when requests in flight must end
+    ledger: ClientLedger           # strikes of clients that held responses unread (probation.py)
 
     @classmethod
     def create(cls, cfg: GatewayConfig) -> "GatewayState":
@@ -41,6 +43,8 @@ class GatewayState:
         und = EndpointPool("understanding", cfg.und_urls, cfg.retry_down_after_s, cfg.eject_max_s)
         gen = EndpointPool("generation", cfg.gen_urls, cfg.retry_down_after_s, cfg.eject_max_s)
         janitor = Janitor()
+        ledger = ClientLedger(cfg.strike_decay_s)
+        metrics.on_probation.set_function(ledger.on_probation)
         monitor = ReplicaMonitor(http, [und, gen], engine_headers(cfg.internal_token),
                                  interval_s=cfg.health_interval_s, timeout_s=cfg.health_timeout_s,
                                  dns_refresh_s=cfg.dns_refresh_s)
@@ -48,7 +52,7 @@ class GatewayState:
                    orchestrator=Orchestrator(cfg, http, und, gen, metrics, janitor),
                    images=ImageChecker(cfg.images, cfg.image_workers),
                    admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor,
-                   monitor=monitor, drain=Drain(cfg.graceful_shutdown_s))
+                   monitor=monitor, drain=Drain(cfg.graceful_shutdown_s), ledger=ledger)
 
     async def start(self) -> None:
         await self.monitor.start()
