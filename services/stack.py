@@ -265,11 +265,10 @@ def resolve_qos(args, placement: Placement, qos_defaults: bool = True):
     """The stack's colocate QoS (services/colocate_qos.py): the GPU sharing in force and the yield gate's share.
     Explicit values that cannot run are usage errors; `qos_defaults` False (Ray places the engines itself): auto
     means time slicing and no gate, as before."""
-    from .colocate_qos import Qos, choose_sharing, control_binary, default_yield_share
+    from .colocate_qos import Qos, choose_sharing, default_yield_share
     replicas = (args.und_replicas, args.gen_replicas)
     asked = args.gpu_sharing if qos_defaults or args.gpu_sharing != "auto" else "time-slice"
-    sharing = choose_sharing(asked, mode=args.mode, device=placement.device, replicas=replicas,
-                             control=control_binary(), env=os.environ, cpu_standin=knobs.MPS_ON_CPU.get())
+    sharing = choose_sharing(asked, mode=args.mode)
     share = args.qos_yield_share
     if share:      # an explicit gate: where it can work
         if args.mode != "colocate":
@@ -344,7 +343,7 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sha
                         f"({flag} sets it for generation only)")
     gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
     return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT,
-                     args.gen_priority or DEFAULT_GEN_PRIORITY, fallback=sharing.asked == "auto")
+                     args.gen_priority or DEFAULT_GEN_PRIORITY, fallback=sharing.asked == "auto")  # auto: never MPS today
 
 
 def under_mps(specs: list, mps) -> list:
@@ -440,8 +439,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="colocate on CUDA: how the engines share a GPU. mps: their kernels run side by side under a "
                         "CUDA MPS control daemon that u1serve up starts for this stack (nvidia-cuda-mps-control), "
                         "generation capped by --gen-sm-percent at --gen-priority; time-slice: the driver alternates "
-                        "them; auto (default): mps where it can run (colocate, CUDA, one replica each, the control "
-                        "binary on PATH), else time-slice, and a daemon that fails to start falls back to time-slice")
+                        "them; auto (default): time-slice for now (under MPS at the default 85 %% SM cap text-to-image came out "
+                        "NaN on an H200: docs/deployment.md)")
     p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
                    help="under MPS: the share of each GPU's SMs generation may use "
                         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")

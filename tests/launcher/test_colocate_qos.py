@@ -1,5 +1,5 @@
 """services/colocate_qos.py, the decision alone (no GPU needed): what `--gpu-sharing auto` and the default yield
-gate choose given what is present; the whole launch path is tests/launcher/test_mps.py and
+gate choose; the whole launch path is tests/launcher/test_mps.py and
 tests/generation/test_qos_up.py."""
 from __future__ import annotations
 
@@ -7,30 +7,19 @@ import pytest
 
 from services.colocate_qos import DEFAULT_YIELD_SHARE, Qos, Sharing, choose_sharing, default_yield_share
 
-MPS_BIN = "/usr/bin/nvidia-cuda-mps-control"
-HERE = dict(mode="colocate", device="cuda", replicas=(1, 1), control=MPS_BIN, env={})
-
-
-@pytest.mark.parametrize("change,mode,why", [
-    ({}, "mps", "colocate on CUDA and nvidia-cuda-mps-control is available"),
-    ({"mode": "separate"}, "time-slice", "separate mode"),
-    ({"device": "cpu"}, "time-slice", "no CUDA (cpu)"),
-    ({"device": "cpu", "cpu_standin": True}, "mps", "colocate on CUDA"),          # the tests' stand-in
-    ({"replicas": (2, 1)}, "time-slice", "pass --gpu-sharing mps to use it with replicas"),
-    ({"control": None}, "time-slice", "nvidia-cuda-mps-control is not on PATH"),
-    ({"env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}, "time-slice", "would apply to understanding too"),
-])
-def test_auto_picks_mps_only_where_it_can_run(change, mode, why):
-    got = choose_sharing("auto", **{**HERE, **change})
-    assert got.mode == mode and got.asked == "auto" and why in got.why, got
+@pytest.mark.parametrize("mode,why", [("colocate", "MPS is opt-in"), ("separate", "separate mode")])
+def test_auto_time_slices_and_says_why(mode, why):
+    """MPS is not chosen automatically (its images came out NaN at the default SM cap on an H200): auto time-slices."""
+    got = choose_sharing("auto", mode=mode)
+    assert got.mode == "time-slice" and got.asked == "auto" and why in got.why, got
 
 
 @pytest.mark.parametrize("asked", ["mps", "time-slice"])
 def test_an_explicit_mode_is_kept(asked):
-    got = choose_sharing(asked, **{**HERE, "control": None, "device": "cpu"})
+    got = choose_sharing(asked, mode="colocate")
     assert (got.mode, got.why) == (asked, "asked for")
     with pytest.raises(ValueError):
-        choose_sharing("green", **HERE)
+        choose_sharing("green", mode="colocate")
 
 
 def test_the_default_gate_is_on_in_colocate_with_one_replica_each():
