@@ -86,12 +86,7 @@ class JobState:
                 self.segments.append(_Segment(b, i, start, prefix_lens[b]))
                 start += prefix_lens[b] + self.N
         self.t_offsets = dict(t_offsets)
-        # Zeroed, with one spare zero layer after the last: rows no step has written yet (the image slots at
-        # step 1, later layers') hold finite values, and so does memory just past the buffer. A kernel that
-        # reads past its K/V view (cuDNN's bucketed SDPA plans read up to the length rounded to a power of
-        # two, weighting those rows by 0) multiplies them by 0: with torch.empty's leftovers NaN * 0 made
-        # whole images NaN (H200, under MPS, 2026-12-02).
-        self.kv = torch.zeros((L + 1, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)[:L]
+        self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
 
     def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
         """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""

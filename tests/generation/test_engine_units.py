@@ -154,17 +154,3 @@ def test_pool_of_another_dtype_is_a_clear_503(ref_model):
     finally:
         pool.close()
 
-
-def test_job_kv_starts_zeroed_with_a_zero_layer_after_it(ref_model):
-    """Rows no step has written yet, and the memory just past the last layer's V, read as zeros (finite): a
-    kernel that reads past its K/V view weights those rows by 0, and NaN leftovers made whole images NaN."""
-    from services.generation.request import JobState
-    model = ref_model[0]
-    job = JobState(spec("kv0", 64), ["cond", "uncond"], model, torch.device("cpu"), torch.float32)
-    job.allocate_kv({"cond": 9, "uncond": 9}, {"cond": 9, "uncond": 9})
-    L = model.num_layers
-    assert job.kv.shape[0] == L and job.kv.eq(0).all()
-    spare = job.kv.untyped_storage().nbytes() // job.kv.element_size() - job.kv.numel()
-    assert spare == job.kv[0].numel()            # one layer of K and V more, allocated and zero
-    whole = torch.empty(0, dtype=job.kv.dtype).set_(job.kv.untyped_storage()).view(L + 1, *job.kv.shape[1:])
-    assert whole[L].eq(0).all()
