@@ -153,4 +153,3 @@ def test_pool_of_another_dtype_is_a_clear_503(ref_model):
         assert "--dtype" in e.value.message
     finally:
         pool.close()
-
