@@ -51,3 +51,20 @@ def test_bench_load_smoke(tmp_path):
     assert set(hostile["big_body"]["statuses"]) <= {"413", "400", "0"}, hostile["big_body"]
     assert all(c % 64 == 0 for c in hostile["probe"].get("cached_tokens_seen", [])), hostile["probe"]
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_mps_probe_cpu_mode_runs_and_names_where_nan_appears(tmp_path):
+    """deploy/mps_probe.py (the NaN-under-MPS probe the next GPU session runs) on the tiny model: a clean run is
+    finite; a NaN prefix is found at step 0 and named at the first layer."""
+    for flags, want in (([], "finite"), (["--nan-prefix"], "NaN")):
+        out = tmp_path / f"probe{len(flags)}.json"
+        r = subprocess.run([sys.executable, "-m", "deploy.mps_probe", "--cpu", "--json", str(out), *flags], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+        assert out.exists(), r.stdout[-2000:] + r.stderr[-2000:]
+        for prompt, res in json.loads(out.read_text())["no MPS"].items():
+            if prompt == "sm_count":
+                continue
+            if want == "finite":
+                assert res["finite"], (prompt, res)
+            else:
+                assert not res["finite"] and res["step"] == 0 and "layers.0." in res["first_nonfinite"], (prompt, res)

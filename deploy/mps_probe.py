@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Where do NaN images under CUDA MPS come from? (docs/benchmarks/generation.md "NaN images under MPS").
+
+On an H200 every text-to-image of a `u1serve up --gpu-sharing mps` stack (generation at 85 % of the SMs) came out
+NaN, edits did not, time-sliced stacks and one stack at 60 % were finite. This probe takes the stack away: per
+setting (no MPS, then MPS with generation capped at each `--sm-percents` value, under this probe's own daemon,
+services/mps.py) one child process builds the random-weight gen branch, publishes random prefix KV of a short
+(t2i-like) and a long (edit-like) prompt into its own shm pool, runs CFG jobs through the real engine
+(services/generation/engine.py: the import kernel, CUDA graphs as served, the step cache off) and checks, step by
+step, that the state stays finite; on the first non-finite step it reruns that step eagerly with a forward hook on
+every module of the gen branch and names the first one whose output is not finite (if its input was not finite
+either, the NaN came from the functional code before it: attention, RoPE). One table: setting x prompt -> finite, or
+the step and module where NaN appeared.
+
+    python -m deploy.mps_probe                               # one H200: none, 85, 60 (~2-3 min)
+    python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
+    python -m deploy.mps_probe --cpu [--nan-prefix]          # the tiny model on the CPU, no MPS (CI: the probe runs,
+                                                             # and names where a NaN prefix first shows)
+
+If every in-process setting is finite, the NaN needs the stack (understanding's prefill of the prefix under MPS,
+or the prefix crossing processes through the pool): `deploy/gpu_smoke.sh --profiles colocate-1-mps` reproduces it
+there (its "step cache reuses" check fails on NaN images).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncond) prefix tokens
+
+
+def child(args) -> dict:
+    """One setting, in this process (its MPS variables were set by the parent)."""
+    import torch
+    from shm_transfer import KVLayout, ShmKVPool, write_kv
+    from services.contract.image import GenerateRequest
+    from services.generation.engine import Engine
+    from services.generation.kv_source import PrefixSource
+    from services.model.tiny import build_random_model, full_config, tiny_config
+
+    device = torch.device("cpu" if args.cpu else "cuda")
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    model = build_random_model(tiny_config("u1") if args.cpu else full_config(args.variant), "gen", dtype, device)
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, str(dtype).replace("torch.", ""), 64)
+    pool = ShmKVPool.create(f"u1-mps-probe-{os.getpid()}", layout, 4096 * layout.bytes_per_token, model.fingerprint)
+    source = PrefixSource(pool.name, model.fingerprint, device)
+    engine = Engine(model, source, cuda_graphs="auto")
+    out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+           else None}
+    try:
+        for name, (p_cond, p_uncond) in PROMPTS.items():
+            handles = {}
+            for branch, n in (("cond", p_cond), ("uncond", p_uncond)):
+                h = pool.allocate(n, 600, branch=branch, t_offset=n)
+                g = torch.Generator().manual_seed(n)
+                kv = torch.randn(layout.kv_shape(n), generator=g)
+                if args.nan_prefix:          # the probe's own check: a NaN prefix must be found and named
+                    kv[:, :, n // 2] = float("nan")
+                write_kv(pool, h, kv.to(layout.torch_dtype))
+                handles[branch] = h.to_dict()
+            spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=args.size,
+                                   height=args.size, n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
+            job, _ = engine.admit(spec)
+            engine.add(job)
+            out[name] = {"finite": True}
+            for step in range(args.steps):
+                x_before = job.x.clone()
+                engine.step()
+                if not bool(torch.isfinite(job.x).all()):
+                    out[name] = {"finite": False, "step": step, "first_nonfinite": _first_nonfinite(engine, job,
+                                                                                                      x_before)}
+                    break
+                if job.flow.done:
+                    break
+            if job in engine.running:
+                engine.abort(job.request_id)
+            job.free()
+    finally:
+        source.close()
+        pool.close()
+    return out
+
+
+def _first_nonfinite(engine, job, x_before) -> str:
+    """Rerun the failing step's forward eagerly (graphs off) from the state before it, hooks on every module: the
+    first module (in call order) whose output holds NaN/Inf, or what the eager rerun saw."""
+    import torch
+    seen: list[str] = []
+
+    def hook(name):
+        def check(module, inputs, output):
+            if not seen and isinstance(output, torch.Tensor) and output.is_floating_point() \
+                    and not bool(torch.isfinite(output).all()):
+                bad_in = any(isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+                             for t in inputs)
+                seen.append(f"{name} ({type(module).__name__}; its input {'was not' if bad_in else 'was'} finite)")
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in engine.model.named_modules() if n]
+    graphs = engine.graphs.enabled
+    try:
+        engine.graphs.release()
+        engine.graphs.enabled = False
+        job.x = x_before
+        job.flow.index -= 1                 # the failing step again
+        if job not in engine.running:       # it was the last step: the job was retired
+            engine.add(job)
+        engine.step()
+    except Exception as e:          # the diagnosis must come back even if the rerun trips
+        return f"eager rerun failed: {type(e).__name__}: {e}"[:300]
+    finally:
+        for h in handles:
+            h.remove()
+        engine.graphs.enabled = graphs
+    if seen:
+        return seen[0]
+    return ("no module output was non-finite in the eager rerun (the graphed step made the NaN)"
+            if bool(torch.isfinite(job.x).all()) else "only the state update after the layers (sampler)")
+
+
+def run_setting(label: str, env: dict, args) -> dict:
+    cmd = [sys.executable, "-m", "deploy.mps_probe", "--child", "--size", str(args.size), "--steps", str(args.steps),
+           "--variant", args.variant] + (["--cpu"] if args.cpu else []) + (["--nan-prefix"] if args.nan_prefix else [])
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout)[-600:]}"}
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sm-percents", default="85,60", help="MPS settings to try after the no-MPS one ('' for none)")
+    p.add_argument("--size", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--variant", default="u1-8b")
+    p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU, no MPS settings (checks the probe)")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the diagnosis)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    if args.cpu:
+        args.size, args.sm_percents = min(args.size, 64), ""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    results = {"no MPS": run_setting("no MPS", env, args)}
+    for pct in [int(v) for v in args.sm_percents.split(",") if v.strip()]:
+        from services.mps import MpsDaemon
+        with tempfile.TemporaryDirectory(prefix="u1-mps-probe-") as run_dir:
+            daemon = MpsDaemon(run_dir, ["0"], pct)
+            daemon.start(print)
+            try:
+                results[f"MPS {pct} %"] = run_setting(f"MPS {pct} %", daemon.client_env(env, capped=True), args)
+            finally:
+                daemon.stop(print)
+    rows = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
+    for label, r in results.items():
+        if "error" in r:
+            rows.append(f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |")
+            continue
+        cells = ["finite" if r[k]["finite"] else f"NaN at step {r[k]['step']}: {r[k]['first_nonfinite']}"
+                 for k in PROMPTS]
+        rows.append(f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |")
+    print("\n".join(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
