@@ -140,7 +140,7 @@ def test_unload_while_a_request_uses_the_adapter(lora_stack, c):
     """The running request finishes with the adapter (the same image as alone); new requests get 404 at once; its
     slot is not reused until the request ends (a load meanwhile is refused, and rolled back where it took), then the
     name can be loaded again."""
-    steps = 20          # the first preview comes after step 5: 15 steps (seconds on a CPU) left to unload in
+    steps = 30
     want = image(c, "a", seed=9, steps=steps)
     out, started = {}, threading.Event()
 
