@@ -26,9 +26,9 @@ def test_drain_waits_for_the_job_in_flight(gen_server, pool, ref_model):
     assert proc.returncode == 0 and seconds < 10, proc.stderr
     result, started = {}, threading.Event()
 
-    def job():      # ~40 short steps: seconds of work, while /health stays quick to answer the drain's polls
+    def job():      # 80 short steps: seconds of work, while /health stays quick to answer the drain's polls
         result["out"] = generate(gen_server.url, body("drain-1", publish(pool, prefixes(ref_model)),
-                                                      num_inference_steps=40),
+                                                      num_inference_steps=80),
                                  on_event=lambda ev: started.set())
         result["done_at"] = time.monotonic()
     t = threading.Thread(target=job)
