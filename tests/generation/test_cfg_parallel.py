@@ -37,6 +37,24 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
     assert pool.stats()["pages_used"] == 0  # each rank released its own branches' pages
 
 
+def test_cfg_parallel_ranks_decide_their_own_step_cache_branch(cfgp_server, pool, ref_model):
+    """Step cache under CFG-parallel: each rank caches its own branch; the response reports both ranks'
+    branches (the reference is test_step_cache's per-branch pipeline)."""
+    from services.model.step_cache import CacheOptions
+    from .genhelp import errors_of, images_of
+    from .test_step_cache import _ref
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    opts = {"mode": "first_block", "threshold": 0.5}
+    b = {**body("cfgp-cache", publish(pool, pre), num_inference_steps=4, seed=3), "cache": opts}
+    status, events = generate(cfgp_server.url, b)
+    assert status == 200 and not errors_of(events), events
+    want, counts = _ref(ref_model[0], pre, b, CacheOptions(**opts))
+    assert sum(r for _, r in counts.values()) > 0
+    img = [e for e in events if isinstance(e, dict) and e.get("type") == "image"][0]
+    assert img["branch_steps"] == {k: {"computed": c, "reused": r} for k, (c, r) in counts.items()}
+    assert np.array_equal(images_of(events)[0], want[0])
+
+
 def test_live_weight_update_on_both_cfg_ranks(cfgp_server, pool, ref_model, tmp_path):
     """The internal weights API on 2 CFG ranks (generation/weights.py): both stage and commit; a job whose
     prefix carries the staged version waits for the commit, one of another version is refused (retryable);

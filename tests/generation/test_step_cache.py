@@ -3,7 +3,8 @@
 - threshold 0 gives the exact image, bit for bit, through the generation service's HTTP API;
 - in one packed forward a branch that reuses skips layers 1.. while the other branch of the same job
   computes them, and the engine's image equals the reference pipeline deciding per branch on its own;
-- every response and /metrics report the steps each branch computed.
+- every response and /metrics report the steps each branch computed (under CFG-parallel, each rank's own
+  branch: tests/generation/test_cfg_parallel.py, on its shared 2-rank server).
 """
 from __future__ import annotations
 
@@ -186,22 +187,3 @@ def test_gateway_passes_only_the_cache_fields_the_client_set():
     assert job({"cache": {"mode": "first_block", "threshold": 0.1}}).generate_body(handles)["cache"] == \
         {"mode": "first_block", "threshold": 0.1}
     assert "cache" not in job({}).generate_body(handles)
-
-
-def test_cfg_parallel_ranks_decide_their_own_branch(tiny_dir, pool, ref_model):
-    """CFG-parallel: each rank caches its own branch; the response reports both ranks' branches."""
-    from .genhelp import GenServer
-    pre = prefixes(ref_model, guidance_scale=4.0)
-    opts = {"mode": "first_block", "threshold": 0.5}
-    b = {**body("cfgp-cache", publish(pool, pre), num_inference_steps=4, seed=3), "cache": opts}
-    server = GenServer(tiny_dir, pool.name, cfg_parallel=2).start()
-    try:
-        status, events = generate(server.url, b)
-    finally:
-        server.stop()
-    assert status == 200 and not errors_of(events), events
-    want, counts = _ref(ref_model[0], pre, b, CacheOptions(**opts))
-    assert sum(r for _, r in counts.values()) > 0
-    img = [e for e in events if isinstance(e, dict) and e.get("type") == "image"][0]
-    assert img["branch_steps"] == {k: {"computed": c, "reused": r} for k, (c, r) in counts.items()}
-    assert np.array_equal(images_of(events)[0], want[0])

@@ -10,16 +10,18 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 
+import httpx
 import pytest
 
 from services.netutil import free_port
-from tests.launcher.test_up import _Output, _up
+from tests.launcher.test_up import _free, _ok, _Output, _tree, _up
 from tests.step_cache_probe import assert_cache_took_effect
-from tests.system.stackproc import ROOT, pid_alive
+from tests.system.stackproc import ROOT, group_alive, pid_alive
 from tests.waiting import wait_until
 
 STANDIN = os.path.join(ROOT, "tests", "launcher", "mps_standin.py")
@@ -175,46 +177,105 @@ def test_exclusive_process_is_fine_prohibited_is_not(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- lifecycle
-def test_daemon_runs_before_and_stops_after_the_services_and_a_restart_keeps_the_env(tiny_checkpoint, tmp_path,
-                                                                                     run_dir):
-    """--gpu-sharing auto (the default) picks MPS where the control binary is there; the step cache of a request
-    takes effect under it (issue 25: it was reported ignored under MPS)."""
+@pytest.fixture()
+def port_next_to_a_taken_one():
+    """(port, busy): a gateway port whose derived understanding port (port + 100) is taken (something listens on
+    `busy`) while the derived generation port (port + 200) is free."""
+    for _ in range(100):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        port = busy - 100
+        if port >= 1024 and _free(port) and _free(port + 200):
+            break
+        s.close()
+    else:
+        raise AssertionError("no port pair found")
+    yield port, busy
+    s.close()
+
+
+def test_stack_ports_secrets_restart_and_the_mps_daemon_lifecycle(tiny_checkpoint, tmp_path, run_dir,
+                                                                  port_next_to_a_taken_one):
+    """One real `u1serve up` (CPU, the MPS stand-in on PATH) for what a running stack must do:
+    - ports: an engine port derived from --port that is taken is replaced by a free one;
+    - secrets (--api-key-file, U1SERVE_INTERNAL_TOKEN) reach the services through the environment only;
+    - a killed service is restarted by the launcher, and serves again;
+    - --gpu-sharing mps: the daemon runs before and stops after the services, a restarted generation service keeps
+      its MPS environment, and the step cache of a request takes effect under it (issue 25: it was reported
+      ignored under MPS)."""
+    port, busy = port_next_to_a_taken_one
+    key_file = tmp_path / "api-key"
+    key_file.write_text("sk-from-a-file\n")
+    auth = {"Authorization": "Bearer sk-from-a-file"}
     pipe = os.path.join(run_dir, "mps", "pipe")
-    p = _up(*cpu_stack(tiny_checkpoint("u1"), run_dir, "--gen-sm-percent", "70", "--gpu-sharing", "auto"),
-            env=standin_env(standin_bin(tmp_path)))
+    base = f"http://127.0.0.1:{port}"
+    p = _up("--model", tiny_checkpoint("u1"), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+            "--api-key-file", str(key_file), "--run-dir", run_dir, "--kv-pool-gb", "0.05", "--grace", "5",
+            "--gen-sm-percent", "70", "--gpu-sharing", "mps",
+            env={**standin_env(standin_bin(tmp_path)), "U1SERVE_INTERNAL_TOKEN": "tok-from-env"})
     output = _Output(p)
+    state_now = lambda: json.loads(open(os.path.join(run_dir, "stack.json")).read())  # noqa: E731
     try:
+        # the launcher's start-up is over (not only the gateway answering): a service killed before that ends
+        # the start-up instead of being restarted
         assert wait_until(lambda: output.has("[u1serve] ready:") or p.poll() is not None, 240), output.text()
-        assert output.has("GPU sharing mps, generation at 70 % of the SMs, priority low (auto: colocate on CUDA"), \
-            output.text()
-        qos = json.loads(open(os.path.join(run_dir, "stack.json")).read())["qos"]
-        assert qos["gpu_sharing"] == "mps" and qos["gpu_sharing_asked"] == "auto", qos
-        assert_cache_took_effect(f"http://127.0.0.1:{_port(p)}")
+        assert _ok(base + "/health"), output.text()
+        state = state_now()
+        services = state["services"]
+        assert f":{busy}/" not in services["und"]["health_url"]             # a free port instead of the taken one
+        assert services["gen"]["health_url"] == f"http://127.0.0.1:{port + 200}/health"
+        # secrets: on no command line of the stack, but in the services' environment
+        pids = [q for s in services.values() for q in _tree(s["pid"])]
+        for q in pids + [p.pid]:
+            with open(f"/proc/{q}/cmdline", "rb") as f:
+                cmd = f.read()
+            assert b"sk-from-a-file" not in cmd and b"tok-from-env" not in cmd
+        with open(f"/proc/{services['gateway']['pid']}/environ", "rb") as f:
+            assert b"U1SERVE_INTERNAL_TOKEN=tok-from-env" in f.read().split(b"\0")
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60, headers=auth)
+        assert r.status_code == 200, r.text
+        # the MPS daemon and its clients
+        assert output.has("GPU sharing mps, generation at 70 % of the SMs, priority low"), output.text()
+        qos = state["qos"]
+        assert qos["gpu_sharing"] == "mps" and qos["gpu_sharing_asked"] == "mps", qos
+        assert_cache_took_effect(base, headers=auth)
         start = calls(run_dir)[0]
         assert start["argv"] == ["-d"]
         assert start["env"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
         assert start["env"]["CUDA_MPS_LOG_DIRECTORY"] == os.path.join(run_dir, "mps", "log")
-        state = json.loads(open(os.path.join(run_dir, "stack.json")).read())
         daemon = state["mps"]["pid"]
         assert state["mps"]["pipe_dir"] == pipe and state["mps"]["gen_sm_percent"] == 70 and pid_alive(daemon)
-        services = state["services"]
         und, gen = environ(services["und"]["pid"]), environ(services["gen"]["pid"])
         assert und["CUDA_MPS_PIPE_DIRECTORY"] == gen["CUDA_MPS_PIPE_DIRECTORY"] == pipe
         assert gen["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in und
-        # a generation service restarted by its supervisor is a client of the same daemon, capped as before
+        # a killed service is restarted by the launcher; a restarted generation service is a client of the same
+        # daemon, capped as before
         os.killpg(services["gen"]["pid"], signal.SIGKILL)
-        state_now = lambda: json.loads(open(os.path.join(run_dir, "stack.json")).read())  # noqa: E731
         assert wait_until(lambda: state_now()["services"]["gen"]["pid"] != services["gen"]["pid"], 60)
         assert wait_until(lambda: output.has("gen ready again (restart 1)"), 180), output.text()
+        assert wait_until(lambda: _ok(base + "/health"), 180)
         again = environ(state_now()["services"]["gen"]["pid"])
         assert again["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70" and again["CUDA_MPS_PIPE_DIRECTORY"] == pipe
         assert state_now()["mps"]["pid"] == daemon
+        r = httpx.post(base + "/v1/images/generations", timeout=120, headers=auth,
+                       json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
+        assert r.status_code == 200, r.text
+        groups = [s["pid"] for s in state_now()["services"].values()]
     finally:
         p.send_signal(signal.SIGINT)          # Ctrl-C: the normal stop
         p.wait(timeout=120)
     out = output.text()
     assert p.returncode == 0, out
-    # started before the first service, stopped after the last one, nothing left
+    assert "gen died (killed by SIGKILL); restarting in" in out and "gen ready again (restart 1)" in out, out
+    assert out.rstrip().endswith("[u1serve] stopped"), out[-2000:]
+    assert not any(group_alive(g) or pid_alive(g) for g in groups)
+    logs = "".join(open(os.path.join(run_dir, "logs", f)).read() for f in os.listdir(os.path.join(run_dir, "logs")))
+    assert "terminated by a signal" not in logs and "Traceback" not in logs
+    # the daemon: started before the first service, stopped after the last one, nothing left
     assert out.index("MPS control daemon running") < out.index("[u1serve] starting und"), out
     assert f"MPS control daemon (pid {daemon}) stopped" in out, out
     quit_ = [c for c in calls(run_dir) if c.get("command") == "quit"]
