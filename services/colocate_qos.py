@@ -75,28 +75,20 @@ class Qos:
     yield_share: Optional[float]
     yield_why: str
 
-    def state(self, daemon=None) -> dict:
-        """For stack.json: the sharing actually in force (an `auto` daemon that did not start: time-slice)."""
-        out = {"gpu_sharing": self.in_force(daemon), "gpu_sharing_asked": self.sharing.asked,
-               "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share or 0.0, "yield_why": self.yield_why}
-        if daemon is not None and not daemon.active:
-            out["gpu_sharing_why"] = daemon.fallback_reason or "the MPS daemon is not running"
-        return out
-
-    def in_force(self, daemon=None) -> str:
-        if self.sharing.mode == "mps" and daemon is not None and not daemon.active:
-            return "time-slice"
-        return self.sharing.mode
+    def state(self) -> dict:
+        """For stack.json."""
+        return {"gpu_sharing": self.sharing.mode, "gpu_sharing_asked": self.sharing.asked,
+                "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share or 0.0, "yield_why": self.yield_why}
 
     def summary(self, daemon=None) -> str:
-        """One line for the console (`ready:` and the start)."""
-        if self.in_force(daemon) == "mps":
+        """One line for the console (`ready:` and the start); `daemon`: the stack's MPS daemon, if any."""
+        if self.sharing.mode == "mps":
             text = (f"GPU sharing mps, generation at {daemon.gen_sm_percent} % of the SMs, priority "
                     f"{daemon.gen_priority}" if daemon is not None else "GPU sharing mps")
         else:
             text = "GPU sharing time-slice"
         if self.sharing.asked == "auto":
-            text += f" (auto: {self.state(daemon)['gpu_sharing_why']})"
+            text += f" (auto: {self.sharing.why})"
         gate = f"yield gate share {self.yield_share:g}" if self.yield_share else "no yield gate"
         return f"{text}; {gate} ({self.yield_why})"
 

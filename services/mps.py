@@ -54,10 +54,7 @@ class MpsDaemon:
 
     name = "mps"
 
-    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = DEFAULT_GEN_PRIORITY,
-                 fallback: bool = False):
-        """fallback: chosen by `--gpu-sharing auto` (services/colocate_qos.py): a daemon that cannot start leaves
-        the GPUs time-sliced (`active` False, `fallback_reason` says why) instead of failing the stack."""
+    def __init__(self, run_dir: str, gpus: list[str], gen_sm_percent: int, gen_priority: str = DEFAULT_GEN_PRIORITY):
         base = os.path.join(os.path.abspath(run_dir), "mps")
         self.pipe_dir = os.path.join(base, "pipe")
         self.log_dir = os.path.join(base, "log")
@@ -67,9 +64,6 @@ class MpsDaemon:
         self.argv = [CONTROL, "-d"]
         self.pid: Optional[int] = None
         self._launched = False      # `-d` ran: a daemon that came up after start() gave up is stopped too
-        self.fallback = fallback
-        self.active = True          # False once an auto daemon failed to start (the clients then run without MPS)
-        self.fallback_reason: Optional[str] = None
 
     # -- environments ------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -94,24 +88,11 @@ class MpsDaemon:
 
     def state(self) -> dict:
         return {"pid": self.pid, "pipe_dir": self.pipe_dir, "log_dir": self.log_dir, "gpus": self.gpus,
-                "gen_sm_percent": self.gen_sm_percent, "gen_priority": self.gen_priority, "active": self.active}
+                "gen_sm_percent": self.gen_sm_percent, "gen_priority": self.gen_priority}
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, say: Say) -> None:
-        """Start the daemon and wait until it runs; MpsError (a StartupError) says why it cannot, or, for a
-        `fallback` daemon, the console does and the GPUs stay time-sliced: with no daemon behind the pipe
-        directory the CUDA clients run as ordinary processes (the MPS variables are then ignored)."""
-        try:
-            self._start(say)
-        except MpsError as e:
-            if not self.fallback:
-                raise
-            self.stop(lambda text: None)      # one that came up late
-            shutil.rmtree(self.pipe_dir, ignore_errors=True)     # no control pipe for the clients to find
-            self.active, self.fallback_reason = False, str(e).splitlines()[0]
-            say(f"--gpu-sharing auto: {self.fallback_reason}; the engines share the GPUs by time slicing")
-
-    def _start(self, say: Say) -> None:
+        """Start the daemon and wait until it runs; MpsError (a StartupError) says why it cannot."""
         exe = shutil.which(CONTROL)
         if exe is None:
             raise MpsError(f"--gpu-sharing mps needs {CONTROL} on PATH. It comes with the NVIDIA driver's compute "

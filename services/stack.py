@@ -321,8 +321,7 @@ def sm_percent(text: str) -> int:
 
 def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sharing):
     """The deployment's MPS control daemon (services/mps.py) when the sharing in force is mps, else None (time
-    slicing). An explicit --gpu-sharing mps is refused (exit 2) where nothing is shared or nothing is CUDA; one
-    chosen by auto falls back to time slicing if its daemon does not start."""
+    slicing). --gpu-sharing mps is refused (exit 2) where nothing is shared or nothing is CUDA."""
     from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if sharing.mode != "mps":
         auto = f" (--gpu-sharing auto chose time-slice: {sharing.why})" if sharing.asked == "auto" else ""
@@ -343,7 +342,7 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sha
                         f"({flag} sets it for generation only)")
     gpus = list(dict.fromkeys(placement.und_gpus + placement.gen_gpus))
     return MpsDaemon(run_dir, gpus, args.gen_sm_percent or DEFAULT_GEN_SM_PERCENT,
-                     args.gen_priority or DEFAULT_GEN_PRIORITY, fallback=sharing.asked == "auto")  # auto: never MPS today
+                     args.gen_priority or DEFAULT_GEN_PRIORITY)
 
 
 def under_mps(specs: list, mps) -> list:
@@ -404,7 +403,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                   state_file=None if dry_run else args.state_file or os.path.join(run_dir, "stack.json"),
                   echo_logs=echo_logs, daemons=[mps] if mps else [])
     stack.qos, stack.qos_daemon = qos, mps
-    stack.info["qos"] = lambda: qos.state(mps)        # stack.json: the sharing in force once the daemon ran
+    stack.info["qos"] = qos.state
     if args.mode == "colocate":
         (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {qos.summary(mps)}\n")
     stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"

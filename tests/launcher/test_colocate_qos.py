@@ -34,15 +34,13 @@ def test_the_default_gate_is_on_in_colocate_with_one_replica_each():
 class _Daemon:
     gen_sm_percent, gen_priority = 85, "low"
 
-    def __init__(self, active: bool):
-        self.active, self.fallback_reason = active, None if active else "the MPS control daemon did not start"
-
 
 def test_the_report_says_what_is_in_force():
-    qos = Qos(Sharing("mps", "auto", "colocate on CUDA and nvidia-cuda-mps-control is available"), 0.05, "default")
-    assert qos.summary(_Daemon(True)).startswith("GPU sharing mps, generation at 85 % of the SMs, priority low (auto:")
-    fell_back = qos.state(_Daemon(False))        # an auto daemon that did not start: time slicing, and why
-    assert fell_back["gpu_sharing"] == "time-slice" and fell_back["gpu_sharing_why"].startswith("the MPS control")
-    assert qos.summary(_Daemon(False)).startswith("GPU sharing time-slice (auto: the MPS control daemon did not start")
+    qos = Qos(Sharing("mps", "mps", "asked for"), 0.05, "default in colocate")
+    assert qos.summary(_Daemon()) == ("GPU sharing mps, generation at 85 % of the SMs, priority low; yield gate share "
+                                      "0.05 (default in colocate)")
+    assert qos.state()["gpu_sharing"] == "mps"
+    auto = Qos(choose_sharing("auto", mode="colocate"), 0.05, "default in colocate")
+    assert auto.summary().startswith("GPU sharing time-slice (auto: MPS is opt-in") and auto.state()["gpu_sharing_asked"] == "auto"
     assert Qos(Sharing("time-slice", "time-slice", "asked for"), None, "--qos-yield-share 0").summary() == \
         "GPU sharing time-slice; no yield gate (--qos-yield-share 0)"
