@@ -8,7 +8,7 @@ defaults off (`--gpu-sharing time-slice --qos-yield-share 0`: the behaviour befo
 
 Per profile: the load (default mix, chats of exactly --max-tokens tokens: ignore_eos), then one image with the step
 cache (`"cache": {"mode": "first_block", "threshold": 0.1}`) and the same image exact, with the steps each CFG branch
-reused as the response reports them (the cache was reported ignored under MPS). Reported: chat p50 / p99 (every
+reused as the response reports them (under MPS it reused nothing: the images were NaN; docs/benchmarks/generation.md). Reported: chat p50 / p99 (every
 answered chat, streamed or not), images/min and its share of the first profile's, 5xx, the GPU sharing and gate in
 force (stack.json `qos`), and the targets: chat p50 <= 0.6 s, p99 <= 1.5 s, images/min >= 95 % of the first
 profile's. bench/gpu_qos.sh is the GPU command.

@@ -2,8 +2,8 @@
 # Colocate QoS side by side on one H200 (issue 25), one GPU call of ~7-8 min:
 #   the same mixed load (bench/bench_load.py: 64 clients x 120 s, 1024² 8 steps, chats of exactly 64 tokens)
 #   against `u1serve up --mode colocate --und-gpus 0 --gpu-sharing time-slice --qos-yield-share 0` (the behaviour
-#   before the QoS defaults) and `u1serve up --mode colocate --und-gpus 0` (the defaults: MPS where the control
-#   binary is there, the yield gate at 0.05; services/colocate_qos.py), then per side one 1024² 50-step image with
+#   before the QoS defaults) and `u1serve up --mode colocate --und-gpus 0` (the defaults: time slicing, MPS being
+#   opt-in for now, the yield gate at 0.05; services/colocate_qos.py), then per side one 1024² 50-step image with
 #   the step cache and the same one exact (the steps each CFG branch reused). One markdown table: chat p50 / p99,
 #   images/min and its share of the first side's, 5xx, the sharing and gate in force, the cache, the targets.
 #
@@ -28,8 +28,6 @@ if [ "${1:-}" = "--smoke" ]; then
     --markdown "$OUT/qos.md"
 fi
 nvidia-smi -L | tee "$OUT/gpus.txt" || true
-command -v nvidia-cuda-mps-control >/dev/null ||
-  echo "nvidia-cuda-mps-control is not on PATH: --gpu-sharing auto time-slices here (the defaults side has no MPS)"
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 # the load's size warmed up too (the default warm-up covers 2048² only), so no side pays a cold first request
 timeout 570 python -m bench.bench_qos --profiles "${QOS_PROFILES:-colocate-1-timeslice,colocate-1}" \
