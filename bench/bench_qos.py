@@ -23,7 +23,7 @@ import time
 
 import httpx
 
-from bench.bench_load import LoadConfig, run_load_async, summarize
+from bench.bench_load import LoadConfig, _pct, run_load_async, summarize
 from bench.stack import prepare_model, run_profile, stack_args, write_json
 
 TARGETS = {"chat_p50_s": 0.6, "chat_p99_s": 1.5, "images_share": 0.95}
@@ -65,9 +65,8 @@ def measure_for(name: str, args):
 def steady_chats(outcomes, settle_s: float) -> tuple:
     """p50 / p99 of the answered chats that started after the first settle_s seconds: the run opens with every
     client sending at once (a burst the targets' whole-run figures include), these show the steady state."""
-    lat = sorted(o.latency_s for o in outcomes if o.status == 200 and o.kind.startswith("chat") and o.started_s >= settle_s)
-    pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None)
-    return pick(0.5), pick(0.99)
+    lat = [o.latency_s for o in outcomes if o.status == 200 and o.kind.startswith("chat") and o.started_s >= settle_s]
+    return _pct(lat, 0.5), _pct(lat, 0.99)       # the whole run's columns use the same percentile
 
 
 def verdicts(results: dict, first: str) -> dict:

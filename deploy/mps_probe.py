@@ -37,7 +37,8 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 def child(args) -> dict:
     """One setting, in this process (its MPS variables were set by the parent)."""
     import torch
-    from shm_transfer import KVLayout, ShmKVPool, write_kv
+    from shm_transfer import write_kv
+    from bench.bench_generation import make_pool
     from services.contract.image import GenerateRequest
     from services.generation.engine import Engine
     from services.generation.kv_source import PrefixSource
@@ -46,8 +47,8 @@ def child(args) -> dict:
     device = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
     model = build_random_model(tiny_config("u1") if args.cpu else full_config(args.variant), "gen", dtype, device)
-    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, str(dtype).replace("torch.", ""), 64)
-    pool = ShmKVPool.create(f"u1-mps-probe-{os.getpid()}", layout, 4096 * layout.bytes_per_token, model.fingerprint)
+    pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
+    layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source, cuda_graphs="auto")
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
