@@ -14,8 +14,9 @@ the step and module where NaN appeared.
 
     python -m deploy.mps_probe                               # one H200: none, 85, 60 (~2-3 min)
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
-    python -m deploy.mps_probe --cpu [--nan-prefix]          # the tiny model on the CPU, no MPS (CI: the probe runs,
-                                                             # and names where a NaN prefix first shows)
+    python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix]  # the tiny model on the CPU, no MPS (CI: the probe
+                                                             # runs; a NaN prefix is refused at admission, an
+                                                             # overflowing one is named where it first shows)
 
 If every in-process setting is finite, the NaN needs the stack (understanding's prefill of the prefix under MPS,
 or the prefix crossing processes through the pool): `deploy/gpu_smoke.sh --profiles colocate-1-mps` reproduces it
@@ -42,6 +43,7 @@ def child(args) -> dict:
     from services.contract.image import GenerateRequest
     from services.generation.engine import Engine
     from services.generation.kv_source import PrefixSource
+    from services.kit.errors import APIError
     from services.model.tiny import build_random_model, full_config, tiny_config
 
     device = torch.device("cpu" if args.cpu else "cuda")
@@ -60,13 +62,19 @@ def child(args) -> dict:
                 h = pool.allocate(n, 600, branch=branch, t_offset=n)
                 g = torch.Generator().manual_seed(n)
                 kv = torch.randn(layout.kv_shape(n), generator=g)
-                if args.nan_prefix:          # the probe's own check: a NaN prefix must be found and named
+                if args.nan_prefix:          # the probe's own checks: a NaN prefix is refused at admission,
                     kv[:, :, n // 2] = float("nan")
+                if args.huge_prefix:         # a finite one that overflows is found in the layers and named
+                    kv[:, :, n // 2] = 3e38
                 write_kv(pool, h, kv.to(layout.torch_dtype))
                 handles[branch] = h.to_dict()
             spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=args.size,
                                    height=args.size, n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
-            job, _ = engine.admit(spec)
+            try:
+                job, _ = engine.admit(spec)
+            except APIError as e:           # nonfinite_prefix: the prefix came in NaN (engine.check_prefix_finite)
+                out[name] = {"finite": False, "step": None, "first_nonfinite": f"refused at admission: {e.message}"}
+                continue
             engine.add(job)
             out[name] = {"finite": True}
             for step in range(args.steps):
@@ -126,7 +134,8 @@ def _first_nonfinite(engine, job, x_before) -> str:
 
 def run_setting(label: str, env: dict, args) -> dict:
     cmd = [sys.executable, "-m", "deploy.mps_probe", "--child", "--size", str(args.size), "--steps", str(args.steps),
-           "--variant", args.variant] + (["--cpu"] if args.cpu else []) + (["--nan-prefix"] if args.nan_prefix else [])
+           "--variant", args.variant] + (["--cpu"] if args.cpu else []) + (["--nan-prefix"] if args.nan_prefix else []) \
+        + (["--huge-prefix"] if args.huge_prefix else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -142,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="u1-8b")
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU, no MPS settings (checks the probe)")
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the diagnosis)")
+    p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the admission check)")
+    p.add_argument("--huge-prefix", action="store_true", help="write 3e38 into the prefix KV (finite; checks the hooks)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -167,8 +177,8 @@ def main(argv=None) -> int:
         if "error" in r:
             rows.append(f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |")
             continue
-        cells = ["finite" if r[k]["finite"] else f"NaN at step {r[k]['step']}: {r[k]['first_nonfinite']}"
-                 for k in PROMPTS]
+        cells = ["finite" if r[k]["finite"] else r[k]["first_nonfinite"] if r[k]["step"] is None
+                 else f"NaN at step {r[k]['step']}: {r[k]['first_nonfinite']}" for k in PROMPTS]
         rows.append(f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |")
     print("\n".join(rows))
     if args.json:

@@ -75,6 +75,21 @@ class _Pack(NamedTuple):
     rows: int               # rows of the whole forward (canonical)
 
 
+
+def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
+    """A prefix KV [L, 2, P, Hkv, D] holding NaN/Inf makes every image of the job NaN: refuse the job at admission with
+    where the bad values are (layer, K or V, token), which says whether understanding's prefill or the transport made
+    them (one reduction per job and branch; the import has synchronised already)."""
+    bad = ~torch.isfinite(kv)
+    if not bool(bad.any()):
+        return
+    layer, kv_i, token = (int(i) for i in bad.nonzero()[0][:3])
+    count = int(bad.sum())
+    msg = (f"the prefix KV of branch {branch!r} holds {count} non-finite values of {kv.numel()} (first: layer "
+           f"{layer}, {'KV'[kv_i]}, token {token} of {kv.shape[2]}); the prompt's prefill or the KV transport made them")
+    log.error("%s", msg)
+    raise APIError(500, msg, code="nonfinite_prefix")
+
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
                  yield_gate: YieldGate | None = None, cuda_graphs: str = "off", graph_segment_layers: int = 4):
@@ -124,6 +139,7 @@ class Engine:
                 nbytes, seconds = self.source.import_into(handles[b], staging,
                                                           heads=heads,
                                                           release=not sp)
+                check_prefix_finite(b, staging)
                 job.set_prefix(b, staging)
                 del staging
                 stats.append(KvImportStats(bytes=nbytes, seconds=seconds))

@@ -154,19 +154,23 @@ def test_bad_requests_are_4xx_and_free_their_pages(fault_env, ref_model):
     assert server.health()[0] == 200
 
 
-def test_nonfinite_image_is_a_500_not_a_black_png(fault_env, ref_model):
-    """A prefix KV holding NaN makes the whole image NaN: the job answers 500 nonfinite_output (a fault the
-    client may retry, in the logs and the 5xx counts) instead of a silent black PNG; its pages are freed and
-    the next request is served normally."""
+def test_nonfinite_prefix_and_image_are_500s_not_a_black_png(fault_env, ref_model):
+    """A prefix KV holding NaN is refused at admission (500 nonfinite_prefix, naming the layer, K/V and token: whether
+    understanding's prefill or the transport made it); a finite prefix that overflows in the layers makes the image
+    NaN, answered 500 nonfinite_output (a fault the client may retry, in the logs and the 5xx counts) instead of a
+    silent black PNG. Either way the pages are freed and the next request is served normally."""
     from types import SimpleNamespace
     server, pool = fault_env["server"], fault_env["pool"]
-    poisoned = {b: SimpleNamespace(num_tokens=p.num_tokens, t_offset=p.t_offset, kv=torch.full_like(p.kv, float("nan")))
-                for b, p in _pre(ref_model).items()}
-    status, events = generate(server.url, body("nan-prefix", publish(pool, poisoned)))
-    assert status == 200 and events[-1] == "[DONE]" and not images_of(events)
-    (err,) = errors_of(events)
-    assert err["status"] == 500 and err["error"]["code"] == "nonfinite_output", err
-    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+    for name, value, code in (("nan-prefix", float("nan"), "nonfinite_prefix"), ("huge-prefix", 3e38, "nonfinite_output")):
+        poisoned = {b: SimpleNamespace(num_tokens=p.num_tokens, t_offset=p.t_offset, kv=torch.full_like(p.kv, value))
+                    for b, p in _pre(ref_model).items()}
+        status, events = generate(server.url, body(name, publish(pool, poisoned)))
+        assert status == 200 and events[-1] == "[DONE]" and not images_of(events)
+        (err,) = errors_of(events)
+        assert err["status"] == 500 and err["error"]["code"] == code, err
+        if code == "nonfinite_prefix":
+            assert "(first: layer 0, K, token 0 of" in err["error"]["message"], err
+        assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
     status, events = generate(server.url, body("after-nan", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
 

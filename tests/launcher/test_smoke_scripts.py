@@ -55,9 +55,10 @@ def test_bench_load_smoke(tmp_path):
 
 def test_mps_probe_cpu_mode_runs_and_names_where_nan_appears(tmp_path):
     """deploy/mps_probe.py (the NaN-under-MPS probe the next GPU session runs) on the tiny model: a clean run is
-    finite; a NaN prefix is found at step 0 and named at the first layer."""
-    for flags, want in (([], "finite"), (["--nan-prefix"], "NaN")):
-        out = tmp_path / f"probe{len(flags)}.json"
+    finite; a NaN prefix is refused at admission (nonfinite_prefix names the layer and token); a finite prefix that
+    overflows is found at step 0 and named at the first layer."""
+    for flags, want in (([], "finite"), (["--nan-prefix"], "refused"), (["--huge-prefix"], "NaN")):
+        out = tmp_path / f"probe{len(flags)}{want}.json"
         r = subprocess.run([sys.executable, "-m", "deploy.mps_probe", "--cpu", "--json", str(out), *flags], cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
         assert out.exists(), r.stdout[-2000:] + r.stderr[-2000:]
@@ -66,5 +67,8 @@ def test_mps_probe_cpu_mode_runs_and_names_where_nan_appears(tmp_path):
                 continue
             if want == "finite":
                 assert res["finite"], (prompt, res)
+            elif want == "refused":
+                assert not res["finite"] and res["step"] is None and "layer 0, K, token" in res["first_nonfinite"], \
+                    (prompt, res)
             else:
                 assert not res["finite"] and res["step"] == 0 and "layers.0." in res["first_nonfinite"], (prompt, res)
