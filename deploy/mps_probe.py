@@ -14,6 +14,7 @@ the step and module where NaN appeared.
 
     python -m deploy.mps_probe                               # one H200: none, 85, 60 (~2-3 min)
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
+    python -m deploy.mps_probe --sm-percents 85 --runs default,nobucket,triton,eager  # which suspect it is
     python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix]  # the tiny model on the CPU, no MPS (CI: the probe
                                                              # runs; a NaN prefix is refused at admission, an
                                                              # overflowing one is named where it first shows)
@@ -33,6 +34,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncond) prefix tokens
+# --runs: the same setting again with one suspect swapped out, each in its own process (torch reads the cuDNN
+# switch once): cuDNN's bucketed plans, cuDNN SDPA itself (the Triton denoise kernel instead), CUDA graphs.
+VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
+            "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"}}
 
 
 def child(args) -> dict:
@@ -153,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the admission check)")
     p.add_argument("--huge-prefix", action="store_true", help="write 3e38 into the prefix KV (finite; checks the hooks)")
+    p.add_argument("--runs", default="default",
+                   help=f"per setting, the runs to make: {', '.join(VARIANTS)} (e.g. default,nobucket,triton,eager: "
+                        "which suspect, swapped out, makes the NaN go)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -162,14 +170,25 @@ def main(argv=None) -> int:
     if args.cpu:
         args.size, args.sm_percents = min(args.size, 64), ""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    results = {"no MPS": run_setting("no MPS", env, args)}
+    variants = [v.strip() for v in args.runs.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"--runs: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+
+    def run_variants(label: str, base_env: dict) -> None:
+        for v in variants:
+            name = label if v == "default" else f"{label}, {v}"
+            results[name] = run_setting(name, {**base_env, **VARIANTS[v]}, args)
+
+    results: dict = {}
+    run_variants("no MPS", env)
     for pct in [int(v) for v in args.sm_percents.split(",") if v.strip()]:
         from services.mps import MpsDaemon
         with tempfile.TemporaryDirectory(prefix="u1-mps-probe-") as run_dir:
             daemon = MpsDaemon(run_dir, ["0"], pct)
             daemon.start(print)
             try:
-                results[f"MPS {pct} %"] = run_setting(f"MPS {pct} %", daemon.client_env(env, capped=True), args)
+                run_variants(f"MPS {pct} %", daemon.client_env(env, capped=True))
             finally:
                 daemon.stop(print)
     rows = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
