@@ -15,6 +15,7 @@ the step and module where NaN appeared.
     python -m deploy.mps_probe                               # one H200: none, 85, 60 (~2-3 min)
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
     python -m deploy.mps_probe --sm-percents 85 --runs default,nobucket,triton,eager  # which suspect it is
+    python -m deploy.mps_probe --sm-percents '' --runs poison  # no MPS, but unwritten memory reads NaN
     python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix]  # the tiny model on the CPU, no MPS (CI: the probe
                                                              # runs; a NaN prefix is refused at admission, an
                                                              # overflowing one is named where it first shows)
@@ -35,9 +36,33 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncond) prefix tokens
 # --runs: the same setting again with one suspect swapped out, each in its own process (torch reads the cuDNN
-# switch once): cuDNN's bucketed plans, cuDNN SDPA itself (the Triton denoise kernel instead), CUDA graphs.
+# switch once): cuDNN's bucketed plans, cuDNN SDPA itself (the Triton denoise kernel instead), CUDA graphs;
+# "poison": no suspect swapped out, but memory no kernel wrote reads NaN (MPS may hand a client memory another left).
+POISON = "MPS_PROBE_POISON"
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
-            "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"}}
+            "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
+            "poison": {POISON: "1"}}
+
+
+def poison_unwritten_memory(device) -> None:
+    """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
+    blocks of both pools (large and small) and free them into its cache, where later tensors are carved from.
+    CPU: every float torch.empty / empty_like / new_empty starts NaN."""
+    import torch
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        big = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device)    # 128 MiB each
+               for _ in range(min(64, max(1, int(free * 0.5) // (128 << 20))))]
+        small = [torch.full((1 << 18,), float("nan"), dtype=torch.float16, device=device) for _ in range(512)]
+        del big, small
+        return
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    torch.empty = lambda *a, **k: nan(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: nan(empty_like(*a, **k))
+    torch.Tensor.new_empty = lambda self, *a, **k: nan(new_empty(self, *a, **k))
 
 
 def child(args) -> dict:
@@ -54,6 +79,8 @@ def child(args) -> dict:
     device = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
     model = build_random_model(tiny_config("u1") if args.cpu else full_config(args.variant), "gen", dtype, device)
+    if os.environ.get(POISON) == "1":
+        poison_unwritten_memory(device)
     pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)

@@ -56,15 +56,16 @@ def test_bench_load_smoke(tmp_path):
 def test_mps_probe_cpu_mode_runs_and_names_where_nan_appears(tmp_path):
     """deploy/mps_probe.py (the NaN-under-MPS probe the next GPU session runs) on the tiny model: a clean run is
     finite; a NaN prefix is refused at admission (nonfinite_prefix names the layer and token); a finite prefix that
-    overflows is found at step 0 and named at the first layer. --runs repeats a setting with a suspect swapped out."""
-    for flags, want in ((["--runs", "default,eager"], "finite"), (["--nan-prefix"], "refused"),
+    overflows is found at step 0 and named at the first layer. --runs repeats a setting with a suspect swapped out;
+    "poison" makes every float torch.empty start NaN: the generation path reads no memory it did not write."""
+    for flags, want in ((["--runs", "default,eager,poison"], "finite"), (["--nan-prefix"], "refused"),
                         (["--huge-prefix"], "NaN")):
         out = tmp_path / f"probe{len(flags)}{want}.json"
         r = subprocess.run([sys.executable, "-m", "deploy.mps_probe", "--cpu", "--json", str(out), *flags], cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
         assert out.exists(), r.stdout[-2000:] + r.stderr[-2000:]
         results = json.loads(out.read_text())
-        assert list(results) == (["no MPS", "no MPS, eager"] if want == "finite" else ["no MPS"])
+        assert list(results) == (["no MPS", "no MPS, eager", "no MPS, poison"] if want == "finite" else ["no MPS"])
         for prompt, res in [kv for r in results.values() for kv in r.items()]:
             if prompt == "sm_count":
                 continue
