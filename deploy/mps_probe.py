@@ -188,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="default",
                    help=f"per setting, the runs to make: {', '.join(VARIANTS)} (e.g. default,nobucket,triton,eager: "
                         "which suspect, swapped out, makes the NaN go)")
+    p.add_argument("--baseline-runs", default=None, help="the runs of the no-MPS setting (default: --runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -198,24 +199,25 @@ def main(argv=None) -> int:
         args.size, args.sm_percents = min(args.size, 64), ""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     variants = [v.strip() for v in args.runs.split(",") if v.strip()]
-    unknown = set(variants) - set(VARIANTS)
+    baseline = variants if args.baseline_runs is None else [v.strip() for v in args.baseline_runs.split(",") if v.strip()]
+    unknown = set(variants + baseline) - set(VARIANTS)
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
-    def run_variants(label: str, base_env: dict) -> None:
-        for v in variants:
+    def run_variants(label: str, base_env: dict, runs: list[str]) -> None:
+        for v in runs:
             name = label if v == "default" else f"{label}, {v}"
             results[name] = run_setting(name, {**base_env, **VARIANTS[v]}, args)
 
     results: dict = {}
-    run_variants("no MPS", env)
+    run_variants("no MPS", env, baseline)
     for pct in [int(v) for v in args.sm_percents.split(",") if v.strip()]:
         from services.mps import MpsDaemon
         with tempfile.TemporaryDirectory(prefix="u1-mps-probe-") as run_dir:
             daemon = MpsDaemon(run_dir, ["0"], pct)
             daemon.start(print)
             try:
-                run_variants(f"MPS {pct} %", daemon.client_env(env, capped=True))
+                run_variants(f"MPS {pct} %", daemon.client_env(env, capped=True), variants)
             finally:
                 daemon.stop(print)
     rows = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
