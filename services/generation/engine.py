@@ -75,7 +75,6 @@ class _Pack(NamedTuple):
     rows: int               # rows of the whole forward (canonical)
 
 
-
 def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
     """A prefix KV [L, 2, P, Hkv, D] holding NaN/Inf makes every image of the job NaN: refuse the job at admission with
     where the bad values are (layer, K or V, token), which says whether understanding's prefill or the transport made
@@ -89,6 +88,7 @@ def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
            f"{layer}, {'KV'[kv_i]}, token {token} of {kv.shape[2]}); the prompt's prefill or the KV transport made them")
     log.error("%s", msg)
     raise APIError(500, msg, code="nonfinite_prefix")
+
 
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
