@@ -51,10 +51,11 @@ def poison_unwritten_memory(device) -> None:
     import torch
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        big = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device)    # 128 MiB each
-               for _ in range(min(64, max(1, int(free * 0.5) // (128 << 20))))]
-        small = [torch.full((1 << 18,), float("nan"), dtype=torch.float16, device=device) for _ in range(512)]
-        del big, small
+        blocks = [torch.full((64 << 20,), float("nan"), dtype=torch.float16, device=device)    # 128 MiB each
+                  for _ in range(min(64, max(1, int(free * 0.5) // (128 << 20))))]
+        blocks += [torch.full((1 << 18,), float("nan"), dtype=torch.float16, device=device) for _ in range(512)]
+        torch.cuda.synchronize(device)
+        blocks.clear()          # back into torch's cache (not to the driver): later tensors are carved from them
         return
 
     def nan(t):
