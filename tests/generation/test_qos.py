@@ -108,7 +108,7 @@ def test_page_round_trip(name):
 
 def test_no_writer_no_wait(name):
     gate = _gate(name)
-    assert max(_timed(gate) for _ in range(50)) < 0.05 and gate.yields == 0
+    assert max(_timed(gate) for _ in range(50)) < 0.25 and gate.yields == 0   # a wait would be up to 2 s
 
 
 def _until_busy(name) -> YieldSignal:
@@ -127,7 +127,7 @@ def test_waits_while_decode_runs_then_resumes(name, writer):
     assert r.busy_for() is None and 0 < waited < 1.5        # returned because the flag dropped
     assert gate.yields == 1
     writer.proc.stdout.readline()
-    assert _timed(gate) < 0.05                              # lowered: no wait
+    assert _timed(gate) < 0.25                              # lowered: no wait (a wait: up to 2 s)
 
 
 def test_hung_writer_bounded_then_ignored(name, writer):
@@ -136,7 +136,7 @@ def test_hung_writer_bounded_then_ignored(name, writer):
     os.kill(writer.proc.pid, signal.SIGSTOP)                # hangs with the flag up
     assert 0.09 < _timed(gate) < 1.0                        # one bounded wait
     time.sleep(0.5)
-    assert _timed(gate) < 0.05                              # stale: ignored from now on
+    assert _timed(gate) < 0.09                              # stale: ignored from now on (a wait: 0.1 s)
     os.kill(writer.proc.pid, signal.SIGCONT)
 
 
