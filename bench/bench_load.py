@@ -663,5 +663,6 @@ def measure(args, cfg: LoadConfig) -> int:
         print(f"FAIL {p}")
     return 1 if problems else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -273,8 +273,8 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
         return f"{side}x{side}, {STEPS} steps, {time.monotonic() - t0:.1f} s"
 
     def c_step_cache(c):
-        # threshold 10: every finite change reuses, so a branch that never reuses measured NaN/Inf (what a NaN
-        # image does; the engine now answers such a job 500 nonfinite_output, this check names the cause)
+        # threshold 10: every finite change reuses, so a branch that never reuses measured NaN/Inf; a NaN image or
+        # prefix is answered 500 nonfinite_output / nonfinite_prefix (its message says where) and fails here too
         r = c.post("/v1/images/generations", json={"prompt": "a lighthouse", "size": f"{side}x{side}", "seed": 7,
                                                     "num_inference_steps": 3 * STEPS,
                                                     "cache": {"mode": "first_block", "threshold": 10.0}})

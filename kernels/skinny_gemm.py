@@ -142,4 +142,3 @@ def gated_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if choice is None or choice[0] != "gemv" or k % choice[1][1]:
         return None
     return gemv_launch(gate_up, w, choice[1], gated=True)
-
