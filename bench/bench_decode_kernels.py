@@ -309,7 +309,10 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0
+    failed = [k for k in out.get("profile", {}) if k.endswith("_error")]
+    for k in failed:             # the other layouts' figures were kept; the run still says it is incomplete
+        print(f"FAIL profile layout {k.removesuffix('_error')}: {out['profile'][k]}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -79,9 +79,9 @@ def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
     """A prefix KV [L, 2, P, Hkv, D] holding NaN/Inf makes every image of the job NaN: refuse the job at admission with
     where the bad values are (layer, K or V, token), which says whether understanding's prefill or the transport made
     them (one reduction per job and branch; the import has synchronised already)."""
-    bad = ~torch.isfinite(kv)
-    if not bool(bad.any()):
+    if bool(torch.isfinite(kv).all()):
         return
+    bad = ~torch.isfinite(kv)           # only on the failure path: where, and how many
     layer, kv_i, token = (int(i) for i in bad.nonzero()[0][:3])
     count = int(bad.sum())
     msg = (f"the prefix KV of branch {branch!r} holds {count} non-finite values of {kv.numel()} (first: layer "
