@@ -43,10 +43,15 @@ def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, referenc
     assert {s: image_digest(client, s) for s in SEEDS} == reference["images"]
     assert chat_text(client) == reference["chat"]
     assert imported_bytes(on["a"]) > 0
-    # with a long job on a, the next one goes to b: its prefix crosses nodes over NIXL, the image is the same
+    # with a long job on a, the next one goes to b: its prefix crosses nodes over NIXL, the image is the same.
+    # Both replicas idle and the gateway's view of them fresh first (its /health probes them): a load it read
+    # while a seed job ran would send the long job to b
+    wait_until(lambda: app_load(on["a"]) == 0 and app_load(on["b"]) == 0, timeout=60, interval=0.1)
+    app.health()
     long_job = ThreadPoolExecutor(1).submit(client.images.generate, model="sensenova-u1", prompt="keep a busy",
                                             size="64x64", extra_body={"num_inference_steps": 48, "seed": 5})
-    wait_until(lambda: app_load(on["a"]) > 0, timeout=60, interval=0.1)
+    wait_until(lambda: app_load(on["a"]) > 0 or app_load(on["b"]) > 0 or long_job.done(), timeout=60, interval=0.1)
+    assert app_load(on["a"]) > 0, f"the long job went elsewhere: b's load {app_load(on['b'])}, done {long_job.done()}"
     assert image_digest(client, SEEDS[0]) == reference["images"][SEEDS[0]]
     assert imported_bytes(on["b"]) > 0                    # node a's prefix read over the network (NIXL)
     long_job.result(timeout=300)
