@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from services.kit import sse
+from tests.metrics import metric
 from tests.waiting import wait_until
 
 from .conftest import API_KEY, GatewayProc
@@ -28,9 +29,7 @@ def und_health(stack) -> dict:
 
 
 def und_generated_tokens(stack) -> float:
-    text = httpx.get(stack.und + "/metrics", headers={"X-U1-Internal-Token": stack.token}, timeout=10).text
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("u1_und_generation_tokens_total "))
+    return metric(stack.und, "u1_und_generation_tokens_total", {"X-U1-Internal-Token": stack.token}, timeout=10)
 
 
 def pool_empty(stack) -> bool:

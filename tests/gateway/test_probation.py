@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from tests.metrics import metric
 from tests.waiting import wait_until
 
 HOLD_S, DECAY_S = 1.0, 4.0
@@ -34,13 +35,6 @@ def _raw_stream(port: int, source: str) -> socket.socket:
     return s
 
 
-def _metric(base: str, name: str) -> float:
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
-
-
 def _image(base: str, source: str) -> httpx.Response:
     with httpx.Client(base_url=base, timeout=120, transport=httpx.HTTPTransport(local_address=source)) as c:
         return c.post("/v1/images/generations", json={**IMAGE, "stream": False})
@@ -50,13 +44,13 @@ def test_a_client_that_holds_its_image_unread_is_refused_until_its_strike_decays
     g = _gateway(stack, side_gateway)
     hostile = _raw_stream(g.port, "127.0.0.2")
     try:
-        assert wait_until(lambda: _metric(g.base, "u1serve_gateway_client_strikes_total") == 1, 60, interval=0.2)
+        assert wait_until(lambda: metric(g.base, "u1serve_gateway_client_strikes_total") == 1, 60, interval=0.2)
         struck_at = time.monotonic()
         refused = _image(g.base, "127.0.0.2")
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "client_on_probation", refused.text
         assert 1 <= int(refused.headers["retry-after"]) <= DECAY_S
-        assert _metric(g.base, "u1serve_gateway_clients_on_probation") == 1
+        assert metric(g.base, "u1serve_gateway_clients_on_probation") == 1
         honest = _image(g.base, "127.0.0.1")              # another client is served meanwhile
         assert honest.status_code == 200 and honest.json()["data"][0]["b64_json"], honest.text
     finally:
@@ -64,8 +58,8 @@ def test_a_client_that_holds_its_image_unread_is_refused_until_its_strike_decays
     time.sleep(max(0.0, DECAY_S - (time.monotonic() - struck_at)) + 0.5)
     again = _image(g.base, "127.0.0.2")                   # the strike has decayed
     assert again.status_code == 200, again.text
-    assert _metric(g.base, "u1serve_gateway_probation_refused_total") == 1
-    assert _metric(g.base, "u1serve_gateway_clients_on_probation") == 0
+    assert metric(g.base, "u1serve_gateway_probation_refused_total") == 1
+    assert metric(g.base, "u1serve_gateway_clients_on_probation") == 0
     assert "held its response unread" in g.output()
 
 
@@ -85,7 +79,7 @@ def test_a_slow_client_that_keeps_reading_is_not_struck(stack, side_gateway):
         s.close()
     assert b".completed" in got and b"data: [DONE]" in got, got[-300:]
     assert time.monotonic() - started > 2 * HOLD_S         # it was slow, for longer than the hold limit
-    assert _metric(g.base, "u1serve_gateway_client_strikes_total") == 0
+    assert metric(g.base, "u1serve_gateway_client_strikes_total") == 0
     assert _image(g.base, "127.0.0.3").status_code == 200
 
 

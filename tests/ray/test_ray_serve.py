@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from services.ray_serve.autoscale import load_signals
+from tests.metrics import metric
 from tests.waiting import wait_until
 
 from tests.ray.harness import SEEDS
@@ -27,9 +28,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def imported_bytes(url: str) -> float:
     """KV bytes a generation engine imported (its own /metrics)."""
-    text = httpx.get(url + "/metrics", headers=HEADERS, timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("u1_gen_kv_import_bytes_total"))
+    return metric(url, "u1_gen_kv_import_bytes_total", HEADERS, timeout=5, default=0.0)
 
 
 def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, reference):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-import httpx
+from tests.metrics import metric as shared_metric
 
 from .stackproc import Service
 
@@ -36,10 +36,5 @@ def gateway(run_dir: str, und: list[Service], gen: list[Service]) -> Service:
 
 
 def metric(url: str, name: str) -> float:
-    """The sum of a metric's samples on a service's /metrics."""
-    text = httpx.get(url + "/metrics", headers=HEADERS, timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The sum of a metric's samples on an engine's /metrics (0 before its first count)."""
+    return shared_metric(url, name, headers=HEADERS, timeout=5, default=0.0)

@@ -6,15 +6,14 @@ import sys
 import httpx
 
 from services.kit import sse
+from tests.metrics import metric
 from tests.waiting import wait_until
 
 from .stackproc import Service, free_port
 
 
 def gateway_metric(stack, name: str) -> float:
-    text = httpx.get(stack.base + "/metrics", timeout=10).text
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " ")
-               or l.startswith(name + "{"))
+    return metric(stack.base, name, timeout=10, default=0.0)
 
 
 def _gateway(run_dir, und_url: str, gen_url: str, token: str) -> Service:

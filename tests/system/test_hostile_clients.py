@@ -25,6 +25,7 @@ import pytest
 from services.netutil import free_port
 from tests.gateway.conftest import GatewayProc
 from tests.system.stackproc import ROOT, RunningStack, group_alive, pid_alive, shm_entries
+from tests.metrics import metric
 from tests.waiting import wait_until
 
 WRITE_TIMEOUT_S = 2
@@ -43,13 +44,6 @@ def stack(tiny_model, tmp_path_factory):
     yield s
     if s.proc.poll() is None:            # (the last test kills it)
         assert s.stop() == 0, s.output()
-
-
-def metric(stack, name: str) -> float:
-    for line in httpx.get(stack.base + "/metrics", timeout=60).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
 
 
 def engines_idle(stack) -> bool:
@@ -82,13 +76,13 @@ IMAGE = {"prompt": "a fox", "size": "96x96", "n": 1, "stream": True, "num_infere
 
 def test_256_clients_that_never_read_give_their_slots_back(stack):
     openai = pytest.importorskip("openai")
-    cut_before = metric(stack, "u1serve_gateway_slow_readers_cut_total")
+    cut_before = metric(stack.base, "u1serve_gateway_slow_readers_cut_total", timeout=60)
     socks = [raw_request(stack.port, "/v1/chat/completions", CHAT) for _ in range(HOSTILE_CHATS)]
     socks += [raw_request(stack.port, "/v1/images/generations", IMAGE) for _ in range(HOSTILE_IMAGES)]
     try:
         # their work runs, then each stalls with its answer half sent and is cut WRITE_TIMEOUT_S later
-        wait_until(lambda: metric(stack, "u1serve_gateway_requests_in_flight") <= 1, 300, interval=1)
-        cut = metric(stack, "u1serve_gateway_slow_readers_cut_total") - cut_before
+        wait_until(lambda: metric(stack.base, "u1serve_gateway_requests_in_flight", timeout=60) <= 1, 300, interval=1)
+        cut = metric(stack.base, "u1serve_gateway_slow_readers_cut_total", timeout=60) - cut_before
         assert cut >= HOSTILE_CHATS, cut
         # the slots are back: a reading client is served at once, not 429'd
         client = openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -6,6 +6,8 @@ import base64
 import httpx
 import pytest
 
+from tests.metrics import metric
+
 from .conftest import MAX_LEN, TOKEN
 
 H = {"X-U1-Internal-Token": TOKEN}
@@ -135,13 +137,9 @@ def test_a_request_made_to_emit_the_image_placeholder_never_breaks_an_image_batc
     biased = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "ignore_eos": True,
               "temperature": 0, "logit_bias": {str(tok.img_context_id): 100}, "return_token_ids": True}
 
-    def metric(name: str) -> float:
-        text = httpx.get(server.url + "/metrics", headers=H, timeout=30).text
-        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
     def post(body):
         return httpx.post(server.url + "/v1/chat/completions", json=body, headers=H, timeout=120)
-    preemptions = metric("u1_und_preemptions_total")
+    preemptions = metric(server.url, "u1_und_preemptions_total", H)
     with ThreadPoolExecutor(len(images) + 1) as ex:
         first = ex.submit(post, biased)
         results = [ex.submit(post, chat_body(r)) for r in images]
@@ -150,5 +148,5 @@ def test_a_request_made_to_emit_the_image_placeholder_never_breaks_an_image_batc
             r = fut.result()
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == reference_ids(ref, req)
-    assert metric("u1_und_preemptions_total") == preemptions
+    assert metric(server.url, "u1_und_preemptions_total", H) == preemptions
     assert server.wait_idle()["kv_in_use"] == 0

@@ -11,6 +11,8 @@ from services.kit import sse
 from services.model import prompts as PR
 from services.model import reference as R
 
+from tests.metrics import metric
+
 from .conftest import HEADERS
 
 MSGS = [{"role": "user", "content": "Tell me a story"}]
@@ -140,9 +142,8 @@ def test_n_choices_stream_with_usage(server):
 
 def _prefilled_prompt_tokens(server) -> tuple[float, float]:
     """(prompt tokens admitted, of them found in the prefix cache) from the service's /metrics."""
-    text = httpx.get(server.url + "/metrics", headers=HEADERS, timeout=30).text
-    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if not line.startswith("#")}
-    return values["u1_und_prompt_tokens_total"], values["u1_und_prompt_tokens_cached_total"]
+    return (metric(server.url, "u1_und_prompt_tokens_total", HEADERS),
+            metric(server.url, "u1_und_prompt_tokens_cached_total", HEADERS))
 
 
 def test_n_choices_prefill_the_prompt_once(server):
