@@ -49,8 +49,12 @@ def test_outputs_equal_u1serve_up_and_the_kv_crosses_nodes(app, client, referenc
     app.health()
     long_job = ThreadPoolExecutor(1).submit(client.images.generate, model="sensenova-u1", prompt="keep a busy",
                                             size="64x64", extra_body={"num_inference_steps": 48, "seed": 5})
-    wait_until(lambda: app_load(on["a"]) > 0 or app_load(on["b"]) > 0 or long_job.done(), timeout=60, interval=0.1)
-    assert app_load(on["a"]) > 0, f"the long job went elsewhere: b's load {app_load(on['b'])}, done {long_job.done()}"
+
+    def long_job_seen():      # the loads of the poll that saw it (or saw it finish unseen), not a second read
+        loads = {node: app_load(url) for node, url in on.items()}
+        return loads if any(loads.values()) or long_job.done() else None
+    loads = wait_until(long_job_seen, timeout=60, interval=0.1)
+    assert loads["a"] > 0, f"the long job went elsewhere: loads {loads}, done {long_job.done()}"
     assert image_digest(client, SEEDS[0]) == reference["images"][SEEDS[0]]
     assert imported_bytes(on["b"]) > 0                    # node a's prefix read over the network (NIXL)
     long_job.result(timeout=300)
