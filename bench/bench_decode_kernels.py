@@ -16,7 +16,7 @@ Parts (`--parts`, comma-separated):
 
 GPU:  python -m bench.bench_decode_kernels --json /tmp/decode_kernels.json
       python -m bench.bench_decode_kernels --parts profile --json /tmp/decode_profile.json
-CPU smoke (Triton interpreter, tiny shapes, the skinny and moe parts):
+CPU smoke (Triton interpreter, tiny shapes; the profile part on the tiny checkpoint, eager steps for the graphs):
       python -m bench.bench_decode_kernels --smoke --json /tmp/dk.json
 """
 from __future__ import annotations
@@ -180,13 +180,19 @@ def part_profile(args) -> dict:
     from services.model import tiny
     from services.model.tokenizer import NeoTokenizer
     saved = sys.argv
-    sys.argv = [saved[0], "--variant", "u1-8b", "--decode-tokens", "64"]
+    # --smoke: the tiny checkpoint in fp32 on the CPU, eager steps in place of the graphs (step_calls)
+    sys.argv = [saved[0], "--variant", "u1-8b", "--decode-tokens", "64"] + (
+        ["--tiny", "--device", "cpu", "--dtype", "float32", "--decode-tokens", "8", "--prompt-len", "16",
+         "--kv-cache-tokens", "4096", "--bandwidth-tbs", "0.05"] if args.smoke else [])
     try:
         uargs = bu.parse_args()
     finally:
         sys.argv = saved
-    model_dir = tiny.write_full_config(os.path.join(tempfile.mkdtemp(), "u1-8b"), "u1-8b")
-    os.environ[knobs.RANDOM_WEIGHTS.name] = "1"
+    if args.smoke:
+        model_dir = tiny.write_tiny_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"), "u1")
+    else:
+        model_dir = tiny.write_full_config(os.path.join(tempfile.mkdtemp(), "u1-8b"), "u1-8b")
+        os.environ[knobs.RANDOM_WEIGHTS.name] = "1"
     pool = bu.handoff_pool(model_dir, uargs)
     engine = bu.make_engine(model_dir, uargs, pool_name=pool.pool.name, max_running=128)
     tok = NeoTokenizer.from_dir(model_dir)
@@ -197,7 +203,7 @@ def part_profile(args) -> dict:
     legs = []
     for leg in args.legs:
         try:
-            if layout_of(engine.model) != leg or engine.runner.graphs is None:
+            if layout_of(engine.model) != leg or (engine.runner.graphs is None and not args.smoke):
                 recapture(engine, lambda: use_layout(engine.model, leg))
             res[leg] = profile_leg(engine, tok, uargs, rng, res["hbm_bound_ms"])
             legs.append(leg)
@@ -243,6 +249,9 @@ def recapture(engine, change) -> None:
 
     from services.understanding.cuda_graphs import DecodeGraphs
     runner = engine.runner
+    if not str(runner.device).startswith("cuda"):     # the CPU smoke: no graphs to drop or capture
+        change()
+        return
     runner.graphs = None
     gc.collect()
     torch.cuda.synchronize()
@@ -251,27 +260,70 @@ def recapture(engine, change) -> None:
     runner.graphs = DecodeGraphs(runner, 64)
 
 
-def profile_leg(engine, tok, uargs, rng, bound_ms: float) -> dict:
+def step_calls(engine) -> dict:
+    """One batch-b decode step per batch size, as a closure: the captured graph's replay on CUDA; on the CPU (the
+    smoke, no graphs) the same forward eagerly on the scratch slot, so the smoke runs every line of the part."""
+    runner = engine.runner
+    if runner.graphs is not None:
+        return {b: g.replay for b, (g, _) in runner.graphs.graphs.items()}
+
+    def eager(b):
+        dev = runner.device
+        meta = dict(rows=torch.full((b,), runner.scratch_row, dtype=torch.long, device=dev),
+                    b_seq_len=torch.ones(b, dtype=torch.int32, device=dev))
+        args = (torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(3, b, dtype=torch.long, device=dev), [],
+                torch.full((b,), runner.scratch_slot, dtype=torch.long, device=dev), 0, None, meta, None)
+
+        def call():
+            with torch.no_grad():
+                runner.core(*args)
+        return call
+    return {b: eager(b) for b in (1, 8, 64)}
+
+
+def replay_ms(call, dev, n: int = 20) -> float:
+    """Milliseconds per call of one decode step, timed in a plain loop. Never inside a capture: a graph's replay
+    cannot be captured into another graph (the GPU run's 'Cannot prepare for replay during capturing stage')."""
+    call()
+    if dev == "cpu":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        return (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        call()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def profile_leg(engine, tok, uargs, rng, bound_ms: float, batches=(1, 8, 64)) -> dict:
     from bench import bench_understanding as bu
+    dev = "cuda" if str(engine.device).startswith("cuda") else "cpu"
     bu.bench_decode(engine, tok, 1, uargs, rng)                       # warm-up
+    calls = step_calls(engine)
     res = {}
-    for b in (1, 8, 64):
+    for b in batches:
         res[f"engine_ms_b{b}"] = bu.bench_decode(engine, tok, b, uargs, rng)["ms_per_step"]
-        graph, _ = engine.runner.graphs.graphs[b]
-        res[f"replay_ms_b{b}"] = per_call_s(None, [graph.replay] * 20, "cuda") * 1e3
+        res[f"replay_ms_b{b}"] = replay_ms(calls[b], dev)
     res["replay_b1_over_hbm_bound"] = res["replay_ms_b1"] / bound_ms
     res["engine_b1_over_hbm_bound"] = res["engine_ms_b1"] / bound_ms
     from torch.profiler import ProfilerActivity, profile
-    graph, _ = engine.runner.graphs.graphs[1]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activity = ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
         for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    res["kernel_us_b1"] = sum(e.device_time_total for e in events) / 5
+            calls[1]()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    timed = (lambda e: e.device_time_total) if dev == "cuda" else (lambda e: e.self_cpu_time_total)
+    events = [e for e in prof.key_averages() if timed(e) > 0]
+    res["kernel_us_b1"] = sum(timed(e) for e in events) / 5
     res["launches_b1"] = sum(e.count for e in events) / 5
-    res["kernels_per_step"] = [{"name": e.key[:90], "calls": e.count // 5, "us_per_step": e.device_time_total / 5}
-                               for e in sorted(events, key=lambda e: -e.device_time_total)[:20]]
+    res["kernels_per_step"] = [{"name": e.key[:90], "calls": e.count // 5, "us_per_step": timed(e) / 5}
+                               for e in sorted(events, key=lambda e: -timed(e))[:20]]
     return res
 
 
@@ -290,7 +342,6 @@ def main() -> int:
     parts = args.parts.split(",")
     if args.smoke:
         dev, dtype = "cpu", torch.float16        # the interpreter's bf16 dot is broken; fp16 is exact there
-        parts = [p for p in parts if p != "profile"]
         args.rows = [1, 5]
     elif not torch.cuda.is_available():
         print("no CUDA device: use --smoke for the CPU (interpreter) run")

@@ -54,8 +54,11 @@ SMOKES = {
                                 "--dtype", "float32", "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64",
                                 "--prefix-len", "40", "--ref-tokens", "4", "--iters", "2", "--json", "{tmp}/out.json"),
                                ("decode", "reference", "ttft_ms", "prefix_export_ms", "prefix_copy_ms")),
-    # the skinny GEMM and fused-MoE config sweeps (the engine profile part needs CUDA: GPU only)
-    "decode-kernels": Smoke(("bench.bench_decode_kernels", "--smoke", "--json", "{tmp}/out.json"), ("skinny", "moe")),
+    # the skinny GEMM and fused-MoE config sweeps, and the engine profile part on the tiny checkpoint (eager steps
+    # where the GPU replays graphs; every layout, so a failing layout fails the smoke)
+    "decode-kernels": Smoke(("bench.bench_decode_kernels", "--smoke", "--json", "{tmp}/out.json"),
+                            ("skinny", "moe", "profile/fused/replay_ms_b1", "profile/separate/replay_ms_b1",
+                             "profile/fused_gated/replay_ms_b1")),
     # the Triton interpreter is too slow for the attention tables at any shape: their kernels are checked under
     # it by tests/kernels/interpreted, the tables run on the GPU only (skipped by name, not by failing quietly)
     "kernels": Smoke(("bench.bench_kernels", "--smoke", "--skip", "correct,prefill,denoise,decode", "--out", "{tmp}"),
