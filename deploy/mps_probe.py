@@ -38,10 +38,17 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # --runs: the same setting again with one suspect swapped out, each in its own process (torch reads the cuDNN
 # switch once): cuDNN's bucketed plans, cuDNN SDPA itself (the Triton denoise kernel instead), CUDA graphs;
 # "poison": no suspect swapped out, but memory no kernel wrote reads NaN (MPS may hand a client memory another left).
+# "blocking": every launch waits for the one before on the host (CUDA_LAUNCH_BLOCKING): a NaN that goes is a race;
+# "sync": a device synchronize after every module (what the diagnosis's hooks add, without their checks);
+# "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt; "wsdet": cuBLAS with a fixed small
+# workspace (its deterministic configuration, other algorithms); "normalprio": MPS client priority normal.
 POISON = "MPS_PROBE_POISON"
+SYNC = "MPS_PROBE_SYNC"
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
-            "poison": {POISON: "1"}}
+            "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
+            "sync": {SYNC: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "noaddmmlt": {"DISABLE_ADDMM_CUDA_LT": "1"},
+            "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"}}
 
 
 def poison_unwritten_memory(device) -> None:
@@ -82,6 +89,9 @@ def child(args) -> dict:
     model = build_random_model(tiny_config("u1") if args.cpu else full_config(args.variant), "gen", dtype, device)
     if os.environ.get(POISON) == "1":
         poison_unwritten_memory(device)
+    if os.environ.get(SYNC) == "1" and device.type == "cuda":
+        for m in model.modules():
+            m.register_forward_hook(lambda *_: torch.cuda.synchronize())
     pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
