@@ -40,8 +40,7 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # "poison": no suspect swapped out, but memory no kernel wrote reads NaN (MPS may hand a client memory another left).
 # "blocking": every launch waits for the one before on the host (CUDA_LAUNCH_BLOCKING): a NaN that goes is a race;
 # "sync": a device synchronize after every module (what the diagnosis's hooks add, without their checks);
-# "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt ("addmmlt": on cuBLASLt, as torch does
-# unless told otherwise; services/mps.py turns it off for generation under MPS since the run below); "wsdet": cuBLAS with a fixed small
+# "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt; "wsdet": cuBLAS with a fixed small
 # workspace (its deterministic configuration, other algorithms); "normalprio": MPS client priority normal.
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
@@ -49,7 +48,6 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
             "sync": {SYNC: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "noaddmmlt": {"DISABLE_ADDMM_CUDA_LT": "1"},
-            "addmmlt": {"DISABLE_ADDMM_CUDA_LT": "0"},
             "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"}}
 
 

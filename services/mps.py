@@ -35,11 +35,6 @@ GEN_PRIORITIES = {"normal": "0", "low": "1"}
 # low by default: side by side on 2 H200 (TP2 + CFG2) the loaded chat p90 is 1.82x alone at low, 2.15x at normal,
 # for ~1 point of image time (docs/benchmarks/deployment.md)
 DEFAULT_GEN_PRIORITY = "low"
-# Under MPS at 85 % of an H100's SMs (112 seen) cuBLASLt's addmm (the biased linears: timestep embedders, the U1
-# token head) made the denoiser's state NaN by step 2-3; with addmm on plain cuBLAS the same runs were finite
-# (deploy/mps_probe.py, runs default vs noaddmmlt, 2026-12-06). So a capped (generation) client keeps addmm off
-# cuBLASLt: the bias is then added by one extra elementwise pass, a few microseconds a step.
-ADDMM_LT_ENV = "DISABLE_ADDMM_CUDA_LT"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 PID_FILE = "nvidia-cuda-mps-control.pid"
 # a Unix socket path holds 107 bytes; the daemon's longest socket in its pipe dir is control_privileged
@@ -87,7 +82,6 @@ class MpsDaemon:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(str(self.gpus.index(g)) for g in visible.split(","))
         if capped:
             out[SM_PERCENT_ENV] = str(self.gen_sm_percent)
-            out.setdefault(ADDMM_LT_ENV, "1")
             if self.gen_priority != "normal":
                 out[PRIORITY_ENV] = GEN_PRIORITIES[self.gen_priority]
         return out
