@@ -108,7 +108,11 @@ class Stack:
         self.name, self.workdir = name, workdir
         self.port = free_port()
         self.api_key = "sk-" + secrets.token_hex(16)
-        for file, value in (("internal_token", secrets.token_hex(16)), ("api_key", self.api_key)):
+        self.admin_key = "sk-admin-" + secrets.token_hex(16)
+        # the tenants' file as an operator writes it: a comment, a blank line, two keys (the entrypoint takes all)
+        tenants = f"# tenants\n\n{self.api_key}\nsk-{secrets.token_hex(16)}"
+        for file, value in (("internal_token", secrets.token_hex(16)), ("api_key", tenants),
+                            ("admin_api_key", self.admin_key)):
             path = os.path.join(workdir, file)
             with open(path, "w") as f:
                 f.write(value + "\n")
@@ -117,6 +121,7 @@ class Stack:
         with open(os.path.join(HERE, "cpu.env")) as f:
             env = [line for line in f.read().splitlines() if line and not line.startswith("#")]
         env += [f"INTERNAL_TOKEN_FILE={workdir}/internal_token", f"API_KEY_FILE={workdir}/api_key",
+                f"ADMIN_API_KEY_FILE={workdir}/admin_api_key",
                 f"GATEWAY_PORT={self.port}", f"U1SERVE_IMAGE={image}"]
         with open(self.env_file, "w") as f:
             f.write("\n".join(env) + "\n")   # later lines win
