@@ -105,7 +105,7 @@ def test_secrets_are_mounted_files_named_by_the_config_and_in_no_environment(ray
     flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
     assert flag["--api-key-file"] == "/etc/u1serve/api-keys"                       # a keyed public API
     assert flag["--internal-token-file"] == "/etc/u1serve/internal-token"
-    assert flag["--gateway-args"] == "--admin-api-key-file /etc/u1serve/admin-api-keys"
+    assert flag["--admin-api-key-file"] == "/etc/u1serve/admin-api-keys"          # the operators' (issue 37)
     assert app["args"]["env"] == {}
 
 
