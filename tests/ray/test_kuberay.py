@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.netpol import reaches
+
 yaml = pytest.importorskip("yaml")
 kv = pytest.importorskip("kubernetes_validate")
 
@@ -119,36 +121,6 @@ def test_ray_token_auth_is_on_and_the_dashboard_is_only_the_operators(rayservice
         assert reaches(rayservice["policies"], {"kubernetes.io/metadata.name": "kuberay-system"}, {}, head, 8265)
         for ns in ("ingress-nginx", "default", "other"):
             assert not reaches(rayservice["policies"], {"kubernetes.io/metadata.name": ns}, {"app": "x"}, head, 8265)
-
-
-# ---- NetworkPolicy, evaluated as Kubernetes does (ingress; the pods are all in the policies' namespace)
-def _matches(selector: dict, labels: dict) -> bool:
-    assert set(selector) <= {"matchLabels"}, selector      # what these manifests use
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-
-
-def reaches(policies: list[dict], src_ns: dict, src_pod: dict, dst_pod: dict, port: int,
-            same_ns: bool = False) -> bool:
-    """Whether a pod labelled src_pod, in a namespace labelled src_ns (the policies' own when same_ns), may open
-    a TCP connection to dst_pod:port."""
-    selecting = [p for p in policies if _matches(p["spec"]["podSelector"], dst_pod)
-                 and "Ingress" in p["spec"]["policyTypes"]]
-    if not selecting:
-        return True                                   # no policy selects it: open
-    for p in selecting:
-        for rule in p["spec"].get("ingress", []):
-            ports = rule.get("ports")
-            if ports and not any(q.get("protocol", "TCP") == "TCP" and q["port"] == port for q in ports):
-                continue
-            for peer in rule.get("from", []):
-                if "namespaceSelector" in peer:
-                    ok = _matches(peer["namespaceSelector"], src_ns) and \
-                        _matches(peer.get("podSelector", {}), src_pod)
-                else:
-                    ok = same_ns and _matches(peer["podSelector"], src_pod)
-                if ok:
-                    return True
-    return False
 
 
 def test_network_policies_isolate_the_engines_and_the_api(rayservice):
