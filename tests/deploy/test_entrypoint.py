@@ -13,7 +13,7 @@ import pytest
 
 from services.kit.proc import preexec_die_with_parent
 from services.netutil import free_port
-from tests.waiting import wait_until
+from tests.waiting import wait_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = os.path.join(ROOT, "docker", "entrypoint.sh")
@@ -97,14 +97,7 @@ class EntryGateway:
             return f.read()
 
     def __enter__(self) -> "EntryGateway":
-        def up():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                return httpx.get(self.base + "/health/live", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        wait_until(up, 90, interval=0.2)
+        wait_ok(self.base + "/health/live", self.proc, self.output, 90, "the gateway behind the entrypoint")
         return self
 
     def __exit__(self, *exc) -> None:
