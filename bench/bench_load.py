@@ -15,7 +15,10 @@ Retry-After (at most 2 s) before its next request.
 A hostile mix (`--hostile-fraction 0.1`: that share of all clients, added to the --clients honest ones) runs
 clients that send 40 MB bodies (declared and chunked) and 32 MB `[{},{},...]` bodies, read their streams
 slowly or not at all for a while, and probe the prefix cache (a one-token guess at another prompt, reading
-`cached_tokens`). Goodput counts the honest clients only; `--baseline` runs the same honest load without the
+`cached_tokens`). With two tenant keys and an operator key (`--tenant-keys A,B --operator-key K`; the smoke and
+--stack make their own), one more hostile client is tenant B against tenant A (bench/tenant_attempts.py: weight
+pushes, adapter loads, A's trajectory read, fetched with Range, scored, deleted): each attempt is counted per
+kind, and any 5xx or anything of A that B could see or change fails the run. Goodput counts the honest clients only; `--baseline` runs the same honest load without the
 hostile clients first and prints the ratio (the target: within 5 %).
 
 Importable (the CI load test builds on it):
@@ -43,11 +46,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from bench.tenant_attempts import (ATTEMPTS, TENANT_KINDS, TenantKeys, attempt, make_trajectory, next_attempt,
+                                   tenant_problems)
 from services.kit import sse  # the one SSE decoder; imports nothing heavy
 
 KINDS = ("chat", "chat_stream", "image", "image_stream", "edit", "cancel", "bad")
 DEFAULT_MIX = {"chat": 3, "chat_stream": 2, "image": 2, "image_stream": 2, "edit": 1, "cancel": 1, "bad": 1}
 HOSTILE_KINDS = ("big_body", "slow_reader", "probe")
+HOSTILE_ROWS = HOSTILE_KINDS + TENANT_KINDS      # every outcome kind goodput does not count
 PROBE_PREFIX = "Clinic record 4411, confidential. The patient's test result is "
 
 
@@ -75,6 +81,7 @@ class LoadConfig:
     seed: int = 0
     slow_hold_s: float = 20.0    # a slow reader holds its stream this long without reading
     ignore_eos: bool = False     # chats run to max_tokens (a latency figure for exactly that many tokens)
+    tenants: Optional[TenantKeys] = None   # with hostile clients: one more, tenant B against tenant A's trajectory
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -131,7 +138,7 @@ class Client:
             out = await getattr(self, "_" + kind)(rng)
         except httpx.HTTPError as exc:
             out = Outcome(kind, 0, 0.0, type(exc).__name__)
-        out.kind = kind
+        out.kind = out.kind if kind == "tenant" else kind     # a tenant attempt names its own kind
         out.latency_s = time.monotonic() - start      # a cancel: until it left, at the first progress event
         out.started_s = start - self.t0
         return out
@@ -245,6 +252,13 @@ class Client:
                 pass
             return Outcome("slow_reader", r.status_code, 0.0)
 
+    async def _tenant(self, rng) -> Outcome:
+        """The next tenant-on-tenant attempt (self.tenant_next) against tenant A's trajectory (self.tenant_tid)."""
+        kind = self.tenant_next()
+        r = await attempt(self.http, self.cfg.tenants, kind, self.tenant_tid)
+        await r.aread()
+        return _failed(kind, r) if r.status_code not in (200, 206) else Outcome(kind, r.status_code, 0.0)
+
     async def _probe(self, rng) -> Outcome:
         """Another client's prompt guessed one token at a time: what does `cached_tokens` give away?"""
         guess = rng.choice(["positive", "negative", "pos", "neg", "inconclusive"])
@@ -357,6 +371,26 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
                     if out.status == 429:       # refused (on probation): as an honest client, it waits a little
                         await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
 
+        async def one_tenant() -> None:
+            """Tenant A's rollout, then tenant B's (and the operator's) attempts back to back, then A reads its own
+            trajectory: B deleted nothing."""
+            source = hostile_source(base_url, hostile)
+            async with _http(base_url, cfg, 1, source) as own:
+                start = time.monotonic()
+                status, tid = await make_trajectory(own, cfg.tenants)
+                outcomes.append(Outcome("a_rollout", status, time.monotonic() - start, started_s=start - t0))
+                if tid is None:
+                    return
+                mine = Client(own, cfg, t0, source)
+                mine.tenant_next, mine.tenant_tid = next_attempt(), tid
+                n = 0           # one whole round at least, however long the rollout took
+                while n < len(ATTEMPTS) or time.monotonic() < deadline:
+                    outcomes.append(await mine.run("tenant", random.Random(0)))
+                    n += 1
+                mine.tenant_next = lambda: "a_reads_own"
+                outcomes.append(await mine.run("tenant", random.Random(0)))
+                await own.delete(f"/v1/rl/trajectories/{tid}", headers={"Authorization": f"Bearer {cfg.tenants.a}"})
+
         async def one_client(i: int) -> None:
             rng = random.Random(cfg.seed * 1000 + i)
             kind = kinds[i % len(kinds)]           # first requests cover every kind, then the weighted mix
@@ -367,7 +401,9 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
                 if out.status == 429:
                     await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
 
-        await asyncio.gather(*(one_client(i) for i in range(clients)), *(one_hostile(i) for i in range(hostile)))
+        tenant = [one_tenant()] if hostile and cfg.tenants else []
+        await asyncio.gather(*(one_client(i) for i in range(clients)), *(one_hostile(i) for i in range(hostile)),
+                             *tenant)
     return outcomes
 
 
@@ -404,8 +440,8 @@ def _pct(xs: list[float], p: float) -> Optional[float]:
 
 def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
     """Goodput (images, tokens, 429s, 5xx) over the honest clients; the hostile ones under `hostile`."""
-    hostile_rows = [o for o in outcomes if o.kind in HOSTILE_KINDS]
-    outcomes = [o for o in outcomes if o.kind not in HOSTILE_KINDS]
+    hostile_rows = [o for o in outcomes if o.kind in HOSTILE_ROWS]
+    outcomes = [o for o in outcomes if o.kind not in HOSTILE_ROWS]
     by_kind = {}
     for kind in KINDS:
         rows = [o for o in outcomes if o.kind == kind]
@@ -438,7 +474,7 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
 
 def summarize_hostile(rows: list[Outcome]) -> dict:
     out: dict = {}
-    for kind in HOSTILE_KINDS:
+    for kind in HOSTILE_ROWS:
         mine = [o for o in rows if o.kind == kind]
         if not mine:
             continue
@@ -519,10 +555,13 @@ def goodput_ratio(base: dict, hostile: dict) -> dict:
     return {"images_per_min": ratio("images_per_min"), "tokens_per_s": ratio("tokens_per_s")}
 
 
-def hostile_problems(summary: dict) -> list[str]:
-    """What a hostile mix must never cause: a 5xx for anyone, or a big body accepted."""
-    out = []
+def hostile_problems(summary: dict, tenants: bool = False) -> list[str]:
+    """What a hostile mix must never cause: a 5xx for anyone, a big body accepted; with tenant keys, anything of
+    one tenant another key could see or change (bench/tenant_attempts.py)."""
+    out = tenant_problems(summary.get("hostile", {})) if tenants else []
     for kind, k in summary.get("hostile", {}).items():
+        if kind in TENANT_KINDS:
+            continue             # tenant_problems judged them
         five = {s: c for s, c in k["statuses"].items() if s.startswith("5")}
         if five:
             out.append(f"hostile {kind}: 5xx {five}")
@@ -538,11 +577,16 @@ def smoke(args) -> int:
     import shutil
 
     from deploy.gpu_smoke import Stack
-    stack = Stack(profile="cpu", out_dir=args.out_dir)
+    tenants = args.hostile_fraction > 0          # the hostile mix includes tenant B against tenant A
+    if tenants and not roles_supported():
+        print("FAIL the tenant-on-tenant attempts need `u1serve up --admin-api-key-file` (issue 37's operator "
+              "roles), which this checkout does not have: nothing ran")
+        return 1
+    stack = Stack(profile="cpu", out_dir=args.out_dir, tenants=tenants)
     try:
         with stack:
             cfg = LoadConfig(size="64x64", steps=2, max_tokens=8, api_key=stack.api_key, seed=args.seed,
-                             slow_hold_s=2.0)
+                             slow_hold_s=2.0, tenants=stack_tenants(stack) if tenants else None)
             hostile = hostile_clients(args.clients, args.hostile_fraction)
             outcomes, summary = measured_run(stack.base, args.clients, args.duration, cfg, hostile)
             problems = stack.settle_problems()
@@ -557,12 +601,27 @@ def smoke(args) -> int:
     problems += [f"no {k} request ran" for k in missing]
     problems += [f"{summary['count_5xx']} 5xx: {summary['codes_5xx']}"] if summary["count_5xx"] else []
     problems += [f"{bad_ok} hostile inputs were accepted"] if bad_ok else []
-    problems += hostile_problems(summary)
+    problems += hostile_problems(summary, tenants=cfg.tenants is not None)
     if args.hostile_fraction > 0:
         problems += [f"no hostile {k} request ran" for k in HOSTILE_KINDS if k not in summary["hostile"]]
     for p in problems:
         print(f"FAIL {p}")
     return 1 if problems else 0
+
+
+def roles_supported() -> bool:
+    """Whether `u1serve up` (so the gateway) of this checkout takes an operator key file."""
+    import argparse
+
+    from services.stack import add_stack_flags
+    p = argparse.ArgumentParser()
+    add_stack_flags(p, model_default=None)
+    return any("--admin-api-key-file" in a.option_strings for a in p._actions)
+
+
+def stack_tenants(stack) -> TenantKeys:
+    """A deploy/gpu_smoke.py Stack's two tenant keys and operator key (started with tenants=True)."""
+    return TenantKeys(a=stack.api_key, b=stack.tenant_b, operator=stack.operator_key)
 
 
 def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
@@ -601,6 +660,10 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="with --hostile-fraction: run the honest load alone first, then with the hostile clients, "
                         "and print honest goodput as a share of the baseline")
+    p.add_argument("--tenant-keys", default=None, metavar="A,B",
+                   help="with --hostile-fraction against --base: two tenant keys; tenant B tries tenant A's "
+                        "trajectory and the operator routes (needs --operator-key, RL and runtime LoRA on)")
+    p.add_argument("--operator-key", default=None, help="the operator key of --tenant-keys' stack")
     p.add_argument("--slow-hold-s", type=float, default=LoadConfig.slow_hold_s,
                    help="a hostile slow reader holds its image stream this long without reading")
     p.add_argument("--stack", default=None, metavar="PROFILE",
@@ -627,12 +690,21 @@ def main(argv=None) -> int:
             mix[k] = float(v)
     cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
                      seed=args.seed, ignore_eos=args.ignore_eos, slow_hold_s=args.slow_hold_s)
+    if args.tenant_keys:
+        a, _, b = args.tenant_keys.partition(",")
+        if not (a and b and args.operator_key):
+            raise SystemExit("--tenant-keys A,B needs two keys and --operator-key")
+        cfg.tenants = TenantKeys(a=a, b=b, operator=args.operator_key)
+        cfg.api_key = cfg.api_key or a
     if not args.stack:
         return measure(args, cfg)
     from deploy.gpu_smoke import Stack
-    with Stack(args.stack, out_dir=args.out_dir, extra_flags=tuple(shlex.split(args.stack_flags))) as stack:
+    tenants = args.hostile_fraction > 0 and roles_supported()
+    with Stack(args.stack, out_dir=args.out_dir, extra_flags=tuple(shlex.split(args.stack_flags)),
+               tenants=tenants) as stack:
         print(f"stack {args.stack} up in {stack.startup_s:.0f} s ({stack.dir})", flush=True)
         args.base, cfg.api_key = stack.base, stack.api_key
+        cfg.tenants = stack_tenants(stack) if tenants else None
         rc = measure(args, cfg)
         problems = stack.settle_problems()
     problems += [] if stack.exit_code == 0 else [f"u1serve up exited {stack.exit_code}"]
@@ -658,7 +730,9 @@ def measure(args, cfg: LoadConfig) -> int:
         print("honest goodput with hostile clients, share of the baseline: "
               + ", ".join(f"{k} {100 * v:.1f}%" for k, v in r.items() if v is not None))
     _write(args, summary, outcomes)
-    problems = hostile_problems(summary)
+    problems = hostile_problems(summary, tenants=cfg.tenants is not None)
+    if args.hostile_fraction > 0 and cfg.tenants is None:
+        print("note: no tenant-on-tenant attempts (no --tenant-keys / --operator-key, or no operator roles here)")
     for p in problems:
         print(f"FAIL {p}")
     return 1 if problems else 0

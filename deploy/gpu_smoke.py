@@ -77,8 +77,13 @@ class Stack:
     """`u1serve up` of one profile as a real process tree; a context manager that stops it cleanly."""
 
     def __init__(self, profile: str, out_dir: Optional[str] = None, startup_timeout_s: float = 600.0,
-                 extra_flags: tuple[str, ...] = ()):
+                 extra_flags: tuple[str, ...] = (), tenants: bool = False):
+        """tenants: two tenant keys (api_key, tenant_b) and an operator key (operator_key), the RL routes and
+        runtime adapter loading on (issue 37's roles: bench_load's tenant-on-tenant attempts)."""
         self.profile = profile
+        self.tenants = tenants
+        self.tenant_b = "sk-smoke-b-" + os.urandom(6).hex()
+        self.operator_key = "sk-smoke-operator-" + os.urandom(6).hex()
         self.gpus, flags = PROFILES[profile]
         self.flags = [*flags, *extra_flags]
         self.dir = out_dir or tempfile.mkdtemp(prefix=f"u1smoke-{profile}-")
@@ -101,12 +106,11 @@ class Stack:
         if not os.path.exists(os.path.join(model, "config.json")):
             subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", model, "--variant", *variant],
                            cwd=ROOT, check=True, capture_output=True, env=self._env())
-        key_file = os.path.join(self.dir, "api-key")
-        with open(key_file, "w") as f:
-            f.write(self.api_key + "\n")
-        os.chmod(key_file, 0o600)
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, *self.flags, "--host", "127.0.0.1",
-                "--port", str(self.port), "--api-key-file", key_file, "--run-dir", self.run_dir,
+        key_file = self._secret_file("api-key", [self.api_key] + ([self.tenant_b] if self.tenants else []))
+        roles = ["--admin-api-key-file", self._secret_file("admin-api-key", [self.operator_key]), "--enable-rl",
+                 "--enable-runtime-lora"] if self.tenants else []
+        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, *self.flags, *roles, "--host",
+                "127.0.0.1", "--port", str(self.port), "--api-key-file", key_file, "--run-dir", self.run_dir,
                 "--kv-pool-gb", "0.25" if self.gpus == 0 else "8", "--grace", "10",
                 "--default-size", "64x64" if self.gpus == 0 else "1024x1024"]
         from services.kit.proc import preexec_die_with_parent
@@ -126,6 +130,13 @@ class Stack:
             time.sleep(0.5)
         self.__exit__(None, None, None)
         raise RuntimeError(f"the stack was not healthy after {self.startup_timeout_s:.0f} s:\n{self.launcher_output()}")
+
+    def _secret_file(self, name: str, keys: list[str]) -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write("".join(k + "\n" for k in keys))
+        os.chmod(path, 0o600)
+        return path
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -108,7 +108,12 @@ class Stack:
         self.name, self.workdir = name, workdir
         self.port = free_port()
         self.api_key = "sk-" + secrets.token_hex(16)
-        for file, value in (("internal_token", secrets.token_hex(16)), ("api_key", self.api_key)):
+        self.admin_key = "sk-admin-" + secrets.token_hex(16)
+        # the tenants' file as an operator writes it: a comment, a blank line, two keys (the entrypoint takes all)
+        self.second_key = "sk-" + secrets.token_hex(16)
+        tenants = f"# tenants\n\n{self.api_key}\n{self.second_key}"
+        for file, value in (("internal_token", secrets.token_hex(16)), ("api_key", tenants),
+                            ("admin_api_key", self.admin_key)):
             path = os.path.join(workdir, file)
             with open(path, "w") as f:
                 f.write(value + "\n")
@@ -117,6 +122,7 @@ class Stack:
         with open(os.path.join(HERE, "cpu.env")) as f:
             env = [line for line in f.read().splitlines() if line and not line.startswith("#")]
         env += [f"INTERNAL_TOKEN_FILE={workdir}/internal_token", f"API_KEY_FILE={workdir}/api_key",
+                f"ADMIN_API_KEY_FILE={workdir}/admin_api_key",
                 f"GATEWAY_PORT={self.port}", f"U1SERVE_IMAGE={image}"]
         with open(self.env_file, "w") as f:
             f.write("\n".join(env) + "\n")   # later lines win
@@ -216,8 +222,27 @@ def api_checks(report: Report, stack: Stack) -> None:
             return f"wrong key -> {e.status_code}"
         raise AssertionError("a wrong API key was accepted")
 
+    def roles() -> str:
+        """The entrypoint handed both key files over: the file's second tenant key works; the operator key is
+        accepted and kept apart (a tenant route refuses it, issue 37), a tenant key may not push weights."""
+        import httpx
+        import openai
+        OpenAI(base_url=stack.base + "/v1", api_key=stack.second_key, max_retries=0).models.list()
+        try:
+            OpenAI(base_url=stack.base + "/v1", api_key=stack.admin_key, max_retries=0).chat.completions.create(
+                model=model, max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+        except openai.PermissionDeniedError as e:
+            operator = e.status_code
+        else:
+            raise AssertionError("the operator key was taken as a tenant's")
+        r = httpx.post(stack.base + "/v1/rl/weights", json={"path": "/tmp/x"},
+                       headers={"Authorization": f"Bearer {stack.api_key}"}, timeout=30)
+        assert r.status_code in (403, 404), r.text      # 404: the RL routes are off (no --enable-rl)
+        return f"second tenant key ok, operator key on chat -> {operator}, tenant key on weights -> {r.status_code}"
+
     for name, fn in (("chat", chat), ("chat stream", chat_stream), ("image", image), ("edit", edit),
-                     ("interleaved answer", interleaved), ("API key required", key_required)):
+                     ("interleaved answer", interleaved), ("API key required", key_required),
+                     ("tenant and operator keys", roles)):
         report.run(name, fn)
 
 

@@ -79,8 +79,10 @@ INTERNAL_TOKEN_FILE = _knob("U1SERVE_INTERNAL_TOKEN_FILE", str, None, "a file wh
                             "entrypoint exports as U1SERVE_INTERNAL_TOKEN", "docker/entrypoint.sh")
 API_KEY = _knob("U1SERVE_API_KEY", str, None, "the Bearer key the gateway requires on /v1/* (unset: open); the key "
                 "clients (rl, bench) send", "gateway, u1serve up / ray, rl, bench")
-API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "a file of API keys the container entrypoint exports as "
-                     "U1SERVE_API_KEY", "docker/entrypoint.sh")
+API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "the tenants' key file (one per line) the container "
+                     "entrypoint checks and passes as the gateway's --api-key-file", "docker/entrypoint.sh")
+ADMIN_API_KEY_FILE = _knob("U1SERVE_ADMIN_API_KEY_FILE", str, None, "the operators' key file the container "
+                           "entrypoint checks and passes as the gateway's --admin-api-key-file", "docker/entrypoint.sh")
 STACK_ID = _knob("U1SERVE_STACK_ID", str, "", "the stack that owns the shm segments a service creates (u1serve up "
                  "sets it): only that stack's launcher removes them", "understanding, generation, kit.yield_signal")
 

@@ -21,7 +21,7 @@ from services import knobs
 
 from .settings import RayAppSettings, Scaling
 
-PASS_ENV = (knobs.API_KEY.name, "UCX_TLS", knobs.KV_SAME_HOST_SHM.name)   # forwarded to every replica when set
+PASS_ENV = ("UCX_TLS", knobs.KV_SAME_HOST_SHM.name)   # forwarded to every replica when set (no secret: see settings)
 
 
 def replicas(text: str) -> tuple[int, int]:
@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--address", default="auto", help="Ray cluster address (ray.init)")
         q.add_argument("--name", default="u1serve", help="Serve application name")
         q.add_argument("--http-host", default="127.0.0.1",
-                       help="where Serve's HTTP proxy listens (the public API; 0.0.0.0 for every interface: set "
-                            "U1SERVE_API_KEY then)")
+                       help="where Serve's HTTP proxy listens (the public API; any other than loopback needs "
+                            "--api-key-file PATH after --, a file every node has)")
         q.add_argument("--http-port", type=int, default=8000)
         q.add_argument("--und-replicas", type=replicas, default=(1, 1), metavar="N|MIN:MAX")
         q.add_argument("--gen-replicas", type=replicas, default=(1, 1), metavar="N|MIN:MAX")
@@ -79,15 +79,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--name", default="u1serve")
 
 
+def token_file(args, stack: list[str]) -> list[str]:
+    """`ray up` without --internal-token-file: the token (U1SERVE_INTERNAL_TOKEN, else a random one) written to a
+    private file under U1SERVE_CACHE, its path added to the stack flags. Only the path reaches the replicas (a
+    runtime_env is shown by the dashboard and Ray's logs), so every node must see that path: one machine, a shared
+    cache, or pass --internal-token-file of a file every node has (a Kubernetes Secret's mount)."""
+    if any(a.split("=", 1)[0] == "--internal-token-file" for a in stack):
+        return stack
+    from services.stack import cache_dir
+    folder = os.path.join(cache_dir(), "ray", args.name)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, "internal_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write((knobs.INTERNAL_TOKEN.get() or secrets.token_hex(16)) + "\n")
+    return [*stack, "--internal-token-file", path]
+
+
+def check_public_api_keyed(args, stack: list[str]) -> None:
+    if args.http_host not in ("127.0.0.1", "localhost", "::1") and \
+            not any(a.split("=", 1)[0] == "--api-key-file" for a in stack):
+        raise SystemExit(f"u1serve ray: --http-host {args.http_host} opens the API beyond this machine: pass "
+                         "--api-key-file PATH after -- (one key per line; a file every node has)")
+
+
 def settings_from_args(args, new_token: bool = True) -> RayAppSettings:
-    """new_token: a random internal token unless U1SERVE_INTERNAL_TOKEN is set (a config file gets none: its
-    nodes bring their own, e.g. from a Kubernetes Secret)."""
+    """new_token (`ray up`): the internal token as a file (token_file). A config file gets none: its nodes bring
+    their own (--internal-token-file of a Secret's mount, or U1SERVE_INTERNAL_TOKEN in the nodes' environment).
+    No secret goes into the settings: the API keys and the token travel as paths of files."""
     stack = list(args.stack)
     if stack[:1] == ["--"]:
         stack = stack[1:]
+    check_public_api_keyed(args, stack)
+    if knobs.API_KEY.raw():
+        raise SystemExit(f"u1serve ray: {knobs.API_KEY.name} is set; the replicas do not take keys from the "
+                         "environment (it would be in the runtime_env): pass --api-key-file PATH after --")
     env = {k: os.environ[k] for k in PASS_ENV if os.environ.get(k)}
     if new_token:
-        env[knobs.INTERNAL_TOKEN.name] = knobs.INTERNAL_TOKEN.get() or secrets.token_hex(16)
+        stack = token_file(args, stack)
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:

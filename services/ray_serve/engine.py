@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import sys
 import time
 import uuid
@@ -31,11 +32,15 @@ GRACE_S = 20.0
 def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
     """The ServiceSpec `u1serve up` would start for service `name` (und, gen, gateway) with these flags."""
     from services.stack import build_stack
-    if not knobs.INTERNAL_TOKEN.get():
-        raise RuntimeError("U1SERVE_INTERNAL_TOKEN is not set in this replica's environment: every replica of the "
-                           "application needs the same internal token (u1serve ray sets it; with `serve run`, set "
-                           "it in the nodes' environment or the config's runtime_env)")
-    stack = build_stack(parse_stack_args(settings.stack_args), out=io.StringIO(), echo_logs=False, dry_run=True,
+    args = parse_stack_args(settings.stack_args)
+    if args.internal_token_file and not os.path.isfile(args.internal_token_file):
+        raise RuntimeError(f"--internal-token-file {args.internal_token_file} is not a file on this node: every "
+                           "node needs it at that path (a shared cache, or a Secret mounted on every pod)")
+    if not (args.internal_token_file or knobs.INTERNAL_TOKEN.get()):
+        raise RuntimeError("no internal token on this node: every replica of the application needs the same one "
+                           "(u1serve ray up writes a file; with `serve run` or KubeRay pass --internal-token-file "
+                           "PATH in stack_args, a file every node has, or set U1SERVE_INTERNAL_TOKEN on the nodes)")
+    stack = build_stack(args, out=io.StringIO(), echo_logs=False, dry_run=True,
                         qos_defaults=False)      # Ray places the engines: no automatic MPS or yield page
     return next(s.spec for s in stack.services if s.spec.name == name)
 

@@ -13,7 +13,7 @@ import time
 from ray import serve
 
 from .engine import stack_spec
-from .settings import RayAppSettings
+from .settings import RayAppSettings, parse_stack_args
 
 log = logging.getLogger("u1serve.ray")
 
@@ -22,9 +22,16 @@ def gateway_config(settings: RayAppSettings, und_urls: list[str], gen_urls: list
     """The GatewayConfig of `u1serve up` with these flags, pointed at these replicas, no DNS refresh (the registry
     is the discovery)."""
     from services.gateway.config import build_arg_parser, config_from_args
+    from services.stack import SECRET_ENV
     spec = stack_spec(settings, "gateway")
-    os.environ.update(spec.env)                 # the internal token and API key, as `u1serve up` passes them
+    # the environment `u1serve up` gives the gateway, less the secrets: the token is read from its file (or the
+    # node's own environment), the API keys from --api-key-file (in the argv) -- this replica's environment is
+    # its actor's, readable where a secret should not be
+    os.environ.update({k: v for k, v in spec.env.items() if k not in SECRET_ENV})
     argv = spec.argv[spec.argv.index("services.gateway.server") + 1:]
+    token_file = parse_stack_args(settings.stack_args).internal_token_file
+    if token_file:
+        argv += ["--internal-token-file", token_file]
     cfg = config_from_args(build_arg_parser().parse_args(argv))
     return dataclasses.replace(cfg, und_urls=und_urls, gen_urls=gen_urls, dns_refresh_s=0.0)
 

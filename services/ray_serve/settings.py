@@ -56,6 +56,7 @@ class RayAppSettings:
                 setattr(self, name, Scaling(**v))
         self.stack_args = [str(a) for a in self.stack_args]
         parse_stack_args(self.stack_args)                  # fail here, not on a node
+        check_no_secrets(self.stack_args, self.env)
         self.gpus("und")
 
     def to_dict(self) -> dict:
@@ -82,6 +83,23 @@ class RayAppSettings:
             raise ValueError("--mode colocate on Ray shares one GPU between a pair of replicas (TP 1, CFG 1); "
                              "multi-GPU groups run as --mode separate (each replica owns its GPUs)")
         return und if kind == "und" else gen
+
+
+# A Serve config and a runtime_env are shown by `serve config`, the dashboard and Ray's logs: they carry paths
+# to secret files (a Kubernetes Secret's mount, a file on every node), never a secret itself
+SECRET_FLAGS = ("--api-key", "--internal-token", "--admin-api-key")
+SECRET_ENV = ("U1SERVE_API_KEY", "U1SERVE_INTERNAL_TOKEN", "RAY_AUTH_TOKEN")
+
+
+def check_no_secrets(stack_args: list[str], env: dict) -> None:
+    for arg in stack_args:
+        if arg.split("=", 1)[0] in SECRET_FLAGS:
+            raise ValueError(f"{arg.split('=', 1)[0]} would put a secret in the Serve config: pass "
+                             f"{arg.split('=', 1)[0]}-file PATH (a file every node has) instead")
+    for name in env:
+        if name in SECRET_ENV:
+            raise ValueError(f"{name} would put a secret in the replicas' runtime_env (shown by the dashboard and "
+                             "Ray's logs): pass --api-key-file / --internal-token-file PATH after -- instead")
 
 
 def _has_cuda() -> bool:

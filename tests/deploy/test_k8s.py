@@ -133,3 +133,28 @@ def test_the_gateway_sets_its_host_and_key_explicitly(rendered, layout):
                 for c in d["spec"]["template"]["spec"]["containers"] if "services.gateway.server" in c["command"]]
     for c in gateways:
         assert "--host=0.0.0.0" in c["args"] and any(a.startswith("--api-key-file=") for a in c["args"]), c["args"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_network_policies_let_only_the_gateway_reach_the_engines(rendered, layout):
+    """Only the gateway (and the engines' own KV handoff, and Prometheus for the HPAs) reaches an engine pod; only
+    the ingress controller (and Prometheus) the gateway; a stranger pod in the namespace reaches neither."""
+    from tests.deploy.netpol import reaches
+    pols = list(objects(rendered[layout], "NetworkPolicy").values())
+    labels = {c: {"app.kubernetes.io/name": "u1serve", "app.kubernetes.io/component": c}
+              for c in ("understanding", "generation", "gateway")}
+    engines = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+               for d in objects(rendered[layout], "Deployment").values()} - {"gateway"}
+    ingress, monitoring = ({"kubernetes.io/metadata.name": n} for n in ("ingress-nginx", "monitoring"))
+    stranger = {"app": "something-else"}
+    for engine in engines:
+        for port in (8100, 8200):
+            assert reaches(pols, {}, labels["gateway"], labels[engine], port, same_ns=True)
+            assert reaches(pols, monitoring, {}, labels[engine], port)
+            assert not reaches(pols, {}, stranger, labels[engine], port, same_ns=True)
+            assert not reaches(pols, ingress, {}, labels[engine], port)
+        assert reaches(pols, {}, labels["understanding"], labels[engine], 5600, same_ns=True)   # KV handoff
+        assert not reaches(pols, {}, labels["gateway"], labels[engine], 5600, same_ns=True)
+    assert reaches(pols, ingress, {}, labels["gateway"], 8000)
+    assert not reaches(pols, {}, stranger, labels["gateway"], 8000, same_ns=True)
+    assert not reaches(pols, {"kubernetes.io/metadata.name": "default"}, stranger, labels["gateway"], 8000)

@@ -2,6 +2,7 @@
 the settings refuse, and how many replicas the engines' load signals ask for."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,53 @@ def test_scaling_bounds_are_checked():
         RayAppSettings(stack_args=["--model", "tiny"], kv_transport="tcp")
     with pytest.raises(ValueError, match="unknown setting"):
         RayAppSettings.from_dict({"stack_args": ["--model", "tiny"], "replicas": 3})
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--", "--model", "tiny", "--api-key", "sk-secret-in-config"], {}, "--api-key would put a secret"),
+    (["--", "--model", "tiny", "--internal-token=tok"], {}, "--internal-token would put a secret"),
+    (["--env", "U1SERVE_INTERNAL_TOKEN=tok", "--", "--model", "tiny"], {}, "runtime_env"),
+    (["--env", "U1SERVE_API_KEY=sk-x", "--", "--model", "tiny"], {}, "runtime_env"),
+    (["--", "--model", "tiny"], {"U1SERVE_API_KEY": "sk-from-the-shell"}, "U1SERVE_API_KEY is set"),
+    (["--http-host", "0.0.0.0", "--", "--model", "tiny"], {}, "pass --api-key-file"),
+])
+def test_no_secret_goes_into_a_serve_config(argv, env, message):
+    """`ray config` used to print U1SERVE_API_KEY into the config's env; a secret flag or --env would too."""
+    r = subprocess.run([sys.executable, "-m", "services.cli", "ray", "config", *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert "sk-" not in r.stdout and "tok" not in r.stdout
+
+
+def test_a_public_config_names_the_key_file_not_a_key():
+    r = config("--http-host", "0.0.0.0", "--", "--model", "tiny", "--api-key-file", "/etc/u1serve/api-keys",
+               "--internal-token-file", "/etc/u1serve/internal-token")
+    assert r.returncode == 0, r.stderr
+    s = RayAppSettings.from_dict(yaml.safe_load(r.stdout)["applications"][0]["args"])
+    assert s.stack_args[-4:] == ["--api-key-file", "/etc/u1serve/api-keys",
+                                 "--internal-token-file", "/etc/u1serve/internal-token"]
+    assert s.env == {}
+
+
+def test_ray_up_hands_the_token_over_as_a_private_file(tmp_path, monkeypatch):
+    """What `ray up` deploys: the token in a 0600 file whose path is in the stack flags; the replicas'
+    runtime_env (shown by the dashboard, logged by Ray) holds no secret."""
+    import argparse
+
+    from services.ray_serve.app import replica_options
+    from services.ray_serve.command import add_arguments, settings_from_args
+    monkeypatch.setenv("U1SERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("U1SERVE_INTERNAL_TOKEN", "tok-from-the-shell")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["up", "--env", "UCX_TLS=tcp", "--", "--model", "tiny", "--device", "cpu"])
+    s = settings_from_args(args)
+    path = s.stack_args[s.stack_args.index("--internal-token-file") + 1]
+    assert open(path).read().strip() == "tok-from-the-shell" and os.stat(path).st_mode & 0o077 == 0
+    for kind in ("und", "gen"):
+        env = replica_options(s, kind)["ray_actor_options"]["runtime_env"]
+        assert env == {"env_vars": {"UCX_TLS": "tcp"}}
+    assert "tok-from-the-shell" not in repr(s.to_dict())
+    # a token file given by the operator (a Secret's mount) is used as it is
+    args = p.parse_args(["up", "--", "--model", "tiny", "--internal-token-file", "/run/secrets/tok"])
+    assert settings_from_args(args).stack_args.count("--internal-token-file") == 1
