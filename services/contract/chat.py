@@ -3,7 +3,7 @@ sampling fields shared with the native /generate API. Validated by the gateway a
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Iterable, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -37,6 +37,32 @@ class ImagePart(BaseModel):
 
 
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+T = TypeVar("T")
+
+
+def text_runs(items: Iterable[Union[str, T]], sep: str = "") -> tuple[list[str], list[T]]:
+    """Content in part order -> (runs, images): a str item is text, anything else an image; the runs are the text
+    before, between and after the images (n images give n + 1 runs, empty where two parts touch), text items next
+    to each other joined by `sep`. Where each image stands among the text is the parts' order, nothing else: text
+    is text (a literal `<image>` in it is no placeholder)."""
+    runs: list[list[str]] = [[]]
+    images: list[T] = []
+    for item in items:
+        if isinstance(item, str):
+            runs[-1].append(item)
+        else:
+            images.append(item)
+            runs.append([])
+    return [sep.join(r) for r in runs], images
+
+
+def content_runs(content: Union[str, list[ContentPart], None], sep: str = "") -> tuple[list[str], list[ImagePart]]:
+    """A message's content (a string or text / image_url parts) as `text_runs`: the text around each image part,
+    in the order the client gave the parts, and the image parts. The one conversion of content parts every path
+    uses (chat, image chat, interleaved answers, the prompt of an image request)."""
+    if content is None or isinstance(content, str):
+        return [content or ""], []
+    return text_runs((p.text if isinstance(p, TextPart) else p for p in content), sep)
 
 
 class ChatMessage(BaseModel):

@@ -287,6 +287,7 @@ class InterleaveAnswer:
     segments: list[list[int]]          # the text token ids between images (greedy)
     images: list[torch.Tensor]         # [1, 3, H, W] in [-1, 1], unclamped (the final Euler states)
     finish_reason: str                 # "stop" (<|im_end|>, or <img> past the cap) | "length"
+    stop_token: int | None = None      # the token that ended a "stop" answer (predicted, never fed)
 
 
 def _append_image(model: NeoModel, tok: NeoTokenizer, cache: _Cache, image, t_img: int):
@@ -310,9 +311,31 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
     logits before the argmax (tests force `<img>` with it); `on_image(k, prefixes)` sees each image's prefixes;
     `sizes` [(W, H), ...] one per image, the last repeated (the official image_size list), else width x height."""
     from . import prompts as P
-    from .images import generated_image_tensor
     system = P.interleave_system_message() if system_message is None else system_message
-    cond_head, tu_head = P.interleave_heads(tok, messages, think, system)
+    heads = P.interleave_heads(tok, messages, think, system)
+    return _interleave_loop(model, tok, *heads, params, width, height, seed, max_new_tokens, max_images,
+                            logit_bias, on_image, sizes)
+
+
+@torch.no_grad()
+def interleave_gen(model: NeoModel, tok: NeoTokenizer, prompt: str, images: list, params: S.SamplerParams,
+                   width: int, height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192,
+                   max_images: int = 10, system_message: str | None = None,
+                   logit_bias: dict[int, float] | None = None, on_image=None,
+                   sizes: list[tuple[int, int]] | None = None) -> InterleaveAnswer:
+    """`interleave` called as the official interleave_gen(prompt, images) is: a trusted prompt whose `<image>`
+    placeholders mark where the input images (PIL) go (prompts.official_interleave_heads), not messages."""
+    from . import prompts as P
+    system = P.interleave_system_message() if system_message is None else system_message
+    heads = P.official_interleave_heads(tok, prompt, images, think, system)
+    return _interleave_loop(model, tok, *heads, params, width, height, seed, max_new_tokens, max_images,
+                            logit_bias, on_image, sizes)
+
+
+def _interleave_loop(model, tok, cond_head, tu_head, params, width, height, seed, max_new_tokens, max_images,
+                     logit_bias, on_image, sizes) -> InterleaveAnswer:
+    from . import prompts as P
+    from .images import generated_image_tensor
     cond, pos, hidden = prefill(model, cond_head)
     t_cond = int(pos[0].max())
     tu, pos_tu, _ = prefill(model, tu_head)
@@ -341,7 +364,7 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
         if text_tokens >= max_new_tokens:
             return InterleaveAnswer(segments, images, "length")
         if nxt == tok.im_end_id or len(images) >= max_images:
-            return InterleaveAnswer(segments, images, "stop")
+            return InterleaveAnswer(segments, images, "stop", nxt)
         _, t_cond = _append_text(model, cond, [tok.img_start_id], t_cond)
         _, t_tu = _append_text(model, tu, [tok.img_start_id], t_tu)
         prefixes = {"cond": PrefixKV(cond.stacked(), t_cond + 1), "img_cond": PrefixKV(tu.stacked(), t_tu + 1),
