@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from services.contract import limits as L
-from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ImagePart, content_runs
+from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ChatMessage, ImagePart, content_runs
 from services.contract.control import AbortRequest
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
@@ -55,17 +55,23 @@ def image_parts(req: ChatCompletionRequest, limit: int = L.MAX_CHAT_IMAGES) -> l
     return parts
 
 
-def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]], list[int]]:
-    """The image prompt (the last user message's text parts, joined by newlines where two touch), its images
-    (which make the request an edit) and where each stands in the prompt (character offsets: the parts' order)."""
-    i, msg = [(i, m) for i, m in enumerate(req.messages) if m.role == "user"][-1]
+def image_prompt(msg: ChatMessage, param: str) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """A user message (`param` names it) as an image request's prompt: its text parts (joined by newlines where
+    two touch), its images as (param, url) (they make the request an edit) and where each stands in the prompt
+    (character offsets, from the parts' order: PrefixRequest.image_offsets)."""
     runs, pics = content_runs(msg.content, sep="\n")
     text = "".join(runs)
     if not text.strip():
-        raise bad_request("the last user message needs text: it is the image prompt", param=f"messages[{i}]")
+        raise bad_request("the last user message needs text: it is the image prompt", param=param)
     where = [j for j, p in enumerate(msg.content) if isinstance(p, ImagePart)] if pics else []
-    images = [(f"messages[{i}].content[{j}]", p.url) for j, p in zip(where, pics)]
+    images = [(f"{param}.content[{j}]", p.url) for j, p in zip(where, pics)]
     return text, images, list(itertools.accumulate(len(r) for r in runs[:-1]))
+
+
+def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """The image prompt of a chat request: its last user message's (image_prompt)."""
+    i, msg = [(i, m) for i, m in enumerate(req.messages) if m.role == "user"][-1]
+    return image_prompt(msg, f"messages[{i}]")
 
 
 def chat_image_options(body: dict, req: ChatCompletionRequest) -> ChatImageOptions:
