@@ -68,7 +68,10 @@ def content_runs(content: Union[str, list[ContentPart], None], sep: str = "") ->
 class ChatMessage(BaseModel):
     model_config = PUBLIC
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart], None] = None
+    content: Union[str, list[ContentPart], None] = Field(
+        None, description="text, or text and image_url parts: each image goes where its part stands among the text "
+                          "parts (all first: the official template's `<image>\\n` before the text); `<image>` in "
+                          "text is text")
 
     @model_validator(mode="after")
     def _images_from_users(self) -> "ChatMessage":
@@ -194,8 +197,10 @@ class ChatCompletionRequest(TextSampling):
     image_config: Optional[ChatImageOptions] = Field(None, description="image options when modalities has 'image'")
     return_token_ids: bool = Field(False, description="vLLM's field: `prompt_token_ids` on the response (on the "
                                                       "first chunk when streaming) and the output's `token_ids` on "
-                                                      "each choice / chunk; an interleaved answer spells each image "
-                                                      "as <img>, one <IMG_CONTEXT> per token, </img>")
+                                                      "each choice / chunk, ending with the stop token (EOS / a "
+                                                      "stop_token_ids id) when the answer stopped on one; an "
+                                                      "interleaved answer spells each image as <img>, one "
+                                                      "<IMG_CONTEXT> per token, </img>")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation: only requests with the same salt share")
 
