@@ -3,7 +3,7 @@ sampling fields shared with the native /generate API. Validated by the gateway a
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Iterable, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -37,12 +37,41 @@ class ImagePart(BaseModel):
 
 
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+T = TypeVar("T")
+
+
+def text_runs(items: Iterable[Union[str, T]], sep: str = "") -> tuple[list[str], list[T]]:
+    """Content in part order -> (runs, images): a str item is text, anything else an image; the runs are the text
+    before, between and after the images (n images give n + 1 runs, empty where two parts touch), text items next
+    to each other joined by `sep`. Where each image stands among the text is the parts' order, nothing else: text
+    is text (a literal `<image>` in it is no placeholder)."""
+    runs: list[list[str]] = [[]]
+    images: list[T] = []
+    for item in items:
+        if isinstance(item, str):
+            runs[-1].append(item)
+        else:
+            images.append(item)
+            runs.append([])
+    return [sep.join(r) for r in runs], images
+
+
+def content_runs(content: Union[str, list[ContentPart], None], sep: str = "") -> tuple[list[str], list[ImagePart]]:
+    """A message's content (a string or text / image_url parts) as `text_runs`: the text around each image part,
+    in the order the client gave the parts, and the image parts. The one conversion of content parts every path
+    uses (chat, image chat, interleaved answers, the prompt of an image request)."""
+    if content is None or isinstance(content, str):
+        return [content or ""], []
+    return text_runs((p.text if isinstance(p, TextPart) else p for p in content), sep)
 
 
 class ChatMessage(BaseModel):
     model_config = PUBLIC
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart], None] = None
+    content: Union[str, list[ContentPart], None] = Field(
+        None, description="text, or text and image_url parts: each image goes where its part stands among the text "
+                          "parts (all first: the official template's `<image>\\n` before the text); `<image>` in "
+                          "text is text")
 
     @model_validator(mode="after")
     def _images_from_users(self) -> "ChatMessage":
@@ -168,8 +197,10 @@ class ChatCompletionRequest(TextSampling):
     image_config: Optional[ChatImageOptions] = Field(None, description="image options when modalities has 'image'")
     return_token_ids: bool = Field(False, description="vLLM's field: `prompt_token_ids` on the response (on the "
                                                       "first chunk when streaming) and the output's `token_ids` on "
-                                                      "each choice / chunk; an interleaved answer spells each image "
-                                                      "as <img>, one <IMG_CONTEXT> per token, </img>")
+                                                      "each choice / chunk, ending with the stop token (EOS / a "
+                                                      "stop_token_ids id) when the answer stopped on one; an "
+                                                      "interleaved answer spells each image as <img>, one "
+                                                      "<IMG_CONTEXT> per token, </img>")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
                                       description="prefix-cache isolation: only requests with the same salt share")
 

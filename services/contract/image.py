@@ -247,6 +247,9 @@ class PrefixRequest(Guidance):
     request_id: str = Field(min_length=1, max_length=L.MAX_REQUEST_ID_CHARS)
     prompt: str = Field(max_length=L.MAX_PROMPT_CHARS)
     images: list[str] = Field(default_factory=list, max_length=L.MAX_IMAGES_PER_REQUEST)
+    image_offsets: Optional[list[Int]] = Field(
+        None, description="where each image stands in `prompt` (character offsets, in order: the content parts' "
+                          "order of a chat request); none, or all 0: the official placement, images first")
     think: bool = False
     max_think_tokens: Int = Field(L.DEFAULT_THINK_TOKENS, ge=1, le=L.MAX_THINK_TOKENS)
     stream: bool = False
@@ -270,6 +273,10 @@ class PrefixRequest(Guidance):
             raise ValueError("text-to-image takes no images")
         if self.think_token_ids is not None and not self.think:
             raise ValueError("think_token_ids needs think")
+        offsets = self.image_offsets
+        if offsets is not None and (len(offsets) != len(self.images) or sorted(offsets) != offsets
+                                    or any(not 0 <= o <= len(self.prompt) for o in offsets)):
+            raise ValueError("image_offsets: one character offset into the prompt per image, in order")
         return self
 
 

@@ -177,11 +177,14 @@ def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[s
 
 def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
               images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
-              cache_salt: str | None = None, lora: str | None = None) -> ImageJob:
-    """The job of a validated request (see check_options for what is refused)."""
+              cache_salt: str | None = None, lora: str | None = None,
+              image_offsets: list[int] | None = None) -> ImageJob:
+    """The job of a validated request (see check_options for what is refused); `image_offsets`: where each image
+    stands in the prompt (a chat request's part order; none: images first)."""
     generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh),
                 "request_id": request_id}
     prefix = PrefixRequest(request_id=request_id, mode=mode, prompt=prompt, images=images or [],
+                           image_offsets=image_offsets,
                            guidance_scale=generate["guidance_scale"],
                            image_guidance_scale=generate["image_guidance_scale"], think=opts.think,
                            max_think_tokens=opts.max_think_tokens or cfg.default_think_tokens, stream=True,

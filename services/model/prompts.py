@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
+from services.contract.chat import text_runs
 from services.contract.image import SamplerParams
 
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
@@ -64,44 +65,67 @@ def interleave_system_message(model_dir: str | None = None, override: str | None
 
 
 Parts = list[tuple[str, bool]]      # (text, is client text): a prompt whose client text is tokenised as text
+Content = str | list[str]           # a turn's text, or its text runs around its images (contract.chat.text_runs)
 
 
-def neo1_0_parts(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True,
+def place_images(runs: list[str], labels: bool = False) -> list[str]:
+    """A user turn's text runs with each image where its content part stands; when all the images come first (no
+    text before the last one), the official template's own placement instead, as for a question that names no
+    image: `<image>\\n` before the text, one per image (chat, interleave_gen), or for several images of an edit
+    prompt (`labels`) `Image-k:<image>\\n` each (it2i_generate). The runs of the result sit around the images."""
+    n = len(runs) - 1
+    if n == 0 or any(runs[:-1]):
+        return list(runs)
+    if labels and n > 1:
+        return ["Image-1:"] + [f"\nImage-{k + 1}:" for k in range(1, n)] + ["\n" + runs[-1]]
+    return [""] + ["\n"] * (n - 1) + ["\n" + runs[-1]]
+
+
+def neo1_0_parts(turns: list[tuple[str, Content]], system: str = "", generation_prompt: bool = True,
                  client_system: bool = True) -> Parts:
     """MPT-style template: optional system block, one block per turn, then `<|im_start|>assistant\\n`. Each turn's
     role line and content is client text, the system block too unless it is the server's own (`client_system`
-    False: the generation system messages, which spell out <think>); the parts split at the template's special
-    tokens, so tokenising them one by one gives the ids of the whole string (for text without special-token
-    strings)."""
+    False: the generation system messages, which spell out <think>); a content given as text runs has an image
+    placeholder between each two runs (a part of its own: client text never holds one). The parts split at the
+    template's special tokens and the images, so tokenising them one by one gives the ids of the whole string
+    (for text without special-token strings)."""
     out: Parts = []
     blocks = ([("system", system, client_system)] if system else []) + [(r, c, True) for r, c in turns]
     for role, content, client in blocks:
-        out += [(IM_START, False), (f"{role}\n{content}", client), (IM_END + "\n", False)]
+        runs = [content] if isinstance(content, str) else content
+        out += [(IM_START, False), (f"{role}\n{runs[0]}", client)]
+        for run in runs[1:]:
+            out += [(IMAGE_PLACEHOLDER, False), (run, client)]
+        out.append((IM_END + "\n", False))
     if generation_prompt:
         out.append((IM_START + "assistant\n", False))
     return out
 
 
-def neo1_0(turns: list[tuple[str, str]], system: str = "", generation_prompt: bool = True) -> str:
+def neo1_0(turns: list[tuple[str, Content]], system: str = "", generation_prompt: bool = True) -> str:
     return "".join(text for text, _ in neo1_0_parts(turns, system, generation_prompt))
 
 
 def encode_parts(tok: NeoTokenizer, parts: Parts, images: list[ImageTensor]) -> PromptInput:
-    """Tokenise the parts (client text as plain text: tok.encode_text), each <image> replaced by the span of the
-    next image (<img> + <IMG_CONTEXT> x tokens + </img>)."""
-    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text, _ in parts)
+    """Tokenise the parts (client text as plain text: tok.encode_text, a literal <image> in it included), each
+    <image> of the server's parts replaced by the span of the next image (<img> + <IMG_CONTEXT> x tokens +
+    </img>)."""
+    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text, client in parts if not client)
     if placeholders != len(images):
         raise ValueError(f"{placeholders} <image> placeholders for {len(images)} images")
     ids: list[int] = []
     it = iter(images)
     for text, client in parts:
+        if client:
+            if IMG_CONTEXT in text:       # as before: an image-token injection is refused
+                raise ValueError(f"text may not contain the image placeholder token {IMG_CONTEXT}")
+            ids += tok.encode_text(text) if text else []
+            continue
         for k, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
             if k:
                 ids += image_span_ids(tok, next(it))
-            if client and IMG_CONTEXT in piece:       # as before: an image-token injection is refused
-                raise ValueError(f"text may not contain the image placeholder token {IMG_CONTEXT}")
             if piece:
-                ids += tok.encode_text(piece) if client else tok.encode(piece)
+                ids += tok.encode(piece)
     return PromptInput(ids, list(images))
 
 
@@ -114,36 +138,26 @@ def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | 
                min_pixels: int = VQA_MIN_PIXELS, max_pixels: int = VQA_MAX_PIXELS,
                server_system: str = "") -> PromptInput:
     """OpenAI-like messages -> PromptInput. Content is a string or a list of text / image parts
-    ({"type": "image", "image": PIL}). A user turn whose images have no placeholder gets `<image>\\n`
-    prefixes (as upstream's chat). Message text is client text (tokenised as text); `server_system`, used when
+    ({"type": "image", "image": PIL}); each image sits where its part stands among the text parts, or, when a
+    turn's images all come first, as upstream's chat puts them (`<image>\\n` before the text, one per image:
+    place_images). Message text is client text (tokenised as text, `<image>` too); `server_system`, used when
     the messages have no system message, is the server's."""
     system = ""
-    turns: list[tuple[str, str]] = []
+    turns: list[tuple[str, Content]] = []
     images: list[ImageTensor] = []
     for m in messages:
         role = m.get("role")
         content = m.get("content")
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"unknown role {role!r}")
-        if isinstance(content, str) or content is None:
-            text, pics = content or "", []
-        else:
-            text, pics = "", []
-            for part in content:
-                if part.get("type") == "text":
-                    text += part.get("text", "")
-                elif part.get("type") == "image":
-                    pics.append(part["image"])
-                else:
-                    raise ValueError(f"unknown content part type {part.get('type')!r}")
+        runs, pics = text_runs(_part_items(content))
         if pics:
-            missing = len(pics) - text.count(IMAGE_PLACEHOLDER)
-            text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + text
             images.extend(preprocess(p, min_pixels, max_pixels) for p in pics)
+        runs = place_images(runs)
         if role == "system":
-            system = text
+            system = runs[0]
         else:
-            turns.append((role, text))
+            turns.append((role, runs if pics else runs[0]))
     # the messages' own system message is the client's; without one, the server's (`server_system`) is used
     own = any(m.get("role") == "system" for m in messages)
     parts = neo1_0_parts(turns, system if own else server_system, client_system=own)
@@ -152,6 +166,21 @@ def chat_input(tok: NeoTokenizer, messages: list[dict], enable_thinking: bool | 
     elif enable_thinking is False:
         parts.append((EMPTY_THINK, False))
     return encode_parts(tok, parts, images)
+
+
+def _part_items(content) -> list:
+    """chat_input's content -> text_runs' items (a str per text part, the PIL image of an image part)."""
+    if isinstance(content, str) or content is None:
+        return [content or ""]
+    items = []
+    for part in content:
+        if part.get("type") == "text":
+            items.append(part.get("text", ""))
+        elif part.get("type") == "image":
+            items.append(part["image"])
+        else:
+            raise ValueError(f"unknown content part type {part.get('type')!r}")
+    return items
 
 
 UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no system, no think)
@@ -167,18 +196,26 @@ def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: boo
     return out
 
 
+def split_at(text: str, offsets: list[int] | None, n: int) -> list[str]:
+    """`text` cut at each image's character offset (non-decreasing, in [0, len(text)]) into the n + 1 text runs
+    around n images; no offsets: all n images before the text."""
+    offsets = [0] * n if offsets is None else list(offsets)
+    if len(offsets) != n or any(b < a for a, b in zip([0] + offsets, offsets + [len(text)])):
+        raise ValueError(f"image offsets {offsets} do not place {n} images in order in a {len(text)}-character "
+                         "prompt")
+    return [text[a:b] for a, b in zip([0] + offsets, offsets + [len(text)])]
+
+
 def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerParams, think: bool = False,
-                system_message: str | None = None) -> dict[str, PromptInput]:
-    """Editing prefixes: cond (system + images + instruction), img_cond (images only), uncond."""
+                system_message: str | None = None, image_offsets: list[int] | None = None) -> dict[str, PromptInput]:
+    """Editing prefixes: cond (system + images + instruction), img_cond (images only), uncond. Image k sits at
+    character `image_offsets[k]` of the prompt (the request's content-part order); all at 0 or none given: the
+    official placement (place_images with labels). The prompt is client text: a literal <image> is text."""
     if not 1 <= len(images) <= 4:
         raise ValueError("editing takes 1 to 4 input images")
     tensors = [generation_input(preprocess(im, EDIT_MIN_PIXELS, edit_max_pixels(len(images)))) for im in images]
     n = len(images)
-    if IMAGE_PLACEHOLDER not in prompt and n > 1:
-        text = "".join(f"Image-{i + 1}:{IMAGE_PLACEHOLDER}\n" for i in range(n)) + prompt
-    else:
-        missing = n - prompt.count(IMAGE_PLACEHOLDER)
-        text = (IMAGE_PLACEHOLDER + "\n") * max(0, missing) + prompt
+    text = place_images(split_at(prompt, image_offsets, n), labels=True)
     system = default_gen_system_message() if system_message is None else system_message
     tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
     out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system, client_system=False) + [(tail, False)],
@@ -204,8 +241,24 @@ def interleave_heads(tok: NeoTokenizer, messages: list[dict], think: bool, syste
     cond = chat_input(tok, messages, None if think else False, EDIT_MIN_PIXELS,
                       images_max_pixels or edit_max_pixels(max(1, n)), server_system=system_message or "")
     cond = PromptInput(cond.input_ids, [generation_input(im) for im in cond.images])
-    tu = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(cond.images))]), cond.images)
-    return cond, tu
+    return cond, _text_free_head(tok, cond.images)
+
+
+def _text_free_head(tok: NeoTokenizer, images: list[ImageTensor]) -> PromptInput:
+    """tu before the answer: one user turn holding only the input images (spec §2.1)."""
+    return expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * len(images))]), images)
+
+
+def official_interleave_heads(tok: NeoTokenizer, prompt: str, images: list, think: bool,
+                              system_message: str) -> tuple[PromptInput, PromptInput]:
+    """interleave_gen's own heads, restated from spec §1.1 / §2.1 for tests: `prompt` is its trusted prompt, each
+    `<image>` in it the placeholder of the next input image, `<image>\\n` prepended for each image past the
+    placeholders; the images at the edit sizes, bf16-rounded; the system block only when non-empty."""
+    n = len(images)
+    text = (IMAGE_PLACEHOLDER + "\n") * max(0, n - prompt.count(IMAGE_PLACEHOLDER)) + prompt
+    tensors = [generation_input(preprocess(im, EDIT_MIN_PIXELS, edit_max_pixels(max(1, n)))) for im in images]
+    cond = expand_images(tok, neo1_0([("user", text)], system_message) + ("" if think else EMPTY_THINK), tensors)
+    return cond, _text_free_head(tok, tensors)
 
 
 def image_span_ids(tok: NeoTokenizer, image: ImageTensor) -> list[int]:

@@ -125,8 +125,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, 
 @torch.no_grad()
 def generate_text(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, max_new_tokens: int = 64,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                  stop_ids: tuple[int, ...] | None = None) -> list[int]:
-    """Autoregressive decode (greedy when temperature == 0). Returns the new token ids (stop token excluded)."""
+                  stop_ids: tuple[int, ...] | None = None, keep_stop: bool = False) -> list[int]:
+    """Autoregressive decode (greedy when temperature == 0). Returns the new token ids, the stop token that ended
+    them excluded (`keep_stop`: included, as vLLM's and the API's `token_ids` have it)."""
     stop = set(stop_ids if stop_ids is not None else (tok.im_end_id,))
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     cache, positions, hidden = prefill(model, inp)
@@ -136,6 +137,8 @@ def generate_text(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, max_ne
     for _ in range(max_new_tokens):
         nxt = _sample(logits, temperature, top_p, top_k, gen)
         if nxt in stop:
+            if keep_stop:
+                out.append(nxt)
             break
         out.append(nxt)
         hidden, t_last = _append_text(model, cache, [nxt], t_last)
@@ -176,14 +179,15 @@ def build_prefix(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, think: 
 
 @torch.no_grad()
 def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, images, params: S.SamplerParams,
-                   think: bool = False, max_think_tokens: int = 1024,
-                   system_message: str | None = None) -> dict[str, PrefixKV]:
-    """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request. Think only on cond."""
+                   think: bool = False, max_think_tokens: int = 1024, system_message: str | None = None,
+                   image_offsets: list[int] | None = None) -> dict[str, PrefixKV]:
+    """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request (`image_offsets`: where each input
+    image stands in the prompt, prompts.edit_inputs). Think only on cond."""
     from . import prompts as P
     if kind == "t2i":
         inputs = P.t2i_inputs(tok, prompt, params, think, system_message)
     elif kind == "edit":
-        inputs = P.edit_inputs(tok, prompt, images, params, think, system_message)
+        inputs = P.edit_inputs(tok, prompt, images, params, think, system_message, image_offsets)
     else:
         raise ValueError(f"kind must be t2i or edit, got {kind!r}")
     return {b: build_prefix(model, tok, inp, think and b == "cond", max_think_tokens) for b, inp in inputs.items()}
@@ -275,9 +279,11 @@ def text_to_image(model, tok, prompt: str, width: int, height: int, params: S.Sa
 
 @torch.no_grad()
 def edit(model, tok, prompt: str, images: list, width: int, height: int, params: S.SamplerParams | None = None,
-         seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024):
+         seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024,
+         image_offsets: list[int] | None = None):
     params = params or S.SamplerParams(mode="edit")
-    pre = image_prefixes(model, tok, "edit", prompt, images, params, think, max_think_tokens)
+    pre = image_prefixes(model, tok, "edit", prompt, images, params, think, max_think_tokens,
+                         image_offsets=image_offsets)
     return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text
 
 
@@ -287,6 +293,7 @@ class InterleaveAnswer:
     segments: list[list[int]]          # the text token ids between images (greedy)
     images: list[torch.Tensor]         # [1, 3, H, W] in [-1, 1], unclamped (the final Euler states)
     finish_reason: str                 # "stop" (<|im_end|>, or <img> past the cap) | "length"
+    stop_token: int | None = None      # the token that ended a "stop" answer (predicted, never fed)
 
 
 def _append_image(model: NeoModel, tok: NeoTokenizer, cache: _Cache, image, t_img: int):
@@ -310,9 +317,31 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
     logits before the argmax (tests force `<img>` with it); `on_image(k, prefixes)` sees each image's prefixes;
     `sizes` [(W, H), ...] one per image, the last repeated (the official image_size list), else width x height."""
     from . import prompts as P
-    from .images import generated_image_tensor
     system = P.interleave_system_message() if system_message is None else system_message
-    cond_head, tu_head = P.interleave_heads(tok, messages, think, system)
+    heads = P.interleave_heads(tok, messages, think, system)
+    return _interleave_loop(model, tok, *heads, params, width, height, seed, max_new_tokens, max_images,
+                            logit_bias, on_image, sizes)
+
+
+@torch.no_grad()
+def interleave_gen(model: NeoModel, tok: NeoTokenizer, prompt: str, images: list, params: S.SamplerParams,
+                   width: int, height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192,
+                   max_images: int = 10, system_message: str | None = None,
+                   logit_bias: dict[int, float] | None = None, on_image=None,
+                   sizes: list[tuple[int, int]] | None = None) -> InterleaveAnswer:
+    """`interleave` called as the official interleave_gen(prompt, images) is: a trusted prompt whose `<image>`
+    placeholders mark where the input images (PIL) go (prompts.official_interleave_heads), not messages."""
+    from . import prompts as P
+    system = P.interleave_system_message() if system_message is None else system_message
+    heads = P.official_interleave_heads(tok, prompt, images, think, system)
+    return _interleave_loop(model, tok, *heads, params, width, height, seed, max_new_tokens, max_images,
+                            logit_bias, on_image, sizes)
+
+
+def _interleave_loop(model, tok, cond_head, tu_head, params, width, height, seed, max_new_tokens, max_images,
+                     logit_bias, on_image, sizes) -> InterleaveAnswer:
+    from . import prompts as P
+    from .images import generated_image_tensor
     cond, pos, hidden = prefill(model, cond_head)
     t_cond = int(pos[0].max())
     tu, pos_tu, _ = prefill(model, tu_head)
@@ -341,7 +370,7 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
         if text_tokens >= max_new_tokens:
             return InterleaveAnswer(segments, images, "length")
         if nxt == tok.im_end_id or len(images) >= max_images:
-            return InterleaveAnswer(segments, images, "stop")
+            return InterleaveAnswer(segments, images, "stop", nxt)
         _, t_cond = _append_text(model, cond, [tok.img_start_id], t_cond)
         _, t_tu = _append_text(model, tu, [tok.img_start_id], t_tu)
         prefixes = {"cond": PrefixKV(cond.stacked(), t_cond + 1), "img_cond": PrefixKV(tu.stacked(), t_tu + 1),

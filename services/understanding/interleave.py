@@ -172,6 +172,9 @@ class InterleaveService:
             admission.close()
 
         ends = (tok.img_start_id, tok.im_end_id)       # the greedy text's stops: never part of a segment
+        # return_token_ids as vLLM's: the token that ends the answer is its last id (<|im_end|>, or the <img> past
+        # max_images); an <img> that starts an image is the first id of that image's span (the gateway's)
+        answer_ends = ends if req.images_left <= 0 else (tok.im_end_id,)
 
         async def events():
             nonlocal job
@@ -181,7 +184,7 @@ class InterleaveService:
                        "prompt_token_ids": list(cond.input_ids)}
             while True:
                 ids.extend(ev["ids"])
-                new = [t for t in ev["ids"] if t not in ends] if req.return_token_ids else []
+                new = [t for t in ev["ids"] if t not in ends or t in answer_ends] if req.return_token_ids else []
                 if ev["reasoning"] or ev["content"] or new:
                     text = {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
                     yield {**text, "token_ids": new} if req.return_token_ids else text

@@ -196,6 +196,7 @@ def test_interleaved_answer_with_an_input_image_three_branches_non_think(stack, 
         if k < len(ans.images):
             w, h = sizes[k]
             want += [tok.img_start_id] + [tok.img_context_id] * (w // 32) * (h // 32) + [tok.img_end_id]
+    want += [ans.stop_token] if ans.finish_reason == "stop" else []     # vLLM: the stop token ends token_ids
     assert out["choices"][0]["token_ids"] == want
     # streamed: prompt ids on the first chunk, the chunks' ids add up to the same sequence
     events = _stream(stack, {**body, "stream": True})

@@ -69,7 +69,7 @@ def test_chat_default_prompt_is_the_official_one(openai_client, reference):
     r = openai_client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, temperature=0,
                                               extra_body={"return_token_ids": True})
     official = "<|im_start|>user\nWrite a short poem<|im_end|>\n<|im_start|>assistant\n"
-    want = R.generate_text(model, tok, PromptInput(tok.encode(official)), max_new_tokens=8)
+    want = R.generate_text(model, tok, PromptInput(tok.encode(official)), max_new_tokens=8, keep_stop=True)
     assert r.choices[0].model_extra["token_ids"] == want
     assert r.model_extra["prompt_token_ids"] == tok.encode(official)      # vLLM's field names
     chunks = list(openai_client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, temperature=0,

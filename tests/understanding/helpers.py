@@ -42,7 +42,7 @@ def reference_ids(ref, req: dict) -> list[int]:
     from services.model import reference as R
     model, tok = ref
     inp = PR.chat_input(tok, req["ref_messages"], None, IMG_MIN, IMG_MAX)   # the official prompt (no think block)
-    return R.generate_text(model, tok, inp, max_new_tokens=req["max_tokens"])
+    return R.generate_text(model, tok, inp, max_new_tokens=req["max_tokens"], keep_stop=True)   # as token_ids
 
 
 def chat_body(req: dict, **kw) -> dict:

@@ -23,7 +23,7 @@ def test_enable_thinking_splits_reasoning(server, ref):
     msgs = [{"role": "user", "content": "think about it"}]
     out = _chat(server, messages=msgs, temperature=0, max_tokens=20, return_token_ids=True,
                 chat_template_kwargs={"enable_thinking": True})
-    ids = R.generate_text(model, tok, PR.chat_input(tok, msgs, True), max_new_tokens=20)
+    ids = R.generate_text(model, tok, PR.chat_input(tok, msgs, True), max_new_tokens=20, keep_stop=True)
     assert out["choices"][0]["token_ids"] == ids
     msg = out["choices"][0]["message"]
     if tok.end_think_id in ids:

@@ -52,7 +52,7 @@ def test_served_prompt_follows_enable_thinking(server, ref, kwargs, suffix):
         body["chat_template_kwargs"] = kwargs
     out = _chat(server, **body)
     official = "<|im_start|>user\nTell me a story<|im_end|>\n<|im_start|>assistant\n" + suffix
-    want = R.generate_text(model, tok, PR.PromptInput(tok.encode(official)), max_new_tokens=10)
+    want = R.generate_text(model, tok, PR.PromptInput(tok.encode(official)), max_new_tokens=10, keep_stop=True)
     assert out["choices"][0]["token_ids"] == want
 
 

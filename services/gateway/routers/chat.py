@@ -5,6 +5,7 @@ interleaved answer (interleave.py): text and generated images in order."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from typing import Any, Optional
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from services.contract import limits as L
-from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ImagePart, TextPart
+from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ChatMessage, ImagePart, content_runs
 from services.contract.control import AbortRequest
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
@@ -54,17 +55,23 @@ def image_parts(req: ChatCompletionRequest, limit: int = L.MAX_CHAT_IMAGES) -> l
     return parts
 
 
-def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
-    """The image prompt (the last user message's text) and its images (which make the request an edit)."""
-    i, msg = [(i, m) for i, m in enumerate(req.messages) if m.role == "user"][-1]
-    if isinstance(msg.content, list):
-        text = "\n".join(p.text for p in msg.content if isinstance(p, TextPart))
-        images = [(f"messages[{i}].content[{j}]", p.url) for j, p in enumerate(msg.content) if isinstance(p, ImagePart)]
-    else:
-        text, images = msg.content or "", []
+def image_prompt(msg: ChatMessage, param: str) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """A user message (`param` names it) as an image request's prompt: its text parts (joined by newlines where
+    two touch), its images as (param, url) (they make the request an edit) and where each stands in the prompt
+    (character offsets, from the parts' order: PrefixRequest.image_offsets)."""
+    runs, pics = content_runs(msg.content, sep="\n")
+    text = "".join(runs)
     if not text.strip():
-        raise bad_request("the last user message needs text: it is the image prompt", param=f"messages[{i}]")
-    return text, images
+        raise bad_request("the last user message needs text: it is the image prompt", param=param)
+    where = [j for j, p in enumerate(msg.content) if isinstance(p, ImagePart)] if pics else []
+    images = [(f"{param}.content[{j}]", p.url) for j, p in zip(where, pics)]
+    return text, images, list(itertools.accumulate(len(r) for r in runs[:-1]))
+
+
+def last_user_turn(req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """The image prompt of a chat request: its last user message's (image_prompt)."""
+    i, msg = [(i, m) for i, m in enumerate(req.messages) if m.role == "user"][-1]
+    return image_prompt(msg, f"messages[{i}]")
 
 
 def chat_image_options(body: dict, req: ChatCompletionRequest) -> ChatImageOptions:
@@ -238,14 +245,14 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
     if isinstance(opts.size, list):
         raise bad_request("a list of sizes is for interleaved answers (modalities ['text', 'image']); an image "
                           "answer takes one size", param="image_config.size")
-    prompt, parts = last_user_turn(req)
+    prompt, parts, offsets = last_user_turn(req)
     mode = "edit" if parts else "t2i"
     check_options(state.config, opts, mode, prompt)            # before any image is decoded
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
-                    lora=adapter_for(state, req.model))
+                    lora=adapter_for(state, req.model), image_offsets=offsets or None)
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:

@@ -116,7 +116,6 @@ async def chat_completions(request: Request):
     finished, got = await until_done_or_gone(request, collect, cleanup)
     if not finished:
         return Response(status_code=499)
-    stop_ids = set(st.stop_ids(params))
     out = []
     for i in range(req.n):
         g = got[i]
@@ -126,8 +125,8 @@ async def chat_completions(request: Request):
             message["reasoning_content"] = "".join(g["reasoning"]) or None
         choice = {"index": i, "message": message, "finish_reason": g["final"]["finish_reason"],
                   "logprobs": {"content": g["logprobs"]} if req.logprobs else None}
-        if req.return_token_ids:
-            choice["token_ids"] = [t for t in g["ids"] if t not in stop_ids]
+        if req.return_token_ids:     # as vLLM's: the stop token (EOS / a stop_token_ids id) that ended it included
+            choice["token_ids"] = g["ids"]
         out.append(choice)
     resp = {"id": resp_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": merged_usage({i: got[i]["final"] for i in range(req.n)})}
