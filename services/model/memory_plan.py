@@ -27,6 +27,7 @@ checks them against what the tiny checkpoint allocates in each format).
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
@@ -228,14 +229,15 @@ class Plan:
     und: EnginePlan
     gen: EnginePlan
     fits: bool
-    flags: list[str]
+    settings: Settings
     host_pool_bytes: int
     why: str = ""
 
     def as_dict(self) -> dict:
         eng = lambda e: {"format": e.fmt, "total_bytes": e.total, "parts": e.parts, "notes": e.notes}  # noqa: E731
+        env, argv = up_flags(self)
         return {"mode": self.mode, "budget_bytes": self.budget, "max_image_side": self.side, "fits": self.fits,
-                "why": self.why, "flags": self.flags, "host_kv_pool_bytes": self.host_pool_bytes,
+                "why": self.why, "env": env, "flags": argv, "host_kv_pool_bytes": self.host_pool_bytes,
                 "understanding": eng(self.und), "generation": eng(self.gen)}
 
 
@@ -255,29 +257,32 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
     gen = gen_plan(cfg, weights["gen"], s, side)
     und = und_fit(cfg, weights["und"], s, budget - gen.total if mode == "colocate" else budget)
     fits = und.fits and gen.total <= budget
-    flags = settings_flags(s, side, mode, budget, gen.total)
     need = gen.total + und.total if mode == "colocate" else max(gen.total, und.total)
     why = "" if fits else f"needs {gib(need)} GiB with the smallest KV cache, for {gib(budget)} GiB"
-    return Plan(mode, budget, side, und, gen, fits, flags, host_pool_bytes(cfg, s), why)
+    return Plan(mode, budget, side, und, gen, fits, s, host_pool_bytes(cfg, s), why)
 
 
-def settings_flags(s: Settings, side: int, mode: str, budget: int, gen_total: int) -> list[str]:
-    """The `u1serve up` flags of a setting (the memory fractions of a colocated card: each engine's share of the
-    budget, minus the context the fraction does not cover; the card's size is applied by the caller)."""
-    flags = []
-    if s.gen_format != "bf16":
-        flags.append(f"--quantization {s.gen_format.replace('-only', '')}")
-    und_args = [f"--quantization {s.und_format.replace('-only', '')}"] if s.und_format != "bf16" else []
+def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[str]]:
+    """(environment, `u1serve up` argv) of a plan: the formats, graphs, the largest image (the gateway refuses larger
+    ones with a 400), and in colocate the memory fractions on a card of `total` bytes (default: the budget): each
+    engine's share of the budget less the CUDA context, which the fraction (torch's allocator cap) does not cover."""
+    s, env, argv = p.settings, {}, []
     if "fp8-only" in (s.gen_format, s.und_format):
-        flags.insert(0, "U1SERVE_FP8_MIN_TOKENS=0")
-    if und_args:
-        flags.append(f"--und-args \"{' '.join(und_args)}\"")
+        env["U1SERVE_FP8_MIN_TOKENS"] = "0"
+    name = lambda f: f.replace("-only", "")   # noqa: E731
+    if s.gen_format != "bf16":
+        argv += ["--quantization", name(s.gen_format)]
+    if s.und_format != "bf16":
+        argv += ["--und-args", f"--quantization {name(s.und_format)}"]
     if not s.cuda_graphs:
-        flags.append("--cuda-graphs off")
-    flags.append(f"--gateway-args \"--max-pixels {side * side}\"")
-    if mode == "colocate":
-        flags.append(f"(gen share {gib(gen_total)} GiB, und share {gib(budget - gen_total)} GiB)")
-    return flags
+        argv += ["--cuda-graphs", "off"]
+    argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
+    if p.mode == "colocate":
+        total = total or p.budget
+        gen = (p.gen.total - p.gen.parts["cuda_context"]) / total
+        und = (p.budget - p.gen.total - p.und.parts["cuda_context"]) / total
+        argv += ["--gen-memory-fraction", f"{gen:.3f}", "--und-memory-fraction", f"{und:.3f}"]
+    return env, argv
 
 
 def candidates(s: Settings):
@@ -344,15 +349,6 @@ def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
             parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items())
             lines.append(f"  {e.name:13} {e.fmt:8} {gib(e.total):>6} GiB = {parts}; {'; '.join(e.notes)}")
         lines.append(f"  host shared memory: KV pool {gib(p.host_pool_bytes)} GiB (not GPU)")
-        lines.append("  flags: " + " ".join(p.flags + fraction_flags(p, total)))
+        env, argv = up_flags(p, total)
+        lines.append("  flags: " + " ".join([f"{k}={v}" for k, v in env.items()] + ["u1serve up", shlex.join(argv)]))
     return "\n".join(lines) + "\n"
-
-
-def fraction_flags(p: Plan, total: int | None) -> list[str]:
-    """--und/--gen-memory-fraction of a colocated plan on a card of `total` bytes (default: the budget)."""
-    if p.mode != "colocate":
-        return []
-    total = total or p.budget
-    gen = (p.gen.total - p.gen.parts["cuda_context"]) / total
-    und = (p.budget - p.gen.total - p.und.parts["cuda_context"]) / total
-    return [f"--gen-memory-fraction {gen:.3f}", f"--und-memory-fraction {und:.3f}"]
