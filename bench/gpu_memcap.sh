@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 if [ "$SMOKE" = 1 ]; then
-  ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2 --pairs int8/int8); C24=4; C48=6
+  ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2); C24=4; C48=6
   LACC=300; L24=500; L48=500
   ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24" || echo "$ONLY")   # CI: one stack
 else

@@ -158,6 +158,7 @@ class EnginePlan:
     parts: dict[str, int] = field(default_factory=dict)   # name -> bytes on the GPU
     notes: list[str] = field(default_factory=list)
     fits: bool = True
+    kv_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -179,19 +180,24 @@ def und_plan(cfg, w: BranchWeights, s: Settings, kv_tokens: int | None = None) -
     e.parts = {"weights": weights, "kv_cache": per_token * (slots + 1),
                "page_table": 4 * (s.max_running + 1) * (min(s.max_model_len, slots) + 1),
                "activations_graphs": UND_MIN_RESERVE, "cuda_context": s.context_bytes}
+    e.kv_tokens = slots
     e.notes.append(f"KV cache {slots} tokens x {per_token / 1024:.0f} KiB")
     return e
 
 
-def und_fit(cfg, w: BranchWeights, s: Settings, share: int) -> EnginePlan:
-    """What engine._fit_kv_cache does under a memory share: the reserve, then as many KV tokens as fit (at least
-    UND_MIN_KV_TOKENS, at most --kv-cache-tokens)."""
+def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True) -> EnginePlan:
+    """What engine._fit_kv_cache does under a memory share (`capped`: colocate, U1SERVE_GPU_MEMORY_FRACTION): the
+    reserve, then as many KV tokens as fit (at least UND_MIN_KV_TOKENS, at most --kv-cache-tokens). Uncapped
+    (separate) the engine takes --kv-cache-tokens as given: the tokens that fit, page table included, are what
+    `--kv-cache-tokens` must say (up_flags)."""
     llm = cfg.llm
     per_token = kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, s.itemsize)
     alloc_share = share - s.context_bytes           # the fraction caps torch's allocator, not the context
     budget = alloc_share - w.gpu_bytes(s.und_format, s.itemsize)
     reserve = und_runtime_reserve(budget)
     fit = int((budget - reserve) // per_token)
+    if not capped:      # the plan picks the flag: leave room for the page table and the scratch slot too
+        fit -= 1 + -(-4 * (s.max_running + 1) * (s.max_model_len + 1) // per_token)
     e = und_plan(cfg, w, s, int(min(s.kv_cache_tokens, max(UND_MIN_KV_TOKENS, fit))))
     e.parts["activations_graphs"] = reserve
     e.fits = fit >= UND_MIN_KV_TOKENS       # else the engine's smallest KV cache overflows the share
@@ -255,7 +261,8 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
     """One setting on one budget (colocate: both engines share `budget`; separate: each has a card of it)."""
     side = s.max_image_side
     gen = gen_plan(cfg, weights["gen"], s, side)
-    und = und_fit(cfg, weights["und"], s, budget - gen.total if mode == "colocate" else budget)
+    colocate = mode == "colocate"
+    und = und_fit(cfg, weights["und"], s, budget - gen.total if colocate else budget, capped=colocate)
     fits = und.fits and gen.total <= budget
     need = gen.total + und.total if mode == "colocate" else max(gen.total, und.total)
     why = "" if fits else f"needs {gib(need)} GiB with the smallest KV cache, for {gib(budget)} GiB"
@@ -272,8 +279,11 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     name = lambda f: f.replace("-only", "")   # noqa: E731
     if s.gen_format != "bf16":
         argv += ["--quantization", name(s.gen_format)]
-    if s.und_format != "bf16":
-        argv += ["--und-args", f"--quantization {name(s.und_format)}"]
+    und_args = [f"--quantization {name(s.und_format)}"] if s.und_format != "bf16" else []
+    if p.mode != "colocate" and p.und.kv_tokens < s.kv_cache_tokens:   # uncapped: the engine takes the flag as is
+        und_args.append(f"--kv-cache-tokens {p.und.kv_tokens}")
+    if und_args:
+        argv += ["--und-args", " ".join(und_args)]
     if not s.cuda_graphs:
         argv += ["--cuda-graphs", "off"]
     argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
