@@ -178,7 +178,8 @@ def run(args) -> dict:
                 rows.append({"branch": branch, "format": f"q8_0:0-{mix_at - 1},q4_k:{mix_at}-", "layers": "all",
                              **errors(measure(), ref[branch], branch == "und")})
     restored = torch.equal(probe.logits(), ref["und"]) and torch.equal(probe.velocity(), ref["gen"])
-    return {"geometry": "tiny" if args.tiny else args.variant, "restored": restored, "device": str(device), "reference": str(dtype),
+    return {"geometry": "tiny" if args.tiny else args.variant, "restored": restored, "device": str(device),
+            "reference": str(dtype),
             "layers": n, "image_side": args.size, "prompt_tokens": args.prompt_tokens, "rows": rows,
             "seconds": round(time.time() - t0, 1)}
 

@@ -20,7 +20,6 @@ the service's process tree; on a CPU smoke run: resident memory), next to the pl
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -36,33 +35,12 @@ from bench.stack import exit_status, prepare_model, run_profile, stack_args, wri
 from services.kit import sse
 from services.model import memory_plan as M
 from services.model.config import load_config
+from services.mps import descendants
 
 PAIRS = (("int8", "int8"), ("bf16", "int8"), ("bf16", "bf16"), ("fp8-only", "fp8-only"))
 
 
 # ----------------------------------------------------------------------------------------- memory sampling
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(name))
-    return kids
-
-
-def _tree(pid: int, kids: dict[int, list[int]]) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        todo += kids.get(p, [])
-    return out
-
-
 def _gpu_used() -> dict[int, int] | None:
     """pid -> bytes of GPU memory (nvidia-smi), None without a GPU."""
     try:
@@ -98,10 +76,9 @@ class PeakSampler(threading.Thread):
 
     def run(self):
         while not self.stop_event.is_set():
-            kids = _children()
             used = _gpu_used() if self.gpu else None
             for name, pid in self.services.items():
-                tree = _tree(pid, kids)
+                tree = [pid] + descendants(pid)
                 n = sum(used.get(p, 0) for p in tree) if used is not None else sum(_rss(p) for p in tree)
                 self.peak[name] = max(self.peak[name], n)
             self.stop_event.wait(0.2)
@@ -231,7 +208,8 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
         budget = int(cap * M.GiB)
         for und_f, gen_f in args.pairs:
             s = M.Settings(und_format=und_f, gen_format=gen_f, max_image_side=top, itemsize=itemsize,
-                           kv_pool_gb=0.25 if args.tiny else 16.0, context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES)
+                           kv_pool_gb=0.25 if args.tiny else 16.0,
+                           context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES)
             found = M.plan(cfg, s, budget, "colocate", weights)
             p = found["asked"] if found["asked"].fits else found["fix"]
             label = f"cap{cap:g}-{und_f}-{gen_f}"

@@ -48,6 +48,11 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, itemsize: 
     return num_layers * 2 * kv_heads * head_dim * itemsize
 
 
+def job_kv_bytes(llm, itemsize: int, tokens: int, branches: int) -> int:
+    """A generation job's KV buffer on the device: `tokens` (prefix + images) in each of its `branches`."""
+    return kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, itemsize) * tokens * branches
+
+
 def und_runtime_reserve(budget: float) -> int:
     """What the understanding engine keeps free of KV inside its budget (activations, CUDA graphs, sampling)."""
     return int(max(UND_MIN_RESERVE, UND_RESERVE_SHARE * budget))
@@ -140,7 +145,9 @@ class Settings:
     gen_format: str = "bf16"
     itemsize: int = 2                     # model dtype
     max_image_side: int = 2048            # the largest allowed side (the caller passes the checkpoint's trained one)
-    cfg_branches: int = 2                 # CFG: cond + uncond rows per step (an edit runs 3)
+    cfg_branches: int = 2                 # CFG: cond + uncond rows per step
+    edit_branches: int = 3                # an edit: cond, text-uncond, image-uncond, each with the input image
+    max_running_jobs: int = 16            # generation's --max-running-jobs: jobs whose KV buffers live at once
     cuda_graphs: bool = True
     kv_cache_tokens: int = 65536          # understanding's --kv-cache-tokens (lowered to fit under a fraction)
     max_running: int = 256
@@ -205,12 +212,17 @@ def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True)
 
 
 def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
-    """The generation engine running one job at `side`² (the largest allowed): its KV buffer, one step's
-    activations, the CUDA graphs' pool."""
+    """The generation engine at its worst case with images of at most `side`²: the KV buffers of the running batch
+    (the larger of one edit at `side`² with a `side`² input, each branch holding prefix + input + output tokens, and a
+    full batch of --max-running-jobs small CFG jobs sharing --max-batch-tokens rows, each with its prefix), one
+    step's activations (a job larger than --max-batch-tokens runs alone with all its rows), the CUDA graphs' pool."""
     llm = cfg.llm
     tokens = image_tokens(side)
-    rows = min(tokens * s.cfg_branches, max(tokens, s.max_batch_tokens))
-    per_token = kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, s.itemsize)
+    rows = max(tokens * s.edit_branches, s.max_batch_tokens)
+    edit_kv = job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + 2 * tokens, s.edit_branches)
+    small = max(1, s.max_batch_tokens // (s.cfg_branches * s.max_running_jobs))
+    batch_kv = s.max_running_jobs * job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + min(small, tokens),
+                                                 s.cfg_branches)
     h, inter = llm.hidden_size, llm.intermediate_size or llm.gen_moe_intermediate_size * llm.gen_num_experts_per_tok
     qkv = (llm.num_attention_heads + 2 * llm.num_key_value_heads) * llm.head_dim
     # live at a layer's widest point: residual, its norm, q|k|v, attention out, gate|up, silu*up, MLP out;
@@ -220,9 +232,11 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     acts = rows * per_row + head
     e = EnginePlan("generation", s.gen_format)
     e.parts = {"weights": w.gpu_bytes(s.gen_format, s.itemsize),
-               "job_kv": per_token * (REFERENCE_PREFIX_TOKENS + tokens) * s.cfg_branches,
+               "job_kv": max(edit_kv, batch_kv),
                "activations": acts, "cuda_graphs": acts if s.cuda_graphs else 0, "cuda_context": s.context_bytes}
-    e.notes.append(f"{side}x{side}: {tokens} image tokens, {rows} rows a step ({s.cfg_branches} CFG branches)")
+    e.notes.append(f"{side}x{side}: {tokens} image tokens, {rows} rows a step; KV: "
+                   + ("an edit with a same-size input" if edit_kv >= batch_kv else
+                      f"{s.max_running_jobs} small jobs x {s.cfg_branches} branches"))
     return e
 
 
@@ -286,6 +300,8 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
         argv += ["--und-args", " ".join(und_args)]
     if not s.cuda_graphs:
         argv += ["--cuda-graphs", "off"]
+    if s.max_running_jobs != Settings.max_running_jobs:
+        argv += ["--gen-args", f"--max-running-jobs {s.max_running_jobs}"]
     argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
     if p.mode == "colocate":
         total = total or p.budget
@@ -297,7 +313,7 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
 
 def candidates(s: Settings):
     """Settings to try when the asked one does not fit, best first: the formats (each engine int8 alone, then both;
-    fp8 without its bf16 copy), CUDA graphs off, then smaller images."""
+    fp8 without its bf16 copy), CUDA graphs off, fewer running generation jobs, then smaller images."""
     import dataclasses
     top = s.max_image_side
     formats = [(s.und_format, s.gen_format)]
@@ -307,8 +323,9 @@ def candidates(s: Settings):
     for side in [top] + [x for x in IMAGE_SIDES if x < top]:
         for und_f, gen_f in formats:
             for graphs in dict.fromkeys((s.cuda_graphs, False)):
-                yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
-                                          max_image_side=side)
+                for jobs in dict.fromkeys((s.max_running_jobs, 8, 4, 2)):
+                    yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
+                                              max_image_side=side, max_running_jobs=jobs)
 
 
 def plan(cfg, s: Settings, budget: int, mode: str = "colocate", weights: dict | None = None) -> dict:

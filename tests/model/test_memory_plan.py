@@ -95,12 +95,18 @@ def test_understanding_kv_pool_and_page_table(tiny):
 
 
 def test_generation_job_kv_is_capacity_s_reference_job(tiny):
+    """The plan's job KV buffer is the one generation sizes its queue by (capacity.py: 1024², CFG, 512 prefix
+    tokens); the plan's worst case is the larger of an edit at the largest size and a full batch of small jobs."""
     from services.generation import capacity
     path, cfg, weights = tiny
     model = load_model(path, branch="gen", dtype=torch.float32)
     measured = capacity.measure(model, torch.device("cpu"), world=1)
-    plan = M.gen_plan(cfg, weights["gen"], M.Settings(itemsize=ITEMSIZE), side=1024)
-    assert plan.parts["job_kv"] == measured["job_kv_bytes"]
+    assert M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 1024, 2) == measured["job_kv_bytes"]
+    s = M.Settings(itemsize=ITEMSIZE)
+    edit = M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 2 * 4096, 3)
+    assert M.gen_plan(cfg, weights["gen"], s, side=2048).parts["job_kv"] == edit
+    small = M.gen_plan(cfg, weights["gen"], s, side=256).parts["job_kv"]     # 16 jobs of 256 rows
+    assert small == 16 * M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 64, 2)
 
 
 def test_shared_pool_segment(tiny):
