@@ -5,8 +5,8 @@ weights here): the velocity of one denoise step (generation branch) and the logi
 
 Each row quantises ONE branch's targets (quant.target_linears: q/k/v/o, gate/up/down) in ONE layer group (or all
 layers, or a mix) with the serving code's own path, runs the step, and puts the weights back:
-    int8, fp8   W8A8 as served (quant.quantize_model on copies of the group's layers; the CPU runs the exact int8
-                GEMM and the fp8 emulation, so the numbers are the GPU's up to summation order)
+    int8, fp8   W8A8 (quant.quantize_model on copies of the group's layers, every row count in 8 bits; the CPU runs
+                the exact int8 GEMM and the fp8 emulation, so the numbers are the GPU's up to summation order)
     q8_0, q4_k  weight-only, each weight through the converter's encoder and gguf's dequantiser
                 (gguf_io._encode + gguf.quants.dequantize), exactly what a converted checkpoint loads
     mix         q8_0 on the first 43 % of the layers (18 of 42), q4_k after (the mix the issue asks about)
@@ -66,12 +66,14 @@ class Swap:
     def __enter__(self):
         layers = self.model.language_model.model.layers
         if self.fmt in ("int8", "fp8"):
-            from services.model.quant import quantize_model
+            from services.model.quant import GemmPolicy, quantize_model
             from services.model.quant_schemes import scheme
             copies = [copy.deepcopy(layers[i]) for i in range(self.a, self.b)]
             view = types.SimpleNamespace(language_model=types.SimpleNamespace(
                 model=types.SimpleNamespace(layers=copies)), device=self.model.device)
-            quantize_model(view, (self.branch,), scheme=scheme(self.fmt))
+            # every row count in 8 bits (GemmPolicy(): min_tokens 0): served fp8 on CUDA runs short row counts
+            # (these probes' decode step and small image) from its bf16 copy, which would measure nothing
+            quantize_model(view, (self.branch,), policy=GemmPolicy(), scheme=scheme(self.fmt))
             for i, layer in zip(range(self.a, self.b), copies):
                 self.saved.append((i, layers[i]))
                 layers[i] = layer

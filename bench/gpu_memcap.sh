@@ -24,14 +24,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 
 if [ "$SMOKE" = 1 ]; then
-  ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2); C24=4; C48=6
+  ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2 --up-args "--default-size 64x64"); C24=4; C48=6
   LACC=300; L24=500; L48=500
   ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24" || echo "$ONLY")   # CI: one stack
 else
   nvidia-smi -L | tee "$OUT/gpus.txt" || true
   ACC=(--device cuda --variant u1-8b --formats int8,fp8)
   CAP=(--sizes 1024,2048 --steps "${STEPS:-8}"); C24=24; C48=48
-  LACC=100; L24=170; L48=260
+  LACC=150; L24=170; L48=260
   python -m services.cli tiny-checkpoint "$OUT/u1-8b" --variant u1-8b >/dev/null
   for cap in 24 48; do   # what the plan predicts, before anything runs
     python -m services.cli plan --model "$OUT/u1-8b" --gpu-memory "${cap}GiB" --gpu-total "$(nvidia-smi \

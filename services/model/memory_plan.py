@@ -285,7 +285,8 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
 
 def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[str]]:
     """(environment, `u1serve up` argv) of a plan: the formats, graphs, the largest image (the gateway refuses larger
-    ones with a 400), and in colocate the memory fractions on a card of `total` bytes (default: the budget): each
+    ones with a 400; below the size table's largest, generation's start-up warm-up of the table is off and the
+    default size is the largest), and in colocate the memory fractions on a card of `total` bytes (default: the budget): each
     engine's share of the budget less the CUDA context, which the fraction (torch's allocator cap) does not cover."""
     s, env, argv = p.settings, {}, []
     if "fp8-only" in (s.gen_format, s.und_format):
@@ -300,8 +301,13 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
         argv += ["--und-args", " ".join(und_args)]
     if not s.cuda_graphs:
         argv += ["--cuda-graphs", "off"]
-    if s.max_running_jobs != Settings.max_running_jobs:
-        argv += ["--gen-args", f"--max-running-jobs {s.max_running_jobs}"]
+    gen_args = [f"--max-running-jobs {s.max_running_jobs}"] if s.max_running_jobs != Settings.max_running_jobs else []
+    from services.contract.limits import SIZE_TABLE
+    if any(w * h > p.side * p.side for w, h in SIZE_TABLE):    # generation warms the table at start (CUDA)
+        gen_args.append("--warmup-table off")
+        argv += ["--default-size", f"{p.side}x{p.side}"]
+    if gen_args:
+        argv += ["--gen-args", " ".join(gen_args)]
     argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
     if p.mode == "colocate":
         total = total or p.budget
