@@ -141,4 +141,12 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     assert sizes[("gen", "q4_k")] == sizes[("gen", "bf16")]          # GGUF is dequantised at load
     assert sizes[("gen", "int8")] < sizes[("gen", "bf16")] * 0.55 < sizes[("gen", "fp8")]
     assert out["asked"]["fits"] is False and out["fix"]["fits"] is True
-    assert "--quantization int8" in out["fix"]["flags"]
+    flags = out["fix"]["flags"]
+    value = lambda name: flags[flags.index(name) + 1]   # noqa: E731
+    assert value("--quantization") == "int8" and value("--und-args").startswith("--quantization int8")
+    side = out["fix"]["max_image_side"]
+    assert value("--gateway-args") == f"--max-pixels {side * side}" and value("--default-size") == f"{side}x{side}"
+    fractions = float(value("--gen-memory-fraction")) + float(value("--und-memory-fraction"))
+    assert fractions * 80 + 2 * M.CUDA_CONTEXT_BYTES / M.GiB <= 24 + 1e-6       # the cap, contexts included
+    eng = out["fix"]["understanding"], out["fix"]["generation"]
+    assert sum(e["total_bytes"] for e in eng) <= 24 * M.GiB
