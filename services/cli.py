@@ -245,7 +245,7 @@ def cmd_plan(args) -> int:
                    kv_pool_gb=args.kv_pool_gb)
     result = M.plan(cfg, s, budget, args.mode)
     if args.json:
-        out = {k: (v.as_dict() if v is not None else None) for k, v in result.items() if k != "weights"}
+        out = {k: (v.as_dict(total) if v is not None else None) for k, v in result.items() if k != "weights"}
         out["weights"] = M.weight_table(result["weights"])
         print(json.dumps(out, indent=2))
     else:

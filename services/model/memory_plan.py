@@ -253,9 +253,10 @@ class Plan:
     host_pool_bytes: int
     why: str = ""
 
-    def as_dict(self) -> dict:
+    def as_dict(self, total: int | None = None) -> dict:
+        """JSON-able; `total`: the card's bytes for the memory fractions (default: the budget)."""
         eng = lambda e: {"format": e.fmt, "total_bytes": e.total, "parts": e.parts, "notes": e.notes}  # noqa: E731
-        env, argv = up_flags(self)
+        env, argv = up_flags(self, total)
         return {"mode": self.mode, "budget_bytes": self.budget, "max_image_side": self.side, "fits": self.fits,
                 "why": self.why, "env": env, "flags": argv, "host_kv_pool_bytes": self.host_pool_bytes,
                 "understanding": eng(self.und), "generation": eng(self.gen)}
