@@ -206,7 +206,8 @@ def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True)
     if not capped:      # the plan picks the flag: leave room for the page table and the scratch slot too
         fit -= 1 + -(-4 * (s.max_running + 1) * (s.max_model_len + 1) // per_token)
     e = und_plan(cfg, w, s, int(min(s.kv_cache_tokens, max(UND_MIN_KV_TOKENS, fit))))
-    e.parts["activations_graphs"] = reserve
+    # the page table and the scratch slot are allocated after the engine's fit: they come out of its reserve
+    e.parts["activations_graphs"] = reserve - (e.parts["page_table"] + per_token if capped else 0)
     e.fits = fit >= UND_MIN_KV_TOKENS       # else the engine's smallest KV cache overflows the share
     return e
 
