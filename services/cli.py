@@ -1,4 +1,4 @@
-"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`, `tiny-lora`, `rl-train`, `ray`, `convert`, `knobs`.
+"""The `u1serve` command: `up`, `demo`, `tiny-checkpoint`, `tiny-lora`, `rl-train`, `ray`, `convert`, `plan`, `knobs`.
 
 Imports stay light at module level so `u1serve --help` is instant; subcommands import what they
 need. To add a subcommand, write `cmd_x(args)` and `add_x(subparsers)` and list it in COMMANDS.
@@ -183,9 +183,10 @@ def add_convert(sub) -> None:
                                        "the server loads without requantising (docs/model.md, weight formats)")
     p.add_argument("src", help="float safetensors checkpoint directory (official schema)")
     p.add_argument("dst", help="output directory (new or empty)")
-    p.add_argument("--to", required=True, metavar="fp8|int8|gguf[:TYPE]",
+    p.add_argument("--to", required=True, metavar="fp8|int8|gguf[:TYPE]|gguf:TYPE:LAYERS,...",
                    help="fp8 / int8: W8A8 safetensors with per-channel scales for both branches; "
-                        "gguf[:q8_0|q4_k] (default q8_0): GGUF, dequantised at load")
+                        "gguf[:q8_0|q4_k] (default q8_0): GGUF, dequantised at load; gguf:q8_0:0-17,q4_k:18-: a "
+                        "per-layer mix (unnamed layers, or TYPE bf16, keep the source precision)")
     p.set_defaults(func=cmd_convert)
 
 
@@ -197,6 +198,59 @@ def cmd_convert(args) -> int:
         print(f"u1serve convert: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="what each engine holds in GPU memory per weight format, whether it fits a "
+                                    "budget, and the flags that make it fit (services/model/memory_plan.py)")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json is enough) or a tiny alias")
+    p.add_argument("--quantization", choices=["none", "fp8", "fp8-only", "int8"], default="none",
+                   help="generation's format (as `u1serve up --quantization`; fp8-only: U1SERVE_FP8_MIN_TOKENS=0, "
+                        "no bf16 copy); a GGUF checkpoint is bf16 on the GPU")
+    p.add_argument("--und-quantization", choices=["none", "fp8", "fp8-only", "int8"], default="none",
+                   help="understanding's format (`--und-args \"--quantization ...\"`)")
+    p.add_argument("--gpu-memory", default="80GiB", help="the budget: one card (separate) or the cap both engines "
+                                                        "share (colocate), e.g. 24GiB")
+    p.add_argument("--gpu-total", default=None, help="the card's real size when the budget is a cap on a larger "
+                                                     "card (for the memory fractions; default: --gpu-memory)")
+    p.add_argument("--mode", choices=["colocate", "separate"], default="colocate")
+    p.add_argument("--max-image-size", type=int, default=None,
+                   help="largest image side allowed (default: the checkpoint's trained maximum)")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="understanding's --kv-cache-tokens")
+    p.add_argument("--kv-pool-gb", type=float, default=16.0, help="the shared KV pool (host memory)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from services.contract.limits import IMAGE_BLOCK
+    from services.generation.image_limits import checkpoint_max_tokens
+    from services.model import memory_plan as M
+    from services.model.config import ConfigError, load_config
+    model = ensure_tiny_checkpoint(tiny_variant(args.model)) if args.model in TINY_ALIASES else args.model
+    try:
+        cfg = load_config(model)
+        budget = M.parse_bytes(args.gpu_memory)
+        total = M.parse_bytes(args.gpu_total) if args.gpu_total else None
+    except (ConfigError, ValueError) as e:
+        print(f"u1serve plan: {e}", file=sys.stderr)
+        return 2
+    fmt = lambda q: "bf16" if q == "none" else q   # noqa: E731
+    side = args.max_image_size or int(checkpoint_max_tokens(model) ** 0.5) * IMAGE_BLOCK
+    s = M.Settings(und_format=fmt(args.und_quantization), gen_format=fmt(args.quantization), max_image_side=side,
+                   cuda_graphs=args.cuda_graphs == "on", kv_cache_tokens=args.kv_cache_tokens,
+                   kv_pool_gb=args.kv_pool_gb)
+    result = M.plan(cfg, s, budget, args.mode)
+    if args.json:
+        out = {k: (v.as_dict(total) if v is not None else None) for k, v in result.items() if k != "weights"}
+        out["weights"] = M.weight_table(result["weights"])
+        print(json.dumps(out, indent=2))
+    else:
+        sys.stdout.write(M.render(result, total))
+    return 0 if (result["asked"].fits or result["fix"] is not None) else 1
 
 
 def add_knobs(sub) -> None:
@@ -215,7 +269,7 @@ def cmd_knobs(args) -> int:
     return 0
 
 
-COMMANDS = [add_up, add_demo, add_tiny, add_tiny_lora, add_rl_train, add_ray, add_convert, add_knobs]
+COMMANDS = [add_up, add_demo, add_tiny, add_tiny_lora, add_rl_train, add_ray, add_convert, add_plan, add_knobs]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -102,8 +102,8 @@ GATEWAY_FLAGS = FlagFamily("U1SERVE_<FLAG>", "every other gateway flag's default
 CACHE = _knob("U1SERVE_CACHE", str, "~/.cache/u1serve", "where u1serve keeps tiny checkpoints and run directories",
               "u1serve (cli)")
 GPU_MEMORY_FRACTION = _knob("U1SERVE_GPU_MEMORY_FRACTION", float, None, "colocated engines: this process's share of "
-                            "GPU memory (u1serve up sets it per engine); the KV cache shrinks to fit",
-                            "understanding engine, generation capacity")
+                            "GPU memory (u1serve up sets it per engine), enforced as torch's allocator cap; the KV "
+                            "cache shrinks to fit", "understanding engine, generation worker and capacity")
 LORA = _knob("U1SERVE_LORA", str, "", "LoRA adapters merged at load, PATH[:STRENGTH],... (what u1serve up --lora "
              "sets)", "model loader")
 LORA_MODULES = _knob("U1SERVE_LORA_MODULES", str, "", "LoRA adapters served unmerged, NAME=PATH[:STRENGTH],... (what "

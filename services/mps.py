@@ -149,7 +149,7 @@ class MpsDaemon:
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _alive(pid):
-            for victim in _descendants(pid) + [pid]:      # its MPS servers too
+            for victim in descendants(pid) + [pid]:      # its MPS servers too
                 try:
                     os.kill(victim, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -246,7 +246,8 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return not _alive(pid)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc's parent links."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -58,6 +58,12 @@ def _data_offset(num_pages: int) -> int:
     return -(-table_end // _DATA_ALIGN) * _DATA_ALIGN
 
 
+def segment_bytes(layout: KVLayout, size_bytes: int) -> int:
+    """The shared-memory segment a pool of `size_bytes` takes: its whole pages after the header and page table."""
+    num_pages = int(size_bytes) // layout.page_bytes
+    return _data_offset(num_pages) + num_pages * layout.page_bytes
+
+
 class ShmKVPool:
     """Use `ShmKVPool.create` (producer) or `ShmKVPool.attach` (consumer); close() when done."""
 
@@ -125,7 +131,7 @@ class ShmKVPool:
             raise ValueError("model_fingerprint too long for the pool header")
         data_off = _data_offset(num_pages)
         take_name(name, "KV pool")
-        seg = Segment.create(name, data_off + num_pages * layout.page_bytes, owner)
+        seg = Segment.create(name, segment_bytes(layout, size_bytes), owner)
         try:
             mm = seg.mm
             mm[_JSON_OFF:_JSON_OFF + len(meta)] = meta

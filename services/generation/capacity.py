@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 from services import knobs
+from services.model.memory_plan import REFERENCE_PREFIX_TOKENS, kv_bytes_per_token
 
-REFERENCE_PREFIX_TOKENS = 512
 REFERENCE_IMAGE_TOKENS = (1024 // 32) ** 2
 QUEUE_CAP = 1024
 
@@ -41,7 +41,7 @@ def measure(model, device, world: int, kv_heads: int | None = None) -> dict:
     """What rank 0 reports with `ready`: the reference job's KV buffer on the busiest rank (`world` CFG ranks;
     `kv_heads` it holds: a Ulysses SP rank 1/sp of the model's, default all), and free memory."""
     itemsize = model.dtype.itemsize if hasattr(model.dtype, "itemsize") else 2
-    per_token = model.num_layers * 2 * (kv_heads or model.num_kv_heads) * model.head_dim * itemsize
+    per_token = kv_bytes_per_token(model.num_layers, kv_heads or model.num_kv_heads, model.head_dim, itemsize)
     branches = -(-2 // world)
     return {"job_kv_bytes": per_token * (REFERENCE_PREFIX_TOKENS + REFERENCE_IMAGE_TOKENS) * branches,
             "available_bytes": available_bytes(device)}

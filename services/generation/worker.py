@@ -16,6 +16,7 @@ import traceback
 
 import torch
 
+from services import knobs
 from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
@@ -118,6 +119,9 @@ def _device(cfg: GenerationConfig, rank: int) -> torch.device:
         return torch.device("cpu")
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
     torch.cuda.set_device(device)
+    frac = knobs.GPU_MEMORY_FRACTION.get()
+    if frac:    # colocate: hold this rank to its share of the card, as understanding does (memory_plan.py)
+        torch.cuda.set_per_process_memory_fraction(float(frac), device)
     return device
 
 

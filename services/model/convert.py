@@ -1,4 +1,4 @@
-"""`u1serve convert SRC DST --to fp8|int8|gguf[:TYPE]`: a float safetensors checkpoint (official schema) as a
+"""`u1serve convert SRC DST --to fp8|int8|gguf[:TYPE]|gguf:TYPE:LAYERS,...`: a float safetensors checkpoint (official schema) as a
 quantised one that the server loads without requantising.
 
 - fp8 / int8: safetensors with the dense Linear layers of both branches (understanding `X` and generation
@@ -6,7 +6,8 @@ quantised one that the server loads without requantising.
   (fp32 [out, 1]), computed by the same quantiser the server runs at load (so serving a converted checkpoint
   gives the bits of `--quantization` on the float one), and config.json's `quantization_config`
   (compressed-tensors, services/model/quant_checkpoint.py). Other tensors are copied bit for bit.
-- gguf[:q8_0|q4_k]: services/model/gguf_io.py (dequantised at load).
+- gguf[:q8_0|q4_k]: services/model/gguf_io.py (dequantised at load); gguf:TYPE:LAYERS,... a per-layer mix
+  (`gguf:q8_0:0-17,q4_k:18-`: 8-bit for the first layers, 4-bit after; unnamed layers stay in the source precision).
 The other files of SRC (tokenizer, ...) are copied.
 """
 from __future__ import annotations
@@ -24,15 +25,16 @@ class ConvertError(ValueError):
     """The source cannot be converted as asked; the message says why."""
 
 
-def parse_target(to: str) -> tuple[str, str | None]:
-    """"fp8" | "int8" | "gguf[:TYPE]" -> (format, gguf type or None)."""
+def parse_target(to: str):
+    """"fp8" | "int8" | "gguf[:TYPE]" | "gguf:TYPE:LAYERS[,TYPE:LAYERS...]" -> (format, gguf_io.LayerTypes or
+    None)."""
     fmt, _, typ = (to or "").strip().lower().partition(":")
     if fmt not in FORMATS or (typ and fmt != "gguf"):
-        raise ConvertError(f"--to must be fp8, int8 or gguf[:TYPE], got {to!r}")
+        raise ConvertError(f"--to must be fp8, int8, gguf[:TYPE] or gguf:TYPE:LAYERS,..., got {to!r}")
     if fmt == "gguf":
-        from .gguf_io import GGUFError, parse_type
+        from .gguf_io import GGUFError, parse_layer_types
         try:
-            return fmt, parse_type(typ)
+            return fmt, parse_layer_types(typ)
         except GGUFError as e:
             raise ConvertError(str(e)) from None
     return fmt, None
@@ -54,8 +56,11 @@ def convert_checkpoint(src: str, dst: str, to: str) -> str:
         raise ConvertError(f"{dst} exists and is not empty")
     os.makedirs(dst, exist_ok=True)
     if fmt == "gguf":
-        from .gguf_io import write_gguf
-        write_gguf(src, dst, gguf_type)
+        from .gguf_io import GGUFError, write_gguf
+        try:
+            write_gguf(src, dst, gguf_type)
+        except GGUFError as e:
+            raise ConvertError(str(e)) from None
     else:
         ignore = _write_quantized(wm, dst, fmt)
         config["quantization_config"] = quantization_config(fmt, ignore)

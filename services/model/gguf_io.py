@@ -8,7 +8,10 @@ GGUF file:
   table, and no llama.cpp architecture describes this model (two weight copies per layer, the fm head), so
   nothing would read renamed tensors; names longer than ggml's 64-byte limit are therefore fine here.
 - metadata: `general.architecture` = "neo_chat" (config.json's model_type), `u1serve.config_json` = the whole
-  config.json (the file is self-describing), `u1serve.gguf_type` = the requested type.
+  config.json (the file is self-describing), `u1serve.gguf_type` = the requested type (or per-layer mix).
+- a per-layer mix (`--to gguf:q8_0:0-17,q4_k:18-`, LayerTypes) gives each decoder layer's targets their own type
+  (a layer no range names, or named `bf16`, keeps the source precision); the loader needs nothing new, it
+  dequantises tensor by tensor whatever each one's type.
 - which tensors are quantised: the dense Linear layers of both branches, the same policy as fp8 / int8
   (`quant_checkpoint.is_target`: q/k/v/o and dense gate/up/down, understanding and `_mot_gen` each with its
   own block scales); everything else (embeddings, norms, the fm head, MoE experts and routers, the vision and
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -73,6 +77,60 @@ def parse_type(name: str) -> str:
     if name not in types:
         raise GGUFError(f"unsupported GGUF type {name!r}: u1serve writes {', '.join(sorted(types))}")
     return name
+
+
+SOURCE = "bf16"       # in a per-layer mix: the layer keeps the source precision
+
+
+@dataclass(frozen=True)
+class LayerTypes:
+    """The GGUF type of each decoder layer's quantised Linear layers (both branches): one type for every layer
+    (`--to gguf:q4_k`) or a per-layer mix (`--to gguf:q8_0:0-17,q4_k:18-`: TYPE:RANGE items, RANGE `a-b`, `a-`
+    or `a`; a layer no range names keeps the source precision, as does TYPE bf16)."""
+    ranges: tuple = ()                 # (first, last or None, type)
+    default: str | None = None         # the type of the layers no range names (None: source precision)
+
+    def type_for(self, layer: int) -> str | None:
+        for first, last, typ in self.ranges:
+            if first <= layer and (last is None or layer <= last):
+                return None if typ == SOURCE else typ
+        return self.default
+
+    def per_layer(self, num_layers: int) -> dict[int, str]:
+        """{layer: type} (SOURCE for the source precision), what memory_plan prices a file by."""
+        return {i: self.type_for(i) or SOURCE for i in range(num_layers)}
+
+    @property
+    def text(self) -> str:
+        if not self.ranges:
+            return self.default or SOURCE
+        return ",".join(f"{t}:{a}-{'' if b is None else b}" for a, b, t in self.ranges)
+
+
+def parse_layer_types(text: str) -> LayerTypes:
+    """`q8_0` | `q4_k` | `TYPE:RANGE[,TYPE:RANGE...]` (LayerTypes) -> LayerTypes; GGUFError names what is wrong."""
+    text = (text or "").strip().lower()
+    if ":" not in text:
+        return LayerTypes(default=parse_type(text))
+    ranges = []
+    for item in text.split(","):
+        typ, _, span = item.strip().partition(":")
+        if typ != SOURCE:
+            parse_type(typ)
+        first, dash, last = span.partition("-")
+        try:
+            a = int(first)
+            b = (int(last) if last else None) if dash else a
+        except ValueError:
+            raise GGUFError(f"layer range {span!r} of {item!r}: write TYPE:FIRST-LAST, TYPE:FIRST- or TYPE:N") from None
+        if a < 0 or (b is not None and b < a):
+            raise GGUFError(f"layer range {span!r} of {item!r} is empty or negative")
+        end = float("inf") if b is None else b
+        for a2, b2, _ in ranges:
+            if a <= (float("inf") if b2 is None else b2) and a2 <= end:
+                raise GGUFError(f"layer range {span!r} overlaps another one in {text!r}")
+        ranges.append((a, b, typ))
+    return LayerTypes(tuple(ranges), None)
 
 
 # ----------------------------------------------------------------------------- Q4_K
@@ -146,32 +204,37 @@ def _encode(t: torch.Tensor, qtype) -> tuple[np.ndarray, object]:
     return t.numpy(), typ
 
 
-def write_gguf(src_dir: str, out_dir: str, type_name: str = DEFAULT_TYPE) -> str:
+def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYPE) -> str:
     """The checkpoint at `src_dir` (safetensors, official schema) as `out_dir/model.gguf` (+ config.json and the
-    tokenizer files copied). Returns out_dir."""
+    tokenizer files copied), its targets in `types` (a LayerTypes or its text). Returns out_dir."""
     from safetensors import safe_open
 
     from .checkpoint_files import weight_map
     from .quant_checkpoint import is_target
     gguf = _gguf()
-    type_name = parse_type(type_name)
-    qtype = write_types()[type_name]
+    types = types if isinstance(types, LayerTypes) else parse_layer_types(types)
+    by_name = write_types()
     with open(os.path.join(src_dir, "config.json")) as f:
         config_text = f.read()
+    num_layers = int(json.loads(config_text)["llm_config"]["num_hidden_layers"])
+    past = [a for a, _, _ in types.ranges if a >= num_layers]
+    if past:
+        raise GGUFError(f"layer range from {past[0]} in {types.text!r}: the model has layers 0-{num_layers - 1}")
     os.makedirs(out_dir, exist_ok=True)
     # use_temp_file: each tensor's bytes go to a (spilling) temp file as it is encoded, so an 8B checkpoint
     # converts without holding the whole file in memory
     w = gguf.GGUFWriter(os.path.join(out_dir, GGUF_FILE), ARCH, use_temp_file=True)
     w.add_name(os.path.basename(os.path.normpath(src_dir)))
     w.add_string(CONFIG_KEY, config_text)
-    w.add_string(TYPE_KEY, type_name)
+    w.add_string(TYPE_KEY, types.text)
     wm = weight_map(src_dir)
     for path in sorted(set(wm.values())):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key)
                 target = key.endswith(".weight") and t.dim() == 2 and is_target(key[: -len(".weight")])
-                data, typ = _encode(t, qtype if target else None)
+                name = types.type_for(int(key.split(".")[3])) if target else None   # targets: layers.N.*
+                data, typ = _encode(t, by_name[name] if name else None)
                 w.add_tensor(key, data, raw_dtype=typ)
     w.write_header_to_file()
     w.write_kv_data_to_file()

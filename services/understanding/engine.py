@@ -17,6 +17,7 @@ from shm_transfer.errors import HandleError
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from services.model.lora_registry import attach_lora
+from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
 
 from .config import EngineConfig
 from .devices import rank_device
@@ -122,10 +123,11 @@ class Engine:
         torch.cuda.set_per_process_memory_fraction(frac, dev)
         total = torch.cuda.get_device_properties(dev).total_memory
         budget = frac * total - torch.cuda.memory_allocated(dev)
-        budget -= max(2 << 30, int(0.1 * budget))   # activations, CUDA graphs, sampling
+        budget -= und_runtime_reserve(budget)   # activations, CUDA graphs, sampling (the memory plan's figure)
         m = self.model
-        per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        fit = max(1024, int(budget // per_token))
+        per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim,
+                                       torch.empty((), dtype=self.dtype).element_size())
+        fit = max(UND_MIN_KV_TOKENS, int(budget // per_token))
         n = min(want, fit)
         if self.tp is not None:
             t = torch.tensor([n], dtype=torch.int64, device=dev)

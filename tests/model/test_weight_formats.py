@@ -165,7 +165,7 @@ def test_unsupported_gguf_type_is_refused(tiny_checkpoint, tmp_path):
         convert_checkpoint(tiny_checkpoint("u1"), str(tmp_path / "x"), "gguf:q2_k")
     r = subprocess.run([sys.executable, "-m", "services.cli", "convert", tiny_checkpoint("u1"), str(tmp_path / "y"),
                         "--to", "int4"], capture_output=True, text=True)
-    assert r.returncode == 2 and "--to must be fp8, int8 or gguf[:TYPE]" in r.stderr
+    assert r.returncode == 2 and "--to must be fp8, int8, gguf[:TYPE] or gguf:TYPE:LAYERS" in r.stderr
 
 
 def test_gguf_tensor_of_an_unread_type_is_refused(converted, tmp_path):

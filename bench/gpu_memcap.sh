@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 42 on one H100 (80 GB) or H200, in ONE call (about 6-7 minutes; each part under its own limit):
+#   accuracy  per format and layer group, the logit error of one decode step and the velocity error of one denoise
+#             step against bf16, 8B geometry, random weights (int8 and fp8: the serving code's W8A8 on the GPU; the
+#             GGUF types are CPU-bound in their encoder and are measured on the tiny checkpoint only)
+#   cap24     both engines colocated, the card capped at 24 GiB (memory fractions that sum to it, enforced as each
+#             process's allocator cap): every format pair `u1serve plan` says fits; chat, 1024² and 2048² images, an
+#             edit, a short interleaved answer, the over-budget requests; peak memory per engine next to the plan
+#   cap48     the same at 48 GiB (bf16 / bf16; PAIRS48=bf16/bf16,int8/int8 adds int8 if there is time)
+# GGUF (Q8_0, Q4_K, a per-layer mix) is not run here: it is dequantised to bf16 at load, so its memory and speed on
+# the GPU are bf16's by construction (docs/model.md); its accuracy is bench_format_accuracy's tiny-CPU table.
+# PAIRS24 / PAIRS48 (und/gen,...) and STEPS override the defaults.
+#
+#   bash bench/gpu_memcap.sh                    # the GPU run
+#   bash bench/gpu_memcap.sh --smoke            # CPU, tiny checkpoint (checks the script; CI: tests/bench)
+#   bash bench/gpu_memcap.sh --only cap24       # one part
+#
+# Writes $OUT/<part>.md / .json, the plans ($OUT/plan-*.txt), then $OUT/memcap.json; OUT defaults to ./out.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+. bench/parts.sh
+parse_args "accuracy,cap24,cap48" "$@"
+. deploy/carried_wheels.sh
+use_carried_wheels
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
+
+if [ "$SMOKE" = 1 ]; then
+  ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2 --up-args "--default-size 64x64"); C24=4; C48=6
+  LACC=300; L24=500; L48=500
+  ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24" || echo "$ONLY")   # CI: one stack
+else
+  nvidia-smi -L | tee "$OUT/gpus.txt" || true
+  ACC=(--device cuda --variant u1-8b --formats int8,fp8)
+  CAP=(--sizes 1024,2048 --steps "${STEPS:-8}"); C24=24; C48=48
+  LACC=120; L24=160; L48=200
+  python -m services.cli tiny-checkpoint "$OUT/u1-8b" --variant u1-8b >/dev/null
+  for cap in 24 48; do   # what the plan predicts, before anything runs
+    python -m services.cli plan --model "$OUT/u1-8b" --gpu-memory "${cap}GiB" --gpu-total "$(nvidia-smi \
+      --query-gpu=memory.total --format=csv,noheader,nounits -i 0)MiB" > "$OUT/plan-$cap.txt" || true
+  done
+fi
+
+run accuracy accuracy "$LACC" python -m bench.bench_format_accuracy "${ACC[@]}"
+run cap24 cap24 "$L24" python -m bench.bench_memcap "${CAP[@]}" --caps "$C24" \
+  --pairs "${PAIRS24:-int8/int8}" --log-dir "$OUT/logs-cap24"
+run cap48 cap48 "$L48" python -m bench.bench_memcap "${CAP[@]}" --caps "$C48" \
+  --pairs "${PAIRS48:-bf16/bf16}" --log-dir "$OUT/logs-cap48"
+finish memcap
