@@ -10,7 +10,9 @@ choices, so the run is bounded on a CPU.
 The schema is the gateway's own, built in this process from the fuzzed gateway's flags (no server needed to
 collect), and the first test checks that the running gateway serves exactly it. Loaded at collection, it takes
 schemathesis's plain `parametrize` (one test per operation): its fixture-loaded form rewrites pytest's private
-`Node._nodeid`, which pytest 9.2 removed (AttributeError on every case)."""
+`Node._nodeid`, which pytest 9.2 removed (AttributeError on every case). Under pytest 9.2 (schemathesis 4.32.5) the
+per-operation tests all report the one node id `test_no_5xx_and_responses_conform` (pytest builds it from the
+function's name): each still runs, and a failed check's report carries the request (its curl line)."""
 import httpx
 import pytest
 import schemathesis
