@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import traceback
 
 import torch
@@ -57,7 +56,9 @@ def run_engine(rank: int, cfg: EngineConfig) -> None:
     ignore_stop_signals()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.tp)))
+    # the process's own thread count (OMP_NUM_THREADS, the CPU affinity) split over the ranks, as the generation
+    # engine and the reference take it: a CPU GEMM's bits depend on it (docs/model.md "Bits")
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.tp)))
     out_sock = None
     try:
         if rank == 0:

@@ -131,11 +131,16 @@ class InterleaveService:
         `<img>` together (the official: the image block, then `<img>` alone), so its transcript is cached first
         (a one-token text request) and the export computes `<img>` alone; iu, a cache hit but for its last
         token, would compute that token alone (the official: the whole prefix once), so it skips the cache (a
-        salt of its own). Returns the per-branch salts for start_job."""
+        salt of its own). tu's salt is its own too (the answer's salt + ":tu"): with cond's it took a hit on the
+        prompt's first token(s) and computed the rest of its head as a smaller block than the official's one
+        block; harmless where only blocks under ~12 rows round differently (MKL's default AVX2 dispatch), not
+        where a row's bits depend on its block's row count at any size (MKL_CBWR=COMPATIBLE: modulo 4; docs/model.md
+        "Bits"). Returns the per-branch salts for start_job."""
         salts = {}
         if TEXT_FREE in inputs:
+            salts[TEXT_FREE] = f"{req.cache_salt or ''}:tu"
             gen = textgen.generate(self.state, f"{rid}:tu", tu, SamplingParams(max_tokens=1, temperature=0.0), False,
-                                   req.cache_salt, req.lora)
+                                   salts[TEXT_FREE], req.lora)
             try:
                 async for ev in gen:
                     if "finish_reason" in ev:
