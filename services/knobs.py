@@ -81,6 +81,18 @@ API_KEY = _knob("U1SERVE_API_KEY", str, None, "the Bearer key the gateway requir
                 "clients (rl, bench) send", "gateway, u1serve up / ray, rl, bench")
 API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "a file of API keys the container entrypoint exports as "
                      "U1SERVE_API_KEY", "docker/entrypoint.sh")
+ADMIN_API_KEY = _knob("U1SERVE_ADMIN_API_KEY", str, None, "the gateway's operator key (--admin-api-key): weight "
+                      "updates and adapter load / unload take it, tenant routes refuse it", "gateway, u1serve up")
+ALLOWED_LOCAL_DIRS = _knob("U1SERVE_ALLOWED_LOCAL_DIRS", str, "", "directories (comma-separated) the engines load "
+                           "runtime adapters and weight updates from (u1serve up --allowed-local-dirs; unset: none, "
+                           "so only uploads and the stack's own --lora-modules)", "engines (kit.local_files)")
+LORA_ALLOWED_DIRS = _knob("U1SERVE_LORA_ALLOWED_DIRS", str, "", "directories (comma-separated) runtime LoRA "
+                          "adapters load from, besides U1SERVE_ALLOWED_LOCAL_DIRS", "engines (kit.local_files)")
+WEIGHTS_ALLOWED_DIRS = _knob("U1SERVE_WEIGHTS_ALLOWED_DIRS", str, "", "directories (comma-separated) weight updates "
+                             "load from, besides U1SERVE_ALLOWED_LOCAL_DIRS", "engines (kit.local_files)")
+WEIGHTS_UPLOAD_DIR = _knob("U1SERVE_WEIGHTS_UPLOAD_DIR", str, "", "where the gateway writes a weight upload for the "
+                           "engines to read (u1serve up: RUN_DIR/uploads; unset: the system temp directory, which "
+                           "the engines then do not read from)", "gateway, engines (kit.local_files)")
 STACK_ID = _knob("U1SERVE_STACK_ID", str, "", "the stack that owns the shm segments a service creates (u1serve up "
                  "sets it): only that stack's launcher removes them", "understanding, generation, kit.yield_signal")
 

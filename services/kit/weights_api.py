@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 
 from services.contract.rl_weights import WeightsCommitBody, WeightsStageBody
 from services.kit.errors import APIError, unavailable, validated
+from services.kit.local_files import checked_path
 from services.kit.lora_api import lora_router
 from services.kit.web import json_body
 
@@ -95,6 +96,9 @@ class WeightsEndpoint:
         return {"weights_version": self.version, "staged": (self.staged or {}).get("version")}
 
     async def stage(self, body: WeightsStageBody) -> dict:
+        # only allowed regular files reach the engine's step loop (kit/local_files.py)
+        paths = {k: await checked_path(getattr(body, k), "weights") for k in ("path", "lora") if getattr(body, k)}
+        body = body.model_copy(update=paths)
         async with self._lock:
             if self.staged is not None and self.staged["id"] != body.id:
                 raise APIError(409, f"another weight update ({self.staged['id']}) is staged on {self.service}; "
