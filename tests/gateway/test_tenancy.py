@@ -190,3 +190,38 @@ def test_a_gateway_without_the_switches_serves_neither(tenancy_stack, side_gatew
         error(c.post("/v1/rl/weights", json={"path": "/x"}), 404, "rl_disabled")
         error(c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}), 404,
               "runtime_lora_disabled")
+
+
+def test_rl_routes_count_against_admission(tenancy_stack, side_gateway, tmp_path):
+    """A rollout holds an admission slot as an image does: with one slot, a second RL request meanwhile is a 429."""
+    import threading
+    keys = tmp_path / "keys"
+    keys.write_text(TENANT_A + "\n")
+    g = side_gateway(f"http://127.0.0.1:{tenancy_stack.und_port}", f"http://127.0.0.1:{tenancy_stack.gen_port}",
+                     "--api-key-file", str(keys), "--enable-rl", "--max-concurrent-requests", "1",
+                     env={"U1SERVE_INTERNAL_TOKEN": tenancy_stack.token})
+    with httpx.Client(base_url=g.base, timeout=180, headers={"Authorization": f"Bearer {TENANT_A}"}) as c:
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=c.post("/v1/rl/rollout", json={
+            **BODY, "num_inference_steps": 40, "return_trajectory": False})))
+        t.start()
+        deadline = time.monotonic() + 60
+        second = None
+        while time.monotonic() < deadline and t.is_alive():
+            second = c.post("/v1/rl/score", json={**BODY, "trajectory_id": "traj-none"})
+            if second.status_code == 429:
+                break
+            time.sleep(0.05)
+        t.join(180)
+        assert first["r"].status_code == 200, first["r"].text
+        assert second is not None and second.status_code == 429, second.text if second is not None else None
+
+
+def test_the_score_body_limit_is_what_generation_takes():
+    from services.contract.rl import MAX_SCORE_BODY_BYTES, MAX_TRAJECTORY_UPLOAD_BYTES
+    from services.gateway.bodies import body_rules
+    from services.gateway.config import GatewayConfig
+    from services.generation.routers.rl import MAX_UPLOAD_BYTES
+    limit = body_rules(GatewayConfig()).rule("/v1/rl/score").max_bytes
+    assert MAX_UPLOAD_BYTES == MAX_TRAJECTORY_UPLOAD_BYTES and limit == MAX_SCORE_BODY_BYTES
+    assert MAX_UPLOAD_BYTES * 4 / 3 < limit < MAX_UPLOAD_BYTES * 4 / 3 + (8 << 20)
