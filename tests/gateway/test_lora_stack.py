@@ -1,6 +1,7 @@
 """Multi-LoRA through a real `u1serve up` stack on the tiny checkpoint (CPU): adapters picked by `model` on both
 engines, a batch mixing adapters equals each request alone, prefix-cache entries keyed by the adapter, load and
-unload behind the operator key (a tenant key is a 403, a path outside --allowed-local-dirs a 400), and an unload while a request uses the adapter (docs/lora.md)."""
+unload behind the operator key (a tenant key is a 403, a path outside --allowed-local-dirs a 400), and an unload
+while a request uses the adapter (docs/lora.md)."""
 import itertools
 import threading
 
