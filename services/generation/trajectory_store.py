@@ -6,8 +6,8 @@ recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_
 to an owner (the gateway's hash of the tenant's key, contract.rl.OWNER_HEADER; "open" without keys): any other
 owner gets the same 404 as for an id never stored. An owner holds at most `owner_max_bytes` (its own least
 recently used trajectories make room first), and when the whole store is full the owner holding the most
-bytes gives up its least recently used one: a tenant within its fair share is never evicted by another. The wire format is
-safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
+bytes gives up its least recently used one: a tenant within its fair share is never evicted by another.
+The wire format is safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
 `sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON. `blob()` serves
 those bytes as views of the stored arrays (streamed by range, never joined: a trajectory is GBs); `reader()` is one
 GET's hold on them. A trajectory deleted or evicted while it is streamed leaves the store at once (404 for any new
