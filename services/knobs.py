@@ -83,13 +83,19 @@ API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "a file of API keys the 
                      "U1SERVE_API_KEY", "docker/entrypoint.sh")
 ADMIN_API_KEY = _knob("U1SERVE_ADMIN_API_KEY", str, None, "the gateway's operator key (--admin-api-key): weight "
                       "updates and adapter load / unload take it, tenant routes refuse it", "gateway, u1serve up")
-ALLOWED_LOCAL_DIRS = _knob("U1SERVE_ALLOWED_LOCAL_DIRS", str, "", "directories (comma-separated) the engines load "
-                           "runtime adapters and weight updates from (u1serve up --allowed-local-dirs; unset: none, "
-                           "so only uploads and the stack's own --lora-modules)", "engines (kit.local_files)")
-LORA_ALLOWED_DIRS = _knob("U1SERVE_LORA_ALLOWED_DIRS", str, "", "directories (comma-separated) runtime LoRA "
-                          "adapters load from, besides U1SERVE_ALLOWED_LOCAL_DIRS", "engines (kit.local_files)")
-WEIGHTS_ALLOWED_DIRS = _knob("U1SERVE_WEIGHTS_ALLOWED_DIRS", str, "", "directories (comma-separated) weight updates "
-                             "load from, besides U1SERVE_ALLOWED_LOCAL_DIRS", "engines (kit.local_files)")
+
+
+def _dirs(name: str, what: str) -> Knob:
+    """Directories (comma-separated) the engines read `what` from (kit.local_files; unset: none)."""
+    return _knob(name, str, "", f"directories (comma-separated) {what}", "engines (kit.local_files)")
+
+
+ALLOWED_LOCAL_DIRS = _dirs("U1SERVE_ALLOWED_LOCAL_DIRS", "the engines load runtime adapters and weight updates from "
+                           "(u1serve up --allowed-local-dirs; unset: none, so only uploads and --lora-modules)")
+LORA_ALLOWED_DIRS = _dirs("U1SERVE_LORA_ALLOWED_DIRS", "runtime LoRA adapters load from, besides "
+                          "U1SERVE_ALLOWED_LOCAL_DIRS (u1serve up --lora-allowed-dirs)")
+WEIGHTS_ALLOWED_DIRS = _dirs("U1SERVE_WEIGHTS_ALLOWED_DIRS", "weight updates load from, besides "
+                             "U1SERVE_ALLOWED_LOCAL_DIRS (u1serve up --weights-allowed-dirs)")
 WEIGHTS_UPLOAD_DIR = _knob("U1SERVE_WEIGHTS_UPLOAD_DIR", str, "", "where the gateway writes a weight upload for the "
                            "engines to read (u1serve up: RUN_DIR/uploads; unset: the system temp directory, which "
                            "the engines then do not read from)", "gateway, engines (kit.local_files)")
