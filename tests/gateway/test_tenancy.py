@@ -225,3 +225,33 @@ def test_the_score_body_limit_is_what_generation_takes():
     limit = body_rules(GatewayConfig()).rule("/v1/rl/score").max_bytes
     assert MAX_UPLOAD_BYTES == MAX_TRAJECTORY_UPLOAD_BYTES and limit == MAX_SCORE_BODY_BYTES
     assert MAX_UPLOAD_BYTES * 4 / 3 < limit < MAX_UPLOAD_BYTES * 4 / 3 + (8 << 20)
+
+
+def test_trajectory_fetches_are_bounded(tenancy_stack, side_gateway, tmp_path):
+    """With one relay allowed, a fetch whose client reads nothing holds it: a second fetch is a 429 meanwhile, and
+    is served once the first client goes away."""
+    import socket
+    keys = tmp_path / "keys"
+    keys.write_text(TENANT_A + "\n")
+    g = side_gateway(f"http://127.0.0.1:{tenancy_stack.und_port}", f"http://127.0.0.1:{tenancy_stack.gen_port}",
+                     "--api-key-file", str(keys), "--enable-rl", "--rl-max-trajectory-fetches", "1",
+                     env={"U1SERVE_INTERNAL_TOKEN": tenancy_stack.token})
+    with httpx.Client(base_url=g.base, timeout=300, headers={"Authorization": f"Bearer {TENANT_A}"}) as c:
+        r = c.post("/v1/rl/rollout", json={**BODY, "size": "256x256", "num_inference_steps": 4, "group_size": 8,
+                                            "return_images": False})
+        assert r.status_code == 200, r.text
+        tid = r.json()["trajectory_id"]                  # 8 x 5 x 3 x 256 x 256 x 4 bytes: ~31 MB
+        held = socket.create_connection(("127.0.0.1", g.port))
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        held.sendall(f"GET /v1/rl/trajectories/{tid} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     f"Authorization: Bearer {TENANT_A}\r\n\r\n".encode())
+        assert held.recv(12).startswith(b"HTTP/1.1 200")
+        try:
+            error(c.get(f"/v1/rl/trajectories/{tid}"), 429, "overloaded")
+        finally:
+            held.close()
+        deadline = time.monotonic() + 30
+        while (got := c.get(f"/v1/rl/trajectories/{tid}")).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got.status_code == 200 and len(got.content) > 30_000_000
+        assert c.delete(f"/v1/rl/trajectories/{tid}").status_code == 200
