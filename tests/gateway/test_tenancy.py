@@ -5,6 +5,7 @@ only from the allowed directories and only regular files (a FIFO is refused at o
 sizes are refused before any job, a huge Range number is a 416, a gateway without --enable-rl /
 --enable-runtime-lora serves neither. No answer is a 5xx."""
 import os
+import re
 import struct
 import time
 
@@ -35,6 +36,9 @@ def tenancy_stack(tiny_checkpoint, tmp_path_factory):
     s.allowed, s.outside, s.tiny = allowed, d, tiny
     yield s
     s.stop_clean()
+    answers = "".join(open(os.path.join(d, "logs", name)).read() for name in os.listdir(d / "logs"))
+    assert not re.findall(r".*-> 5\d\d .*", answers), "a 5xx answer"
+    assert "Traceback" not in answers
 
 
 def client(stack, key):
