@@ -83,6 +83,24 @@ API_KEY_FILE = _knob("U1SERVE_API_KEY_FILE", str, None, "the tenants' key file (
                      "entrypoint checks and passes as the gateway's --api-key-file", "docker/entrypoint.sh")
 ADMIN_API_KEY_FILE = _knob("U1SERVE_ADMIN_API_KEY_FILE", str, None, "the operators' key file the container "
                            "entrypoint checks and passes as the gateway's --admin-api-key-file", "docker/entrypoint.sh")
+ADMIN_API_KEY = _knob("U1SERVE_ADMIN_API_KEY", str, None, "the gateway's operator key (--admin-api-key): weight "
+                      "updates and adapter load / unload take it, tenant routes refuse it", "gateway, u1serve up")
+
+
+def _dirs(name: str, what: str) -> Knob:
+    """Directories (comma-separated) the engines read `what` from (kit.local_files; unset: none)."""
+    return _knob(name, str, "", f"directories (comma-separated) {what}", "engines (kit.local_files)")
+
+
+ALLOWED_LOCAL_DIRS = _dirs("U1SERVE_ALLOWED_LOCAL_DIRS", "the engines load runtime adapters and weight updates from "
+                           "(u1serve up --allowed-local-dirs; unset: none, so only uploads and --lora-modules)")
+LORA_ALLOWED_DIRS = _dirs("U1SERVE_LORA_ALLOWED_DIRS", "runtime LoRA adapters load from, besides "
+                          "U1SERVE_ALLOWED_LOCAL_DIRS (u1serve up --lora-allowed-dirs)")
+WEIGHTS_ALLOWED_DIRS = _dirs("U1SERVE_WEIGHTS_ALLOWED_DIRS", "weight updates load from, besides "
+                             "U1SERVE_ALLOWED_LOCAL_DIRS (u1serve up --weights-allowed-dirs)")
+WEIGHTS_UPLOAD_DIR = _knob("U1SERVE_WEIGHTS_UPLOAD_DIR", str, "", "where the gateway writes a weight upload for the "
+                           "engines to read (u1serve up: RUN_DIR/uploads; unset: the system temp directory, which "
+                           "the engines then do not read from)", "gateway, engines (kit.local_files)")
 STACK_ID = _knob("U1SERVE_STACK_ID", str, "", "the stack that owns the shm segments a service creates (u1serve up "
                  "sets it): only that stack's launcher removes them", "understanding, generation, kit.yield_signal")
 

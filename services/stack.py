@@ -199,12 +199,45 @@ def build_gateway(args, ctx) -> "ServiceSpec":
         env[knobs.API_KEY.name] = ctx["api_key"]
     if getattr(args, "api_key_file", None):
         argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
+    argv += tenancy_gateway_flags(args)
     return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
 
 
+def tenancy_gateway_flags(args) -> list[str]:
+    """The gateway flags of roles and opt-in features (issue 37): the operator key file (a path, not a secret),
+    --enable-rl, --enable-runtime-lora."""
+    argv = ["--admin-api-key-file", args.admin_api_key_file] if getattr(args, "admin_api_key_file", None) else []
+    return argv + [flag for flag, on in (("--enable-rl", getattr(args, "enable_rl", False)),
+                                         ("--enable-runtime-lora", getattr(args, "enable_runtime_lora", False)))
+                   if on]
+
+
+def allowed_dirs_env(args) -> dict[str, str]:
+    """The engines' environment for --allowed-local-dirs / --lora-allowed-dirs / --weights-allowed-dirs
+    (absolute paths; a missing directory is an error here)."""
+    env = {}
+    for knob, attr in ((knobs.ALLOWED_LOCAL_DIRS, "allowed_local_dirs"), (knobs.LORA_ALLOWED_DIRS, "lora_allowed_dirs"),
+                       (knobs.WEIGHTS_ALLOWED_DIRS, "weights_allowed_dirs")):
+        dirs = [d for item in getattr(args, attr, None) or [] for d in item.split(",") if d.strip()]
+        for d in dirs:
+            if not os.path.isdir(d):
+                raise SystemExit(f"--{attr.replace('_', '-')} {d!r}: not a directory")
+        if dirs:
+            env[knob.name] = ",".join(os.path.realpath(d) for d in dirs)
+    return env
+
+
+def upload_dir_env(run_dir: str, dry_run: bool) -> dict[str, str]:
+    """Where the gateway writes weight uploads and the engines may read them (private to the stack's user)."""
+    path = os.path.join(run_dir, "uploads")
+    if not dry_run:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    return {knobs.WEIGHTS_UPLOAD_DIR.name: os.path.realpath(path)}
+
+
 SERVICE_BUILDERS: list[Callable] = [build_und, build_gen, build_gateway]
-SECRET_ENV = (knobs.INTERNAL_TOKEN.name, knobs.API_KEY.name)   # never printed, never on a command line
-_SECRET_FLAGS = ("--internal-token", "--api-key")
+SECRET_ENV = (knobs.INTERNAL_TOKEN.name, knobs.API_KEY.name, knobs.ADMIN_API_KEY.name)   # never printed or on argv
+_SECRET_FLAGS = ("--internal-token", "--api-key", "--admin-api-key")
 
 
 def resolve_ports(args: argparse.Namespace, probe: bool = True) -> None:
@@ -237,6 +270,9 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
             raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
                              "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
     token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)
+    if getattr(args, "admin_api_key_file", None):
+        read_secrets(None, args.admin_api_key_file, knobs.ADMIN_API_KEY)     # readable, with at least one key
+        args.admin_api_key_file = os.path.abspath(args.admin_api_key_file)
     if args.api_key_file:
         read_secrets(None, args.api_key_file, knobs.API_KEY)     # readable, with at least one key
         args.api_key_file = os.path.abspath(args.api_key_file)
@@ -385,7 +421,8 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
-        "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args)}, "api_key": api_key,
+        "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args),
+                **allowed_dirs_env(args), **upload_dir_env(run_dir, dry_run)}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
         "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
         "yield_page": qos_page(qos, pool), "yield_share": qos.yield_share,
@@ -475,6 +512,19 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "(default: U1SERVE_API_KEY, else open)")
     p.add_argument("--api-key", default=None,
                    help="the key itself (visible in /proc to local users: prefer the file or the environment)")
+    # roles, opt-in features and where the engines read files from (issue 37; docs/deployment.md)
+    p.add_argument("--admin-api-key-file", default=None,
+                   help="file with the operator keys (one per line): weight updates and adapter load / unload need "
+                        "one, tenant routes refuse them (default: U1SERVE_ADMIN_API_KEY, else no operator)")
+    p.add_argument("--enable-rl", action="store_true", help="serve the RL routes /v1/rl/* (off by default)")
+    p.add_argument("--enable-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    p.add_argument("--allowed-local-dirs", action="append", default=[], metavar="DIR[,DIR]",
+                   help="directories the engines load runtime adapters and weight updates from (default: none)")
+    p.add_argument("--lora-allowed-dirs", action="append", default=[], metavar="DIR[,DIR]",
+                   help="directories runtime adapters load from (besides --allowed-local-dirs)")
+    p.add_argument("--weights-allowed-dirs", action="append", default=[], metavar="DIR[,DIR]",
+                   help="directories weight updates load from (besides --allowed-local-dirs)")
     p.add_argument("--model-name", default=None,
                    help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
     p.add_argument("--default-size", default=None, help="default image size WxH")

@@ -19,11 +19,19 @@ MAX_RL_PROMPTS = 64
 MAX_GROUP_SIZE = 64
 MAX_RL_SAMPLES = 256               # prompts x group_size of one rollout
 MAX_TRAJECTORY_ID_CHARS = 128
+MAX_TRAJECTORY_UPLOAD_BYTES = 64 << 20     # an uploaded trajectory generation stores for a score
+# the public score body: that upload as base64, plus the rest of the request (prompts, think tokens)
+MAX_SCORE_BODY_BYTES = 4 * -(-MAX_TRAJECTORY_UPLOAD_BYTES // 3) + (4 << 20)
 DEFAULT_WEIGHTS_VERSION = "0"      # the version a stack starts with (rl-weights' updates move it)
 SdeKind = Literal["flow", "dance", "cps"]
 WeightsChoice = Literal["current", "reference"]
 _SIZE = re.compile(r"\s*([0-9]{2,5})\s*[xX]\s*([0-9]{2,5})\s*")
 _TRAJ_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# Who owns a stored trajectory (issue 37): the gateway's hash of the tenant's key (never the key), in the job
+# bodies (`owner`) and as this header on the trajectory routes; OPEN_OWNER on a keyless gateway.
+OWNER_HEADER = "x-u1-owner"
+OPEN_OWNER = "open"
+OWNER_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -237,6 +245,7 @@ class RolloutSpec(BaseModel):
     trajectory_id: Optional[str] = Field(None, max_length=MAX_TRAJECTORY_ID_CHARS)
     part: Int = Field(0, ge=0, le=MAX_RL_SAMPLES, description="this job's order inside the trajectory")
     return_images: bool = True
+    owner: str = Field(OPEN_OWNER, pattern=OWNER_PATTERN, description="who the trajectory belongs to")
 
     _tid = field_validator("trajectory_id")(classmethod(lambda cls, v: check_trajectory_id(v)))
 
@@ -262,6 +271,7 @@ class ScoreJobRequest(GenerateRequest):
     trajectory_id: str = Field(min_length=1, max_length=MAX_TRAJECTORY_ID_CHARS)
     part: Int = Field(0, ge=0, le=MAX_RL_SAMPLES, description="the first sample's index in the trajectory")
     weights: WeightsChoice = "current"
+    owner: str = Field(OPEN_OWNER, pattern=OWNER_PATTERN, description="the trajectory's owner (else a 404)")
     _latents: object = PrivateAttr(None)     # f32 [n, N+1, 3, H, W], set by the generation server (pickled along)
 
     def with_latents(self, latents) -> "ScoreJobRequest":

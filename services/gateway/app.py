@@ -21,6 +21,7 @@ from .drain import DrainMiddleware
 from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
 from .probation import ProbationMiddleware
+from .roles import RoleMiddleware
 from .routers import chat, images, lora, ops, playground, rl, rl_weights
 from .state import GatewayState
 
@@ -56,8 +57,10 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     app.add_middleware(DrainMiddleware, drain=state.drain)
     if not cfg.api_keys:
         app.add_middleware(HostCheckMiddleware, cfg=cfg)
+    app.add_middleware(RoleMiddleware, cfg=cfg)        # tenant / operator routes, opt-in features (roles.py)
+    keys = cfg.api_keys + cfg.admin_api_keys
     app.add_middleware(ServiceMiddleware, service="gateway",
-                       auth=ApiKeyAuth(cfg.api_keys, key_paths(cfg)) if cfg.api_keys else None, unique_ids=True,
+                       auth=ApiKeyAuth(keys, key_paths(cfg)) if keys else None, unique_ids=True,
                        hooks=state.metrics)
     if cfg.allowed_origins:       # outside the key check: a preflight carries no credentials
         app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["GET", "POST", "DELETE"],

@@ -4,6 +4,7 @@ DEFAULT_BODY. A route with other needs declares its line here (as the RL routes 
 trajectory sent back as base64). Operators change a route's limit with `--route-body-mb PATH=MB`; `--max-body-mb` caps every route."""
 from __future__ import annotations
 
+from services.contract.rl import MAX_SCORE_BODY_BYTES
 from services.kit.bodies import JSON, MULTIPART, BodyRule, BodyRules
 
 from .config import GatewayConfig
@@ -17,7 +18,8 @@ ROUTE_BODIES: dict[str, BodyRule] = {
     "/v1/images/edits": BodyRule(32 * MiB, media_types=(JSON, MULTIPART)),   # up to 4 input images
     "/v1/images/generations": BodyRule(1 * MiB),                        # a prompt and options
     "/v1/rl/rollout": BodyRule(256 * MiB),                 # up to 64 prompts, each with its edit input images
-    "/v1/rl/score": BodyRule(1024 * MiB),                  # the rollout again, maybe with its trajectory (base64)
+    "/v1/rl/score": BodyRule(MAX_SCORE_BODY_BYTES),        # the rollout again, maybe with a trajectory generation
+                                                           # takes (base64 of at most MAX_TRAJECTORY_UPLOAD_BYTES)
     "/v1/rl/weights/upload": BodyRule(UPLOAD_MAX_BYTES, media_types=(OCTETS,)),   # a safetensors file
 }
 DEFAULT_BODY = BodyRule(1 * MiB)

@@ -95,8 +95,22 @@ class GatewayConfig:
     strike_hold_s: float = 3.0                # 0 = no strikes
     strike_decay_s: float = 120.0             # probation per strike; strikes drain one per this
     forwarded_allow_ips: str | None = None    # proxies whose X-Forwarded-For is the client; None: uvicorn's
+    # ---- roles, opt-in features and RL limits (issue 37; docs/deployment.md "Tenants and the operator") ----
+    admin_api_keys: tuple[str, ...] = ()      # operator keys: weight updates, adapter load / unload; never a tenant's
+    enable_rl: bool = False                   # /v1/rl/* (rollout, score, trajectories, weights): off unless asked
+    enable_runtime_lora: bool = False         # /v1/load_lora_adapter, /v1/unload_lora_adapter: off unless asked
+    rl_max_trajectory_bytes: int = 4096 * MiB  # one rollout's trajectory (S x (N+1) x 3 x H x W float32)
+    rl_max_pixel_steps: int = 1 << 32         # one RL request's samples x steps x pixels
+    rl_max_trajectory_fetches: int = 8        # trajectory downloads relayed at once (more: 429)
 
     def __post_init__(self) -> None:
+        if self.admin_api_keys and not self.api_keys:
+            raise ValueError("--admin-api-key(-file) needs tenant keys too (--api-key / --api-key-file): the "
+                             "tenant routes would be open")
+        if set(self.admin_api_keys) & set(self.api_keys):
+            raise ValueError("a key is both a tenant key and an operator key: give the operator its own")
+        if min(self.rl_max_trajectory_bytes, self.rl_max_pixel_steps, self.rl_max_trajectory_fetches) < 1:
+            raise ValueError("the RL limits must be positive")
         tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
                      "max_pixels": self.max_pixels <= L.MAX_IMAGE_SIDE ** 2, "max_steps": self.max_steps <= L.MAX_STEPS,
                      "max_prompt_chars": self.max_prompt_chars <= L.MAX_PROMPT_CHARS,
@@ -235,6 +249,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--forwarded-allow-ips", default=None,
          help="comma-separated proxy addresses (or '*') whose X-Forwarded-For header is taken as the client's "
               "address (strikes, logs); default: uvicorn's, FORWARDED_ALLOW_IPS or 127.0.0.1,::1")
+    # ---- roles, opt-in features and RL limits (issue 37) ----
+    p.add_argument("--admin-api-key", default=None,
+                   help="the operator key: weight updates and adapter load / unload need it, tenant routes refuse "
+                        f"it (env {knobs.ADMIN_API_KEY.name})")
+    p.add_argument("--admin-api-key-file", default=None, help="file with the operator keys, one per line ('#' "
+                   "comments and blank lines skipped; an empty file is an error)")
+    _bool(p, "--enable-rl", "serve the RL routes /v1/rl/* (rollout, score, trajectories, weight updates)")
+    _bool(p, "--enable-runtime-lora", "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (operator key)")
+    _add(p, "--rl-max-trajectory-mb", type=float, default=GatewayConfig.rl_max_trajectory_bytes / MiB,
+         help="the largest trajectory one rollout may store (samples x (steps+1) x 3 x H x W x 4 bytes)")
+    _add(p, "--rl-max-pixel-steps", type=int, default=GatewayConfig.rl_max_pixel_steps,
+         help="the most samples x steps x pixels one RL request may ask for")
+    _add(p, "--rl-max-trajectory-fetches", type=int, default=GatewayConfig.rl_max_trajectory_fetches,
+         help="trajectory downloads relayed at once; more get 429")
     _add(p, "--log-level", default="info")
     return p
 
@@ -266,6 +294,14 @@ def _route_limits(items: list[str]) -> dict[str, int]:
 
 def _split_urls(items: list[str]) -> list[str]:
     return [u.strip().rstrip("/") for item in items for u in item.split(",") if u.strip()]
+
+
+def _tenancy(args: argparse.Namespace) -> dict:
+    """The issue-37 fields of the config (roles, opt-in features, RL limits)."""
+    return {"admin_api_keys": tuple(read_secrets(args.admin_api_key, args.admin_api_key_file, knobs.ADMIN_API_KEY)),
+            "enable_rl": args.enable_rl, "enable_runtime_lora": args.enable_runtime_lora,
+            "rl_max_trajectory_bytes": int(args.rl_max_trajectory_mb * MiB),
+            "rl_max_pixel_steps": args.rl_max_pixel_steps, "rl_max_trajectory_fetches": args.rl_max_trajectory_fetches}
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -302,6 +338,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s,
             graceful_shutdown_s=args.graceful_shutdown_s, stream_write_timeout_s=args.stream_write_timeout_s,
             stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024, strike_hold_s=args.strike_hold_s,
-            strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips)
+            strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips,
+            **_tenancy(args))
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

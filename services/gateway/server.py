@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     host = bind_host(cfg)
     logging.getLogger("u1serve.gateway").info(
         "gateway on %s:%d -> understanding %s, generation %s (API key %s; %s)", host, args.port, cfg.und_urls,
-        cfg.gen_urls, f"on, {len(cfg.api_keys)} key(s)" if cfg.api_keys else "off", exposure_note(cfg))
+        cfg.gen_urls, f"on, {len(cfg.api_keys)} tenant key(s), {len(cfg.admin_api_keys)} operator key(s)"
+        if cfg.api_keys else "off", exposure_note(cfg) + f"; RL routes {'on' if cfg.enable_rl else 'off'}, runtime "
+        f"LoRA loading {'on' if cfg.enable_runtime_lora else 'off'}")
     app = create_app(cfg)
     state = app.state.gateway
     strikes = hold_reporter(state.ledger, ADMITTED_PATHS, state.metrics.strikes.inc, logging.getLogger("u1serve.gateway"))

@@ -32,6 +32,8 @@ class GatewayState:
     monitor: ReplicaMonitor        # replica discovery, health, load
     drain: Drain                   # on SIGTERM: when requests in flight must end
     ledger: ClientLedger           # strikes of clients that held responses unread (probation.py)
+    rl_fetches: AdmissionGate      # trajectory downloads relayed at once (routers/rl.py)
+    weight_uploads: AdmissionGate  # one weight upload at a time (routers/rl_weights.py)
 
     @classmethod
     def create(cls, cfg: GatewayConfig) -> "GatewayState":
@@ -52,7 +54,9 @@ class GatewayState:
                    orchestrator=Orchestrator(cfg, http, und, gen, metrics, janitor),
                    images=ImageChecker(cfg.images, cfg.image_workers),
                    admission=AdmissionGate(cfg.max_concurrent_requests, "requests"), janitor=janitor,
-                   monitor=monitor, drain=Drain(cfg.graceful_shutdown_s), ledger=ledger)
+                   monitor=monitor, drain=Drain(cfg.graceful_shutdown_s), ledger=ledger,
+                   rl_fetches=AdmissionGate(cfg.rl_max_trajectory_fetches, "trajectory fetches"),
+                   weight_uploads=AdmissionGate(1, "weight uploads"))
 
     async def start(self) -> None:
         await self.monitor.start()

@@ -122,7 +122,11 @@ class ServerConfig:
         "larger image still passes)"))
     encode_threads: int = field(default=2, metadata=flag("threads encoding images (PNG / JPEG / WebP)"))
     rl_trajectory_store_mb: float = field(default=4096.0, metadata=flag(
-        "host memory for RL rollout trajectories (LRU by bytes)"))
+        "host memory for RL rollout trajectories (LRU by bytes; when full, the owner holding the most gives up "
+        "its least recently used first)"))
+    rl_trajectory_owner_mb: float = field(default=0.0, metadata=flag(
+        "the most one owner (a tenant's API key) may keep in the trajectory store; its own least recently used "
+        "trajectories make room first; 0: the whole store"))
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

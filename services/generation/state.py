@@ -68,7 +68,8 @@ class GenerationState:
             perf=EnginePerfMetrics(metrics.registry), keeper=keeper, engine=engine,
             weights=weights_endpoint(engine),
             encoder=ThreadPoolExecutor(max_workers=server.encode_threads, thread_name_prefix="u1-encode"),
-            trajectories=TrajectoryStore(int(server.rl_trajectory_store_mb * (1 << 20))))
+            trajectories=TrajectoryStore(int(server.rl_trajectory_store_mb * (1 << 20)),
+                                         int(server.rl_trajectory_owner_mb * (1 << 20)) or None))
         engine.on_stats, engine.on_restart = state.on_stats, state.on_restart   # before the engine starts
         return state
 

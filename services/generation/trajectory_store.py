@@ -2,8 +2,12 @@
 
 A trajectory is one rollout's samples, filled in parts (one part per generation job: a group over one prefix,
 or one sample with its own think prefix), each keyed by its first sample's index. Bounded by bytes: the least
-recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_found`). The wire format is
-safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
+recently used trajectory is evicted first (an evicted id is 404 `trajectory_not_found`). Each trajectory belongs
+to an owner (the gateway's hash of the tenant's key, contract.rl.OWNER_HEADER; "open" without keys): any other
+owner gets the same 404 as for an id never stored. An owner holds at most `owner_max_bytes` (its own least
+recently used trajectories make room first), and when the whole store is full the owner holding the most
+bytes gives up its least recently used one: a tenant within its fair share is never evicted by another.
+The wire format is safetensors: `latents` f32 [S, N+1, 3, H, W], `timesteps` f32 [N+1], `logprobs` f32 [S, N] (NaN on ODE steps),
 `sde_mask` u8 [N]; the metadata holds the rollout parameters and the weights version as JSON. `blob()` serves
 those bytes as views of the stored arrays (streamed by range, never joined: a trajectory is GBs); `reader()` is one
 GET's hold on them. A trajectory deleted or evicted while it is streamed leaves the store at once (404 for any new
@@ -20,6 +24,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from services.contract.rl import OPEN_OWNER
 from services.kit.errors import APIError, bad_request
 
 
@@ -87,6 +92,7 @@ class Part:
 @dataclass
 class Trajectory:
     parts: dict[int, Part] = field(default_factory=dict)     # first sample index -> part
+    owner: str = OPEN_OWNER            # who made it (only they read, score or delete it)
     readers: int = 0                   # open streams of it (Reader)
     draining: int = 0                  # its bytes, once it left the store while readers held it
 
@@ -126,68 +132,103 @@ class Reader:
 
 
 class TrajectoryStore:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, owner_max_bytes: Optional[int] = None):
         self.max_bytes = int(max_bytes)
+        self.owner_max_bytes = min(int(owner_max_bytes or max_bytes), self.max_bytes)
         self._lock = threading.Lock()
         self._items: collections.OrderedDict[str, Trajectory] = collections.OrderedDict()
         self._bytes = 0
+        self._owned: collections.Counter[str] = collections.Counter()   # owner -> bytes in the store
         self._draining = 0                   # bytes of trajectories gone from the store that streams still read
         self._streams = 0                    # open Readers
 
-    def put(self, tid: str, first_sample: int, part: Part) -> None:
-        """Add a part; evicts least recently used trajectories (never the one being filled) to stay in bounds.
-        A part larger than the whole store is refused (413)."""
-        if part.nbytes > self.max_bytes:
-            raise APIError(413, f"a trajectory part of {part.nbytes} bytes exceeds the store "
-                           f"({self.max_bytes} bytes, --rl-trajectory-store-mb)", code="trajectory_too_large")
+    def check_fits(self, nbytes: int) -> None:
+        """413 before any work when a part of `nbytes` could never be stored (the rollout's pre-check)."""
+        limit = self.owner_max_bytes
+        if nbytes > limit:
+            raise APIError(413, f"this rollout's trajectory ({nbytes} bytes) exceeds what one tenant may keep in "
+                           f"the store ({limit} bytes, --rl-trajectory-owner-mb / --rl-trajectory-store-mb): ask "
+                           "for fewer samples, steps or pixels, or return_trajectory=false",
+                           code="trajectory_too_large")
+
+    def put(self, tid: str, first_sample: int, part: Part, owner: str = OPEN_OWNER) -> None:
+        """Add a part; evicts least recently used trajectories (never the one being filled; the owner's own
+        first, then the biggest owner's) to stay in bounds. A part that cannot fit is refused (413)."""
+        self.check_fits(part.nbytes)
         with self._lock:
-            traj = self._items.pop(tid, None) or Trajectory()
+            traj = self._items.pop(tid, None)
+            if traj is not None and traj.owner != owner:
+                self._items[tid] = traj
+                raise not_found(tid)
+            traj = traj or Trajectory(owner=owner)
             old = traj.parts.get(first_sample)
             if old is not None:
-                self._bytes -= old.nbytes
+                self._take(traj, -old.nbytes)
             traj.parts[first_sample] = part
-            self._bytes += part.nbytes
-            while self._bytes > self.max_bytes and self._items:
-                self._left(self._items.popitem(last=False)[1])
+            self._take(traj, part.nbytes)
+            while self._owned[owner] > self.owner_max_bytes and self._evict_of(owner):
+                pass
+            while self._bytes > self.max_bytes and any(self._evict_of(o) for o, _ in self._owned.most_common()):
+                pass                          # the biggest owner first (the next if it holds only `tid`)
             self._items[tid] = traj
-            if self._bytes > self.max_bytes:          # only this trajectory left and still too big
-                traj.parts.pop(first_sample)
-                self._bytes -= part.nbytes
-                raise APIError(413, "this trajectory no longer fits the store (--rl-trajectory-store-mb)",
-                               code="trajectory_too_large")
+            if self._bytes > self.max_bytes or self._owned[owner] > self.owner_max_bytes:
+                traj.parts.pop(first_sample)         # only this trajectory left and still too big
+                self._take(traj, -part.nbytes)
+                if not traj.parts:
+                    self._items.pop(tid)
+                raise APIError(413, "this trajectory no longer fits the store (--rl-trajectory-store-mb, "
+                               "--rl-trajectory-owner-mb)", code="trajectory_too_large")
 
-    def get(self, tid: str) -> Trajectory:
+    def _take(self, traj: Trajectory, nbytes: int) -> None:
+        self._bytes += nbytes
+        self._owned[traj.owner] += nbytes
+        if self._owned[traj.owner] <= 0:
+            del self._owned[traj.owner]
+
+    def _evict_of(self, owner: str) -> bool:
+        """Evict the least recently used trajectory of `owner` other than the one being filled (it is out of
+        `_items` meanwhile); False when there is none."""
+        for tid, traj in self._items.items():
+            if traj.owner == owner:
+                del self._items[tid]
+                self._left(traj)
+                return True
+        return False
+
+    def get(self, tid: str, owner: str = OPEN_OWNER) -> Trajectory:
         with self._lock:
-            return self._touch(tid)
+            return self._touch(tid, owner)
 
-    def _touch(self, tid: str) -> Trajectory:
-        """The trajectory, now the most recently used (lock held; 404 when it is not stored)."""
+    def _touch(self, tid: str, owner: str) -> Trajectory:
+        """The trajectory, now the most recently used (lock held; 404 when it is not stored or not `owner`'s)."""
         traj = self._items.get(tid)
-        if traj is None:
+        if traj is None or traj.owner != owner:
             raise not_found(tid)
         self._items.move_to_end(tid)
         return traj
 
-    def delete(self, tid: str) -> bool:
+    def delete(self, tid: str, owner: str = OPEN_OWNER) -> bool:
         with self._lock:
-            traj = self._items.pop(tid, None)
-            if traj is None:
+            traj = self._items.get(tid)
+            if traj is None or traj.owner != owner:
                 return False
+            del self._items[tid]
             self._left(traj)
             return True
 
     def _left(self, traj: Trajectory) -> None:
         """`traj` has just left the store (deleted or evicted; lock held): its bytes stay counted, as draining,
         while open streams still read it."""
-        self._bytes -= traj.nbytes
+        self._take(traj, -traj.nbytes)
         if traj.readers:
             traj.draining = traj.nbytes
             self._draining += traj.draining
 
-    def reader(self, tid: str) -> Reader:
-        """A hold on the trajectory's bytes for one stream (404 when it is not stored); close it when done."""
+    def reader(self, tid: str, owner: str = OPEN_OWNER) -> Reader:
+        """A hold on the trajectory's bytes for one stream (404 when it is not stored or not `owner`'s); close it
+        when done."""
         with self._lock:
-            traj = self._touch(tid)
+            traj = self._touch(tid, owner)
             blob = _blob(tid, traj)
             traj.readers += 1
             self._streams += 1
@@ -204,14 +245,15 @@ class TrajectoryStore:
     def stats(self) -> dict:
         with self._lock:
             return {"trajectories": len(self._items), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                    "streams": self._streams, "draining_bytes": self._draining}
+                    "owner_max_bytes": self.owner_max_bytes, "owners": len(self._owned), "streams": self._streams,
+                    "draining_bytes": self._draining}
 
     # -- wire format -----------------------------------------------------------------------------------------
-    def blob(self, tid: str) -> "Blob":
+    def blob(self, tid: str, owner: str = OPEN_OWNER) -> "Blob":
         """The trajectory's safetensors bytes as views of the stored arrays (nothing of the latents is copied)."""
-        return _blob(tid, self.get(tid))
+        return _blob(tid, self.get(tid, owner))
 
-    def put_safetensors(self, tid: str, blob: bytes) -> int:
+    def put_safetensors(self, tid: str, blob: bytes, owner: str = OPEN_OWNER) -> int:
         """Store an uploaded trajectory (the GET format) as one part; returns its sample count. 400 on a blob that
         is not one."""
         from safetensors.numpy import load
@@ -231,12 +273,14 @@ class TrajectoryStore:
         lp = t.get("logprobs")
         if lp is None or lp.shape != (lat.shape[0], n_steps):
             lp = np.full((lat.shape[0], n_steps), np.nan, dtype=np.float32)
-        self.put(tid, 0, Part(np.ascontiguousarray(lat), lp.astype(np.float32), {"timesteps": [], "sde_steps": []}))
+        self.put(tid, 0, Part(np.ascontiguousarray(lat), lp.astype(np.float32), {"timesteps": [], "sde_steps": []}),
+                 owner)
         return int(lat.shape[0])
 
-    def latents(self, tid: str, start: int, count: int, steps: int, height: int, width: int) -> np.ndarray:
+    def latents(self, tid: str, start: int, count: int, steps: int, height: int, width: int,
+                owner: str = OPEN_OWNER) -> np.ndarray:
         """The latents of samples [start, start+count), checked against the job's shape (400 on a mismatch)."""
-        traj = self.get(tid)
+        traj = self.get(tid, owner)
         try:
             lat = traj.samples(start, count)
         except KeyError as exc:

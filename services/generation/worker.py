@@ -13,6 +13,7 @@ import os
 import queue
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -70,6 +71,33 @@ def _apply(engine, comm, weights: RankWeights, plan: StepPlan):
     return failed, stats, reply
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed (CUDA's OutOfMemoryError, CPU's allocator error), not a bug."""
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)))
+
+
+def _step_or_fail(engine, emit: Emitter, alone: bool) -> Optional[tuple[list, int, float]]:
+    """_step; on one rank alone, an out-of-memory fails the jobs of that step (500 engine_oom, their buffers
+    freed) instead of the engine: None then. With several ranks it stays fatal (the others are inside the
+    step's collectives; the supervisor restarts the engine)."""
+    try:
+        return _step(engine)
+    except Exception as exc:
+        if not alone or not out_of_memory(exc):
+            raise
+        jobs = [job.request_id for job in engine.running]
+        log.error("out of memory in a denoise step of %s: those jobs fail, the engine goes on (%s)", jobs, exc)
+        for rid in jobs:
+            engine.abort(rid)
+            emit.failed(rid, APIError(500, "the engine ran out of memory in a denoise step of this job (with "
+                                      f"{len(jobs)} job(s) in that step); a smaller size, fewer samples or a "
+                                      "retry later may fit", code="engine_oom").event())
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
 def _step(engine) -> tuple[list, int, float]:
     """One step of every running job: (finished jobs, rows in the forward, seconds)."""
     t0 = time.perf_counter()
@@ -96,8 +124,9 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
             source.drop_stale()   # unmap a pool the producer replaced (and open its new one) before the next job
             emit.idle(len(sched.pending))
             continue
-        finished, rows, seconds = _step(engine)
-        emit.stepped(finished, rows, seconds, len(sched.pending))
+        stepped = _step_or_fail(engine, emit, comm.cfg_world * comm.sp.world == 1)
+        if stepped is not None:
+            emit.stepped(*stepped, len(sched.pending))
 
 
 def _follower_loop(engine, comm, source) -> None:

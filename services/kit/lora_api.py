@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from services.contract import limits as L
 from services.kit.errors import validated
+from services.kit.local_files import private_copy
 from services.kit.web import json_body
 
 LORA_TIMEOUT_S = 600.0      # reading an adapter + waiting for the step in flight
@@ -38,8 +39,10 @@ def lora_router(endpoint) -> APIRouter:
     @r.post("/internal/lora/load")
     async def load(request: Request):
         body = validated(LoraLoadBody, await json_body(request))
-        msg = await endpoint._call({"op": "lora_load", "id": "l-" + uuid.uuid4().hex[:12], **body.model_dump()},
-                                   LORA_TIMEOUT_S)
+        # an allowed regular file, read here into a private copy: the ranks' step loop reads only that
+        async with private_copy(body.path, "lora") as copy:
+            msg = await endpoint._call({"op": "lora_load", "id": "l-" + uuid.uuid4().hex[:12],
+                                        **body.model_dump(), "path": copy}, LORA_TIMEOUT_S)
         return {k: msg.get(k) for k in ("name", "slot", "modules", "seconds")}
 
     @r.post("/internal/lora/unload")

@@ -7,6 +7,12 @@ from typing import Optional
 from .errors import APIError
 
 _ONE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
+_HUGE = 10 ** 19              # beyond any file: a longer number is read as this (int() of 4,300 digits raises)
+
+
+def _number(digits: str) -> int:
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) < 19 else _HUGE
 
 
 def byte_range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
@@ -19,13 +25,13 @@ def byte_range(header: Optional[str], size: int) -> Optional[tuple[int, int]]:
         return None
     first, last = m.group(1), m.group(2)
     if not first:                                    # the last n bytes
-        start, end = max(size - int(last), 0), size
+        start, end = max(size - _number(last), 0), size
     else:
-        start = int(first)
-        end = min(int(last) + 1, size) if last else size
-        if last and int(last) < start:
+        start = _number(first)
+        end = min(_number(last) + 1, size) if last else size
+        if last and _number(last) < start:
             return None                              # malformed: ignored, as the RFC says
     if start >= end:
-        raise APIError(416, f"range {header.strip()!r} is outside the {size} bytes", param="range",
+        raise APIError(416, f"range {header.strip()[:80]!r} is outside the {size} bytes", param="range",
                        code="range_not_satisfiable", headers={"content-range": f"bytes */{size}"})
     return start, end

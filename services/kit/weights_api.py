@@ -13,12 +13,14 @@ process is restarted (it reloads the checkpoint; an update is not replayed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Request
 
 from services.contract.rl_weights import WeightsCommitBody, WeightsStageBody
 from services.kit.errors import APIError, unavailable, validated
+from services.kit.local_files import checked_path, private_copy
 from services.kit.lora_api import lora_router
 from services.kit.web import json_body
 
@@ -95,6 +97,17 @@ class WeightsEndpoint:
         return {"weights_version": self.version, "staged": (self.staged or {}).get("version")}
 
     async def stage(self, body: WeightsStageBody) -> dict:
+        # only allowed regular files reach the engine's step loop, a LoRA delta as a private copy read here
+        # (kit/local_files.py)
+        async with contextlib.AsyncExitStack() as files:
+            update = {}
+            if body.path:
+                update["path"] = await checked_path(body.path, "weights")
+            if body.lora:
+                update["lora"] = await files.enter_async_context(private_copy(body.lora, "weights"))
+            return await self._stage(body.model_copy(update=update))
+
+    async def _stage(self, body: WeightsStageBody) -> dict:
         async with self._lock:
             if self.staged is not None and self.staged["id"] != body.id:
                 raise APIError(409, f"another weight update ({self.staged['id']}) is staged on {self.service}; "

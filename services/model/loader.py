@@ -236,11 +236,12 @@ def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext |
         name = module + ".weight"
         if name not in weights:
             continue
-        delta = shard((scale * strength) * (up.float() @ down.float()), shard_dim(name), tp)
-        if delta.shape != weights[name].shape:
-            raise LoadError(f"LoRA for {name!r} has shape {tuple(delta.shape)}, weight is "
+        # the product's shape from the factors' before any product (a wrong pair would cost out x in floats)
+        full = torch.empty(up.shape[0], down.shape[1], device="meta")
+        if shard(full, shard_dim(name), tp).shape != weights[name].shape:
+            raise LoadError(f"LoRA for {name!r} has shape {tuple(full.shape)}, weight is "
                             f"{tuple(weights[name].shape)}")
-        yield name, delta
+        yield name, shard((scale * strength) * (up.float() @ down.float()), shard_dim(name), tp)
 
 
 def name_list(names, limit: int = 8) -> str:
@@ -279,7 +280,7 @@ def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
                 if up_k not in keys:
                     raise LoadError(f"PEFT adapter {path}: {k!r} has no {up_k!r}")
                 module = k.split(".lora_A.")[0].removeprefix("base_model.model.")
-                down, up = f.get_tensor(k), f.get_tensor(up_k)
+                down, up = _pair(path, module, f.get_tensor(k), f.get_tensor(up_k))
                 r = down.shape[0]
                 alpha = _by_suffix(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", r))
                 r_cfg = _by_suffix(cfg.get("rank_pattern") or {}, module, cfg.get("r", r))
@@ -292,11 +293,21 @@ def read_lora(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
             base = k[: -len(".lora_down.weight")]
             if base + ".lora_up.weight" not in keys:
                 continue
-            down, up = f.get_tensor(k), f.get_tensor(base + ".lora_up.weight")
+            down, up = _pair(path, base, f.get_tensor(k), f.get_tensor(base + ".lora_up.weight"))
             rank = down.shape[0]
             alpha = f.get_tensor(base + ".alpha").float().item() if base + ".alpha" in keys else float(rank)
             out[base.removeprefix("diffusion_model.")] = (down, up, alpha / rank)
     return out
+
+
+def _pair(path: str, module: str, down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """down [r, in], up [out, r] with 1 <= r <= min(out, in); else a LoadError (a rank-0 or mismatched pair)."""
+    if (down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]
+            or not 1 <= down.shape[0] <= min(up.shape[0], down.shape[1])):
+        raise LoadError(f"LoRA file {os.path.basename(path)}: module {module!r} has factors of shapes "
+                        f"{tuple(down.shape)} and {tuple(up.shape)}, not down [r, in] and up [out, r] with "
+                        "1 <= r <= min(out, in)")
+    return down, up
 
 
 def _peft_config(directory: str) -> dict:

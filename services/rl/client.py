@@ -38,10 +38,14 @@ class Trajectory:
 
 
 class RLClient:
-    def __init__(self, base: str, api_key: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, base: str, api_key: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 admin_key: Optional[str] = None):
+        """`api_key`: the tenant key (rollouts, scores, trajectories); `admin_key`: the operator key the weight
+        updates need on a keyed stack (services/gateway/roles.py; default: `api_key`, as on a keyless one)."""
         base = base.rstrip("/")
         self.base = base[:-3] if base.endswith("/v1") else base
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
         self._headers, self.timeout = headers, timeout
         self._prefix = urllib.parse.urlsplit(self.base).path.rstrip("/")
@@ -139,7 +143,7 @@ class RLClient:
         body = {"path": os.path.abspath(path)}
         if version is not None:
             body["version"] = version
-        return self._check(self.http.post("/v1/rl/weights", json=body)).json()
+        return self._check(self.http.post("/v1/rl/weights", json=body, headers=self._admin)).json()
 
     def upload_weights(self, file_path: str, version: Optional[str] = None) -> dict:
         """The same update with the file as the body (a remote stack that cannot read our disk)."""
@@ -147,7 +151,7 @@ class RLClient:
         with open(file_path, "rb") as f:
             data = f.read()
         return self._check(self.http.post("/v1/rl/weights/upload", params=params, content=data,
-                                          headers={"Content-Type": "application/octet-stream"})).json()
+                                          headers={"Content-Type": "application/octet-stream", **self._admin})).json()
 
     # ------------------------------------------------------------------------------------------- plain images
     def images(self, body: dict) -> dict:

@@ -22,6 +22,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, required=True)
     p.add_argument("--base", default=None, help="attach to the stack at this URL instead of starting one")
     p.add_argument("--api-key", default=None, help="the stack's API key (default: U1SERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the stack's operator key, for the weight pushes (default: U1SERVE_ADMIN_API_KEY)")
     p.add_argument("--model", default="tiny",
                    help="checkpoint the trainer's copy is built from (the stack's own); 'tiny' = the tiny one")
     p.add_argument("--push", choices=["auto", "path", "upload"], default="auto",

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import sys
+import tempfile
 from typing import Optional
 
 from services.netutil import free_port
@@ -29,12 +32,12 @@ def _push_mode(mode: str, base: str) -> str:
 
 
 def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str] = None, push: str = "auto",
-          out=sys.stdout) -> list[dict]:
+          out=sys.stdout, admin_key: Optional[str] = None) -> list[dict]:
     """Attach to the stack at `base`, sync it to the copy, run `iterations` iterations; returns the records."""
     from .client import RLClient
     from .trainer import make_trainer
     records = []
-    with RLClient(base, api_key) as client:
+    with RLClient(base, api_key, admin_key=admin_key) as client:
         trainer = make_trainer(cfg, model_dir, client, _push_mode(push, base))
         start = trainer.push_weights(everything=True)
         out.write(json.dumps({"event": "start", "algo": cfg.algo, "weights_version": start["weights_version"],
@@ -48,17 +51,21 @@ def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str
     return records
 
 
-def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False):
-    """A stack on this machine (CPU for the tiny checkpoint), started; the caller stops it."""
+def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False, admin_key_file: Optional[str] = None):
+    """A stack on this machine (CPU for the tiny checkpoint), started, with the RL routes on and the engines
+    allowed to read the trainer's pushes (the temp directory); the caller stops it."""
     from services.stack import add_stack_flags, build_stack
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     argv = ["--model", model, "--host", "127.0.0.1", "--port", str(free_port()), "--und-port", str(free_port()),
-            "--gen-port", str(free_port()), "--grace", "5"]
+            "--gen-port", str(free_port()), "--grace", "5", "--enable-rl",
+            "--weights-allowed-dirs", tempfile.gettempdir()]
     if model == "tiny":
         argv += ["--device", "cpu"]
     if api_key:
         argv += ["--api-key", api_key]
+    if admin_key_file:
+        argv += ["--admin-api-key-file", admin_key_file]
     stack_args = ns.parse_args(argv)
     stack = build_stack(stack_args, out=sys.stderr, echo_logs=echo_logs)
     stack.start()
@@ -70,13 +77,21 @@ def main(args: argparse.Namespace) -> int:
     from services.stack import ensure_tiny_checkpoint
     cfg = config_from_args(args)
     api_key = args.api_key or knobs.API_KEY.get()
+    admin_key = args.admin_api_key or knobs.ADMIN_API_KEY.get()
     model_dir = ensure_tiny_checkpoint("u1", out=sys.stderr) if args.model == "tiny" else args.model
     if args.base:
-        train(cfg, args.base, model_dir, args.iterations, api_key, args.push)
+        train(cfg, args.base, model_dir, args.iterations, api_key, args.push, admin_key=admin_key)
         return 0
-    stack, base = local_stack(args.model, api_key)
-    try:
-        train(cfg, base, model_dir, args.iterations, api_key, args.push)
-    finally:
-        stack.stop()
+    with tempfile.TemporaryDirectory() as keys:
+        admin_file = None
+        if api_key:               # a keyed local stack: the trainer is its operator too
+            admin_key = admin_key or secrets.token_hex(16)
+            admin_file = os.path.join(keys, "admin-keys")
+            with open(os.open(admin_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(admin_key + "\n")
+        stack, base = local_stack(args.model, api_key, admin_key_file=admin_file)
+        try:
+            train(cfg, base, model_dir, args.iterations, api_key, args.push, admin_key=admin_key)
+        finally:
+            stack.stop()
     return 0

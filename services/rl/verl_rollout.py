@@ -7,6 +7,7 @@ Targets verl 0.9.x (`verl.workers.rollout.base.BaseRollout`, read from the insta
 `_ROLLOUT_REGISTRY` (as verl-omni registers its backends), so `actor_rollout_ref.rollout.name=u1serve` selects it.
 
 Configuration: `rollout.custom.u1serve` = {"base_url" (or env U1SERVE_BASE_URL), "api_key" (or U1SERVE_API_KEY),
+"admin_api_key" (or U1SERVE_ADMIN_API_KEY: the operator key the weight syncs need on a keyed stack),
 "push": "path" | "upload", and any rollout field: "size", "num_inference_steps", "guidance_scale",
 "timestep_shift", "t_eps", "cfg_norm", "sde": {...}, "same_initial_noise", "think": {...}}; `rollout.n` is the group
 size, `rollout.seed` the base seed. `model_config` is not used: the stack serves its own checkpoint.
@@ -57,12 +58,13 @@ class U1ServeRollout(BaseRollout):
         if not base:
             raise ValueError("u1serve rollout: set rollout.custom.u1serve.base_url (or U1SERVE_BASE_URL)")
         api_key = custom.pop("api_key", None) or knobs.API_KEY.get()
+        admin_key = custom.pop("admin_api_key", None) or knobs.ADMIN_API_KEY.get()     # for the weight syncs
         self.push = custom.pop("push", "path")
         unknown = set(custom) - set(ROLLOUT_FIELDS)
         if unknown:
             raise ValueError(f"u1serve rollout: unknown settings {sorted(unknown)} (known: {ROLLOUT_FIELDS})")
         self.sampling = custom
-        self.client = RLClient(base, api_key)
+        self.client = RLClient(base, api_key, admin_key=admin_key)
         self.calls = 0
         self.weights_version: Optional[str] = None
 

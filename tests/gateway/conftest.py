@@ -100,7 +100,8 @@ def client(gateway):
 @pytest.fixture(scope="package")
 def stack(tiny_checkpoint, tmp_path_factory):
     from tests.system.stackproc import RunningStack
-    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("gw-stack")))
+    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("gw-stack")),
+                     extra=["--enable-rl", "--enable-runtime-lora", "--allowed-local-dirs", "/tmp"])
     s.wait_ready()
     s.und = f"http://127.0.0.1:{s.und_port}"
     s.gen = f"http://127.0.0.1:{s.gen_port}"

@@ -1,6 +1,7 @@
 """Multi-LoRA through a real `u1serve up` stack on the tiny checkpoint (CPU): adapters picked by `model` on both
 engines, a batch mixing adapters equals each request alone, prefix-cache entries keyed by the adapter, load and
-unload behind the API key, and an unload while a request uses the adapter (docs/lora.md)."""
+unload behind the operator key (a tenant key is a 403, a path outside --allowed-local-dirs a 400), and an unload
+while a request uses the adapter (docs/lora.md)."""
 import itertools
 import threading
 
@@ -13,6 +14,7 @@ from tests.system.stackproc import RunningStack
 from tests.waiting import wait_until
 
 KEY = "sk-lora-test"
+ADMIN_KEY = "sk-lora-test-operator"
 _SALTS = itertools.count()
 
 
@@ -24,12 +26,21 @@ def lora_stack(tiny_checkpoint, tmp_path_factory):
              "b": write_tiny_lora(str(d / "b.safetensors"), tiny, seed=12, layout="official"),
              "c": write_tiny_lora(str(d / "c"), tiny, seed=13, branches=("gen",))}
     (d / "keys").write_text(KEY + "\n")
+    (d / "admin-keys").write_text(ADMIN_KEY + "\n")
     s = RunningStack(tiny, "colocate", str(d), extra=[
-        "--api-key-file", str(d / "keys"), "--lora-modules", f"a={paths['a']}", f"b={paths['b']}",
+        "--api-key-file", str(d / "keys"), "--admin-api-key-file", str(d / "admin-keys"), "--enable-runtime-lora",
+        "--allowed-local-dirs", str(d), "--lora-modules", f"a={paths['a']}", f"b={paths['b']}",
         "--max-loras", "2", "--max-lora-rank", "8"]).wait_ready()
     s.paths = paths
     yield s
     s.stop_clean()
+
+
+@pytest.fixture()
+def admin(lora_stack):
+    """The operator: adapter load / unload take its key (services/gateway/roles.py)."""
+    with httpx.Client(base_url=lora_stack.base, timeout=120, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as cl:
+        yield cl
 
 
 @pytest.fixture()
@@ -125,18 +136,20 @@ def test_step_cache_with_an_adapter(c):
                                                                              cache=cache)
 
 
-def test_load_and_unload_are_admin_routes(lora_stack, c):
+def test_load_and_unload_are_admin_routes(lora_stack, c, admin):
     r = httpx.post(lora_stack.base + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
     assert r.status_code == 401
-    r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope/adapter"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "lora_not_found", r.text
-    r = c.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": lora_stack.paths["a"]})
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": lora_stack.paths["a"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "operator_key_required", r.text
+    r = admin.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope/adapter"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "path_not_allowed", r.text
+    r = admin.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": lora_stack.paths["a"]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "lora_already_loaded"
-    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "zz"})
+    r = admin.post("/v1/unload_lora_adapter", json={"lora_name": "zz"})
     assert r.status_code == 404
 
 
-def test_unload_while_a_request_uses_the_adapter(lora_stack, c):
+def test_unload_while_a_request_uses_the_adapter(lora_stack, c, admin):
     """The running request finishes with the adapter (the same image as alone); new requests get 404 at once; its
     slot is not reused until the request ends (a load meanwhile is refused, and rolled back where it took), then the
     name can be loaded again."""
@@ -156,19 +169,19 @@ def test_unload_while_a_request_uses_the_adapter(lora_stack, c):
     t = threading.Thread(target=long_request)
     t.start()
     assert started.wait(120)
-    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+    r = admin.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
     assert r.status_code == 200, r.text
     assert c.post("/v1/images/generations", json=image_body("a")).status_code == 404
     if t.is_alive():      # a's slot on generation still serves it: every slot is taken there
-        r = c.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": lora_stack.paths["c"]})
+        r = admin.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": lora_stack.paths["c"]})
         assert r.status_code in (200, 409), r.text
         if r.status_code == 409:
             assert r.json()["error"]["code"] == "lora_slots_full"
             assert "c" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
         else:
-            c.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            admin.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
     t.join(300)
     assert out["b64"] == want
-    wait_until(lambda: c.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": lora_stack.paths["a"]}
+    wait_until(lambda: admin.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": lora_stack.paths["a"]}
                               ).status_code == 200, 30, interval=0.2)
     assert image(c, "a", seed=9, steps=3) == image(c, "a", seed=9, steps=3)

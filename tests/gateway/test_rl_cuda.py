@@ -25,7 +25,7 @@ TOL = 1e-3
 def cuda_stack(tiny_checkpoint, tmp_path_factory):
     from tests.system.stackproc import RunningStack
     s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-cuda")),
-                     extra=["--device", "cuda", "--und-gpus", "0"])
+                     extra=["--device", "cuda", "--und-gpus", "0", "--enable-rl"])
     s.wait_ready()
     yield s
     s.stop_clean()

@@ -21,7 +21,8 @@ GEN_KEY = "language_model.model.layers.0.mlp_mot_gen.down_proj.weight"
 @pytest.fixture(scope="module", params=[["--gen-cfg-parallel", "2", "--gen-sp", "2"]], ids=["cfgp2-sp2"])
 def par_stack(request, tiny_checkpoint, tmp_path_factory):
     from tests.system.stackproc import RunningStack
-    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-par")), extra=request.param)
+    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-par")),
+                     extra=[*request.param, "--enable-rl", "--allowed-local-dirs", "/tmp"])
     s.wait_ready()
     yield s
     s.stop_clean()

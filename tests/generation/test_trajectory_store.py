@@ -1,5 +1,6 @@
 """The trajectory store: parts assemble in sample order, the byte bound evicts the least recently used
-trajectory (never the one being filled), the safetensors round trip, bad uploads are 400s."""
+trajectory (never the one being filled), the safetensors round trip, bad uploads are 400s; a trajectory is its
+owner's alone and one owner cannot evict another's within its share."""
 import numpy as np
 import pytest
 from safetensors.numpy import load
@@ -64,8 +65,9 @@ def test_a_trajectory_read_when_it_leaves_drains_until_its_last_reader_closes():
     with pytest.raises(APIError) as e:
         st.reader("a")
     assert e.value.code == "trajectory_not_found"
-    assert st.stats() | {"max_bytes": 0} == {"trajectories": 1, "bytes": one, "max_bytes": 0, "streams": 2,
-                                             "draining_bytes": one}
+    assert st.stats() | {"max_bytes": 0, "owner_max_bytes": 0} == {
+        "trajectories": 1, "bytes": one, "max_bytes": 0, "owner_max_bytes": 0, "owners": 1, "streams": 2,
+        "draining_bytes": one}
     assert b"".join(first.chunks(0, first.blob.size)) == whole  # ... the running reads go on
     first.close()
     first.close()                                              # closing twice releases once
@@ -80,3 +82,35 @@ def test_a_trajectory_read_when_it_leaves_drains_until_its_last_reader_closes():
     assert st.stats()["draining_bytes"] == 0 and st.stats()["streams"] == 0
     st.reader("c").close()                                     # a reader of a stored trajectory frees nothing
     assert st.stats()["bytes"] == 2 * one and st.stats()["draining_bytes"] == 0
+
+
+def test_a_trajectory_is_its_owners_alone():
+    st = TrajectoryStore(1 << 20)
+    st.put("t", 0, part(1, 0), "owner-a")
+    for read in (lambda: st.get("t", "owner-b"), lambda: st.reader("t", "owner-b"), lambda: st.get("t"),
+                 lambda: st.latents("t", 0, 1, 2, 4, 4, "owner-b"), lambda: st.put("t", 1, part(1, 1), "owner-b")):
+        with pytest.raises(APIError) as e:
+            read()
+        assert e.value.status == 404 and e.value.code == "trajectory_not_found"
+    assert not st.delete("t", "owner-b") and st.get("t", "owner-a").nbytes == part(1, 0).nbytes
+    assert st.delete("t", "owner-a")
+
+
+def test_one_owner_cannot_evict_another_within_its_share():
+    one = part(1, 0).nbytes
+    st = TrajectoryStore(4 * one)
+    st.put("b0", 0, part(1, 0), "owner-b")                    # B: the oldest, within its share
+    for i in range(6):                                         # A fills the store again and again
+        st.put(f"a{i}", 0, part(1, 0), "owner-a")
+    assert st.get("b0", "owner-b") is not None
+    assert st.stats()["bytes"] <= 4 * one and st.stats()["trajectories"] == 4
+    quota = TrajectoryStore(8 * one, owner_max_bytes=2 * one)   # a hard cap: A's own oldest make room
+    quota.put("b0", 0, part(1, 0), "owner-b")
+    for i in range(4):
+        quota.put(f"a{i}", 0, part(1, 0), "owner-a")
+    assert quota.stats()["bytes"] == 3 * one
+    with pytest.raises(APIError):
+        quota.get("a1", "owner-a")
+    with pytest.raises(APIError) as e:
+        quota.check_fits(3 * one)
+    assert e.value.status == 413 and "--rl-trajectory-owner-mb" in e.value.message

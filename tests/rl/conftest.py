@@ -13,7 +13,8 @@ def rl_stack(tiny_checkpoint, tmp_path_factory):
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-stack")))
+        s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("rl-stack")),
+                         extra=["--enable-rl", "--allowed-local-dirs", "/tmp"])
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS")

@@ -19,6 +19,7 @@ from tests.system.stackproc import RunningStack
 from tests.waiting import wait_until
 
 API_KEY = "sk-weights-test"
+ADMIN_KEY = "sk-weights-test-operator"       # weight updates need the operator key (services/gateway/roles.py)
 STACK_FLAGS: list[str] = []       # CFG-parallel staging: tests/generation/test_cfg_parallel.py
 GEN_KEYS = ("language_model.model.layers.0.self_attn.k_proj_mot_gen.weight",
             "language_model.model.layers.1.mlp_mot_gen.up_proj.weight",
@@ -32,14 +33,27 @@ LONG = "Once upon a time " * 12          # long enough for the prefix cache to h
 
 
 def start_stack(model: str, run_dir: str) -> RunningStack:
-    keys = os.path.join(run_dir, "keys")
+    keys, admin = os.path.join(run_dir, "keys"), os.path.join(run_dir, "admin-keys")
     with open(keys, "w") as f:
         f.write(API_KEY + "\n")
-    return RunningStack(model, "colocate", run_dir, extra=["--api-key-file", keys, *STACK_FLAGS]).wait_ready()
+    with open(admin, "w") as f:
+        f.write(ADMIN_KEY + "\n")
+    return RunningStack(model, "colocate", run_dir, extra=[
+        "--api-key-file", keys, "--admin-api-key-file", admin, "--enable-rl", "--allowed-local-dirs",
+        os.path.dirname(os.path.abspath(run_dir)), *STACK_FLAGS]).wait_ready()
+
+
+class RoleClient(httpx.Client):
+    """A tenant client whose weight updates (POST /v1/rl/weights*) go with the operator key."""
+
+    def post(self, url, *a, **kw):
+        if str(url).startswith("/v1/rl/weights"):
+            kw["headers"] = {**(kw.get("headers") or {}), "Authorization": f"Bearer {ADMIN_KEY}"}
+        return super().post(url, *a, **kw)
 
 
 def client(s: RunningStack) -> httpx.Client:
-    return httpx.Client(base_url=s.base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
+    return RoleClient(base_url=s.base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"})
 
 
 _SALTS = itertools.count()

@@ -28,13 +28,13 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from services.contract.image import PrefixRequest
-from services.contract.rl import (RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest, ScoreRequest,
-                                  ScoreResponse, ThinkOptions, check_trajectory_id)
+from services.contract.rl import (OWNER_HEADER, RolloutJobRequest, RolloutRequest, RolloutResponse, ScoreJobRequest,
+                                  ScoreRequest, ScoreResponse, ThinkOptions, check_trajectory_id)
 from services.kit.errors import APIError, bad_request, unavailable
 from services.kit.streaming import OwnedStream
 from services.kit.web import ParsedJsonRoute, until_disconnect
 
-from ..context import cache_salt, gateway, request_id
+from ..context import cache_salt, caller_identity, gateway, request_id
 from ..jobs import ImageJob
 from ..schemas import ERRORS
 from ..state import GatewayState
@@ -76,9 +76,21 @@ def _sampling_fields(req, w: int, h: int, mode: str) -> dict:
             "timestep_shift": req.timestep_shift, "t_eps": req.t_eps, "cfg_norm": req.cfg_norm}
 
 
-def _check(state: GatewayState, req) -> tuple[int, int]:
+def _check(state: GatewayState, req, stores_trajectory: bool = False) -> tuple[int, int]:
+    """The request against the server's limits, before any job starts: size, steps, prompts, the compute
+    (samples x steps x pixels) and, for a rollout that keeps one, its trajectory's bytes."""
     cfg = state.config
     w, h = req.width_height
+    samples, steps = len(req.prompts) * req.group_size, req.num_inference_steps
+    if samples * steps * w * h > cfg.rl_max_pixel_steps:
+        raise APIError(413, f"this request asks for {samples} samples x {steps} steps x {w * h} pixels; this "
+                       f"server takes at most {cfg.rl_max_pixel_steps} (--rl-max-pixel-steps)",
+                       param="num_inference_steps", code="rl_compute_too_large")
+    traj = 4 * samples * ((steps + 1) * 3 * w * h + steps)
+    if stores_trajectory and traj > cfg.rl_max_trajectory_bytes:
+        raise APIError(413, f"this rollout's trajectory would take {traj} bytes; this server keeps at most "
+                       f"{cfg.rl_max_trajectory_bytes} (--rl-max-trajectory-mb): fewer samples, steps or pixels, "
+                       "or return_trajectory=false", param="return_trajectory", code="trajectory_too_large")
     problem = cfg.size_problem(w, h)
     if problem:
         raise bad_request(f"unsupported size {w}x{h}: {problem}", param="size", code="invalid_size")
@@ -228,11 +240,15 @@ async def _run_all(request: Request, state: GatewayState, jobs: list[RLJob], gen
     return results if finished else None
 
 
-async def _delete(state: GatewayState, url: str, tid: str) -> Optional[httpx.Response]:
-    """DELETE a trajectory on a generation replica (None when unreachable)."""
+def _owned(state: GatewayState, owner: str) -> dict[str, str]:
+    """The engine headers of a trajectory route: the internal token and whose trajectory it is."""
+    return {**engine_headers(state.config.internal_token), OWNER_HEADER: owner}
+
+
+async def _delete(state: GatewayState, url: str, tid: str, owner: str) -> Optional[httpx.Response]:
+    """DELETE `owner`'s trajectory on a generation replica (None when unreachable)."""
     try:
-        return await state.http.delete(f"{url}/internal/rl/trajectories/{tid}",
-                                       headers=engine_headers(state.config.internal_token),
+        return await state.http.delete(f"{url}/internal/rl/trajectories/{tid}", headers=_owned(state, owner),
                                        timeout=CONTROL_TIMEOUT_S)
     except httpx.HTTPError:
         return None
@@ -266,7 +282,8 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     the seed; the trajectory z_0..z_N as a handle (GET /v1/rl/trajectories/{id}); the weights version. The G
     samples of a prompt share one prefix prefill unless they sample their own think text."""
     started, created = time.monotonic(), int(time.time())
-    _check(state, body)
+    _check(state, body, body.return_trajectory)
+    owner = caller_identity(request).owner
     rid = request_id(request)
     images = await _inputs(state, body)
     salt = _own_salt(request, state, rid)
@@ -279,7 +296,7 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
         return ({"seed": seeds[p][i], "output_format": body.output_format,
                  "rl": {"sde": body.sde.model_dump(exclude_none=True), "seeds": seeds[p][i:i + n],
                         "same_initial_noise": body.same_initial_noise, "trajectory_id": tid, "part": first,
-                        "return_images": body.return_images}}, n if body.return_images else 0)
+                        "return_images": body.return_images, "owner": owner}}, n if body.return_images else 0)
 
     opts = body.think or ThinkOptions()
 
@@ -298,7 +315,7 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
         version = _one_version(results) if results is not None else None
     finally:
         if tid is not None and (results is None or version is None):   # failed, cancelled, or the client gone
-            state.janitor.later(_delete(state, gen_url, tid))
+            state.janitor.later(_delete(state, gen_url, tid, owner))
     if results is None:
         return Response(status_code=499)
     if tid is not None:
@@ -329,6 +346,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
     safetensors) trajectory under the current weights or the frozen reference; the request repeats the
     rollout's prompts and sampling fields. ODE steps are null."""
     _check(state, body)
+    owner = caller_identity(request).owner
     if body.think_token_ids is None and any(body.thinks(p) for p in range(len(body.prompts))):
         raise bad_request("scoring samples with think text needs their think_token_ids", param="think_token_ids")
     rid = request_id(request)
@@ -343,14 +361,14 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
             raise bad_request("trajectory_b64 is not base64", param="trajectory_b64") from None
         gen_url = state.gen.pick().url
         uploaded = tid = f"upload-{uuid.uuid4().hex}"
-        await _upload(state, gen_url, tid, blob)
+        await _upload(state, gen_url, tid, blob, owner)
     else:
         tid = body.trajectory_id
-        gen_url = await _holder(state, placement, tid)
+        gen_url = await _holder(state, placement, tid, owner)
 
     def extra(p: int, first: int, n: int) -> dict:
         return {"sde": body.sde.model_dump(exclude_none=True), "trajectory_id": tid, "part": first,
-                "weights": body.weights}, 0
+                "weights": body.weights, "owner": owner}, 0
 
     def think(p: int, sample: int) -> dict:
         ids = body.think_token_ids[sample] if body.think_token_ids is not None else None
@@ -361,7 +379,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
         results = await _run_all(request, state, jobs, gen_url, body.think_token_ids is None)
     finally:
         if uploaded is not None:
-            state.janitor.later(_delete(state, gen_url, uploaded))
+            state.janitor.later(_delete(state, gen_url, uploaded, owner))
     if results is None:
         return Response(status_code=499)
     logprobs = [row for r in results for row in r["result"]["logprobs"]]
@@ -369,11 +387,11 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
             "logprobs": logprobs}
 
 
-async def _upload(state: GatewayState, url: str, tid: str, blob: bytes) -> None:
+async def _upload(state: GatewayState, url: str, tid: str, blob: bytes, owner: str) -> None:
     try:
         r = await state.http.post(f"{url}/internal/rl/trajectories/{tid}", content=blob,
-                                  headers={**engine_headers(state.config.internal_token),
-                                           "content-type": "application/octet-stream"}, timeout=60.0)
+                                  headers={**_owned(state, owner), "content-type": "application/octet-stream"},
+                                  timeout=60.0)
     except httpx.HTTPError as exc:
         raise unavailable(f"generation service unreachable: {type(exc).__name__}", code="generation_unavailable")
     if r.status_code != 200:
@@ -389,13 +407,14 @@ def _engine_error(status: int, body: bytes, headers: Optional[dict[str, str]] = 
         return APIError(502, f"generation answered {status}", code="upstream_error")
 
 
-async def _holder(state: GatewayState, placement: Placement, tid: str) -> str:
-    """The generation replica holding trajectory `tid` (404 trajectory_not_found when none does)."""
+async def _holder(state: GatewayState, placement: Placement, tid: str, owner: str) -> str:
+    """The generation replica holding `owner`'s trajectory `tid` (404 trajectory_not_found when none does: also
+    when it is another tenant's, so an id tells nothing of who else exists)."""
     try:
         check_trajectory_id(tid)
     except ValueError as exc:
         raise bad_request(str(exc), param="trajectory_id") from None
-    hdrs = engine_headers(state.config.internal_token)
+    hdrs = _owned(state, owner)
     for url in placement.candidates(tid, state):
         try:
             r = await state.http.get(f"{url}/internal/rl/trajectories/{tid}/info", headers=hdrs,
@@ -447,15 +466,25 @@ async def _open_trajectory(url: str, headers: dict) -> tuple[aiohttp.ClientSessi
 async def get_trajectory(trajectory_id: str, request: Request, state: GatewayState = Depends(gateway)):
     """A rollout's trajectory as safetensors bytes (application/octet-stream), streamed; one `Range: bytes=a-b`
     is honoured (206 Partial Content) to resume a cut download."""
-    url = await _holder(state, _placement(request), trajectory_id)
-    headers = engine_headers(state.config.internal_token)
-    if "range" in request.headers:
-        headers["range"] = request.headers["range"]
-    session, r = await _open_trajectory(f"{url}/internal/rl/trajectories/{trajectory_id}", headers)
+    owner = caller_identity(request).owner
+    fetches = state.rl_fetches
+    fetches.acquire()                   # 429 beyond --rl-max-trajectory-fetches relays at once
+    try:
+        url = await _holder(state, _placement(request), trajectory_id, owner)
+        headers = _owned(state, owner)
+        if "range" in request.headers:
+            headers["range"] = request.headers["range"]
+        session, r = await _open_trajectory(f"{url}/internal/rl/trajectories/{trajectory_id}", headers)
+    except BaseException:
+        fetches.release()
+        raise
 
     async def close() -> None:
-        r.release()
-        await session.close()
+        try:
+            r.release()
+            await session.close()
+        finally:
+            fetches.release()
     ranges = {k: r.headers[k] for k in RANGE_HEADERS if k in r.headers}
     if r.status not in (200, 206):
         try:
@@ -471,9 +500,9 @@ async def get_trajectory(trajectory_id: str, request: Request, state: GatewaySta
 @router.delete("/v1/rl/trajectories/{trajectory_id}", responses={404: ERRORS[400]})
 async def delete_trajectory(trajectory_id: str, request: Request, state: GatewayState = Depends(gateway)):
     """Free a stored trajectory."""
-    placement = _placement(request)
-    url = await _holder(state, placement, trajectory_id)
-    answer = await _delete(state, url, trajectory_id)
+    placement, owner = _placement(request), caller_identity(request).owner
+    url = await _holder(state, placement, trajectory_id, owner)
+    answer = await _delete(state, url, trajectory_id, owner)
     placement.forget(trajectory_id)
     if answer is not None and answer.status_code != 200:
         raise _engine_error(answer.status_code, answer.content)

@@ -17,6 +17,7 @@ limit is UPLOAD_MAX_BYTES (docs/rl.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ from typing import Literal, Optional
 import httpx
 from fastapi import APIRouter, Depends, Query, Request
 
+from services import knobs
 from services.contract.rl_weights import (VERSION_PATTERN, WeightsStatus, WeightsUpdateRequest, WeightsUpdateResponse,
                                           next_version)
 from services.kit.errors import APIError, from_upstream, unavailable
@@ -40,6 +42,8 @@ router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
 UPLOAD_MAX_BYTES = 64 << 30          # a whole 8B checkpoint; the route's own limit (the gateway's table: bodies.py)
 OP_TIMEOUT_S = 1800.0                # stage reads a branch from disk; commit waits for the jobs in flight
 STATUS_TIMEOUT_S = 10.0
+UPLOAD_READ_TIMEOUT_S = 60.0         # between two pieces of an upload's body: a stalled body is cut (408)
+MAX_HEADER_BYTES = 100 << 20         # safetensors' own bound on its JSON header
 _LOCK_KEY = "rl_weights_lock"
 
 
@@ -158,24 +162,85 @@ async def upload_weights(request: Request, version: Optional[str] = Query(None, 
                          state: GatewayState = Depends(gateway)):
     """The same update with the safetensors file as the request body (for trainers without a shared file
     system: small models, LoRA deltas)."""
-    tmp = tempfile.mkdtemp(prefix="u1serve-weights-")
+    uploads = state.weight_uploads
+    uploads.acquire()                  # one upload at a time (429 for another meanwhile)
+    tmp = tempfile.mkdtemp(prefix="u1serve-weights-", dir=knobs.WEIGHTS_UPLOAD_DIR.text() or None)
     try:
         path = os.path.join(tmp, "update.safetensors")
-        size = 0
-        with open(path, "wb") as f:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > UPLOAD_MAX_BYTES:
-                    raise APIError(413, f"request body larger than {UPLOAD_MAX_BYTES} bytes",
-                                   code="request_too_large")
-                f.write(chunk)
-        if size == 0:
-            raise APIError(400, "the body must be a safetensors file", code="invalid_weights")
+        await _save_upload(request, path)
         req = WeightsUpdateRequest(path=path if kind == "weights" else None, lora=path if kind == "lora" else None,
                                    lora_strength=lora_strength, version=version)
         return await update_weights(state, req)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        uploads.release()
+
+
+def _invalid(why: str) -> APIError:
+    return APIError(400, f"the body must be a safetensors file: {why}", code="invalid_weights")
+
+
+def _declared_size(header_len: int, raw: bytes) -> int:
+    """The file size a safetensors header declares (8 + header + the tensors' bytes); 400 when it is not one."""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise _invalid("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _invalid("its header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise _invalid("a tensor's data_offsets are not two ordered byte offsets")
+        end = max(end, offsets[1])
+    return 8 + header_len + end
+
+
+async def _save_upload(request: Request, path: str) -> int:
+    """Stream the body into `path`: its header read and checked first (a body that is no safetensors file, or
+    one larger than UPLOAD_MAX_BYTES, is refused before the rest is read), each piece within
+    UPLOAD_READ_TIMEOUT_S, and exactly the bytes the header declares. Returns the size."""
+    pieces = request.stream().__aiter__()
+
+    async def piece() -> Optional[bytes]:
+        try:
+            return await asyncio.wait_for(pieces.__anext__(), UPLOAD_READ_TIMEOUT_S)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the upload sent nothing for {UPLOAD_READ_TIMEOUT_S:g} s", code="upload_timeout") \
+                from None
+    head = bytearray()
+    while len(head) < 8 or len(head) < 8 + int.from_bytes(head[:8], "little"):
+        if len(head) >= 8 and not 2 <= int.from_bytes(head[:8], "little") <= MAX_HEADER_BYTES:
+            raise _invalid("its header length is out of bounds")
+        chunk = await piece()
+        if chunk is None:
+            raise _invalid("the body ends inside its header")
+        head += chunk
+    n = int.from_bytes(head[:8], "little")
+    total = _declared_size(n, bytes(head[8:8 + n]))
+    if total > UPLOAD_MAX_BYTES:
+        raise APIError(413, f"the file's header declares {total} bytes; uploads take at most {UPLOAD_MAX_BYTES}",
+                       code="request_too_large")
+    size = len(head)
+    with open(path, "wb") as f:
+        f.write(head)
+        while size <= total:
+            chunk = await piece()
+            if chunk is None:
+                break
+            size += len(chunk)
+            if size > total:
+                break
+            await asyncio.to_thread(f.write, chunk)
+    if size != total:
+        raise _invalid(f"its header declares {total} bytes, the body has {'more' if size > total else size}")
+    return size
 
 
 @router.get("/v1/rl/weights", response_model=WeightsStatus, responses=ERRORS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -24,7 +25,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from services.contract.image import CacheOptions
-from services.contract.rl import RolloutJobRequest, ScoreJobRequest
+from services.contract.rl import (MAX_TRAJECTORY_UPLOAD_BYTES, OPEN_OWNER, OWNER_HEADER, OWNER_PATTERN,
+                                  RolloutJobRequest, ScoreJobRequest)
 from services.kit.errors import APIError, from_validation
 from services.kit.ranges import byte_range
 from services.kit.streaming import OwnedStream
@@ -37,7 +39,8 @@ from ..state import GenerationState, app_state
 from ..trajectory_store import Part, not_found
 
 log = logging.getLogger("u1serve.generation.rl")
-MAX_UPLOAD_BYTES = 64 << 20
+MAX_UPLOAD_BYTES = MAX_TRAJECTORY_UPLOAD_BYTES
+_OWNER = re.compile(OWNER_PATTERN)
 
 router = APIRouter()
 
@@ -78,13 +81,31 @@ def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) ->
                 noise_level=job.rl.sde.noise_level, guidance_scale=job.guidance_scale,
                 timestep_shift=job.timestep_shift, t_eps=job.t_eps, cfg_norm=job.cfg_norm,
                 width=job.width, height=job.height)
-    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.array(ev.pixels, dtype=np.float32), lp, meta))
+    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.array(ev.pixels, dtype=np.float32), lp, meta),
+                        job.rl.owner)
+
+
+def trajectory_bytes(n: int, steps: int, width: int, height: int) -> int:
+    """What a part of n samples takes in the store: latents f32 [n, N+1, 3, H, W] and log-probs f32 [n, N]."""
+    return 4 * n * ((steps + 1) * 3 * width * height + steps)
+
+
+def _owner(request: Request) -> str:
+    """The owner the gateway names for a trajectory route (contract.rl.OWNER_HEADER; none: the keyless owner)."""
+    owner = request.headers.get(OWNER_HEADER, OPEN_OWNER)
+    if not _OWNER.fullmatch(owner):
+        raise APIError(400, f"bad {OWNER_HEADER} header", code="invalid_owner")
+    return owner
 
 
 @router.post("/internal/rl/rollout")
 async def rollout(request: Request):
     st = app_state(request)
-    job = _parse(st, RolloutJobRequest, await json_body(request))
+
+    def fits(job: RolloutJobRequest) -> None:        # before any step runs: a trajectory that cannot be kept
+        if job.rl.trajectory_id is not None:
+            st.trajectories.check_fits(trajectory_bytes(job.n, job.num_inference_steps, job.width, job.height))
+    job = _parse(st, RolloutJobRequest, await json_body(request), fits)
     return _respond(st, job, lambda job, ev: _store_rollout(st, job, ev))
 
 
@@ -97,7 +118,7 @@ async def score(request: Request):
             raise APIError(400, "this stack runs without a reference model (--rl-reference off)",
                            param="weights", code="reference_unavailable")
         job.with_latents(st.trajectories.latents(job.trajectory_id, job.part, job.n, job.num_inference_steps,
-                                                 job.height, job.width))
+                                                 job.height, job.width, job.owner))
     return _respond(st, _parse(st, ScoreJobRequest, await json_body(request), check), lambda job, ev: None)
 
 
@@ -106,7 +127,7 @@ async def get_trajectory(tid: str, request: Request):
     """The safetensors bytes streamed from the stored arrays (no copy of the latents), one `Range: bytes=a-b`
     honoured (206) so a trainer can resume a cut fetch. A DELETE meanwhile does not cut the stream: its reader
     holds the arrays until the stream ends (trajectory_store.Reader)."""
-    reader = app_state(request).trajectories.reader(tid)
+    reader = app_state(request).trajectories.reader(tid, _owner(request))
     try:
         size = reader.blob.size
         span = byte_range(request.headers.get("range"), size)
@@ -132,21 +153,22 @@ async def get_trajectory(tid: str, request: Request):
 
 @router.get("/internal/rl/trajectories/{tid}/info")
 async def trajectory_info(tid: str, request: Request):
-    traj = app_state(request).trajectories.get(tid)
+    traj = app_state(request).trajectories.get(tid, _owner(request))
     return {"trajectory_id": tid, "parts": len(traj.parts), "bytes": traj.nbytes}
 
 
 @router.post("/internal/rl/trajectories/{tid}")
 async def put_trajectory(tid: str, request: Request):
+    owner = _owner(request)
     blob = await request.body()
     if len(blob) > MAX_UPLOAD_BYTES:
         raise APIError(413, f"trajectory larger than {MAX_UPLOAD_BYTES} bytes", code="request_too_large")
-    samples = await asyncio.to_thread(app_state(request).trajectories.put_safetensors, tid, blob)
+    samples = await asyncio.to_thread(app_state(request).trajectories.put_safetensors, tid, blob, owner)
     return {"trajectory_id": tid, "samples": samples}
 
 
 @router.delete("/internal/rl/trajectories/{tid}")
 async def delete_trajectory(tid: str, request: Request):
-    if not app_state(request).trajectories.delete(tid):
+    if not app_state(request).trajectories.delete(tid, _owner(request)):
         raise not_found(tid)
     return JSONResponse({"trajectory_id": tid, "deleted": True})
