@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.kit.admission import AdmissionGate
 from services.kit.errors import APIError
 
-ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/images/edits"})
+ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/responses"})
 
 
 class AdmissionMiddleware:

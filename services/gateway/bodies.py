@@ -16,6 +16,7 @@ ROUTE_BODIES: dict[str, BodyRule] = {
     "/v1/chat/completions": BodyRule(32 * MiB),                         # images as data URLs
     "/v1/images/edits": BodyRule(32 * MiB, media_types=(JSON, MULTIPART)),   # up to 4 input images
     "/v1/images/generations": BodyRule(1 * MiB),                        # a prompt and options
+    "/v1/responses": BodyRule(32 * MiB),                                # input images as data URLs
     "/v1/rl/rollout": BodyRule(256 * MiB),                 # up to 64 prompts, each with its edit input images
     "/v1/rl/score": BodyRule(1024 * MiB),                  # the rollout again, maybe with its trajectory (base64)
     "/v1/rl/weights/upload": BodyRule(UPLOAD_MAX_BYTES, media_types=(OCTETS,)),   # a safetensors file

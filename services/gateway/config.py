@@ -95,6 +95,11 @@ class GatewayConfig:
     strike_hold_s: float = 3.0                # 0 = no strikes
     strike_decay_s: float = 120.0             # probation per strike; strikes drain one per this
     forwarded_allow_ips: str | None = None    # proxies whose X-Forwarded-For is the client; None: uvicorn's
+    # stored responses (/v1/responses: store, previous_response_id, background), in memory per API key
+    responses_max_stored: int = 512           # finished responses kept; the oldest go first
+    responses_store_mb: float = 256.0         # ... and at most this much of their text and images
+    responses_ttl_s: float = 3600.0           # a finished response is kept this long
+    responses_max_background: int = 32        # background responses queued or running; more -> 429
 
     def __post_init__(self) -> None:
         tightened = {"min_side": self.min_side >= L.MIN_IMAGE_SIDE, "max_side": self.max_side <= L.MAX_IMAGE_SIDE,
@@ -129,6 +134,10 @@ class GatewayConfig:
             raise ValueError("stream_write_timeout_s and stream_send_buffer_bytes must be >= 0 (0 = off)")
         if self.strike_hold_s < 0 or self.strike_decay_s <= 0:
             raise ValueError("strike_hold_s must be >= 0 (0 = off) and strike_decay_s > 0")
+        if min(self.responses_max_stored, self.responses_max_background) < 1 or min(
+                self.responses_store_mb, self.responses_ttl_s) <= 0:
+            raise ValueError("responses_max_stored, responses_max_background, responses_store_mb and "
+                             "responses_ttl_s must be positive")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 
@@ -235,6 +244,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     _add(p, "--forwarded-allow-ips", default=None,
          help="comma-separated proxy addresses (or '*') whose X-Forwarded-For header is taken as the client's "
               "address (strikes, logs); default: uvicorn's, FORWARDED_ALLOW_IPS or 127.0.0.1,::1")
+    _add(p, "--responses-max-stored", type=int, default=GatewayConfig.responses_max_stored,
+         help="/v1/responses: finished responses kept in memory (all keys together; the oldest go first)")
+    _add(p, "--responses-store-mb", type=float, default=GatewayConfig.responses_store_mb,
+         help="/v1/responses: text and images of the kept responses, at most this many MiB")
+    _add(p, "--responses-ttl-s", type=float, default=GatewayConfig.responses_ttl_s,
+         help="/v1/responses: a finished response is kept this long")
+    _add(p, "--responses-max-background", type=int, default=GatewayConfig.responses_max_background,
+         help="/v1/responses: background responses queued or running at once; more -> 429 with Retry-After")
     _add(p, "--log-level", default="info")
     return p
 
@@ -302,6 +319,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             retry_down_after_s=args.retry_down_after_s, eject_max_s=args.eject_max_s,
             graceful_shutdown_s=args.graceful_shutdown_s, stream_write_timeout_s=args.stream_write_timeout_s,
             stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024, strike_hold_s=args.strike_hold_s,
-            strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips)
+            strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips,
+            responses_max_stored=args.responses_max_stored, responses_store_mb=args.responses_store_mb,
+            responses_ttl_s=args.responses_ttl_s, responses_max_background=args.responses_max_background)
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None
