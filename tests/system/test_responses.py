@@ -166,7 +166,8 @@ def keyed_gateway(stack, tmp_path):
 
     yield procs[0], restart
     for p in procs:
-        p.stop()
+        out = p.stop()
+        assert "Traceback" not in out, out
 
 
 def test_ownership_bounds_and_restart(keyed_gateway):
