@@ -52,6 +52,8 @@ class GatewayConfig:
     und_urls: list[str] = field(default_factory=lambda: [DEFAULT_UND_URL])
     gen_urls: list[str] = field(default_factory=lambda: [DEFAULT_GEN_URL])
     model_name: str = "sensenova-u1"
+    model_hub_id: str | None = None           # where the weights came from (u1serve up --model <org>/<name>)
+    model_revision: str | None = None         # ... at this commit: both shown by /v1/models
     api_keys: tuple[str, ...] = ()            # Bearer keys for /v1/*; none = open
     internal_token: str | None = None         # sent to the engines on every call
     cache_salt_by_api_key: bool | None = None  # prefix-cache salt = a hash of the caller's key; None: iff keys
@@ -175,6 +177,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-url", action="append", default=None,
                    help="generation replica (as --und-url); env " + knobs.GEN_URLS.name)
     _add(p, "--model-name", default=GatewayConfig.model_name)
+    p.add_argument("--model-hub-id", default=None, help="the hub id the weights came from (/v1/models shows it)")
+    p.add_argument("--model-revision", default=None, help="the hub revision (commit) of the weights (/v1/models)")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (env {knobs.API_KEY.name})")
     p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
     p.add_argument("--internal-token", default=None, help=f"token sent to the engines (env {knobs.INTERNAL_TOKEN.name})")
@@ -295,7 +299,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         return GatewayConfig(
             und_urls=_split_urls(args.und_url or [knobs.UND_URLS.get(default=DEFAULT_UND_URL)]),
             gen_urls=_split_urls(args.gen_url or [knobs.GEN_URLS.get(default=DEFAULT_GEN_URL)]),
-            model_name=args.model_name,
+            model_name=args.model_name, model_hub_id=args.model_hub_id, model_revision=args.model_revision,
             api_keys=tuple(read_secrets(args.api_key, args.api_key_file, knobs.API_KEY)),
             internal_token=read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN),
             cache_salt_by_api_key=args.cache_salt_by_api_key,
