@@ -416,8 +416,10 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     stack.info["model"] = {"given": args.model, **source.record()}
     if getattr(args, "lora_modules", None):
         stack.info["lora_modules"] = lora_sources(args)
-    if args.mode == "colocate":
-        (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {qos.summary(mps)}\n")
+    on_gpu = placement.device == "cuda" or knobs.MPS_ON_CPU.get()
+    stack.qos_line = qos.summary(mps, on_gpu=on_gpu) if args.mode == "colocate" else ""
+    if stack.qos_line:
+        (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {stack.qos_line}\n")
     stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"
                                                               if placement.gpus else "")
     return stack
