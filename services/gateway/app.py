@@ -37,7 +37,7 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         try:
             yield
         finally:
-            responses.shutdown(_app)
+            await responses.shutdown(_app)
             await state.close()
 
     app = FastAPI(title="u1serve gateway", description=DESCRIPTION, lifespan=lifespan, docs_url="/docs",

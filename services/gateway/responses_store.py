@@ -148,8 +148,11 @@ class ResponseStore:
                 return
             self._drop(rid)
 
-    def cancel_all(self) -> None:
-        """On shutdown: background work ends (its engines are told to stop)."""
-        for rec in self._records.values():
-            if rec.task is not None and not rec.task.done():
-                rec.task.cancel()
+    async def cancel_all(self, timeout_s: float = 5.0) -> None:
+        """On shutdown: background work ends, its undo (engines told to stop) handed to the janitor before the
+        gateway's HTTP client closes."""
+        tasks = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)

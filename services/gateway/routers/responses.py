@@ -42,10 +42,10 @@ def store_of(request: Request) -> ResponseStore:
     return app_state.responses
 
 
-def shutdown(app: FastAPI) -> None:
+async def shutdown(app: FastAPI) -> None:
     """Background responses end with the gateway (their engines are told to stop)."""
     if getattr(app.state, "responses", None) is not None:
-        app.state.responses.cancel_all()
+        await app.state.responses.cancel_all()
 
 
 # ------------------------------------------------------------------------------------------ one request's plan
