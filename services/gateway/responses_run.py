@@ -67,11 +67,11 @@ async def chat_chunks(state: GatewayState, body: dict, rid: str) -> AsyncIterato
 
 
 class ResponseRun:
-    def __init__(self, state: GatewayState, response: dict, *, chat_body: Optional[dict] = None,
+    def __init__(self, state: GatewayState, response: dict, *, rid: str, chat_body: Optional[dict] = None,
                  job: Optional[ImageJob] = None, image_fields: Optional[dict] = None):
-        """chat_body: a text answer; job (+ the image_generation_call fields echoed: size, quality, ...): an
-        image."""
-        self.state, self.response, self.chat_body, self.job = state, response, chat_body, job
+        """rid: the engine-facing request id; chat_body: a text answer; job (+ the image_generation_call fields
+        echoed: size, quality, ...): an image."""
+        self.state, self.response, self.chat_body, self.job, self.rid = state, response, chat_body, job, rid
         self.image_fields = image_fields or {}
         self.started = False
         self.answer_text = ""                 # the message's text (the next turn's assistant message)
@@ -181,8 +181,7 @@ class ResponseRun:
 
     async def _text_events(self) -> AsyncIterator[dict]:
         finish, usage = None, None
-        rid = self.response["id"]
-        async with contextlib.aclosing(chat_chunks(self.state, self.chat_body, rid)) as chunks:
+        async with contextlib.aclosing(chat_chunks(self.state, self.chat_body, self.rid)) as chunks:
             async for chunk in chunks:
                 for ev in self._start():
                     yield ev

@@ -80,7 +80,7 @@ async def _image_run(request: Request, state: GatewayState, req: ResponsesReques
                     cache_salt=cache_salt(request, state, None), lora=adapter_for(state, req.model or tool.model))
     fields = {"action": "edit" if images else "generate", "size": job.size, "quality": tool.quality,
               "background": "opaque", "output_format": job.output_format}
-    return ResponseRun(state, response, job=job, image_fields=fields)
+    return ResponseRun(state, response, rid=job.request_id, job=job, image_fields=fields)
 
 
 async def _text_run(request: Request, state: GatewayState, req: ResponsesRequest, messages: list[dict],
@@ -98,7 +98,7 @@ async def _text_run(request: Request, state: GatewayState, req: ResponsesRequest
     salt = cache_salt(request, state, None)
     if salt is not None:
         body["cache_salt"] = salt
-    return ResponseRun(state, response, chat_body=body)
+    return ResponseRun(state, response, rid=request_id(request), chat_body=body)
 
 
 # ------------------------------------------------------------------------------------------ routes
