@@ -50,7 +50,7 @@ def bounded(body):
             body[key] = MAX_TOKENS
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
-    if "input" in body and "max_output_tokens" not in body:         # /v1/responses
+    if "input" in body and body.get("max_output_tokens") is None:         # /v1/responses
         body["max_output_tokens"] = MAX_TOKENS
     if "messages" in body and isinstance(body.get("n"), int) and body["n"] > MAX_CHOICES:
         body["n"] = MAX_CHOICES
