@@ -18,7 +18,7 @@ from services.kit.errors import APIError
 
 from .jobs import ImageJob
 from .responses_store import new_id
-from .routers.chat import PATH as CHAT_PATH, UND, _abort_later, _open as open_chat
+from .routers.chat import UND, _abort_later, _open as open_chat
 from .routing import conversation_key
 from .state import GatewayState
 from .upstream import Target, engine_headers, error_from_event, reading
