@@ -80,8 +80,12 @@ class Qos:
         return {"gpu_sharing": self.sharing.mode, "gpu_sharing_asked": self.sharing.asked,
                 "gpu_sharing_why": self.sharing.why, "yield_share": self.yield_share or 0.0, "yield_why": self.yield_why}
 
-    def summary(self, daemon=None) -> str:
-        """One line for the console (`ready:` and the start); `daemon`: the stack's MPS daemon, if any."""
+    def summary(self, daemon=None, on_gpu: bool = True) -> str:
+        """One line for the console (`ready:` and the start); `daemon`: the stack's MPS daemon, if any. Off GPUs
+        (on_gpu False) only the yield gate: GPU sharing and MPS mean nothing there."""
+        if not on_gpu:
+            gate = f"yield gate share {self.yield_share:g}" if self.yield_share else "no yield gate"
+            return f"engines share the CPU; {gate} ({self.yield_why})"
         if self.sharing.mode == "mps":
             text = (f"GPU sharing mps, generation at {daemon.gen_sm_percent} % of the SMs, priority "
                     f"{daemon.gen_priority}" if daemon is not None else "GPU sharing mps")

@@ -34,6 +34,7 @@ from typing import Callable, Optional, TextIO
 from services.kit.proc import preexec_die_with_parent
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
+from services.progress import Phase
 
 SHM_DIR = "/dev/shm"
 TAIL_LINES = 20
@@ -189,12 +190,14 @@ class Service:
         self.on_change = on_change
         self.sup = Supervisor(spec.name, self._spawn, policy=policy,
                               on_give_up=lambda why: on_give_up(self, why))
+        self.phase = "waiting"                  # for the progress line of `u1serve up` (services/progress.py)
 
     @property
     def unit(self) -> Optional[ServiceProcess]:
         return self.sup.unit  # type: ignore[return-value]
 
     def _spawn(self) -> ServiceProcess:
+        self.phase = "starting its process"
         unit = ServiceProcess(self.spec, self.log, self.grace_s)
         threading.Thread(target=self._until_healthy, args=(unit,), daemon=True,
                          name=f"health-{self.spec.name}").start()
@@ -207,6 +210,8 @@ class Service:
         self.on_change()
         while unit.alive() and self.sup.state not in (Supervisor.STOPPED, Supervisor.FAILED):
             status, body = health(self.spec.health_url)
+            if status is not None:               # its HTTP server is up: the engine loads its weights, warms up
+                self.phase = f"loading and warming up ({body.get('status') or status})"
             if status == 200:
                 self.sup.mark_ready(unit)
                 return
@@ -290,10 +295,13 @@ class Stack:
                 break
             t0 = time.monotonic()
             self.say(f"starting {s.spec.name}")
+            line = Phase(f"[u1serve] {s.spec.name}")     # a terminal's live line; nothing in a log
             s.sup.start()
             while not s.sup.ready:
+                line(s.phase)
                 if self._stopping.wait(0.1):
                     break
+            line.close("ready" if s.sup.ready else "stopped")
             if s.sup.ready:
                 self.say(f"{s.spec.name} healthy in {time.monotonic() - t0:.1f}s (pid {s.unit.pid})")
         if self.failed is not None:

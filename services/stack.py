@@ -14,7 +14,8 @@ import sys
 from typing import Callable
 
 from services import knobs
-from services.lora_flags import add_lora_flags, lora_env
+from services import hub
+from services.lora_flags import add_lora_flags, lora_env, lora_sources
 from services.netutil import free_port
 
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
@@ -182,6 +183,9 @@ def build_gateway(args, ctx) -> "ServiceSpec":
             "--port", str(args.port), "--und-url", f"http://127.0.0.1:{args.und_port}",
             "--gen-url", f"http://127.0.0.1:{args.gen_port}", "--model-name", ctx["model_name"],
             "--default-size", ctx["default_size"]]
+    source = ctx.get("source")
+    if source is not None and source.revision:    # /v1/models says which hub revision it serves
+        argv += ["--model-hub-id", source.repo_id, "--model-revision", source.revision]
     if ctx.get("max_pixels"):    # before --gateway-args: an operator may tighten it further
         argv += ["--max-pixels", str(ctx["max_pixels"])]
     # the gateway's drain on SIGTERM ends inside the launcher's --grace (its cleanup after the drain takes ~1 s)
@@ -411,8 +415,12 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     tiny = model in TINY_ALIASES
     if tiny:
         model = ensure_tiny_checkpoint(tiny_variant(model), out=out)
-    elif not os.path.isdir(model):
-        raise SystemExit(f"--model {model!r} is not a directory (or 'tiny')")
+        source = hub.Resolved(model)
+    else:
+        source = hub.resolve(model)        # a local directory as it is; <org>/<name>[@<revision>] from the hub
+        model = source.path
+        if not os.path.isdir(model):
+            raise SystemExit(f"--model {args.model!r} is not a checkpoint directory (or 'tiny', or a hub id)")
     check_gen_sp(args, model)
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
@@ -428,6 +436,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         "yield_page": qos_page(qos, pool), "yield_share": qos.yield_share,
         # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
         "max_pixels": checkpoint_max_tokens(model) * IMAGE_BLOCK ** 2,
+        "source": source,
     }
     from .stack_replicas import replicate
     specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
@@ -441,8 +450,13 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                   echo_logs=echo_logs, daemons=[mps] if mps else [])
     stack.qos, stack.qos_daemon = qos, mps
     stack.info["qos"] = qos.state
-    if args.mode == "colocate":
-        (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {qos.summary(mps)}\n")
+    stack.info["model"] = {"given": args.model, **source.record()}
+    if getattr(args, "lora_modules", None):
+        stack.info["lora_modules"] = lora_sources(args)
+    on_gpu = placement.device == "cuda" or knobs.MPS_ON_CPU.get()
+    stack.qos_line = qos.summary(mps, on_gpu=on_gpu) if args.mode == "colocate" else ""
+    if stack.qos_line:
+        (sys.stderr if dry_run else out).write(f"[u1serve] colocate QoS: {stack.qos_line}\n")
     stack.device = f"{placement.device} {placement.dtype}" + (f", GPUs {','.join(placement.gpus)}"
                                                               if placement.gpus else "")
     return stack
@@ -450,7 +464,8 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
 
 def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> None:
     p.add_argument("--model", default=model_default, required=model_default is None,
-                   help="checkpoint directory, or 'tiny' (a small random checkpoint, CPU friendly)")
+                   help="checkpoint directory, a hub id <org>/<name>[@<revision>] (fetched into the huggingface_hub "
+                        "cache; HF_HUB_OFFLINE, HF_TOKEN honoured), or 'tiny' (a small random checkpoint, CPU friendly)")
     p.add_argument("--mode", choices=["colocate", "separate"], default="colocate",
                    help="colocate: both engines on the same GPUs; separate: disjoint GPU groups")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.kit.admission import AdmissionGate
 from services.kit.errors import APIError
 
-ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/images/edits",
+ADMITTED_PATHS = frozenset({"/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/responses",
                             # RL and admin routes too (issue 37): they hold engines as long as images do
                             "/v1/rl/rollout", "/v1/rl/score", "/v1/rl/weights", "/v1/rl/weights/upload",
                             "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

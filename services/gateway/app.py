@@ -22,7 +22,7 @@ from .exposure import HostCheckMiddleware, key_paths
 from .openapi import install_openapi
 from .probation import ProbationMiddleware
 from .roles import RoleMiddleware
-from .routers import chat, images, lora, ops, playground, rl, rl_weights
+from .routers import chat, images, lora, ops, playground, responses, rl, rl_weights
 from .state import GatewayState
 
 DESCRIPTION = ("OpenAI-compatible chat and image API of u1serve (SenseNova-U1). Errors are "
@@ -38,13 +38,14 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         try:
             yield
         finally:
+            await responses.shutdown(_app)
             await state.close()
 
     app = FastAPI(title="u1serve gateway", description=DESCRIPTION, lifespan=lifespan, docs_url="/docs",
                   redoc_url=None)
     app.state.gateway = state
     errors.install(app, "gateway")
-    for module in (chat, images, ops, rl, live, rl_weights, lora):
+    for module in (chat, images, ops, rl, live, rl_weights, lora, responses):
         app.include_router(module.router)
     playground.install(app)
     install_openapi(app, cfg)

@@ -4,6 +4,8 @@ DEFAULT_BODY. A route with other needs declares its line here (as the RL routes 
 trajectory sent back as base64). Operators change a route's limit with `--route-body-mb PATH=MB`; `--max-body-mb` caps every route."""
 from __future__ import annotations
 
+import dataclasses
+
 from services.contract.rl import MAX_SCORE_BODY_BYTES
 from services.kit.bodies import JSON, MULTIPART, BodyRule, BodyRules
 
@@ -17,6 +19,8 @@ ROUTE_BODIES: dict[str, BodyRule] = {
     "/v1/chat/completions": BodyRule(32 * MiB),                         # images as data URLs
     "/v1/images/edits": BodyRule(32 * MiB, media_types=(JSON, MULTIPART)),   # up to 4 input images
     "/v1/images/generations": BodyRule(1 * MiB),                        # a prompt and options
+    "/v1/responses": BodyRule(32 * MiB),                                # input images as data URLs
+    "/v1/responses/*/cancel": BodyRule(1 * MiB, media_types=None, optional=True),   # no body (the SDK sends none)
     "/v1/rl/rollout": BodyRule(256 * MiB),                 # up to 64 prompts, each with its edit input images
     "/v1/rl/score": BodyRule(MAX_SCORE_BODY_BYTES),        # the rollout again, maybe with a trajectory generation
                                                            # takes (base64 of at most MAX_TRAJECTORY_UPLOAD_BYTES)
@@ -31,7 +35,7 @@ def body_rules(cfg: GatewayConfig) -> BodyRules:
         limit = cfg.route_body_bytes.get(path, rule.max_bytes)
         if cfg.max_body_bytes is not None:
             limit = min(limit, cfg.max_body_bytes)
-        return BodyRule(limit, rule.media_types, rule.max_json_elements)
+        return dataclasses.replace(rule, max_bytes=limit)
     routes = {path: sized(path, rule) for path, rule in ROUTE_BODIES.items()}
     routes.update({path: sized(path, DEFAULT_BODY) for path in cfg.route_body_bytes if path not in routes})
     return BodyRules(sized("", DEFAULT_BODY), routes)

@@ -52,6 +52,8 @@ class GatewayConfig:
     und_urls: list[str] = field(default_factory=lambda: [DEFAULT_UND_URL])
     gen_urls: list[str] = field(default_factory=lambda: [DEFAULT_GEN_URL])
     model_name: str = "sensenova-u1"
+    model_hub_id: str | None = None           # where the weights came from (u1serve up --model <org>/<name>)
+    model_revision: str | None = None         # ... at this commit: both shown by /v1/models
     api_keys: tuple[str, ...] = ()            # Bearer keys for /v1/*; none = open
     internal_token: str | None = None         # sent to the engines on every call
     cache_salt_by_api_key: bool | None = None  # prefix-cache salt = a hash of the caller's key; None: iff keys
@@ -102,6 +104,11 @@ class GatewayConfig:
     rl_max_trajectory_bytes: int = 4096 * MiB  # one rollout's trajectory (S x (N+1) x 3 x H x W float32)
     rl_max_pixel_steps: int = 1 << 32         # one RL request's samples x steps x pixels
     rl_max_trajectory_fetches: int = 8        # trajectory downloads relayed at once (more: 429)
+    # stored responses (/v1/responses: store, previous_response_id, background), in memory per API key
+    responses_max_stored: int = 512           # finished responses kept; the oldest go first
+    responses_store_mb: float = 256.0         # ... and at most this much of their text and images
+    responses_ttl_s: float = 3600.0           # a finished response is kept this long
+    responses_max_background: int = 32        # background responses queued or running; more -> 429
 
     def __post_init__(self) -> None:
         if self.admin_api_keys and not self.api_keys:
@@ -143,6 +150,10 @@ class GatewayConfig:
             raise ValueError("stream_write_timeout_s and stream_send_buffer_bytes must be >= 0 (0 = off)")
         if self.strike_hold_s < 0 or self.strike_decay_s <= 0:
             raise ValueError("strike_hold_s must be >= 0 (0 = off) and strike_decay_s > 0")
+        if min(self.responses_max_stored, self.responses_max_background) < 1 or min(
+                self.responses_store_mb, self.responses_ttl_s) <= 0:
+            raise ValueError("responses_max_stored, responses_max_background, responses_store_mb and "
+                             "responses_ttl_s must be positive")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 
@@ -180,6 +191,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-url", action="append", default=None,
                    help="generation replica (as --und-url); env " + knobs.GEN_URLS.name)
     _add(p, "--model-name", default=GatewayConfig.model_name)
+    p.add_argument("--model-hub-id", default=None, help="the hub id the weights came from (/v1/models shows it)")
+    p.add_argument("--model-revision", default=None, help="the hub revision (commit) of the weights (/v1/models)")
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* (env {knobs.API_KEY.name})")
     p.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line")
     p.add_argument("--internal-token", default=None, help=f"token sent to the engines (env {knobs.INTERNAL_TOKEN.name})")
@@ -263,6 +276,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
          help="the most samples x steps x pixels one RL request may ask for")
     _add(p, "--rl-max-trajectory-fetches", type=int, default=GatewayConfig.rl_max_trajectory_fetches,
          help="trajectory downloads relayed at once; more get 429")
+    _add(p, "--responses-max-stored", type=int, default=GatewayConfig.responses_max_stored,
+         help="/v1/responses: finished responses kept in memory (all keys together; the oldest go first)")
+    _add(p, "--responses-store-mb", type=float, default=GatewayConfig.responses_store_mb,
+         help="/v1/responses: text and images of the kept responses, at most this many MiB")
+    _add(p, "--responses-ttl-s", type=float, default=GatewayConfig.responses_ttl_s,
+         help="/v1/responses: a finished response is kept this long")
+    _add(p, "--responses-max-background", type=int, default=GatewayConfig.responses_max_background,
+         help="/v1/responses: background responses queued or running at once; more -> 429 with Retry-After")
     _add(p, "--log-level", default="info")
     return p
 
@@ -314,7 +335,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         return GatewayConfig(
             und_urls=_split_urls(args.und_url or [knobs.UND_URLS.get(default=DEFAULT_UND_URL)]),
             gen_urls=_split_urls(args.gen_url or [knobs.GEN_URLS.get(default=DEFAULT_GEN_URL)]),
-            model_name=args.model_name,
+            model_name=args.model_name, model_hub_id=args.model_hub_id, model_revision=args.model_revision,
             api_keys=tuple(read_secrets(args.api_key, args.api_key_file, knobs.API_KEY)),
             internal_token=read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN),
             cache_salt_by_api_key=args.cache_salt_by_api_key,
@@ -339,6 +360,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             graceful_shutdown_s=args.graceful_shutdown_s, stream_write_timeout_s=args.stream_write_timeout_s,
             stream_send_buffer_bytes=args.stream_send_buffer_kb * 1024, strike_hold_s=args.strike_hold_s,
             strike_decay_s=args.strike_decay_s, forwarded_allow_ips=args.forwarded_allow_ips,
+            responses_max_stored=args.responses_max_stored, responses_store_mb=args.responses_store_mb,
+            responses_ttl_s=args.responses_ttl_s, responses_max_background=args.responses_max_background,
             **_tenancy(args))
     except ValueError as exc:        # pydantic's ValidationError is a ValueError too
         raise SystemExit(f"gateway: {exc}") from None

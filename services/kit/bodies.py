@@ -6,6 +6,7 @@ NaN/Infinity, bounded nesting: web.parse_json) in a worker thread, off the event
 parsed (web.json_body, web.ParsedJsonRoute)."""
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -25,10 +26,12 @@ _WITH_BODY = ("POST", "PUT", "PATCH")
 
 @dataclass(frozen=True)
 class BodyRule:
-    """What one route accepts as a body. media_types None: any type (a JSON one is still parsed strictly)."""
+    """What one route accepts as a body. media_types None: any type (a JSON one is still parsed strictly).
+    optional: the route takes no body, so an empty one is no error (a POST action such as a cancel)."""
     max_bytes: int
     media_types: Optional[tuple[str, ...]] = (JSON,)
     max_json_elements: int = L.MAX_JSON_ELEMENTS
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1 or self.max_json_elements < 1:
@@ -36,14 +39,20 @@ class BodyRule:
 
 
 class BodyRules:
-    """The rule of each route (by exact path); routes not listed get `default`."""
+    """The rule of each route (by exact path, or a pattern with `*` for one path segment, e.g.
+    /v1/items/*/cancel); routes not listed get `default`."""
 
     def __init__(self, default: BodyRule, routes: Optional[Mapping[str, BodyRule]] = None):
         self.default = default
         self.routes = dict(routes or {})
 
     def rule(self, path: str) -> BodyRule:
-        return self.routes.get(path, self.default)
+        if path in self.routes:
+            return self.routes[path]
+        for pattern, rule in self.routes.items():
+            if "*" in pattern and pattern.count("/") == path.count("/") and fnmatch.fnmatchcase(path, pattern):
+                return rule
+        return self.default
 
 
 def media_type(headers: dict[str, bytes]) -> str:
@@ -77,7 +86,8 @@ class BodyMiddleware:
                 raise too_large(rule.max_bytes)
             if ctype == JSON:
                 raw = await self._read(receive, rule)
-                remember_json(scope, await self._parse(raw))
+                if raw or not rule.optional:
+                    remember_json(scope, await self._parse(raw))
                 receive = _replay(raw, receive)
             else:
                 receive = _limited(receive, rule.max_bytes)

@@ -43,11 +43,15 @@ def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str
         out.write(json.dumps({"event": "start", "algo": cfg.algo, "weights_version": start["weights_version"],
                               "config": {k: v for k, v in vars(cfg).items() if k != "prompts"}}) + "\n")
         out.flush()
-        for _ in range(iterations):
-            rec = trainer.step()
-            records.append(rec)
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
+        from services.progress import bar
+        with bar(total=iterations, desc=f"[u1serve] rl-train {cfg.algo}", unit="iteration") as line:
+            for _ in range(iterations):
+                rec = trainer.step()
+                records.append(rec)
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                line.set_postfix(reward=f"{rec['reward_mean']:.4f}")
+                line.update()
     return records
 
 

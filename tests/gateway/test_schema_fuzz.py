@@ -63,11 +63,13 @@ def bounded(body):
     """A case's text budget cut to a few tokens and two choices (the fuzz is about fields, not long answers)."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:         # /v1/responses
+        body["max_output_tokens"] = MAX_TOKENS
     if "messages" in body and isinstance(body.get("n"), int) and body["n"] > MAX_CHOICES:
         body["n"] = MAX_CHOICES
     for key in ("image_config", "extra_body"):

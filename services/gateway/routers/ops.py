@@ -19,8 +19,10 @@ router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 
 @router.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
 async def models(state: GatewayState = Depends(gateway)):
-    return {"object": "list", "data": [{"id": state.config.model_name, "object": "model", "created": 0,
-                                        "owned_by": "u1serve"}, *adapter_models(state)]}
+    base = {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "u1serve"}
+    if state.config.model_hub_id:         # u1serve up --model <org>/<name>[@<revision>]
+        base.update(root=state.config.model_hub_id, revision=state.config.model_revision)
+    return {"object": "list", "data": [base, *adapter_models(state)]}
 
 
 async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:
