@@ -33,7 +33,7 @@ import httpx
 
 from bench.bench_weight_update import write_gen_update
 from bench.bench_trajectory_fetch import fetch_raw
-from bench.stack import exit_status, prepare_model, run_all, stack_args
+from bench.stack import enable_rl, exit_status, prepare_model, run_all, stack_args
 from services.contract.limits import MAX_IMAGES_PER_REQUEST as MAX_IMAGES
 
 PROMPTS = ["a red fox in the snow, watercolor", "a lighthouse at dusk, oil painting", "a bowl of ramen, photo",
@@ -184,6 +184,7 @@ def main() -> None:
     args.json = os.path.join(args.out, "bench_rl.json")
     model_dir = prepare_model(args)
     args.update_dir = tempfile.mkdtemp(prefix="u1bench-rl-update-")
+    enable_rl(args, args.update_dir)
     try:
         args.update_tensors, args.update_bytes = write_gen_update(model_dir, args.update_dir)
         results = run_all(args, model_dir, measure, table)

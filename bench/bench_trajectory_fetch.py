@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from bench.stack import exit_status, prepare_model, profile_table, run_all, stack_args
+from bench.stack import enable_rl, exit_status, prepare_model, profile_table, run_all, stack_args
 
 MB = 1 << 20
 
@@ -133,6 +133,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     args.json = os.path.join(args.out, "bench_trajectory_fetch.json")
     model_dir = prepare_model(args)
+    enable_rl(args)
     results = run_all(args, model_dir, measure, table)
     with open(os.path.join(args.out, "bench_trajectory_fetch.md"), "w") as f:
         f.write(table(results, args) + "\n")

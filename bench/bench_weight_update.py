@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from bench.stack import exit_status, prepare_model, profile_table, run_all, stack_args
+from bench.stack import enable_rl, exit_status, prepare_model, profile_table, run_all, stack_args
 
 
 def write_gen_update(model_dir: str, out_dir: str, seed: int = 0) -> tuple[int, int]:
@@ -119,6 +119,7 @@ def main() -> None:
     model_dir = prepare_model(args)
     made = args.update_dir is None
     args.update_dir = args.update_dir or tempfile.mkdtemp(prefix="u1bench-update-")
+    enable_rl(args, args.update_dir)
     try:
         t0 = time.perf_counter()
         args.update_tensors, args.update_bytes = write_gen_update(model_dir, args.update_dir)

@@ -57,6 +57,13 @@ def stack_args(p: argparse.ArgumentParser, profiles: str) -> None:
     p.add_argument("--json", default=None)
 
 
+def enable_rl(args, *update_dirs: str) -> None:
+    """An RL bench's stack: the RL routes on (they are off unless the operator turns them on) and the directories
+    its weight updates are read from allowed (docs/deployment.md "Tenants and the operator")."""
+    extra = ["--enable-rl"] + (["--allowed-local-dirs", ",".join(update_dirs)] if update_dirs else [])
+    args.up_args = " ".join([shlex.join(extra), args.up_args]).strip()
+
+
 def prepare_model(args) -> str:
     """The checkpoint directory (tiny, or a full-size config with random weights) and the log directory."""
     from services.model.tiny import write_full_config, write_tiny_checkpoint
