@@ -6,8 +6,9 @@
     python -m deploy.gpu_smoke profiles --gpus 2   # the default profiles of a machine with 2 GPUs
 
 A run starts `u1serve up` (GPU profiles: the random-weight 8B geometry, `u1serve tiny-checkpoint DIR --variant
-u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with an API key from a file, then checks: chat,
-a chat stream, an image stream, a 1024² image (256² on CPU), an edit, hostile inputs (temperature 1e-40,
+u1-8b` + U1SERVE_RANDOM_WEIGHTS=1; `cpu`: the tiny checkpoint), with two tenant keys and an operator key from files (RL and runtime LoRA on), then checks:
+chat, a chat stream, an image stream, a 1024² image (256² on CPU), an edit, the Responses API (text, then the image
+tool continuing it), the roles (a tenant pushing weights 403, the operator key on chat 403), hostile inputs (temperature 1e-40,
 repetition_penalty 1e-300, seed 2**64, NaN, Infinity, nesting deeper than 32, a decompression-bomb image,
 non-ASCII and wrong keys: a 4xx, never a 5xx), a burst of 32 mixed requests with cancels (bench_load), then
 /health, empty KV pools (understanding's shm_pages_used, generation's queue), on a GPU (graphs are on by default) that
@@ -301,6 +302,28 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
         assert r.status_code == 200, r.text[:300]
         return "200"
 
+    def c_responses(c):
+        # the Responses API (docs/responses.md): a text answer, then the image tool continuing it (stored)
+        r = c.post("/v1/responses", json={"input": "Say hello.", "max_output_tokens": 8})
+        assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text[:300]  # 8 tokens
+        r = c.post("/v1/responses", json={"input": "a red fox", "previous_response_id": r.json()["id"],
+                                          "tools": [{"type": "image_generation", "size": "256x256",
+                                                     "num_inference_steps": STEPS}]})
+        assert r.status_code == 200, r.text[:300]
+        calls = [o for o in r.json()["output"] if o["type"] == "image_generation_call"]
+        assert calls and _png_size(calls[0]["result"]) == (256, 256), r.text[:300]
+        return "text, then an image_generation_call 256x256"
+
+    def c_roles(c):
+        # issue 37: weights are the operator's; the operator key is no tenant's; one tenant's ids are not another's
+        no_auth = {"Authorization": ""}
+        tenant = status_of(c, "/v1/rl/weights", body={"path": "/nonexistent", "version": "x"}, want=(403,))
+        op = status_of(c, "/v1/chat/completions", body=chat, want=(403,),
+                       headers={**no_auth, "Authorization": f"Bearer {stack.operator_key}"})
+        other = c.get("/v1/rl/trajectories/traj-0000", headers={"Authorization": f"Bearer {stack.tenant_b}"})
+        assert other.status_code == 404, other.text[:300]
+        return f"tenant pushing weights {tenant}; operator key on chat {op}; unknown trajectory 404"
+
     hostile = [
         ("temperature 1e-40", lambda c: status_of(c, "/v1/chat/completions", body={**chat, "temperature": 1e-40},
                                                   want=(200,))),
@@ -335,13 +358,14 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
             ", ".join(f"{k} {v['statuses']}" for k, v in kinds.items())
 
     return [("chat", c_chat), ("chat stream", c_chat_stream), ("image stream", c_image_stream),
-            ("image", c_image), ("step cache reuses", c_step_cache), ("edit", c_edit), *hostile, ("burst of 32 with cancels", c_burst)]
+            ("image", c_image), ("step cache reuses", c_step_cache), ("edit", c_edit), ("responses", c_responses),
+            ("roles", c_roles), *hostile, ("burst of 32 with cancels", c_burst)]
 
 
 def run_profile(profile: str, out: Optional[str], work_dir: Optional[str] = None) -> dict:
     t0 = time.monotonic()
     result = {"profile": profile, "checks": [], "ok": False}
-    stack = Stack(profile, work_dir)
+    stack = Stack(profile, work_dir, tenants=True)    # two tenant keys and an operator key, RL and runtime LoRA on
     try:
         with stack:
             result["startup_s"] = round(stack.startup_s, 1)
