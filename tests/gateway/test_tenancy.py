@@ -196,14 +196,19 @@ def test_a_gateway_without_the_switches_serves_neither(tenancy_stack, side_gatew
               "runtime_lora_disabled")
 
 
+def tenant_a_gateway(stack, side_gateway, tmp_path, *flags):
+    """A gateway of its own in front of the stack's engines: tenant A's key only, RL on, `flags` (one limit)."""
+    keys = tmp_path / "keys"
+    keys.write_text(TENANT_A + "\n")
+    return side_gateway(f"http://127.0.0.1:{stack.und_port}", f"http://127.0.0.1:{stack.gen_port}",
+                        "--api-key-file", str(keys), "--enable-rl", *flags,
+                        env={"U1SERVE_INTERNAL_TOKEN": stack.token})
+
+
 def test_rl_routes_count_against_admission(tenancy_stack, side_gateway, tmp_path):
     """A rollout holds an admission slot as an image does: with one slot, a second RL request meanwhile is a 429."""
     import threading
-    keys = tmp_path / "keys"
-    keys.write_text(TENANT_A + "\n")
-    g = side_gateway(f"http://127.0.0.1:{tenancy_stack.und_port}", f"http://127.0.0.1:{tenancy_stack.gen_port}",
-                     "--api-key-file", str(keys), "--enable-rl", "--max-concurrent-requests", "1",
-                     env={"U1SERVE_INTERNAL_TOKEN": tenancy_stack.token})
+    g = tenant_a_gateway(tenancy_stack, side_gateway, tmp_path, "--max-concurrent-requests", "1")
     with httpx.Client(base_url=g.base, timeout=180, headers={"Authorization": f"Bearer {TENANT_A}"}) as c:
         first = {}
         t = threading.Thread(target=lambda: first.update(r=c.post("/v1/rl/rollout", json={
@@ -235,11 +240,7 @@ def test_trajectory_fetches_are_bounded(tenancy_stack, side_gateway, tmp_path):
     """With one relay allowed, a fetch whose client reads nothing holds it: a second fetch is a 429 meanwhile, and
     is served once the first client goes away."""
     import socket
-    keys = tmp_path / "keys"
-    keys.write_text(TENANT_A + "\n")
-    g = side_gateway(f"http://127.0.0.1:{tenancy_stack.und_port}", f"http://127.0.0.1:{tenancy_stack.gen_port}",
-                     "--api-key-file", str(keys), "--enable-rl", "--rl-max-trajectory-fetches", "1",
-                     env={"U1SERVE_INTERNAL_TOKEN": tenancy_stack.token})
+    g = tenant_a_gateway(tenancy_stack, side_gateway, tmp_path, "--rl-max-trajectory-fetches", "1")
     with httpx.Client(base_url=g.base, timeout=300, headers={"Authorization": f"Bearer {TENANT_A}"}) as c:
         r = c.post("/v1/rl/rollout", json={**BODY, "size": "256x256", "num_inference_steps": 4, "group_size": 8,
                                             "return_images": False})
