@@ -14,7 +14,7 @@ import httpx
 
 from services.contract.health import EnginePhase
 from services.progress import Phase, starting_line
-from tests.system.stackproc import ROOT, RunningStack, Terminal
+from tests.system.stackproc import ROOT, RunningStack, in_terminal
 
 STACK = """
 import io, sys
@@ -26,26 +26,11 @@ stack.stop()
 """
 
 
-def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, str]:
-    """Run `argv` with stderr on a pseudo-terminal; (exit code, what the terminal showed)."""
-    term = Terminal()
-    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=term.slave,
-                         env={**os.environ, "PYTHONPATH": ROOT, **env})
-    term.started()
-    try:
-        code = p.wait(timeout)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        term.close()
-    return code, term.shown()
-
-
 def test_up_shows_each_engine_on_a_terminal_only():
-    code, shown = in_terminal([sys.executable, "-c", STACK])
+    code, shown, _ = in_terminal([sys.executable, "-c", STACK])
     assert code == 0, shown
     assert "[u1serve] alpha: ready" in shown and "[u1serve] beta: ready" in shown, shown
-    code, shown = in_terminal([sys.executable, "-c", STACK], U1SERVE_PROGRESS="0")
+    code, shown, _ = in_terminal([sys.executable, "-c", STACK], U1SERVE_PROGRESS="0")
     assert code == 0 and "ready" not in shown, shown
     piped = subprocess.run([sys.executable, "-c", STACK], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
@@ -53,7 +38,7 @@ def test_up_shows_each_engine_on_a_terminal_only():
 
 
 def test_convert_shows_its_shards(tiny_dir, tmp_path):
-    code, shown = in_terminal([sys.executable, "-m", "services.cli", "convert", tiny_dir, str(tmp_path / "q"),
+    code, shown, _ = in_terminal([sys.executable, "-m", "services.cli", "convert", tiny_dir, str(tmp_path / "q"),
                                "--to", "int8"])
     assert code == 0, shown
     assert "[u1serve] convert to int8" in shown and "shard" in shown, shown

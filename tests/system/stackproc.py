@@ -138,6 +138,22 @@ class Terminal:
         os.close(self.master)
 
 
+def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, str, str]:
+    """Run `argv` with stderr on a pseudo-terminal: (exit code, what the terminal showed, its stdout)."""
+    term = Terminal()
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=term.slave, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT, **env})
+    term.started()
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        term.close()
+    return p.returncode, term.shown(), out
+
+
 class RunningStack:
     """`u1serve up` on the CPU; with `terminal`, its stderr is a pseudo-terminal (where progress lines are drawn:
     `terminal_output()`), its stdout the log as always."""
