@@ -169,7 +169,8 @@ class EngineSupervisor:
         s = self.sup.status()
         state = "ok" if self.ready else ("starting" if s["state"] in ("starting", "ready") else s["state"])
         phase = EnginePhase.READY if self.ready else (u.phase if u is not None else EnginePhase.STARTING)
-        return {"status": state, PHASE_FIELD: phase.value, "queued": queued, "running": running, "max_queued": self.max_queued,
+        return {"status": state, PHASE_FIELD: phase.value, "queued": queued, "running": running,
+                "max_queued": self.max_queued,
                 "restarts": s["restarts"], "last_error": s["last_error"], "failure": s["failure"],
                 "engine_pids": u.pids if u is not None and not u.dead else [],
                 "pending_commands": u.outbox.pending() if u is not None else 0,
