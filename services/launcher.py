@@ -34,7 +34,7 @@ from typing import Callable, Optional, TextIO
 from services.kit.proc import preexec_die_with_parent
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
-from services.progress import Phase
+from services.progress import Phase, starting_line
 
 SHM_DIR = "/dev/shm"
 TAIL_LINES = 20
@@ -211,7 +211,7 @@ class Service:
         while unit.alive() and self.sup.state not in (Supervisor.STOPPED, Supervisor.FAILED):
             status, body = health(self.spec.health_url)
             if status is not None:               # its HTTP server is up: the engine loads its weights, warms up
-                self.phase = f"loading and warming up ({body.get('status') or status})"
+                self.phase = starting_line(body)
             if status == 200:
                 self.sup.mark_ready(unit)
                 return

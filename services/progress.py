@@ -1,13 +1,14 @@
-"""Progress bars where people wait (tqdm), one style for the whole CLI: `u1serve up` (each engine's phase),
-`u1serve convert` (shards), `u1serve rl-train` (iterations with their reward); huggingface_hub draws its own
-download bars in the same library. On stderr, and only when stderr is a terminal: logs, pipes and CI see the
-plain lines they saw before. U1SERVE_PROGRESS=0 turns them off on a terminal too."""
+"""Progress bars where people wait (tqdm), one style for the whole CLI: `u1serve up` (each engine's phase from its
+/health: loading, warming, ready), `u1serve convert` (shards), `u1serve rl-train` (iterations with their reward);
+huggingface_hub draws its own download bars in the same library. On stderr, and only when stderr is a terminal:
+logs, pipes and CI see the plain lines they saw before. U1SERVE_PROGRESS=0 turns them off on a terminal too."""
 from __future__ import annotations
 
 import sys
 from typing import Iterable, Optional, TextIO, TypeVar
 
 from services import knobs
+from services.contract.health import PHASE_FIELD, describe
 
 T = TypeVar("T")
 
@@ -30,15 +31,23 @@ def bar(iterable: Optional[Iterable[T]] = None, *, total: Optional[int] = None, 
                 dynamic_ncols=True, leave=True)
 
 
+def starting_line(body: dict) -> str:
+    """What a starting service's /health body says for its progress line: an engine's phase as loading /
+    warming / ready (services/contract/health.py), else its status (a service without phases)."""
+    phase = body.get(PHASE_FIELD)
+    return describe(phase) if phase else f"starting ({body.get('status') or 'no status yet'})"
+
+
 class Phase:
     """One line for something with phases and no known length (an engine starting): its name, the phase it is
     in, the time since it began."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, stream: Optional[TextIO] = None):
         from tqdm import tqdm
+        stream = stream or sys.stderr
         self.name, self._phase = name, "waiting"
         self._bar = tqdm(total=None, desc=f"{name}: {self._phase}", bar_format="{desc} [{elapsed}]",
-                         file=sys.stderr, disable=not wanted(), leave=True)
+                         file=stream, disable=not wanted(stream), leave=True)
 
     def __call__(self, phase: str) -> None:
         if phase != self._phase:

@@ -47,7 +47,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[str] = Field(None, max_length=128,
                                                 description="continue a stored response (same API key)")
     store: bool = Field(True, description="keep the response (GET /v1/responses/{id}, previous_response_id)")
-    background: bool = Field(False, description="answer at once (queued); poll GET /v1/responses/{id}")
+    background: bool = Field(False, description="answer at once (queued); poll GET /v1/responses/{id}, or stream it "
+                             "with stream (the response outlives its stream)")
     stream: bool = False
     tools: list[dict[str, Any]] = Field(default_factory=list, max_length=8)
     tool_choice: Union[str, dict[str, Any]] = "auto"
@@ -116,7 +117,7 @@ class ResponseObject(BaseModel):
 
 
 class ResponseStreamEvent(BaseModel):
-    """One `data:` event of a streamed response: response.created, response.in_progress,
+    """One `data:` event of a streamed response: response.created, response.queued (background), response.in_progress,
     response.output_item.added / .done, response.content_part.added / .done, response.output_text.delta / .done,
     response.reasoning_text.delta / .done, response.image_generation_call.in_progress / .generating /
     .partial_image / .completed, response.completed / .incomplete / .failed, error."""

@@ -145,8 +145,10 @@ class ResponseRun:
             return []
         self.started = True
         self.response["status"] = "in_progress"
-        return [{"type": "response.created", "response": self.snapshot(output=False)},
-                {"type": "response.in_progress", "response": self.snapshot(output=False)}]
+        # a background response announced its creation (queued) when it was made (routers/responses.py)
+        created = [] if self.response["background"] else [{"type": "response.created",
+                                                           "response": self.snapshot(output=False)}]
+        return created + [{"type": "response.in_progress", "response": self.snapshot(output=False)}]
 
     def snapshot(self, output: bool = True) -> dict:
         snap = dict(self.response)

@@ -41,6 +41,12 @@ Command = Union[SubmitJob, AbortJob, WeightsOp, Stop]
 
 # -- engine events: rank 0 -> HTTP process --------------------------------------------------------------------
 @dataclass
+class Starting:
+    """Where the ranks are on their way to Ready (services.contract.health.EnginePhase), for /health."""
+    phase: str
+
+
+@dataclass
 class Ready:
     capacity: dict                        # capacity.measure(): the reference job's KV bytes, free memory
 

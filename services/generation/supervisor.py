@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from services.contract.health import PHASE_FIELD, EnginePhase
 from services.contract.image import GenerateRequest
 from services.kit.errors import APIError, overloaded, unavailable
 from services.kit.restart import RestartPolicy
@@ -26,7 +27,7 @@ from .job_table import END, Deliver, JobTable, Ticket
 from .leases import HandleKeeper
 from .link import Outbox, start_reader
 from .protocol import (AbortJob, Fatal, Image, JobDone, JobFailed, JobStarted, Preview, Progress, Ready, RlResult,
-                       Stop, SubmitJob)
+                       Starting, Stop, SubmitJob)
 
 log = logging.getLogger("u1serve.generation")
 
@@ -60,6 +61,7 @@ class EngineRanks:
         self.dead = False
         self.fatal: Optional[str] = None
         self.capacity: Optional[dict] = None
+        self.phase = EnginePhase.STARTING      # rank 0's Starting messages move it on (/health "phase")
         self._asked_to_stop = False
 
     def send(self, msg) -> None:
@@ -166,7 +168,9 @@ class EngineSupervisor:
         u = self.unit
         s = self.sup.status()
         state = "ok" if self.ready else ("starting" if s["state"] in ("starting", "ready") else s["state"])
-        return {"status": state, "queued": queued, "running": running, "max_queued": self.max_queued,
+        phase = EnginePhase.READY if self.ready else (u.phase if u is not None else EnginePhase.STARTING)
+        return {"status": state, PHASE_FIELD: phase.value, "queued": queued, "running": running,
+                "max_queued": self.max_queued,
                 "restarts": s["restarts"], "last_error": s["last_error"], "failure": s["failure"],
                 "engine_pids": u.pids if u is not None and not u.dead else [],
                 "pending_commands": u.outbox.pending() if u is not None else 0,
@@ -236,6 +240,8 @@ class EngineSupervisor:
                 self.sup.mark_ready(unit)
                 log.info("generation engine ready: %d rank(s), %.1f s, queue limit %d", self.world,
                          time.monotonic() - unit.started_at, self.max_queued)
+            case Starting(phase=phase):
+                unit.phase = EnginePhase(phase)
             case Fatal(message=message):     # the rank logged it with its traceback; the supervisor reports it
                 unit.fatal = message
             case JobStarted() | Progress() | Preview() | Image() | RlResult() | JobDone() | JobFailed():

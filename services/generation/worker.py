@@ -13,11 +13,12 @@ import os
 import queue
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from services import knobs
+from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
@@ -25,6 +26,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from .config import GenerationConfig
 from .emitter import Emitter
 from .protocol import Fatal, KvImportStats, KvPoolStats, Ready, StepPlan, Stop, WarmupStats
+from .protocol import Starting
 from .scheduler import Scheduler
 from .weights import RankWeights
 
@@ -154,9 +156,11 @@ def _device(cfg: GenerationConfig, rank: int) -> torch.device:
     return device
 
 
-def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torch.device):
+def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torch.device,
+           phase: Callable[[EnginePhase], None] = lambda p: None):
     """This rank's communicator, prefix source and engine(s), warmed up, and the shm KV pool opened when it is there
-    (after the warm-up: the producer had that long to create it). Returns (engine, comm, source, warm-up stats)."""
+    (after the warm-up: the producer had that long to create it). Returns (engine, comm, source, warm-up stats).
+    `phase` hears where it is (/health "phase")."""
     from services.model.loader import load_model
     from services.model.lora_registry import attach_lora
 
@@ -172,6 +176,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     comm = CfgComm.init(rank, world, port, device, sp=cfg.sp, sp_mode=cfg.sp_mode) if world > 1 \
         else CfgComm.single()
     dtype = _DTYPES[cfg.dtype]
+    phase(EnginePhase.LOADING_WEIGHTS)
     model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
                        quantization=cfg.quantization)
     model.eval()
@@ -188,9 +193,11 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     engine = EngineSet(main,
                        reference_factory(cfg, device, dtype, source, comm, gate) if cfg.rl_reference == "on"
                        else None)
+    phase(EnginePhase.WARMING)
     warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps,
                       table=list(SIZE_TABLE) if cfg.warmup_table == "on" else [])
     h0, h1 = comm.sp.kv_heads(model.num_kv_heads)      # this rank's share of each import (engine.admit)
+    phase(EnginePhase.ATTACHING_KV_POOL)
     source.open_before_ready(cfg.kv_pool_wait_s or 0.0, heads=(h0, h1) if h1 - h0 < model.num_kv_heads else None)
     return engine, comm, source, warm
 
@@ -206,7 +213,9 @@ def run_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = _device(cfg, rank)
-        engine, comm, source, warm = _build(rank, world, port, cfg, device)
+        engine, comm, source, warm = _build(rank, world, port, cfg, device,
+                                            (lambda p: out.send(Starting(p.value))) if out is not None
+                                            else (lambda p: None))
         if rank == 0:
             from .capacity import measure
             out.send(WarmupStats(**warm))

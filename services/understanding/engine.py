@@ -17,11 +17,13 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
+from services.contract.health import EnginePhase
 
 from .config import EngineConfig
 from .devices import rank_device
 from .lora import plan_slots
 from .protocol import Abort, Fatal, Ready, RequestOutput, Shutdown, Step, SubmitRequest, WeightsReply
+from .protocol import Starting
 from .sampling import (GREEDY, SamplingFailure, is_fatal_device_error, processed_logprob, sample,
                        token_logprobs)
 from .scheduler import Scheduler
@@ -80,6 +82,9 @@ class Engine:
         from services.model.tokenizer import NeoTokenizer
         from .model_runner import ModelRunner
         self.rank, self.cfg, self.tp = rank, cfg, tp
+        # rank 0 tells the HTTP process where it is on the way to Ready (/health "phase")
+        phase = (lambda p: out_sock.send_pyobj(Starting(p.value))) if out_sock is not None else (lambda p: None)
+        phase(EnginePhase.LOADING_WEIGHTS)
         self.device = rank_device(cfg.device, cfg.tp, rank, lambda: torch.cuda.current_device())
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
@@ -93,10 +98,11 @@ class Engine:
         self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running, self.max_model_len,
-                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs)
+                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs, on_phase=phase)
         self.out = out_sock
         self.pool = None
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)
+            phase(EnginePhase.ATTACHING_KV_POOL)
             from shm_transfer import LocalShmTransport
             self.pool = LocalShmTransport.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         self.yield_signal = None

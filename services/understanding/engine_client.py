@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import zmq
 
+from services.contract.health import EnginePhase
 from services.kit.restart import RestartPolicy
 from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
@@ -31,7 +32,8 @@ from services.netutil import free_port
 
 from .config import EngineConfig
 from .engine import run_engine
-from .protocol import Abort, EngineStats, Fatal, Ready, RequestOutput, Shutdown, Step, SubmitRequest, WeightsReply
+from .protocol import (Abort, EngineStats, Fatal, Ready, RequestOutput, Shutdown, Starting, Step, SubmitRequest,
+                       WeightsReply)
 
 log = logging.getLogger("u1serve.understanding.client")
 MAX_PENDING_OUTPUTS = 4096     # step outputs one request may have waiting for its reader before it is aborted
@@ -53,6 +55,7 @@ class EngineIncarnation:
         self._closed = threading.Event()
         self._stopping = False              # told to stop (shutdown), not a crash
         self.fatal: Optional[str] = None
+        self.phase = EnginePhase.STARTING   # rank 0's Starting messages move it on (/health "phase")
         self._out = ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self.cfg.out_addr)
@@ -172,7 +175,7 @@ class EngineClient:
             self._to_loop(self.on_start_failure, why)
 
     # ---- event loop ------------------------------------------------------------------------------------
-    def _on_message(self, unit: EngineIncarnation, msg: Ready | Step | WeightsReply | Fatal) -> None:
+    def _on_message(self, unit: EngineIncarnation, msg: Starting | Ready | Step | WeightsReply | Fatal) -> None:
         if unit.closed or unit is not self.supervisor.unit:
             return                       # a late message of a dead incarnation
         if isinstance(msg, Step):
@@ -185,6 +188,8 @@ class EngineClient:
                     q.put_nowait(o)
         elif isinstance(msg, WeightsReply):
             self.on_weights(msg.result)
+        elif isinstance(msg, Starting):
+            unit.phase = EnginePhase(msg.phase)
         elif isinstance(msg, Ready):
             self.kv_cache_tokens, self.max_model_len = msg.kv_cache_tokens, msg.max_model_len
             self.supervisor.mark_ready(unit)
@@ -222,6 +227,14 @@ class EngineClient:
     def ready(self) -> bool:
         unit = self.supervisor.unit
         return self.supervisor.ready and unit is not None and unit.alive()
+
+    @property
+    def phase(self) -> EnginePhase:
+        """Where the engine is on its way to ready (services/contract/health.py)."""
+        unit = self.supervisor.unit
+        if self.ready:
+            return EnginePhase.READY
+        return unit.phase if unit is not None else EnginePhase.STARTING
 
     @property
     def pids(self) -> list[int]:

@@ -7,6 +7,7 @@ decode-only steps replay CUDA graphs captured per batch size (see cuda_graphs.py
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -14,6 +15,7 @@ from kernels.decode_attention import decode_attention
 from kernels.kv_copy import kv_write_
 from kernels.prefill_attention import prefill_attention
 
+from services.contract.health import EnginePhase
 from services.model import row_blocks
 from services.model.lora_batched import lora_rows
 
@@ -24,7 +26,8 @@ log = logging.getLogger("u1serve.understanding.runner")
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype,
-                 cuda_graph_max_bs: int = 0, warmup: bool | None = None):
+                 cuda_graph_max_bs: int = 0, warmup: bool | None = None,
+                 on_phase: Callable[[EnginePhase], None] = lambda phase: None):
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
@@ -42,9 +45,11 @@ class ModelRunner:
         self.req_to_token[self.scratch_row].fill_(self.scratch_slot)
         self.graphs = None
         if warmup if warmup is not None else self.device.type == "cuda":
+            on_phase(EnginePhase.WARMING)
             self.warmup()
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":   # A3B too: its MoE has no host sync
             from .cuda_graphs import DecodeGraphs
+            on_phase(EnginePhase.CAPTURING_CUDA_GRAPHS)
             try:
                 self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_running))
             except Exception:

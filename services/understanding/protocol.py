@@ -1,5 +1,5 @@
 """Messages between the HTTP process and the engine process (pickled over ZMQ): SubmitRequest, Abort, Shutdown and
-the weights ops (weights.py) in; Ready, Step, WeightsReply and Fatal out."""
+the weights ops (weights.py) in; Starting, Ready, Step, WeightsReply and Fatal out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -71,6 +71,12 @@ class EngineStats:
 
 
 # ---- engine -> HTTP process ------------------------------------------------------------------------------------
+@dataclass
+class Starting:
+    """Where the engine is on its way to Ready (services.contract.health.EnginePhase), for /health."""
+    phase: str
+
+
 @dataclass
 class Ready:
     """The engine loaded the checkpoint; the KV cache it could fit may be less than the config asked for."""

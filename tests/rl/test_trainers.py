@@ -1,5 +1,6 @@
 """`u1serve rl-train` against a real stack (tiny checkpoint, CPU): for each algorithm the reward clearly rises
-within 12 iterations, and every iteration reports its JSON line (iteration, reward_mean, kl, weights_version, ...).
+within 12 iterations, and every iteration reports its JSON line (iteration, reward_mean, kl, weights_version, ...);
+on a terminal a progress line counts the iterations and shows the last reward.
 
 "Clearly": the mean reward of the last 3 iterations exceeds the first 3's by more than 10 standard errors of that
 difference (the standard error from the samples' own spread: reward_std / sqrt(S) per iteration). Everything is
@@ -7,10 +8,13 @@ seeded (rollout seeds, DanceGRPO's step subsets, torch), so a run is reproducibl
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from tests.system.stackproc import in_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATIONS = 12
@@ -58,3 +62,18 @@ def test_reward_rises(rl_stack, algo):
     assert_clear_rise(text, [r["rewards_std"]["think-chars"] for r in records], errors=5)
     assert len({tuple(r["sde_steps"]) for r in records}) > 1        # the SDE window moved
     assert all(r["text_loss"] != 0 and r["text_ratio_err_first"] < 1e-4 for r in records)
+
+
+def test_a_terminal_shows_the_iterations_and_their_reward(rl_stack):
+    code, shown, out = in_terminal([sys.executable, "-m", "services.cli", "rl-train", "--base", rl_stack.base,
+                                    "--algo", "flow-grpo", "--iterations", "2", "--seed", "1"],
+                                   timeout=600, OMP_NUM_THREADS="1")
+    assert code == 0, shown[-6000:]
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")][1:]
+    assert len(records) == 2, out
+    # the bar counts iterations (0/2, 1/2, 2/2) and shows the reward of the last one done
+    assert "[u1serve] rl-train flow-grpo" in shown and "0/2" in shown, shown[-3000:]
+    for done, rec in enumerate(records, 1):
+        assert re.search(rf"{done}/2 .*reward={rec['reward_mean']:.4f}", shown), shown[-3000:]
+    piped = [line for line in out.splitlines() if not line.startswith("{")]
+    assert not piped, piped                  # stdout keeps its JSON lines only

@@ -2,11 +2,16 @@
 health) or a whole `u1serve up` tree (`RunningStack`), started and taken down again."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 
 import httpx
@@ -101,8 +106,59 @@ class Service:
         return self.proc.returncode
 
 
+class Terminal:
+    """A pseudo-terminal for a child's output, read by a thread into memory until the child closes it."""
+
+    def __init__(self, rows: int = 40, cols: int = 120):
+        self.master, self.slave = pty.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True, name="pty-reader")
+
+    def started(self) -> None:
+        """The child holds the slave end now: close ours (its exit is then EOF here)."""
+        os.close(self.slave)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:            # EIO: the child closed the terminal
+                return
+            if not data:
+                return
+            self._chunks.append(data)
+
+    def shown(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace")
+
+    def close(self) -> None:
+        self._reader.join(timeout=10)
+        os.close(self.master)
+
+
+def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, str, str]:
+    """Run `argv` with stderr on a pseudo-terminal: (exit code, what the terminal showed, its stdout)."""
+    term = Terminal()
+    p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=term.slave, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT, **env})
+    term.started()
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        term.close()
+    return p.returncode, term.shown(), out
+
+
 class RunningStack:
-    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None):
+    """`u1serve up` on the CPU; with `terminal`, its stderr is a pseudo-terminal (where progress lines are drawn:
+    `terminal_output()`), its stdout the log as always."""
+
+    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None, terminal: bool = False):
         self.port, self.und_port, self.gen_port = free_port(), free_port(), free_port()
         self.run_dir = run_dir
         self.state_file = os.path.join(run_dir, "stack.json")
@@ -115,8 +171,12 @@ class RunningStack:
                 "--kv-pool-name", self.pool, "--kv-pool-gb", "0.1", "--internal-token", self.token, "--run-dir", run_dir,
                 "--grace", "8", "--default-size", "64x64"] + (extra or [])
         self.log = open(os.path.join(run_dir, "launcher.out"), "w")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+        self.terminal = Terminal() if terminal else None
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log,
+                                     stderr=self.terminal.slave if terminal else subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": ROOT}, preexec_fn=preexec_die_with_parent)
+        if self.terminal:
+            self.terminal.started()
         self.base = f"http://127.0.0.1:{self.port}"
         self.pids: dict[str, int] = {}
 
@@ -139,6 +199,10 @@ class RunningStack:
         with open(os.path.join(self.run_dir, "launcher.out")) as f:
             return f.read()[-20000:]
 
+    def terminal_output(self) -> str:
+        """What the pseudo-terminal showed (all of it once the stack stopped)."""
+        return self.terminal.shown()
+
     def stop(self, sig=signal.SIGINT, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -148,6 +212,8 @@ class RunningStack:
                 self.proc.kill()
                 raise
         self.log.close()
+        if self.terminal:
+            self.terminal.close()
         return self.proc.returncode
 
     def stop_clean(self) -> None:

@@ -150,6 +150,43 @@ def test_background_poll_and_cancel(openai_client):
         openai_client.responses.cancel(foreground.id)
 
 
+def test_background_stream_is_the_responses_and_outlives_its_reader(openai_client):
+    stream = openai_client.responses.create(input="a streamed kite", background=True, stream=True,
+                                            tools=[{**TOOL, "num_inference_steps": 2, "partial_images": 1}])
+    events = list(stream)
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.queued"], types
+    assert events[0].response.status == "queued" and events[0].response.background
+    assert "response.in_progress" in types and "response.image_generation_call.partial_image" in types, types
+    assert types[-1] == "response.completed" and types.count("response.created") == 1, types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert decode(done.output[-1].result).size == (64, 64)
+    stored = openai_client.responses.retrieve(done.id)
+    assert stored.status == "completed" and stored.output[-1].result == done.output[-1].result
+    text = list(openai_client.responses.create(input="hello", max_output_tokens=4, background=True, stream=True))
+    assert text[-1].type in ("response.completed", "response.incomplete") and text[-1].response.output_text == \
+        "".join(e.delta for e in text if e.type == "response.output_text.delta")
+    # a reader that leaves after the first event: the response runs on to its end
+    stream = openai_client.responses.create(input="a kite nobody watches", background=True, stream=True,
+                                            tools=[{**TOOL, "num_inference_steps": 2}])
+    first = next(iter(stream))
+    stream.close()
+    r, deadline = openai_client.responses.retrieve(first.response.id), time.monotonic() + 120
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.3)
+        r = openai_client.responses.retrieve(r.id)
+    assert r.status == "completed" and decode(r.output[-1].result).size == (64, 64)
+    # a cancel ends the stream of the response it cancels
+    stream = openai_client.responses.create(input="a long one", background=True, stream=True,
+                                            tools=[{**TOOL, "num_inference_steps": 200, "size": "256x256"}])
+    events = iter(stream)
+    first = next(events)
+    assert openai_client.responses.cancel(first.response.id).status == "cancelled"
+    rest = list(events)
+    assert all(e.type != "response.completed" for e in rest), [e.type for e in rest]
+
+
 @pytest.fixture()
 def keyed_gateway(stack, tmp_path):
     """A second gateway in front of the stack's engines, with two API keys and room for one background job."""

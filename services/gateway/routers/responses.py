@@ -19,6 +19,7 @@ from services.kit.web import ParsedJsonRoute, until_disconnect
 from ..context import cache_salt, caller_identity, gateway, request_id
 from ..jobs import build_job, check_options
 from ..relay import client_gone, stream_events
+from ..responses_feed import EventFeed
 from ..responses_input import last_user_images, last_user_text, read_input, with_image
 from ..responses_models import QUALITY_STEPS, ImageGenerationTool, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from ..responses_run import ResponseRun, response_object
@@ -138,13 +139,14 @@ async def create_response(req: ResponsesRequest, request: Request, state: Gatewa
             store.add(rec) if rec.id not in store else store.finished(rec)
 
     if req.background:
-        if req.stream:
-            raise bad_request("background responses are not streamed: poll GET /v1/responses/{id}",
-                              param="stream", code="unsupported_value")
         store.admit_background()
         store.add(rec)
-        rec.task = asyncio.create_task(_background(run, rec, record))
-        return run.snapshot()
+        feed = EventFeed() if req.stream else None
+        rec.task = asyncio.create_task(_background(run, rec, record, feed))
+        if feed is None:
+            return run.snapshot()
+        rec.task.add_done_callback(lambda _: feed.close())      # a cancel before it began ends the stream too
+        return await stream_events(request, feed.events(), lambda ev: [ev])   # numbered by the feed
     if req.stream:
         counter = itertools.count()
         return await stream_events(request, _recorded(run, record),
@@ -168,12 +170,16 @@ async def _recorded(run: ResponseRun, record) -> AsyncIterator[dict]:
     record()
 
 
-async def _background(run: ResponseRun, rec: Stored, record) -> None:
-    """A background response's work: to its end whatever the client does, or until cancelled."""
+async def _background(run: ResponseRun, rec: Stored, record, feed: Optional[EventFeed] = None) -> None:
+    """A background response's work: to its end whatever the client does, or until cancelled. With `feed` (it
+    was asked with stream) its events go there too, from its creation (queued) on; a cancel ends that stream."""
+    say = feed.put if feed is not None else (lambda ev: None)
+    say({"type": "response.created", "response": run.snapshot(output=False)})
+    say({"type": "response.queued", "response": run.snapshot(output=False)})
     try:
         async with contextlib.aclosing(run.events(raise_early=False)) as events:
-            async for _ in events:
-                pass
+            async for ev in events:
+                say(ev)
     except asyncio.CancelledError:
         run.response["status"] = "cancelled"
         for item in run.response["output"]:
@@ -182,6 +188,7 @@ async def _background(run: ResponseRun, rec: Stored, record) -> None:
     except Exception as exc:          # a bug: the response still ends, failed
         log.exception("background response %s failed", rec.id)
         run.fail(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+        say({"type": "response.failed", "response": run.snapshot()})
     record()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.contract.health import PHASE_FIELD, EnginePhase
+
 from ..state import app_state
 
 router = APIRouter()
@@ -16,7 +18,8 @@ async def health(request: Request):
     ok = e is not None and e.ready
     sup = e.status() if e is not None else {"state": "starting", "restarts": 0, "last_error": None, "failure": None}
     status = "ok" if ok else {"starting": "loading", "ready": "restarting"}.get(sup["state"], sup["state"])
-    body = {"status": status, "engine_ready": ok, "error": sup["failure"], "model": st.model_name,
+    body = {"status": status, PHASE_FIELD: (e.phase if e is not None else EnginePhase.STARTING).value,
+            "engine_ready": ok, "error": sup["failure"], "model": st.model_name,
             "restarts": sup["restarts"], "engine_pids": e.pids if e is not None else [],
             "last_engine_error": sup["last_error"], "weights_version": st.weights.endpoint.version}
     admission = {"in_flight": st.gate.active, "limit": st.gate.limit, "rejected": st.gate.rejected,
