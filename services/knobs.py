@@ -183,6 +183,9 @@ HEALTH_PORT = _knob("U1SERVE_HEALTH_PORT", int, 8000, "the port the container's 
 IMAGE = _knob("U1SERVE_IMAGE", str, "u1serve:latest", "the image the compose files run", "docker compose")
 DOCKER_CACHE = _knob("U1SERVE_DOCKER_CACHE", str, None, "where docker/build.sh keeps its base images",
                      "docker/build.sh")
+FAULT_STEP_OOM = _knob("U1SERVE_FAULT_STEP_OOM", str, "", "tests only (a fault): a generation job whose request id "
+                        "contains this text raises torch.OutOfMemoryError in its 2nd denoise step (unset: never)",
+                        "generation engine (faults.py)")
 TEST_SEED = _knob("U1SERVE_TEST_SEED", int, 20261130, "the seed every test's own seed derives from", "tests")
 
 

@@ -20,14 +20,16 @@ from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, imag
                       publish, wait_until)
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
+OOM_MARKER = "oom-fault"   # U1SERVE_FAULT_STEP_OOM of the fault server: such a job runs out of memory in a step
 
 
 @pytest.fixture(scope="module")
 def fault_env(tiny_dir, ref_model):
     """A server started BEFORE its pool exists (it waits --kv-pool-wait-s for it, then attaches lazily), one job at
-    a time."""
+    a time; a job whose id holds OOM_MARKER runs out of memory in its 2nd step (the injected fault)."""
     name = f"u1gen-fault-{uuid.uuid4().hex[:8]}"
-    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1").start()
+    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1",
+                       knobs={"U1SERVE_FAULT_STEP_OOM": OOM_MARKER}).start()
     env = {"server": server, "name": name, "pool": None}
     yield env
     env["server"].stop()
@@ -173,6 +175,31 @@ def test_nonfinite_prefix_and_image_are_500s_not_a_black_png(fault_env, ref_mode
         assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
     status, events = generate(server.url, body("after-nan", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+
+
+def test_out_of_memory_in_a_step_fails_that_job_not_the_engine(fault_env, ref_model):
+    """An out-of-memory inside a denoise step (injected: U1SERVE_FAULT_STEP_OOM) fails the job of that step with
+    500 engine_oom naming it; a request queued behind it and a later one are served by the same engine (no
+    restart), and no page of the pool is left held."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    before = server.health()[1]
+    doomed = Stream(server.url, body(f"{OOM_MARKER}-a", publish(pool, _pre(ref_model)), num_inference_steps=6))
+    behind = Stream(server.url, body("oom-behind", publish(pool, _pre(ref_model))))
+    doomed.start()
+    behind.start()      # one job at a time: it waits behind the doomed one, then runs
+    for s in (doomed, behind):
+        s.join(120)
+        assert s.status == 200 and s.events[-1] == "[DONE]", s.events
+    (err,) = errors_of(doomed.events)
+    assert err["status"] == 500 and err["error"]["code"] == "engine_oom", err
+    assert "out of memory in a denoise step of this job" in err["error"]["message"]
+    assert not images_of(doomed.events) and any(isinstance(e, dict) and e.get("type") == "progress" for e in doomed.events)
+    assert not errors_of(behind.events) and len(images_of(behind.events)) == 1
+    status, events = generate(server.url, body("oom-after", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    after = server.health()[1]
+    assert after["engine_pids"] == before["engine_pids"] and after["restarts"] == before["restarts"]
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
 
 
 def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):
