@@ -17,6 +17,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
+from services.model.oom import out_of_memory
 
 from .config import EngineConfig
 from .devices import rank_device
@@ -189,7 +190,8 @@ class Engine:
                 if self.tp is not None or is_fatal_device_error(e):
                     raise
                 log.exception("engine step of %d request(s) failed", len(scheduled[1]))
-                self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
+                self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}",
+                                       "engine_oom" if out_of_memory(e) else "engine_error")
             self._send(self.sched.take_outputs())
 
     def execute(self, scheduled) -> None:

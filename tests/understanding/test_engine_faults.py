@@ -83,6 +83,22 @@ def test_an_ordinary_step_error_fails_the_step_and_the_engine_goes_on(loop):
     assert not loop.thread.is_alive() and loop.error is None
 
 
+def test_an_out_of_memory_in_a_step_fails_its_request_with_engine_oom_and_the_engine_goes_on(loop):
+    """An allocation that fails inside a step (torch's OutOfMemoryError) fails that step's request with
+    engine_oom (a 500 naming it, textgen.output_error), not the engine: the next request is served."""
+    import torch
+    _fail_once(loop.engine, torch.OutOfMemoryError("Tried to allocate 2.00 GiB"))
+    loop.thread.start()
+    loop.submit("a")
+    o = loop.finished("a")
+    assert o.finish_reason == "error" and o.error_code == "engine_oom" and "OutOfMemoryError" in o.error
+    loop.submit("b")
+    assert loop.finished("b").finish_reason in ("stop", "length")
+    loop.inp.send_pyobj(Shutdown())
+    loop.thread.join(30)
+    assert not loop.thread.is_alive() and loop.error is None
+
+
 GOOD = {"g0": (1, 2, 3, 4), "g1": (5, 6, 7), "g2": (9, 8, 7, 6, 5)}
 
 
