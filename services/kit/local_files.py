@@ -9,7 +9,8 @@ places gets the same answer whether it exists or not.
 
 An adapter (small: MBs) is also read here, off the step loop and under the same timeout, into a private copy on
 local disk that the engine ranks then read (`private_copy`): a slow mount stalls this thread, never a step.
-Weights (GBs) are read by the ranks from the checked regular files themselves.
+Weights (GBs) are read by the ranks from the checked regular files themselves, each in a thread off its step
+loop under WEIGHTS_READ_TIMEOUT_S (services/model/weights_io.py).
 """
 from __future__ import annotations
 
