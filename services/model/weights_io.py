@@ -349,27 +349,31 @@ POLL_S = 0.05        # how often rank 0 asks the ranks how a stage's read goes (
 class _Reading:
     """A stage op's files read and validated in a thread of this rank (off its step loop), under a deadline."""
 
-    def __init__(self, op: dict, read):
+    def __init__(self, op: dict, read, device: torch.device):
         self.op = op
         self.timeout_s = knobs.WEIGHTS_READ_TIMEOUT_S.get()
-        self.deadline = time.monotonic() + self.timeout_s
+        self.started = time.monotonic()
+        self.deadline = self.started + self.timeout_s
         self.staged: StagedUpdate | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(read,), name="weights-stage", daemon=True).start()
+        threading.Thread(target=self._run, args=(read, device), name="weights-stage", daemon=True).start()
 
-    def _run(self, read) -> None:
+    def _run(self, read, device: torch.device) -> None:
         try:
+            if device.type == "cuda":  # a new thread starts on device 0, and without the loop's grad mode
+                torch.cuda.set_device(device)
             delay = knobs.FAULT_WEIGHTS_READ_S.get()
             if delay:                  # the test-only stand-in for a slow mount
                 time.sleep(delay)
-            self.staged = read()
+            with torch.no_grad():
+                self.staged = read()
         except BaseException as e:     # reported by the step loop's next poll
             self.error = e
         finally:
             self.done.set()
 
-    def outcome(self) -> dict | None:
+    def outcome(self) -> dict:
         """This rank's part of a poll: {"state": "reading"}, {"state": "done"} or {"state": "error", "error": ...}."""
         if self.done.is_set():
             return {"state": "done"} if self.error is None else {"state": "error", "error": error_reply(self.error)}
@@ -439,7 +443,7 @@ class LiveWeights:
             self.abort()
             self.reading = _Reading(op, lambda: stage_update(
                 self.model, op.get("path"), op.get("lora"), float(op.get("lora_strength", 1.0)),
-                self._staging_device(op.get("path"), op.get("lora"))))
+                self._staging_device(op.get("path"), op.get("lora"))), self.model.device)
             self._polled = time.monotonic()
             return None
         if op["op"] == "stage_poll":
@@ -470,7 +474,7 @@ class LiveWeights:
             return None
         self.reading = None
         op = reading.op
-        reply = {"id": op["id"], "ok": not errors, "seconds": time.monotonic() - reading.deadline + reading.timeout_s}
+        reply = {"id": op["id"], "ok": not errors, "seconds": time.monotonic() - reading.started}
         if errors:
             reply["error"] = errors[0]
         else:
