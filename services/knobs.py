@@ -161,6 +161,10 @@ TEACACHE_COEFFICIENTS = _knob("U1SERVE_TEACACHE_COEFFICIENTS", str, None, "a Tea
                               "model (step cache)")
 CUDA_GRAPHS = _knob("U1SERVE_CUDA_GRAPHS", bool, None, "overrides generation's --cuda-graphs (0: off, 1: on)",
                     "generation")
+WEIGHTS_READ_TIMEOUT_S = _knob("U1SERVE_WEIGHTS_READ_TIMEOUT_S", float, 1500.0, "how long an engine rank may read "
+                                "and validate a weight update's files (in a thread, off its step loop) before the "
+                                "stage fails 504 weights_read_timeout (below the HTTP side's 1800 s)",
+                                "engines' weight staging (model/weights_io.py)")
 PNG_THREADS = _knob("U1SERVE_PNG_THREADS", int, 0, "threads that encode PNGs (0: up to 8, the CPUs this process may "
                     "use)", "generation")
 TIMELINE = _knob("U1SERVE_TIMELINE", bool, False, "stage marks of every request on stderr (bench_breakdown sets "
@@ -183,6 +187,12 @@ HEALTH_PORT = _knob("U1SERVE_HEALTH_PORT", int, 8000, "the port the container's 
 IMAGE = _knob("U1SERVE_IMAGE", str, "u1serve:latest", "the image the compose files run", "docker compose")
 DOCKER_CACHE = _knob("U1SERVE_DOCKER_CACHE", str, None, "where docker/build.sh keeps its base images",
                      "docker/build.sh")
+FAULT_STEP_OOM = _knob("U1SERVE_FAULT_STEP_OOM", str, "", "tests only (a fault): a generation job whose request id "
+                        "contains this text raises torch.OutOfMemoryError in its 2nd denoise step (unset: never)",
+                        "generation engine (faults.py)")
+FAULT_WEIGHTS_READ_S = _knob("U1SERVE_FAULT_WEIGHTS_READ_S", float, 0.0, "tests only (a fault): an engine rank's "
+                              "read of a weight update waits this many seconds first, as on a slow mount",
+                              "engines' weight staging (model/weights_io.py)")
 TEST_SEED = _knob("U1SERVE_TEST_SEED", int, 20261130, "the seed every test's own seed derives from", "tests")
 
 

@@ -29,7 +29,7 @@ from services.model.lora_batched import lora_rows
 from services.model.quant import fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
-from . import previews, rollout
+from . import faults, previews, rollout
 from .attention import pick_denoise_attention
 from .cfg_parallel import CfgComm, local_branches
 from .lora import step_slots
@@ -193,6 +193,7 @@ class Engine:
         forward). Pack the rows, run the layer stack, heads -> velocities, then (after the CFG gather)
         combine and step each job."""
         jobs = list(self.running) if jobs is None else jobs
+        faults.inject_step_oom(jobs)
         pack = self._pack(jobs)
         local_v: list[torch.Tensor] = []
         if pack.rows:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)

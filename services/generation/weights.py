@@ -54,7 +54,10 @@ class RankWeights:
         self.ops.append(op)
 
     def next_op(self, running: bool) -> Optional[dict]:
-        """The op every rank runs this iteration (None: none yet); a commit only once no job runs."""
+        """The op every rank runs this iteration (None: none yet); a commit only once no job runs; while a stage
+        reads its files (in a thread of each rank) only the polls of that read."""
+        if self.live.reading is not None:
+            return self.live.poll_op()
         if self.draining is None and self.ops:
             op = self.ops.popleft()
             if op["op"] != "commit":

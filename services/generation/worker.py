@@ -22,6 +22,7 @@ from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
+from services.model.oom import out_of_memory
 
 from .config import GenerationConfig
 from .emitter import Emitter
@@ -71,12 +72,6 @@ def _apply(engine, comm, weights: RankWeights, plan: StepPlan):
     failed, stats = _admit(engine, comm, plan.admit)
     reply = weights.run(plan.weights) if plan.weights is not None else None
     return failed, stats, reply
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """An allocation that failed (CUDA's OutOfMemoryError, CPU's allocator error), not a bug."""
-    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)))
 
 
 def _step_or_fail(engine, emit: Emitter, alone: bool) -> Optional[tuple[list, int, float]]:

@@ -5,16 +5,19 @@ Only from the directories the operator allows (`u1serve up --allowed-local-dirs`
 from the stack's upload directory, WEIGHTS_UPLOAD_DIR), resolved (no `..`, no symlink that leads out), and only
 regular files (a FIFO or a device would block the engine that opens it). Checked in the engine's HTTP process,
 off the event loop and under a timeout, before the op reaches the engine's step loop. A path outside the allowed
-places gets the same answer whether it exists or not.
+places gets the same answer whether it exists or not. A directory's files are its *.safetensors and *.json and
+every file its safetensors index names (an index may name a shard anywhere, by any name).
 
 An adapter (small: MBs) is also read here, off the step loop and under the same timeout, into a private copy on
 local disk that the engine ranks then read (`private_copy`): a slow mount stalls this thread, never a step.
-Weights (GBs) are read by the ranks from the checked regular files themselves.
+Weights (GBs) are read by the ranks from the checked regular files themselves, each in a thread off its step
+loop under WEIGHTS_READ_TIMEOUT_S (services/model/weights_io.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import stat
@@ -26,6 +29,7 @@ from .errors import APIError
 
 CHECK_TIMEOUT_S = 10.0
 COPY_TIMEOUT_S = 120.0
+MAX_INDEX_BYTES = 64 << 20                      # a safetensors index (8B's: ~100 KB)
 MAX_ADAPTER_BYTES = 4 << 30                     # an adapter copied for the ranks (rank 64 at 8B is ~0.7 GB)
 READ_SUFFIXES = (".safetensors", ".json")      # what a loader opens in a directory (weights, PEFT adapter)
 
@@ -50,6 +54,21 @@ def _refused(path: str, kind: str, dirs: list[str]) -> APIError:
                     "--weights-allowed-dirs)", param="path", code="path_not_allowed")
 
 
+def _index_shards(directory: str) -> list[str]:
+    """The files a directory's safetensors index names (any name, any place: each is checked as the directory's
+    own files are); none when there is no index or it does not parse (the loader then says so)."""
+    from services.model.checkpoint_files import INDEX_FILE   # the engines' HTTP processes only check paths
+    index = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(index) or os.path.getsize(index) > MAX_INDEX_BYTES:
+        return []
+    try:
+        with open(index) as f:
+            shards = json.load(f).get("weight_map", {}).values()
+    except (ValueError, AttributeError):
+        return []
+    return [os.path.join(directory, s) for s in set(shards) if isinstance(s, str)]
+
+
 def _check(path: str, kind: str) -> str:
     dirs = allowed_dirs(kind)
     real = os.path.realpath(path)
@@ -60,11 +79,11 @@ def _check(path: str, kind: str) -> str:
     except OSError:
         return real                    # inside the allowed places: the loader says it does not exist
     if stat.S_ISDIR(st.st_mode):
-        for entry in os.scandir(real):
-            if entry.name.endswith(READ_SUFFIXES):
-                inner = os.path.realpath(entry.path)
-                if not _inside(inner, dirs) or not stat.S_ISREG(os.stat(inner).st_mode):
-                    raise _refused(entry.path, kind, dirs)
+        inner = [e.path for e in os.scandir(real) if e.name.endswith(READ_SUFFIXES)] + _index_shards(real)
+        for path in inner:
+            resolved = os.path.realpath(path)
+            if not _inside(resolved, dirs) or not stat.S_ISREG(os.stat(resolved).st_mode):
+                raise _refused(path, kind, dirs)
     elif not stat.S_ISREG(st.st_mode):
         raise _refused(path, kind, dirs)
     return real

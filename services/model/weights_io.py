@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -25,6 +26,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from services import knobs
 
 from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, weight_map
 from .loader import FP8_DTYPE, lora_deltas, name_list
@@ -340,18 +343,72 @@ def _stage(where: dict[str, _Target], values: dict[str, torch.Tensor], skipped: 
 
 # ----------------------------------------------------------------------------- one rank's update state
 DEFAULT_VERSION = "0"
+POLL_S = 0.05        # how often rank 0 asks the ranks how a stage's read goes (one all-gather; between steps)
+
+
+class _Reading:
+    """A stage op's files read and validated in a thread of this rank (off its step loop), under a deadline."""
+
+    def __init__(self, op: dict, read, device: torch.device):
+        self.op = op
+        self.timeout_s = knobs.WEIGHTS_READ_TIMEOUT_S.get()
+        self.started = time.monotonic()
+        self.deadline = self.started + self.timeout_s
+        self.staged: StagedUpdate | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(read, device), name="weights-stage", daemon=True).start()
+
+    def _run(self, read, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":  # a new thread starts on device 0, and without the loop's grad mode
+                torch.cuda.set_device(device)
+            delay = knobs.FAULT_WEIGHTS_READ_S.get()
+            if delay:                  # the test-only stand-in for a slow mount
+                time.sleep(delay)
+            with torch.no_grad():
+                self.staged = read()
+        except BaseException as e:     # reported by the step loop's next poll
+            self.error = e
+        finally:
+            self.done.set()
+
+    def outcome(self) -> dict:
+        """This rank's part of a poll: {"state": "reading"}, {"state": "done"} or {"state": "error", "error": ...}."""
+        if self.done.is_set():
+            return {"state": "done"} if self.error is None else {"state": "error", "error": error_reply(self.error)}
+        if time.monotonic() > self.deadline:   # the thread ends when its read does; its result is dropped
+            return {"state": "error", "error": {
+                "status": 504, "code": "weights_read_timeout",
+                "message": f"reading the weight update's files took longer than {self.timeout_s:g} s "
+                           f"({knobs.WEIGHTS_READ_TIMEOUT_S.name})"}}
+        return {"state": "reading"}
 
 
 class LiveWeights:
     """One engine rank's side of the two-phase update: `stage` (read + validate into a staged copy), then
     `commit` (copy in, new version) or `abort` (drop the copy). The engine decides when commit may run
-    (between jobs); every rank of an engine runs the same calls in the same order."""
+    (between jobs); every rank of an engine runs the same calls in the same order.
+
+    Through `run`, a stage reads its files in a thread (`_Reading`): the step loop goes on, and the engine's rank
+    0 sends a `stage_poll` op between steps (`poll_op`) until every rank has its copy in memory (or one failed or
+    ran past WEIGHTS_READ_TIMEOUT_S); only then does the stage answer. A commit copies tensors already in memory."""
 
     def __init__(self, model: NeoModel, version: str = DEFAULT_VERSION):
         self.model = model
         self.version = version
         self.staged: StagedUpdate | None = None
         self.staged_version: str | None = None
+        self.reading: _Reading | None = None
+        self._polled = 0.0
+
+    def poll_op(self) -> dict | None:
+        """Rank 0: the op that asks every rank how its read goes, at most every POLL_S while one runs (None:
+        no read, or polled a moment ago). Other ops wait until the stage answered."""
+        if self.reading is None or time.monotonic() - self._polled < POLL_S:
+            return None
+        self._polled = time.monotonic()
+        return {"op": "stage_poll", "id": self.reading.op["id"]}
 
     def stage(self, version: str, path: str | None = None, lora: str | None = None,
               lora_strength: float = 1.0) -> StagedUpdate:
@@ -373,7 +430,7 @@ class LiveWeights:
         return n
 
     def abort(self) -> None:
-        self.staged, self.staged_version = None, None
+        self.staged, self.staged_version, self.reading = None, None, None
 
     def run(self, op: dict, all_gather) -> dict:
         """Run one op of the engines' weights API ({"op": "stage" | "commit" | "abort", "id", ...}) on this
@@ -382,14 +439,20 @@ class LiveWeights:
         that failed on any rank is dropped on every rank."""
         if op["op"] in LORA_OPS:      # resident adapters (lora_registry.py), not the weights
             return lora_op(self.model, op, all_gather)
+        if op["op"] == "stage":
+            self.abort()
+            self.reading = _Reading(op, lambda: stage_update(
+                self.model, op.get("path"), op.get("lora"), float(op.get("lora_strength", 1.0)),
+                self._staging_device(op.get("path"), op.get("lora"))), self.model.device)
+            self._polled = time.monotonic()
+            return None
+        if op["op"] == "stage_poll":
+            return self._poll(all_gather)
         t0 = time.perf_counter()
         reply: dict = {"id": op["id"], "ok": True}
         err = None
         try:
-            if op["op"] == "stage":
-                staged = self.stage(op["version"], op.get("path"), op.get("lora"), float(op.get("lora_strength", 1.0)))
-                reply.update(updated=len(staged), skipped=len(staged.skipped))
-            elif op["op"] == "commit":
+            if op["op"] == "commit":
                 reply.update(updated=self.commit(), drain_seconds=op.get("drain_seconds"))
             else:
                 self.abort()
@@ -397,10 +460,27 @@ class LiveWeights:
             err = error_reply(e)
         errors = [e for e in all_gather(err) if e is not None]
         if errors:
-            if op["op"] == "stage":
-                self.abort()
             reply = {"id": op["id"], "ok": False, "error": errors[0]}
         reply.update(version=self.version, seconds=time.perf_counter() - t0)
+        return reply
+
+    def _poll(self, all_gather) -> dict | None:
+        """Every rank's read agreed on: None while one still reads, else the stage's reply (a failure on any rank
+        drops the copies of all)."""
+        reading = self.reading
+        parts = all_gather(reading.outcome())
+        errors = [p["error"] for p in parts if p["state"] == "error"]
+        if not errors and any(p["state"] == "reading" for p in parts):
+            return None
+        self.reading = None
+        op = reading.op
+        reply = {"id": op["id"], "ok": not errors, "seconds": time.monotonic() - reading.started}
+        if errors:
+            reply["error"] = errors[0]
+        else:
+            self.staged, self.staged_version = reading.staged, op["version"]
+            reply.update(updated=len(reading.staged), skipped=len(reading.staged.skipped))
+        reply["version"] = self.version
         return reply
 
     def _staging_device(self, path: str | None, lora: str | None) -> torch.device:

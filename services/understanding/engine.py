@@ -18,6 +18,8 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
 from services.contract.health import EnginePhase
+from services.model.oom import out_of_memory
+from services.model.weights_io import POLL_S
 
 from .config import EngineConfig
 from .devices import rank_device
@@ -147,7 +149,8 @@ class Engine:
     # ---- rank 0 --------------------------------------------------------------------------------
     def _recv(self, block: bool) -> bool:
         """Drain the request socket. Returns False on shutdown."""
-        timeout = int(_HEARTBEAT_S * 1000) if block else 0
+        wait_s = POLL_S if self.weights.live.reading is not None else _HEARTBEAT_S   # a stage's read is polled
+        timeout = int(wait_s * 1000) if block else 0
         while self.inp.poll(timeout):
             timeout = 0
             msg = self.inp.recv_pyobj()
@@ -175,7 +178,9 @@ class Engine:
             op = self.weights.next_op(self.sched)
             if op is not None:          # between steps, on every rank (weights.py)
                 self._broadcast(WeightsOp(op))
-                self.out.send_pyobj(WeightsReply(self.weights.run(op, self.rank)))
+                reply = self.weights.run(op, self.rank)
+                if reply is not None:       # None: a stage still reading its files (weights_io.LiveWeights)
+                    self.out.send_pyobj(WeightsReply(reply))
                 self.weights.after(op, self.sched)
             scheduled = self.sched.schedule()
             if scheduled is None:
@@ -195,7 +200,8 @@ class Engine:
                 if self.tp is not None or is_fatal_device_error(e):
                     raise
                 log.exception("engine step of %d request(s) failed", len(scheduled[1]))
-                self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}")
+                self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}",
+                                       "engine_oom" if out_of_memory(e) else "engine_error")
             self._send(self.sched.take_outputs())
 
     def execute(self, scheduled) -> None:

@@ -330,16 +330,17 @@ class Scheduler:
         self._table_writes = []
         return plan, all_entries
 
-    def step_failed(self, entries, error: str) -> None:
+    def step_failed(self, entries, error: str, code: str = "engine_error") -> None:
         """A step that raised (TP=1, not a device fault). With one request, or once the step had advanced some
-        (the failure came after the forward), its requests fail (`engine_error`) and the others go on. With several
+        (the failure came after the forward), its requests fail (`code`: engine_error, or engine_oom for an
+        out-of-memory) and the others go on. With several
         and nothing advanced (the packed forward, the export or the sampling raised), which one broke it cannot be
         told: every running request goes back to the queue (a preemption: its computed tokens stay in the prefix
         cache, only this step is recomputed) and each request of the step then runs one step alone, which fails
         only the one that breaks its own step. A request in MAX_STRIKES failed shared steps fails anyway."""
         live = [(r, s, e) for r, s, e in entries if r.rid in self.reqs]
         if len(live) <= 1 or len(live) < len(entries) or any(r.num_computed > s for r, s, _ in live):
-            return self.fail_step(entries, error)
+            return self.fail_step(entries, error, code)
         for r, s, e in live:
             self.alloc.free(r.slots[s:e])     # assigned for this step only
             r.strikes += 1
@@ -347,18 +348,18 @@ class Scheduler:
             self.preempt(r)
         for r, _, _ in live:
             if r.strikes >= MAX_STRIKES:
-                self.finish(r, "error", error, "engine_error")
+                self.finish(r, "error", error, code)
             else:
                 self._suspects.add(r.rid)
 
-    def fail_step(self, entries, error: str) -> None:
+    def fail_step(self, entries, error: str, code: str = "engine_error") -> None:
         """Fail the requests of a step that raised and free the slots it had assigned (others go on)."""
         for r, s, e in entries:
             if r.rid not in self.reqs:
                 continue
             if r.num_computed <= s:   # not advanced yet: the chunk's slots are still only assigned
                 self.alloc.free(r.slots[s:e])
-            self.finish(r, "error", error, "engine_error")
+            self.finish(r, "error", error, code)
 
     # ---- results -----------------------------------------------------------------------------
     def sampling_requests(self, entries) -> list[Req]:

@@ -45,7 +45,10 @@ class EngineWeights:
         self.ops.append(op)
 
     def next_op(self, sched) -> Optional[dict]:
-        """The op to run now (None: none, or a commit still draining). Pauses admission while a commit waits."""
+        """The op to run now (None: none, or a commit still draining). Pauses admission while a commit waits.
+        While a stage reads its files (in a thread of each rank), only the polls of that read."""
+        if self.live.reading is not None:
+            return self.live.poll_op()
         if self.draining is None and self.ops:
             op = self.ops.pop(0)
             if op["op"] != "commit":

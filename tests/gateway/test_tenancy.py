@@ -4,6 +4,7 @@ keys and one operator key: each key works only on its own routes, trajectories b
 only from the allowed directories and only regular files (a FIFO is refused at once, the engines keep serving),
 sizes are refused before any job, a huge Range number is a 416, a gateway without --enable-rl /
 --enable-runtime-lora serves neither. No answer is a 5xx."""
+import json
 import os
 import re
 import struct
@@ -134,6 +135,16 @@ def test_adapters_and_weights_load_only_from_allowed_regular_files(tenancy_stack
     assert len(set(answers.values())) == 1, answers                      # nothing tells what exists outside
     r = op.post("/v1/rl/weights", json={"path": "/etc"})
     error(r, 400, "path_not_allowed")
+    (tenancy_stack.outside / "w.safetensors").write_bytes(b"outside")
+    for name, shard in (("index-out", str(tenancy_stack.outside / "w.safetensors")), ("index-fifo", "w.bin")):
+        indexed = tenancy_stack.allowed / name     # a safetensors index naming a shard outside, or a FIFO
+        indexed.mkdir()
+        if shard == "w.bin":
+            os.mkfifo(indexed / shard)
+        (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"k": shard}}))
+        started = time.monotonic()
+        error(op.post("/v1/rl/weights", json={"path": str(indexed)}), 400, "path_not_allowed")
+        assert time.monotonic() - started < 15, name
     r = op.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": inside})
     assert r.status_code == 200, r.text
     assert op.post("/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 200

@@ -23,8 +23,10 @@ HEADERS = {"X-U1-Internal-Token": TOKEN}
 class GenServer:
     """`python -m services.generation.server` on loopback, in its own process group."""
 
-    def __init__(self, model_dir: str, pool_name: str, *extra: str, cfg_parallel: int = 1):
+    def __init__(self, model_dir: str, pool_name: str, *extra: str, cfg_parallel: int = 1,
+                 knobs: dict | None = None):
         self.port = free_port()
+        self.knobs = knobs or {}          # U1SERVE_* variables of this server only (a test's fault, say)
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "services.generation.server", "--model", model_dir,
                      "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
@@ -46,7 +48,7 @@ class GenServer:
 
     def launch(self) -> "GenServer":
         """Start the process without waiting for /health (start() waits)."""
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env(), start_new_session=True,
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=dict(self.env(), **self.knobs), start_new_session=True,
                                      preexec_fn=preexec_die_with_parent)
         return self
 

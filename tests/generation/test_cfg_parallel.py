@@ -11,10 +11,11 @@ from .genhelp import (assert_same_images_as_reference, GenServer, body, generate
 
 
 @pytest.fixture(scope="module")
-def cfgp_server(tiny_dir, pool):
+def cfgp_server(tiny_dir, pool, tmp_path_factory):
     # Same torch thread count as the test process: CPU reductions (norms, sums) split work by
-    # thread, so bit-exactness with the in-process reference needs it.
-    s = GenServer(tiny_dir, pool.name, cfg_parallel=2).start()
+    # thread, so bit-exactness with the in-process reference needs it. Weight updates come from the tests' tmp dirs.
+    s = GenServer(tiny_dir, pool.name, cfg_parallel=2,
+                  knobs={"U1SERVE_WEIGHTS_ALLOWED_DIRS": str(tmp_path_factory.getbasetemp())}).start()
     yield s
     s.stop()
 

@@ -20,15 +20,21 @@ from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, imag
                       publish, wait_until)
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
+OOM_MARKER = "oom-fault"   # U1SERVE_FAULT_STEP_OOM of the fault server: such a job runs out of memory in a step
+READ_TIMEOUT_S = 8.0       # U1SERVE_WEIGHTS_READ_TIMEOUT_S of the fault server (its reads take a minute)
 
 
 @pytest.fixture(scope="module")
-def fault_env(tiny_dir, ref_model):
+def fault_env(tiny_dir, ref_model, tmp_path_factory):
     """A server started BEFORE its pool exists (it waits --kv-pool-wait-s for it, then attaches lazily), one job at
-    a time."""
+    a time. Injected faults: a job whose id holds OOM_MARKER runs out of memory in its 2nd step; a weight update's
+    read takes a minute (a slow mount) against a read timeout of READ_TIMEOUT_S."""
     name = f"u1gen-fault-{uuid.uuid4().hex[:8]}"
-    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1").start()
-    env = {"server": server, "name": name, "pool": None}
+    updates = tmp_path_factory.mktemp("weights-updates")
+    server = GenServer(tiny_dir, name, "--max-running-jobs", "1", "--kv-pool-wait-s", "1", knobs={
+        "U1SERVE_FAULT_STEP_OOM": OOM_MARKER, "U1SERVE_FAULT_WEIGHTS_READ_S": "60",
+        "U1SERVE_WEIGHTS_READ_TIMEOUT_S": str(READ_TIMEOUT_S), "U1SERVE_WEIGHTS_ALLOWED_DIRS": str(updates)}).start()
+    env = {"server": server, "name": name, "pool": None, "updates": updates}
     yield env
     env["server"].stop()
     if env["pool"] is not None:
@@ -173,6 +179,65 @@ def test_nonfinite_prefix_and_image_are_500s_not_a_black_png(fault_env, ref_mode
         assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
     status, events = generate(server.url, body("after-nan", publish(pool, _pre(ref_model))))
     assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+
+
+def test_out_of_memory_in_a_step_fails_that_job_not_the_engine(fault_env, ref_model):
+    """An out-of-memory inside a denoise step (injected: U1SERVE_FAULT_STEP_OOM) fails the job of that step with
+    500 engine_oom naming it; a request queued behind it and a later one are served by the same engine (no
+    restart), and no page of the pool is left held."""
+    server, pool = fault_env["server"], fault_env["pool"]
+    before = server.health()[1]
+    doomed = Stream(server.url, body(f"{OOM_MARKER}-a", publish(pool, _pre(ref_model)), num_inference_steps=6))
+    behind = Stream(server.url, body("oom-behind", publish(pool, _pre(ref_model))))
+    doomed.start()
+    behind.start()      # one job at a time: it waits behind the doomed one, then runs
+    for s in (doomed, behind):
+        s.join(120)
+        assert s.status == 200 and s.events[-1] == "[DONE]", s.events
+    (err,) = errors_of(doomed.events)
+    assert err["status"] == 500 and err["error"]["code"] == "engine_oom", err
+    assert "out of memory in a denoise step of this job" in err["error"]["message"]
+    assert not images_of(doomed.events) and any(isinstance(e, dict) and e.get("type") == "progress" for e in doomed.events)
+    assert not errors_of(behind.events) and len(images_of(behind.events)) == 1
+    status, events = generate(server.url, body("oom-after", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    after = server.health()[1]
+    assert after["engine_pids"] == before["engine_pids"] and after["restarts"] == before["restarts"]
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
+
+
+def test_a_slow_weight_read_never_stalls_the_steps_and_times_out(fault_env, ref_model):
+    """A weight update whose files read slowly (injected: U1SERVE_FAULT_WEIGHTS_READ_S, a minute) is read in a
+    thread of the rank, off its step loop: images are served while it reads, and the stage fails 504
+    weights_read_timeout after U1SERVE_WEIGHTS_READ_TIMEOUT_S; the engine keeps its weights and serves on."""
+    from safetensors.torch import save_file
+    server, pool = fault_env["server"], fault_env["pool"]
+    before = server.health()[1]
+    update = str(fault_env["updates"] / "update.safetensors")
+    save_file({"fm_modules.fm_head.2.weight": torch.zeros(1)}, update)
+    staged = {}
+
+    def stage():
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/internal/weights/stage", json={"id": "slow", "version": "9", "path": update},
+                       headers=HEADERS, timeout=120)
+        staged.update(response=r, seconds=time.monotonic() - t0)
+    t = threading.Thread(target=stage, daemon=True)
+    t.start()
+    time.sleep(0.5)                                   # the read has begun
+    status, events = generate(server.url, body("during-read", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    assert t.is_alive()                               # the image came while the update still waited for its read
+    t.join(60)
+    r = staged["response"]
+    assert r.status_code == 504 and r.json()["error"]["code"] == "weights_read_timeout", r.text
+    assert "U1SERVE_WEIGHTS_READ_TIMEOUT_S" in r.json()["error"]["message"]
+    assert READ_TIMEOUT_S <= staged["seconds"] < READ_TIMEOUT_S + 10
+    after = server.health()[1]
+    assert after["engine_pids"] == before["engine_pids"] and after["weights_version"] == before["weights_version"]
+    status, events = generate(server.url, body("after-read", publish(pool, _pre(ref_model))))
+    assert status == 200 and not errors_of(events) and len(images_of(events)) == 1
+    assert wait_until(lambda: pool.stats()["pages_used"] == 0, 10)
 
 
 def test_cancel_running_and_queued_frees_everything(fault_env, ref_model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import zmq
 
 from services.understanding.config import EngineConfig
@@ -70,17 +71,57 @@ def _fail_once(engine, exc):
     engine.execute = execute
 
 
-def test_an_ordinary_step_error_fails_the_step_and_the_engine_goes_on(loop):
-    _fail_once(loop.engine, RuntimeError("boom"))
+@pytest.mark.parametrize("exc, code", [(RuntimeError("boom"), "engine_error"),
+                                       (torch.OutOfMemoryError("boom: tried to allocate 2.00 GiB"), "engine_oom")])
+def test_an_ordinary_step_error_fails_the_step_and_the_engine_goes_on(loop, exc, code):
+    """An ordinary error, or an allocation that failed (engine_oom: a 500 naming it, textgen.output_error), fails
+    the step's request, not the engine: the next request is served."""
+    _fail_once(loop.engine, exc)
     loop.thread.start()
     loop.submit("a")
     o = loop.finished("a")
-    assert o.finish_reason == "error" and o.error_code == "engine_error" and "boom" in o.error
+    assert o.finish_reason == "error" and o.error_code == code and "boom" in o.error
     loop.submit("b")
     assert loop.finished("b").finish_reason in ("stop", "length")
     loop.inp.send_pyobj(Shutdown())
     loop.thread.join(30)
     assert not loop.thread.is_alive() and loop.error is None
+
+
+def test_a_slow_weight_read_never_stalls_the_steps_and_times_out(loop, tmp_path, monkeypatch):
+    """A weight update whose files read slowly (injected: U1SERVE_FAULT_WEIGHTS_READ_S) is read in a thread, off
+    the step loop: a chat is answered while it reads, and the stage fails 504 weights_read_timeout after
+    U1SERVE_WEIGHTS_READ_TIMEOUT_S, the weights unchanged."""
+    import time
+
+    from safetensors.torch import save_file
+
+    from services.understanding.protocol import WeightsReply
+    from services.understanding.weights import WeightsOp
+    monkeypatch.setenv("U1SERVE_FAULT_WEIGHTS_READ_S", "60")
+    monkeypatch.setenv("U1SERVE_WEIGHTS_READ_TIMEOUT_S", "3")
+    update = str(tmp_path / "update.safetensors")
+    save_file({"language_model.lm_head.weight": torch.zeros(1)}, update)
+    loop.thread.start()
+    t0 = time.monotonic()
+    loop.inp.send_pyobj(WeightsOp({"op": "stage", "id": "slow", "version": "9", "path": update}))
+    loop.submit("during-read")
+    chat_done = reply = None
+    while reply is None and loop.out.poll(30000):
+        msg = loop.out.recv_pyobj()
+        if isinstance(msg, WeightsReply):
+            reply = msg
+        elif any(o.rid == "during-read" and o.finish_reason is not None for o in getattr(msg, "outs", [])):
+            chat_done = time.monotonic() - t0
+    assert chat_done is not None and chat_done < 3          # answered while the update still read its files
+    assert reply is not None and not reply.result["ok"], reply
+    assert reply.result["error"]["status"] == 504 and reply.result["error"]["code"] == "weights_read_timeout"
+    assert 3 <= time.monotonic() - t0 < 15 and loop.engine.weights.version == "0"
+    loop.submit("after-read")
+    assert loop.finished("after-read").finish_reason in ("stop", "length")
+    loop.inp.send_pyobj(Shutdown())
+    loop.thread.join(30)
+    assert loop.error is None
 
 
 GOOD = {"g0": (1, 2, 3, 4), "g1": (5, 6, 7), "g2": (9, 8, 7, 6, 5)}
