@@ -364,6 +364,23 @@ def weight_table(weights: dict[str, BranchWeights], itemsize: int = 2, groups: i
     return rows
 
 
+def load_peak_note(e: EnginePlan, w: BranchWeights, itemsize: int = 2) -> str | None:
+    """A format quantised at load from a float checkpoint: the engine holds the float weights on the GPU before it
+    quantises them (services/model/loader.py), so its load peaks at those. Where that is over the engine's cap the
+    checkpoint must be converted first (measured: int8 / int8 under a 24 GiB cap on an H100 ran out of memory at
+    load, 2026-12-06)."""
+    if e.fmt == "bf16" or e.fmt in FILE_FORMATS:
+        return None
+    float_bytes = w.gpu_bytes("bf16", itemsize)
+    cap = e.total - e.parts.get("cuda_context", 0)
+    if float_bytes <= cap:
+        return None
+    scheme = e.fmt.replace("-only", "")
+    return (f"  {e.name}: loading a float checkpoint peaks at its {gib(float_bytes)} GiB of float weights, over "
+            f"this engine's {gib(cap)} GiB: convert it first (`u1serve convert MODEL OUT --to {scheme}`) and "
+            f"serve OUT")
+
+
 def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
     """The plan as text: the weights table, then each engine's parts, fit, and the flags that make it fit."""
     lines = ["weights by branch and format (GiB on the GPU; GGUF: the file, dequantised to bf16 at load)"]
@@ -384,6 +401,8 @@ def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
             parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items())
             lines.append(f"  {e.name:13} {e.fmt:8} {gib(e.total):>6} GiB = {parts}; {'; '.join(e.notes)}")
         lines.append(f"  host shared memory: KV pool {gib(p.host_pool_bytes)} GiB (not GPU)")
+        lines += [n for n in (load_peak_note(p.und, result["weights"]["und"], itemsize),
+                              load_peak_note(p.gen, result["weights"]["gen"], itemsize)) if n]
         env, argv = up_flags(p, total)
         lines.append("  flags: " + " ".join([f"{k}={v}" for k, v in env.items()] + ["u1serve up", shlex.join(argv)]))
     return "\n".join(lines) + "\n"

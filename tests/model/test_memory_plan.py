@@ -150,3 +150,20 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     assert fractions * 80 + 2 * M.CUDA_CONTEXT_BYTES / M.GiB <= 24 + 1e-6       # the cap, contexts included
     eng = out["fix"]["understanding"], out["fix"]["generation"]
     assert sum(e["total_bytes"] for e in eng) <= 24 * M.GiB
+
+
+def test_a_format_quantised_at_load_says_when_the_float_load_is_over_the_cap(tmp_path):
+    """int8 from a float checkpoint loads the float weights first: under a 24 GiB colocated cap that is over each
+    engine's share (an H100 run ran out of memory there at load), so the plan says to convert first; bf16 at 48 GiB
+    needs no such step."""
+    from services.model.tiny import write_full_config
+    d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = lambda cap: subprocess.run([sys.executable, "-m", "services.cli", "plan", "--model", d,  # noqa: E731
+                                      "--gpu-memory", cap], capture_output=True, text=True, env=env, timeout=120)
+    out24, out48 = run("24GiB"), run("48GiB")
+    assert out24.returncode == 0 and out48.returncode == 0, out24.stderr + out48.stderr
+    for engine in ("understanding", "generation"):
+        assert f"{engine}: loading a float checkpoint peaks at" in out24.stdout, out24.stdout
+    assert "u1serve convert MODEL OUT --to int8" in out24.stdout
+    assert "loading a float checkpoint" not in out48.stdout, out48.stdout
