@@ -229,7 +229,7 @@ def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYP
     w.add_string(TYPE_KEY, types.text)
     wm = weight_map(src_dir)
     from services.progress import bar
-    for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to gguf:{type_name}", unit="shard"):
+    for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to gguf:{types.text}", unit="shard"):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key)
