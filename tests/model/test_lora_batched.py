@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.model.loader import load_model
+from services.model.loader import LoadError, load_model
 from services.model.lora_batched import lora_rows
 from services.model.lora_registry import AdapterNotFound, LoraError, LoraRegistry, attach_lora, parse_modules
 from services.model.tiny_lora import write_tiny_lora
@@ -80,9 +80,15 @@ def test_adapters_that_do_not_bind_are_refused_with_their_names(tiny_dir, adapte
     assert e.value.code == "lora_modules_unbound" and "2 of its 3 modules" in str(e.value)
     for m in bad:
         assert repr(m) in str(e.value)
+    # factors that are no LoRA pair (rank 4 above the 3 rows of up) are refused as they are read, before any shape
+    # of this model is looked at (loader._pair: a 400 invalid_lora through the API)
+    with pytest.raises(LoadError, match="factors of shapes"):
+        reg.load("pair", _write(tmp_path / "pair.safetensors", {
+            f"{good}.lora_down.weight": torch.zeros(4, h + 1), f"{good}.lora_up.weight": torch.zeros(3, 4)}))
+    # a well-formed pair of the wrong size for the module it names: the registry's check
     with pytest.raises(LoraError, match="wrong shapes"):
         reg.load("shape", _write(tmp_path / "shape.safetensors", {
-            f"{good}.lora_down.weight": torch.zeros(4, h + 1), f"{good}.lora_up.weight": torch.zeros(3, 4)}))
+            f"{good}.lora_down.weight": torch.zeros(4, h + 1), f"{good}.lora_up.weight": torch.zeros(8, 4)}))
     with pytest.raises(LoraError) as e:
         reg.load("wide", write_tiny_lora(str(tmp_path / "wide"), tiny_dir, rank=16))
     assert e.value.code == "lora_rank_too_large"
