@@ -183,6 +183,7 @@ class UndServer:
                      "--kv-cache-tokens", "8192", "--max-model-len", "4096",
                      "--internal-token", TOKEN, "--log-level", "warning"]
         self.proc = None
+        self.knobs: dict[str, str] = {}           # launch()'s extra environment (GenServer's knobs=)
 
     env = staticmethod(GenServer.env)
     start = GenServer.start
