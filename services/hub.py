@@ -49,7 +49,7 @@ def resolve(ref: str, what: str = "--model") -> Resolved:
         raise SystemExit(f"{what} {ref!r}: hub ids need huggingface_hub (pip install huggingface_hub)") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        path = snapshot_download(repo_id, revision=revision, token=os.environ.get("HF_TOKEN") or None)
+        path = _snapshot(snapshot_download, repo_id, revision, local_only=offline)
     except GatedRepoError:
         raise SystemExit(f"{what} {ref!r}: the repository is gated; accept its terms on the hub and set HF_TOKEN") \
             from None
@@ -64,6 +64,26 @@ def resolve(ref: str, what: str = "--model") -> Resolved:
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise SystemExit(f"{what} {ref!r}: could not fetch it from the hub ({type(exc).__name__}: {exc})") from None
     return Resolved(os.path.abspath(path), repo_id, os.path.basename(os.path.normpath(path)))
+
+
+def _snapshot(snapshot_download, repo_id: str, revision: str | None, local_only: bool) -> str:
+    """Offline: straight from the cache. Online: the hub, falling back on the cache when the hub can't be
+    reached (some huggingface_hub releases, given a commit hash, list the tree outside their own fallback)."""
+    token = os.environ.get("HF_TOKEN") or None
+    if local_only:
+        return snapshot_download(repo_id, revision=revision, token=token, local_files_only=True)
+    try:
+        return snapshot_download(repo_id, revision=revision, token=token)
+    except (ConnectionError, *_unreachable_errors()):
+        return snapshot_download(repo_id, revision=revision, token=token, local_files_only=True)
+
+
+def _unreachable_errors() -> tuple[type[Exception], ...]:
+    try:
+        import httpx
+        return (httpx.ConnectError, httpx.TimeoutException)
+    except ImportError:
+        return ()
 
 
 def cache_root() -> str:

@@ -35,8 +35,8 @@ def hub_cache(tiny_dir, tmp_path_factory):
     return str(cache)
 
 
-def run(hub_cache: str, *argv: str, offline: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_CACHE": hub_cache, "HF_HUB_DISABLE_TELEMETRY": "1"}
+def run(hub_cache: str, *argv: str, offline: bool = True, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_CACHE": hub_cache, "HF_HUB_DISABLE_TELEMETRY": "1", **extra_env}
     env.pop("HF_HUB_OFFLINE", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
@@ -59,6 +59,15 @@ def test_hub_id_resolves_from_the_cache(hub_cache, ref, sha):
     snapshot = os.path.join(hub_cache, "models--org--tiny", "snapshots", sha)
     assert f"--model {snapshot}" in got["und"] and f"--model {snapshot}" in got["gen"]
     assert f"--model-hub-id org/tiny --model-revision {sha}" in got["gateway"]
+
+
+@pytest.mark.parametrize("ref, sha", [("org/tiny", SHA), (f"org/tiny@{OLD_SHA}", OLD_SHA)])
+def test_an_unreachable_hub_falls_back_on_the_cache(hub_cache, ref, sha):
+    """Online, but the hub refuses connections (a closed port): the cached snapshot is used."""
+    r = run(hub_cache, "-m", "services.cli", "up", "--model", ref, "--device", "cpu", "--port", "9000", "--dry-run",
+            offline=False, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    snapshot = os.path.join(hub_cache, "models--org--tiny", "snapshots", sha)
+    assert f"--model {snapshot}" in lines(r)["und"]
 
 
 def test_lora_module_by_hub_id(hub_cache):
