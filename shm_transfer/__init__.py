@@ -9,6 +9,7 @@ _EXPORTS = {
     "HandleError": "errors", "KVTransferError": "errors", "PoolError": "errors", "PoolFull": "errors",
     "KVHandle": "handle", "LAYOUT_VERSION": "layout", "KVLayout": "layout", "ShmKVPool": "pool",
     "unlink_exact": "segment", "LocalShmTransport": "transport", "Transport": "transport",
+    "DeviceTransport": "transport",
     "NixlTransport": "nixl_transport",
 }
 

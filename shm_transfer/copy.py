@@ -4,8 +4,9 @@ export: engine paged KV [L, 2, S, Hkv, D] + token slots [T]  -> the handle's pag
 import: the handle's pages -> a preallocated contiguous [L, 2, cap, Hkv, D] buffer (cap >= T)
 
 The copies go through kernels.kv_export / kernels.kv_import (Triton on CUDA, torch reference on CPU). The
-pages are always the CPU tensor over the shared memory; in a CUDA process it is registered (pinned, mapped)
-so the kernels read/write it directly from the GPU. Same code on both.
+pages are the CPU tensor over the shared memory; in a CUDA process it is registered (pinned, mapped) so the
+kernels read/write it directly from the GPU. A device pool's pages (DeviceTransport, one process) are a tensor on
+the engines' device: the same kernels then copy device to device. Same code for all.
 
 With stream=None a copy is synchronous: on return an exported handle may be published and an imported
 handle may be released. With a side stream the call returns at once and the returned CopyDone must be
@@ -206,6 +207,7 @@ def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int]
     t0 = time.perf_counter()
     lay = pool.layout
     h0, h1 = head_slice(lay, heads)
+    pool.require_pages()
     pages = heads_view(pool.pages, lay, h0, h1)
     if device.type == "cuda":
         pool.pin()

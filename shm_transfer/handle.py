@@ -37,7 +37,8 @@ class KVHandle:
     layout: dict
     branch: str  # "cond" | "uncond" | "img_cond" (free-form; engines decide)
     lease_deadline: float  # epoch seconds (time.time()); pages are reclaimable after it
-    transport: str = "shm"  # "shm": same-host pool; "nixl": the producer's pool read over the network
+    transport: str = "shm"  # "shm": same-host pool; "nixl": the producer's pool read over the network;
+    #                         "device": pages on the device of the producer's process (consumers in that process)
     producer: dict | None = None  # network: {"agent", "host", "port", "base_addr", "table_addr", ...}
 
     def __post_init__(self):

@@ -9,6 +9,12 @@ Segment layout (all little-endian):
                   table: nonce int64[S], pid int64[S]
   [data_off, end) pages [P, L, 2, page_tokens, Hkv, D] in the layout dtype (data_off 64 KiB aligned)
 
+Device pages (`create(..., pages_device=...)`, the "device" transport): the segment ends at data_off (header and
+page table only) and the pages are a tensor on that device owned by the creator, registered in this process
+(shm_transfer.device_pages) so a consumer in the same process attaches the pool by name as usual and reads them
+there. Every page-table rule (ownership, leases, claims, release, reclaim, generation) is the same code either way;
+in another process the table still works but copies are refused (HandleError `device_pages_elsewhere`).
+
 Liveness (creator, claimers) is an OFD byte-range lock per slot (shm_transfer.locks): slot 0 is the
 creator's; a consumer that claims a handle takes a free slot and writes a fresh nonce into the slot table.
 Claimed pages are reclaimable once that slot's lock is gone or holds another nonce (the claimer died).
@@ -31,7 +37,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import locks, pinning
+from . import device_pages, locks, pinning
 from .errors import HandleError, PoolError, PoolFull
 from .handle import KVHandle, check_static
 from .layout import LAYOUT_VERSION, KVLayout
@@ -58,16 +64,18 @@ def _data_offset(num_pages: int) -> int:
     return -(-table_end // _DATA_ALIGN) * _DATA_ALIGN
 
 
-def segment_bytes(layout: KVLayout, size_bytes: int) -> int:
-    """The shared-memory segment a pool of `size_bytes` takes: its whole pages after the header and page table."""
+def segment_bytes(layout: KVLayout, size_bytes: int, *, device_pages: bool = False) -> int:
+    """The shared-memory segment a pool of `size_bytes` takes: its whole pages after the header and page table
+    (with `device_pages`, the header and page table only: the pages live on the device)."""
     num_pages = int(size_bytes) // layout.page_bytes
-    return _data_offset(num_pages) + num_pages * layout.page_bytes
+    return _data_offset(num_pages) + (0 if device_pages else num_pages * layout.page_bytes)
 
 
 class ShmKVPool:
     """Use `ShmKVPool.create` (producer) or `ShmKVPool.attach` (consumer); close() when done."""
 
-    def __init__(self, segment: Segment, *, pin: bool | None):
+    def __init__(self, segment: Segment, *, pin: bool | None, pages: torch.Tensor | None = None):
+        """`pages`: the creator's device pages (create); an attacher of a device pool finds them registered."""
         self._seg = segment
         self._tlock = threading.RLock()
         self.metrics = CopyMetrics()
@@ -101,12 +109,18 @@ class ShmKVPool:
         self._slot_pid = np.frombuffer(mm, dtype=np.int64, count=NUM_SLOTS, offset=slots_off + 8 * NUM_SLOTS)
         self._slot: int | None = CREATOR_SLOT if segment.created else None  # our liveness slot, once taken
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
-        self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
+        # where the pages are: None (in the segment) or the device of a device pool ("cuda:0", "cpu", ...)
+        self.pages_device: str | None = meta.get("pages_device")
+        if self.pages_device is None:
+            data = self._bytes[data_off:data_off + self.num_pages * self.layout.page_bytes]
+            self.pages = data.view(self.layout.torch_dtype).view(self.num_pages, *self.layout.page_shape)
+        else:   # None in another process than the creator's: the page table works, copies are refused
+            self.pages = pages if pages is not None else device_pages.lookup(self.name, self.generation)
         self._pin_box: list = [None]  # shared with the finalizer: the registered mapping, if any
         # Only the creating process unlinks (a forked child that exits normally must not).
         unlink_in = os.getpid() if segment.created else None
-        self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, unlink_in)
+        registered = (self.name, self.generation) if segment.created and self.pages_device is not None else None
+        self._finalizer = weakref.finalize(self, _finalize, segment, self._pin_box, unlink_in, registered)
         if pin is None:
             pin = pinning.cuda_usable()
         if pin:
@@ -115,23 +129,27 @@ class ShmKVPool:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
-               pin: bool | None = None, owner: str = "") -> "ShmKVPool":
+               pin: bool | None = None, owner: str = "", pages_device: str | torch.device | None = None
+               ) -> "ShmKVPool":
         """Create (replacing a segment of that name whose creator died) a pool of size_bytes // page_bytes pages;
-        `owner`, the stack's id, is recorded in the segment (segment.py)."""
+        `owner`, the stack's id, is recorded in the segment (segment.py). `pages_device`: keep the pages in a
+        tensor on that device (size_bytes of its memory) instead of the segment (see the module doc)."""
         if not isinstance(model_fingerprint, str) or not model_fingerprint:
             raise ValueError("model_fingerprint must be a non-empty string")
         num_pages = int(size_bytes) // layout.page_bytes
         if num_pages < 1:
             raise PoolError(f"KV pool size {size_bytes} B is smaller than one page ({layout.page_bytes} B)")
+        device = _resolve_device(pages_device)
         meta = json.dumps({
             "layout": layout.to_dict(), "model_fingerprint": model_fingerprint,
             "generation": secrets.token_hex(8), "creator_pid": os.getpid(), "created_at": time.time(),
+            **({"pages_device": str(device)} if device is not None else {}),
         }).encode()
         if len(meta) > _TABLE_OFF - _JSON_OFF:
             raise ValueError("model_fingerprint too long for the pool header")
         data_off = _data_offset(num_pages)
         take_name(name, "KV pool")
-        seg = Segment.create(name, segment_bytes(layout, size_bytes), owner)
+        seg = Segment.create(name, segment_bytes(layout, size_bytes, device_pages=device is not None), owner)
         try:
             mm = seg.mm
             mm[_JSON_OFF:_JSON_OFF + len(meta)] = meta
@@ -147,7 +165,11 @@ class ShmKVPool:
             hdr[_W_MAGIC] = MAGIC
             hdr[_W_STATE] = _STATE_READY  # last: attachers wait for it
             del hdr
-            pool = cls(seg, pin=pin)
+            pages = (None if device is None else
+                     torch.empty((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device))
+            pool = cls(seg, pin=pin, pages=pages)
+            if pages is not None:
+                device_pages.register(name, pool.generation, pages)
         except BaseException:
             seg.unlink()
             seg.close()
@@ -213,13 +235,26 @@ class ShmKVPool:
 
     # ------------------------------------------------------------------ CUDA
     def pin(self) -> None:
-        """Register the whole mapping as pinned, mapped memory in this process (idempotent)."""
+        """Register the whole mapping as pinned, mapped memory in this process (idempotent; nothing to do for a
+        pool whose pages are on a device)."""
+        if self.pages_device is not None:
+            return
         if self._pin_box[0] is None and pinning.register(self._bytes):
             self._pin_box[0] = self._bytes
 
     @property
     def pinned(self) -> bool:
         return self._pin_box[0] is not None
+
+    def require_pages(self) -> None:
+        """HandleError `device_pages_elsewhere` unless this process can address the pages (always, unless they
+        are a device pool's and its creator is another process)."""
+        if self.pages is None and not self.closed:
+            raise HandleError(
+                f"KV pool {self.name!r} keeps its pages on {self.pages_device} of process {self.creator_pid} (KV "
+                f"transport 'device'); this process ({os.getpid()}) cannot read or write them: the device "
+                "transport needs both engines in one process (fused colocate), else use --kv-transport shm",
+                "device_pages_elsewhere")
 
     # ------------------------------------------------------------------ allocator
     @contextlib.contextmanager
@@ -341,8 +376,10 @@ class ShmKVPool:
         return expired
 
     def validate(self, handle: KVHandle, expected_fingerprint: str | None = None) -> None:
-        """Raise HandleError unless the handle's pages are live in this pool with the expected model/layout."""
+        """Raise HandleError unless the handle's pages are live in this pool with the expected model/layout
+        (and readable here: require_pages)."""
         self._check_static(handle, expected_fingerprint)
+        self.require_pages()
         pids = np.asarray(handle.page_ids, dtype=np.int64)
         with self._locked():
             self._check_owned(handle, pids, time.time())
@@ -351,6 +388,7 @@ class ShmKVPool:
         """validate() and, atomically, hold the lease for at least guard_s more seconds so a concurrent
         allocation cannot reclaim the pages mid-copy. Returns a token for end_copy()."""
         self._check_static(handle, expected_fingerprint)
+        self.require_pages()
         pids = np.asarray(handle.page_ids, dtype=np.int64)
         with self._locked():
             now = time.time()
@@ -385,7 +423,9 @@ class ShmKVPool:
 
     def memory_map(self) -> dict:
         """What a network transport registers and hands out: the whole mapping (base, size), the page
-        table and the pages (addresses in this process), and the page count."""
+        table and the pages (addresses in this process), and the page count. Host pages only."""
+        if self.pages_device is not None:
+            raise PoolError(f"KV pool {self.name!r} keeps its pages on {self.pages_device}: no network transport")
         base = self._bytes.data_ptr()
         return {"base_addr": base, "size": self._seg.size, "table_addr": base + _TABLE_OFF,
                 "pages_addr": self.pages.data_ptr(), "num_pages": self.num_pages}
@@ -421,7 +461,7 @@ class ShmKVPool:
             "allocations": hdr[_W_ALLOCS], "allocation_failures": hdr[_W_ALLOC_FULL],
             "pages_released": hdr[_W_PAGES_RELEASED], "pages_reclaimed": hdr[_W_PAGES_RECLAIMED],
             "bytes_exported_total": hdr[_W_BYTES_EXPORTED], "bytes_imported_total": hdr[_W_BYTES_IMPORTED],
-            "pinned": self.pinned, "process": self.metrics.snapshot(),
+            "pinned": self.pinned, "pages_on": self.pages_device or "shm", "process": self.metrics.snapshot(),
         }
 
 
@@ -453,8 +493,21 @@ def _nonce() -> int:
     return secrets.randbits(62) + 1
 
 
-def _finalize(seg: Segment, pin_box: list, unlink_in: int | None) -> None:
-    """Runs once: at close(), garbage collection or interpreter exit. Only the creator unlinks."""
+def _resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """A device pool's device with its index ("cuda" -> the current CUDA device), so the name says which."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _finalize(seg: Segment, pin_box: list, unlink_in: int | None, registered: tuple[str, str] | None) -> None:
+    """Runs once: at close(), garbage collection or interpreter exit. Only the creator unlinks (and forgets its
+    device pages)."""
+    if registered is not None:
+        device_pages.unregister(*registered)
     mapping, pin_box[0] = pin_box[0], None  # drop the reference before unmapping
     if mapping is not None:
         with contextlib.suppress(Exception):

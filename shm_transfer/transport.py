@@ -1,4 +1,5 @@
 """Transport: what the engines use to hand prefix KV over. LocalShmTransport is the same-host pool;
+DeviceTransport the same pool with its pages on the device, for engines in one process (fused colocate);
 NixlTransport (nixl_transport.py) reads the producer's pool over the network; the engines do not change."""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class Transport(abc.ABC):
     Producer (understanding): allocate -> export_kv (or write_kv; each TP rank its head slice) -> publish
     handle.to_dict(); release on error/abort. Consumer (generation): KVHandle.from_dict -> claim (a queued
     job) -> import_kv -> release. Either side may release (idempotent). Implementations: LocalShmTransport
-    (same host, the pool in /dev/shm) and NixlTransport (the producer's pool read over the network)."""
+    (same host, the pool in /dev/shm), DeviceTransport (one process, the pages on the device) and NixlTransport
+    (the producer's pool read over the network)."""
 
     kind: str = ""  # the value of KVHandle.transport this implementation moves
 
@@ -216,3 +218,47 @@ class LocalShmTransport(Transport):
                 other.close()
             self._others.clear()
         self._pool.close()
+
+
+class DeviceTransport(LocalShmTransport):
+    """Both engines in one process (fused colocate): the pool's pages are a tensor on the engines' device, so a
+    prefix goes device to device (export: engine KV -> pages; import: pages -> the job's buffer), never through
+    host memory. The page table, and with it every ownership / lease / claim / release / restart rule, is the
+    shm pool's own (ShmKVPool with `pages_device`): only where the bytes live differs.
+
+    Handles say transport "device". attach() in a process other than the creator's is refused (HandleError
+    `device_pages_elsewhere`): the pages cannot be addressed there; so is any copy of such a pool's pages there."""
+
+    kind = "device"
+
+    @classmethod
+    def create(cls, name: str, layout: KVLayout, size_bytes: int, model_fingerprint: str, *,
+               device: str | torch.device = "cpu", owner: str = "") -> "DeviceTransport":
+        """The producer: a pool of size_bytes of `device` memory (its page table in /dev/shm/<name>)."""
+        pool = ShmKVPool.create(name, layout, size_bytes, model_fingerprint, owner=owner, pages_device=device)
+        return cls(pool, model_fingerprint)
+
+    @classmethod
+    def attach(cls, name: str, *, expected_fingerprint: str | None = None, pin: bool | None = None,
+               timeout_s: float = 5.0) -> "DeviceTransport":
+        """A consumer in the producer's process. HandleError device_pages_elsewhere anywhere else (or when the
+        pool `name` keeps its pages in shared memory: that is the shm transport's)."""
+        pool = ShmKVPool.attach(name, expected_fingerprint=expected_fingerprint, pin=False, timeout_s=timeout_s)
+        try:
+            if pool.pages_device is None:
+                raise HandleError(f"KV pool {name!r} keeps its pages in shared memory: use the shm transport",
+                                  "wrong_transport")
+            pool.require_pages()
+        except BaseException:
+            pool.close()
+            raise
+        return cls(pool, expected_fingerprint)
+
+    def reattach(self) -> None:
+        """As the shm transport's, and the new pool's pages must be here too."""
+        super().reattach()
+        self._pool.require_pages()
+
+    def allocate(self, num_tokens, lease_s, *, branch="cond", t_offset=0, near=None):
+        return super().allocate(num_tokens, lease_s, branch=branch, t_offset=t_offset,
+                                near=near).replace(transport=self.kind)

@@ -2,8 +2,10 @@
 producer restart, claim, import, release.
 
 Handles say which transport moves their bytes: "shm" (the same-host pool `pool_name`, created by the
-understanding service, which may start after us or restart) or "nixl" (the producer's pool read over
-the network). The engine ranks open the shm pool before they report ready (`open_before_ready`: on CUDA
+understanding service, which may start after us or restart), "nixl" (the producer's pool read over
+the network) or "device" (the pool's pages on the GPU of this very process: both engines fused into one; imports
+copy device to device; anywhere else such a handle is 503 `kv_pool_unavailable`, HandleError
+`device_pages_elsewhere`). The engine ranks open the shm pool before they report ready (`open_before_ready`: on CUDA
 the attach registers the whole segment, 16 GiB by default, and the first import compiles its kernel; a first
 request used to pay both, H200 2026-12-02: 4.75 s vs 3.39 s steady at 2048²), waiting a bounded time for the
 producer; a pool that is not there by then, and every other transport, is opened on the first handle. With
@@ -22,7 +24,7 @@ from services.kit.errors import APIError
 
 # HandleError codes whose KV is simply gone (producer restarted, pages freed or reclaimed).
 _GONE = {"stale_generation", "pages_freed", "lease_expired"}
-_UNAVAILABLE = {"pool_unavailable", "producer_unreachable"}
+_UNAVAILABLE = {"pool_unavailable", "producer_unreachable", "device_pages_elsewhere"}
 log = logging.getLogger("u1serve.generation.kv")
 
 
@@ -71,6 +73,8 @@ class PrefixSource:
             t0 = time.perf_counter()
             try:
                 t = self._open(kind, handle, self.attach_timeout_s if wait_s is None else wait_s)
+            except HandleError as e:        # a device pool of another process
+                raise handle_error_to_api(e) from e
             except (PoolError, FileNotFoundError, OSError) as e:
                 raise APIError(503, f"KV transport {kind!r} (pool {self.pool_name!r}) is not available: {e}",
                                type="server_error", code="kv_pool_unavailable") from e
@@ -147,6 +151,16 @@ class PrefixSource:
                 self._check_geometry(t.layout)
                 if self.device.type == "cuda":
                     t.pool.pin()        # the slow part (the whole segment): only a pool this engine can read
+            except BaseException:
+                t.close()
+                raise
+            return t
+        if kind == "device":       # the producer is in this process: its pool's pages are on our device
+            from shm_transfer.transport import DeviceTransport
+            name = getattr(handle, "pool_name", None) or self.pool_name
+            t = DeviceTransport.attach(name, expected_fingerprint=self.fingerprint or None, timeout_s=wait_s)
+            try:
+                self._check_geometry(t.layout)
             except BaseException:
                 t.close()
                 raise

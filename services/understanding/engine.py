@@ -105,8 +105,8 @@ class Engine:
         self.pool = None
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)
             phase(EnginePhase.ATTACHING_KV_POOL)
-            from shm_transfer import LocalShmTransport
-            self.pool = LocalShmTransport.attach(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+            from shm_transfer.producer import attach_exporter     # a device pool: only in its creator's process
+            self.pool = attach_exporter(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         self.yield_signal = None
         if rank == 0 and cfg.yield_signal:
             from services.kit.yield_signal import YieldSignal

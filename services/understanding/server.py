@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stack id recorded in the pool segment as its owner: only that stack's launcher removes "
                         f"it (shm_transfer/segment.py; env {knobs.STACK_ID.name}, set by u1serve up)")
     p.add_argument("--kv-pool-gb", type=float, default=4.0, help="size of the shared-memory KV pool")
-    p.add_argument("--kv-transport", choices=["shm", "nixl"], default="shm",
+    p.add_argument("--kv-transport", choices=["shm", "nixl", "device"], default="shm",
                    help="how generation reads the prefixes: shm (same host) or nixl (over the network with NIXL; "
-                        "a consumer that shares this host's /dev/shm still uses shared memory)")
+                        "a consumer that shares this host's /dev/shm still uses shared memory) or device (the pages "
+                        "on --device, for a generation engine in this same process: fused colocate)")
     p.add_argument("--kv-listen-port", type=int, default=0,
                    help="nixl: port of the transport's metadata listener (0: a free one)")
     p.add_argument("--kv-advertise-host", default=None,

@@ -80,17 +80,18 @@ class AppState:
 
     def _create_transport(self):
         """The producer side of the KV handoff (shm_transfer.producer.create_producer): the shm pool, served over the
-        network too with --kv-transport nixl. The HTTP process only allocates/releases pages; the engine ranks
-        (which copy) attach the pool and pin it."""
+        network too with --kv-transport nixl, or with its pages on --device with --kv-transport device (engines in one
+        process). The HTTP process only allocates/releases pages; the engine ranks (which copy) attach the pool and
+        pin it."""
         from shm_transfer import KVLayout
         from shm_transfer.producer import create_producer
         a, llm = self.args, self.cfg.llm
         layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
                           head_dim=llm.head_dim, dtype=a.dtype, page_tokens=a.kv_page_tokens)
-        network = ({"listen_port": a.kv_listen_port, "advertise_host": a.kv_advertise_host}
-                   if a.kv_transport == "nixl" else {})
+        by_kind = ({"listen_port": a.kv_listen_port, "advertise_host": a.kv_advertise_host}
+                   if a.kv_transport == "nixl" else {"device": a.device} if a.kv_transport == "device" else {})
         t = create_producer(a.kv_transport, a.kv_pool_name, layout, int(a.kv_pool_gb * (1 << 30)),
-                            model_fingerprint(a.model, self.cfg), pin=False, owner=a.kv_pool_owner, **network)
+                            model_fingerprint(a.model, self.cfg), pin=False, owner=a.kv_pool_owner, **by_kind)
         if a.kv_transport == "nixl":
             s = t.stats()
             log.info("KV transport nixl: agent %s, metadata at %s", s["agent"], s["listen"])
