@@ -165,8 +165,7 @@ class ShmKVPool:
             hdr[_W_MAGIC] = MAGIC
             hdr[_W_STATE] = _STATE_READY  # last: attachers wait for it
             del hdr
-            pages = (None if device is None else
-                     torch.empty((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device))
+            pages = None if device is None else _device_pages(layout, num_pages, device)
             pool = cls(seg, pin=pin, pages=pages)
             if pages is not None:
                 device_pages.register(name, pool.generation, pages)
@@ -501,6 +500,14 @@ def _resolve_device(device: str | torch.device | None) -> torch.device | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _device_pages(layout: KVLayout, num_pages: int, device: torch.device) -> torch.Tensor:
+    try:
+        return torch.empty((num_pages, *layout.page_shape), dtype=layout.torch_dtype, device=device)
+    except (RuntimeError, MemoryError) as e:    # torch.OutOfMemoryError is a RuntimeError
+        raise PoolError(f"KV pool needs {num_pages * layout.page_bytes / 2**30:.2f} GiB of {device} memory for its "
+                        f"pages and could not get it ({type(e).__name__}: {str(e)[:200]}): lower --kv-pool-gb") from None
 
 
 def _finalize(seg: Segment, pin_box: list, unlink_in: int | None, registered: tuple[str, str] | None) -> None:

@@ -14,3 +14,10 @@ def shm_name():
     for f in leftovers:  # clean up before failing so one failure does not leak into the machine
         os.unlink(os.path.join("/dev/shm", f))
     assert not leftovers, f"leaked shared-memory segments: {leftovers}"
+
+
+@pytest.fixture(scope="module", params=["shm", "device"])
+def pages(request):
+    """Where a test's pool keeps its pages: in the shared-memory segment ("shm") or in a tensor of this process
+    ("device": the device transport's pool, device = cpu here). The page table and its rules are the same code."""
+    return request.param

@@ -2,20 +2,27 @@
 
 The parent sends (function name, args); the peer runs that function of this module with its own state
 (attached pools by name) and sends back ("ok", result) or ("err", class name, message, code).
+
+ThreadPeer is the same commands on a thread of the test process, with state of its own: the other engine of a
+fused process, for pools whose pages are on the device (only their creator's process can address them). Its kill()
+is that engine's death as the pool sees it: its pools are dropped unreleased, their locks (liveness) with them.
 """
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
+import threading
 import traceback
 
 import torch
 
 from shm_transfer import (HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, import_kv, read_kv,
                           write_kv)
-from shm_transfer.transport import LocalShmTransport
+from shm_transfer import device_pages
+from shm_transfer.transport import DeviceTransport, LocalShmTransport
 
 _CTX = mp.get_context("spawn")
 
@@ -23,28 +30,43 @@ _CTX = mp.get_context("spawn")
 def wire(handle: KVHandle) -> dict:
     """A handle as it crosses HTTP between the engines (through JSON)."""
     return json.loads(json.dumps(handle.to_dict()))
-_pools: dict[str, ShmKVPool] = {}
+_state = threading.local()     # per serving thread: a process peer's main thread, or one ThreadPeer's thread
+
+
+def _pools() -> dict:
+    """This peer's pools (and transports) by name."""
+    if not hasattr(_state, "pools"):
+        _state.pools = {}
+    return _state.pools
+
+
+def make_pool(pages: str, name: str, layout: KVLayout, size_bytes: int, fingerprint: str) -> ShmKVPool:
+    """A producer's pool with its pages in shared memory (pages="shm") or in a CPU tensor of this process standing
+    for the device (pages="device": the device transport's code path, device = cpu)."""
+    return ShmKVPool.create(name, layout, size_bytes, fingerprint,
+                            pages_device="cpu" if pages == "device" else None)
 
 
 # ---------------------------------------------------------------- commands (run inside the peer)
 def attach(name, expected_fingerprint=None, transport=False, timeout_s=5.0):
-    cls = LocalShmTransport if transport else ShmKVPool
-    _pools[name] = cls.attach(name, expected_fingerprint=expected_fingerprint, timeout_s=timeout_s)
+    """transport: False (the pool), True (a LocalShmTransport) or "device" (a DeviceTransport)."""
+    cls = DeviceTransport if transport == "device" else LocalShmTransport if transport else ShmKVPool
+    _pools()[name] = cls.attach(name, expected_fingerprint=expected_fingerprint, timeout_s=timeout_s)
     return os.getpid()
 
 
-def create(name, layout, size_bytes, fingerprint):
-    _pools[name] = ShmKVPool.create(name, KVLayout.from_dict(layout), size_bytes, fingerprint)
-    return _pools[name].generation
+def create(name, layout, size_bytes, fingerprint, pages="shm"):
+    _pools()[name] = make_pool(pages, name, KVLayout.from_dict(layout), size_bytes, fingerprint)
+    return _pools()[name].generation
 
 
 def close(name):
-    _pools.pop(name).close()
+    _pools().pop(name).close()
 
 
 def import_and_release(name, handle_dicts, cap_extra=3, expected_fingerprint=None):
     """The generation side's job: import each handle into a buffer with room for image tokens, release."""
-    pool = _pools[name]
+    pool = _pools()[name]
     out = []
     for d in handle_dicts:
         h = KVHandle.from_dict(d)
@@ -57,7 +79,7 @@ def import_and_release(name, handle_dicts, cap_extra=3, expected_fingerprint=Non
 
 
 def import_via_transport(name, handle_dict):
-    t = _pools[name]
+    t = _pools()[name]
     h = KVHandle.from_dict(handle_dict)
     kv = t.read_kv(h)
     t.release(h)
@@ -65,55 +87,83 @@ def import_via_transport(name, handle_dict):
 
 
 def read(name, handle_dict, expected_fingerprint=None):
-    return read_kv(_pools[name], KVHandle.from_dict(handle_dict), expected_fingerprint=expected_fingerprint)
+    return read_kv(_pools()[name], KVHandle.from_dict(handle_dict), expected_fingerprint=expected_fingerprint)
 
 
 def allocate(name, num_tokens, lease_s):
-    return _pools[name].allocate(num_tokens, lease_s).to_dict()
+    return _pools()[name].allocate(num_tokens, lease_s).to_dict()
 
 
 def allocate_until_full(name, num_tokens, lease_s):
     got = []
     try:
         while True:
-            got.append(_pools[name].allocate(num_tokens, lease_s).to_dict())
+            got.append(_pools()[name].allocate(num_tokens, lease_s).to_dict())
     except PoolFull:
         return got
 
 
 def write(name, handle_dict, kv, heads=None):
-    write_kv(_pools[name], KVHandle.from_dict(handle_dict), kv, heads=heads)
+    write_kv(_pools()[name], KVHandle.from_dict(handle_dict), kv, heads=heads)
 
 
 def release(name, handle_dict):
-    return _pools[name].release(KVHandle.from_dict(handle_dict))
+    return _pools()[name].release(KVHandle.from_dict(handle_dict))
 
 
 def extend_lease(name, handle_dict, seconds):
-    return _pools[name].extend_lease(KVHandle.from_dict(handle_dict), seconds).to_dict()
+    return _pools()[name].extend_lease(KVHandle.from_dict(handle_dict), seconds).to_dict()
 
 
 def claim(name, handle_dict):
-    return _pools[name].claim(KVHandle.from_dict(handle_dict)).to_dict()
+    return _pools()[name].claim(KVHandle.from_dict(handle_dict)).to_dict()
 
 
 def stats(name):
-    return _pools[name].stats()
+    return _pools()[name].stats()
 
 
 def validate(name, handle_dict, expected_fingerprint=None):
-    _pools[name].validate(KVHandle.from_dict(handle_dict), expected_fingerprint)
+    _pools()[name].validate(KVHandle.from_dict(handle_dict), expected_fingerprint)
+
+
+def source_import(pool_name, handle_dict, fingerprint=None):
+    """generation's PrefixSource importing a handle: (bytes, None) or (None, (status, code)) of its APIError."""
+    from services.generation.kv_source import PrefixSource
+    from services.kit.errors import APIError
+    src = PrefixSource(pool_name, fingerprint or "", torch.device("cpu"), attach_timeout_s=0.5)
+    try:
+        h = src.parse(handle_dict)
+        lay = h.kv_layout
+        return src.import_into(h, torch.empty(lay.kv_shape(h.num_tokens), dtype=lay.torch_dtype))[0], None
+    except APIError as e:
+        return None, (e.status, e.code, e.message)
+    finally:
+        src.close()
+
+
+def abandon_all():
+    """Drop every pool of this peer as a killed process would: no release, no unlink; the segment's fds (and with
+    them the liveness locks) close; a creator's device pages go."""
+    for t in _pools().values():
+        pools = [t] if isinstance(t, ShmKVPool) else [t.pool, *getattr(t, "_others", {}).values()]
+        for pool in pools:
+            pool._finalizer.detach()
+            if pool.is_creator and pool.pages_device is not None:
+                device_pages.unregister(pool.name, pool.generation)
+            pool._seg.close()
+    _pools().clear()
 
 
 def net_connect(expected_fingerprint=None, **kw):
     from shm_transfer.nixl_transport import NixlTransport
-    _pools["net"] = NixlTransport.connect(expected_fingerprint=expected_fingerprint, **kw)
+    _pools()["net"] = NixlTransport.connect(expected_fingerprint=expected_fingerprint, **kw)
     return os.getpid()
 
 
 def net_import(handle_dict, release=True, cap_extra=2, heads=None):
     """The generation side over the network: import into a buffer with room for image tokens, release."""
-    t, h = _pools["net"], KVHandle.from_dict(handle_dict)
+    t, h = _pools()["net"], KVHandle.from_dict(handle_dict)
     lay = h.kv_layout
     nh = lay.num_kv_heads if heads is None else heads[1] - heads[0]
     dst = torch.full((lay.num_layers, 2, h.num_tokens + cap_extra, nh, lay.head_dim), float("nan"),
@@ -126,7 +176,7 @@ def net_import(handle_dict, release=True, cap_extra=2, heads=None):
 
 def net(method, handle_dict, *args):
     """claim / release / extend_lease / validate through the consumer's network transport."""
-    out = getattr(_pools["net"], method)(KVHandle.from_dict(handle_dict), *args)
+    out = getattr(_pools()["net"], method)(KVHandle.from_dict(handle_dict), *args)
     return out.to_dict() if isinstance(out, KVHandle) else out
 
 
@@ -193,4 +243,62 @@ class Peer:
 
 
 
-__all__ = ["Peer", "PeerError", "HandleError"]
+class ThreadPeer:
+    """The commands on a thread of this process (Peer's interface): the other engine of a fused process."""
+
+    def __init__(self):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="shm-thread-peer", daemon=True)
+        self._thread.start()
+
+    pid = property(lambda self: os.getpid())
+
+    def _serve(self):
+        while True:
+            msg, reply = self._inbox.get()
+            if msg is None:
+                reply.put(("ok", None))
+                return
+            fn, args, kwargs = msg
+            try:
+                reply.put(("ok", globals()[fn](*args, **kwargs)))
+            except BaseException as e:  # report everything to the test
+                reply.put(("err", type(e).__name__, str(e), getattr(e, "code", None), traceback.format_exc()))
+
+    def call(self, fn, *args, timeout=30, **kwargs):
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(((fn, args, kwargs), reply))
+        try:
+            out = reply.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"thread peer did not answer {fn} within {timeout}s") from None
+        if out[0] == "err":
+            raise PeerError(*out[1:])
+        return out[1]
+
+    def kill(self):
+        """As SIGKILL does to a process peer: its pools dropped unreleased (abandon_all), its thread ended."""
+        if self._thread.is_alive():
+            self.call("abandon_all")
+            self.stop()
+
+    def stop(self):
+        if self._thread.is_alive():
+            self.call("close_all")
+            self._inbox.put((None, queue.SimpleQueue()))
+            self._thread.join(10)
+
+
+def close_all():
+    """A clean exit: every pool closed (a creator's close unlinks, as at a process peer's interpreter exit)."""
+    for t in _pools().values():
+        t.close()
+    _pools().clear()
+
+
+def new_peer(pages: str):
+    """The consumer (or other producer) for pages of that kind: a process, or a thread of this one (device)."""
+    return ThreadPeer() if pages == "device" else Peer()
+
+
+__all__ = ["Peer", "ThreadPeer", "PeerError", "HandleError", "make_pool", "new_peer"]

@@ -1,4 +1,5 @@
-"""KV handoff between two real processes: producer (this process) and a spawned consumer peer."""
+"""KV handoff between the producer (this process) and a consumer peer: a spawned process for pages in shared memory,
+a thread of this process for device pages (the two engines of a fused process); every test runs for both."""
 from __future__ import annotations
 
 import time
@@ -6,9 +7,9 @@ import time
 import pytest
 import torch
 
-from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, ShmKVPool, export_kv,
+from shm_transfer import (LAYOUT_VERSION, HandleError, KVHandle, KVLayout, PoolFull, export_kv,
                           import_kv, read_kv, write_kv)
-from tests.shm_transfer.shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import PeerError, make_pool, new_peer, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,8 +18,8 @@ FP = "tiny-u1:test-fingerprint"
 
 
 @pytest.fixture(scope="module")
-def peer():
-    p = Peer()
+def peer(pages):
+    p = new_peer(pages)
     yield p
     p.stop()
 
@@ -28,9 +29,9 @@ def layout(dtype=torch.float32, page_tokens=4):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_roundtrip_exact_across_processes(peer, shm_name, dtype):
+def test_roundtrip_exact_across_processes(pages, peer, shm_name, dtype):
     lay = layout(dtype)
-    with ShmKVPool.create(shm_name, lay, 40 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 40 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name, expected_fingerprint=FP)
         g = torch.Generator().manual_seed(0)
         S = 64  # the understanding engine's paged pool: tokens scattered over slots
@@ -63,9 +64,9 @@ def test_roundtrip_exact_across_processes(peer, shm_name, dtype):
         peer.call("close", shm_name)
 
 
-def test_pool_full_then_success_after_release(peer, shm_name):
+def test_pool_full_then_success_after_release(pages, peer, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 4 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
         a = pool.allocate(9, lease_s=30)  # 3 pages
         with pytest.raises(PoolFull) as e:
@@ -83,9 +84,9 @@ def test_pool_full_then_success_after_release(peer, shm_name):
         peer.call("close", shm_name)
 
 
-def test_allocations_from_two_processes_never_overlap(peer, shm_name):
+def test_allocations_from_two_processes_never_overlap(pages, peer, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 64 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 64 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
         theirs = peer.call("allocate_until_full", shm_name, 4, 30)
         mine = []
@@ -101,9 +102,9 @@ def test_allocations_from_two_processes_never_overlap(peer, shm_name):
         peer.call("close", shm_name)
 
 
-def test_release_is_idempotent_and_never_frees_another_handles_pages(peer, shm_name):
+def test_release_is_idempotent_and_never_frees_another_handles_pages(pages, peer, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 2 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
         a = pool.allocate(8, lease_s=30)
         assert peer.call("release", shm_name, wire(a)) == 2
@@ -120,9 +121,9 @@ def test_release_is_idempotent_and_never_frees_another_handles_pages(peer, shm_n
         peer.call("close", shm_name)
 
 
-def test_extend_lease_never_shortens(shm_name):
+def test_extend_lease_never_shortens(pages, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 3 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 3 * lay.page_bytes, FP) as pool:
         h = pool.allocate(12, lease_s=30)
         assert pool.extend_lease(h, 0.01).lease_deadline >= h.lease_deadline
         time.sleep(0.05)
@@ -131,14 +132,14 @@ def test_extend_lease_never_shortens(shm_name):
         pool.release(h)
 
 
-def test_lease_expiry_reclaims_pages_of_killed_consumer(shm_name):
+def test_lease_expiry_reclaims_pages_of_killed_consumer(pages, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 3 * lay.page_bytes, FP) as pool:
-        h = pool.allocate(12, lease_s=4.0)
-        write_kv(pool, h, torch.randn(lay.kv_shape(12)))
-        consumer = Peer()
+    with make_pool(pages, shm_name, lay, 3 * lay.page_bytes, FP) as pool:
+        consumer = new_peer(pages)   # started first: a slow spawn must not eat the lease
         try:
             consumer.call("attach", shm_name)
+            h = pool.allocate(12, lease_s=4.0)
+            write_kv(pool, h, torch.randn(lay.kv_shape(12)))
             consumer.call("extend_lease", shm_name, wire(h), 1.0)  # the consumer took it over ...
             consumer.kill()  # ... and died before importing and releasing
         finally:
@@ -159,9 +160,9 @@ def test_lease_expiry_reclaims_pages_of_killed_consumer(shm_name):
         pool.release(fresh)
 
 
-def test_handle_errors_are_clear(peer, shm_name):
+def test_handle_errors_are_clear(pages, peer, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 4 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
         h = pool.allocate(5, lease_s=30)
         write_kv(pool, h, torch.randn(lay.kv_shape(5)))
@@ -206,9 +207,9 @@ def test_handle_errors_are_clear(peer, shm_name):
         peer.call("close", shm_name)
 
 
-def test_attach_rejects_pool_of_another_model(peer, shm_name):
+def test_attach_rejects_pool_of_another_model(pages, peer, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP):
+    with make_pool(pages, shm_name, lay, 2 * lay.page_bytes, FP):
         with pytest.raises(PeerError) as e:
             peer.call("attach", shm_name, expected_fingerprint="another-model")
         assert e.value.cls_name == "PoolError" and "another-model" in e.value.message
@@ -217,10 +218,10 @@ def test_attach_rejects_pool_of_another_model(peer, shm_name):
     assert e.value.cls_name == "PoolError" and "does not exist" in e.value.message
 
 
-def test_release_during_import_is_detected(shm_name):
+def test_release_during_import_is_detected(pages, shm_name):
     """A handle released (e.g. by the gateway) while the consumer copies must not yield torn KV silently."""
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 2 * lay.page_bytes, FP) as pool:
         h = pool.allocate(6, lease_s=30)
         write_kv(pool, h, torch.randn(lay.kv_shape(6)))
         token = pool.guard_copy(h, 30.0, FP)
@@ -229,9 +230,9 @@ def test_release_during_import_is_detected(shm_name):
             pool.end_copy(h, token)
 
 
-def test_copy_guard_does_not_extend_the_lease(shm_name):
+def test_copy_guard_does_not_extend_the_lease(pages, shm_name):
     lay = layout()
-    with ShmKVPool.create(shm_name, lay, 2 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 2 * lay.page_bytes, FP) as pool:
         h = pool.allocate(6, lease_s=5)
         write_kv(pool, h, torch.randn(lay.kv_shape(6)))
         read_kv(pool, h)
@@ -239,13 +240,13 @@ def test_copy_guard_does_not_extend_the_lease(shm_name):
         assert (deadlines == h.lease_deadline).all()
 
 
-def test_roundtrip_through_triton_kernels_interpreted(shm_name, monkeypatch):
+def test_roundtrip_through_triton_kernels_interpreted(pages, shm_name, monkeypatch):
     """The GPU code path (Triton copy kernels) on CPU via TRITON_INTERPRET, same pool and handles."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     lay = layout(torch.bfloat16)
-    with ShmKVPool.create(shm_name, lay, 8 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 8 * lay.page_bytes, FP) as pool:
         g = torch.Generator().manual_seed(1)
         kv_pool = torch.randn(lay.kv_shape(32), generator=g).to(torch.bfloat16)
         slots = torch.randperm(32, generator=g)[:7].to(torch.int32)
@@ -258,14 +259,14 @@ def test_roundtrip_through_triton_kernels_interpreted(shm_name, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["ref", "triton-interpret"])
-def test_tensor_parallel_ranks_export_their_head_slices(peer, shm_name, monkeypatch, mode):
+def test_tensor_parallel_ranks_export_their_head_slices(pages, peer, shm_name, monkeypatch, mode):
     """Two producer ranks (this process and the peer) each write their KV heads into the same pages."""
     if mode == "triton-interpret":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
-    with ShmKVPool.create(shm_name, lay, 4 * lay.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, lay, 4 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
         full = torch.randn(lay.kv_shape(6))
         h = pool.allocate(6, lease_s=30)
