@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVHandle, KVLayout, ShmKVPool, read_kv, write_kv
-from tests.shm_transfer.shm_peer import Peer, PeerError, wire
+from tests.shm_transfer.shm_peer import PeerError, make_pool, new_peer, wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,9 +20,9 @@ def shm_exists(name):
     return os.path.exists(os.path.join("/dev/shm", name))
 
 
-def test_consumer_exit_does_not_unlink_and_creator_close_does(shm_name):
-    pool = ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP)
-    consumer = Peer()
+def test_consumer_exit_does_not_unlink_and_creator_close_does(pages, shm_name):
+    pool = make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP)
+    consumer = new_peer(pages)
     try:
         consumer.call("attach", shm_name)
     finally:
@@ -36,8 +36,8 @@ def test_consumer_exit_does_not_unlink_and_creator_close_does(shm_name):
     pool.close()  # idempotent
 
 
-def test_unlink_then_close(shm_name):
-    pool = ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP)
+def test_unlink_then_close(pages, shm_name):
+    pool = make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP)
     views = pool.pages  # a view held past close must not crash close()
     pool.unlink()
     assert not shm_exists(shm_name)
@@ -46,26 +46,26 @@ def test_unlink_then_close(shm_name):
     del views
 
 
-def test_creator_process_exit_unlinks(shm_name):
-    creator = Peer()
-    creator.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP)
+def test_creator_process_exit_unlinks(pages, shm_name):
+    creator = new_peer(pages)
+    creator.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP, pages)
     assert shm_exists(shm_name)
     creator.stop()  # normal interpreter exit: the creator's finalizer unlinks
     assert not shm_exists(shm_name)
 
 
-def test_killed_creator_is_replaced_and_its_handles_rejected(shm_name):
-    creator = Peer()
-    consumer = Peer()
+def test_killed_creator_is_replaced_and_its_handles_rejected(pages, shm_name):
+    creator = new_peer(pages)
+    consumer = new_peer(pages)
     try:
-        old_gen = creator.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP)
+        old_gen = creator.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP, pages)
         old_handle = creator.call("allocate", shm_name, 5, 30)
         creator.call("write", shm_name, old_handle, torch.randn(LAY.kv_shape(5)))
         consumer.call("attach", shm_name, expected_fingerprint=FP, transport=True)
         creator.kill()
         assert shm_exists(shm_name)  # SIGKILL: no cleanup ran
 
-        with ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP) as pool:  # the restarted producer
+        with make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP) as pool:  # the restarted producer
             assert pool.generation != old_gen
             with pytest.raises(HandleError) as e:
                 pool.validate(KVHandle.from_dict(old_handle))
@@ -86,14 +86,14 @@ def test_killed_creator_is_replaced_and_its_handles_rejected(shm_name):
         consumer.stop()
 
 
-def test_create_validates_size_and_name(shm_name):
+def test_create_validates_size_and_name(pages, shm_name):
     from shm_transfer import PoolError
     with pytest.raises(PoolError, match="smaller than one page"):
-        ShmKVPool.create(shm_name, LAY, LAY.page_bytes - 1, FP)
+        make_pool(pages, shm_name, LAY, LAY.page_bytes - 1, FP)
     with pytest.raises(ValueError, match="bad shared-memory name"):
         ShmKVPool.create("a/b", LAY, LAY.page_bytes, FP)
     with pytest.raises(PoolError, match="GiB"):
-        ShmKVPool.create(shm_name, LAY, 1 << 50, FP)  # more than /dev/shm has
+        make_pool(pages, shm_name, LAY, 1 << 50, FP)  # more than /dev/shm (or the device) has
 
 
 def test_layout_and_handle_json_roundtrip():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVLayout, PoolError, PoolFull, ShmKVPool, read_kv, unlink_exact, write_kv
-from tests.shm_transfer.shm_peer import Peer, wire
+from tests.shm_transfer.shm_peer import make_pool, new_peer, wire
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,27 +17,27 @@ FP = "tiny-u1:test-fingerprint"
 LAY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_tokens=4)
 
 
-def test_create_refuses_a_live_creators_pool_and_reclaims_a_killed_ones(shm_name):
-    other = Peer()  # another stack's understanding service
+def test_create_refuses_a_live_creators_pool_and_reclaims_a_killed_ones(pages, shm_name):
+    other = new_peer(pages)  # another stack's understanding service
     try:
-        gen = other.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP)
+        gen = other.call("create", shm_name, LAY.to_dict(), 4 * LAY.page_bytes, FP, pages)
         with pytest.raises(PoolError, match=f"live process \\(creator pid {other.pid}\\)"):
-            ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP)
+            make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP)
         with ShmKVPool.attach(shm_name) as still:  # untouched
             assert still.generation == gen
         other.kill()  # SIGKILL: no cleanup ran, the segment stays ...
         assert os.path.exists(f"/dev/shm/{shm_name}")
-        with ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP) as pool:  # ... and is reclaimed
+        with make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP) as pool:  # ... and is reclaimed
             assert pool.generation != gen
             with pytest.raises(PoolError, match=f"creator pid {os.getpid()}"):
-                ShmKVPool.create(shm_name, LAY, 4 * LAY.page_bytes, FP)  # our own live pool: refused too
+                make_pool(pages, shm_name, LAY, 4 * LAY.page_bytes, FP)  # our own live pool: refused too
     finally:
         other.stop()
 
 
-def test_unlink_exact_leaves_other_stacks_segments(shm_name):
+def test_unlink_exact_leaves_other_stacks_segments(pages, shm_name):
     others = [f"{shm_name}-4242-8000", f"{shm_name}.old"]
-    with ShmKVPool.create(shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
+    with make_pool(pages, shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
         for n in others:
             open(f"/dev/shm/{n}", "wb").close()
         try:
@@ -53,9 +53,9 @@ def test_unlink_exact_leaves_other_stacks_segments(shm_name):
         unlink_exact("../etc/passwd")
 
 
-def test_claimed_pages_outlive_the_lease_until_the_claimer_is_killed(shm_name):
-    with ShmKVPool.create(shm_name, LAY, 3 * LAY.page_bytes, FP) as pool:
-        claimer = Peer()  # the generation service accepting a queued job
+def test_claimed_pages_outlive_the_lease_until_the_claimer_is_killed(pages, shm_name):
+    with make_pool(pages, shm_name, LAY, 3 * LAY.page_bytes, FP) as pool:
+        claimer = new_peer(pages)  # the generation service accepting a queued job
         try:
             claimer.call("attach", shm_name)
             h = pool.allocate(8, lease_s=1.0)  # 2 pages, a short lease
@@ -81,9 +81,9 @@ def test_claimed_pages_outlive_the_lease_until_the_claimer_is_killed(shm_name):
         pool.release(other)
 
 
-def test_a_new_process_in_a_dead_claimers_slot_does_not_revive_its_claims(shm_name):
-    with ShmKVPool.create(shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
-        first = Peer()
+def test_a_new_process_in_a_dead_claimers_slot_does_not_revive_its_claims(pages, shm_name):
+    with make_pool(pages, shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
+        first = new_peer(pages)
         try:
             first.call("attach", shm_name)
             a, b = pool.allocate(4, lease_s=1.0), pool.allocate(4, lease_s=30)
@@ -91,7 +91,7 @@ def test_a_new_process_in_a_dead_claimers_slot_does_not_revive_its_claims(shm_na
             first.kill()
         finally:
             first.stop()
-        second = Peer()  # takes the freed slot (same lock byte), with a new nonce
+        second = new_peer(pages)  # takes the freed slot (same lock byte), with a new nonce
         try:
             second.call("attach", shm_name)
             second.call("claim", shm_name, wire(b))
@@ -103,8 +103,8 @@ def test_a_new_process_in_a_dead_claimers_slot_does_not_revive_its_claims(shm_na
             second.stop()
 
 
-def test_claim_ends_when_the_claimer_closes_the_pool(shm_name):
-    with ShmKVPool.create(shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
+def test_claim_ends_when_the_claimer_closes_the_pool(pages, shm_name):
+    with make_pool(pages, shm_name, LAY, 2 * LAY.page_bytes, FP) as pool:
         h = pool.allocate(4, lease_s=0.2)
         with ShmKVPool.attach(shm_name) as consumer:
             consumer.claim(h)
