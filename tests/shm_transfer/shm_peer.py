@@ -127,6 +127,13 @@ def validate(name, handle_dict, expected_fingerprint=None):
     _pools()[name].validate(KVHandle.from_dict(handle_dict), expected_fingerprint)
 
 
+def exporter(name, expected_fingerprint=None):
+    """An understanding engine rank attaching its service's pool (shm_transfer.producer.attach_exporter)."""
+    from shm_transfer.producer import attach_exporter
+    _pools()[name] = attach_exporter(name, expected_fingerprint)
+    return os.getpid()
+
+
 def source_import(pool_name, handle_dict, fingerprint=None):
     """generation's PrefixSource importing a handle: (bytes, None) or (None, (status, code)) of its APIError."""
     from services.generation.kv_source import PrefixSource
