@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from services.generation.kv_source import PrefixSource
-from services.kit.errors import APIError
 from shm_transfer import DeviceTransport, HandleError, KVHandle, KVLayout, LocalShmTransport, PoolError
 from shm_transfer.producer import attach_exporter, create_producer
 from tests.shm_transfer.shm_peer import Peer, PeerError, wire
