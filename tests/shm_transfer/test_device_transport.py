@@ -147,11 +147,6 @@ def test_device_pool_takes_no_host_memory_for_its_pages(shm_name):
             producer.pool.memory_map()
 
 
-def test_understanding_accepts_kv_transport_device():
-    from services.understanding.server import build_parser
-    assert build_parser().parse_args(["--model", "m", "--kv-transport", "device"]).kv_transport == "device"
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_device_to_device_on_cuda(shm_name):
     """On the GPU: the pages are CUDA memory; export (engine KV on the GPU) and import (into a GPU buffer) never

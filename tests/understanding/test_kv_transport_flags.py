@@ -18,3 +18,9 @@ def test_nixl_needs_a_pool_and_advertises_a_reachable_address(monkeypatch):
     assert advertise_host("0.0.0.0") == "10.9.9.9"
     assert parse_args(BASE + ["--kv-transport", "nixl", "--kv-pool-name", "p", "--host", "0.0.0.0",
                               "--kv-advertise-host", "gpu-7.internal"]).kv_advertise_host == "gpu-7.internal"
+
+
+def test_device_transport_is_a_choice():
+    """--kv-transport device: the pool's pages on --device, for a generation engine in this process (fused)."""
+    a = parse_args(BASE + ["--kv-transport", "device", "--kv-pool-name", "p", "--device", "cpu"])
+    assert a.kv_transport == "device" and a.device == "cpu"
