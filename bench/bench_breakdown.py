@@ -1,6 +1,6 @@
 """Where a 2048² image request spends the time that is not denoising steps.
 
-Two parts, each runs alone:
+Three parts, each runs alone:
 
 --part engine (torch + numpy; Pillow for the encode rows): the engine side of the output path
     pixels to uint8: old (uint8 on the device, permuted copy to pageable host memory, then the
@@ -13,12 +13,19 @@ Two parts, each runs alone:
     requests through the gateway, one at a time, with the services' stage marks on (U1SERVE_TIMELINE=1,
     services/kit/timeline.py); the median time of each stage: gateway, prefix prefill + export, admission
     (KV import), the steps (measured on the device), pixels, pipe, encode, SSE, transfers, response.
+--part handoff (torch; one process, as the fused colocate mode runs both engines): the prefix handoff of one
+    image, shm pages vs device pages (shm_transfer's "shm" and "device" transports, the code the services run):
+    understanding's side (allocate the CFG branches' handles, export from the engine's paged KV) and
+    generation's (claim, import into the job's buffer, release), each synchronised; the median of --repeat and
+    the difference: what the device transport takes off the non-step time of one image.
 
     python -m bench.bench_breakdown --part engine --device cuda --sizes 1024,2048
     python -m bench.bench_breakdown --part services --model DIR_OR_tiny --device cuda --size 2048
+    python -m bench.bench_breakdown --part handoff --device cuda --prefix-tokens 365,24
 CPU smoke (seconds):
     python -m bench.bench_breakdown --part engine --device cpu --sizes 256
     python -m bench.bench_breakdown --part services --model tiny --device cpu --size 64 --steps 4 --repeat 2
+    python -m bench.bench_breakdown --part handoff --smoke
 Target (GPU): everything but the steps <= 0.35 s for one 2048² image.
 """
 from __future__ import annotations
@@ -39,7 +46,7 @@ from services.model import sampler as S
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["engine", "services"], default="engine")
+    p.add_argument("--part", choices=["engine", "services", "handoff"], default="engine")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", default="1024,2048", help="--part engine")
     p.add_argument("--repeat", type=int, default=5)
@@ -48,8 +55,14 @@ def parse_args():
     p.add_argument("--steps", type=int, default=8, help="--part services")
     p.add_argument("--up-args", default="", help="--part services: extra `u1serve up` flags (shell quoting), "
                    "e.g. '--quantization fp8'")
+    p.add_argument("--prefix-tokens", default="365,24",
+                   help="--part handoff: the prefix tokens of each CFG branch of one image (cond,uncond)")
+    p.add_argument("--smoke", action="store_true", help="--part handoff: tiny geometry on the CPU, seconds")
     p.add_argument("--json", default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.smoke:
+        args.device, args.repeat = "cpu", 3
+    return args
 
 
 def _median_s(fn, repeat: int, sync=None) -> float:
@@ -248,9 +261,86 @@ def part_services(args) -> dict:
     return res
 
 
+def _one_handoff(kind: str, args, geometry: dict, branches: list[int]) -> dict:
+    """One transport: --repeat images' handoffs (after one warm-up), each side synchronised; medians."""
+    import uuid
+
+    from shm_transfer import DeviceTransport, KVHandle, KVLayout, LocalShmTransport
+    from shm_transfer.producer import attach_exporter, create_producer
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    lay = KVLayout(**geometry)
+    name, fp = f"u1kv-breakdown-{uuid.uuid4().hex[:8]}", "bench-breakdown"
+    size = 4 * sum(lay.pages_for(n) for n in branches) * lay.page_bytes
+    producer = create_producer(kind, name, lay, size, fp, pin=False,           # as understanding's HTTP side
+                               **({"device": device} if kind == "device" else {}))
+    exporter = attach_exporter(name, fp)                                  # the understanding engine
+    consumer = (DeviceTransport if kind == "device" else LocalShmTransport).attach(name, expected_fingerprint=fp)
+    g = torch.Generator().manual_seed(0)
+    kv_pool = torch.randn(lay.kv_shape(max(4096, 2 * sum(branches))), generator=g).to(device, lay.torch_dtype)
+    slots = [torch.randperm(kv_pool.shape[2], generator=g)[:n].to(device) for n in branches]
+    bufs = [torch.empty(lay.kv_shape(n + 16), dtype=lay.torch_dtype, device=device) for n in branches]
+    exports, imports, exact = [], [], True
+    try:
+        for i in range(args.repeat + 1):
+            sync()
+            t0 = time.perf_counter()
+            wired = []
+            for n, sl in zip(branches, slots):         # understanding: allocate (HTTP side), export (engine)
+                h = producer.allocate(n, lease_s=60)
+                exporter.export_kv(h, kv_pool, sl)
+                wired.append(json.loads(json.dumps(h.to_dict())))
+            sync()
+            t1 = time.perf_counter()
+            for d, buf in zip(wired, bufs):            # generation: claim (HTTP side), import, release (engine)
+                h = consumer.claim(KVHandle.from_dict(d))
+                consumer.import_kv(h, buf)
+                consumer.release(h)
+            sync()
+            t2 = time.perf_counter()
+            if i:
+                exports.append(t1 - t0)
+                imports.append(t2 - t1)
+        for sl, buf, n in zip(slots, bufs, branches):
+            exact &= bool(torch.equal(buf[:, :, :n], kv_pool[:, :, sl]))
+        left = producer.stats()["pages_used"]
+    finally:
+        consumer.close()
+        exporter.close()
+        producer.close()
+    return {"export_s": statistics.median(exports), "import_s": statistics.median(imports), "bit_exact": exact,
+            "pages_left": left}
+
+
+def part_handoff(args) -> dict:
+    """The prefix handoff of one image (its CFG branches' prefixes), shm pages vs device pages, in one process."""
+    branches = [int(n) for n in args.prefix_tokens.split(",")]
+    geometry = (dict(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", page_tokens=16) if args.smoke else
+                dict(num_layers=42, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_tokens=64))  # 8B: 36 + 6
+    rows = {kind: _one_handoff(kind, args, geometry, branches) for kind in ("shm", "device")}
+    dev = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
+    nbytes = sum(branches) * geometry["num_layers"] * 2 * geometry["num_kv_heads"] * geometry["head_dim"] * (
+        2 if geometry["dtype"] == "bfloat16" else 4)
+    print(f"prefix handoff of one image ({'+'.join(map(str, branches))} tokens, {nbytes / 1e6:.1f} MB) on {dev}, "
+          f"median of {args.repeat}\n")
+    print("| stage | shm s | device s |\n|---|---:|---:|")
+    for key, label in (("export_s", "prefix: allocate + KV export"), ("import_s", "admission: claim + KV import + release")):
+        print(f"| {label} | {rows['shm'][key]:.5f} | {rows['device'][key]:.5f} |")
+    total = {k: r["export_s"] + r["import_s"] for k, r in rows.items()}
+    print(f"| **handoff, non-step time of one image** | **{total['shm']:.5f}** | **{total['device']:.5f}** |")
+    print(f"\ndevice pages take {total['shm'] - total['device']:+.5f} s off the non-step time of one image "
+          f"(negative: they add it)")
+    exact = all(r["bit_exact"] and r["pages_left"] == 0 for r in rows.values())
+    print(f"imports bit-exact, no pages left: {exact}")
+    if not exact:
+        raise SystemExit(1)
+    return {"device": dev, "prefix_tokens": branches, "bytes": nbytes, "geometry": geometry, "rows": rows,
+            "handoff_s": total}
+
+
 def main():
     args = parse_args()
-    res = part_engine(args) if args.part == "engine" else part_services(args)
+    res = {"engine": part_engine, "services": part_services, "handoff": part_handoff}[args.part](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -1,6 +1,7 @@
 """bench/bench_handoff.py's CPU smoke mode runs (two processes, both transports) and checks its imports."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,20 @@ def test_bench_handoff_smoke(transport, tmp_path):
     assert f"| import ({transport}, other process, sync call) | 300 |" in r.stdout
     assert out.exists()
 
+
+
+def test_bench_breakdown_handoff_smoke_shm_vs_device(tmp_path):
+    """bench_breakdown.py --part handoff --smoke: one image's prefix handoff through shm pages and device pages (the
+    CPU standing in for the device), both bit-exact and nothing left held."""
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, "-m", "bench.bench_breakdown", "--part", "handoff", "--smoke", "--json",
+                        str(out)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=150)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "imports bit-exact, no pages left: True" in r.stdout
+    assert "| **handoff, non-step time of one image** |" in r.stdout
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"shm", "device"} and all(v > 0 for v in res["handoff_s"].values())
 
 
 def test_bench_handoff_smoke_between_network_namespaces(tmp_path):
