@@ -26,7 +26,8 @@ def export(source, x: torch.Tensor, near: dict) -> dict:
     from shm_transfer.tensors import pack, tokens_for
     try:
         near_handle = KVHandle.from_dict(near)
-        t = source.transport("shm", near_handle)
+        # device pages (both engines in one process) stay device; network handles' pools are written through shm
+        t = source.transport("device" if near_handle.transport == "device" else "shm", near_handle)
         h = t.allocate(tokens_for(t.layout, x.numel()), IMAGE_LEASE_S, branch=FLOAT_IMAGE_BRANCH,
                        near=near_handle)
     except PoolFull as e:

@@ -169,3 +169,21 @@ def test_device_to_device_on_cuda(shm_name):
         consumer.close()
         exporter.close()
         producer.close()
+
+
+def test_an_interleaved_answers_float_image_goes_back_through_the_device_pool(shm_name):
+    """generation writes the final float image into pages beside the job's prefix (float_image.export);
+    understanding reads it back: both in this process, the pages on the device."""
+    from services.generation import float_image
+    from shm_transfer.tensors import unpack
+    with create_producer("device", shm_name, LAY, 64 * LAY.page_bytes, FP, device="cpu") as producer:
+        source = PrefixSource(shm_name, FP, torch.device("cpu"))
+        try:
+            near = producer.allocate(3, lease_s=30)
+            x = torch.randn(3, 8, 8)
+            d = float_image.export(source, x, wire(near))
+            assert d["transport"] == "device" and d["pool_name"] == shm_name
+            got = unpack(producer.read_kv(KVHandle.from_dict(d)), (3, 8, 8))
+            assert torch.equal(got, x)
+        finally:
+            source.close()
