@@ -197,11 +197,16 @@ def _serve(conn):
             return
         if msg is None:
             return
-        fn, args, kwargs = msg
-        try:
-            conn.send(("ok", globals()[fn](*args, **kwargs)))
-        except BaseException as e:  # report everything to the test
-            conn.send(("err", type(e).__name__, str(e), getattr(e, "code", None), traceback.format_exc()))
+        conn.send(_run(msg))
+
+
+def _run(msg) -> tuple:
+    """("ok", result) of one (function name, args, kwargs) command, or ("err", class, message, code, traceback)."""
+    fn, args, kwargs = msg
+    try:
+        return "ok", globals()[fn](*args, **kwargs)
+    except BaseException as e:  # report everything to the test
+        return "err", type(e).__name__, str(e), getattr(e, "code", None), traceback.format_exc()
 
 
 class PeerError(Exception):
@@ -266,11 +271,7 @@ class ThreadPeer:
             if msg is None:
                 reply.put(("ok", None))
                 return
-            fn, args, kwargs = msg
-            try:
-                reply.put(("ok", globals()[fn](*args, **kwargs)))
-            except BaseException as e:  # report everything to the test
-                reply.put(("err", type(e).__name__, str(e), getattr(e, "code", None), traceback.format_exc()))
+            reply.put(_run(msg))
 
     def call(self, fn, *args, timeout=30, **kwargs):
         reply: queue.SimpleQueue = queue.SimpleQueue()
