@@ -77,3 +77,18 @@ def test_a_healthy_start_is_quiet(tiny_dir, tmp_path):
     assert len(access) == 1 and "[trace-1]" in access[0], lines
     assert not [ln for ln in lines if "WARNING" in ln or "ERROR" in ln or "Traceback" in ln], lines
     assert len(lines) <= 15, lines
+
+
+def test_device_kv_transport_with_the_engine_in_another_process_exits_clearly(tiny_dir, tmp_path):
+    """--kv-transport device puts the pool's pages on the service's device, which only its own process can address:
+    the engine process (this mode's engine is not a thread of the server) refuses the pool at start, naming why."""
+    s = UndServer(tiny_dir, "--kv-transport", "device", log_dir=str(tmp_path))
+    try:
+        code = s.proc.wait(timeout=180)
+    finally:
+        s.stop()
+    log = open(s.log_path).read()
+    assert code == 1, log[-3000:]
+    assert "the engine failed to start" in log
+    assert "cannot read or write them" in log and "fused colocate" in log
+    assert not os.path.exists(f"/dev/shm/{s.pool_name}")
