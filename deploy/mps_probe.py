@@ -42,14 +42,24 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # "sync": a device synchronize after every module (what the diagnosis's hooks add, without their checks);
 # "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt; "wsdet": cuBLAS with a fixed small
 # workspace (its deterministic configuration, other algorithms); "normalprio": MPS client priority normal.
+# Measured on an H100 (85 %): NaN in every run but "sync" and "noaddmmlt"; so, to tell cuBLAS(Lt)'s algorithms
+# apart without the syncs that hide the fault (deploy/module_check.py):
+# "check": every Linear / Conv2d output compared with fp32 from its own input after each step (hooks that queue
+# device copies only, no host sync; eager): the first module that computed a wrong value, at which step, and whether
+# running it again on an idle GPU, or as mm + bias, reproduces it; "ltnows": cuBLASLt with a 1 KiB workspace (no
+# split-K / stream-K algorithm fits: their partial sums live there); "nows": the same for cuBLAS too;
+# "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones.
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
+CHECK = "MPS_PROBE_CHECK"
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
             "sync": {SYNC: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "noaddmmlt": {"DISABLE_ADDMM_CUDA_LT": "1"},
-            "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"}}
-
+            "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"},
+            "check": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
+            "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
+            "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"}}
 
 def poison_unwritten_memory(device) -> None:
     """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
@@ -92,12 +102,18 @@ def child(args) -> dict:
     if os.environ.get(SYNC) == "1" and device.type == "cuda":
         for m in model.modules():
             m.register_forward_hook(lambda *_: torch.cuda.synchronize())
+    if args.wrong_gemm:         # the check's own test: one module returns finite but wrong values
+        model.get_submodule(args.wrong_gemm).register_forward_hook(lambda m, i, o: o * 3 + 1)
+    check = None
+    if os.environ.get(CHECK) == "1":
+        from deploy.module_check import ModuleCheck
+        check = ModuleCheck(model)
     pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source, cuda_graphs="auto")
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else None}
+           else None, "checked": check is not None}
     try:
         for name, (p_cond, p_uncond) in PROMPTS.items():
             handles = {}
@@ -119,13 +135,19 @@ def child(args) -> dict:
                 out[name] = {"finite": False, "step": None, "first_nonfinite": f"refused at admission: {e.message}"}
                 continue
             engine.add(job)
-            out[name] = {"finite": True}
+            out[name] = res = {"finite": True, "x_absmax": []}
             for step in range(args.steps):
                 x_before = job.x.clone()
+                if check is not None:
+                    check.reset()
                 engine.step()
+                res["x_absmax"].append(float(job.x.abs().max()))      # NaN shows as nan
+                if check is not None and "wrong" not in res:
+                    bad = check.first_offender()
+                    if bad is not None:
+                        res["wrong"] = {"step": step, **bad}
                 if not bool(torch.isfinite(job.x).all()):
-                    out[name] = {"finite": False, "step": step, "first_nonfinite": _first_nonfinite(engine, job,
-                                                                                                      x_before)}
+                    res.update(finite=False, step=step, first_nonfinite=_first_nonfinite(engine, job, x_before))
                     break
                 if job.flow.done:
                     break
@@ -178,12 +200,31 @@ def _first_nonfinite(engine, job, x_before) -> str:
 def run_setting(label: str, env: dict, args) -> dict:
     cmd = [sys.executable, "-m", "deploy.mps_probe", "--child", "--size", str(args.size), "--steps", str(args.steps),
            "--variant", args.variant] + (["--cpu"] if args.cpu else []) + (["--nan-prefix"] if args.nan_prefix else []) \
-        + (["--huge-prefix"] if args.huge_prefix else [])
+        + (["--huge-prefix"] if args.huge_prefix else []) + (["--wrong-gemm", args.wrong_gemm] if args.wrong_gemm else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout)[-600:]}"}
     return json.loads(lines[-1])
+
+
+def table_row(label: str, r: dict) -> str:
+    """One setting's row: per prompt finite or where NaN appeared, the first wrong module ("check"), |x| per step."""
+    if "error" in r:
+        return f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |"
+    cells = []
+    for k in PROMPTS:
+        c = r[k]
+        text = "finite" if c["finite"] else c["first_nonfinite"] if c["step"] is None \
+            else f"NaN at step {c['step']}: {c['first_nonfinite']}"
+        if "wrong" in c:
+            text += f"; first wrong value at step {c['wrong']['step']}: {c['wrong']['detail']}"
+        elif r.get("checked"):
+            text += "; every checked output agreed with fp32"
+        if c.get("x_absmax"):
+            text += "; max abs x by step " + " ".join(f"{v:.3g}" for v in c["x_absmax"])
+        cells.append(text)
+    return f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |"
 
 
 def main(argv=None) -> int:
@@ -196,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the admission check)")
     p.add_argument("--huge-prefix", action="store_true", help="write 3e38 into the prefix KV (finite; checks the hooks)")
+    p.add_argument("--wrong-gemm", default=None, metavar="MODULE",
+                   help="make this module of the gen branch return finite but wrong values (checks the 'check' run)")
     p.add_argument("--runs", default="default",
                    help=f"per setting, the runs to make: {', '.join(VARIANTS)} (e.g. default,nobucket,triton,eager: "
                         "which suspect, swapped out, makes the NaN go)")
@@ -215,10 +258,17 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
+    header = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
+    print("\n".join(header), flush=True)
+
     def run_variants(label: str, base_env: dict, runs: list[str]) -> None:
-        for v in runs:
+        for v in runs:           # each row as it comes: a run cut short by a time limit still says what it saw
             name = label if v == "default" else f"{label}, {v}"
             results[name] = run_setting(name, {**base_env, **VARIANTS[v]}, args)
+            print(table_row(name, results[name]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
 
     results: dict = {}
     run_variants("no MPS", env, baseline)
@@ -231,15 +281,7 @@ def main(argv=None) -> int:
                 run_variants(f"MPS {pct} %", daemon.client_env(env, capped=True), variants)
             finally:
                 daemon.stop(print)
-    rows = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
-    for label, r in results.items():
-        if "error" in r:
-            rows.append(f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |")
-            continue
-        cells = ["finite" if r[k]["finite"] else r[k]["first_nonfinite"] if r[k]["step"] is None
-                 else f"NaN at step {r[k]['step']}: {r[k]['first_nonfinite']}" for k in PROMPTS]
-        rows.append(f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |")
-    print("\n".join(rows))
+    print("\n" + "\n".join(header + [table_row(label, r) for label, r in results.items()]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
