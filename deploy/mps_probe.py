@@ -16,7 +16,11 @@ the step and module where NaN appeared.
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
     python -m deploy.mps_probe --sm-percents 85 --runs default,nobucket,triton,eager  # which suspect it is
     python -m deploy.mps_probe --sm-percents '' --runs poison  # no MPS, but unwritten memory reads NaN
-    python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix]  # the tiny model on the CPU, no MPS (CI: the probe
+    python -m deploy.mps_probe --sm-percents 85 --baseline-runs check --runs check,ltnows,check1024  # which GEMM
+                                   # computes a wrong value first (no host syncs), and whether cuBLASLt's workspace
+                                   # algorithms (split-K / stream-K) are it (~3-4 min on an H100)
+    python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix|--runs check --wrong-gemm MODULE]  # the tiny model
+                                                             # on the CPU, no MPS (CI: the probe
                                                              # runs; a NaN prefix is refused at admission, an
                                                              # overflowing one is named where it first shows)
 
@@ -48,10 +52,12 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # device copies only, no host sync; eager): the first module that computed a wrong value, at which step, and whether
 # running it again on an idle GPU, or as mm + bias, reproduces it; "ltnows": cuBLASLt with a 1 KiB workspace (no
 # split-K / stream-K algorithm fits: their partial sums live there); "nows": the same for cuBLAS too;
-# "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones.
+# "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones; "check1024": "check" at
+# 1024² (the stack's size: 16x the rows, other GEMM algorithms; a stack with DISABLE_ADDMM_CUDA_LT=1 still made NaN).
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
 CHECK = "MPS_PROBE_CHECK"
+SIZE = "MPS_PROBE_SIZE"         # a run's image size instead of --size
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
@@ -59,7 +65,8 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"},
             "check": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
             "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
-            "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"}}
+            "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
+            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024"}}
 
 def poison_unwritten_memory(device) -> None:
     """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
@@ -127,8 +134,9 @@ def child(args) -> dict:
                     kv[:, :, n // 2] = 3e38
                 write_kv(pool, h, kv.to(layout.torch_dtype))
                 handles[branch] = h.to_dict()
-            spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=args.size,
-                                   height=args.size, n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
+            size = int(os.environ.get(SIZE) or args.size)
+            spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=size, height=size,
+                                   n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
             try:
                 job, _ = engine.admit(spec)
             except APIError as e:           # nonfinite_prefix: the prefix came in NaN (engine.check_prefix_finite)
