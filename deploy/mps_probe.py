@@ -53,11 +53,13 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # running it again on an idle GPU, or as mm + bias, reproduces it; "ltnows": cuBLASLt with a 1 KiB workspace (no
 # split-K / stream-K algorithm fits: their partial sums live there); "nows": the same for cuBLAS too;
 # "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones; "check1024": "check" at
-# 1024² (the stack's size: 16x the rows, other GEMM algorithms; a stack with DISABLE_ADDMM_CUDA_LT=1 still made NaN).
+# 1024² with 2 jobs of each prompt batched (the stack's shapes: 32x the rows, other GEMM algorithms; a stack with
+# DISABLE_ADDMM_CUDA_LT=1 still made NaN).
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
 CHECK = "MPS_PROBE_CHECK"
 SIZE = "MPS_PROBE_SIZE"         # a run's image size instead of --size
+JOBS = "MPS_PROBE_JOBS"         # jobs of each prompt batched in every step (default 1)
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
@@ -66,7 +68,7 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "check": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
             "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
             "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
-            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024"}}
+            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024", JOBS: "2"}}
 
 def poison_unwritten_memory(device) -> None:
     """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
@@ -115,57 +117,74 @@ def child(args) -> dict:
     if os.environ.get(CHECK) == "1":
         from deploy.module_check import ModuleCheck
         check = ModuleCheck(model)
-    pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
+    n_jobs = int(os.environ.get(JOBS) or 1)
+    pool = make_pool(model, 2 * n_jobs * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source, cuda_graphs="auto")
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else None, "checked": check is not None}
+           else None, "checked": check is not None, "jobs": n_jobs}
+    size = int(os.environ.get(SIZE) or args.size)
+
+    def publish(branch: str, n: int, seed: int):
+        """A handle of n random prefix tokens of `branch` in the pool."""
+        h = pool.allocate(n, 600, branch=branch, t_offset=n)
+        kv = torch.randn(layout.kv_shape(n), generator=torch.Generator().manual_seed(seed))
+        if args.nan_prefix:          # the probe's own checks: a NaN prefix is refused at admission,
+            kv[:, :, n // 2] = float("nan")
+        if args.huge_prefix:         # a finite one that overflows is found in the layers and named
+            kv[:, :, n // 2] = 3e38
+        write_kv(pool, h, kv.to(layout.torch_dtype))
+        return h
+
     try:
         for name, (p_cond, p_uncond) in PROMPTS.items():
-            handles = {}
-            for branch, n in (("cond", p_cond), ("uncond", p_uncond)):
-                h = pool.allocate(n, 600, branch=branch, t_offset=n)
-                g = torch.Generator().manual_seed(n)
-                kv = torch.randn(layout.kv_shape(n), generator=g)
-                if args.nan_prefix:          # the probe's own checks: a NaN prefix is refused at admission,
-                    kv[:, :, n // 2] = float("nan")
-                if args.huge_prefix:         # a finite one that overflows is found in the layers and named
-                    kv[:, :, n // 2] = 3e38
-                write_kv(pool, h, kv.to(layout.torch_dtype))
-                handles[branch] = h.to_dict()
-            size = int(os.environ.get(SIZE) or args.size)
-            spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=size, height=size,
-                                   n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
-            try:
-                job, _ = engine.admit(spec)
+            jobs = []
+            try:                # n_jobs of this prompt (other seeds), batched in every step as the stack batches
+                for j in range(n_jobs):
+                    handles = {}
+                    for branch, n in (("cond", p_cond), ("uncond", p_uncond)):
+                        handles[branch] = publish(branch, n, n + j).to_dict()
+                    spec = GenerateRequest(request_id=f"probe-{p_cond}-{j}", handles=handles, mode="t2i", width=size,
+                                           height=size, n=1, num_inference_steps=args.steps, guidance_scale=4.0,
+                                           seed=j)
+                    job, _ = engine.admit(spec)
+                    engine.add(job)
+                    jobs.append(job)
             except APIError as e:           # nonfinite_prefix: the prefix came in NaN (engine.check_prefix_finite)
                 out[name] = {"finite": False, "step": None, "first_nonfinite": f"refused at admission: {e.message}"}
+                _drop(engine, jobs)
                 continue
-            engine.add(job)
             out[name] = res = {"finite": True, "x_absmax": []}
             for step in range(args.steps):
-                x_before = job.x.clone()
+                x_before = {id(j): j.x.clone() for j in jobs}
                 if check is not None:
                     check.reset()
                 engine.step()
-                res["x_absmax"].append(float(job.x.abs().max()))      # NaN shows as nan
+                res["x_absmax"].append(max(float(j.x.abs().max()) for j in jobs))      # NaN shows as nan
                 if check is not None and "wrong" not in res:
                     bad = check.first_offender()
                     if bad is not None:
                         res["wrong"] = {"step": step, **bad}
-                if not bool(torch.isfinite(job.x).all()):
-                    res.update(finite=False, step=step, first_nonfinite=_first_nonfinite(engine, job, x_before))
+                broken = next((j for j in jobs if not bool(torch.isfinite(j.x).all())), None)
+                if broken is not None:
+                    res.update(finite=False, step=step,
+                               first_nonfinite=_first_nonfinite(engine, broken, x_before[id(broken)]))
                     break
-                if job.flow.done:
+                if jobs[0].flow.done:
                     break
-            if job in engine.running:
-                engine.abort(job.request_id)
-            job.free()
+            _drop(engine, jobs)
     finally:
         source.close()
         pool.close()
     return out
+
+
+def _drop(engine, jobs) -> None:
+    for job in jobs:
+        if job in engine.running:
+            engine.abort(job.request_id)
+        job.free()
 
 
 def _first_nonfinite(engine, job, x_before) -> str:
