@@ -54,7 +54,7 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # split-K / stream-K algorithm fits: their partial sums live there); "nows": the same for cuBLAS too;
 # "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones; "check1024": "check" at
 # 1024² with 2 jobs of each prompt batched (the stack's shapes: 32x the rows, other GEMM algorithms; a stack with
-# DISABLE_ADDMM_CUDA_LT=1 still made NaN).
+# DISABLE_ADDMM_CUDA_LT=1 still made NaN); "ref": none of our Triton kernels (torch reference ops instead).
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
 CHECK = "MPS_PROBE_CHECK"
@@ -68,7 +68,8 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "check": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
             "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
             "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
-            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024", JOBS: "2"}}
+            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024", JOBS: "2"},
+            "ref": {"U1SERVE_KERNELS": "ref"}}
 
 def poison_unwritten_memory(device) -> None:
     """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
