@@ -8,8 +8,9 @@ device flag of whether its output was finite. After a step (where the probe sync
 `first_offender()` recomputes each Linear / Conv2d in fp32 from its stored input, in the order the hooks fired
 (inner modules before the modules that contain them), and names the first whose output is non-finite or off by
 more than `tol` of its largest value while its input was finite: a kernel that returned wrong numbers from right
-inputs. For that module it runs the op again now, as the model runs it (does it reproduce on an idle GPU?), and
-a Linear also as mm then + bias (addmm with a bias takes cuBLASLt's bias epilogue; mm another cuBLAS path).
+inputs. For that module it runs the op again now, as the model runs it (does it reproduce on an idle GPU?), then
+RERUNS times back to back (always wrong: the algorithm picked for that shape; sometimes: a race inside it), and a
+Linear also as mm then + bias (addmm with a bias takes cuBLASLt's bias epilogue; mm another cuBLAS path).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 TOL = 0.05          # of the fp32 output's largest value: bf16 rounding of a 12k-long dot product is ~1e-2
+RERUNS = 20         # the offending module's op again, back to back: always wrong (the shape's algorithm) or sometimes
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,10 +106,12 @@ class ModuleCheck:
         ref = _fp32(module, x)
         bad = int((~torch.isfinite(out)).sum())
         again = module.forward(x)            # as the model runs it, without the hooks
+        reruns = [module.forward(x) for _ in range(RERUNS)]      # back to back, no sync between: a minimal repro
+        wrong = sum(rel_err(y, ref) > self.tol or not finite(y) for y in reruns)
         text = (f"{name} ({type(module).__name__} {tuple(module.weight.shape)}, input {tuple(x.shape)} "
                 f"{str(x.dtype).replace('torch.', '')}, bias {'yes' if module.bias is not None else 'no'}): "
                 f"off by {err:.3g} of its largest value vs fp32 ({bad} non-finite); run again now: "
-                f"{rel_err(again, ref):.3g}")
+                f"{rel_err(again, ref):.3g}; {wrong} of {RERUNS} reruns back to back wrong")
         if isinstance(module, nn.Linear):
             text += f"; as mm + bias: {rel_err(_as_mm(module, x), ref):.3g}"
         return text

@@ -124,7 +124,8 @@ def child(args) -> dict:
     source = PrefixSource(pool.name, model.fingerprint, device)
     engine = Engine(model, source, cuda_graphs="auto")
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else None, "checked": check is not None, "jobs": n_jobs}
+           else None, "checked": check is not None, "jobs": n_jobs, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     size = int(os.environ.get(SIZE) or args.size)
 
     def publish(branch: str, n: int, seed: int):
