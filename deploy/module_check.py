@@ -4,7 +4,8 @@ The probe's first diagnosis (forward hooks that read each output on the host) sy
 and under MPS that made the NaN go away; it also only looked for NaN, while a GEMM that returns wrong but finite
 numbers at step 0 shows as NaN only steps later, once the state has grown past bf16's range. So here the hooks
 only queue device work: every Linear / Conv2d keeps a copy of its last input and output, every other module a
-device flag of whether its output was finite. After a step (where the probe synchronises anyway)
+device flag of whether its output was finite (all of it captured into the step's CUDA graphs, where the step
+replays them, so graphed steps are checked as they are served). After a step (where the probe synchronises anyway)
 `first_offender()` recomputes each Linear / Conv2d in fp32 from its stored input, in the order the hooks fired
 (inner modules before the modules that contain them), and names the first whose output is non-finite or off by
 more than `tol` of its largest value while its input was finite: a kernel that returned wrong numbers from right
@@ -50,8 +51,10 @@ def _as_mm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class ModuleCheck:
-    """Forward hooks on every named module of `model` (module doc). `reset()` before a step, `first_offender()`
-    after it; `close()` removes the hooks."""
+    """Forward hooks on every named module of `model` (module doc); `first_offender()` after a step, `close()`
+    removes the hooks. Under the engine's CUDA graphs the hooks run while a segment is captured: the copies and
+    flags they make are captured with it, so each replay refreshes them (the hooks themselves do not run again),
+    and a check after a replayed step sees that replay's values."""
 
     def __init__(self, model: nn.Module, tol: float = TOL):
         self.tol = tol
@@ -76,10 +79,7 @@ class ModuleCheck:
                 self.flags[name] = torch.isfinite(output).all()
         return hook
 
-    def reset(self) -> None:
-        self.saved.clear()
-        self.flags.clear()
-
+    @torch.inference_mode()          # as the engine's step runs (the model's Linear picks its kernel by grad mode)
     def first_offender(self) -> dict | None:
         """The first module (hook order) whose output is wrong from a finite input, described; None: all agree."""
         wrong = []

@@ -16,9 +16,10 @@ the step and module where NaN appeared.
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
     python -m deploy.mps_probe --sm-percents 85 --runs default,nobucket,triton,eager  # which suspect it is
     python -m deploy.mps_probe --sm-percents '' --runs poison  # no MPS, but unwritten memory reads NaN
-    python -m deploy.mps_probe --sm-percents 85 --baseline-runs check --runs check,ltnows,check1024  # which GEMM
-                                   # computes a wrong value first (no host syncs), and whether cuBLASLt's workspace
-                                   # algorithms (split-K / stream-K) are it (~3-4 min on an H100)
+    python -m deploy.mps_probe --sm-percents 85 --baseline-runs '' --runs check,checkeager,check1024,ltnows
+                                   # which GEMM computes a wrong value first (no host syncs), graphed or eager, at
+                                   # the stack's shapes, and whether cuBLASLt's workspace algorithms (split-K /
+                                   # stream-K) are it (~3-4 min on an H100)
     python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix|--runs check --wrong-gemm MODULE]  # the tiny model
                                                              # on the CPU, no MPS (CI: the probe
                                                              # runs; a NaN prefix is refused at admission, an
@@ -46,15 +47,19 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # "sync": a device synchronize after every module (what the diagnosis's hooks add, without their checks);
 # "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt; "wsdet": cuBLAS with a fixed small
 # workspace (its deterministic configuration, other algorithms); "normalprio": MPS client priority normal.
-# Measured on an H100 (85 %): NaN in every run but "sync" and "noaddmmlt"; so, to tell cuBLAS(Lt)'s algorithms
-# apart without the syncs that hide the fault (deploy/module_check.py):
+# Measured on an H100 (85 %): NaN in every run but "sync" and "noaddmmlt". Until 2026-12-06 the engine here ignored
+# U1SERVE_CUDA_GRAPHS (it took "auto" as is), so "eager" and "blocking" replayed CUDA graphs like "default", and
+# "sync" ran eagerly only because its synchronize broke the capture: the one eager run was the finite one. Now:
 # "check": every Linear / Conv2d output compared with fp32 from its own input after each step (hooks that queue
-# device copies only, no host sync; eager): the first module that computed a wrong value, at which step, and whether
-# running it again on an idle GPU, or as mm + bias, reproduces it; "ltnows": cuBLASLt with a 1 KiB workspace (no
-# split-K / stream-K algorithm fits: their partial sums live there); "nows": the same for cuBLAS too;
-# "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS), not only the biased ones; "check1024": "check" at
-# 1024² with 2 jobs of each prompt batched (the stack's shapes: 32x the rows, other GEMM algorithms; a stack with
-# DISABLE_ADDMM_CUDA_LT=1 still made NaN); "ref": none of our Triton kernels (torch reference ops instead).
+# device copies only, no host sync; captured into the graphs, so replayed steps are checked as served;
+# deploy/module_check.py): the first module that computed a wrong value, at which step, and whether running it
+# again eagerly (once, then 20 times back to back), or as mm + bias, reproduces it; "checkeager": the same with
+# CUDA graphs off; "ltnows": cuBLASLt with a 1 KiB workspace (no split-K / stream-K algorithm fits: their partial
+# sums live there); "nows": the same for cuBLAS too; "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS),
+# not only the biased ones; "check1024": "check" at 1024² (the stack's shapes: 16x the rows, other GEMM algorithms;
+# a stack with DISABLE_ADDMM_CUDA_LT=1 still made NaN; the check's copies take ~13 GB there, twice while a step is
+# captured: MPS_PROBE_JOBS=2 in the environment batches two jobs per prompt, as the stack does, at twice that);
+# "ref": none of our Triton kernels (torch reference ops instead).
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
 CHECK = "MPS_PROBE_CHECK"
@@ -65,11 +70,13 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
             "sync": {SYNC: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "noaddmmlt": {"DISABLE_ADDMM_CUDA_LT": "1"},
             "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"},
-            "check": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
+            "check": {CHECK: "1"}, "checkeager": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"},
+            "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
             "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
             "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
-            "check1024": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0", SIZE: "1024", JOBS: "2"},
+            "check1024": {CHECK: "1", SIZE: "1024"},
             "ref": {"U1SERVE_KERNELS": "ref"}}
+
 
 def poison_unwritten_memory(device) -> None:
     """Make reads of memory no kernel wrote come back NaN. CUDA: fill torch's caching allocator with NaN-filled
@@ -101,6 +108,7 @@ def child(args) -> dict:
     from services.contract.image import GenerateRequest
     from services.generation.engine import Engine
     from services.generation.kv_source import PrefixSource
+    from services.generation.step_graph import resolve_mode
     from services.kit.errors import APIError
     from services.model.tiny import build_random_model, full_config, tiny_config
 
@@ -122,7 +130,9 @@ def child(args) -> dict:
     pool = make_pool(model, 2 * n_jobs * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
-    engine = Engine(model, source, cuda_graphs="auto")
+    # as the server resolves --cuda-graphs auto: U1SERVE_CUDA_GRAPHS=0|1 (the eager runs) overrides it. Until
+    # 2026-12-06 the probe passed "auto" straight to the engine, so its eager and blocking runs replayed graphs too.
+    engine = Engine(model, source, cuda_graphs=resolve_mode("auto"))
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
            else None, "checked": check is not None, "jobs": n_jobs, "torch": torch.__version__, "cuda": torch.version.cuda,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -160,8 +170,6 @@ def child(args) -> dict:
             out[name] = res = {"finite": True, "x_absmax": []}
             for step in range(args.steps):
                 x_before = {id(j): j.x.clone() for j in jobs}
-                if check is not None:
-                    check.reset()
                 engine.step()
                 res["x_absmax"].append(max(float(j.x.abs().max()) for j in jobs))      # NaN shows as nan
                 if check is not None and "wrong" not in res:
@@ -176,6 +184,8 @@ def child(args) -> dict:
                 if jobs[0].flow.done:
                     break
             _drop(engine, jobs)
+        g = engine.graphs
+        out["graphs"] = {"enabled": g.enabled, "captures": g.captures, "replays": g.replays, "failure": g.failure}
     finally:
         source.close()
         pool.close()
@@ -240,7 +250,7 @@ def run_setting(label: str, env: dict, args) -> dict:
 def table_row(label: str, r: dict) -> str:
     """One setting's row: per prompt finite or where NaN appeared, the first wrong module ("check"), |x| per step."""
     if "error" in r:
-        return f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |"
+        return f"| {label} | - | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |"
     cells = []
     for k in PROMPTS:
         c = r[k]
@@ -253,7 +263,10 @@ def table_row(label: str, r: dict) -> str:
         if c.get("x_absmax"):
             text += "; max abs x by step " + " ".join(f"{v:.3g}" for v in c["x_absmax"])
         cells.append(text)
-    return f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |"
+    g = r.get("graphs") or {}
+    graphs = (f"off ({g['failure'][:80]})" if g.get("failure") else "off" if not g.get("enabled")
+              else f"{g['captures']} captured, {g['replays']} steps replayed")
+    return f"| {label} | {r['sm_count'] or '-'} | {graphs} | " + " | ".join(cells) + " |"
 
 
 def main(argv=None) -> int:
@@ -287,7 +300,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
-    header = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
+    header = ["| setting | SMs seen | CUDA graphs | " + " | ".join(PROMPTS) + " |", "|---|---:|---|" + "---|" * len(PROMPTS)]
     print("\n".join(header), flush=True)
 
     def run_variants(label: str, base_env: dict, runs: list[str]) -> None:
