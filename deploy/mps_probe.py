@@ -16,7 +16,12 @@ the step and module where NaN appeared.
     python -m deploy.mps_probe --sm-percents 85 --size 1024  # one setting
     python -m deploy.mps_probe --sm-percents 85 --runs default,nobucket,triton,eager  # which suspect it is
     python -m deploy.mps_probe --sm-percents '' --runs poison  # no MPS, but unwritten memory reads NaN
-    python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix]  # the tiny model on the CPU, no MPS (CI: the probe
+    python -m deploy.mps_probe --sm-percents 85 --baseline-runs '' --runs check,checkeager,check1024,ltnows
+                                   # which GEMM computes a wrong value first (no host syncs), graphed or eager, at
+                                   # the stack's shapes, and whether cuBLASLt's workspace algorithms (split-K /
+                                   # stream-K) are it (~3-4 min on an H100)
+    python -m deploy.mps_probe --cpu [--nan-prefix|--huge-prefix|--runs check --wrong-gemm MODULE]  # the tiny model
+                                                             # on the CPU, no MPS (CI: the probe
                                                              # runs; a NaN prefix is refused at admission, an
                                                              # overflowing one is named where it first shows)
 
@@ -42,13 +47,37 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # "sync": a device synchronize after every module (what the diagnosis's hooks add, without their checks);
 # "noaddmmlt": addmm (the biased linears) on cuBLAS instead of cuBLASLt; "wsdet": cuBLAS with a fixed small
 # workspace (its deterministic configuration, other algorithms); "normalprio": MPS client priority normal.
+# Measured on an H100 (85 %): NaN in every run but "sync" and "noaddmmlt". Until 2026-12-06 the engine here ignored
+# U1SERVE_CUDA_GRAPHS (it took "auto" as is), so "eager" and "blocking" replayed CUDA graphs like "default", and
+# "sync" ran eagerly only because its synchronize broke the capture: the one eager run was the finite one. Now:
+# "check": every Linear / Conv2d output compared with fp32 from its own input after each step (hooks that queue
+# device copies only, no host sync; captured into the graphs, so replayed steps are checked as served;
+# deploy/module_check.py): the first module that computed a wrong value, at which step, and whether running it
+# again eagerly (once, then 20 times back to back), or as mm + bias, reproduces it; "checkeager": the same with
+# CUDA graphs off; "ltnows": cuBLASLt with a 1 KiB workspace (no split-K / stream-K algorithm fits: their partial
+# sums live there); "nows": the same for cuBLAS too; "preferlt": every GEMM on cuBLASLt (torch's preferred BLAS),
+# not only the biased ones; "check1024": "check" at 1024² (the stack's shapes: 16x the rows, other GEMM algorithms;
+# a stack with DISABLE_ADDMM_CUDA_LT=1 still made NaN; the check's copies take ~13 GB there, twice while a step is
+# captured: MPS_PROBE_JOBS=2 in the environment batches two jobs per prompt, as the stack does, at twice that);
+# "ref": none of our Triton kernels (torch reference ops instead); "ltlog": "default" with cuBLASLt's API trace
+# (every matmul's layouts, epilogue and algorithm) in cublaslt-<pid>.log at the repository root (copy it out).
 POISON = "MPS_PROBE_POISON"
 SYNC = "MPS_PROBE_SYNC"
+CHECK = "MPS_PROBE_CHECK"
+SIZE = "MPS_PROBE_SIZE"         # a run's image size instead of --size
+JOBS = "MPS_PROBE_JOBS"         # jobs of each prompt batched in every step (default 1)
 VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"},
             "triton": {"U1SERVE_DENOISE_BACKEND": "triton"}, "eager": {"U1SERVE_CUDA_GRAPHS": "0"},
             "poison": {POISON: "1"}, "blocking": {"CUDA_LAUNCH_BLOCKING": "1", "U1SERVE_CUDA_GRAPHS": "0"},
             "sync": {SYNC: "1", "U1SERVE_CUDA_GRAPHS": "0"}, "noaddmmlt": {"DISABLE_ADDMM_CUDA_LT": "1"},
-            "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"}}
+            "wsdet": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "normalprio": {"CUDA_MPS_CLIENT_PRIORITY": "0"},
+            "check": {CHECK: "1"}, "checkeager": {CHECK: "1", "U1SERVE_CUDA_GRAPHS": "0"},
+            "ltnows": {"CUBLASLT_WORKSPACE_SIZE": "1"},
+            "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
+            "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
+            "check1024": {CHECK: "1", SIZE: "1024"},
+            "ref": {"U1SERVE_KERNELS": "ref"},
+            "ltlog": {"CUBLASLT_LOG_LEVEL": "5", "CUBLASLT_LOG_FILE": "cublaslt-%i.log"}}
 
 
 def poison_unwritten_memory(device) -> None:
@@ -81,6 +110,7 @@ def child(args) -> dict:
     from services.contract.image import GenerateRequest
     from services.generation.engine import Engine
     from services.generation.kv_source import PrefixSource
+    from services.generation.step_graph import resolve_mode
     from services.kit.errors import APIError
     from services.model.tiny import build_random_model, full_config, tiny_config
 
@@ -92,50 +122,83 @@ def child(args) -> dict:
     if os.environ.get(SYNC) == "1" and device.type == "cuda":
         for m in model.modules():
             m.register_forward_hook(lambda *_: torch.cuda.synchronize())
-    pool = make_pool(model, 2 * sum(sum(p) for p in PROMPTS.values()), dtype)
+    if args.wrong_gemm:         # the check's own test: one module returns finite but wrong values
+        model.get_submodule(args.wrong_gemm).register_forward_hook(lambda m, i, o: o * 3 + 1)
+    check = None
+    if os.environ.get(CHECK) == "1":
+        from deploy.module_check import ModuleCheck
+        check = ModuleCheck(model)
+    n_jobs = int(os.environ.get(JOBS) or 1)
+    pool = make_pool(model, 2 * n_jobs * sum(sum(p) for p in PROMPTS.values()), dtype)
     layout = pool.layout
     source = PrefixSource(pool.name, model.fingerprint, device)
-    engine = Engine(model, source, cuda_graphs="auto")
+    # as the server resolves --cuda-graphs auto: U1SERVE_CUDA_GRAPHS=0|1 (the eager runs) overrides it. Until
+    # 2026-12-06 the probe passed "auto" straight to the engine, so its eager and blocking runs replayed graphs too.
+    engine = Engine(model, source, cuda_graphs=resolve_mode("auto"))
     out = {"sm_count": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else None}
+           else None, "checked": check is not None, "jobs": n_jobs, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    size = int(os.environ.get(SIZE) or args.size)
+
+    def publish(branch: str, n: int, seed: int):
+        """A handle of n random prefix tokens of `branch` in the pool."""
+        h = pool.allocate(n, 600, branch=branch, t_offset=n)
+        kv = torch.randn(layout.kv_shape(n), generator=torch.Generator().manual_seed(seed))
+        if args.nan_prefix:          # the probe's own checks: a NaN prefix is refused at admission,
+            kv[:, :, n // 2] = float("nan")
+        if args.huge_prefix:         # a finite one that overflows is found in the layers and named
+            kv[:, :, n // 2] = 3e38
+        write_kv(pool, h, kv.to(layout.torch_dtype))
+        return h
+
     try:
         for name, (p_cond, p_uncond) in PROMPTS.items():
-            handles = {}
-            for branch, n in (("cond", p_cond), ("uncond", p_uncond)):
-                h = pool.allocate(n, 600, branch=branch, t_offset=n)
-                g = torch.Generator().manual_seed(n)
-                kv = torch.randn(layout.kv_shape(n), generator=g)
-                if args.nan_prefix:          # the probe's own checks: a NaN prefix is refused at admission,
-                    kv[:, :, n // 2] = float("nan")
-                if args.huge_prefix:         # a finite one that overflows is found in the layers and named
-                    kv[:, :, n // 2] = 3e38
-                write_kv(pool, h, kv.to(layout.torch_dtype))
-                handles[branch] = h.to_dict()
-            spec = GenerateRequest(request_id=f"probe-{p_cond}", handles=handles, mode="t2i", width=args.size,
-                                   height=args.size, n=1, num_inference_steps=args.steps, guidance_scale=4.0, seed=0)
-            try:
-                job, _ = engine.admit(spec)
+            jobs = []
+            try:                # n_jobs of this prompt (other seeds), batched in every step as the stack batches
+                for j in range(n_jobs):
+                    handles = {}
+                    for branch, n in (("cond", p_cond), ("uncond", p_uncond)):
+                        handles[branch] = publish(branch, n, n + j).to_dict()
+                    spec = GenerateRequest(request_id=f"probe-{p_cond}-{j}", handles=handles, mode="t2i", width=size,
+                                           height=size, n=1, num_inference_steps=args.steps, guidance_scale=4.0,
+                                           seed=j)
+                    job, _ = engine.admit(spec)
+                    engine.add(job)
+                    jobs.append(job)
             except APIError as e:           # nonfinite_prefix: the prefix came in NaN (engine.check_prefix_finite)
                 out[name] = {"finite": False, "step": None, "first_nonfinite": f"refused at admission: {e.message}"}
+                _drop(engine, jobs)
                 continue
-            engine.add(job)
-            out[name] = {"finite": True}
+            out[name] = res = {"finite": True, "x_absmax": []}
             for step in range(args.steps):
-                x_before = job.x.clone()
+                x_before = {id(j): j.x.clone() for j in jobs}
                 engine.step()
-                if not bool(torch.isfinite(job.x).all()):
-                    out[name] = {"finite": False, "step": step, "first_nonfinite": _first_nonfinite(engine, job,
-                                                                                                      x_before)}
+                res["x_absmax"].append(max(float(j.x.abs().max()) for j in jobs))      # NaN shows as nan
+                if check is not None and "wrong" not in res:
+                    bad = check.first_offender()
+                    if bad is not None:
+                        res["wrong"] = {"step": step, **bad}
+                broken = next((j for j in jobs if not bool(torch.isfinite(j.x).all())), None)
+                if broken is not None:
+                    res.update(finite=False, step=step,
+                               first_nonfinite=_first_nonfinite(engine, broken, x_before[id(broken)]))
                     break
-                if job.flow.done:
+                if jobs[0].flow.done:
                     break
-            if job in engine.running:
-                engine.abort(job.request_id)
-            job.free()
+            _drop(engine, jobs)
+        g = engine.graphs
+        out["graphs"] = {"enabled": g.enabled, "captures": g.captures, "replays": g.replays, "failure": g.failure}
     finally:
         source.close()
         pool.close()
     return out
+
+
+def _drop(engine, jobs) -> None:
+    for job in jobs:
+        if job in engine.running:
+            engine.abort(job.request_id)
+        job.free()
 
 
 def _first_nonfinite(engine, job, x_before) -> str:
@@ -178,12 +241,34 @@ def _first_nonfinite(engine, job, x_before) -> str:
 def run_setting(label: str, env: dict, args) -> dict:
     cmd = [sys.executable, "-m", "deploy.mps_probe", "--child", "--size", str(args.size), "--steps", str(args.steps),
            "--variant", args.variant] + (["--cpu"] if args.cpu else []) + (["--nan-prefix"] if args.nan_prefix else []) \
-        + (["--huge-prefix"] if args.huge_prefix else [])
+        + (["--huge-prefix"] if args.huge_prefix else []) + (["--wrong-gemm", args.wrong_gemm] if args.wrong_gemm else [])
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout)[-600:]}"}
     return json.loads(lines[-1])
+
+
+def table_row(label: str, r: dict) -> str:
+    """One setting's row: per prompt finite or where NaN appeared, the first wrong module ("check"), |x| per step."""
+    if "error" in r:
+        return f"| {label} | - | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |"
+    cells = []
+    for k in PROMPTS:
+        c = r[k]
+        text = "finite" if c["finite"] else c["first_nonfinite"] if c["step"] is None \
+            else f"NaN at step {c['step']}: {c['first_nonfinite']}"
+        if "wrong" in c:
+            text += f"; first wrong value at step {c['wrong']['step']}: {c['wrong']['detail']}"
+        elif r.get("checked"):
+            text += "; every checked output agreed with fp32"
+        if c.get("x_absmax"):
+            text += "; max abs x by step " + " ".join(f"{v:.3g}" for v in c["x_absmax"])
+        cells.append(text)
+    g = r.get("graphs") or {}
+    graphs = (f"off ({g['failure'][:80]})" if g.get("failure") else "off" if not g.get("enabled")
+              else f"{g['captures']} captured, {g['replays']} steps replayed")
+    return f"| {label} | {r['sm_count'] or '-'} | {graphs} | " + " | ".join(cells) + " |"
 
 
 def main(argv=None) -> int:
@@ -196,6 +281,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--nan-prefix", action="store_true", help="write NaN into the prefix KV (checks the admission check)")
     p.add_argument("--huge-prefix", action="store_true", help="write 3e38 into the prefix KV (finite; checks the hooks)")
+    p.add_argument("--wrong-gemm", default=None, metavar="MODULE",
+                   help="make this module of the gen branch return finite but wrong values (checks the 'check' run)")
     p.add_argument("--runs", default="default",
                    help=f"per setting, the runs to make: {', '.join(VARIANTS)} (e.g. default,nobucket,triton,eager: "
                         "which suspect, swapped out, makes the NaN go)")
@@ -215,10 +302,17 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
+    header = ["| setting | SMs seen | CUDA graphs | " + " | ".join(PROMPTS) + " |", "|---|---:|---|" + "---|" * len(PROMPTS)]
+    print("\n".join(header), flush=True)
+
     def run_variants(label: str, base_env: dict, runs: list[str]) -> None:
-        for v in runs:
+        for v in runs:           # each row as it comes: a run cut short by a time limit still says what it saw
             name = label if v == "default" else f"{label}, {v}"
             results[name] = run_setting(name, {**base_env, **VARIANTS[v]}, args)
+            print(table_row(name, results[name]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
 
     results: dict = {}
     run_variants("no MPS", env, baseline)
@@ -231,15 +325,7 @@ def main(argv=None) -> int:
                 run_variants(f"MPS {pct} %", daemon.client_env(env, capped=True), variants)
             finally:
                 daemon.stop(print)
-    rows = ["| setting | SMs seen | " + " | ".join(PROMPTS) + " |", "|---|---:|" + "---|" * len(PROMPTS)]
-    for label, r in results.items():
-        if "error" in r:
-            rows.append(f"| {label} | - | " + " | ".join([r["error"][:200]] * len(PROMPTS)) + " |")
-            continue
-        cells = ["finite" if r[k]["finite"] else r[k]["first_nonfinite"] if r[k]["step"] is None
-                 else f"NaN at step {r[k]['step']}: {r[k]['first_nonfinite']}" for k in PROMPTS]
-        rows.append(f"| {label} | {r['sm_count'] or '-'} | " + " | ".join(cells) + " |")
-    print("\n".join(rows))
+    print("\n" + "\n".join(header + [table_row(label, r) for label, r in results.items()]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,8 +8,11 @@ the SMs and dispatched at below-normal priority (services/mps.py) decode blocks 
 
 - `--gpu-sharing auto` (the default) time-slices, for now: MPS (`--gpu-sharing mps`) gave the chat numbers above, but
   on an H200 (driver 580.159.04, torch 2.11, 2026-12-02) every text-to-image under it with generation at its
-  default 85 % of the SMs came out NaN (at 60 % they were finite; the cause is not found yet: not cuDNN attention
-  reading past its K/V, checked), so `auto` does not choose it until that is understood. A NaN image is answered
+  default 85 % of the SMs came out NaN (at 60 % they were finite). The cause is narrowed, not fixed: not cuDNN
+  attention, no ordering flaw or reused buffer in our stream code (audited: docs/benchmarks/load.md "The NaN under
+  MPS"), but the GEMM library under the capped SM count (in one process it went with addmm off cuBLASLt, and every
+  run that made NaN there replayed CUDA graphs); `auto` does not choose MPS until the probe's `check` run has named
+  the GEMM and its fix is in. A NaN image is answered
   500 `nonfinite_output` (services/generation/emitter.py) in any mode, never a black PNG.
 - the yield gate (services/generation/qos.py) on in colocate with one replica each, at `DEFAULT_YIELD_SHARE` of
   generation's time: a decode step that arrives while an image step runs gets the GPU at the next layer

@@ -65,22 +65,45 @@ def test_mps_probe_cpu_mode_runs_and_names_where_nan_appears(tmp_path):
     """deploy/mps_probe.py (the NaN-under-MPS probe the next GPU session runs) on the tiny model: a clean run is
     finite; a NaN prefix is refused at admission (nonfinite_prefix names the layer and token); a finite prefix that
     overflows is found at step 0 and named at the first layer. --runs repeats a setting with a suspect swapped out;
-    "poison" makes every float torch.empty start NaN: the generation path reads no memory it did not write."""
-    for flags, want in ((["--runs", "default,eager,poison"], "finite"), (["--nan-prefix"], "refused"),
+    "poison" makes every float torch.empty start NaN: the generation path reads no memory it did not write; "check"
+    compares every Linear / Conv2d output with fp32 from its own input and finds none off."""
+    for flags, want in ((["--runs", "default,eager,poison,check"], "finite"), (["--nan-prefix"], "refused"),
                         (["--huge-prefix"], "NaN")):
         out = tmp_path / f"probe{len(flags)}{want}.json"
         r = subprocess.run([sys.executable, "-m", "deploy.mps_probe", "--cpu", "--json", str(out), *flags], cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
         assert out.exists(), r.stdout[-2000:] + r.stderr[-2000:]
         results = json.loads(out.read_text())
-        assert list(results) == (["no MPS", "no MPS, eager", "no MPS, poison"] if want == "finite" else ["no MPS"])
-        for prompt, res in [kv for r in results.values() for kv in r.items()]:
-            if prompt == "sm_count":
-                continue
+        assert list(results) == (["no MPS", "no MPS, eager", "no MPS, poison", "no MPS, check"] if want == "finite"
+                                 else ["no MPS"])
+        for prompt, res in [(p, r[p]) for r in results.values() for p in ("short (t2i)", "long (edit)")]:
+            assert len(res.get("x_absmax", [])) == (0 if want == "refused" else 1 if want == "NaN" else 4), (prompt, res)
             if want == "finite":
-                assert res["finite"], (prompt, res)
+                assert res["finite"] and "wrong" not in res, (prompt, res)
             elif want == "refused":
                 assert not res["finite"] and res["step"] is None and "layer 0, K, token" in res["first_nonfinite"], \
                     (prompt, res)
             else:
                 assert not res["finite"] and res["step"] == 0 and "layers.0." in res["first_nonfinite"], (prompt, res)
+
+
+def test_mps_probe_check_names_a_gemm_that_returns_wrong_finite_values(tmp_path):
+    """The probe's "check" run (deploy/module_check.py) on the tiny model with one Linear made to return finite but
+    wrong values (--wrong-gemm): it names that module at step 0, and only it (the modules after it compute right
+    from their now different inputs), although the state stays finite: a wrong GEMM under MPS is found at the step
+    it happens, not steps later when the state overflows. Running it again without the fault agrees (error 0)."""
+    target = "fm_modules.timestep_embedder.mlp.2"        # a biased Linear: addmm, the cuBLASLt suspect on the GPU
+    out = tmp_path / "probe-check.json"
+    r = subprocess.run([sys.executable, "-m", "deploy.mps_probe", "--cpu", "--json", str(out), "--runs", "check",
+                        "--wrong-gemm", target], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                       text=True, timeout=300)
+    assert out.exists(), r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads(out.read_text())["no MPS, check"]
+    for prompt in ("short (t2i)", "long (edit)"):
+        res = results[prompt]
+        assert res["finite"], res
+        wrong = res["wrong"]
+        assert (wrong["step"], wrong["module"], wrong["kind"], wrong["wrong_modules"]) == (0, target, "wrong", 1), wrong
+        assert all(f in wrong["detail"] for f in ("run again now: 0;", "0 of 20 reruns back to back wrong",
+                                                    "as mm + bias: 0;")), wrong
+    assert f"first wrong value at step 0: {target}" in r.stdout

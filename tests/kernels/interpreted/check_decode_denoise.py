@@ -58,3 +58,20 @@ def test_denoise_half_forced_triton(rng, monkeypatch):
     ref = denoise_attention_ref(q, k, v, cq, ck)
     monkeypatch.setenv("U1SERVE_KERNELS", "triton")
     assert_close(denoise_attention(q, k, v, cq, ck), ref, torch.float16)
+
+
+@pytest.mark.parametrize("sms", [1, 7, 112, 132])
+def test_decode_default_splits_any_sm_count(rng, monkeypatch, sms):
+    """The one kernel whose launch reads the SM count (decode attention's split count, 2 programs per SM): under MPS
+    a process sees only its share of the SMs (112 of an H100's 132 at 85 %), so the split count it picks must give
+    the reference's result at any count, including one far below the work (1) and one above it (132). Each split
+    is an independent slice merged by its log-sum-exp: no persistent loop, no partial sum left to another program."""
+    import importlib
+    da = importlib.import_module("kernels.decode_attention")    # the package exports a function of that name
+    monkeypatch.setattr(da, "num_sms", lambda device: sms)
+    q, kp, vp, r2t, lens = _decode_inputs([1, 37, 70, 5], 8, 2, 16, torch.float32)
+    splits = da.default_num_splits(4, 2, r2t.shape[1], q.device, 16)
+    assert splits == max(1, min(-(-2 * sms // 8), -(-r2t.shape[1] // 16), 64))
+    ref = decode_attention_ref(q, kp, vp, r2t, lens, 0.25)
+    out = decode_attention_triton(q, kp, vp, r2t, lens, 0.25, out=poisoned(q))
+    assert_close(out, ref)
