@@ -34,6 +34,7 @@ from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
+_CRASH_MARKER = knobs.FAULT_UND_STEP_CRASH.get()     # tests only (a fault)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -230,6 +231,8 @@ class Engine:
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
+        if _CRASH_MARKER and any(_CRASH_MARKER in r.rid for r, _, _ in entries):
+            raise RuntimeError(f"CUDA error: injected by {knobs.FAULT_UND_STEP_CRASH.name}")   # a fatal device error
         plan.lora_slots = plan_slots(entries)
         # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
         decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows
