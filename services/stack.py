@@ -269,7 +269,7 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
     They reach the services through the environment only: argv is readable by every local user in /proc.
     An --api-key-file (one key per line) goes to the gateway as a path, checked here."""
     from services.kit.config import read_secret, read_secrets
-    for extra in (args.und_args, args.gen_args, args.gateway_args):
+    for extra in (args.und_args, args.gen_args, args.gateway_args, getattr(args, "fused_args", "")):
         if any(flag in (extra or "") for flag in _SECRET_FLAGS):
             raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
                              "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
@@ -457,7 +457,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         specs = under_mps(specs, mps)
     if engines["engines"] == "fused":
         from .fused.launch import fuse
-        specs = fuse(specs, placement)
+        specs = fuse(specs, placement, shlex.split(args.fused_args or ""))
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
     stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
                   stack_id=stack_id, private_dirs=["u1und-"],
@@ -587,6 +587,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    p.add_argument("--fused-args", default="", help="extra flags for the fused process (--colocate-engines fused: "
+                   "python -m services.fused.server --help)")
     p.add_argument("--run-dir", default=None, help="logs and stack.json (default ~/.cache/u1serve/run-PORT)")
     p.add_argument("--state-file", default=None, help="where to write pids/ports as JSON")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")

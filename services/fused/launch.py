@@ -33,10 +33,10 @@ def refusal(args) -> str | None:
     return None
 
 
-def fuse(specs: list, placement) -> list:
+def fuse(specs: list, placement, extra: list[str] = ()) -> list:
     """The stack's specs with its `und` and `gen` replaced by the one fused service (at und's place in the start
     order). Each side's argv is its server's, minus `python -m services.X.server`, plus UND_FLAGS / GEN_FLAGS; the
-    memory shares move from the environment (one process) to flags of the fused server."""
+    memory shares move from the environment (one process) to flags of the fused server; `extra`: --fused-args."""
     import dataclasses
     und = next(s for s in specs if s.name == "und")
     gen = next(s for s in specs if s.name == "gen")
@@ -45,7 +45,7 @@ def fuse(specs: list, placement) -> list:
     if placement.und_fraction is not None:
         argv += ["--und-memory-fraction", f"{placement.und_fraction:.3f}",
                  "--gen-memory-fraction", f"{placement.gen_fraction:.3f}"]
-    argv += [UND_MARK, *und.argv[3:], *UND_FLAGS, GEN_MARK, *gen.argv[3:], *GEN_FLAGS]
+    argv += [*extra, UND_MARK, *und.argv[3:], *UND_FLAGS, GEN_MARK, *gen.argv[3:], *GEN_FLAGS]
     # ready once generation is: the fused process starts generation's server after understanding's engine is ready
     fused = dataclasses.replace(gen, name=SERVICE, argv=argv, env=env)
     out = []
