@@ -93,8 +93,7 @@ class Fused:
         und_app = und_server.create_app(und_args)
         self.und = und_app.state.u1
         self.und.request_exit = lambda: self.fail(f"understanding engine failed to start: {self.und.exit_error}")
-        gen_app = gen_server.create_app(gen_cfg, gen_http, gen_args, token,
-                                        on_give_up=lambda why: self.fail(f"generation engine down: {why}"))
+        gen_app = gen_server.create_app(gen_cfg, gen_http, gen_args, token, on_give_up=self._gen_gave_up)
         self.gen = gen_app.state.generation
         self.streams = {"understanding": und_args.stream_priority, "generation": gen_cfg.stream_priority}
         self.probe = GilProbe(cfg.gil_probe_ms / 1e3) if cfg.gil_probe_ms > 0 else None
@@ -109,6 +108,11 @@ class Fused:
         if not self._fatal.is_set():
             self.reason = reason
             self._fatal.set()
+
+    def _gen_gave_up(self, why: str) -> None:
+        sup = self.gen.engine.sup
+        self.fail(f"generation engine died: {sup.last_error or why}" if sup.restarts or sup.last_error
+                  else f"generation engine down: {why}")
 
     def snapshot(self) -> dict:
         return {"engines": "fused", "streams": self.streams,

@@ -19,6 +19,7 @@ from PIL import Image
 from services.kit import sse
 from tests.waiting import wait_until
 
+from .conftest import sdk_client, serve
 from .stackproc import RunningStack
 
 MARK = {"oom": "fz-oom", "nan": "fz-nan", "crash": "fz-crash", "hang": "fz-hang", "und_crash": "fz-undcrash"}
@@ -30,17 +31,14 @@ ENV = {"U1SERVE_FAULT_STEP_OOM": MARK["oom"], "U1SERVE_FAULT_STEP_NAN": MARK["na
 
 @pytest.fixture(scope="module")
 def fused(tiny_model, tmp_path_factory):
-    s = RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-fused")), env=ENV,
-                     extra=["--colocate-engines", "fused", "--enable-rl", "--fused-args", f"--hang-s {HANG_S:g}"])
-    s.wait_ready()
-    yield s
-    s.stop_clean()
+    yield from serve(RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-fused")), env=ENV,
+                                  extra=["--colocate-engines", "fused", "--enable-rl",
+                                         "--fused-args", f"--hang-s {HANG_S:g}"]))
 
 
 @pytest.fixture(scope="module")
 def fused_client(fused):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=fused.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return sdk_client(fused)
 
 
 def pixels(b64: str) -> np.ndarray:
@@ -200,7 +198,8 @@ def test_a_dead_or_hung_generation_engine_restarts_the_process(fused, fault):
     assert err["type"] == "error" and err["status"] == 503, events
     out = fused.output()
     assert wait_until(lambda: "exiting with code 3" in fused.output(), 30), out
-    assert ("generation engine died" if fault == "crash" else "generation engine hung") in fused.output()
+    assert ("generation engine died: rank 0: SystemError('injected by U1SERVE_FAULT_STEP_CRASH" if fault == "crash"
+            else "generation engine hung") in fused.output()
     _restarted(fused, pid)
 
 
