@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "cpu": (0, ["--device", "cpu"]),
+    "cpu-fused": (0, ["--device", "cpu", "--colocate-engines", "fused"]),    # the fused mode's checks on a CPU
     "colocate-1": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0"]),
     "colocate-tp2-cfg2": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                               "--gen-cfg-parallel", "2"]),

@@ -324,11 +324,14 @@ def resolve_qos(args, placement: Placement, qos_defaults: bool = True):
     return Qos(sharing, share, why)
 
 
-def colocate_engines(args) -> dict:
+def colocate_engines(args, placed_elsewhere: bool = False) -> dict:
     """How the colocated engines run (stack.json `colocate_engines`): `processes` (each its own server process) or
-    `fused` (one process, each engine loop a thread: services/fused/); what cannot run fused is a usage error."""
+    `fused` (one process, each engine loop a thread: services/fused/); what cannot run fused is a usage error.
+    `placed_elsewhere`: Ray places each engine replica itself (no fused mode there)."""
     from .fused.launch import DEFAULT_ENGINES, DEFAULT_WHY, refusal
     asked = getattr(args, "colocate_engines", None)
+    if asked == "fused" and placed_elsewhere:
+        usage_error("--colocate-engines fused is for u1serve up: Ray places each engine replica itself")
     if asked == "fused" and refusal(args):
         usage_error(refusal(args))
     if args.mode != "colocate":
@@ -422,7 +425,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     if placement.note:
         (sys.stderr if dry_run else out).write(f"[u1serve] {placement.note} ({placement.dtype})\n")
     qos = resolve_qos(args, placement, qos_defaults)      # on the devices that will run (after the fallback)
-    engines = colocate_engines(args)
+    engines = colocate_engines(args, placed_elsewhere=not qos_defaults)
     mps = mps_daemon(args, placement, run_dir, qos.sharing)
     model = args.model
     tiny = model in TINY_ALIASES

@@ -18,8 +18,9 @@ class FusedConfig:
     hang_s: float = field(default=300.0, metadata=flag(
         "an engine step running longer than this is a hung engine: the process exits non-zero (the launcher "
         "restarts it) rather than serve with one engine stuck; 0: no watchdog"))
-    gil_probe_ms: float = field(default=1.0, metadata=flag(
-        "period of the GIL probe thread (services/kit/loop_clock.py: how late it wakes is the GIL's wait); 0: off"))
+    gil_probe_ms: float = field(default=5.0, metadata=flag(
+        "period of the GIL probe thread (services/kit/loop_clock.py: how late it wakes is the GIL's wait; each wake "
+        "asks the engine loops for the GIL, so a shorter period measures finer and costs more); 0: off"))
     exit_grace_s: float = field(default=5.0, metadata=flag(
         "after a fatal engine error: how long the servers get to answer what is in flight (503) before the "
         "process exits"))

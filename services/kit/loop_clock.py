@@ -4,7 +4,7 @@ time it ran, holding the GIL or inside C code that released it; never the time i
 pipe or a device). So for one step:
   cpu_s / wall_s        how much of the step the loop thread ran (the most it can have held the GIL)
   wall_s - cpu_s        how long it waited: for the device, its peers, the GIL
-`GilProbe` measures the other side: a thread that sleeps 1 ms in a loop and records how late it wakes up is late by
+`GilProbe` measures the other side: a thread that sleeps a few ms in a loop and records how late it wakes up is late by
 about the time it waited for the GIL (plus the OS's scheduling). Both are cheap enough to run always; the fused
 process exposes them at /internal/fused of either service (services/fused/stats.py) and bench/bench_fused.py reads
 them under mixed load. Step starts double as the fused process's hang watchdog (`busy_for`)."""

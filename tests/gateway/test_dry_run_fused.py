@@ -44,3 +44,16 @@ def test_default_is_processes(configs):
 def test_what_cannot_run_fused_is_refused(configs, flags, why):
     r = dry_run(configs["u1-8b"], flags + " --colocate-engines fused")
     assert r.returncode == 2 and why in r.stderr, r.stderr
+
+
+def test_ray_places_engines_itself_no_fused_there():
+    import argparse
+
+    from services import stack
+    p = argparse.ArgumentParser()
+    stack.add_stack_flags(p, model_default=None)
+    args = p.parse_args(["--model", "/m", "--colocate-engines", "fused"])
+    assert stack.colocate_engines(args) == {"engines": "fused", "why": "asked for"}
+    with pytest.raises(SystemExit) as e:
+        stack.colocate_engines(args, placed_elsewhere=True)
+    assert e.value.code == 2

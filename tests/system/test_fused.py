@@ -33,7 +33,7 @@ ENV = {"U1SERVE_FAULT_STEP_OOM": MARK["oom"], "U1SERVE_FAULT_STEP_NAN": MARK["na
 def fused(tiny_model, tmp_path_factory):
     yield from serve(RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-fused")), env=ENV,
                                   extra=["--colocate-engines", "fused", "--enable-rl",
-                                         "--fused-args", f"--hang-s {HANG_S:g}"]))
+                                         "--fused-args", f"--hang-s {HANG_S:g} --gil-probe-ms 1"]))
 
 
 @pytest.fixture(scope="module")
