@@ -110,7 +110,8 @@ class EngineIncarnation:
 
     def exit_reason(self) -> str:
         dead = [f"{p.name} exit code {p.exitcode}" for p in self.procs if not p.is_alive()]
-        reason = f"engine process died ({', '.join(dead)})" if dead else "engine reported a fatal error"
+        unit = "thread" if self.cfg.engine_unit == "thread" else "process"
+        reason = f"engine {unit} died ({', '.join(dead)})" if dead else "engine reported a fatal error"
         return f"{reason}: {self.fatal}" if self.fatal else reason
 
     def stopped_on_purpose(self) -> bool:
