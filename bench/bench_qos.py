@@ -5,19 +5,23 @@ defaults off (`--gpu-sharing time-slice --qos-yield-share 0`: the behaviour befo
 
     python -m bench.bench_qos                      # one H200: colocate-1-timeslice vs colocate-1, 64 clients x 120 s
     python -m bench.bench_qos --tiny --profiles cpu-colocate-timeslice,cpu-colocate --clients 6 --duration 4  # CPU
+    python -m bench.bench_qos --tiny --profiles cpu-colocate,cpu-colocate-fused --clients 6 --duration 4   # fused
 
 Per profile: the load (default mix, chats of exactly --max-tokens tokens: ignore_eos), then one image with the step
 cache (`"cache": {"mode": "first_block", "threshold": 0.1}`) and the same image exact, with the steps each CFG branch
 reused as the response reports them (under MPS it reused nothing: the images were NaN; docs/benchmarks/generation.md). Reported: chat p50 / p99 (every
 answered chat, streamed or not), images/min and its share of the first profile's, 5xx, the GPU sharing and gate in
 force (stack.json `qos`), and the targets: chat p50 <= 0.6 s, p99 <= 1.5 s, images/min >= 95 % of the first
-profile's. bench/gpu_qos.sh is the GPU command.
+profile's. For a fused stack (--colocate-engines fused, issue 38) also the GIL measured under the load: each engine
+loop's steps, mean step time, its thread's CPU time and share (services/kit/loop_clock.py), and the GIL probe's
+waits, read from the fused process's /internal/fused. bench/gpu_qos.sh is the GPU command.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 
@@ -25,6 +29,7 @@ import httpx
 
 from bench.bench_load import LoadConfig, _pct, run_load_async, summarize
 from bench.stack import prepare_model, run_profile, stack_args, write_json
+from services import knobs
 
 TARGETS = {"chat_p50_s": 0.6, "chat_p99_s": 1.5, "images_share": 0.95}
 
@@ -44,22 +49,61 @@ def measure_for(name: str, args):
     async def measure(base: str, _args) -> dict:
         cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, ignore_eos=True,
                          seed=args.seed)
+        with open(os.path.join(args.log_dir, name, "stack.json")) as f:
+            state = json.load(f)
+        qos = state.get("qos") or {}
+        fused_before = fused_stats(state)
         outcomes = await run_load_async(base, args.clients, args.duration, cfg)
         summary = summarize(outcomes, args.duration)
         steady = steady_chats(outcomes, args.settle_s)
+        gil = gil_under_load(fused_before, fused_stats(state))
         async with httpx.AsyncClient(base_url=base, timeout=600) as http:
             cached = await _image(http, args, {"mode": "first_block", "threshold": args.cache_threshold})
             exact = await _image(http, args, None)
-        with open(os.path.join(args.log_dir, name, "stack.json")) as f:
-            qos = json.load(f).get("qos") or {}
         return {"chat_p50_s": summary["chat_p50_s"], "chat_p99_s": summary["chat_p99_s"],
                 "chat_steady_p50_s": steady[0], "chat_steady_p99_s": steady[1],
                 "chat_tokens_mean": summary["chat_tokens_mean"], "images_per_min": summary["images_per_min"],
                 "requests": summary["requests"], "count_5xx": summary["count_5xx"], "codes_5xx": summary["codes_5xx"],
-                "by_kind": summary["by_kind"], "qos": qos,
+                "by_kind": summary["by_kind"], "qos": qos, "gil": gil,
+                "engines": (state.get("colocate_engines") or {}).get("engines", "processes"),
                 "cache": {"cached_s": cached["seconds"], "exact_s": exact["seconds"], "reused_steps": cached["reused"],
                           "branch_steps": cached["branch_steps"]}}
     return measure
+
+
+def fused_stats(state: dict) -> dict | None:
+    """The fused process's /internal/fused (services/fused/stats.py) of a stack.json, None for other stacks."""
+    svc = state.get("services", {}).get("fused")
+    if svc is None:
+        return None
+    base = svc["health_url"].rsplit("/health", 1)[0]
+    r = httpx.get(base + "/internal/fused", timeout=10,
+                  headers={"Authorization": f"Bearer {knobs.INTERNAL_TOKEN.get()}"})
+    r.raise_for_status()
+    return r.json()
+
+
+def gil_under_load(before: dict | None, after: dict | None) -> dict | None:
+    """Each engine loop's steps, mean step and CPU time and CPU share during the load (the difference of two
+    /internal/fused reads), and the GIL probe's mean and largest wait (over the whole run)."""
+    if before is None or after is None:
+        return None
+    loops = {}
+    for name, a in after["loops"].items():
+        b = before["loops"].get(name, {"steps": 0, "wall_s": 0.0, "cpu_s": 0.0})
+        steps, wall, cpu = a["steps"] - b["steps"], a["wall_s"] - b["wall_s"], a["cpu_s"] - b["cpu_s"]
+        loops[name] = {"steps": steps, "mean_step_ms": round(1e3 * wall / steps, 3) if steps else None,
+                       "mean_cpu_ms": round(1e3 * cpu / steps, 3) if steps else None,
+                       "cpu_share": round(cpu / wall, 4) if wall else None, "max_step_ms": a["max_step_ms"]}
+    return {"loops": loops, "gil_probe": after["gil_probe"]}
+
+
+def gil_cell(gil: dict | None) -> str:
+    if not gil:
+        return "-"
+    loops = "; ".join(f"{n[:3]} {v['mean_step_ms']} ms/step, cpu {v['cpu_share']}" for n, v in gil["loops"].items())
+    probe = gil.get("gil_probe") or {}
+    return f"{loops}; probe wait mean {probe.get('mean_wait_ms')} ms, max {probe.get('max_wait_ms')} ms"
 
 
 def steady_chats(outcomes, settle_s: float) -> tuple:
@@ -92,8 +136,9 @@ def table(results: dict, args) -> str:
              f"{args.max_tokens} tokens; step cache: {args.cache_size} {args.cache_steps} steps",
              "", "| profile | GPU sharing | yield gate | chat p50 / p99 s | after the first "
              f"{args.settle_s:g} s | images/min (vs first) | 5xx | "
-             "step cache: reused steps, s cached / exact | targets (p50 <= 0.6, p99 <= 1.5, images >= 95 %) |",
-             "|---|---|---|---|---|---|---:|---|---|"]
+             "step cache: reused steps, s cached / exact | targets (p50 <= 0.6, p99 <= 1.5, images >= 95 %) | "
+             "engines | fused: engine loops under load, GIL probe |",
+             "|---|---|---|---|---|---|---:|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | | |")
@@ -104,7 +149,8 @@ def table(results: dict, args) -> str:
                      f"{fmt(r['chat_p50_s'])} / {fmt(r['chat_p99_s'])} | "
                      f"{fmt(r.get('chat_steady_p50_s'))} / {fmt(r.get('chat_steady_p99_s'))} | {fmt(r['images_per_min'], '.1f')} "
                      f"({fmt(100 * r['images_share'] if r['images_share'] is not None else None, '.0f')} %) | "
-                     f"{r['count_5xx']} | {c['reused_steps']}, {fmt(c['cached_s'])} / {fmt(c['exact_s'])} | {met} |")
+                     f"{r['count_5xx']} | {c['reused_steps']}, {fmt(c['cached_s'])} / {fmt(c['exact_s'])} | {met} | "
+                     f"{r.get('engines', 'processes')} | {gil_cell(r.get('gil'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -130,6 +176,8 @@ def main(argv=None) -> int:
         args.steps, args.cache_steps, args.cache_threshold = 2, 6, 10.0
         args.settle_s = 0.0       # a 4 s run has no steady state: the column is the whole run here
     model_dir = prepare_model(args)
+    if not knobs.INTERNAL_TOKEN.get():    # one token for every profile's stack: the fused stats route needs it
+        os.environ[knobs.INTERNAL_TOKEN.name] = secrets.token_hex(16)
     results = {}
     for name in args.profiles.split(","):
         try:

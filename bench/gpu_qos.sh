@@ -10,6 +10,7 @@
 #   bash bench/gpu_qos.sh                                            # the A/B above
 #   QOS_PROFILES=colocate-1-mps-nogate,colocate-1 bash bench/gpu_qos.sh   # other sides (bench/stack.py PROFILES)
 #   QOS_UP_ARGS="--gen-sm-percent 70" QOS_PROFILES=colocate-1 bash bench/gpu_qos.sh   # one side, other flags
+#   QOS_PROFILES=colocate-1,colocate-1-fused bash bench/gpu_qos.sh   # fused engines (issue 38): + GIL under load
 #   bash bench/gpu_qos.sh --smoke                                    # CPU, tiny checkpoint: checks the script
 #
 # Writes $OUT/qos.md, $OUT/qos.json and the stacks' logs under $OUT/qos-logs; OUT defaults to ./out.

@@ -30,6 +30,8 @@ PROFILES = {  # name -> u1serve up flags
     "colocate-1": "--mode colocate --und-gpus 0",
     # the colocate QoS defaults off, explicitly: today's behaviour before issue 25 (bench/bench_qos.py's A side)
     "colocate-1-timeslice": "--mode colocate --und-gpus 0 --gpu-sharing time-slice --qos-yield-share 0",
+    # both engines in one process, each loop a thread on its own CUDA stream (services/fused; issue 38)
+    "colocate-1-fused": "--mode colocate --und-gpus 0 --colocate-engines fused",
     "colocate-1-mps-nogate": "--mode colocate --und-gpus 0 --gpu-sharing mps --qos-yield-share 0",
     "colocate-1-mps": "--mode colocate --und-gpus 0 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing mps",
@@ -37,6 +39,7 @@ PROFILES = {  # name -> u1serve up flags
                                     "mps --gen-priority normal",
     "cpu-colocate": "--mode colocate --device cpu",
     "cpu-colocate-timeslice": "--mode colocate --device cpu --gpu-sharing time-slice --qos-yield-share 0",
+    "cpu-colocate-fused": "--mode colocate --device cpu --colocate-engines fused",
     "cpu-colocate-yield": "--mode colocate --device cpu --qos-yield-share 0.5",
     "cpu-separate": "--mode separate --device cpu",
     "cpu-separate-cfg2-sp2": "--mode separate --device cpu --gen-cfg-parallel 2 --gen-sp 2",

@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
     "cpu": (0, ["--device", "cpu"]),
+    "cpu-fused": (0, ["--device", "cpu", "--colocate-engines", "fused"]),    # the fused mode's checks on a CPU
     "colocate-1": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0"]),
     "colocate-tp2-cfg2": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                               "--gen-cfg-parallel", "2"]),
@@ -53,6 +54,8 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
                                        "--gen-sp", "2", "--gen-sp-mode", "kv-gather", "--cuda-graphs", "on"]),
     "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
+    "colocate-1-fused": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--colocate-engines",
+                             "fused"]),
     "colocate-1-mps": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps"]),
     "colocate-1-mps-normal": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing",
                                   "mps", "--gen-priority", "normal"]),
@@ -61,9 +64,10 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
 }
 # Run only when named (--profiles): the mps ones need nvidia-cuda-mps-control, colocate-tp2-sp2-kv is
 # colocate-tp2-sp2 in the other SP mode (sequence parallelism by K/V all-gather), -graphs adds
-# --cuda-graphs on (the step's collectives captured in the graph), and the five default
+# --cuda-graphs on (the step's collectives captured in the graph), colocate-1-fused is colocate-1 with both engines
+# in one process (services/fused; until it becomes the default), and the five default
 # 2-GPU profiles already take about 7 of the 10 minutes one call may run.
-ON_REQUEST = ("colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv",
+ON_REQUEST = ("colocate-1-fused", "colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv",
               "colocate-tp2-sp2-kv-graphs")
 STEPS = 4
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
@@ -127,6 +131,8 @@ class Stack:
                 with open(os.path.join(self.run_dir, "stack.json")) as f:
                     services = json.load(f)["services"]
                 self.urls = {k: v["health_url"].rsplit("/health", 1)[0] for k, v in services.items()}
+                if "fused" in self.urls:      # one process serves both; its health URL is generation's
+                    self.urls.setdefault("gen", self.urls["fused"])
                 return self
             time.sleep(0.5)
         self.__exit__(None, None, None)

@@ -43,8 +43,9 @@ def cmd_up(args) -> int:
         return 0
     host = "127.0.0.1" if args.host in (None, "0.0.0.0") else args.host
     sharing = f"; {stack.qos_line}" if stack.qos_line else ""   # colocate_qos.py
+    fused = " (fused engines)" if stack.info["colocate_engines"]["engines"] == "fused" else ""   # services/fused
     return run_until_signal(stack, on_ready=lambda: stack.say(
-        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}, {stack.device}{sharing}; engines on "
+        f"ready: http://{host}:{args.port}/v1 (mode {args.mode}{fused}, {stack.device}{sharing}; engines on "
         f"127.0.0.1:{args.und_port} and :{args.gen_port})"))
 
 

@@ -190,6 +190,21 @@ DOCKER_CACHE = _knob("U1SERVE_DOCKER_CACHE", str, None, "where docker/build.sh k
 FAULT_STEP_OOM = _knob("U1SERVE_FAULT_STEP_OOM", str, "", "tests only (a fault): a generation job whose request id "
                         "contains this text raises torch.OutOfMemoryError in its 2nd denoise step (unset: never)",
                         "generation engine (faults.py)")
+
+
+def _job_fault(name: str, what: str) -> Knob:
+    """A test-only fault of a generation job whose request id contains the knob's text (services/generation/faults.py)."""
+    return _knob(name, str, "", f"tests only (a fault): a generation job whose request id contains this text {what}",
+                 "generation engine (faults.py)")
+
+
+FAULT_STEP_CRASH = _job_fault("U1SERVE_FAULT_STEP_CRASH", "makes its 2nd denoise step raise an error the engine "
+                              "cannot handle (the engine dies)")
+FAULT_STEP_HANG = _job_fault("U1SERVE_FAULT_STEP_HANG", "makes its 2nd denoise step hang (an hour)")
+FAULT_STEP_NAN = _job_fault("U1SERVE_FAULT_STEP_NAN", "has its latents turned NaN in its 2nd denoise step")
+FAULT_UND_STEP_CRASH = _knob("U1SERVE_FAULT_UND_STEP_CRASH", str, "", "tests only (a fault): an understanding step "
+                             "with a request whose id contains this text raises a CUDA-style fatal device error "
+                             "(the engine dies)", "understanding engine (engine.py)")
 FAULT_WEIGHTS_READ_S = _knob("U1SERVE_FAULT_WEIGHTS_READ_S", float, 0.0, "tests only (a fault): an engine rank's "
                               "read of a weight update waits this many seconds first, as on a slow mount",
                               "engines' weight staging (model/weights_io.py)")

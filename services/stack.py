@@ -269,7 +269,7 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str, str | None]:
     They reach the services through the environment only: argv is readable by every local user in /proc.
     An --api-key-file (one key per line) goes to the gateway as a path, checked here."""
     from services.kit.config import read_secret, read_secrets
-    for extra in (args.und_args, args.gen_args, args.gateway_args):
+    for extra in (args.und_args, args.gen_args, args.gateway_args, getattr(args, "fused_args", "")):
         if any(flag in (extra or "") for flag in _SECRET_FLAGS):
             raise SystemExit("pass secrets with --internal-token-file / --api-key-file (or the environment), "
                              "not inside --und-args/--gen-args/--gateway-args: command lines are visible in /proc")
@@ -322,6 +322,21 @@ def resolve_qos(args, placement: Placement, qos_defaults: bool = True):
         usage_error(f"--qos-yield-share must be in [0, 1] (0: no gate), got {share}")
     share, why = default_yield_share(share, mode=args.mode, replicas=replicas, enabled=qos_defaults)
     return Qos(sharing, share, why)
+
+
+def colocate_engines(args, placed_elsewhere: bool = False) -> dict:
+    """How the colocated engines run (stack.json `colocate_engines`): `processes` (each its own server process) or
+    `fused` (one process, each engine loop a thread: services/fused/); what cannot run fused is a usage error.
+    `placed_elsewhere`: Ray places each engine replica itself (no fused mode there)."""
+    from .fused.launch import DEFAULT_ENGINES, DEFAULT_WHY, refusal
+    asked = getattr(args, "colocate_engines", None)
+    if asked == "fused" and placed_elsewhere:
+        usage_error("--colocate-engines fused is for u1serve up: Ray places each engine replica itself")
+    if asked == "fused" and refusal(args):
+        usage_error(refusal(args))
+    if args.mode != "colocate":
+        return {"engines": "processes", "why": "separate mode"}
+    return {"engines": asked or DEFAULT_ENGINES, "why": "asked for" if asked else DEFAULT_WHY}
 
 
 def qos_page(qos, pool: str) -> str | None:
@@ -410,6 +425,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     if placement.note:
         (sys.stderr if dry_run else out).write(f"[u1serve] {placement.note} ({placement.dtype})\n")
     qos = resolve_qos(args, placement, qos_defaults)      # on the devices that will run (after the fallback)
+    engines = colocate_engines(args, placed_elsewhere=not qos_defaults)
     mps = mps_daemon(args, placement, run_dir, qos.sharing)
     model = args.model
     tiny = model in TINY_ALIASES
@@ -442,6 +458,9 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     specs, pools = replicate([b(args, ctx) for b in SERVICE_BUILDERS], args, ctx, probe=not dry_run)
     if mps is not None:
         specs = under_mps(specs, mps)
+    if engines["engines"] == "fused":
+        from .fused.launch import fuse
+        specs = fuse(specs, placement, shlex.split(args.fused_args or ""))
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
     stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
                   stack_id=stack_id, private_dirs=["u1und-"],
@@ -450,6 +469,10 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
                   echo_logs=echo_logs, daemons=[mps] if mps else [])
     stack.qos, stack.qos_daemon = qos, mps
     stack.info["qos"] = qos.state
+    stack.info["colocate_engines"] = engines
+    if args.mode == "colocate":
+        (sys.stderr if dry_run else out).write(f"[u1serve] colocate engines: {engines['engines']} "
+                                               f"({engines['why']})\n")
     stack.info["model"] = {"given": args.model, **source.record()}
     if getattr(args, "lora_modules", None):
         stack.info["lora_modules"] = lora_sources(args)
@@ -499,6 +522,11 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="under MPS: generation's scheduling priority against understanding's "
                         "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "
                         "blocks; default low, normal: no priority)")
+    p.add_argument("--colocate-engines", choices=["processes", "fused"], default=None,
+                   help="colocate: processes (default for now) runs each engine in its own server process; fused runs "
+                        "both in one process (one CUDA context), each engine loop a thread on its own CUDA stream "
+                        "(understanding high priority, generation low) (services/fused/; one replica and one GPU "
+                        "each)")
     p.add_argument("--und-memory-fraction", type=float, default=0.35,
                    help="colocate: GPU memory share of understanding")
     p.add_argument("--gen-memory-fraction", type=float, default=0.55,
@@ -562,6 +590,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")
+    p.add_argument("--fused-args", default="", help="extra flags for the fused process (--colocate-engines fused: "
+                   "python -m services.fused.server --help)")
     p.add_argument("--run-dir", default=None, help="logs and stack.json (default ~/.cache/u1serve/run-PORT)")
     p.add_argument("--state-file", default=None, help="where to write pids/ports as JSON")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")

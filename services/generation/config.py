@@ -59,6 +59,14 @@ class GenerationConfig:
         "--yield-signal); the ranks yield the GPU between layers", metavar="NAME"))
     yield_share: float = field(default=YieldPolicy.share, metadata=flag(
         "with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)"))
+    yield_max_wait_ms: float = field(default=1e3 * YieldPolicy.max_wait_s, metadata=flag(
+        "with --yield-to: the longest one wait for a decode step at a layer (or graph segment) boundary"))
+    engine_unit: str = field(default="process", metadata=flag(
+        "process: the engine ranks run as processes; thread: rank 0 as a thread of this server (one rank; the fused "
+        "colocate mode runs both engines' loops in one process: services/fused)", choices=("process", "thread")))
+    stream_priority: str = field(default="default", metadata=flag(
+        "the CUDA stream priority of the engine loop (the fused mode: low, so decode blocks go first)",
+        choices=("default", "high", "low")))
     # scheduling
     max_batch_tokens: int = field(default=BATCH_TOKENS, metadata=flag(
         "image tokens per forward (per rank): jobs batch while their rows fit, the others wait their turn (FIFO); "

@@ -193,7 +193,7 @@ class Engine:
         forward). Pack the rows, run the layer stack, heads -> velocities, then (after the CFG gather)
         combine and step each job."""
         jobs = list(self.running) if jobs is None else jobs
-        faults.inject_step_oom(jobs)
+        faults.inject_step_faults(jobs)
         pack = self._pack(jobs)
         local_v: list[torch.Tensor] = []
         if pack.rows:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)

@@ -3,8 +3,13 @@
 U1SERVE_FAULT_STEP_OOM: a job whose request id contains the knob's text raises torch.OutOfMemoryError in its 2nd
 denoise step (after one step that worked), where a real allocation would fail: inside Engine.step, before the
 forward. The engine's handling of it (worker._step_or_fail) is what the fault tests.
+U1SERVE_FAULT_STEP_CRASH / _HANG / _NAN: the same job's 2nd step raises an error no engine handles (the engine dies),
+hangs (an hour), or has its latents turned NaN (its image is answered 500 nonfinite_output). The fused mode's fault
+tests use them (tests/system/test_fused.py).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -12,12 +17,22 @@ from services import knobs
 
 _OOM_MARKER = knobs.FAULT_STEP_OOM.get()
 _OOM_STEP = 1     # the job's flow index when it fails: its 2nd step
+_CRASH, _HANG, _NAN = knobs.FAULT_STEP_CRASH.get(), knobs.FAULT_STEP_HANG.get(), knobs.FAULT_STEP_NAN.get()
 
 
-def inject_step_oom(jobs) -> None:
-    """Raise the injected out-of-memory when a marked job is in this step at its chosen index."""
-    if not _OOM_MARKER:
+def inject_step_faults(jobs) -> None:
+    """The injected fault of a marked job in this step at its chosen index (module doc)."""
+    if not (_OOM_MARKER or _CRASH or _HANG or _NAN):
         return
     for job in jobs:
-        if _OOM_MARKER in job.request_id and job.flow.index == _OOM_STEP:
-            raise torch.OutOfMemoryError(f"injected by U1SERVE_FAULT_STEP_OOM in a step of {job.request_id}")
+        if job.flow.index != _OOM_STEP:
+            continue
+        rid = job.request_id
+        if _OOM_MARKER and _OOM_MARKER in rid:
+            raise torch.OutOfMemoryError(f"injected by U1SERVE_FAULT_STEP_OOM in a step of {rid}")
+        if _CRASH and _CRASH in rid:
+            raise SystemError(f"injected by U1SERVE_FAULT_STEP_CRASH in a step of {rid}")
+        if _HANG and _HANG in rid:
+            time.sleep(3600)
+        if _NAN and _NAN in rid:
+            job.x.fill_(float("nan"))

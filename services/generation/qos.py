@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kit.yield_signal import YieldSignal
+from services.kit.yield_signal import ThreadSignal, YieldSignal
 
-_POLL_S = 50e-6
 _REOPEN_EVERY_S = 1.0
 
 
@@ -37,7 +36,7 @@ class YieldGate:
         self.name = name
         self.device = device
         self.policy = policy or YieldPolicy()
-        self.signal: YieldSignal | None = None
+        self.signal: YieldSignal | ThreadSignal | None = None
         self._next_open = 0.0
         self._cuda = device.type == "cuda"
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else []
@@ -54,7 +53,7 @@ class YieldGate:
             return attend(layer, q, k, v)
         return gated
 
-    def _signal(self) -> YieldSignal | None:
+    def _signal(self) -> YieldSignal | ThreadSignal | None:
         now = time.monotonic()
         if now >= self._next_open:
             self._next_open = now + _REOPEN_EVERY_S
@@ -70,7 +69,7 @@ class YieldGate:
         self._budget = min(p.burst_s, self._budget + p.share * (now - self._last))
         self._last = now
 
-    def _wanted(self, sig: YieldSignal) -> bool:
+    def _wanted(self, sig: YieldSignal | ThreadSignal) -> bool:
         age = sig.busy_for()
         return age is not None and age < self.policy.stale_s
 
@@ -93,7 +92,7 @@ class YieldGate:
             ev.synchronize()          # our queued kernels done: the GPU is the decode step's
         deadline = now + min(self.policy.max_wait_s, self._budget)
         while self._wanted(sig) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
+            sig.wait_idle(deadline - time.monotonic())
         end = time.monotonic()
         self._refill(end)
         self._budget -= end - now

@@ -20,6 +20,8 @@ def check_rank_flags(args) -> None:
     parsed flags or a GenerationConfig."""
     if args.sp < 1:
         raise SystemExit("--sp must be >= 1")
+    if args.engine_unit == "thread" and args.cfg_parallel * args.sp != 1:
+        raise SystemExit("--engine-unit thread runs one engine rank: it needs --cfg-parallel 1 and --sp 1")
     if args.sp > 1:
         from services.model.config import ConfigError, load_config
         try:
@@ -31,6 +33,8 @@ def check_rank_flags(args) -> None:
                 check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp, args.sp_mode)
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
+    if args.yield_max_wait_ms <= 0:
+        raise SystemExit(f"--yield-max-wait-ms must be > 0, got {args.yield_max_wait_ms}")
     if not 0 < args.yield_share <= 1:
         raise SystemExit(f"--yield-share must be in (0, 1], got {args.yield_share}")
     if args.yield_to:
@@ -45,4 +49,5 @@ def yield_gate(cfg, device) -> YieldGate | None:
     """The rank's gate (None without --yield-to)."""
     if not cfg.yield_to:
         return None
-    return YieldGate(cfg.yield_to, device, YieldPolicy(share=float(cfg.yield_share)))
+    return YieldGate(cfg.yield_to, device, YieldPolicy(share=float(cfg.yield_share),
+                                                       max_wait_s=float(cfg.yield_max_wait_ms) / 1e3))

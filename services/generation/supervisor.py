@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from services.contract.health import PHASE_FIELD, EnginePhase
 from services.contract.image import GenerateRequest
+from services.kit.engine_thread import EngineThread
 from services.kit.errors import APIError, overloaded, unavailable
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
@@ -39,21 +40,24 @@ class EngineRanks:
 
     def __init__(self, ctx, cfg: GenerationConfig, on_message: Callable[["EngineRanks", object], None],
                  grace_s: float = 5.0):
-        from .worker import run_rank
+        from .worker import run_rank, run_rank_thread
         cmd_r, cmd_w = ctx.Pipe(duplex=False)     # HTTP process -> rank 0
         evt_r, evt_w = ctx.Pipe(duplex=False)     # rank 0 -> HTTP process
         world = cfg.world
         port = free_port() if world > 1 else 0
-        self.procs = [ctx.Process(target=run_rank, name=f"u1-gen-rank{r}", daemon=True,
-                                  args=(r, world, port, cfg, cmd_r if r == 0 else None,
-                                        evt_w if r == 0 else None)) for r in range(world)]
+        threaded = cfg.engine_unit == "thread"   # the fused mode: rank 0 is a thread of this process
+        self.procs = [EngineThread(run_rank_thread, (cfg, cmd_r, evt_w), "u1-gen-rank0")] if threaded else \
+            [ctx.Process(target=run_rank, name=f"u1-gen-rank{r}", daemon=True,
+                         args=(r, world, port, cfg, cmd_r if r == 0 else None, evt_w if r == 0 else None))
+             for r in range(world)]
         self.started_at = time.monotonic()
         try:
             for p in self.procs:
                 p.start()
         finally:
-            cmd_r.close()       # rank 0 holds the only other ends: its death is EOF / EPIPE here
-            evt_w.close()
+            if not threaded:    # rank 0 holds the only other ends: its death is EOF / EPIPE here
+                cmd_r.close()   # (a thread closes its ends itself when its loop ends)
+                evt_w.close()
         self.outbox = Outbox(cmd_w, "u1-gen-commands")
         self.reader = start_reader(evt_r, lambda msg: on_message(self, msg), "u1-gen-events")
         self.grace_s = grace_s
@@ -125,6 +129,8 @@ class EngineSupervisor:
         self.rejected = 0
         self._job_seconds = 10.0                      # running mean of job time: the Retry-After hint
         self._ctx = mp.get_context("spawn")
+        if cfg.engine_unit == "thread":   # a dead engine thread is not restarted in place: the process is
+            policy = RestartPolicy(max_failures=1)
         self.sup = Supervisor("generation engine", self._spawn, policy=policy, on_death=self._on_death,
                               on_give_up=self._gave_up)
         self._stop = threading.Event()
@@ -279,6 +285,10 @@ class EngineSupervisor:
         for t in tickets:
             self._end(t, unavailable(f"the generation engine died mid-job ({reason}); retry the request",
                                      code="engine_failed"), release=True)
+
+    def fail_inflight(self, reason: str) -> None:
+        """Every job in flight fails now (503 engine_failed, its pages freed): the fused process is exiting."""
+        self._on_death(reason)
 
     def _gave_up(self, why: str) -> None:
         if not self._stop.is_set():

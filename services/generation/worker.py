@@ -8,6 +8,7 @@ running jobs once, and rank 0 emits the events (emitter.py). Messages both ways:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -21,6 +22,7 @@ from services import knobs
 from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError
+from services.kit.loop_clock import loop_clock
 from services.kit.proc import die_with_parent, ignore_stop_signals
 from services.model.oom import out_of_memory
 
@@ -110,6 +112,7 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
     emit = Emitter(out, source, engine)
     sched = Scheduler(cfg.max_batch_tokens, cfg.max_running_jobs, comm.cfg_world, comm.sp.world,
                       weights=weights, release=source.release, refuse=emit.refuse)
+    clock = loop_clock("generation")    # step time and the loop thread's CPU share (kit/loop_clock)
     while True:
         plan = comm.broadcast(sched.schedule(inbox, engine.running))
         emit.applied(plan, *_apply(engine, comm, weights, plan))
@@ -121,7 +124,11 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
             source.drop_stale()   # unmap a pool the producer replaced (and open its new one) before the next job
             emit.idle(len(sched.pending))
             continue
-        stepped = _step_or_fail(engine, emit, comm.cfg_world * comm.sp.world == 1)
+        clock.begin()
+        try:
+            stepped = _step_or_fail(engine, emit, comm.cfg_world * comm.sp.world == 1)
+        finally:
+            clock.end()
         if stepped is not None:
             emit.stepped(*stepped, len(sched.pending))
 
@@ -202,12 +209,31 @@ def run_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn
     die_with_parent()
     ignore_stop_signals()   # a group-wide SIGTERM shuts down through the server, which stops us
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s %(levelname)s gen-rank{rank}: %(message)s")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not _serve_rank(rank, world, port, cfg, inbox_conn, outbox_conn):
+        os._exit(1)
+
+
+def run_rank_thread(cfg: GenerationConfig, inbox_conn, outbox_conn) -> None:
+    """Rank 0 of one as a thread of the serving process (--engine-unit thread; the fused colocate mode): no process
+    settings (signals, parent death, thread count: the process's), the loop on its own CUDA stream
+    (--stream-priority; services/model/streams.py) from the first allocation on. A failure raises (the unit's exit
+    reason) instead of exiting the process."""
+    if not _serve_rank(0, 1, 0, cfg, inbox_conn, outbox_conn):
+        raise RuntimeError("the generation engine failed (its error is logged above)")
+
+
+def _serve_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn, outbox_conn) -> bool:
+    """Build and run the rank; False when it failed (logged, and reported to the HTTP process by rank 0)."""
+    from services.model.streams import engine_stream
+
     from .link import Outbox, start_reader
     out = Outbox(outbox_conn, "u1-gen-events") if rank == 0 else None
+    scope = contextlib.ExitStack()
     try:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         device = _device(cfg, rank)
+        scope.enter_context(engine_stream(device, cfg.stream_priority))   # "default" (process ranks): no change
         engine, comm, source, warm = _build(rank, world, port, cfg, device,
                                             (lambda p: out.send(Starting(p.value))) if out is not None
                                             else (lambda p: None))
@@ -227,10 +253,13 @@ def run_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_conn
         comm.close()
         if out is not None:
             out.close()
+        return True
     except BaseException as e:
         msg = f"rank {rank}: {e!r}"
         log.error("engine failed: %s\n%s", msg, traceback.format_exc())
         if out is not None:
             out.send(Fatal(msg))
             out.close(timeout=2)
-        os._exit(1)
+        return False
+    finally:
+        scope.close()

@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 
 from services import knobs
@@ -39,6 +40,8 @@ _MAGIC, _VERSION, _BUSY, _STEPS, _PID = (8 * i for i in range(5))
 SHM_DIR = "/dev/shm"
 log = logging.getLogger("u1serve.qos")
 _warned: set[str] = set()
+_POLL_S = 50e-6                 # a reader's poll while it waits for another process's flag to drop
+_in_process: dict[str, "ThreadSignal"] = {}
 
 
 def _distrust(path: str, why: str) -> None:
@@ -73,10 +76,13 @@ class YieldSignal:
 
     # -- writer ---------------------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str) -> "YieldSignal":
-        """Create the page, lowered (a dead writer's page of that name is replaced; a live writer's or a foreign
+    def create(cls, name: str) -> "YieldSignal | ThreadSignal":
+        """The fused process's in-process signal of that name (ThreadSignal) if it registered one; else create the
+        page, lowered (a dead writer's page of that name is replaced; a live writer's or a foreign
         file is refused: PoolError). The creator unlinks it at close()."""
         page_path(name)
+        if name in _in_process:
+            return _in_process[name]
         take_name(name, "QoS page")
         seg = Segment.create(name, PAGE, owner=knobs.STACK_ID.get())
         for off, val in ((_BUSY, 0), (_STEPS, 0), (_PID, os.getpid()), (_VERSION, VERSION), (_MAGIC, MAGIC)):
@@ -94,9 +100,12 @@ class YieldSignal:
 
     # -- reader ---------------------------------------------------------------------------------
     @classmethod
-    def open(cls, name: str) -> "YieldSignal | None":
-        """The page if a writer of ours created it (None otherwise: absent, or not to be trusted)."""
+    def open(cls, name: str) -> "YieldSignal | ThreadSignal | None":
+        """The fused process's in-process signal of that name if it registered one; else the page if a writer of
+        ours created it (None otherwise: absent, or not to be trusted)."""
         path = page_path(name)
+        if name in _in_process:
+            return _in_process[name]
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -134,6 +143,12 @@ class YieldSignal:
         """Decode steps signalled since the page was created."""
         return struct.unpack_from("<q", self._mm, _STEPS)[0]
 
+    def wait_idle(self, timeout_s: float) -> None:
+        """Until the flag drops or `timeout_s` passed (polled: another process writes the page)."""
+        deadline = time.monotonic() + timeout_s
+        while self.busy_for() is not None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+
     def replaced(self) -> bool:
         """The name now points at another page (the writer restarted) or at nothing."""
         try:
@@ -152,3 +167,45 @@ class YieldSignal:
             return
         self._mm.close()
         self._mm = None
+
+
+class ThreadSignal:
+    """The same flag between two engine threads of one process (the fused colocate mode, services/fused/): a
+    threading.Event instead of the page, so a waiting reader wakes the moment the decode step's tokens are sampled
+    instead of polling. Same methods as YieldSignal; it is never replaced (the process restarts as a whole)."""
+
+    def __init__(self, name: str):
+        self.path = name
+        self._idle = threading.Event()
+        self._idle.set()
+        self._since: int = 0
+        self.steps = 0
+
+    def set_busy(self) -> None:
+        self.steps += 1
+        self._since = _now_ns()
+        self._idle.clear()
+
+    def set_idle(self) -> None:
+        self._since = 0
+        self._idle.set()
+
+    def busy_for(self) -> float | None:
+        since = self._since
+        return None if since == 0 else max(0.0, (_now_ns() - since) / 1e9)
+
+    def wait_idle(self, timeout_s: float) -> None:
+        self._idle.wait(max(0.0, timeout_s))
+
+    def replaced(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.set_idle()
+
+
+def in_process(name: str) -> ThreadSignal:
+    """Register (or get) the in-process signal `name`: from now on YieldSignal.create / open of that name in this
+    process return it (both engines' code stays the same in the fused mode)."""
+    page_path(name)
+    return _in_process.setdefault(name, ThreadSignal(name))

@@ -29,6 +29,8 @@ class EngineConfig:
     yield_signal: str = ""              # colocate QoS: shm page raised while a decode step runs (kit/yield_signal)
     log_level: str = "info"
     quantization: str = "none"          # none | fp8 | int8: the und branch's dense Linear layers (model/quant.py)
+    engine_unit: str = "process"       # process: rank processes; thread: rank 0 as a thread here (services/fused)
+    stream_priority: str = "default"    # the engine loop's CUDA stream: default | high | low (model/streams.py)
     in_addr: str = ""                   # HTTP -> engine (PULL here)
     out_addr: str = ""                  # engine -> HTTP (PUSH here)
 
@@ -39,7 +41,7 @@ class EngineConfig:
                    chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.no_prefix_cache,
                    kv_pool_name=a.kv_pool_name, cuda_graph_max_bs=a.cuda_graph_max_bs,
                    max_queue_wait_s=a.max_queue_wait_s, yield_signal=a.yield_signal, log_level=a.log_level,
-                   quantization=a.quantization)
+                   quantization=a.quantization, engine_unit=a.engine_unit, stream_priority=a.stream_priority)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +57,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="shared-memory KV pool to create for image prefixes")
     p.add_argument("--yield-signal", default=d.yield_signal, help="colocate QoS: shm page to raise while a decode "
                    "step runs, so a generation engine on the same GPUs yields (services/kit/yield_signal.py)")
+    p.add_argument("--engine-unit", default=d.engine_unit, choices=["process", "thread"],
+                   help="process: the engine runs in its own rank process(es); thread: as a thread of this server "
+                        "(--tp 1; the fused colocate mode runs both engines' loops in one process: services/fused)")
+    p.add_argument("--stream-priority", default=d.stream_priority, choices=["default", "high", "low"],
+                   help="the CUDA stream priority of the engine loop (the fused mode: high, so decode blocks go first)")
     p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="token slots of the paged KV cache")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="context limit (prompt + output)")
     p.add_argument("--max-running-requests", type=int, default=d.max_running, help="requests decoding at once")

@@ -39,7 +39,7 @@ class DecodeGraphs:
                     runner.core(*args)
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"), torch.no_grad():
                 out = runner.core(*args)
             self.graphs[bs] = (g, out)
         self._self_check()

@@ -13,6 +13,7 @@ import zmq
 
 from services import knobs
 from shm_transfer.errors import HandleError
+from services.kit.loop_clock import loop_clock
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
 from services.model.lora_registry import attach_lora
@@ -33,6 +34,7 @@ from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
+_CRASH_MARKER = knobs.FAULT_UND_STEP_CRASH.get()     # tests only (a fault)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -64,13 +66,31 @@ def run_engine(rank: int, cfg: EngineConfig) -> None:
     # engine and the reference take it: a CPU GEMM's bits depend on it (docs/model.md "Bits")
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, cfg.tp)))
     out_sock = None
+    if rank == 0:
+        out_sock = zmq.Context().socket(zmq.PUSH)
+        out_sock.connect(cfg.out_addr)
+    _serve(rank, cfg, out_sock, lambda: _setup_tp(cfg, rank))
+
+
+def run_engine_thread(cfg: EngineConfig) -> None:
+    """The engine as a thread of the serving process (--engine-unit thread, tp 1; the fused colocate mode): no
+    process settings (signals, parent death, thread count: the process's), the loop on its own CUDA stream
+    (--stream-priority; services/model/streams.py) from the first allocation on."""
+    from services.model.streams import engine_stream
+    out_sock = zmq.Context.instance().socket(zmq.PUSH)
+    out_sock.connect(cfg.out_addr)
     try:
-        if rank == 0:
-            ctx = zmq.Context()
-            out_sock = ctx.socket(zmq.PUSH)
-            out_sock.connect(cfg.out_addr)
-        tp = _setup_tp(cfg, rank)
-        Engine(rank, cfg, tp, out_sock).run()
+        if cfg.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(rank_device(cfg.device, 1, 0, lambda: torch.cuda.current_device())))
+        with engine_stream(cfg.device, cfg.stream_priority):
+            _serve(0, cfg, out_sock, lambda: None)
+    finally:
+        out_sock.close(linger=1000)    # a Fatal still queued goes out first
+
+
+def _serve(rank: int, cfg: EngineConfig, out_sock, setup_tp) -> None:
+    try:
+        Engine(rank, cfg, setup_tp(), out_sock).run()
     except Exception as e:  # report a load/runtime failure to the HTTP process, then die
         traceback.print_exc()
         if out_sock is not None:
@@ -111,6 +131,7 @@ class Engine:
         if rank == 0 and cfg.yield_signal:
             from services.kit.yield_signal import YieldSignal
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
+        self.clock = loop_clock("understanding")    # step time and the loop thread's CPU share (kit/loop_clock)
         if rank == 0:
             self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running, self.max_model_len,
                                    cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
@@ -192,6 +213,7 @@ class Engine:
                     self._broadcast(None)  # heartbeat keeps followers' collectives alive
                 continue
             was_busy = True
+            self.clock.begin()
             try:
                 self.execute(scheduled)
             except Exception as e:
@@ -202,11 +224,15 @@ class Engine:
                 log.exception("engine step of %d request(s) failed", len(scheduled[1]))
                 self.sched.step_failed(scheduled[1], f"engine step failed: {type(e).__name__}: {e}",
                                        "engine_oom" if out_of_memory(e) else "engine_error")
+            finally:
+                self.clock.end()
             self._send(self.sched.take_outputs())
 
     def execute(self, scheduled) -> None:
         """One iteration on rank 0: broadcast the plan, forward, export finished prefixes, sample, advance."""
         plan, entries = scheduled
+        if _CRASH_MARKER and any(_CRASH_MARKER in r.rid for r, _, _ in entries):
+            raise RuntimeError(f"CUDA error: injected by {knobs.FAULT_UND_STEP_CRASH.name}")   # a fatal device error
         plan.lora_slots = plan_slots(entries)
         # colocate QoS: a generation engine on these GPUs yields between its layers while this is up
         decode = self.yield_signal is not None and plan.num_tokens > plan.num_prefill_rows

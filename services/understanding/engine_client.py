@@ -25,13 +25,14 @@ from typing import Callable, Optional
 import zmq
 
 from services.contract.health import EnginePhase
+from services.kit.engine_thread import EngineThread
 from services.kit.restart import RestartPolicy
 from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
 from services.netutil import free_port
 
 from .config import EngineConfig
-from .engine import run_engine
+from .engine import run_engine, run_engine_thread
 from .protocol import (Abort, EngineStats, Fatal, Ready, RequestOutput, Shutdown, Starting, Step, SubmitRequest,
                        WeightsReply)
 
@@ -63,9 +64,12 @@ class EngineIncarnation:
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.setsockopt(zmq.SNDHWM, 0)   # admission control bounds what is in flight, not the socket
         self._in.connect(self.cfg.in_addr)
-        mpctx = mp.get_context("spawn")
-        self.procs = [mpctx.Process(target=run_engine, args=(rank, self.cfg), daemon=True,
-                                    name=f"u1-und-engine-{rank}") for rank in range(self.cfg.tp)]
+        if self.cfg.engine_unit == "thread":      # the fused mode: the loop is a thread of this process
+            self.procs = [EngineThread(run_engine_thread, (self.cfg,), "u1-und-engine-0")]
+        else:
+            mpctx = mp.get_context("spawn")
+            self.procs = [mpctx.Process(target=run_engine, args=(rank, self.cfg), daemon=True,
+                                        name=f"u1-und-engine-{rank}") for rank in range(self.cfg.tp)]
         for p in self.procs:
             p.start()
         self._reader = threading.Thread(target=self._read, name=f"und-engine-reader-{tag}", daemon=True)
@@ -106,7 +110,8 @@ class EngineIncarnation:
 
     def exit_reason(self) -> str:
         dead = [f"{p.name} exit code {p.exitcode}" for p in self.procs if not p.is_alive()]
-        reason = f"engine process died ({', '.join(dead)})" if dead else "engine reported a fatal error"
+        unit = "thread" if self.cfg.engine_unit == "thread" else "process"
+        reason = f"engine {unit} died ({', '.join(dead)})" if dead else "engine reported a fatal error"
         return f"{reason}: {self.fatal}" if self.fatal else reason
 
     def stopped_on_purpose(self) -> bool:
@@ -151,6 +156,8 @@ class EngineClient:
         self.ever_ready = False
         self.on_weights: Callable[[dict], None] = lambda msg: None   # rank 0's replies to weights ops
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        if cfg.engine_unit == "thread":   # a dead engine thread is not restarted in place: the process is
+            policy = RestartPolicy(max_failures=1)
         self.supervisor = Supervisor("understanding engine", self._spawn, policy=policy,
                                      on_death=self._on_death, on_give_up=self._on_give_up)
 
@@ -218,6 +225,10 @@ class EngineClient:
                                        error_code="engine_dead"))
         if queues:
             log.error("engine died: failed %d in-flight request(s)", len(queues))
+
+    def fail_inflight(self, reason: str) -> None:
+        """Every request in flight fails now (engine_dead, 503), from any thread: the fused process is exiting."""
+        self._on_death(reason)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

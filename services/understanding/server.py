@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    if args.engine_unit == "thread" and args.tp != 1:
+        p.error("--engine-unit thread runs one engine rank: it needs --tp 1")
     if not 0 < args.max_prefix_pool_share <= 1:
         p.error("--max-prefix-pool-share must be in (0, 1]")
     args.internal_token = read_secret(args.internal_token, args.internal_token_file, knobs.INTERNAL_TOKEN)

@@ -158,6 +158,10 @@ def test_every_bench_deployment_profile_dry_runs(configs):
         assert r.returncode == 0, (name, r.stderr)
         words = flags.split()
         p = plan("\n".join(ln for ln in r.stdout.splitlines() if not ln.startswith("mps:")))   # the services
+        if "fused" in p:     # both engines' flags inside the one fused command (services/fused/launch.py)
+            from services.fused.server import split_argv
+            _, und, gen = split_argv(p["fused"][1][2:])
+            p["und"], p["gen"] = (None, und), (None, gen)
         off = "--qos-yield-share" in words and float(words[words.index("--qos-yield-share") + 1]) == 0
         if "colocate" in words and not off:     # the default gate, or an explicit share
             assert flag(p["gen"][1], "--yield-to") == flag(p["und"][1], "--yield-signal") == "pool-x-yield", name

@@ -9,18 +9,26 @@ def tiny_model(tiny_checkpoint):
     return tiny_checkpoint("u1")
 
 
+def serve(stack: RunningStack):
+    """A fixture's body: the stack once ready, stopped cleanly after."""
+    stack.wait_ready()
+    yield stack
+    stack.stop_clean()
+
+
+def sdk_client(stack: RunningStack):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def stack(tiny_model, tmp_path_factory):
-    s = RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-colocate")))
-    s.wait_ready()
-    yield s
-    s.stop_clean()
+    yield from serve(RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-colocate"))))
 
 
 @pytest.fixture(scope="session")
 def openai_client(stack):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return sdk_client(stack)
 
 
 @pytest.fixture(scope="session")

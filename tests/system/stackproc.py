@@ -158,7 +158,8 @@ class RunningStack:
     """`u1serve up` on the CPU; with `terminal`, its stderr is a pseudo-terminal (where progress lines are drawn:
     `terminal_output()`), its stdout the log as always."""
 
-    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None, terminal: bool = False):
+    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None, terminal: bool = False,
+                 env: dict[str, str] | None = None):
         self.port, self.und_port, self.gen_port = free_port(), free_port(), free_port()
         self.run_dir = run_dir
         self.state_file = os.path.join(run_dir, "stack.json")
@@ -174,7 +175,8 @@ class RunningStack:
         self.terminal = Terminal() if terminal else None
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log,
                                      stderr=self.terminal.slave if terminal else subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": ROOT}, preexec_fn=preexec_die_with_parent)
+                                     env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                                     preexec_fn=preexec_die_with_parent)
         if self.terminal:
             self.terminal.started()
         self.base = f"http://127.0.0.1:{self.port}"
