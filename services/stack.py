@@ -441,7 +441,9 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
     pool = args.kv_pool_name or default_pool_name(args.port)
-    pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else 16.0)
+    from .fused.launch import DEVICE_POOL_GB
+    pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else
+                                  DEVICE_POOL_GB if engines["engines"] == "fused" else 16.0)
     stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
     ctx = {
         "model": os.path.abspath(model), "placement": placement, "pool": pool, "pool_gb": pool_gb,
@@ -544,7 +546,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--gen-replicas", type=int, default=1, help="generation replicas on this host (own port, GPUs)")
     p.add_argument("--kv-pool-name", default=None, help="shared-memory KV pool name")
     p.add_argument("--kv-pool-gb", type=float, default=None,
-                   help="KV pool size (default 0.25 on cpu, 16 on cuda)")
+                   help="KV pool size (default 0.25 on cpu, 16 on cuda; 2 on cuda with --colocate-engines fused, "
+                        "whose pool pages are device memory)")
     p.add_argument("--internal-token-file", default=None,
                    help="file whose first line is the engines' internal token (default: U1SERVE_INTERNAL_TOKEN, "
                         "else a random token per stack)")

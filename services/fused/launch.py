@@ -1,7 +1,6 @@
 """How `u1serve up` launches the fused mode: the understanding and generation specs of a colocate stack become one
 service, `python -m services.fused.server`, with each side's flags after `--und` / `--gen`. Light (no torch): the
-launcher imports it. The flags the fused launch adds to each side are here, in one place (e.g. to switch
-understanding to another --kv-transport when the device transport lands)."""
+launcher imports it. The flags the fused launch adds to each side are here, in one place."""
 from __future__ import annotations
 
 import sys
@@ -12,8 +11,13 @@ ENGINES = ("processes", "fused")
 DEFAULT_ENGINES = "processes"       # fused becomes the 1-GPU default only once it measures better on a GPU
 DEFAULT_WHY = "the default (fused is opt-in until measured better on a GPU: docs/deployment.md)"
 # each engine's loop a thread of the fused process, on a stream of its priority (services/model/streams.py)
-UND_FLAGS = ("--engine-unit", "thread", "--stream-priority", "high")
+# and the image prefix KV handed over in device pages (shm_transfer/device_pages.py): it never leaves the GPU
+UND_FLAGS = ("--engine-unit", "thread", "--stream-priority", "high", "--kv-transport", "device")
 GEN_FLAGS = ("--engine-unit", "thread", "--stream-priority", "low")
+# the device pool's default size (--kv-pool-gb): its pages take GPU memory from understanding's share, and they
+# hold only in-flight prefixes (8B: ~172 KB a token, so 2 GiB is ~12k tokens: ~17 T2I requests of two 365-token
+# branches waiting for import at once; more get a fast 429 kv_pool_full)
+DEVICE_POOL_GB = 2.0
 UND_MARK, GEN_MARK = "--und", "--gen"
 SERVICE = "fused"
 
