@@ -20,7 +20,7 @@ from .routing import image_key
 
 class GenerationTarget:
     """What the orchestrator asks of every job about its generation call (ImageJob, interleave.Segment; RL jobs in
-    routers/rl.py override both)."""
+    rl_jobs.py override both)."""
 
     def generate_path(self) -> str:
         """Generation's route for this job."""
@@ -129,13 +129,15 @@ def resolve_size(cfg: GatewayConfig, opts: ImageOptions,
     return cfg.default_size
 
 
-def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str) -> SamplerParams:
+def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str,
+                  prompt_param: str = "prompt") -> SamplerParams:
     """Everything about a request but its input images: this server's limits, an explicit size, and the
     sampler parameters over the server's defaults. A 400 naming the field for anything this server does not
-    make (a pydantic ValidationError raised here is the client's too: the exception handler makes it a 400)."""
+    make (a pydantic ValidationError raised here is the client's too: the exception handler makes it a 400).
+    `prompt_param`: where the prompt stands in the request (an RL request has several)."""
     if len(prompt) > cfg.max_prompt_chars:
-        raise bad_request(f"prompt: at most {cfg.max_prompt_chars} characters on this server", param="prompt",
-                          code="prompt_too_long")
+        raise bad_request(f"{prompt_param}: at most {cfg.max_prompt_chars} characters on this server",
+                          param=prompt_param, code="prompt_too_long")
     _at_most(opts.num_inference_steps, cfg.max_steps, "num_inference_steps")
     _at_most(opts.max_think_tokens, cfg.max_think_tokens, "max_think_tokens")
     resolve_size(cfg, opts)
@@ -160,11 +162,12 @@ def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt
     return fields
 
 
-def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[str, Any]:
-    """The /internal/generate body: `fields` (generate_fields) with understanding's handles, which must match
-    the CFG branches (else a 502: understanding broke the protocol)."""
+def generate_body(fields: dict[str, Any], handles: dict, model: type[GenerateRequest] = GenerateRequest,
+                  **extra: Any) -> dict[str, Any]:
+    """The /internal/generate body (or an RL job's: `model`): `fields` (generate_fields) with understanding's
+    handles, which must match the CFG branches (else a 502: understanding broke the protocol)."""
     try:
-        body = GenerateRequest(**fields, **extra, handles=handles).model_dump(mode="json")
+        body = model(**fields, **extra, handles=handles).model_dump(mode="json")
     except ValidationError as exc:
         raise APIError(502, f"understanding service sent handles that do not fit the job: "
                        f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None

@@ -27,7 +27,6 @@ from .. import interleave
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
-from .lora import adapter_for
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
@@ -98,7 +97,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
-    adapter_for(state, req.model)       # an unknown model: 404 before any work (understanding resolves it again)
+    state.adapters.resolve(req.model)   # an unknown model: 404 before any work (understanding resolves it again)
     if req.wants_interleave:
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
@@ -252,7 +251,7 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
-                    lora=adapter_for(state, req.model), image_offsets=offsets or None)
+                    lora=state.adapters.resolve(req.model), image_offsets=offsets or None)
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:
@@ -307,7 +306,7 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
     first_wh = (checked[0].width, checked[0].height) if checked else None
     generate = generate_fields(state.config, first, mode="edit", prompt="", first_image_wh=first_wh,
                                export_image=True)
-    lora = adapter_for(state, req.model)
+    lora = state.adapters.resolve(req.model)
     if lora is not None:
         generate["lora"] = lora
     answer = interleave.Answer(
