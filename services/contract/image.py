@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from pydantic_core import PydanticCustomError
 
 from . import limits as L
-from .types import INTERNAL, PUBLIC, Float, Int
+from .types import INTERNAL, PUBLIC, CacheSalt, Float, Int
 
 ImageSide = Annotated[Int, Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)]   # pixels
 
@@ -205,8 +205,7 @@ class ImageGenerationRequest(ImageOptions):
     """POST /v1/images/generations (OpenAI fields + u1serve extensions, at the top level or under extra_body)."""
     prompt: str = Field(min_length=1, max_length=L.MAX_PROMPT_CHARS)
     model: Optional[str] = None
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
-                                      description="prefix-cache isolation: only requests with the same salt share")
+    cache_salt: CacheSalt = None
 
     @field_validator("prompt")
     @classmethod
@@ -253,8 +252,7 @@ class PrefixRequest(Guidance):
     think: bool = False
     max_think_tokens: Int = Field(L.DEFAULT_THINK_TOKENS, ge=1, le=L.MAX_THINK_TOKENS)
     stream: bool = False
-    cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
-                                      description="prefix-cache isolation domain")
+    cache_salt: CacheSalt = None
     lora: Optional[str] = LORA_FIELD
     # RL (docs/rl.md): sample the think block instead of greedy decoding, returning each token's log-prob under
     # the processed distribution; or re-prefill an exact think block (scoring)

@@ -10,6 +10,9 @@ from .types import INTERNAL, Float
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}$"
 MAX_LORA_STRENGTH = 100.0
+# generation's retryable 503 for prefix handles of another weights version than its own (a weight update came
+# between a job's prefix and its denoising, generation/weights.py); the gateway then runs the job again
+WEIGHTS_VERSION_MISMATCH = "weights_version_mismatch"
 
 
 class WeightsUpdateRequest(BaseModel):

@@ -19,6 +19,7 @@ import httpx
 
 from services.contract.control import (AbortRequest, AnswerDoneEvent, ErrorEvent, HandlesEvent, ImageEvent,
                                       ProgressEvent, ReleaseRequest, TextEvent, ThinkDeltaEvent)
+from services.contract.rl_weights import WEIGHTS_VERSION_MISMATCH
 from services.kit import timeline
 from services.kit.errors import APIError, unavailable
 
@@ -32,7 +33,6 @@ from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Targe
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"
-WEIGHTS_MISMATCH = "weights_version_mismatch"   # generation/weights.py: the prefix's weights are not its own
 
 
 class Orchestrator:
@@ -52,7 +52,7 @@ class Orchestrator:
                     yield ev
                 return
             except APIError as err:
-                if last or seen or err.code != WEIGHTS_MISMATCH:
+                if last or seen or err.code != WEIGHTS_VERSION_MISMATCH:
                     raise
                 log.info("job %s: weights changed between prefix and denoising; running it again", job.request_id)
 
