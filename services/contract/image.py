@@ -110,7 +110,9 @@ class CacheOptions(BaseModel):
 
 
 def check_cache_for(mode: str, cfg_interval: tuple[float, float], cache: Optional[CacheOptions]) -> None:
-    """A combination the denoiser cannot honour (ValueError)."""
+    """A combination the denoiser cannot honour (ValueError). Evaluated once per hop: by the gateway on the
+    client's options (ImageOptions.sampler), by generation on the job with its own defaults filled in
+    (generation/inputs.parse_job); GenerateRequest itself does not repeat it."""
     if cache is not None and cache.cfg_truncation is not None and mode == "edit" and cfg_interval[0] == 0:
         raise ValueError("cache.cfg_truncation lowers cfg_interval's upper bound, which editing ignores while "
                          "the lower bound is 0")
@@ -311,7 +313,6 @@ class GenerateRequest(SamplerParams):
         if set(self.handles) != set(need):
             raise ValueError(f"these sampling parameters need handles {sorted(need)}, got {sorted(self.handles)}")
         self.handles = {b: self.handles[b] for b in BRANCH_ORDER if b in self.handles}
-        check_cache_for(self.mode, self.cfg_interval, self.cache)
         if self.export_image and self.n != 1:
             raise ValueError("export_image takes n = 1")
         return self

@@ -145,13 +145,15 @@ def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str
 
 
 def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
-                    first_image_wh: tuple[int, int] | None = None, **extra: Any) -> dict[str, Any]:
+                    first_image_wh: tuple[int, int] | None = None, checked: SamplerParams | None = None,
+                    **extra: Any) -> dict[str, Any]:
     """The GenerateRequest fields of a validated request but request_id and handles: the one declaration of
     how an image's generation body is made (image jobs and each image of an interleaved answer). The sampler
     parameters over the server's defaults, the size, the seed (random when absent), the output, the step cache
     (only the fields the client set: generation fills in its own defaults). Checked now with placeholder handles
-    (one per CFG branch) and `extra` (fields the caller adds per image), not after the prefix work."""
-    sampler = check_options(cfg, opts, mode, prompt)
+    (one per CFG branch) and `extra` (fields the caller adds per image), not after the prefix work. `checked`:
+    what check_options already answered for these options (a route checks them before decoding input images)."""
+    sampler = checked if checked is not None else check_options(cfg, opts, mode, prompt)
     width, height = resolve_size(cfg, opts, first_image_wh)
     fields = {**sampler.model_dump(), "width": width, "height": height, "n": opts.n,
               "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
@@ -181,11 +183,12 @@ def generate_body(fields: dict[str, Any], handles: dict, model: type[GenerateReq
 def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
               images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
               cache_salt: str | None = None, lora: str | None = None,
-              image_offsets: list[int] | None = None) -> ImageJob:
-    """The job of a validated request (see check_options for what is refused); `image_offsets`: where each image
-    stands in the prompt (a chat request's part order; none: images first)."""
-    generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh),
-                "request_id": request_id}
+              image_offsets: list[int] | None = None, checked: SamplerParams | None = None) -> ImageJob:
+    """The job of a validated request (see check_options for what is refused; `checked`: its answer, when the
+    route asked it already); `image_offsets`: where each image stands in the prompt (a chat request's part
+    order; none: images first)."""
+    generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh,
+                                  checked=checked), "request_id": request_id}
     prefix = PrefixRequest(request_id=request_id, mode=mode, prompt=prompt, images=images or [],
                            image_offsets=image_offsets,
                            guidance_scale=generate["guidance_scale"],

@@ -246,12 +246,12 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
                           "answer takes one size", param="image_config.size")
     prompt, parts, offsets = last_user_turn(req)
     mode = "edit" if parts else "t2i"
-    check_options(state.config, opts, mode, prompt)            # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)            # before any image is decoded
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
-                    lora=state.adapters.resolve(req.model), image_offsets=offsets or None)
+                    lora=state.adapters.resolve(req.model), image_offsets=offsets or None, checked=sampler)
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:
@@ -301,11 +301,11 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
         raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
     interleave.image_sizes(state.config, opts, None)         # explicit sizes: before any image is decoded
     first = opts.model_copy(update={"size": opts.sizes[0]})
-    check_options(state.config, first, "edit", "")
+    sampler = check_options(state.config, first, "edit", "")
     checked = await state.images.check(image_parts(req, state.config.max_chat_images))
     first_wh = (checked[0].width, checked[0].height) if checked else None
     generate = generate_fields(state.config, first, mode="edit", prompt="", first_image_wh=first_wh,
-                               export_image=True)
+                               checked=sampler, export_image=True)
     lora = state.adapters.resolve(req.model)
     if lora is not None:
         generate["lora"] = lora

@@ -167,9 +167,10 @@ async def edits(request: Request, state: GatewayState = Depends(gateway)):
     if len(raws) > L.MAX_IMAGES_PER_REQUEST:
         raise bad_request(f"at most {L.MAX_IMAGES_PER_REQUEST} input images, got {len(raws)}", param="image",
                           code="too_many_images")
-    check_options(state.config, req, "edit", req.prompt)       # before any image is decoded
+    sampler = check_options(state.config, req, "edit", req.prompt)       # before any image is decoded
     checked = await state.images.check(raws)
     job = build_job(state.config, req, mode="edit", prompt=req.prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked], first_image_wh=(checked[0].width, checked[0].height),
-                    cache_salt=cache_salt(request, state, req.cache_salt), lora=state.adapters.resolve(req.model))
+                    cache_salt=cache_salt(request, state, req.cache_salt), lora=state.adapters.resolve(req.model),
+                    checked=sampler)
     return await serve(request, state, job, "image_edit")

@@ -72,12 +72,13 @@ async def _image_run(request: Request, state: GatewayState, req: ResponsesReques
     opts = _image_options(tool, req.thinking, state.config.sampler.num_inference_steps)
     images = last_user_images(turn_messages) or ([last_image] if last_image else [])
     mode = "edit" if images else "t2i"
-    check_options(state.config, opts, mode, prompt)           # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)           # before any image is decoded
     checked = await state.images.check([(f"input image {k}", ref) for k, ref in enumerate(images)])
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None,
-                    cache_salt=cache_salt(request, state, None), lora=state.adapters.resolve(req.model or tool.model))
+                    cache_salt=cache_salt(request, state, None), lora=state.adapters.resolve(req.model or tool.model),
+                    checked=sampler)
     fields = {"action": "edit" if images else "generate", "size": job.size, "quality": tool.quality,
               "background": "opaque", "output_format": job.output_format}
     return ResponseRun(state, response, rid=job.request_id, job=job, image_fields=fields)
