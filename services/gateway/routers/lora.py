@@ -30,7 +30,8 @@ class LoadLoraAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=L.MAX_LORA_NAME_CHARS)
     lora_path: str = Field(min_length=1, max_length=4096,
                            description="PEFT directory or official .safetensors file, readable by every engine")
-    strength: float = Field(1.0, ge=-100.0, le=100.0, description="u1serve: scale of the adapter's product")
+    strength: float = Field(1.0, ge=-L.MAX_LORA_STRENGTH, le=L.MAX_LORA_STRENGTH,
+                            description="u1serve: scale of the adapter's product")
 
 
 class UnloadLoraAdapterRequest(BaseModel):

@@ -14,6 +14,7 @@ from typing import Literal, Optional
 
 from fastapi import APIRouter, Depends, Query, Request
 
+from services.contract import limits as L
 from services.contract.rl_weights import VERSION_PATTERN, WeightsStatus, WeightsUpdateRequest, WeightsUpdateResponse
 from services.kit.web import ParsedJsonRoute
 
@@ -39,7 +40,7 @@ async def upload_weights(request: Request, version: Optional[str] = Query(None, 
                          kind: Literal["weights", "lora"] = Query("weights", description=(
                              "weights: tensors under the checkpoint's key names; lora: an adapter (official "
                              "layout) applied as a delta")),
-                         lora_strength: float = Query(1.0, ge=-100.0, le=100.0),
+                         lora_strength: float = Query(1.0, ge=-L.MAX_LORA_STRENGTH, le=L.MAX_LORA_STRENGTH),
                          state: GatewayState = Depends(gateway)):
     """The same update with the safetensors file as the request body (for trainers without a shared file
     system: small models, LoRA deltas)."""
