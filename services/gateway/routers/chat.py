@@ -226,7 +226,7 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
                           "answer takes one size", param="image_config.size")
     prompt, parts, offsets = last_user_turn(req)
     mode = "edit" if parts else "t2i"
-    sampler = check_options(state.config, opts, mode, prompt)            # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)   # before any image is decoded
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],

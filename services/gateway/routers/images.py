@@ -167,7 +167,7 @@ async def edits(request: Request, state: GatewayState = Depends(gateway)):
     if len(raws) > L.MAX_IMAGES_PER_REQUEST:
         raise bad_request(f"at most {L.MAX_IMAGES_PER_REQUEST} input images, got {len(raws)}", param="image",
                           code="too_many_images")
-    sampler = check_options(state.config, req, "edit", req.prompt)       # before any image is decoded
+    sampler = check_options(state.config, req, "edit", req.prompt)   # before any image is decoded
     checked = await state.images.check(raws)
     job = build_job(state.config, req, mode="edit", prompt=req.prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked], first_image_wh=(checked[0].width, checked[0].height),

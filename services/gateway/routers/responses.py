@@ -72,7 +72,7 @@ async def _image_run(request: Request, state: GatewayState, req: ResponsesReques
     opts = _image_options(tool, req.thinking, state.config.sampler.num_inference_steps)
     images = last_user_images(turn_messages) or ([last_image] if last_image else [])
     mode = "edit" if images else "t2i"
-    sampler = check_options(state.config, opts, mode, prompt)           # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)   # before any image is decoded
     checked = await state.images.check([(f"input image {k}", ref) for k, ref in enumerate(images)])
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
