@@ -12,14 +12,13 @@ from services.kit.streaming import OwnedStream
 from services.kit.web import ParsedJsonRoute
 
 from ..context import cache_salt, caller_identity, gateway, request_id
+from ..relay import client_gone
 from ..rl_run import rollout as run_rollout, score as run_score
 from ..schemas import ERRORS
 from ..state import GatewayState
 from ..trajectories import engine_error
 
 router = APIRouter(tags=["rl"], route_class=ParsedJsonRoute)
-
-
 ROLLOUT_EXAMPLE = {"model": "sensenova-u1", "prompts": [{"prompt": "a red cube on a table"}], "group_size": 4,
                    "size": "512x512", "num_inference_steps": 10, "guidance_scale": 4.0,
                    "sde": {"kind": "flow", "noise_level": 0.7, "window": {"start": 0, "size": 3}}, "seed": 42}
@@ -40,7 +39,7 @@ async def rollout(request: Request, body: RolloutRequest = Body(openapi_examples
     samples of a prompt share one prefix prefill unless they sample their own think text."""
     out = await run_rollout(request, state, body, rid=request_id(request), owner=caller_identity(request).owner,
                             salt=cache_salt(request, state, None))
-    return Response(status_code=499) if out is None else out
+    return client_gone() if out is None else out
 
 
 @router.post("/v1/rl/score", response_model=ScoreResponse,
@@ -52,7 +51,7 @@ async def score(request: Request, body: ScoreRequest = Body(openapi_examples={"r
     rollout's prompts and sampling fields. ODE steps are null."""
     out = await run_score(request, state, body, rid=request_id(request), owner=caller_identity(request).owner,
                           salt=cache_salt(request, state, None))
-    return Response(status_code=499) if out is None else out
+    return client_gone() if out is None else out
 
 
 TRAJECTORY_DOC = {200: {"description": "safetensors bytes (streamed, Content-Length set): latents f32 [S, N+1, 3, H, W], timesteps f32 [N+1], "
