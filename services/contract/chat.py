@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from . import limits as L
 from .image import ImageOptions
-from .types import PUBLIC, Float, Int
+from .types import PUBLIC, CacheSalt, Float, Int
 
 _TOKEN_ID = re.compile(r"\s*[0-9]{1,10}\s*")   # a non-negative token id, in ASCII digits
 
@@ -201,8 +201,7 @@ class ChatCompletionRequest(TextSampling):
                                                       "stop_token_ids id) when the answer stopped on one; an "
                                                       "interleaved answer spells each image as <img>, one "
                                                       "<IMG_CONTEXT> per token, </img>")
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
-                                      description="prefix-cache isolation: only requests with the same salt share")
+    cache_salt: CacheSalt = None
 
     @model_validator(mode="after")
     def _has_user(self) -> "ChatCompletionRequest":

@@ -9,6 +9,12 @@ Generation's `/internal/generate` and `/internal/rl/*` streams are SSE of `Gener
 starts with `queued` when the job is accepted; `progress` after each step; `partial_image` at the preview steps;
 `image` per image (its `image_handle` only when the float image was exported for an interleaved answer);
 `rl_result` for RL jobs; an `error` ends a job that failed (then `[DONE]`).
+
+Understanding's prefix streams (`/internal/image_prefix` and `/internal/interleave_segment`, with stream) are SSE
+of `PrefixEvent`s, then `[DONE]`: `think_delta` while a think block is decoded (image prefix), `text` while an
+interleaved answer's text is decoded, then `handles` (one KVHandle per CFG branch: the job goes on to
+generation), or `done` when an interleaved answer ends without another image; an `error` ends a stream that
+failed.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, Field
 
 from . import limits as L
+from .image import Branch
 from .types import INTERNAL
 
 
@@ -108,3 +115,44 @@ def wire(event: BaseModel) -> dict:
     given = event.model_fields_set
     fields = [k for k in type(event).model_fields if k in given and k != "type"]
     return {"type": event.type, **{k: getattr(event, k) for k in fields}}
+
+
+# -- understanding's prefix stream ---------------------------------------------------------------------------
+class ThinkDeltaEvent(BaseModel):
+    type: Literal["think_delta"] = "think_delta"
+    text: str = Field(description="the next piece of the think text")
+
+
+class TextEvent(BaseModel):
+    """A piece of an interleaved answer's text (its token ids with return_token_ids; a first segment's first
+    event also carries the prompt's ids)."""
+    type: Literal["text"] = "text"
+    reasoning: str
+    content: str
+    token_ids: Optional[list[int]] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+class HandlesEvent(BaseModel):
+    """The prefix is exported: one KVHandle dict per CFG branch, which the receiver now owns."""
+    type: Literal["handles"] = "handles"
+    handles: dict[Branch, dict]
+    think_text: Optional[str] = Field(None, description="the decoded think block (think mode)")
+    think_token_ids: Optional[list[int]] = Field(None, description="RL: the sampled think tokens")
+    think_logprobs: Optional[list[float]] = Field(None, description="RL: their log-probs")
+    token_ids: Optional[list[int]] = Field(None, description="interleave: the segment's text tokens")
+    usage: Optional[dict[str, Any]] = Field(None, description="interleave: the segment's token counts")
+    image_span_ids: Optional[list[int]] = Field(None, description="interleave: <img>, <IMG_CONTEXT>, </img>")
+
+
+class AnswerDoneEvent(BaseModel):
+    """An interleaved answer ended in this segment's text (no handles follow)."""
+    type: Literal["done"] = "done"
+    finish_reason: str
+    token_ids: list[int] = Field(description="the segment's text tokens")
+    usage: dict[str, Any]
+    image_span_ids: Optional[list[int]] = None
+
+
+PrefixEvent = Annotated[Union[ThinkDeltaEvent, TextEvent, HandlesEvent, AnswerDoneEvent, ErrorEvent],
+                        Field(discriminator="type")]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_va
 from pydantic_core import PydanticCustomError
 
 from . import limits as L
-from .types import INTERNAL, PUBLIC, Float, Int
+from .types import INTERNAL, PUBLIC, CacheSalt, Float, Int
 
 ImageSide = Annotated[Int, Field(ge=L.MIN_IMAGE_SIDE, le=L.MAX_IMAGE_SIDE)]   # pixels
 
@@ -110,7 +110,9 @@ class CacheOptions(BaseModel):
 
 
 def check_cache_for(mode: str, cfg_interval: tuple[float, float], cache: Optional[CacheOptions]) -> None:
-    """A combination the denoiser cannot honour (ValueError)."""
+    """A combination the denoiser cannot honour (ValueError). Evaluated once per hop: by the gateway on the
+    client's options (ImageOptions.sampler), by generation on the job with its own defaults filled in
+    (generation/inputs.parse_job); GenerateRequest itself does not repeat it."""
     if cache is not None and cache.cfg_truncation is not None and mode == "edit" and cfg_interval[0] == 0:
         raise ValueError("cache.cfg_truncation lowers cfg_interval's upper bound, which editing ignores while "
                          "the lower bound is 0")
@@ -205,8 +207,7 @@ class ImageGenerationRequest(ImageOptions):
     """POST /v1/images/generations (OpenAI fields + u1serve extensions, at the top level or under extra_body)."""
     prompt: str = Field(min_length=1, max_length=L.MAX_PROMPT_CHARS)
     model: Optional[str] = None
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS,
-                                      description="prefix-cache isolation: only requests with the same salt share")
+    cache_salt: CacheSalt = None
 
     @field_validator("prompt")
     @classmethod
@@ -253,8 +254,7 @@ class PrefixRequest(Guidance):
     think: bool = False
     max_think_tokens: Int = Field(L.DEFAULT_THINK_TOKENS, ge=1, le=L.MAX_THINK_TOKENS)
     stream: bool = False
-    cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS,
-                                      description="prefix-cache isolation domain")
+    cache_salt: CacheSalt = None
     lora: Optional[str] = LORA_FIELD
     # RL (docs/rl.md): sample the think block instead of greedy decoding, returning each token's log-prob under
     # the processed distribution; or re-prefill an exact think block (scoring)
@@ -313,7 +313,6 @@ class GenerateRequest(SamplerParams):
         if set(self.handles) != set(need):
             raise ValueError(f"these sampling parameters need handles {sorted(need)}, got {sorted(self.handles)}")
         self.handles = {b: self.handles[b] for b in BRANCH_ORDER if b in self.handles}
-        check_cache_for(self.mode, self.cfg_interval, self.cache)
         if self.export_image and self.n != 1:
             raise ValueError("export_image takes n = 1")
         return self

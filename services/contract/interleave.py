@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, field_validator
 from . import limits as L
 from .chat import ChatMessage, LogitBias
 from .image import LORA_FIELD, Guidance
-from .types import INTERNAL, Int
+from .types import INTERNAL, CacheSalt, Int
 
 # The three CFG branches of an interleaved image (interleave_spec §2.1) under the edit rule's names, whose
 # combination formulas are the same: cond = the whole conversation, img_cond = "tu" (images only, no text),
@@ -55,7 +55,7 @@ class InterleaveSegmentRequest(Guidance, LogitBias):
     transcript: list[Union[TranscriptText, TranscriptImage]] = Field(default_factory=list)
     max_tokens: Int = Field(ge=1, description="text tokens this segment may decode")
     images_left: Int = Field(ge=0, le=L.MAX_INTERLEAVE_IMAGES, description="0: an <img> ends the answer")
-    cache_salt: Optional[str] = Field(None, max_length=L.MAX_CACHE_SALT_CHARS)
+    cache_salt: CacheSalt = None
     lora: Optional[str] = LORA_FIELD
     return_token_ids: bool = Field(False, description="text events carry their token ids; the final event the "
                                                       "image span ids, and the prompt's ids on a first segment")

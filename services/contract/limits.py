@@ -51,3 +51,4 @@ MAX_INPUT_IMAGE_PIXELS = 4096 * 4096              # one image (header width x he
 MAX_INPUT_REQUEST_PIXELS = 32 * 1024 * 1024       # all input images of one request
 MAX_CHAT_IMAGES = 16                              # image parts of one chat request
 MAX_LORA_NAME_CHARS = 256       # a LoRA adapter name (a `model` value, docs/lora.md)
+MAX_LORA_STRENGTH = 100.0       # |scale| of an adapter's product (a loaded adapter, or a weight update's delta)

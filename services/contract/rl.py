@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from . import limits as L
-from .image import CfgNorm, GenerateRequest, OutputFormat, not_blank
+from .image import CfgNorm, GenerateRequest, ImageOptions, OutputFormat, default, not_blank
 from .types import INTERNAL, PUBLIC, Float, Int
 
 MAX_RL_PROMPTS = 64
@@ -132,6 +132,14 @@ class RLSampling(BaseModel):
     @property
     def width_height(self) -> tuple[int, int]:
         return parse_size(self.size)
+
+    def image_options(self) -> ImageOptions:
+        """The sampling fields as the images API's options (so the gateway checks them as it checks an image
+        request's); the CFG interval, which RL does not expose, is the sampler's default."""
+        return ImageOptions(size=self.size, num_inference_steps=self.num_inference_steps,
+                            guidance_scale=self.guidance_scale, image_guidance_scale=self.image_guidance_scale,
+                            timestep_shift=self.timestep_shift, t_eps=self.t_eps, cfg_norm=self.cfg_norm,
+                            cfg_interval=default("cfg_interval"))
 
     def thinks(self, p: int) -> bool:
         """Whether prompt p samples think text."""

@@ -6,10 +6,13 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from . import limits as L
 from .types import INTERNAL, Float
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}$"
-MAX_LORA_STRENGTH = 100.0
+# generation's retryable 503 for prefix handles of another weights version than its own (a weight update came
+# between a job's prefix and its denoising, generation/weights.py); the gateway then runs the job again
+WEIGHTS_VERSION_MISMATCH = "weights_version_mismatch"
 
 
 class WeightsUpdateRequest(BaseModel):
@@ -21,7 +24,7 @@ class WeightsUpdateRequest(BaseModel):
     lora: Optional[str] = Field(None, min_length=1, max_length=4096, description=(
         "LoRA adapter applied as a delta to the current weights (after `path`'s): the official layout "
         "(X.lora_down/lora_up/alpha) or a PEFT directory (adapter_model.safetensors + adapter_config.json)"))
-    lora_strength: Float = Field(1.0, ge=-MAX_LORA_STRENGTH, le=MAX_LORA_STRENGTH)
+    lora_strength: Float = Field(1.0, ge=-L.MAX_LORA_STRENGTH, le=L.MAX_LORA_STRENGTH)
     version: Optional[str] = Field(None, pattern=VERSION_PATTERN, description=(
         "the new stack-wide weights version (default: the current one incremented)"))
 
@@ -60,7 +63,7 @@ class WeightsStageBody(BaseModel):
     version: str = Field(pattern=VERSION_PATTERN)
     path: Optional[str] = Field(None, min_length=1, max_length=4096)
     lora: Optional[str] = Field(None, min_length=1, max_length=4096)
-    lora_strength: Float = Field(1.0, ge=-MAX_LORA_STRENGTH, le=MAX_LORA_STRENGTH)
+    lora_strength: Float = Field(1.0, ge=-L.MAX_LORA_STRENGTH, le=L.MAX_LORA_STRENGTH)
 
 
 class WeightsCommitBody(BaseModel):

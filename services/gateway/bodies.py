@@ -10,7 +10,7 @@ from services.contract.rl import MAX_SCORE_BODY_BYTES
 from services.kit.bodies import JSON, MULTIPART, BodyRule, BodyRules
 
 from .config import GatewayConfig
-from .routers.rl_weights import UPLOAD_MAX_BYTES
+from .weights_upload import UPLOAD_MAX_BYTES
 
 MiB = 1024 * 1024
 OCTETS = "application/octet-stream"

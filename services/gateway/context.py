@@ -8,6 +8,7 @@ from typing import Optional
 
 from fastapi import Request
 
+from services.contract.rl import OPEN_OWNER
 from services.kit.errors import APIError
 from services.kit.middleware import bearer_key
 
@@ -51,7 +52,7 @@ def caller_identity(request: Request) -> CallerIdentity:
     key = bearer_key(request.scope)
     role = request.scope.get("state", {}).get("role") or role_of(request.app.state.gateway.config, key)
     if role == OPEN or key is None:
-        return CallerIdentity(OPEN, OPEN)
+        return CallerIdentity(OPEN, OPEN_OWNER)
     if role == OPERATOR:
         raise APIError(403, "the operator key owns nothing here; use a tenant key", type="permission_error",
                        code="tenant_key_required")

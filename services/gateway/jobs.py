@@ -20,7 +20,7 @@ from .routing import image_key
 
 class GenerationTarget:
     """What the orchestrator asks of every job about its generation call (ImageJob, interleave.Segment; RL jobs in
-    routers/rl.py override both)."""
+    rl_jobs.py override both)."""
 
     def generate_path(self) -> str:
         """Generation's route for this job."""
@@ -129,13 +129,15 @@ def resolve_size(cfg: GatewayConfig, opts: ImageOptions,
     return cfg.default_size
 
 
-def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str) -> SamplerParams:
+def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str,
+                  prompt_param: str = "prompt") -> SamplerParams:
     """Everything about a request but its input images: this server's limits, an explicit size, and the
     sampler parameters over the server's defaults. A 400 naming the field for anything this server does not
-    make (a pydantic ValidationError raised here is the client's too: the exception handler makes it a 400)."""
+    make (a pydantic ValidationError raised here is the client's too: the exception handler makes it a 400).
+    `prompt_param`: where the prompt stands in the request (an RL request has several)."""
     if len(prompt) > cfg.max_prompt_chars:
-        raise bad_request(f"prompt: at most {cfg.max_prompt_chars} characters on this server", param="prompt",
-                          code="prompt_too_long")
+        raise bad_request(f"{prompt_param}: at most {cfg.max_prompt_chars} characters on this server",
+                          param=prompt_param, code="prompt_too_long")
     _at_most(opts.num_inference_steps, cfg.max_steps, "num_inference_steps")
     _at_most(opts.max_think_tokens, cfg.max_think_tokens, "max_think_tokens")
     resolve_size(cfg, opts)
@@ -143,13 +145,15 @@ def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str
 
 
 def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
-                    first_image_wh: tuple[int, int] | None = None, **extra: Any) -> dict[str, Any]:
+                    first_image_wh: tuple[int, int] | None = None, checked: SamplerParams | None = None,
+                    **extra: Any) -> dict[str, Any]:
     """The GenerateRequest fields of a validated request but request_id and handles: the one declaration of
     how an image's generation body is made (image jobs and each image of an interleaved answer). The sampler
     parameters over the server's defaults, the size, the seed (random when absent), the output, the step cache
     (only the fields the client set: generation fills in its own defaults). Checked now with placeholder handles
-    (one per CFG branch) and `extra` (fields the caller adds per image), not after the prefix work."""
-    sampler = check_options(cfg, opts, mode, prompt)
+    (one per CFG branch) and `extra` (fields the caller adds per image), not after the prefix work. `checked`:
+    what check_options already answered for these options (a route checks them before decoding input images)."""
+    sampler = checked if checked is not None else check_options(cfg, opts, mode, prompt)
     width, height = resolve_size(cfg, opts, first_image_wh)
     fields = {**sampler.model_dump(), "width": width, "height": height, "n": opts.n,
               "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
@@ -160,11 +164,12 @@ def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt
     return fields
 
 
-def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[str, Any]:
-    """The /internal/generate body: `fields` (generate_fields) with understanding's handles, which must match
-    the CFG branches (else a 502: understanding broke the protocol)."""
+def generate_body(fields: dict[str, Any], handles: dict, model: type[GenerateRequest] = GenerateRequest,
+                  **extra: Any) -> dict[str, Any]:
+    """The /internal/generate body (or an RL job's: `model`): `fields` (generate_fields) with understanding's
+    handles, which must match the CFG branches (else a 502: understanding broke the protocol)."""
     try:
-        body = GenerateRequest(**fields, **extra, handles=handles).model_dump(mode="json")
+        body = model(**fields, **extra, handles=handles).model_dump(mode="json")
     except ValidationError as exc:
         raise APIError(502, f"understanding service sent handles that do not fit the job: "
                        f"{exc.errors()[0]['msg']}", code="upstream_protocol_error") from None
@@ -178,11 +183,12 @@ def generate_body(fields: dict[str, Any], handles: dict, **extra: Any) -> dict[s
 def build_job(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str, request_id: str,
               images: list[str] | None = None, first_image_wh: tuple[int, int] | None = None,
               cache_salt: str | None = None, lora: str | None = None,
-              image_offsets: list[int] | None = None) -> ImageJob:
-    """The job of a validated request (see check_options for what is refused); `image_offsets`: where each image
-    stands in the prompt (a chat request's part order; none: images first)."""
-    generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh),
-                "request_id": request_id}
+              image_offsets: list[int] | None = None, checked: SamplerParams | None = None) -> ImageJob:
+    """The job of a validated request (see check_options for what is refused; `checked`: its answer, when the
+    route asked it already); `image_offsets`: where each image stands in the prompt (a chat request's part
+    order; none: images first)."""
+    generate = {**generate_fields(cfg, opts, mode=mode, prompt=prompt, first_image_wh=first_image_wh,
+                                  checked=checked), "request_id": request_id}
     prefix = PrefixRequest(request_id=request_id, mode=mode, prompt=prompt, images=images or [],
                            image_offsets=image_offsets,
                            guidance_scale=generate["guidance_scale"],

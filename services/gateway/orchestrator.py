@@ -17,12 +17,14 @@ from typing import AsyncIterator, Optional
 
 import httpx
 
-from services.contract.control import AbortRequest, ErrorEvent, ImageEvent, ProgressEvent, ReleaseRequest
+from services.contract.control import (AbortRequest, AnswerDoneEvent, ErrorEvent, HandlesEvent, ImageEvent,
+                                      ProgressEvent, ReleaseRequest, TextEvent, ThinkDeltaEvent)
+from services.contract.rl_weights import WEIGHTS_VERSION_MISMATCH
 from services.kit import timeline
 from services.kit.errors import APIError, unavailable
 
 from .config import GatewayConfig
-from .gen_events import generation_event, relayed
+from .engine_events import generation_event, prefix_event, relayed
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
@@ -31,7 +33,6 @@ from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Targe
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"
-WEIGHTS_MISMATCH = "weights_version_mismatch"   # generation/weights.py: the prefix's weights are not its own
 
 
 class Orchestrator:
@@ -51,13 +52,13 @@ class Orchestrator:
                     yield ev
                 return
             except APIError as err:
-                if last or seen or err.code != WEIGHTS_MISMATCH:
+                if last or seen or err.code != WEIGHTS_VERSION_MISMATCH:
                     raise
                 log.info("job %s: weights changed between prefix and denoising; running it again", job.request_id)
 
     async def attempt(self, job: ImageJob, deadline: Deadline, pins: Optional[dict] = None) -> AsyncIterator[dict]:
-        """Yield the engines' events: think_delta (or a segment's `text`), think_done (with the rest of the
-        handles event under `prefix`), then generation's, checked against the contract (gen_events.py: queued,
+        """Yield the engines' events, checked against the contract (engine_events.py): think_delta (or a segment's
+        `text`), think_done (with the rest of the handles event under `prefix`), then generation's (queued,
         progress, partial_image, image, rl_result); or `answer_done` when an interleave segment ends the answer.
         `pins` {service: url} keeps the job on the endpoints an earlier part of the same answer used (filled in
         here). Raises APIError; cancelling or closing the iterator undoes the job."""
@@ -79,21 +80,22 @@ class Orchestrator:
                 if resp.status_code != 200:
                     working = None
                     raise await error_from_response(resp, UND, deadline)
-                async for ev in deadline.events(resp, UND):
-                    kind = ev.get("type")
-                    if kind == "think_delta":
-                        yield {"type": "think_delta", "text": ev.get("text") or ""}
-                    elif kind == "text":
-                        yield ev
-                    elif kind == "handles":
-                        handles.received(ev.get("handles"))
-                        think_text = ev.get("think_text")
-                        prefix = {k: v for k, v in ev.items() if k not in ("type", "handles", "think_text")}
-                    elif kind == "done":
-                        ended = ev
-                    elif kind == "error":
+                async for raw in deadline.events(resp, UND):
+                    ev = prefix_event(raw)           # the contract's types (engine_events.py); None: undeclared
+                    if isinstance(ev, ThinkDeltaEvent):
+                        yield {"type": "think_delta", "text": ev.text}
+                    elif isinstance(ev, TextEvent):
+                        yield relayed(raw, ev)
+                    elif isinstance(ev, HandlesEvent):
+                        handles.received(ev.handles)
+                        think_text = ev.think_text
+                        prefix = {k: v for k, v in relayed(raw, ev).items()
+                                  if k not in ("type", "handles", "think_text")}
+                    elif isinstance(ev, AnswerDoneEvent):
+                        ended = relayed(raw, ev)
+                    elif isinstance(ev, ErrorEvent):
                         working = None
-                        raise error_from_event(ev, UND)
+                        raise error_from_event(raw, UND)
             working = None
             if ended is not None and handles.owner != GATEWAY:
                 yield {**ended, "type": "answer_done"}
@@ -118,7 +120,7 @@ class Orchestrator:
                     raise await error_from_response(resp, GEN, deadline)
                 handles.accepted()
                 async for raw in deadline.events(resp, GEN):
-                    ev = generation_event(raw)       # the contract's types (gen_events.py); None: undeclared
+                    ev = generation_event(raw)       # the contract's types (engine_events.py); None: undeclared
                     if isinstance(ev, ErrorEvent):
                         # the job is over on generation's side: it imports nothing after this
                         working = None

@@ -16,9 +16,9 @@ from typing import Any, AsyncIterator, Optional
 from services.kit import sse
 from services.kit.errors import APIError
 
+from .chat_upstream import UND, abort_chat_later, open_chat
 from .jobs import ImageJob
 from .responses_store import new_id
-from .routers.chat import UND, _abort_later, _open as open_chat
 from .routing import conversation_key
 from .state import GatewayState
 from .upstream import Target, engine_headers, error_from_event, reading
@@ -63,7 +63,7 @@ async def chat_chunks(state: GatewayState, body: dict, rid: str) -> AsyncIterato
         finished = True
     finally:
         if not finished:
-            _abort_later(state, target, hdrs, rid)
+            abort_chat_later(state, target, hdrs, rid)
 
 
 class ResponseRun:

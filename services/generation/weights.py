@@ -19,12 +19,12 @@ import collections
 import time
 from typing import Callable, Optional
 
+from services.contract.rl_weights import WEIGHTS_VERSION_MISMATCH
 from services.kit.errors import APIError
 from services.kit.weights_api import WeightsEndpoint
 
 from .protocol import WeightsOp
 
-MISMATCH = "weights_version_mismatch"
 
 
 def handles_version(spec) -> Optional[str]:
@@ -116,7 +116,7 @@ class RankWeights:
 
 def mismatch(theirs: Optional[str], ours: str) -> APIError:
     return APIError(503, f"the image prefix was computed under weights version {theirs!r}, generation now serves "
-                    f"{ours!r} (a weight update happened in between); retry the request", code=MISMATCH)
+                    f"{ours!r} (a weight update happened in between); retry the request", code=WEIGHTS_VERSION_MISMATCH)
 
 
 # -- the HTTP process ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ LORA_TIMEOUT_S = 600.0      # reading an adapter + waiting for the step in fligh
 class LoraLoadBody(BaseModel):
     name: str = Field(min_length=1, max_length=L.MAX_LORA_NAME_CHARS)
     path: str = Field(min_length=1, max_length=4096)
-    strength: float = Field(1.0, ge=-100.0, le=100.0)
+    strength: float = Field(1.0, ge=-L.MAX_LORA_STRENGTH, le=L.MAX_LORA_STRENGTH)
 
 
 class LoraUnloadBody(BaseModel):

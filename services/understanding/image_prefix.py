@@ -17,6 +17,7 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import Response
 
+from services.contract.control import HandlesEvent, ThinkDeltaEvent, wire
 from services.contract.image import PrefixRequest
 from services.kit import sse
 from services.kit.errors import APIError, bad_request, overloaded, unavailable
@@ -104,7 +105,8 @@ class PrefixJob:
         self.admission.close()
 
     async def events(self):
-        """Contract events: think_delta..., then handles (or one APIError, the last item)."""
+        """The prefix stream's contract events (services/contract/control.py): ThinkDeltaEvent..., then
+        HandlesEvent (or one APIError, the last item)."""
         st = self.svc.state
         tok = st.tok
         detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
@@ -122,7 +124,7 @@ class PrefixJob:
                     if o.new_ids and branch == "cond":
                         delta = detok.push(o.new_ids)
                         if delta:
-                            yield {"type": "think_delta", "text": delta}
+                            yield ThinkDeltaEvent(text=delta)
                     if o.finish_reason is None:
                         pending[branch] = asyncio.ensure_future(self.queues[branch].get())
                         continue
@@ -134,15 +136,13 @@ class PrefixJob:
                         think_ids = o.think_ids
             tail = detok.flush()
             if tail:
-                yield {"type": "think_delta", "text": tail}
+                yield ThinkDeltaEvent(text=tail)
             st.metrics.prefix_export.observe(time.monotonic() - self.t0)
             # from here on the client may hold the handles: never free them under it (a client that vanishes
             # now leaks them only until their lease expires)
             self.pages.hand_out()
-            ev = {"type": "handles", "handles": done, "think_text": tok.decode(think_ids) if self.think else None}
-            if self.sampled:           # RL: the sampled think tokens and their log-probs
-                ev.update(think_token_ids=think_ids, think_logprobs=think_lps)
-            yield ev
+            sampled = {"think_token_ids": think_ids, "think_logprobs": think_lps} if self.sampled else {}   # RL
+            yield HandlesEvent(handles=done, think_text=tok.decode(think_ids) if self.think else None, **sampled)
         finally:
             for f in pending.values():
                 f.cancel()
@@ -286,7 +286,7 @@ class ImagePrefixService:
         if req.stream:
             async def stream():
                 async for ev in run:
-                    yield sse.encode(ev.event() if isinstance(ev, APIError) else ev)
+                    yield sse.encode(ev.event() if isinstance(ev, APIError) else wire(ev))
                 yield sse.encode(sse.DONE)
             return sse_response(stream(), cleanup)
 
@@ -294,8 +294,8 @@ class ImagePrefixService:
             async for ev in run:
                 if isinstance(ev, APIError):
                     raise ev
-                if ev["type"] == "handles":
-                    return {"request_id": req.request_id, "handles": ev["handles"], "think_text": ev["think_text"]}
+                if isinstance(ev, HandlesEvent):
+                    return {"request_id": req.request_id, "handles": ev.handles, "think_text": ev.think_text}
             raise APIError(500, "image prefix ended without handles", code="internal")
 
         finished, result = await until_done_or_gone(request, consume, cleanup)

@@ -8,9 +8,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, Field, ValidationError
 
-from services.contract import limits as L
 from services.contract.chat import ChatMessage, ImagePart, TextSampling
-from services.contract.types import PUBLIC
+from services.contract.types import PUBLIC, CacheSalt
 from services.kit.errors import APIError, bad_request, from_validation
 from services.model import images as IM
 
@@ -100,7 +99,7 @@ class NativeRequest(BaseModel):
 
 
 class NativeSampling(TextSampling):
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=L.MAX_CACHE_SALT_CHARS)
+    cache_salt: CacheSalt = None
 
 
 def native_sampling(parameters: dict[str, Any]) -> NativeSampling:

@@ -21,6 +21,7 @@ import uuid
 from typing import Optional
 
 from services.contract.chat import TextSampling
+from services.contract.control import AnswerDoneEvent, HandlesEvent, TextEvent, wire
 from services.contract.interleave import (ALL_UNCOND, FLOAT_IMAGE_BRANCH, TEXT_FREE, InterleaveSegmentRequest,
                                           TranscriptImage)
 from services.kit import sse
@@ -185,14 +186,13 @@ class InterleaveService:
             nonlocal job
             ev, ids = first, []
             if req.return_token_ids and not req.transcript:     # the answer's first segment: its prompt first
-                yield {"type": "text", "reasoning": "", "content": "", "token_ids": [],
-                       "prompt_token_ids": list(cond.input_ids)}
+                yield TextEvent(reasoning="", content="", token_ids=[], prompt_token_ids=list(cond.input_ids))
             while True:
                 ids.extend(ev["ids"])
                 new = [t for t in ev["ids"] if t not in ends or t in answer_ends] if req.return_token_ids else []
                 if ev["reasoning"] or ev["content"] or new:
-                    text = {"type": "text", "reasoning": ev["reasoning"], "content": ev["content"]}
-                    yield {**text, "token_ids": new} if req.return_token_ids else text
+                    ids_given = {"token_ids": new} if req.return_token_ids else {}
+                    yield TextEvent(reasoning=ev["reasoning"], content=ev["content"], **ids_given)
                 if "finish_reason" in ev:
                     break
                 ev = await anext(gen)
@@ -204,8 +204,7 @@ class InterleaveService:
             extra = {"image_span_ids": [tok.img_start_id, tok.img_context_id, tok.img_end_id]} \
                 if req.return_token_ids else {}
             if stop != tok.img_start_id or req.images_left <= 0:
-                yield {"type": "done", "finish_reason": final["finish_reason"], "token_ids": seg, "usage": usage,
-                       **extra}
+                yield AnswerDoneEvent(finish_reason=final["finish_reason"], token_ids=seg, usage=usage, **extra)
                 return
             inputs = {"cond": PR.PromptInput(cond.input_ids + seg + [tok.img_start_id], cond.images),
                       TEXT_FREE: PR.PromptInput(tu.input_ids + [tok.img_start_id], tu.images),
@@ -220,13 +219,13 @@ class InterleaveService:
             async for pev in job.events():
                 if isinstance(pev, APIError):
                     raise pev
-                if pev["type"] == "handles":
-                    yield {"type": "handles", "handles": pev["handles"], "token_ids": seg, "usage": usage, **extra}
+                if isinstance(pev, HandlesEvent):
+                    yield HandlesEvent(handles=pev.handles, token_ids=seg, usage=usage, **extra)
 
         async def stream():
             try:
                 async for ev in events():
-                    yield sse.encode(ev)
+                    yield sse.encode(wire(ev))
             except APIError as e:
                 yield sse.encode(e.event())
             yield sse.encode(sse.DONE)

@@ -1,7 +1,7 @@
 """What the gateway sends to the engines and relays back, against a scripted HTTP peer standing in for both
 engines (conftest.Peer): the bodies it sends (cache salt, flow_shift on chat images, extension fields, the
-internal token), engine 429s passed on with Retry-After, unknown event fields relayed, malformed generation events
-refused, and the prefix handles released on every early end once the gateway owns them."""
+internal token), engine 429s passed on with Retry-After, unknown event fields relayed, malformed generation and
+prefix-stream events refused, and the prefix handles released on every early end once the gateway owns them."""
 import asyncio
 import hashlib
 
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from services.kit import sse
 from tests.waiting import wait_until
 
-from .conftest import API_KEY, API_KEY_2, sse_response
+from .conftest import API_KEY, API_KEY_2, fake_handles, sse_response
 
 CHAT = "/v1/chat/completions"
 GEN = "/v1/images/generations"
@@ -141,6 +141,30 @@ def test_unknown_event_fields_are_relayed_unknown_events_skipped_malformed_ones_
         assert err["code"] == "upstream_protocol_error" and "image event (b64: Field required)" in err["message"]
         released = wait_until(lambda: peer.bodies("/internal/release")[before:], 15)
         assert released[0]["handles"] == list(peer.bodies("/internal/generate")[-1]["handles"].values())
+
+
+def test_prefix_stream_events_are_read_through_the_contract(side_gateway, peer, keyfile):
+    """Understanding's prefix stream is parsed as the contract's PrefixEvent: an undeclared event type is skipped,
+    a declared one whose fields do not fit (a handles event without its handles, a think_delta without text)
+    ends the job with a 502 naming the field, before generation is asked anything."""
+    base = gw(side_gateway, peer, keyfile)
+    peer.replies["/internal/image_prefix"] = lambda body: sse_response(
+        {"type": "keepalive"}, {"type": "think_delta", "text": "a cube"},
+        {"type": "handles", "handles": fake_handles(body), "think_text": "a cube"})
+    r = post(base, GEN, {"prompt": "p", "size": "64x64", "think": True, "stream": True})
+    assert r.status_code == 200, r.text
+    evs = events(r)
+    assert [e["type"] for e in evs[:-1]] == ["image_generation.think_delta", "image_generation.think_done",
+                                             "image_generation.progress", "image_generation.completed"]
+    asked = len(peer.bodies("/internal/generate"))
+    for bad, where in (({"type": "handles", "think_text": None}, "handles event (handles: Field required)"),
+                       ({"type": "think_delta"}, "think_delta event (text: Field required)")):
+        peer.replies["/internal/image_prefix"] = lambda body, bad=bad: sse_response(bad)
+        r = post(base, GEN, {"prompt": "p", "size": "64x64"})
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "upstream_protocol_error" and where in err["message"], err
+    assert len(peer.bodies("/internal/generate")) == asked
 
 
 def test_every_early_end_releases_the_handles_the_gateway_owns(side_gateway, peer, keyfile):

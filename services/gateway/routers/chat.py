@@ -17,27 +17,23 @@ from fastapi.responses import JSONResponse
 
 from services.contract import limits as L
 from services.contract.chat import ChatCompletionRequest, ChatImageOptions, ChatMessage, ImagePart, content_runs
-from services.contract.control import AbortRequest
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
 from services.kit.web import ParsedJsonRoute, json_body, until_disconnect
 
 from .. import interleave
+from ..chat_upstream import CHAT_PATH as PATH, UND, abort_chat_later, open_chat
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
-from .lora import adapter_for
 from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
 from ..state import GatewayState
-from ..upstream import (CONTROL_TIMEOUT_S, Deadline, Target, connection_error, engine_headers, error_from_event,
-                        error_from_response, is_timeout, open_stream, reading, tell)
+from ..upstream import Target, connection_error, engine_headers, error_from_event, is_timeout, reading
 
 router = APIRouter(tags=["chat"], route_class=ParsedJsonRoute)
-UND = "understanding"
-PATH = "/v1/chat/completions"
 # image options a chat body may carry at its top level (or under extra_body); chat means other things by these
 IMAGE_KEYS = frozenset(ImageOptions.model_fields) - {"n", "stream", "response_format"}
 
@@ -98,7 +94,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     """OpenAI chat completions (plus the vLLM-style sampling extensions), or an image with modalities ['image']."""
     body = await json_body(request)
     salt = cache_salt(request, state, req.cache_salt)
-    adapter_for(state, req.model)       # an unknown model: 404 before any work (understanding resolves it again)
+    state.adapters.resolve(req.model)   # an unknown model: 404 before any work (understanding resolves it again)
     if req.wants_interleave:
         return await chat_interleave(request, state, req, body, salt)
     if req.wants_image:
@@ -113,30 +109,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
 
 
 # ------------------------------------------------------------------------------------------ text: proxied
-def _abort_later(state: GatewayState, target: Target, hdrs: dict, rid: str) -> None:
-    if target.ep is not None:
-        state.janitor.later(tell(state.http, target.ep.url + "/internal/abort",
-                                 AbortRequest(request_id=rid).model_dump(), hdrs, CONTROL_TIMEOUT_S))
-
-
-async def _open(state: GatewayState, body: dict, hdrs: dict, deadline: Deadline, target: Target,
-                idle: bool) -> httpx.Response:
-    resp = await open_stream(state.http, state.und, PATH, body, hdrs, deadline, target, idle)
-    if resp.status_code != 200:
-        try:
-            raise await error_from_response(resp, UND, deadline)
-        finally:
-            await resp.aclose()
-    return resp
-
-
 async def proxy(request: Request, state: GatewayState, body: dict):
     """A non-streamed chat: the answer comes in one piece, so only the request deadline bounds the wait."""
     rid, deadline, target = request_id(request), state.deadline(), Target(key=conversation_key(body))
     hdrs = engine_headers(state.config.internal_token, rid)
 
     async def call() -> bytes:
-        resp = await _open(state, body, hdrs, deadline, target, idle=False)
+        resp = await open_chat(state, body, hdrs, deadline, target, idle=False)
         async with reading(state.und, target.ep, resp):
             return await deadline.wait(resp.aread(), UND, idle=False)
 
@@ -145,11 +124,11 @@ async def proxy(request: Request, state: GatewayState, body: dict):
     except APIError as err:
         if is_timeout(err):
             state.metrics.timeouts.labels(err.code).inc()
-            _abort_later(state, target, hdrs, rid)
+            abort_chat_later(state, target, hdrs, rid)
         raise
     if not finished:
         state.metrics.cancelled.inc()
-        _abort_later(state, target, hdrs, rid)
+        abort_chat_later(state, target, hdrs, rid)
         return client_gone()
     try:
         return JSONResponse(json.loads(raw))
@@ -172,7 +151,7 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
     hdrs = engine_headers(state.config.internal_token, rid)
     resp: Optional[httpx.Response] = None
     try:
-        resp = await _open(state, body, hdrs, deadline, target, idle=True)
+        resp = await open_chat(state, body, hdrs, deadline, target, idle=True)
         lines = deadline.lines(resp, UND)
         head: list[str] = []
         try:
@@ -189,9 +168,9 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
     except BaseException as exc:
         if isinstance(exc, APIError) and is_timeout(exc):
             state.metrics.timeouts.labels(exc.code).inc()
-            _abort_later(state, target, hdrs, rid)
+            abort_chat_later(state, target, hdrs, rid)
         elif isinstance(exc, asyncio.CancelledError):
-            _abort_later(state, target, hdrs, rid)
+            abort_chat_later(state, target, hdrs, rid)
         if resp is not None:
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
@@ -224,7 +203,7 @@ async def proxy_stream(request: Request, state: GatewayState, body: dict):
         if progress["outcome"] == "streaming":
             state.metrics.cancelled.inc()
         if progress["outcome"] != "done":
-            _abort_later(state, target, hdrs, rid)
+            abort_chat_later(state, target, hdrs, rid)
 
     return OwnedStream(relay(), on_close=close)
 
@@ -247,12 +226,12 @@ async def chat_image(request: Request, state: GatewayState, req: ChatCompletionR
                           "answer takes one size", param="image_config.size")
     prompt, parts, offsets = last_user_turn(req)
     mode = "edit" if parts else "t2i"
-    check_options(state.config, opts, mode, prompt)            # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)   # before any image is decoded
     checked = await state.images.check(parts)
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None, cache_salt=salt,
-                    lora=adapter_for(state, req.model), image_offsets=offsets or None)
+                    lora=state.adapters.resolve(req.model), image_offsets=offsets or None, checked=sampler)
     cid, created, model = "chatcmpl-" + job.request_id, int(time.time()), req.model or state.config.model_name
 
     def part(ev: dict) -> dict:
@@ -302,12 +281,12 @@ async def chat_interleave(request: Request, state: GatewayState, req: ChatComple
         raise bad_request("an interleaved answer has one choice: n must be 1", param="n")
     interleave.image_sizes(state.config, opts, None)         # explicit sizes: before any image is decoded
     first = opts.model_copy(update={"size": opts.sizes[0]})
-    check_options(state.config, first, "edit", "")
+    sampler = check_options(state.config, first, "edit", "")
     checked = await state.images.check(image_parts(req, state.config.max_chat_images))
     first_wh = (checked[0].width, checked[0].height) if checked else None
     generate = generate_fields(state.config, first, mode="edit", prompt="", first_image_wh=first_wh,
-                               export_image=True)
-    lora = adapter_for(state, req.model)
+                               checked=sampler, export_image=True)
+    lora = state.adapters.resolve(req.model)
     if lora is not None:
         generate["lora"] = lora
     answer = interleave.Answer(

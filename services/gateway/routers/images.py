@@ -17,7 +17,6 @@ from services.kit.web import ParsedJsonRoute, json_body
 from ..context import cache_salt, gateway, request_id
 from ..inputs import Raw, data_url
 from ..jobs import ImageJob, build_job, check_options
-from .lora import adapter_for
 from ..relay import client_gone, collect_job, stream_job
 from ..schemas import ERRORS, ImagesResponse, ImageStreamEvent, sse_content
 from ..state import GatewayState
@@ -119,7 +118,7 @@ async def serve(request: Request, state: GatewayState, job: ImageJob, prefix: st
 async def generations(body: ImageGenerationRequest, request: Request, state: GatewayState = Depends(gateway)):
     """Text to image. OpenAI's fields plus the u1serve extensions (top level or under extra_body)."""
     job = build_job(state.config, body, mode="t2i", prompt=body.prompt, request_id=request_id(request),
-                    cache_salt=cache_salt(request, state, body.cache_salt), lora=adapter_for(state, body.model))
+                    cache_salt=cache_salt(request, state, body.cache_salt), lora=state.adapters.resolve(body.model))
     return await serve(request, state, job, "image_generation")
 
 
@@ -168,9 +167,10 @@ async def edits(request: Request, state: GatewayState = Depends(gateway)):
     if len(raws) > L.MAX_IMAGES_PER_REQUEST:
         raise bad_request(f"at most {L.MAX_IMAGES_PER_REQUEST} input images, got {len(raws)}", param="image",
                           code="too_many_images")
-    check_options(state.config, req, "edit", req.prompt)       # before any image is decoded
+    sampler = check_options(state.config, req, "edit", req.prompt)   # before any image is decoded
     checked = await state.images.check(raws)
     job = build_job(state.config, req, mode="edit", prompt=req.prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked], first_image_wh=(checked[0].width, checked[0].height),
-                    cache_salt=cache_salt(request, state, req.cache_salt), lora=adapter_for(state, req.model))
+                    cache_salt=cache_salt(request, state, req.cache_salt), lora=state.adapters.resolve(req.model),
+                    checked=sampler)
     return await serve(request, state, job, "image_edit")

@@ -12,7 +12,6 @@ from ..context import gateway
 from ..schemas import ERRORS, HealthReport, ModelList
 from ..state import GatewayState
 from ..upstream import EndpointPool
-from .lora import adapter_models
 
 router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 
@@ -22,7 +21,7 @@ async def models(state: GatewayState = Depends(gateway)):
     base = {"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "u1serve"}
     if state.config.model_hub_id:         # u1serve up --model <org>/<name>[@<revision>]
         base.update(root=state.config.model_hub_id, revision=state.config.model_revision)
-    return {"object": "list", "data": [base, *adapter_models(state)]}
+    return {"object": "list", "data": [base, *state.adapters.models()]}
 
 
 async def _probe(state: GatewayState, pool: EndpointPool) -> list[dict]:

@@ -27,7 +27,6 @@ from ..responses_store import ResponseStore, Stored, new_id
 from ..schemas import ERRORS, sse_content
 from ..state import GatewayState
 from .chat import image_parts
-from .lora import adapter_for
 
 router = APIRouter(tags=["responses"], route_class=ParsedJsonRoute)
 log = logging.getLogger("u1serve.gateway")
@@ -73,12 +72,13 @@ async def _image_run(request: Request, state: GatewayState, req: ResponsesReques
     opts = _image_options(tool, req.thinking, state.config.sampler.num_inference_steps)
     images = last_user_images(turn_messages) or ([last_image] if last_image else [])
     mode = "edit" if images else "t2i"
-    check_options(state.config, opts, mode, prompt)           # before any image is decoded
+    sampler = check_options(state.config, opts, mode, prompt)   # before any image is decoded
     checked = await state.images.check([(f"input image {k}", ref) for k, ref in enumerate(images)])
     job = build_job(state.config, opts, mode=mode, prompt=prompt, request_id=request_id(request),
                     images=[c.b64 for c in checked],
                     first_image_wh=(checked[0].width, checked[0].height) if checked else None,
-                    cache_salt=cache_salt(request, state, None), lora=adapter_for(state, req.model or tool.model))
+                    cache_salt=cache_salt(request, state, None), lora=state.adapters.resolve(req.model or tool.model),
+                    checked=sampler)
     fields = {"action": "edit" if images else "generate", "size": job.size, "quality": tool.quality,
               "background": "opaque", "output_format": job.output_format}
     return ResponseRun(state, response, rid=job.request_id, job=job, image_fields=fields)
@@ -116,7 +116,7 @@ async def create_response(req: ResponsesRequest, request: Request, state: Gatewa
         if tool.get("type") != "image_generation":
             raise bad_request(f"tool type {tool.get('type')!r} is not served (image_generation)",
                               param=f"tools[{i}].type", code="unsupported_value")
-    adapter_for(state, req.model)               # an unknown model: 404 before any work
+    state.adapters.resolve(req.model)               # an unknown model: 404 before any work
     turn = read_input(req.input, req.instructions)
     messages = (prev.messages if prev is not None else []) + turn.messages
     last_image = turn.last_image or (prev.last_image if prev is not None else None)
