@@ -67,6 +67,10 @@ class GenerationConfig:
     stream_priority: str = field(default="default", metadata=flag(
         "the CUDA stream priority of the engine loop (the fused mode: low, so decode blocks go first)",
         choices=("default", "high", "low")))
+    green_sm_percent: int = field(default=0, metadata=flag(
+        "the fused mode on CUDA: the engine loop's stream belongs to a CUDA green context holding this share of the "
+        "SMs (rounded down to the device's granularity), so the rest are always free for understanding's decode "
+        "steps (stream priority alone barely helps: services/model/streams.py); 0: the whole device"))
     # scheduling
     max_batch_tokens: int = field(default=BATCH_TOKENS, metadata=flag(
         "image tokens per forward (per rank): jobs batch while their rows fit, the others wait their turn (FIFO); "

@@ -33,6 +33,11 @@ def check_rank_flags(args) -> None:
                 check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp, args.sp_mode)
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
+    if not 0 <= args.green_sm_percent < 100:
+        raise SystemExit(f"--green-sm-percent must be in [0, 100), got {args.green_sm_percent}")
+    if args.green_sm_percent and args.engine_unit != "thread":
+        raise SystemExit("--green-sm-percent is for the fused mode (--engine-unit thread): a process of its own "
+                         "shares the GPU through MPS's --gen-sm-percent instead")
     if args.yield_max_wait_ms <= 0:
         raise SystemExit(f"--yield-max-wait-ms must be > 0, got {args.yield_max_wait_ms}")
     if not 0 < args.yield_share <= 1:

@@ -233,7 +233,8 @@ def _serve_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_c
     scope = contextlib.ExitStack()
     try:
         device = _device(cfg, rank)
-        scope.enter_context(engine_stream(device, cfg.stream_priority))   # "default" (process ranks): no change
+        # "default" (process ranks): no change
+        scope.enter_context(engine_stream(device, cfg.stream_priority, cfg.green_sm_percent))
         engine, comm, source, warm = _build(rank, world, port, cfg, device,
                                             (lambda p: out.send(Starting(p.value))) if out is not None
                                             else (lambda p: None))
