@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, PlainSerializer
+from pydantic import BeforeValidator, ConfigDict
 
 
 def _no_bool(kind: str):
@@ -24,4 +24,4 @@ Float = Annotated[float, BeforeValidator(_no_bool("a number"))]
 PUBLIC = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 INTERNAL = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-__all__ = ["Int", "Float", "PUBLIC", "INTERNAL", "PlainSerializer"]
+__all__ = ["Int", "Float", "PUBLIC", "INTERNAL"]

@@ -13,7 +13,6 @@ from services.kit import sse
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import stop_group, wait_ok
-from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "gen-test-token"

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
+from kernels.fp8_quant import FP8_DTYPE, INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
+from kernels.row_quant import AMAX_FLOOR
 from kernels.norm_act import rms_norm_ref, silu_mul_ref
 from services.model.modules import RMSNorm, SwiGLU
 from services.model.quant import (Fp8Activation, Fp8Linear, Fp8QKV, Fp8RMSNorm, Fp8SwiGLU, Fp8Unsupported,
