@@ -7,6 +7,7 @@ import torch
 from .conftest import make_pool
 from .genhelp import publish
 
+from services.contract.image import SamplerParams
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
@@ -110,7 +111,7 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
     dt = torch.bfloat16
     ref_model, gen = load_model(tiny_dir, "both", dtype=dt), load_model(tiny_dir, "gen", dtype=dt)
     tok = NeoTokenizer.from_dir(tiny_dir)
-    params = S.SamplerParams(num_inference_steps=3, guidance_scale=4.0, cfg_norm="global")
+    params = SamplerParams(num_inference_steps=3, guidance_scale=4.0, cfg_norm="global")
     pre = R.image_prefixes(ref_model, tok, "t2i", "a red cat", [], params)
     want = R.denoise(ref_model, pre, 128, 160, params, seed=5, n=2)
     pool = make_pool(gen, dtype="bfloat16")
