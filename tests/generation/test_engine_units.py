@@ -103,6 +103,26 @@ def test_scheduler_turns_commands_into_plans():
     assert plan.abort == ["a"] and plan.stop and plan.admit == [] and plan.weights is None
 
 
+def test_the_scheduler_owns_the_pages_of_jobs_that_never_imported():
+    """`update` frees a failed admission's pages before the emitter tells the failure; `refuse` frees a queued
+    job's pages and tells its error: the scheduler is the one place, the emitter only encodes."""
+    import queue
+
+    from services.generation.protocol import SubmitJob
+    from services.kit.errors import APIError
+    released, failures = [], []
+    s = Scheduler(max_batch_tokens=10**6, max_running_jobs=4, world=1, release=released.extend,
+                  failed=lambda rid, event: failures.append((rid, event["error"]["code"])))
+    inbox = queue.SimpleQueue()
+    inbox.put(SubmitJob(spec("a", 64)))
+    plan = s.schedule(inbox, running=[])
+    s.update(plan, {"a": APIError(503, "no room", code="engine_oom").event()})
+    assert released == list(H.values()) and failures == []       # the emitter encodes the failure with the plan
+    released.clear()
+    s.refuse(spec("b", 64), APIError(503, "mismatch", code="weights_version_mismatch"))
+    assert released == list(H.values()) and failures == [("b", "weights_version_mismatch")]
+
+
 def test_bf16_engine_matches_bf16_reference(tiny_dir):
     """bf16: equal to the bf16 reference here (same CPU kernels); the stated tolerance is 1 uint8 level,
     and bf16 vs fp32 differs by up to ~0.1 in [-1, 1] units on the tiny model (model_spec 12.10)."""
