@@ -26,6 +26,7 @@ import types
 
 import torch
 
+from services.contract.image import SamplerParams
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.model import NeoModel
@@ -118,7 +119,7 @@ class Probe:
         g = torch.Generator().manual_seed(seed)
         vocab = min(model.cfg.llm.vocab_size, 256)         # byte ids: valid in the tiny tokenizer and any other
         self.ids = torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
-        params = S.SamplerParams(num_inference_steps=4, guidance_scale=4.0)
+        params = SamplerParams(num_inference_steps=4, guidance_scale=4.0)
         with torch.no_grad():
             self.prefix = R.image_prefixes(model, tok, "t2i", "a red fox in the snow", [], params)["cond"]
         self.th = self.tw = side // S.BLOCK

@@ -49,8 +49,10 @@ import torch
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
 from services.contract.image import GenerateRequest
-from services.model.tiny import build_random_model, full_config, tiny_config
+from services.model.tiny import full_config, tiny_config
 from shm_transfer import KVLayout, ShmKVPool, write_kv
+
+from bench.genperf_common import build, sync
 
 FLOOR_SINGLE = 0.124      # s, one gen-branch forward at 2048², P=365, measured floor
 PUBLISHED_CFGP = 0.152    # s/step, SenseNova docs, H200 TP2+CFG2
@@ -80,11 +82,6 @@ def parse_args():
     p.add_argument("--job-steps", default="1024:20,2048:10", help="--part cache: steps per job by size")
     p.add_argument("--no-warmup", action="store_true", help="--part warmstart: cold process")
     return p.parse_args()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_pool(model, tokens_needed: int, dtype: torch.dtype) -> ShmKVPool:
@@ -119,12 +116,12 @@ def time_steps(engine: Engine, specs, warmup: int, steps: int) -> tuple[list[flo
         stats += st
     for _ in range(warmup):
         engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
-        _sync(engine.device)
+        sync(engine.device)
         times.append(time.perf_counter() - t0)
     for job in list(engine.running):
         engine.abort(job.request_id)
@@ -138,24 +135,14 @@ def pinned_memcpy_seconds(nbytes: int, device, iters: int = 10) -> float | None:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     for _ in range(2):
         dst.copy_(src, non_blocking=True)
-    _sync(device)
+    sync(device)
     t = []
     for _ in range(iters):
         t0 = time.perf_counter()
         dst.copy_(src, non_blocking=True)
-        _sync(device)
+        sync(device)
         t.append(time.perf_counter() - t0)
     return statistics.median(t)
-
-
-def build(args, device, dtype):
-    config = tiny_config("u1") if args.tiny else full_config(args.variant)
-    model = build_random_model(config, "gen", dtype, device)
-    if getattr(args, "quantization", "none") == "fp8":
-        from services.model.quant import check_fp8_device, quantize_model
-        check_fp8_device(device, dtype)
-        quantize_model(model, ("gen",))
-    return model
 
 
 def single_device(args, device, dtype) -> dict:

@@ -576,7 +576,7 @@ def smoke(args) -> int:
     """A tiny CPU stack (`u1serve up --model tiny`), a short run, and the invariants CI checks."""
     import shutil
 
-    from deploy.gpu_smoke import Stack
+    from bench.profile_stack import Stack
     tenants = args.hostile_fraction > 0          # the hostile mix includes tenant B against tenant A
     if tenants and not roles_supported():
         print("FAIL the tenant-on-tenant attempts need `u1serve up --admin-api-key-file` (issue 37's operator "
@@ -698,7 +698,7 @@ def main(argv=None) -> int:
         cfg.api_key = cfg.api_key or a
     if not args.stack:
         return measure(args, cfg)
-    from deploy.gpu_smoke import Stack
+    from bench.profile_stack import Stack
     tenants = args.hostile_fraction > 0 and roles_supported()
     with Stack(args.stack, out_dir=args.out_dir, extra_flags=tuple(shlex.split(args.stack_flags)),
                tenants=tenants) as stack:

@@ -37,7 +37,7 @@ import torch
 
 from bench.image_quality import psnr, ssim
 from services.generation.engine import Engine
-from services.contract.image import GenerateRequest
+from services.contract.image import GenerateRequest, SamplerParams
 from services.model import reference as R
 from services.model import sampler as S
 
@@ -101,7 +101,7 @@ class Runner:
         self.tok = tok
 
     def generate(self, prompt, size, steps, guidance, shift, seed, cache=None):
-        params = S.SamplerParams(num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift)
+        params = SamplerParams(num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift)
         pre = R.image_prefixes(self.model, self.tok, "t2i", prompt, [], params)
         spec = GenerateRequest(request_id="q", handles={b: {} for b in pre}, mode="t2i", width=size, height=size,
                                n=1, num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift,

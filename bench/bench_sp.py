@@ -81,8 +81,9 @@ def cases_for(part: str, smoke: bool) -> list[dict]:
 
 
 def _spec(name: str, size: int, guidance: float, steps: int):
+    from services.contract.image import SamplerParams
     from services.generation.inputs import parse_job
-    branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
+    branches = SamplerParams(guidance_scale=guidance).branches()
     return parse_job({"request_id": name, "handles": {b: {} for b in branches}, "width": size,
                            "height": size, "num_inference_steps": steps, "guidance_scale": guidance, "seed": 0})
 

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from services.contract.image import SamplerParams
 from bench.bench_quality import DEFAULT_PROMPTS, model_dir, prompts_of
 from services.model import reference as R
 from services.model import sampler as S
@@ -52,7 +53,7 @@ class StackRecorder:
 def trajectory_points(model, tok, prompt: str, size: int, steps: int, guidance: float, shift: float,
                       seed: int) -> list[tuple[float, float]]:
     """(input change, residual change) of every step after the first, of every CFG branch."""
-    params = S.SamplerParams(num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift)
+    params = SamplerParams(num_inference_steps=steps, guidance_scale=guidance, timestep_shift=shift)
     pre = R.image_prefixes(model, tok, "t2i", prompt, [], params)
     rec = {b: StackRecorder() for b in pre}
     R.denoise(model, pre, size, size, params, seed=seed, observe=rec.__getitem__)

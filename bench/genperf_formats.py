@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from bench.bench_generation import build
-from bench.genperf_parts import _device_name, _sizes, spec, step_times
 from services.generation.engine import Engine
+
+from bench.genperf_common import bench_sizes, build, device_name, spec, step_times
 
 
 def _weights_gb(model) -> float:
@@ -49,7 +49,7 @@ def _row(args, device, dtype, name: str, scheme: str | None, policy=None) -> dic
         torch.cuda.empty_cache()
     row = {"format": name, "weights_gib": _weights_gb(model), "step_s": {}}
     engine = Engine(model, None)
-    for size in _sizes(args):
+    for size in bench_sizes(args):
         t = step_times(engine, spec(f"{name}-{size}", size, args.warmup + args.steps + 1, 4.0), args.warmup,
                        args.steps)
         row["step_s"][size] = statistics.median(t)
@@ -105,7 +105,7 @@ def part_formats(args, device, dtype) -> dict:
         rows.append(_row(args, device, dtype, "fp8 (served)", "fp8"))
         rows.append(_row(args, device, dtype, "fp8 (all rows)", "fp8", GemmPolicy(0, None)))
     rows.append(_row(args, device, dtype, "int8", "int8"))
-    out = {"device": _device_name(device), "torch": torch.__version__, "sizes": _sizes(args), "rows": rows,
+    out = {"device": device_name(device), "torch": torch.__version__, "sizes": bench_sizes(args), "rows": rows,
            "gguf": _gguf_rows(args), "int8_checks": checks}
     _print(out)
     return out

@@ -15,57 +15,19 @@ import time
 
 import torch
 
-from bench.bench_generation import _sync, build
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest
 from services.model import reference as R
 from services.model import sampler as S
 
-PREFIX = {"cond": 365, "uncond": 9}
-OTHER_PREFIX = {"cond": 517, "uncond": 23}   # a prompt length no warm-up used
-
-
-def spec(rid: str, size: int, steps: int, guidance: float, cache: dict | None = None) -> GenerateRequest:
-    branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
-    return GenerateRequest(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=size,
-                           height=size, n=1, num_inference_steps=steps, guidance_scale=guidance, seed=0,
-                           cache=cache)
-
-
-def prefix_kv(model, lengths: dict[str, int], device, dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    return {b: torch.randn((model.num_layers, 2, n, model.num_kv_heads, model.head_dim),
-                           generator=g, device=device).to(dtype) for b, n in lengths.items()}
-
-
-def admit(engine: Engine, sp: GenerateRequest, prefix: dict[str, int] = PREFIX):
-    lengths = {b: prefix[b] for b in sp.handles}
-    job = engine.admit_local(sp, prefix_kv(engine.model, lengths, engine.device, engine.dtype), lengths)
-    engine.add(job)
-    return job
-
-
-def step_times(engine: Engine, sp: GenerateRequest, warmup: int, steps: int,
-               prefix: dict[str, int] = PREFIX) -> list[float]:
-    """Seconds of `steps` single steps after `warmup` (sp must have more steps than both)."""
-    job = admit(engine, sp, prefix)
-    for _ in range(warmup):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(engine.device)
-        times.append(time.perf_counter() - t0)
-    engine.abort(job.request_id)
-    return times
+from bench.genperf_common import (OTHER_PREFIX, PREFIX, admit, bench_sizes, build, device_name, prefix_kv,
+                                  spec, step_times, sync)
 
 
 def job_seconds(engine: Engine, sp: GenerateRequest) -> tuple[float, dict]:
     """Whole job (every step and the uint8 pixels on the host). Returns (seconds, branch_steps)."""
     job = admit(engine, sp)
-    _sync(engine.device)
+    sync(engine.device)
     t0 = time.perf_counter()
     while not job.flow.done:
         engine.step()
@@ -85,14 +47,6 @@ def velocity(model, kv: torch.Tensor, x: torch.Tensor, t: float) -> torch.Tensor
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _sizes(args) -> list[int]:
-    return [args.size] if args.tiny else [int(x) for x in args.sizes.split(",")]
-
-
-def _device_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # ----------------------------------------------------------------------------- fp8 models and policies
@@ -136,12 +90,12 @@ def _burn(engines, size: int, seconds: float) -> None:
 def part_fp8(args, device, dtype) -> dict:
     m16, m8 = _fp8_models(args, device, dtype)
     policies = _fp8_policies(device)
-    out = {"device": _device_name(device), "torch": torch.__version__, "steps": {},
+    out = {"device": device_name(device), "torch": torch.__version__, "steps": {},
            "serving_policy": str(policies["serving"])}
     w, n = args.warmup, args.steps
     e16, e8 = Engine(m16, None), Engine(m8, None)
-    _burn([e16, e8], max(_sizes(args)), 0.0 if args.tiny else 3.0)
-    for size in _sizes(args):
+    _burn([e16, e8], max(bench_sizes(args)), 0.0 if args.tiny else 3.0)
+    for size in bench_sizes(args):
         samples = {k: [] for k in ("bf16", *policies)}
         for _ in range(1 if args.tiny else 2):  # interleaved rounds per config
             samples["bf16"] += step_times(e16, spec("b", size, w + n + 1, 1.0), w, n)
@@ -161,7 +115,7 @@ def part_fp8(args, device, dtype) -> dict:
 def _velocity_errors(args, m16, m8, policies, device, dtype) -> dict:
     """Per-step relative velocity error of fp8 (accurate and fast accumulation) vs bf16 along the bf16
     trajectory of an 8-step schedule at the largest size."""
-    size = max(_sizes(args))
+    size = max(bench_sizes(args))
     kv = prefix_kv(m16, {"cond": PREFIX["cond"]}, device, dtype)["cond"]
     x = S.initial_noise(1, size, size, 0, device, dtype, S.noise_scale(m16.cfg, (size // 32) ** 2))
     grid = S.timesteps(8, 3.0).tolist()
@@ -211,11 +165,11 @@ def _gemm_shapes(args, model, device, dtype) -> list[dict]:
 def _time_us(fn, device, reps: int = 10) -> float:
     for _ in range(3):
         fn()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / reps * 1e6
 
 
@@ -364,17 +318,17 @@ def part_fp8_profile(args, device, dtype) -> dict:
     m16, m8 = _fp8_models(args, device, dtype)
     set_policy(m8, _fp8_policies(device)["serving"])
     size = args.size
-    out = {"device": _device_name(device), "size": size, "models": {}}
+    out = {"device": device_name(device), "size": size, "models": {}}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, model in (("bf16", m16), ("fp8", m8)):
         engine = Engine(model, None)
         wall = statistics.median(step_times(engine, spec("w", size, 8, 1.0), 2, 5))
         job = admit(engine, spec("p", size, 4, 1.0))
         engine.step()
-        _sync(device)
+        sync(device)
         with profile(activities=acts) as prof:
             engine.step()
-            _sync(device)
+            sync(device)
         engine.abort(job.request_id)
         rows = kernel_rows(prof, device)
         cats: dict[str, list] = {}
@@ -422,7 +376,7 @@ def part_cache(args, device, dtype) -> dict:
     out = {"rows": []}
     print("| image | steps | cache | job s | s/step | speedup | computed (cond, uncond) |")
     print("|---|---:|---|---:|---:|---:|---|")
-    for size in _sizes(args):
+    for size in bench_sizes(args):
         steps = int(steps_by_size.get(str(size), 10))
         job_seconds(engine, spec("warm", size, 2, 4.0))
         base, _ = job_seconds(engine, spec("off", size, steps, 4.0))
@@ -455,7 +409,7 @@ def part_preset(args, device, dtype) -> dict:
     runs = [("bf16", m16, None)] + ([("fp8 (serving policy)", m8, pols["serving"]),
                                      ("fp8 every GEMM", m8, pols["all"])] if m8 is not None else [])
     engines = {id(m): Engine(m, None) for m in (m16, m8) if m is not None}
-    for size in _sizes(args):
+    for size in bench_sizes(args):
         for name, model, pol in runs:
             if pol is not None:
                 set_policy(model, pol)
@@ -497,7 +451,7 @@ def part_warmstart(args, device, dtype) -> dict:
     from services.generation.warmup import run_warmup
     t0 = time.perf_counter()
     engine = Engine(build(args, device, dtype), None)
-    _sync(device)
+    sync(device)
     load_s = time.perf_counter() - t0
     warm = None if args.no_warmup else run_warmup(engine, [(args.size, args.size)], 2)
     times = step_times(engine, spec("first", args.size, 8, 4.0), 0, 6)
@@ -529,11 +483,11 @@ def run_to_end(engine: Engine, specs: list[GenerateRequest]) -> tuple[dict[str, 
     jobs = [admit(engine, sp) for sp in specs]
     times = []
     while engine.running:
-        _sync(engine.device)
+        sync(engine.device)
         t0 = time.perf_counter()
         for job in engine.step()[0]:
             job.free()
-        _sync(engine.device)
+        sync(engine.device)
         times.append(time.perf_counter() - t0)
     return {j.request_id: j.x.clone() for j in jobs}, times
 
@@ -600,13 +554,13 @@ def part_graphs(args, device, dtype) -> dict:
     eager: s/step at each size, guidance 1 (one branch) and 4 (two branches in one engine), bf16 and (at
     the largest size) fp8 as served; bit-equality of the final x; two jobs together; a cancel then a new
     job. On CPU graphs never apply ("n/a on cpu"): the same runs go through the eager path."""
-    sizes = _sizes(args)
+    sizes = bench_sizes(args)
     fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     m16, m8 = _fp8_models(args, device, dtype) if fp8_ok else (build(args, device, dtype), None)
     if m8 is not None:
         set_policy(m8, _fp8_policies(device)["serving"])
     graphs_apply = device.type == "cuda"
-    out = {"device": _device_name(device), "torch": torch.__version__,
+    out = {"device": device_name(device), "torch": torch.__version__,
            "graphs": "cuda" if graphs_apply else "n/a on cpu", "rows": []}
     _burn([Engine(m16, None)], max(sizes), 0.0 if args.tiny else 3.0)
     for size in sizes:
@@ -715,12 +669,12 @@ def part_addnorm(args, device, dtype) -> dict:
     """The residual add fused into the next RMSNorm (kernels/norm_act.py add_rms_norm*) vs separate (the env
     switch flipped, same engine and model): single-branch s/step at --sizes, bf16 and fp8 as served, eager and
     (CUDA) with CUDA graphs; the final x of a whole job fused vs unfused bit for bit; the kernels alone."""
-    sizes = _sizes(args)
+    sizes = bench_sizes(args)
     fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     m16, m8 = _fp8_models(args, device, dtype) if fp8_ok else (build(args, device, dtype), None)
     if m8 is not None:
         set_policy(m8, _fp8_policies(device)["serving"])
-    out = {"device": _device_name(device), "torch": torch.__version__, "rows": [],
+    out = {"device": device_name(device), "torch": torch.__version__, "rows": [],
            "kernels": _addnorm_kernels(args, m16, device, dtype)}
     _burn([Engine(m16, None)], max(sizes), 0.0 if args.tiny else 3.0)
     for size in sizes:
@@ -760,7 +714,7 @@ def part_fp8_fused(args, device, dtype) -> dict:
     accumulation as served; eager and (CUDA) with CUDA graphs; rounds interleaved, median s/step. Issue 25's
     targets: 1024² >= 1.3x bf16, 2048² toward the fp8-GEMM floor 0.070 s."""
     from services.model.quant import GemmPolicy
-    sizes = _sizes(args)
+    sizes = bench_sizes(args)
     m16, m8 = _fp8_models(args, device, dtype)
     serving = _fp8_policies(device)["serving"]
     policies = {"bf16": None, "fp8-today": serving,
@@ -768,7 +722,7 @@ def part_fp8_fused(args, device, dtype) -> dict:
                 "fp8-fused": GemmPolicy(0, serving.fast_accum_min_tokens, True)}
     modes = ("off", "on") if device.type == "cuda" else ("off",)
     engines = {(w, g): Engine(m16 if w == "bf16" else m8, None, cuda_graphs=g) for w in ("bf16", "fp8") for g in modes}
-    out = {"device": _device_name(device), "torch": torch.__version__, "serving_policy": str(serving), "rows": []}
+    out = {"device": device_name(device), "torch": torch.__version__, "serving_policy": str(serving), "rows": []}
     _burn([engines[("bf16", "off")], engines[("fp8", "off")]], max(sizes), 0.0 if args.tiny else 3.0)
     w, n = max(args.warmup, 2), args.steps       # graphs capture on a composition's 2nd step
     for size in sizes:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import interpreting, lazy_jit, next_pow2, tl, use_triton
-from .row_quant import AMAX_FLOOR, ROW_QUANT_HELPERS, row_scale_ref  # noqa: F401  (AMAX_FLOOR: re-exported)
+from .row_quant import ROW_QUANT_HELPERS, row_scale_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -19,9 +19,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from services.contract.image import SamplerParams
 from services.model import images as IM
 from services.model import reference as R
-from services.model import sampler as S
 from tests.conftest import GOLDEN
 
 CKPT = os.path.join(GOLDEN, "tiny-u1")
@@ -46,8 +46,8 @@ def official(name: str):
     return torch.load(os.path.join(CASES, name + ".pt"), weights_only=True)
 
 
-def sampler_params(case: dict) -> S.SamplerParams:
-    return S.SamplerParams(mode="edit", num_inference_steps=case["num_steps"], guidance_scale=case["cfg_scale"],
+def sampler_params(case: dict) -> SamplerParams:
+    return SamplerParams(mode="edit", num_inference_steps=case["num_steps"], guidance_scale=case["cfg_scale"],
                            image_guidance_scale=case["img_cfg_scale"], cfg_norm=case["cfg_norm"],
                            timestep_shift=case["timestep_shift"], t_eps=case["t_eps"])
 

@@ -3,9 +3,11 @@ sampling fields shared with the native /generate API. Validated by the gateway a
 from __future__ import annotations
 
 import re
-from typing import Annotated, Iterable, Literal, Optional, TypeVar, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, field_validator, model_validator
+
+from services.base.content import text_runs
 
 from . import limits as L
 from .image import ImageOptions
@@ -37,23 +39,6 @@ class ImagePart(BaseModel):
 
 
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
-T = TypeVar("T")
-
-
-def text_runs(items: Iterable[Union[str, T]], sep: str = "") -> tuple[list[str], list[T]]:
-    """Content in part order -> (runs, images): a str item is text, anything else an image; the runs are the text
-    before, between and after the images (n images give n + 1 runs, empty where two parts touch), text items next
-    to each other joined by `sep`. Where each image stands among the text is the parts' order, nothing else: text
-    is text (a literal `<image>` in it is no placeholder)."""
-    runs: list[list[str]] = [[]]
-    images: list[T] = []
-    for item in items:
-        if isinstance(item, str):
-            runs[-1].append(item)
-        else:
-            images.append(item)
-            runs.append([])
-    return [sep.join(r) for r in runs], images
 
 
 def content_runs(content: Union[str, list[ContentPart], None], sep: str = "") -> tuple[list[str], list[ImagePart]]:

@@ -288,17 +288,3 @@ class ScoreJobRequest(GenerateRequest):
 
     def latents(self):
         return self._latents
-
-
-class JobLogprobs(BaseModel):
-    """Generation's answer to a rollout / score job (images ride along for rollout)."""
-    weights_version: str
-    timesteps: list[float]
-    noise_scale: float
-    sde_steps: list[int]
-    logprobs: list[list[Optional[float]]]
-    images: list[Optional[str]] = Field(default_factory=list)
-    seconds: float = 0.0
-
-
-# ==== rl-weights: live weight update models (owned by rl-weights; keep below this line) ===========================

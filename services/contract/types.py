@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import BeforeValidator, ConfigDict, Field
 
 from . import limits as L
 
@@ -32,4 +32,4 @@ CacheSalt = Annotated[Optional[str], Field(min_length=1, max_length=L.MAX_CACHE_
 PUBLIC = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 INTERNAL = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-__all__ = ["Int", "Float", "CacheSalt", "PUBLIC", "INTERNAL", "PlainSerializer"]
+__all__ = ["Int", "Float", "CacheSalt", "PUBLIC", "INTERNAL"]

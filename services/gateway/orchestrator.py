@@ -28,8 +28,9 @@ from .engine_events import generation_event, prefix_event, relayed
 from .handles import GATEWAY, PrefixHandles
 from .jobs import ImageJob
 from .metrics import GatewayMetrics
-from .upstream import (CONTROL_TIMEOUT_S, Deadline, EndpointPool, Janitor, Target, engine_headers,
-                       error_from_event, error_from_response, is_timeout, open_stream, reading, tell)
+from .routing import EndpointPool
+from .upstream import (CONTROL_TIMEOUT_S, Deadline, Janitor, Target, engine_headers, error_from_event,
+                       error_from_response, is_timeout, open_stream, reading, tell)
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"

@@ -21,7 +21,7 @@ from .state import GatewayState
 
 log = logging.getLogger("u1serve.gateway")
 Convert = Callable[[dict], list[dict]]
-__all__ = ["OwnedStream", "client_gone", "collect_job", "stream_events", "stream_job"]
+__all__ = ["client_gone", "collect_job", "stream_events", "stream_job"]
 
 
 def client_gone() -> Response:

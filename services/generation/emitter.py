@@ -20,18 +20,16 @@ log = logging.getLogger("u1serve.generation")
 
 
 class Emitter:
+    """Encodes what happened as protocol events; it changes no job and frees nothing (the scheduler's `update`
+    and the engine own the transitions)."""
+
     def __init__(self, out, source, engine):
         self.out = out              # link.Outbox to the HTTP process
-        self.source = source        # the prefix pool (kv_source.PrefixSource)
+        self.source = source        # the prefix pool (kv_source.PrefixSource): where an exported image goes
         self.engine = engine
 
     def failed(self, request_id: str, err: dict) -> None:
         self.out.send(JobFailed(request_id, err))
-
-    def refuse(self, spec, err: APIError) -> None:
-        """A queued job that never imported its pages ends with `err`."""
-        self.source.release(spec.handles.values())
-        self.failed(spec.request_id, err.event())
 
     def applied(self, plan: StepPlan, failed: dict[str, dict], stats: list[KvImportStats],
                 weights_reply: Optional[dict]) -> None:
@@ -41,7 +39,6 @@ class Emitter:
             self.out.send(s)
         for spec in plan.admit:
             if spec.request_id in failed:
-                self.source.release(spec.handles.values())
                 self.failed(spec.request_id, failed[spec.request_id])
             else:
                 self.out.send(JobStarted(spec.request_id, self.engine.weights_version))
@@ -64,10 +61,7 @@ class Emitter:
                                 running=len(running), queued=queued, peak_memory=self.engine.peak_memory(),
                                 graph=self.engine.graphs.last))
         for job in finished:
-            try:
-                self._results(job)
-            finally:
-                job.free()
+            self._results(job)
 
     def _results(self, job) -> None:
         if job.rl is not None:

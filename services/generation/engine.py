@@ -186,6 +186,11 @@ class Engine:
                 return job
         return None
 
+    def free(self, finished: list[JobState]) -> None:
+        """Jobs a step finished (no longer running) give their device buffers back, after their results went."""
+        for job in finished:
+            job.free()
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, jobs: list[JobState] | None = None) -> tuple[list[JobState], int]:

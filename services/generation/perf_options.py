@@ -8,7 +8,8 @@ import argparse
 
 from prometheus_client import Counter, Gauge
 
-from services.model.step_cache import CACHE_MODES, CacheOptions
+from services.contract.image import CacheOptions
+from services.model.step_cache import CACHE_MODES
 
 from .protocol import BranchSteps, KvPoolStats, StepStats, WarmupStats
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.contract.image import GenerateRequest
+from services.contract.image import CacheOptions, GenerateRequest
 from services.model import sampler
 from services.model.positions import image_token_positions
-from services.model.step_cache import BranchState, CacheOptions, truncated_interval
+from services.model.step_cache import BranchState, StepCacheOptions, truncated_interval
 
 from .lora import job_adapter
 
@@ -50,9 +50,10 @@ class JobState:
         self.spec = spec
         self.lora = job_adapter(model, spec)     # held until free() (lora.py)
         self.request_id = spec.request_id
-        self.params = spec.sampler()
-        self.cache = CacheOptions.model_validate(spec.cache) if spec.cache else CacheOptions()
-        self.params.cfg_interval = truncated_interval(self.params.cfg_interval, self.cache)
+        # the contract's values as the model reads them (the engine boundary)
+        self.cache = StepCacheOptions.of(CacheOptions.model_validate(spec.cache) if spec.cache else None)
+        params = sampler.Sampling.of(spec.sampler())
+        self.params = params.with_interval(truncated_interval(params.cfg_interval, self.cache))
         self.branches = list(spec.handles)  # all branches (every rank knows them)
         self.local = [b for b in self.branches if b in local_branches]
         self.branch_state = {b: BranchState() for b in self.local}   # step cache + step counters

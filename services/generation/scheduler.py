@@ -1,7 +1,12 @@
 """Rank 0's scheduler: decides what the next step runs. It takes the HTTP process's commands (protocol.py) from
 the inbox and returns the StepPlan every rank executes: the running jobs to abort, the queued jobs that join
 (FIFO within `max_batch_tokens` image tokens per forward and `max_running_jobs`), the weights op that runs now
-(weights.py: a commit waits until no job runs, and admission pauses meanwhile), and whether to stop.
+(weights.py: a commit waits until no job runs, and admission pauses meanwhile), and whether to stop. After the
+plan ran, `update` takes what it did.
+
+It owns the pool pages of every job it holds: a job that leaves without its import (aborted while queued,
+refused, an admission that failed) has its pages freed here and nowhere else (`_drop`); an admitted job's import
+frees them (Engine.admit). The emitter only encodes.
 
 The batching rule: a queued job joins the running batch only while the forward's rows (image tokens x
 branches on the busiest rank) stay within `max_batch_tokens`; otherwise it waits its turn, FIFO, and runs
@@ -32,17 +37,17 @@ BATCH_TOKENS = 8192        # rows per forward beyond which jobs run in turns (mo
 class Scheduler:
     def __init__(self, max_batch_tokens: int, max_running_jobs: int, world: int, sp: int = 1, *,
                  weights=None, release: Callable[[Iterable[dict]], None] = lambda handles: None,
-                 refuse: Callable[[GenerateRequest, APIError], None] = lambda spec, err: None):
+                 failed: Callable[[str, dict], None] = lambda request_id, event: None):
         """world: CFG ranks; sp: sequence-parallel ranks per CFG rank; weights: the rank's RankWeights (None:
-        no live weight updates); release(handles) frees the pages of a job that never imported them;
-        refuse(spec, err) ends a queued job with an error."""
+        no live weight updates); release(handles) frees pool pages (the prefix source's); failed(request_id,
+        error event) tells the HTTP process that a job ended with an error."""
         self.max_batch_tokens = max_batch_tokens
         self.max_running_jobs = max_running_jobs
         self.world = world
         self.sp = sp
         self.weights = weights
         self.release = release
-        self.refuse = refuse
+        self.failed = failed
         self.pending: collections.deque[GenerateRequest] = collections.deque()
         self.stopping = False
 
@@ -74,7 +79,7 @@ class Scheduler:
             case AbortJob(request_id=rid):      # the HTTP process already ended the stream: just stop the work
                 spec = self.remove(rid) or (self.weights.remove_held(rid) if self.weights is not None else None)
                 if spec is not None:            # never imported: free its pages now, not at lease expiry
-                    self.release(spec.handles.values())
+                    self._drop(spec)
                 elif any(j.request_id == rid for j in running):
                     return rid
             case _:
@@ -99,11 +104,27 @@ class Scheduler:
                 return spec
         return None
 
-    def weights_done(self, op: dict) -> None:
-        """A weights op ran: after a commit the jobs held for it queue first; after an abort they are refused
-        (a LoRA load / unload changes no version: nothing is held for it)."""
-        if op["op"] in ("commit", "abort"):
+    # -- after the plan ran ------------------------------------------------------------------------
+    def update(self, plan: StepPlan, failed: dict[str, dict]) -> None:
+        """What `plan` did on every rank: the admissions in `failed` ({request_id: error event}) end (their
+        pages freed here; the failure itself the emitter encodes with the plan); after a commit the jobs held for
+        it queue first, after an abort they are refused (a LoRA load / unload changes no version: nothing is held
+        for it)."""
+        for spec in plan.admit:
+            if spec.request_id in failed:
+                self._drop(spec)
+        if plan.weights is not None and plan.weights["op"] in ("commit", "abort"):
             self.weights.release_held(self.pending, self.refuse)
+
+    def refuse(self, spec: GenerateRequest, err: APIError) -> None:
+        """A queued job ends with `err` before its import."""
+        self._drop(spec)
+        self.failed(spec.request_id, err.event())
+
+    def _drop(self, spec: GenerateRequest) -> None:
+        """The one place a job's pages are freed without its import (idempotent: a handle frees only pages it
+        still owns, so an admission that imported some branches before failing is covered too)."""
+        self.release(spec.handles.values())
 
 
 def _drain(inbox: queue.SimpleQueue, block: bool) -> list:

@@ -111,13 +111,13 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
     weights = RankWeights(engine, comm)
     emit = Emitter(out, source, engine)
     sched = Scheduler(cfg.max_batch_tokens, cfg.max_running_jobs, comm.cfg_world, comm.sp.world,
-                      weights=weights, release=source.release, refuse=emit.refuse)
+                      weights=weights, release=source.release, failed=emit.failed)
     clock = loop_clock("generation")    # step time and the loop thread's CPU share (kit/loop_clock)
     while True:
         plan = comm.broadcast(sched.schedule(inbox, engine.running))
-        emit.applied(plan, *_apply(engine, comm, weights, plan))
-        if plan.weights is not None:
-            sched.weights_done(plan.weights)
+        failed, stats, reply = _apply(engine, comm, weights, plan)
+        sched.update(plan, failed)      # the transitions (pages freed) before the events that tell them
+        emit.applied(plan, failed, stats, reply)
         if plan.stop:
             break
         if not engine.running:
@@ -130,7 +130,10 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
         finally:
             clock.end()
         if stepped is not None:
-            emit.stepped(*stepped, len(sched.pending))
+            try:
+                emit.stepped(*stepped, len(sched.pending))
+            finally:
+                engine.free(stepped[0])
 
 
 def _follower_loop(engine, comm, source) -> None:
@@ -141,8 +144,7 @@ def _follower_loop(engine, comm, source) -> None:
         if plan.stop:
             break
         if engine.running:
-            for job in engine.step()[0]:
-                job.free()
+            engine.free(engine.step()[0])
         else:
             source.drop_stale()
 

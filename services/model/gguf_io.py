@@ -260,15 +260,6 @@ def find_gguf(model_dir: str) -> str | None:
     return os.path.join(model_dir, names[0])
 
 
-def gguf_config(path: str) -> dict:
-    """The config.json stored in a GGUF file's metadata."""
-    gguf = _gguf()
-    field = gguf.GGUFReader(path).get_field(CONFIG_KEY)
-    if field is None:
-        raise GGUFError(f"{path} has no {CONFIG_KEY} metadata (not written by u1serve convert)")
-    return json.loads(field.contents())
-
-
 def read_gguf_state(path: str, needed: dict, full_shapes: dict, tp, device, dtype: torch.dtype) -> dict:
     """{key: tensor in `dtype` on `device` (this TP rank's shard)} for every key of `needed`, dequantised.
     Raises LoadError for a missing / unexpected / misshapen tensor or a tensor type outside `read_types`."""

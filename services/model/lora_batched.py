@@ -69,11 +69,6 @@ def lora_subset(model, rows: torch.Tensor):
         reg.batch = prev
 
 
-def has_lora_rows(model) -> bool:
-    reg = registry_of(model)
-    return reg is not None and reg.batch is not None
-
-
 class LoraHook:
     """Forward hook of one target linear: output += its adapters' products for the rows that use one."""
     __slots__ = ("registry", "a", "b", "name")

@@ -27,7 +27,8 @@ from services import knobs
 
 from kernels.lora import padded_rank
 
-from .loader import LoadError, name_list, read_lora
+from .checkpoint_files import LoadError
+from .loader import name_list, read_lora
 from .lora_batched import LoraHook
 from .lora_spec import parse_lora_spec
 from .parallel import shard, shard_dim

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
-from services.contract.chat import text_runs
-from services.contract.image import SamplerParams
+from services.base.content import text_runs
 
 from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      generation_input, preprocess)
-from .sampler import branches_needed
 from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -65,7 +64,7 @@ def interleave_system_message(model_dir: str | None = None, override: str | None
 
 
 Parts = list[tuple[str, bool]]      # (text, is client text): a prompt whose client text is tokenised as text
-Content = str | list[str]           # a turn's text, or its text runs around its images (contract.chat.text_runs)
+Content = str | list[str]           # a turn's text, or its text runs around its images (base.content.text_runs)
 
 
 def place_images(runs: list[str], labels: bool = False) -> list[str]:
@@ -186,12 +185,12 @@ def _part_items(content) -> list:
 UNCOND_TEXT = neo1_0([("user", "")]) + IMG_START  # the fixed 9-token prefix (no system, no think)
 
 
-def t2i_inputs(tok: NeoTokenizer, prompt: str, params: SamplerParams, think: bool = False,
+def t2i_inputs(tok: NeoTokenizer, prompt: str, branches: Sequence[str], think: bool = False,
                system_message: str | None = None) -> dict[str, PromptInput]:
     system = default_gen_system_message() if system_message is None else system_message
     head = neo1_0_parts([("user", prompt)], system, client_system=False)
     out = {"cond": encode_parts(tok, head + [(THINK_OPEN if think else EMPTY_THINK + IMG_START, False)], [])}
-    if "uncond" in branches_needed(params):
+    if "uncond" in branches:
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
     return out
 
@@ -206,7 +205,7 @@ def split_at(text: str, offsets: list[int] | None, n: int) -> list[str]:
     return [text[a:b] for a, b in zip([0] + offsets, offsets + [len(text)])]
 
 
-def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerParams, think: bool = False,
+def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, branches: Sequence[str], think: bool = False,
                 system_message: str | None = None, image_offsets: list[int] | None = None) -> dict[str, PromptInput]:
     """Editing prefixes: cond (system + images + instruction), img_cond (images only), uncond. Image k sits at
     character `image_offsets[k]` of the prompt (the request's content-part order); all at 0 or none given: the
@@ -220,10 +219,9 @@ def edit_inputs(tok: NeoTokenizer, prompt: str, images: list, params: SamplerPar
     tail = THINK_OPEN if think else EMPTY_THINK + IMG_START
     out = {"cond": encode_parts(tok, neo1_0_parts([("user", text)], system, client_system=False) + [(tail, False)],
                                 tensors)}
-    needed = branches_needed(params)
-    if "img_cond" in needed:
+    if "img_cond" in branches:
         out["img_cond"] = expand_images(tok, neo1_0([("user", IMAGE_PLACEHOLDER * n)]) + IMG_START, tensors)
-    if "uncond" in needed:
+    if "uncond" in branches:
         out["uncond"] = PromptInput(tok.encode(UNCOND_TEXT))
     return out
 

@@ -348,7 +348,8 @@ def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def target_linears(model, branches=("gen",)):
-    """(owner module, attribute name, full parameter name) of every dense Linear to quantise."""
+    """(owner module, attribute name, full parameter name) of every dense Linear to quantise: the targets as a
+    list, read by memory_plan (bytes per format) and bench/bench_format_accuracy.py (one group at a time)."""
     out = []
     for i, layer in enumerate(model.language_model.model.layers):
         prefix = f"language_model.model.layers.{i}."

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from services.contract.image import CacheOptions
-
 from . import sampler as S
 from .model import NeoModel
 from .positions import image_token_positions, prefill_mask, thw_indexes
-from .step_cache import BranchState, CacheGroup, StepCache, truncated_interval
+from .step_cache import BranchState, CacheGroup, StepCache, StepCacheOptions, truncated_interval
 
 if TYPE_CHECKING:   # prompts/tokenizer need PIL and tokenizers: imported where used, so the denoise
     from . import prompts as P       # half runs with torch alone (GPU benchmark machines)
@@ -178,16 +176,17 @@ def build_prefix(model: NeoModel, tok: NeoTokenizer, inp: P.PromptInput, think: 
 
 
 @torch.no_grad()
-def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, images, params: S.SamplerParams,
+def image_prefixes(model: NeoModel, tok: NeoTokenizer, kind: str, prompt: str, images, params: S.Sampling,
                    think: bool = False, max_think_tokens: int = 1024, system_message: str | None = None,
                    image_offsets: list[int] | None = None) -> dict[str, PrefixKV]:
     """Every CFG branch's prefix KV for a T2I (`kind="t2i"`) or edit request (`image_offsets`: where each input
     image stands in the prompt, prompts.edit_inputs). Think only on cond."""
     from . import prompts as P
     if kind == "t2i":
-        inputs = P.t2i_inputs(tok, prompt, params, think, system_message)
+        inputs = P.t2i_inputs(tok, prompt, S.Sampling.of(params).branches, think, system_message)
     elif kind == "edit":
-        inputs = P.edit_inputs(tok, prompt, images, params, think, system_message, image_offsets)
+        inputs = P.edit_inputs(tok, prompt, images, S.Sampling.of(params).branches, think, system_message,
+                               image_offsets)
     else:
         raise ValueError(f"kind must be t2i or edit, got {kind!r}")
     return {b: build_prefix(model, tok, inp, think and b == "cond", max_think_tokens) for b, inp in inputs.items()}
@@ -216,8 +215,8 @@ def gen_velocity(model: NeoModel, prefix_kv: torch.Tensor, t_offset: int, x_in: 
 
 
 @torch.no_grad()
-def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.SamplerParams,
-            seed: int = 0, n: int = 1, on_step=None, cache: CacheOptions | None = None,
+def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: int, params: S.Sampling,
+            seed: int = 0, n: int = 1, on_step=None, cache: StepCacheOptions | None = None,
             branch_steps: dict | None = None, noise_draws=(), on_estimate=None,
             observe=None) -> torch.Tensor:
     """Euler flow-matching loop -> [n, 3, H, W] in [-1, 1].
@@ -227,15 +226,16 @@ def denoise(model: NeoModel, prefixes: dict[str, PrefixKV], width: int, height: 
     draws before this noise (S.initial_noise); `on_estimate(i, x0)` sees step i's estimate of the clean image
     z + (1 - t) v; `observe(branch)`: the step-cache object of that branch's forward in place of `cache`'s
     (StepCache's `forward` interface; bench/calibrate_teacache.py records the stack's input and residual with it)."""
-    cache = cache or CacheOptions()
-    params = params.model_copy(update={"cfg_interval": truncated_interval(params.cfg_interval, cache)})
+    cache = StepCacheOptions.of(cache)
+    params = S.Sampling.of(params)
+    params = params.with_interval(truncated_interval(params.cfg_interval, cache))
     if width % S.BLOCK or height % S.BLOCK:
         raise ValueError(f"width and height must be multiples of {S.BLOCK}")
     th, tw = height // S.BLOCK, width // S.BLOCK
     s = S.noise_scale(model.cfg, th * tw)
     x = S.initial_noise(n, height, width, seed, model.device, model.dtype, s, noise_draws)
     grid = S.timesteps(params.num_inference_steps, params.timestep_shift, device=model.device)
-    needed = S.branches_needed(params)
+    needed = list(params.branches)
     kvs = {b: prefixes[b].kv.to(model.device, model.dtype) for b in needed}
     states = {b: BranchState() for b in needed}
     for i in range(params.num_inference_steps):
@@ -269,19 +269,19 @@ def to_pil(x: torch.Tensor) -> list:
 
 
 @torch.no_grad()
-def text_to_image(model, tok, prompt: str, width: int, height: int, params: S.SamplerParams | None = None,
+def text_to_image(model, tok, prompt: str, width: int, height: int, params: S.Sampling,
                   seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024):
     """One-call T2I: returns (images [n, 3, H, W] in [-1, 1], think_text)."""
-    params = params or S.SamplerParams()
+    params = S.Sampling.of(params)
     pre = image_prefixes(model, tok, "t2i", prompt, [], params, think, max_think_tokens)
     return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text
 
 
 @torch.no_grad()
-def edit(model, tok, prompt: str, images: list, width: int, height: int, params: S.SamplerParams | None = None,
+def edit(model, tok, prompt: str, images: list, width: int, height: int, params: S.Sampling,
          seed: int = 0, n: int = 1, think: bool = False, max_think_tokens: int = 1024,
          image_offsets: list[int] | None = None):
-    params = params or S.SamplerParams(mode="edit")
+    params = S.Sampling.of(params)
     pre = image_prefixes(model, tok, "edit", prompt, images, params, think, max_think_tokens,
                          image_offsets=image_offsets)
     return denoise(model, pre, width, height, params, seed, n), pre["cond"].think_text
@@ -306,7 +306,7 @@ def _append_image(model: NeoModel, tok: NeoTokenizer, cache: _Cache, image, t_im
 
 
 @torch.no_grad()
-def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params: S.SamplerParams, width: int,
+def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params: S.Sampling, width: int,
                height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192, max_images: int = 10,
                system_message: str | None = None, logit_bias: dict[int, float] | None = None,
                on_image=None, sizes: list[tuple[int, int]] | None = None) -> InterleaveAnswer:
@@ -324,7 +324,7 @@ def interleave(model: NeoModel, tok: NeoTokenizer, messages: list[dict], params:
 
 
 @torch.no_grad()
-def interleave_gen(model: NeoModel, tok: NeoTokenizer, prompt: str, images: list, params: S.SamplerParams,
+def interleave_gen(model: NeoModel, tok: NeoTokenizer, prompt: str, images: list, params: S.Sampling,
                    width: int, height: int, seed: int = 0, think: bool = False, max_new_tokens: int = 8192,
                    max_images: int = 10, system_message: str | None = None,
                    logit_bias: dict[int, float] | None = None, on_image=None,

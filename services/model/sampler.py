@@ -1,19 +1,40 @@
 """Flow-matching sampler: timestep grid, noise, CFG rules, Euler step (model_spec.md section 6)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-
-from services.contract.image import SamplerParams
 
 BLOCK = 32  # pixels per token side
 
 
-def branches_needed(p: SamplerParams) -> list[str]:
-    """Which CFG prefixes a request needs, cond first (the 1/2/3-branch rule; declared with the contract)."""
-    return p.branches()
+@dataclass(frozen=True)
+class Sampling:
+    """The values a denoise loop reads. The engines convert the request contract's SamplerParams at their
+    boundary (`Sampling.of`); `branches` is what the contract's CFG-branch rule (Guidance.branches) chose."""
+    branches: tuple[str, ...]              # the CFG prefixes, cond first
+    mode: str                              # "t2i" | "edit": which CFG interval rule applies (uses_cfg)
+    guidance_scale: float
+    image_guidance_scale: float
+    cfg_norm: str                          # "none" | "global" | "channel" | "cfg_zero_star"
+    cfg_interval: tuple[float, float]
+    num_inference_steps: int
+    timestep_shift: float
+    t_eps: float
+
+    @classmethod
+    def of(cls, params) -> "Sampling":
+        """From an object with these fields and a `branches()` method (the contract's SamplerParams)."""
+        if isinstance(params, cls):
+            return params
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "branches"]
+        return cls(branches=tuple(params.branches()), **{n: getattr(params, n) for n in names})
+
+    def with_interval(self, interval: tuple[float, float]) -> "Sampling":
+        return dataclasses.replace(self, cfg_interval=tuple(interval))
 
 
 def timesteps(num_inference_steps: int, shift: float, device=None) -> torch.Tensor:
@@ -73,39 +94,33 @@ def _renorm(v: torch.Tensor, v_cond: torch.Tensor, how: str) -> torch.Tensor:
     return v * (n_c / (n_v + 1e-8)).clamp(min=0, max=1.0)
 
 
-def uses_cfg(p: SamplerParams, t: float) -> bool:
+def uses_cfg(p: Sampling, t: float) -> bool:
     lo, hi = p.cfg_interval
     if p.mode == "t2i":
         return p.guidance_scale > 1 and lo <= t <= hi  # inclusive (T2I)
     return (lo < t < hi) or lo == 0  # editing rule
 
 
-def combine(v: dict, p: SamplerParams, step_index: int, t: float) -> torch.Tensor:
-    """CFG combination of the per-branch velocities {branch: [B, N, 3072]}."""
+def combine(v: dict, p: Sampling, step_index: int, t: float) -> torch.Tensor:
+    """CFG combination of the per-branch velocities {branch: [B, N, 3072]}: the branches given pick the formula
+    (which branches a request has is the contract's Guidance.branches rule; outside the interval only cond)."""
     vc = v["cond"]
-    if not uses_cfg(p, t) or len(v) == 1:
+    if len(v) == 1 or not uses_cfg(p, t):
         return vc
     g, gi = p.guidance_scale, p.image_guidance_scale
-    if p.mode == "t2i":
+    if "img_cond" not in v:          # text CFG: text-to-image, or an edit whose two scales agree
         vu = v["uncond"]
-        if p.cfg_norm == "cfg_zero_star":
+        if p.cfg_norm == "cfg_zero_star":   # text-to-image only (the contract refuses it for edits)
             if step_index <= 0:
                 return vc * 0.0
             alpha = _optimized_scale(vc, vu).view(vc.shape[0], 1, 1).to(vc.dtype)
             return vu * alpha + g * (vc - vu * alpha)
         out = vu + g * (vc - vu)
-    else:
-        if g == 1 and gi == 1:
-            return vc
-        if gi == 1:
-            out = v["img_cond"] + g * (vc - v["img_cond"])
-        elif g == gi:
-            out = v["uncond"] + g * (vc - v["uncond"])
-        else:
-            out = v["uncond"] + g * (vc - v["img_cond"]) + gi * (v["img_cond"] - v["uncond"])
-        if not (g > 1 or gi > 1):
-            return out
-    if p.cfg_norm in ("global", "channel"):
+    elif "uncond" not in v:          # an edit without image CFG
+        out = v["img_cond"] + g * (vc - v["img_cond"])
+    else:                            # an edit with text and image CFG
+        out = v["uncond"] + g * (vc - v["img_cond"]) + gi * (v["img_cond"] - v["uncond"])
+    if p.cfg_norm in ("global", "channel") and (g > 1 or gi > 1):
         out = _renorm(out, vc, p.cfg_norm)
     return out
 

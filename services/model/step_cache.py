@@ -32,15 +32,42 @@ from dataclasses import dataclass, field
 import torch
 
 from services import knobs
-from services.contract.image import CacheMode, CacheOptions
 
 from .lora_batched import lora_subset
 
-CACHE_MODES = CacheMode.__args__
+CACHE_MODES = ("off", "first_block", "teacache")   # the contract's CacheMode names the same (tests/model/test_math.py)
 COEFFICIENTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "teacache_coefficients.json")
 
 
-def truncated_interval(interval: tuple[float, float], options: CacheOptions) -> tuple[float, float]:
+@dataclass(frozen=True)
+class StepCacheOptions:
+    """A job's step caching as the denoiser reads it (the contract's CacheOptions, converted at the engine
+    boundary by `of`)."""
+    mode: str                          # one of CACHE_MODES
+    threshold: float
+    warmup_steps: int
+    max_consecutive: int               # 0: no limit
+    cfg_truncation: float | None
+
+    @classmethod
+    def of(cls, options) -> "StepCacheOptions":
+        """From an object with these fields (the contract's CacheOptions); None: no caching."""
+        if options is None:
+            return NO_CACHE
+        if isinstance(options, cls):
+            return options
+        return cls(options.mode, float(options.threshold), int(options.warmup_steps), int(options.max_consecutive),
+                   options.cfg_truncation)
+
+    @property
+    def reuses(self) -> bool:
+        return self.mode != "off" and self.threshold > 0
+
+
+NO_CACHE = StepCacheOptions("off", 0.0, 0, 0, None)
+
+
+def truncated_interval(interval: tuple[float, float], options: StepCacheOptions) -> tuple[float, float]:
     """cfg_interval with the CFG-truncation bound applied (hi lowered, never below lo)."""
     lo, hi = interval
     if options.cfg_truncation is None:
@@ -110,7 +137,7 @@ class CacheGroup:
     start: int
     stop: int
     state: BranchState
-    options: CacheOptions
+    options: StepCacheOptions
     step: int                                # the job's step index
     key: object = None                       # the caller's handle (engine: (job, branch))
     tokens: int | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.contract.image import SamplerParams
 from services.contract.rl import RLSampling
 from services.model import flow_sde
 from services.model import reference as R
@@ -36,11 +37,12 @@ class Prefix:
     think_logprobs: torch.Tensor | None = None
 
 
-def sampler_params(sampling: RLSampling) -> S.SamplerParams:
-    """The denoiser parameters of a rollout (the same fields the serving stack reads)."""
-    return S.SamplerParams(num_inference_steps=sampling.num_inference_steps, guidance_scale=sampling.guidance_scale,
-                           image_guidance_scale=sampling.image_guidance_scale, timestep_shift=sampling.timestep_shift,
-                           t_eps=sampling.t_eps, cfg_norm=sampling.cfg_norm, mode="t2i")
+def sampler_params(sampling: RLSampling) -> S.Sampling:
+    """The denoiser parameters of a rollout (the same fields the serving stack reads, converted as it does)."""
+    return S.Sampling.of(SamplerParams(
+        num_inference_steps=sampling.num_inference_steps, guidance_scale=sampling.guidance_scale,
+        image_guidance_scale=sampling.image_guidance_scale, timestep_shift=sampling.timestep_shift,
+        t_eps=sampling.t_eps, cfg_norm=sampling.cfg_norm, mode="t2i"))
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float,
@@ -96,7 +98,7 @@ class Policy:
         and shared (the appended blocks never write into it); the other branches are shared as they are."""
         params = sampler_params(sampling)
         think = think_ids is not None
-        inputs = t2i_inputs(self.tok, prompt, params, think=think)
+        inputs = t2i_inputs(self.tok, prompt, params.branches, think=think)
         grad = torch.enable_grad() if self.und_trainable else torch.no_grad()
         with grad:
             shared, cond = {}, None
@@ -140,7 +142,7 @@ class Policy:
         x = x.to(self.model.dtype)
         z = S.patchify(x)
         x_in = self.model.gen_embed(x, t, noise_scale)
-        branches = S.branches_needed(params) if S.uses_cfg(params, float(t)) else ["cond"]
+        branches = params.branches if S.uses_cfg(params, float(t)) else ["cond"]
         out: list[torch.Tensor | None] = [None] * z.shape[0]
         for idx, pre in _groups(prefixes):
             sel = torch.tensor(idx, device=z.device)

@@ -158,8 +158,8 @@ class ImagePrefixService:
         st = self.state
         system = PR.gen_system_message(st.args.model)
         if req.mode == "t2i":
-            return PR.t2i_inputs(st.tok, req.prompt, req, req.think, system)
-        return PR.edit_inputs(st.tok, req.prompt, pils, req, req.think, system, req.image_offsets)
+            return PR.t2i_inputs(st.tok, req.prompt, req.branches(), req.think, system)
+        return PR.edit_inputs(st.tok, req.prompt, pils, req.branches(), req.think, system, req.image_offsets)
 
     def _reserve(self, sizes: dict[str, int]) -> tuple[PrefixPages, dict]:
         """Pages for every branch (its prompt, + think budget and tail on a thinking cond), all or nothing."""

@@ -18,7 +18,8 @@ from PIL import Image
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent
 from services.stack import default_pool_name
-from tests.system.stackproc import ROOT, group_alive, pid_alive, shm_entries, wait_ok
+from tests.system.stackproc import ROOT, group_alive, pid_alive, shm_entries
+from tests.waiting import wait_ok
 
 # the runbook's profile table (docs/deployment.md, "Hardware profiles"): the script and its environment
 PROFILES = {

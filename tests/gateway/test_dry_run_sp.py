@@ -172,14 +172,14 @@ def test_every_bench_deployment_profile_dry_runs(configs):
 def test_gpu_smoke_sp_profiles_dry_run(configs, tmp_path):
     """deploy/gpu_smoke.py's SP profiles plan generation over both GPUs, colocate-tp2-sp2-kv in kv-gather
     mode (run on request only)."""
-    from deploy import gpu_smoke
-    assert "colocate-tp2-sp2-kv" in gpu_smoke.ON_REQUEST and "colocate-tp2-sp2-kv" not in gpu_smoke.profiles_for(8)
-    assert "colocate-tp2-sp2-kv-graphs" in gpu_smoke.ON_REQUEST
+    from bench import profile_stack
+    assert "colocate-tp2-sp2-kv" in profile_stack.ON_REQUEST and "colocate-tp2-sp2-kv" not in profile_stack.profiles_for(8)
+    assert "colocate-tp2-sp2-kv-graphs" in profile_stack.ON_REQUEST
     for name, mode in (("colocate-tp2-sp2", "ulysses"), ("colocate-tp2-sp2-kv", "kv-gather"),
                        ("colocate-tp2-sp2-kv-graphs", "kv-gather")):
-        r = dry_run(configs["u1-8b"], shlex.join(gpu_smoke.PROFILES[name][1]))
+        r = dry_run(configs["u1-8b"], shlex.join(profile_stack.PROFILES[name][1]))
         assert r.returncode == 0, (name, r.stderr)
         gpus, gen = plan(r.stdout)["gen"]
         assert gpus == "0,1" and (flag(gen, "--sp"), flag(gen, "--sp-mode")) == ("2", mode), name
         assert flag(gen, "--cuda-graphs") == ("on" if name.endswith("-graphs") else None), name
-        assert gpu_smoke.Stack(name, str(tmp_path / name)).graphs_expected(), name   # on by default on GPUs
+        assert profile_stack.Stack(name, str(tmp_path / name)).graphs_expected(), name   # on by default on GPUs

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load
 
 from bench.bench_trajectory_fetch import PeakRss, _rss, measure, table
-from services.gateway.upstream import TOKEN_HEADER
+from services.kit.middleware import TOKEN_HEADER
 from services.rl.client import FETCH_RESUMES, RLAPIError, RLClient
 from tests.waiting import wait_until
 

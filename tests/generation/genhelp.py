@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from services.contract.image import SamplerParams
 from services.kit import sse
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import stop_group, wait_ok
-from tests.waiting import wait_until  # noqa: F401  (re-exported for the generation tests)
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "gen-test-token"
@@ -133,7 +133,7 @@ def reference_pixels(model, prefixes, body: dict) -> np.ndarray:
     """uint8 [n, H, W, 3] of the reference pipeline for a generate body."""
     from services.model import reference as R
     from services.model import sampler as S
-    params = S.SamplerParams(num_inference_steps=body["num_inference_steps"],
+    params = SamplerParams(num_inference_steps=body["num_inference_steps"],
                              timestep_shift=body.get("timestep_shift", 3.0),
                              t_eps=body.get("t_eps", 0.02), guidance_scale=body["guidance_scale"],
                              image_guidance_scale=body.get("image_guidance_scale", 1.0),
@@ -217,8 +217,7 @@ def prefixes(ref_model, kind="t2i", prompt="a red cat", images=(), think=False, 
     if key not in _CACHE:
         model, tok = ref_model
         from services.model import reference as R
-        from services.model import sampler as S
-        p = S.SamplerParams(mode=kind, **params)
+        p = SamplerParams(mode=kind, **params)
         _CACHE[key] = R.image_prefixes(model, tok, kind, prompt, list(images), p, think=think,
                                        max_think_tokens=6)
     return _CACHE[key]

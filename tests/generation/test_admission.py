@@ -13,8 +13,9 @@ import uuid
 import httpx
 import pytest
 
+from tests.waiting import wait_until
 from .conftest import make_pool
-from .genhelp import REPO, TOKEN, GenServer, body, errors_of, generate, prefixes, publish, wait_until
+from .genhelp import REPO, TOKEN, GenServer, body, errors_of, generate, prefixes, publish
 from .test_faults import Stream, running_job
 
 WAIT_S = 4.0

@@ -41,7 +41,7 @@ def test_cfg_parallel_equals_sequential(cfgp_server, pool, ref_model):
 def test_cfg_parallel_ranks_decide_their_own_step_cache_branch(cfgp_server, pool, ref_model):
     """Step cache under CFG-parallel: each rank caches its own branch; the response reports both ranks'
     branches (the reference is test_step_cache's per-branch pipeline)."""
-    from services.model.step_cache import CacheOptions
+    from services.contract.image import CacheOptions
     from .genhelp import errors_of, images_of
     from .test_step_cache import _ref
     pre = prefixes(ref_model, guidance_scale=4.0)

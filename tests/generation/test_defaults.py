@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from services.contract.image import GenerateRequest
+from services.contract.image import GenerateRequest, SamplerParams
 from services.contract.limits import SIZE_TABLE
 from services.generation.config import GenerationConfig
 from services.generation import engine as engine_mod
@@ -62,7 +62,7 @@ class _CountingGate(YieldGate):
 
 
 def _spec(rid: str, guidance: float, steps: int, cache: dict | None = None) -> GenerateRequest:
-    branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
+    branches = SamplerParams(guidance_scale=guidance).branches()
     return GenerateRequest(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=64, height=64, n=1,
                            num_inference_steps=steps, guidance_scale=guidance, seed=5, cache=cache)
 
@@ -123,7 +123,7 @@ def test_fp8_threshold_is_lower_only_where_graphs_run(monkeypatch):
 
 
 def _sched_spec(rid: str, side: int, guidance: float = 4.0) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, handles={b: {} for b in (["cond", "uncond"] if guidance > 1 else ["cond"])},
+    return GenerateRequest(request_id=rid, handles={b: {} for b in SamplerParams(guidance_scale=guidance).branches()},
                            mode="t2i", width=side, height=side, n=1, num_inference_steps=50,
                            guidance_scale=guidance, seed=1)
 

@@ -12,8 +12,8 @@ import pytest
 from .genhelp import (GenServer, UndServer, body, data_url, errors_of, generate, images_of,
                       photo, reference_pixels)
 
+from services.contract.image import SamplerParams
 from services.model import reference as R
-from services.model import sampler as S
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_understanding_to_generation(stack, ref_model, rid, prefix_req, gen_kw):
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
     # 2) the whole pipeline agrees with the reference pipeline from the prompt
-    params = S.SamplerParams(guidance_scale=prefix_req["guidance_scale"],
+    params = SamplerParams(guidance_scale=prefix_req["guidance_scale"],
                              image_guidance_scale=prefix_req.get("image_guidance_scale", 1.0),
                              mode=prefix_req["mode"])
     pre = R.image_prefixes(model, tok, prefix_req["mode"], prefix_req["prompt"], pils, params,

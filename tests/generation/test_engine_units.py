@@ -7,6 +7,7 @@ import torch
 from .conftest import make_pool
 from .genhelp import publish
 
+from services.contract.image import SamplerParams
 from services.generation.cfg_parallel import local_branches
 from services.generation.engine import Engine
 from services.generation.kv_source import PrefixSource
@@ -102,6 +103,26 @@ def test_scheduler_turns_commands_into_plans():
     assert plan.abort == ["a"] and plan.stop and plan.admit == [] and plan.weights is None
 
 
+def test_the_scheduler_owns_the_pages_of_jobs_that_never_imported():
+    """`update` frees a failed admission's pages before the emitter tells the failure; `refuse` frees a queued
+    job's pages and tells its error: the scheduler is the one place, the emitter only encodes."""
+    import queue
+
+    from services.generation.protocol import SubmitJob
+    from services.kit.errors import APIError
+    released, failures = [], []
+    s = Scheduler(max_batch_tokens=10**6, max_running_jobs=4, world=1, release=released.extend,
+                  failed=lambda rid, event: failures.append((rid, event["error"]["code"])))
+    inbox = queue.SimpleQueue()
+    inbox.put(SubmitJob(spec("a", 64)))
+    plan = s.schedule(inbox, running=[])
+    s.update(plan, {"a": APIError(503, "no room", code="engine_oom").event()})
+    assert released == list(H.values()) and failures == []       # the emitter encodes the failure with the plan
+    released.clear()
+    s.refuse(spec("b", 64), APIError(503, "mismatch", code="weights_version_mismatch"))
+    assert released == list(H.values()) and failures == [("b", "weights_version_mismatch")]
+
+
 def test_bf16_engine_matches_bf16_reference(tiny_dir):
     """bf16: equal to the bf16 reference here (same CPU kernels); the stated tolerance is 1 uint8 level,
     and bf16 vs fp32 differs by up to ~0.1 in [-1, 1] units on the tiny model (model_spec 12.10)."""
@@ -110,7 +131,7 @@ def test_bf16_engine_matches_bf16_reference(tiny_dir):
     dt = torch.bfloat16
     ref_model, gen = load_model(tiny_dir, "both", dtype=dt), load_model(tiny_dir, "gen", dtype=dt)
     tok = NeoTokenizer.from_dir(tiny_dir)
-    params = S.SamplerParams(num_inference_steps=3, guidance_scale=4.0, cfg_norm="global")
+    params = SamplerParams(num_inference_steps=3, guidance_scale=4.0, cfg_norm="global")
     pre = R.image_prefixes(ref_model, tok, "t2i", "a red cat", [], params)
     want = R.denoise(ref_model, pre, 128, 160, params, seed=5, n=2)
     pool = make_pool(gen, dtype="bfloat16")

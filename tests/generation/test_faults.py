@@ -16,8 +16,8 @@ import httpx
 import torch
 import pytest
 from .conftest import make_pool
-from .genhelp import (HEADERS, TOKEN, GenServer, body, errors_of, generate, images_of, prefixes,
-                      publish, wait_until)
+from tests.waiting import wait_until
+from .genhelp import HEADERS, TOKEN, GenServer, body, errors_of, generate, images_of, prefixes, publish
 
 LONG = 1000  # steps (the maximum): a job that only ends when cancelled or killed
 OOM_MARKER = "oom-fault"   # U1SERVE_FAULT_STEP_OOM of the fault server: such a job runs out of memory in a step

@@ -15,8 +15,9 @@ import pytest
 
 from services.kit import sse
 
+from tests.waiting import wait_until
 from .conftest import make_pool
-from .genhelp import HEADERS, GenServer, body, prefixes, publish, wait_until
+from .genhelp import HEADERS, GenServer, body, prefixes, publish
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import queue
 import pytest
 import torch
 
+from services.contract.image import SamplerParams
 from services.generation.sequence_parallel import MODES, RowLayout, split
 from services.netutil import free_port
 
@@ -233,7 +234,6 @@ def test_sp2_equals_sp1_u15_pixel_head(tiny15, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model, mode):
     from services.model import reference as R
-    from services.model import sampler as S
     t2i = prefixes(ref_model, guidance_scale=4.0)
     edit = prefixes(ref_model, "edit", "make it blue", [photo(5)], guidance_scale=4.0,
                     image_guidance_scale=1.5)
@@ -242,7 +242,7 @@ def test_cfg2_x_sp2_equals_sequential_reference(tiny_dir, ref_model, mode):
     got = assert_ranks_agree(run_ranks(tiny_dir, batches, world=4, sp=2, mode=mode))
     for rid, pre, mode, w, h, n, gi in [("t2i", t2i, "t2i", 224, 160, 2, 1.0),
                                          ("edit3", edit, "edit", 160, 128, 1, 1.5)]:
-        params = S.SamplerParams(num_inference_steps=3, guidance_scale=4.0, image_guidance_scale=gi,
+        params = SamplerParams(num_inference_steps=3, guidance_scale=4.0, image_guidance_scale=gi,
                                  mode=mode)
         want = R.denoise(ref_model[0], pre, w, h, params, seed=5, n=n)
         torch.testing.assert_close(got[rid][0], want, **TOL, msg=rid)

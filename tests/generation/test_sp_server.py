@@ -10,8 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from tests.waiting import wait_until
 from .genhelp import (GenServer, body, errors_of, generate, generate_all, images_of, prefixes, publish,
-                      reference_pixels, wait_until)
+                      reference_pixels)
 
 
 @pytest.fixture(scope="module", params=["ulysses", "kv-gather"])

@@ -11,18 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from services.contract.image import CacheOptions, SamplerParams
 from services.generation.engine import Engine
 from services.generation.inputs import parse_job
 from services.kit.errors import APIError
 from services.model import reference as R
 from services.model import sampler as S
-from services.model.step_cache import CacheOptions
 
 from .genhelp import body, errors_of, generate, images_of, prefixes, publish
 
 
-def _params(b: dict) -> S.SamplerParams:
-    return S.SamplerParams(num_inference_steps=b["num_inference_steps"],
+def _params(b: dict) -> SamplerParams:
+    return SamplerParams(num_inference_steps=b["num_inference_steps"],
                            guidance_scale=b["guidance_scale"],
                            cfg_interval=tuple(b.get("cfg_interval", (0.0, 1.0))))
 

@@ -20,7 +20,7 @@ import torch
 
 from services.generation import engine as engine_mod
 from services.generation.engine import Engine
-from services.contract.image import GenerateRequest
+from services.contract.image import GenerateRequest, SamplerParams
 from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
                                             composition_key, graphable, layer_segments, out_of_memory,
                                             resolve_mode)
@@ -127,7 +127,7 @@ def test_graphs_are_off_on_cpu_whatever_the_flag(caplog):
 
 
 def _spec(rid: str, guidance: float, steps: int = 4, size: int = 128) -> GenerateRequest:
-    branches = ["cond", "uncond"] if guidance > 1 else ["cond"]
+    branches = SamplerParams(guidance_scale=guidance).branches()
     return GenerateRequest(request_id=rid, handles={b: {} for b in branches}, mode="t2i", width=size,
                            height=size, n=1, num_inference_steps=steps, guidance_scale=guidance, seed=5)
 

@@ -10,8 +10,9 @@ import socket
 import httpx
 import pytest
 
+from tests.waiting import wait_until
 from .conftest import make_pool
-from .genhelp import HEADERS, TOKEN, GenServer, body, errors_of, generate, prefixes, publish, wait_until
+from .genhelp import HEADERS, TOKEN, GenServer, body, errors_of, generate, prefixes, publish
 from .test_faults import LONG, running_job
 
 

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from services.contract.image import CacheOptions, SamplerParams
 from services.generation.engine import Engine
 from services.generation.inputs import parse_job
 from services.knobs import TEACACHE_COEFFICIENTS
 from services.model import reference as R
 from services.model import sampler as S
-from services.model.step_cache import (BranchState, CacheGroup, CacheOptions, StepCache,
+from services.model.step_cache import (BranchState, CacheGroup, StepCache, StepCacheOptions,
                                        polyval, rescaled_change, teacache_bucket)
 
 from tests.model.fused_add_norm_forwards import inputs
@@ -32,7 +33,7 @@ SPEC = {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale":
 
 def _ref(model, pre, spec: dict, cache: CacheOptions | None):
     steps: dict = {}
-    params = S.SamplerParams(num_inference_steps=spec["num_inference_steps"], guidance_scale=spec["guidance_scale"])
+    params = SamplerParams(num_inference_steps=spec["num_inference_steps"], guidance_scale=spec["guidance_scale"])
     x = R.denoise(model, pre, spec["width"], spec["height"], params, seed=spec["seed"], cache=cache,
                   branch_steps=steps)
     return S.to_uint8(x).numpy()[0], steps
@@ -111,7 +112,7 @@ def test_a_reused_step_runs_no_layer(ref_model, monkeypatch):
     calls = []
     real = model.gen_layers
     monkeypatch.setattr(model, "gen_layers", lambda *a, **k: calls.append(k) or real(*a, **k))
-    group = CacheGroup(0, x.shape[0], BranchState(), CacheOptions(mode="teacache", threshold=10.0), step=0)
+    group = CacheGroup(0, x.shape[0], BranchState(), StepCacheOptions("teacache", 10.0, 1, 0, None), step=0)
     first = StepCache([group], lambda gs: attend).forward(model, x, rope, attend)
     assert group.compute and calls == [{"start": 0, "stop": None}]
     group.step = 1

@@ -397,13 +397,13 @@ def test_gpu_smoke_and_bench_mps_profiles_plan_an_mps_stack(config_model):
     """deploy/gpu_smoke.py's and bench/stack.py's mps profiles dry-run to a daemon + capped generation;
     gpu_smoke runs them only when named (--profiles)."""
     from bench.stack import PROFILES as BENCH
-    from deploy import gpu_smoke
-    mps = [n for n in gpu_smoke.ON_REQUEST if "-mps" in n]
+    from bench import profile_stack
+    mps = [n for n in profile_stack.ON_REQUEST if "-mps" in n]
     assert set(mps) == {"colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps"}
-    assert not set(gpu_smoke.profiles_for(8)) & set(gpu_smoke.ON_REQUEST)
+    assert not set(profile_stack.profiles_for(8)) & set(profile_stack.ON_REQUEST)
     bench = [n for n in BENCH if "-mps" in n]
     assert "colocate-tp2-cfg2-mps-normal" in bench
-    for name, flags in [(n, gpu_smoke.PROFILES[n][1]) for n in mps] + \
+    for name, flags in [(n, profile_stack.PROFILES[n][1]) for n in mps] + \
             [(n, BENCH[n].split()) for n in bench]:
         r = dry_run(config_model, *flags)
         assert r.returncode == 0, (flags, r.stderr)

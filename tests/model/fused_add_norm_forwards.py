@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from services.model.reference import masked_attention
-from services.model.step_cache import BranchState, CacheGroup, CacheOptions, StepCache
+from services.model.step_cache import BranchState, CacheGroup, StepCache, StepCacheOptions
 
 ROWS = 12
 
@@ -44,8 +44,8 @@ def forwards(model, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _two_cached_steps(model, x, rope, attend):
     half = ROWS // 2
-    groups = [CacheGroup(0, half, BranchState(), CacheOptions(mode="first_block", threshold=10.0), step=0),
-              CacheGroup(half, ROWS, BranchState(), CacheOptions(mode="first_block", threshold=0.0), step=0)]
+    groups = [CacheGroup(0, half, BranchState(), StepCacheOptions("first_block", 10.0, 1, 0, None), step=0),
+              CacheGroup(half, ROWS, BranchState(), StepCacheOptions("first_block", 0.0, 1, 0, None), step=0)]
     first = model.gen_forward(x, rope, attend, StepCache(groups, lambda gs: attend))
     for grp in groups:
         grp.step = 1

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPE, INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
+from services.contract.image import SamplerParams
+from kernels.fp8_quant import FP8_DTYPE, INV_FP8_MAX, quant_fp8_rowwise, quant_fp8_rowwise_ref
+from kernels.row_quant import AMAX_FLOOR
 from kernels.norm_act import rms_norm_ref, silu_mul_ref
 from services.model.modules import RMSNorm, SwiGLU
 from services.model.quant import (Fp8Activation, Fp8Linear, Fp8QKV, Fp8RMSNorm, Fp8SwiGLU, Fp8Unsupported,
@@ -200,7 +202,7 @@ def test_fp8_velocity_close_to_fp32(tiny_checkpoint):
     from services.model.tokenizer import NeoTokenizer
     d = tiny_checkpoint("u1")
     m32, m8 = load_model(d, "both"), load_model(d, "both", quantization="fp8")
-    pre = R.image_prefixes(m32, NeoTokenizer.from_dir(d), "t2i", "a red cat", [], S.SamplerParams())
+    pre = R.image_prefixes(m32, NeoTokenizer.from_dir(d), "t2i", "a red cat", [], SamplerParams())
     x = S.initial_noise(1, 128, 128, 0, "cpu", torch.float32, 2.0)
     t = torch.tensor(0.3)
     v = [R.gen_velocity(m, pre["cond"].kv, pre["cond"].t_offset, m.gen_embed(x, t, 2.0), S.patchify(x), t,

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from services.contract.image import SamplerParams
 from services.model import prompts as P
 from services.model import reference as R
 from services.model import sampler as S
@@ -25,7 +26,7 @@ def model_tok():
 @pytest.fixture(scope="module")
 def params():
     meta = torch.load(CASE + ".kv.pt", weights_only=True)["meta"]
-    return S.SamplerParams(num_inference_steps=meta["steps"], guidance_scale=meta["cfg"], cfg_norm=meta["cfg_norm"],
+    return SamplerParams(num_inference_steps=meta["steps"], guidance_scale=meta["cfg"], cfg_norm=meta["cfg_norm"],
                            timestep_shift=meta["shift"], t_eps=meta["t_eps"])
 
 
@@ -41,7 +42,7 @@ def test_prefix_kv_and_hidden_match(model_tok, params):
         for layer in range(model.num_layers):
             torch.testing.assert_close(pre[branch].kv[layer, 0], g["keys"][layer][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(pre[branch].kv[layer, 1], g["values"][layer][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-        inp = P.t2i_inputs(tok, gold["meta"]["prompt"], params)[branch]
+        inp = P.t2i_inputs(tok, gold["meta"]["prompt"], params.branches())[branch]
         _, positions, hidden = R.prefill(model, inp)
         assert torch.equal(positions.cpu(), g["indexes"])
         torch.testing.assert_close(hidden, g["last_hidden_state"][0], rtol=1e-5, atol=1e-5)

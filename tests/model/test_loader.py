@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.model.config import ConfigError, load_config, parse_config
-from services.model.loader import LoadError, load_model, merge_lora
+from services.model.checkpoint_files import LoadError
+from services.model.loader import load_model, merge_lora
 from services.model.model import NeoModel
 from services.model.tiny import full_config, tiny_config
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.model.loader import LoadError, load_model
+from services.model.checkpoint_files import LoadError
+from services.model.loader import load_model
 from services.model.lora_batched import lora_rows
 from services.model.lora_registry import AdapterNotFound, LoraError, LoraRegistry, attach_lora, parse_modules
 from services.model.tiny_lora import write_tiny_lora
@@ -171,7 +172,7 @@ def test_tensor_parallel_shards_the_factors(tiny_dir, adapters, tmp_path):
 
 def test_the_merge_at_load_refuses_modules_that_do_not_bind(tiny_dir, tmp_path):
     """`--lora` (merged) reads the same files and refuses the same way: no silent partial merge."""
-    from services.model.loader import LoadError
+    from services.model.checkpoint_files import LoadError
     model = load_model(tiny_dir, "gen")
     h = model.cfg.llm.hidden_size
     good = "language_model.model.layers.0.self_attn.q_proj_mot_gen"

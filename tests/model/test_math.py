@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from services.contract.image import SamplerParams
 from services.model import sampler as S
 from services.model.config import parse_config
 from kernels import qk_norm_rope_ref_
@@ -108,26 +109,42 @@ def _v(seed):
     return torch.randn(2, 4, 3072, generator=g)
 
 
+def sp(**fields) -> S.Sampling:
+    """The model's sampling values of a request (as the engines convert the contract's SamplerParams)."""
+    return S.Sampling.of(SamplerParams(**fields))
+
+
+def test_model_values_mirror_the_contract():
+    """The model's own dataclasses carry the contract's field names (converted by name at the engine boundary)."""
+    from dataclasses import fields
+    from services.contract.image import CacheMode, CacheOptions
+    from services.model.step_cache import CACHE_MODES, StepCacheOptions
+    assert {f.name for f in fields(S.Sampling)} - {"branches"} <= set(SamplerParams.model_fields)
+    assert {f.name for f in fields(StepCacheOptions)} == set(CacheOptions.model_fields)
+    assert CACHE_MODES == CacheMode.__args__
+    assert StepCacheOptions.of(CacheOptions(mode="teacache", threshold=0.1)).reuses
+
+
 def test_t2i_cfg_rows():
     vc, vu = _v(1), _v(2)
-    p = S.SamplerParams(guidance_scale=4.0)
+    p = sp(guidance_scale=4.0)
     torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, p, 1, 0.5), vu + 4 * (vc - vu))
-    g = S.combine({"cond": vc, "uncond": vu}, S.SamplerParams(cfg_norm="global"), 1, 0.5)
+    g = S.combine({"cond": vc, "uncond": vu}, sp(cfg_norm="global"), 1, 0.5)
     raw = vu + 4 * (vc - vu)
     f = (vc.flatten(1).norm(dim=1) / (raw.flatten(1).norm(dim=1) + 1e-8)).clamp(0, 1)
     torch.testing.assert_close(g, raw * f.view(2, 1, 1))
-    c = S.combine({"cond": vc, "uncond": vu}, S.SamplerParams(cfg_norm="channel"), 1, 0.5)
+    c = S.combine({"cond": vc, "uncond": vu}, sp(cfg_norm="channel"), 1, 0.5)
     fc = (vc.norm(dim=-1, keepdim=True) / (raw.norm(dim=-1, keepdim=True) + 1e-8)).clamp(0, 1)
     torch.testing.assert_close(c, raw * fc)
-    zs = S.SamplerParams(cfg_norm="cfg_zero_star")
+    zs = sp(cfg_norm="cfg_zero_star")
     assert torch.equal(S.combine({"cond": vc, "uncond": vu}, zs, 0, 0.0), torch.zeros_like(vc))
     alpha = ((vc * vu).flatten(1).sum(1) / ((vu ** 2).flatten(1).sum(1) + 1e-8)).view(2, 1, 1)
     torch.testing.assert_close(S.combine({"cond": vc, "uncond": vu}, zs, 1, 0.5), alpha * vu + 4 * (vc - alpha * vu))
     # interval is inclusive for T2I; guidance_scale 1 -> cond only (and no uncond branch)
-    p2 = S.SamplerParams(cfg_interval=(0.2, 0.5))
+    p2 = sp(cfg_interval=(0.2, 0.5))
     assert S.uses_cfg(p2, 0.5) and S.uses_cfg(p2, 0.2) and not S.uses_cfg(p2, 0.6)
     assert torch.equal(S.combine({"cond": vc, "uncond": vu}, p2, 3, 0.6), vc)
-    assert S.branches_needed(S.SamplerParams(guidance_scale=1.0)) == ["cond"]
+    assert sp(guidance_scale=1.0).branches == ("cond",)
 
 
 def test_edit_cfg_rows():
@@ -135,8 +152,8 @@ def test_edit_cfg_rows():
     v = {"cond": vc, "img_cond": vi, "uncond": vu}
 
     def run(g, gi):
-        p = S.SamplerParams(mode="edit", guidance_scale=g, image_guidance_scale=gi)
-        need = S.branches_needed(p)
+        p = sp(mode="edit", guidance_scale=g, image_guidance_scale=gi)
+        need = list(p.branches)
         return need, S.combine({b: v[b] for b in need}, p, 1, 0.5)
 
     assert run(1, 1) == (["cond"], vc)
@@ -148,10 +165,10 @@ def test_edit_cfg_rows():
     assert need == ["cond", "img_cond", "uncond"]
     assert torch.allclose(out, vu + 4 * (vc - vi) + 2 * (vi - vu))
     # editing interval rule: (lo < t < hi) or lo == 0
-    p = S.SamplerParams(mode="edit", cfg_interval=(0.2, 0.5))
+    p = sp(mode="edit", cfg_interval=(0.2, 0.5))
     assert not S.uses_cfg(p, 0.2) and S.uses_cfg(p, 0.3)
     with pytest.raises(ValueError):
-        S.SamplerParams(mode="edit", cfg_norm="cfg_zero_star")
+        SamplerParams(mode="edit", cfg_norm="cfg_zero_star")
 
 
 def test_velocity_clamp():

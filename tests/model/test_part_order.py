@@ -10,11 +10,10 @@ import pytest
 from PIL import Image
 
 from services.contract.chat import ChatCompletionRequest, ChatMessage, content_runs
-from services.contract.image import PrefixRequest
+from services.contract.image import PrefixRequest, SamplerParams
 from services.gateway.routers.chat import last_user_turn
 from services.model import images as IM
 from services.model import prompts as P
-from services.model import sampler as S
 from services.model.tokenizer import NeoTokenizer
 from services.understanding.inputs import image_refs, prompt_messages
 from tests.conftest import GOLDEN
@@ -114,7 +113,7 @@ def test_interleave_heads_match_the_official_placeholder_prompt(tok):
 
 
 def _edit_cond(tok, prompt, pils, offsets=None):
-    return P.edit_inputs(tok, prompt, pils, S.SamplerParams(mode="edit"), image_offsets=offsets)["cond"]
+    return P.edit_inputs(tok, prompt, pils, SamplerParams(mode="edit").branches(), image_offsets=offsets)["cond"]
 
 
 def _official_edit(tok, user_text, pils):

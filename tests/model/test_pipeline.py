@@ -3,9 +3,9 @@ import pytest
 import torch
 from PIL import Image
 
+from services.contract.image import SamplerParams
 from services.model import prompts as P
 from services.model import reference as R
-from services.model import sampler as S
 from services.model.loader import load_model
 from services.model.tokenizer import NeoTokenizer
 
@@ -34,7 +34,7 @@ def _img(w, h, seed):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_t2i_sizes_and_seeds(loaded, variant):
     model, tok = loaded(variant)
-    p = S.SamplerParams(num_inference_steps=4)
+    p = SamplerParams(num_inference_steps=4)
     a, _ = R.text_to_image(model, tok, "a red cube", 64, 64, p, seed=1)
     b, _ = R.text_to_image(model, tok, "a red cube", 64, 64, p, seed=1)
     c, _ = R.text_to_image(model, tok, "a red cube", 64, 64, p, seed=2)
@@ -49,7 +49,7 @@ def test_t2i_sizes_and_seeds(loaded, variant):
 def test_edit_two_images_three_branches(loaded, variant):
     model, tok = loaded(variant)
     ims = [_img(64, 96, 1), _img(80, 64, 2)]
-    p = S.SamplerParams(mode="edit", num_inference_steps=3, guidance_scale=4.0, image_guidance_scale=2.0)
+    p = SamplerParams(mode="edit", num_inference_steps=3, guidance_scale=4.0, image_guidance_scale=2.0)
     pre = R.image_prefixes(model, tok, "edit", "swap them", ims, p)
     assert set(pre) == {"cond", "img_cond", "uncond"}
     assert pre["cond"].t_offset > pre["img_cond"].t_offset > pre["uncond"].t_offset
@@ -57,13 +57,13 @@ def test_edit_two_images_three_branches(loaded, variant):
     y, _ = R.edit(model, tok, "swap them", ims, 64, 64, p, seed=0)
     assert torch.equal(x, y) and x.shape == (1, 3, 64, 64)
     # default edit recipe (g=4, g_i=1): cond + img_cond only
-    assert set(R.image_prefixes(model, tok, "edit", "x", ims[:1], S.SamplerParams(mode="edit"))) == {"cond", "img_cond"}
+    assert set(R.image_prefixes(model, tok, "edit", "x", ims[:1], SamplerParams(mode="edit"))) == {"cond", "img_cond"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_think_mode(loaded, variant):
     model, tok = loaded(variant)
-    p = S.SamplerParams(num_inference_steps=2)
+    p = SamplerParams(num_inference_steps=2)
     pre = R.image_prefixes(model, tok, "t2i", "a cat", [], p, think=True, max_think_tokens=6)
     cond = pre["cond"]
     assert isinstance(cond.think_text, str) and pre["uncond"].think_text is None
@@ -79,7 +79,7 @@ def test_think_mode(loaded, variant):
 
 def test_halves_compose_to_one_call(loaded):
     model, tok = loaded("u1")
-    p = S.SamplerParams(num_inference_steps=3, cfg_norm="global")
+    p = SamplerParams(num_inference_steps=3, cfg_norm="global")
     one, _ = R.text_to_image(model, tok, "a dog", 64, 96, p, seed=5)
     pre = R.image_prefixes(model, tok, "t2i", "a dog", [], p)
     steps = []
@@ -90,13 +90,13 @@ def test_halves_compose_to_one_call(loaded):
 def test_prompt_texts(loaded):
     model, tok = loaded("u1")
     assert P.UNCOND_TEXT == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<img>"
-    inp = P.t2i_inputs(tok, "hi", S.SamplerParams())
+    inp = P.t2i_inputs(tok, "hi", SamplerParams().branches())
     text = tok.decode(inp["cond"].input_ids)
     assert text.startswith("<|im_start|>system\n" + P.default_gen_system_message() + "<|im_end|>\n")
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<img>")
     assert len(P.default_gen_system_message()) == 1175
     ims = [_img(64, 64, 1), _img(64, 64, 2)]
-    e = P.edit_inputs(tok, "merge", ims, S.SamplerParams(mode="edit", image_guidance_scale=2.0))
+    e = P.edit_inputs(tok, "merge", ims, SamplerParams(mode="edit", image_guidance_scale=2.0).branches())
     et = tok.decode([i for i in e["cond"].input_ids if i != tok.img_context_id])
     assert "user\nImage-1:<img></img>\nImage-2:<img></img>\nmerge<|im_end|>" in et
     it = tok.decode([i for i in e["img_cond"].input_ids if i != tok.img_context_id])

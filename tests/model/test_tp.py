@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from services.contract.image import SamplerParams
 from services.model import reference as R
-from services.model import sampler as S
 from services.model.loader import load_model
 from services.model.parallel import TPContext
 from services.model.tokenizer import NeoTokenizer
@@ -18,7 +18,7 @@ def _run(rank, world, ckpt, init_file, out_dir):
         tp = TPContext(rank, world)
         model = load_model(ckpt, "both", tp=tp)
         tok = NeoTokenizer.from_dir(ckpt)
-        p = S.SamplerParams(num_inference_steps=2)
+        p = SamplerParams(num_inference_steps=2)
         pre = R.image_prefixes(model, tok, "t2i", "a red cube", [], p)
         kv = {b: tp.all_gather_heads(x.kv, dim=3) for b, x in pre.items()}  # heads of every rank
         img = R.denoise(model, pre, 64, 64, p, seed=0)
@@ -35,7 +35,7 @@ def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
         got = torch.load(tmp_path / "tp.pt", weights_only=True)
         model = load_model(ckpt, "both")
         tok = NeoTokenizer.from_dir(ckpt)
-        p = S.SamplerParams(num_inference_steps=2)
+        p = SamplerParams(num_inference_steps=2)
         pre = R.image_prefixes(model, tok, "t2i", "a red cube", [], p)
         for b in pre:
             torch.testing.assert_close(got["kv"][b], pre[b].kv, rtol=1e-4, atol=1e-5)

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
+from services.contract.image import SamplerParams
 from services.model import reference as R
-from services.model import sampler as S
 from services.model.convert import convert_checkpoint
 from services.model.loader import load_model
 from services.model.tokenizer import NeoTokenizer
@@ -30,7 +30,7 @@ def test_converted_golden_image_quality(fmt, tmp_path):
     if fmt.startswith("gguf"):
         pytest.importorskip("gguf")
     meta = torch.load(CASE + ".kv.pt", weights_only=True)["meta"]
-    params = S.SamplerParams(num_inference_steps=meta["steps"], guidance_scale=meta["cfg"],
+    params = SamplerParams(num_inference_steps=meta["steps"], guidance_scale=meta["cfg"],
                              cfg_norm=meta["cfg_norm"], timestep_shift=meta["shift"], t_eps=meta["t_eps"])
     gold = torch.load(CASE + ".pt", weights_only=True)
     model = load_model(convert_checkpoint(CKPT, str(tmp_path / "c"), fmt), "both", torch.float32)

@@ -157,7 +157,7 @@ def test_lora_delta_equals_the_merge_at_load(tiny_dir, tmp_path, quantization):
 def test_a3b_expert_keys_export_update_and_shard(tiny_checkpoint, tmp_path):
     """A3B experts are stacked in the model (model/moe.py); export, live updates and TP shards still go by the
     official per-expert keys, each a view of its rows."""
-    from services.model.loader import weight_map
+    from services.model.checkpoint_files import weight_map
     a3b = tiny_checkpoint("a3b")
     state = W.checkpoint_state(load_model(a3b, "both"))
     assert set(state) == set(weight_map(a3b))

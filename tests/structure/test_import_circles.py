@@ -1,11 +1,12 @@
-"""No import circles among the modules of services/, shm_transfer/ and kernels/: every import counts, at module
-level, inside a function or under TYPE_CHECKING (a lazy import still ties two modules together). Read from the
-source with ast, nothing is imported."""
+"""The floors of the tree, read from the source with ast (nothing is imported): no import circles among the modules
+of services/, shm_transfer/, kernels/, bench/ and deploy/, and each package imports only the floors below it
+(`MAY_IMPORT`). Every import counts, at module level, inside a function or under TYPE_CHECKING (a lazy import still
+ties two modules together)."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("services", "shm_transfer", "kernels")
+PACKAGES = ("services", "shm_transfer", "kernels", "bench", "deploy")
 
 # Circles tolerated for a while, each with its owner and its cut (none today: keep it that way). A circle listed
 # here that no longer exists fails the test too, so the set only shrinks.
@@ -94,6 +95,80 @@ def test_no_import_circles():
     assert not new, f"import circles: {new}"
     gone = [sorted(c) for c in KNOWN_CIRCLES - circles]
     assert not gone, f"these known circles are gone: remove them from KNOWN_CIRCLES: {gone}"
+
+
+# The floors, bottom up: a module of the key's package may import modules of these packages (and of its own). The
+# ground floor (services.base: knobs, timeouts, networking, content runs) imports nothing of the project; the
+# packages not listed (the launcher's, rl, ray_serve) are top floors over everything in services/, bench over them,
+# deploy over bench.
+BASE = ("services.base", "services.knobs", "services.timeouts", "services.netutil")
+ENGINE_FLOORS = (*BASE, "kernels", "shm_transfer", "services.contract", "services.model", "services.kit")
+MAY_IMPORT = {
+    "services.base": BASE,
+    "services.knobs": BASE,
+    "services.timeouts": BASE,
+    "services.netutil": BASE,
+    "kernels": (),
+    "services.contract": BASE,
+    "shm_transfer": (*BASE, "kernels"),
+    "services.model": (*BASE, "kernels", "shm_transfer"),
+    "services.kit": (*BASE, "services.contract"),
+    "services.gateway": (*BASE, "services.contract", "services.kit"),
+    "services.understanding": ENGINE_FLOORS,
+    "services.generation": ENGINE_FLOORS,
+    "services": (*ENGINE_FLOORS, "services"),
+    "bench": ("services", "shm_transfer", "kernels", "bench"),
+}
+# Single imports across a floor, each with why (the set only shrinks: an entry no longer seen fails the test).
+KNOWN_CROSSINGS = {
+    ("services.model.memory_plan", "services.contract.limits"): "the deployment plan sizes images by the API's limits",
+    ("services.model.convert", "services.progress"): "`u1serve convert` draws the CLI's progress bar",
+    ("services.model.gguf_io", "services.progress"): "`u1serve convert --to gguf` draws the CLI's progress bar",
+    ("services.kit.local_files", "services.model.checkpoint_files"): "a model directory's index file name",
+    ("services.kit.yield_signal", "shm_transfer.segment"): "the yield page is a segment with the pool's owner rule "
+                                                           "(segment.py imports only locks and errors: no pool, "
+                                                           "no torch; test_segment_is_the_bottom_of_shm_transfer)",
+}
+
+
+def _floor(name: str) -> str | None:
+    """The MAY_IMPORT key a module belongs to (the longest that is its package or itself)."""
+    keys = [k for k in MAY_IMPORT if name == k or name.startswith(k + ".")]
+    return max(keys, key=len) if keys else None
+
+
+def _crossings(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    out = set()
+    for name, imported in graph.items():
+        floor = _floor(name)
+        if floor is None:
+            continue
+        allowed = (floor, *MAY_IMPORT[floor])
+        out |= {(name, m) for m in imported if not name.startswith(m + ".")     # its own ancestor packages
+                and not any(m == a or m.startswith(a + ".") for a in allowed)}
+    return out
+
+
+def test_each_package_imports_only_the_floors_below():
+    modules = _modules()
+    crossings = _crossings({name: _imports(name, path, modules) for name, path in modules.items()})
+    new = sorted(crossings - set(KNOWN_CROSSINGS))
+    assert not new, f"imports across the floors (MAY_IMPORT): {new}"
+    gone = sorted(set(KNOWN_CROSSINGS) - crossings)
+    assert not gone, f"these crossings are gone: remove them from KNOWN_CROSSINGS: {gone}"
+
+
+def test_segment_is_the_bottom_of_shm_transfer():
+    modules = _modules()
+    assert _imports("shm_transfer.segment", modules["shm_transfer.segment"], modules) <= {
+        "shm_transfer", "shm_transfer.locks", "shm_transfer.errors"}
+
+
+def test_the_floors_see_a_crossing():
+    graph = {"services.model.x": {"services.contract.image", "kernels.y"}, "kernels.y": set(),
+             "services.gateway.a": {"services.model.x"}, "bench.b": {"deploy.c"}, "deploy.c": {"bench.b"}}
+    assert _crossings(graph) == {("services.model.x", "services.contract.image"),
+                                 ("services.gateway.a", "services.model.x"), ("bench.b", "deploy.c")}
 
 
 def test_the_finder_sees_a_circle():

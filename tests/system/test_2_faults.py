@@ -9,7 +9,8 @@ from services.kit import sse
 from tests.metrics import metric
 from tests.waiting import wait_until
 
-from .stackproc import Service, free_port
+from services.netutil import free_port
+from .stackproc import Service
 
 
 def gateway_metric(stack, name: str) -> float:

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from services.kit import sse
-from .stackproc import Service, free_port
+from services.netutil import free_port
+from .stackproc import Service
 
 
 def pages_used(stack) -> int:

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from bench.bench_load import KINDS, LoadConfig, run_load, summarize
-from deploy.gpu_smoke import Stack
+from bench.profile_stack import Stack
 
 CLIENTS = 32
 HALF_S = 30.0

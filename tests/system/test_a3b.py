@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from services.model.loader import weight_map
+from services.model.checkpoint_files import weight_map
 from services.model.reference import to_pil
 from tests.conftest import GOLDEN
 

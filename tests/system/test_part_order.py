@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.contract.image import SamplerParams
 from services.model import images as IM
 from services.model import prompts as P
 from services.model import reference as R
@@ -73,7 +74,7 @@ def _spans(tok, segments, sizes) -> list[int]:
 
 def test_interleaved_answer_with_the_image_mid_text_is_the_official_one(client, ref):
     model, tok = ref
-    params = S.SamplerParams(mode="edit", **GUIDANCE)
+    params = SamplerParams(mode="edit", **GUIDANCE)
     ans = R.interleave_gen(model, tok, OFFICIAL, [IM.load_image(PNG)], params, *SIZES[0], seed=SEED, think=False,
                            max_new_tokens=12, max_images=3, logit_bias=BIAS, sizes=SIZES)
     assert len(ans.images) == 2 and ans.finish_reason == "stop" and ans.stop_token == tok.im_end_id, ans
@@ -139,7 +140,7 @@ def test_chat_image_edit_with_the_image_mid_text(client, ref):
     """modalities ['image'] with the input image between two text parts: the edit's cond prompt has it there
     (PrefixRequest.image_offsets), and the PNG is the reference edit's, pixel for pixel."""
     model, tok = ref
-    params = S.SamplerParams(mode="edit", **GUIDANCE)
+    params = SamplerParams(mode="edit", **GUIDANCE)
     x, _ = R.edit(model, tok, "Look: \nDraw it from above.", [IM.load_image(PNG)], 64, 64, params, seed=SEED,
                   image_offsets=[6])
     r = client.chat.completions.create(model="m", messages=MSGS, modalities=["image"],

@@ -27,7 +27,7 @@ def int8_stack(tiny_model, tmp_path_factory):
 def test_int8_checkpoint_through_the_api(int8_stack, reference):
     openai = pytest.importorskip("openai")
     import services.model.reference as R
-    from services.model.sampler import SamplerParams
+    from services.contract.image import SamplerParams
     client = openai.OpenAI(base_url=int8_stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].message.content is not None

@@ -7,9 +7,9 @@ import httpx
 import pytest
 import torch
 
+from services.contract.image import SamplerParams
 from services.kit import sse
 from services.model import reference as R
-from services.model import sampler as S
 
 from .conftest import TOKEN
 from .helpers import make_image
@@ -41,11 +41,11 @@ def _read_back(server, handle: dict) -> torch.Tensor:
 
 def _check_against_reference(server, ref, body, handles, think_text, pils=()):
     model, tok = ref
-    params = S.SamplerParams(guidance_scale=body.get("guidance_scale", 4.0), image_guidance_scale=body.get("image_guidance_scale", 1.0),
+    params = SamplerParams(guidance_scale=body.get("guidance_scale", 4.0), image_guidance_scale=body.get("image_guidance_scale", 1.0),
                              mode=body["mode"])
     expected = R.image_prefixes(model, tok, body["mode"], body["prompt"], list(pils), params,
                                 body.get("think", False), body.get("max_think_tokens", 1024))
-    assert set(handles) == set(expected) == set(S.branches_needed(params))
+    assert set(handles) == set(expected) == set(params.branches())
     for branch, pre in expected.items():
         h = handles[branch]
         assert h["branch"] == branch

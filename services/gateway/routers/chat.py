@@ -20,6 +20,7 @@ from services.contract.chat import ChatCompletionRequest, ChatImageOptions, Chat
 from services.contract.image import ImageOptions, merge_options
 from services.kit import sse
 from services.kit.errors import APIError, bad_request
+from services.kit.streaming import OwnedStream
 from services.kit.web import ParsedJsonRoute, json_body, until_disconnect
 
 from .. import interleave
@@ -27,7 +28,7 @@ from ..chat_upstream import CHAT_PATH as PATH, UND, abort_chat_later, open_chat
 from ..context import cache_salt, gateway, request_id
 from ..inputs import data_url
 from ..jobs import build_job, check_options, generate_fields
-from ..relay import OwnedStream, client_gone, collect_job, stream_events, stream_job
+from ..relay import client_gone, collect_job, stream_events, stream_job
 from ..routing import conversation_key
 from ..schemas import ERRORS, ChatCompletionChunk, ChatCompletionResponse, sse_content
 from ..state import GatewayState

@@ -11,7 +11,7 @@ from services.kit.web import ParsedJsonRoute
 from ..context import gateway
 from ..schemas import ERRORS, HealthReport, ModelList
 from ..state import GatewayState
-from ..upstream import EndpointPool
+from ..routing import EndpointPool
 
 router = APIRouter(tags=["ops"], route_class=ParsedJsonRoute)
 
