@@ -14,7 +14,8 @@ PATTERN = re.compile(r"multi_processor_count|\bnum_sms\(|MultiProcessorCount")
 USERS = {"kernels/_backend.py",            # num_sms(): the one place that reads it
          "kernels/decode_attention.py",    # default_num_splits(): 2 programs per SM
          "deploy/mps_probe.py",            # reports the SM count the process sees
-         "bench/bench_kernels.py"}         # names the GPU in its report
+         "bench/bench_kernels.py",         # names the GPU in its report
+         "services/model/streams.py"}      # a green context's share (tests/model/test_engine_streams.py)
 
 
 def test_only_known_code_reads_the_sm_count():
