@@ -37,6 +37,8 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
     "colocate-1-fused": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--colocate-engines",
                              "fused"]),
+    "colocate-1-fused-green75": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0",
+                                     "--colocate-engines", "fused", "--gen-sm-percent", "75"]),
     "colocate-1-mps": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing", "mps"]),
     "colocate-1-mps-normal": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gpu-sharing",
                                   "mps", "--gen-priority", "normal"]),
@@ -48,7 +50,7 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
 # --cuda-graphs on (the step's collectives captured in the graph), colocate-1-fused is colocate-1 with both engines
 # in one process (services/fused; until it becomes the default), and the five default
 # 2-GPU profiles already take about 7 of the 10 minutes one call may run.
-ON_REQUEST = ("colocate-1-fused", "colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps",
+ON_REQUEST = ("colocate-1-fused", "colocate-1-fused-green75", "colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps",
               "colocate-tp2-sp2-kv", "colocate-tp2-sp2-kv-graphs")
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
 

@@ -336,7 +336,10 @@ def colocate_engines(args, placed_elsewhere: bool = False) -> dict:
         usage_error(refusal(args))
     if args.mode != "colocate":
         return {"engines": "processes", "why": "separate mode"}
-    return {"engines": asked or DEFAULT_ENGINES, "why": "asked for" if asked else DEFAULT_WHY}
+    out = {"engines": asked or DEFAULT_ENGINES, "why": "asked for" if asked else DEFAULT_WHY}
+    if out["engines"] == "fused" and args.gen_sm_percent is not None:
+        out["gen_sm_percent"] = args.gen_sm_percent     # generation's green context (services/model/streams.py)
+    return out
 
 
 def qos_page(qos, pool: str) -> str | None:
@@ -380,8 +383,9 @@ def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sha
     from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if sharing.mode != "mps":
         auto = f" (--gpu-sharing auto chose time-slice: {sharing.why})" if sharing.asked == "auto" else ""
-        if args.gen_sm_percent is not None:
-            usage_error(f"--gen-sm-percent caps generation's SM share under MPS: it needs --gpu-sharing mps{auto}")
+        if args.gen_sm_percent is not None and getattr(args, "colocate_engines", None) != "fused":
+            usage_error(f"--gen-sm-percent caps generation's SM share under MPS (or, with --colocate-engines fused, "
+                        f"in a green context): it needs --gpu-sharing mps{auto}")
         if args.gen_priority is not None:
             usage_error(f"--gen-priority sets generation's MPS client priority: it needs --gpu-sharing mps{auto}")
         return None
@@ -462,7 +466,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         specs = under_mps(specs, mps)
     if engines["engines"] == "fused":
         from .fused.launch import fuse
-        specs = fuse(specs, placement, shlex.split(args.fused_args or ""))
+        specs = fuse(specs, placement, shlex.split(args.fused_args or ""), args.gen_sm_percent)
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
     stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
                   stack_id=stack_id, private_dirs=["u1und-"],
@@ -519,7 +523,9 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "NaN on an H200: docs/deployment.md)")
     p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
                    help="under MPS: the share of each GPU's SMs generation may use "
-                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); understanding is not capped")
+                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); with --colocate-engines fused: the "
+                        "share of the SMs generation's CUDA green context holds (default: the whole GPU); "
+                        "understanding is not capped")
     p.add_argument("--gen-priority", choices=["normal", "low"], default=None,
                    help="under MPS: generation's scheduling priority against understanding's "
                         "(CUDA_MPS_CLIENT_PRIORITY; low: a decode kernel's blocks go before queued image-step "

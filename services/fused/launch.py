@@ -37,10 +37,11 @@ def refusal(args) -> str | None:
     return None
 
 
-def fuse(specs: list, placement, extra: list[str] = ()) -> list:
+def fuse(specs: list, placement, extra: list[str] = (), gen_sm_percent: int | None = None) -> list:
     """The stack's specs with its `und` and `gen` replaced by the one fused service (at und's place in the start
     order). Each side's argv is its server's, minus `python -m services.X.server`, plus UND_FLAGS / GEN_FLAGS; the
-    memory shares move from the environment (one process) to flags of the fused server; `extra`: --fused-args."""
+    memory shares move from the environment (one process) to flags of the fused server; `extra`: --fused-args;
+    `gen_sm_percent` (up's --gen-sm-percent): generation's stream in a green context of that SM share."""
     import dataclasses
     und = next(s for s in specs if s.name == "und")
     gen = next(s for s in specs if s.name == "gen")
@@ -49,7 +50,8 @@ def fuse(specs: list, placement, extra: list[str] = ()) -> list:
     if placement.und_fraction is not None:
         argv += ["--und-memory-fraction", f"{placement.und_fraction:.3f}",
                  "--gen-memory-fraction", f"{placement.gen_fraction:.3f}"]
-    argv += [*extra, UND_MARK, *und.argv[3:], *UND_FLAGS, GEN_MARK, *gen.argv[3:], *GEN_FLAGS]
+    green = ["--green-sm-percent", str(gen_sm_percent)] if gen_sm_percent and gen_sm_percent < 100 else []
+    argv += [*extra, UND_MARK, *und.argv[3:], *UND_FLAGS, GEN_MARK, *gen.argv[3:], *GEN_FLAGS, *green]
     # ready once generation is: the fused process starts generation's server after understanding's engine is ready
     fused = dataclasses.replace(gen, name=SERVICE, argv=argv, env=env)
     out = []

@@ -27,6 +27,17 @@ def test_fused_plan_on_one_gpu(configs):
     assert und[-len(UND_FLAGS):] == list(UND_FLAGS) and gen[-len(GEN_FLAGS):] == list(GEN_FLAGS)
     assert u.yield_signal and g.yield_to == u.yield_signal and g.yield_share == 0.05     # the gate, in-process
     assert "U1SERVE_GPU_MEMORY_FRACTION" not in r.stdout      # one process: the shares are the fused flags
+    assert u.kv_transport == "device" and g.green_sm_percent == 0   # prefix KV stays on the GPU; whole GPU each
+
+
+def test_gen_sm_percent_is_generation_green_context_share(configs):
+    r = dry_run(configs["u1-8b"], "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 75")
+    assert r.returncode == 0, r.stderr
+    _, und, gen = split_argv(plan(r.stdout)["fused"][1][2:])
+    from services.generation.server import build_parser as gen_parser
+    assert gen_parser().parse_args(gen).green_sm_percent == 75
+    r = dry_run(configs["u1-8b"], "--mode colocate --und-gpus 0 --gen-sm-percent 75")      # two processes: MPS's
+    assert r.returncode == 2 and "needs --gpu-sharing mps" in r.stderr
 
 
 def test_default_is_processes(configs):
