@@ -50,8 +50,8 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
 # --cuda-graphs on (the step's collectives captured in the graph), colocate-1-fused is colocate-1 with both engines
 # in one process (services/fused; until it becomes the default), and the five default
 # 2-GPU profiles already take about 7 of the 10 minutes one call may run.
-ON_REQUEST = ("colocate-1-fused", "colocate-1-fused-green75", "colocate-1-mps", "colocate-1-mps-normal", "colocate-tp2-cfg2-mps",
-              "colocate-tp2-sp2-kv", "colocate-tp2-sp2-kv-graphs")
+ON_REQUEST = ("colocate-1-fused", "colocate-1-fused-green75", "colocate-1-mps", "colocate-1-mps-normal",
+              "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv", "colocate-tp2-sp2-kv-graphs")
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")
 
 
