@@ -33,7 +33,7 @@ def describe(parser: argparse.ArgumentParser) -> dict:
                 default, (int, float, str, bool)) else repr(default),
             "choices": list(a.choices) if a.choices is not None else None,
             "action": type(a).__name__, "required": a.required, "nargs": a.nargs,
-            "type": getattr(a.type, "__name__", None)}
+            "type": getattr(a.type, "__name__", None) or ("str" if a.nargs != 0 else None)}   # None parses as str
     return out
 
 
