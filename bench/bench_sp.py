@@ -29,8 +29,8 @@ SP_LAYOUTS = ("sp", "cfgxsp")
 
 
 def sp_modes(flag: str) -> list[str]:
-    from services.generation.sequence_parallel import MODES
-    return list(MODES) if flag == "both" else [flag]
+    from services.generation.config import SP_MODES
+    return list(SP_MODES) if flag == "both" else [flag]
 
 
 def with_modes(cases: list[dict], modes: list[str]) -> list[dict]:

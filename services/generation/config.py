@@ -5,6 +5,10 @@ Each field is a flag of `services.generation.server` (kit.flags generates them: 
 warm-up size on cpu, the CUDA-graph override). `ServerConfig` is the HTTP process's own settings (listen
 address, queue, streams, encoder, RL store), declared the same way; the step-caching defaults for requests are
 perf_options.py's `--cache-*` flags and the slow-reader ones kit.streaming's.
+
+A leaf: the constants the flags offer (batch budget, SP and CUDA-graph modes, the yield share) are declared here
+and the modules that use them import them from here, so reading the config imports no torch
+(tests/structure/test_config_leaves.py).
 """
 from __future__ import annotations
 
@@ -12,20 +16,18 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services import timeouts
+from services import knobs, timeouts
 from services.kit import flags
 from services.kit.flags import flag
+from services.model.choices import DTYPES, QUANTIZATIONS
 from services.model.lora_spec import parse_lora_spec
-from services.model.quant import QUANTIZATIONS
 
-from .qos import YieldPolicy
-from .scheduler import BATCH_TOKENS
-from .sequence_parallel import MODES as SP_MODES
-from .step_graph import ENV as CUDA_GRAPHS_ENV
-from .step_graph import MODES as CUDA_GRAPH_MODES
-from .step_graph import resolve_mode
-
-DTYPES = ("float32", "bfloat16", "float16")
+# Image tokens per forward beyond which jobs run in turns (scheduler.py's module doc: the evidence).
+BATCH_TOKENS = 8192
+SP_MODES = ("ulysses", "kv-gather")        # how sequence-parallel ranks attend (sequence_parallel.py)
+CUDA_GRAPH_MODES = ("auto", "on", "off")   # step_graph.py
+CUDA_GRAPHS_ENV = knobs.CUDA_GRAPHS.name   # 0 | 1: overrides --cuda-graphs (off | on)
+YIELD_SHARE = 0.5                          # colocate QoS: at most this fraction of wall time yielding (qos.py)
 # How long the engine ranks wait for the shm KV pool before ready by default on CUDA (the understanding service
 # creates it early in its start, so in `u1serve up` it is there long before generation's warm-up ends).
 KV_POOL_WAIT_S = 30.0
@@ -57,7 +59,7 @@ class GenerationConfig:
     yield_to: str = field(default="", metadata=flag(
         "colocate QoS: the shm page the understanding engine on these GPUs raises while it decodes (its "
         "--yield-signal); the ranks yield the GPU between layers", metavar="NAME"))
-    yield_share: float = field(default=YieldPolicy.share, metadata=flag(
+    yield_share: float = field(default=YIELD_SHARE, metadata=flag(
         "with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)"))
     # scheduling
     max_batch_tokens: int = field(default=BATCH_TOKENS, metadata=flag(
@@ -127,6 +129,18 @@ class ServerConfig:
     rl_trajectory_owner_mb: float = field(default=0.0, metadata=flag(
         "the most one owner (a tenant's API key) may keep in the trajectory store; its own least recently used "
         "trajectories make room first; 0: the whole store"))
+
+
+def resolve_mode(flag: str, env: dict | None = None) -> str:
+    """The --cuda-graphs value after the environment override (U1SERVE_CUDA_GRAPHS=0|1)."""
+    if flag not in CUDA_GRAPH_MODES:
+        raise ValueError(f"--cuda-graphs must be one of {CUDA_GRAPH_MODES}, got {flag!r}")
+    value = knobs.CUDA_GRAPHS.text(env)
+    if not value:
+        return flag
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_GRAPHS_ENV} must be 0 or 1, got {value!r}")
+    return "on" if value == "1" else "off"
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ import torch
 
 from services.kit.yield_signal import YieldSignal
 
+from .config import YIELD_SHARE
+
 _POLL_S = 50e-6
 _REOPEN_EVERY_S = 1.0
 
@@ -27,7 +29,7 @@ _REOPEN_EVERY_S = 1.0
 @dataclass
 class YieldPolicy:
     max_wait_s: float = 0.03      # one wait (a decode step of the colocated engine takes ~10 ms)
-    share: float = 0.5            # at most this fraction of wall time spent yielding
+    share: float = YIELD_SHARE    # at most this fraction of wall time spent yielding
     burst_s: float = 0.1          # ... with bursts up to this long
     stale_s: float = 1.0          # a flag raised longer ago than this is a dead or hung writer
 

@@ -140,11 +140,11 @@ def test_bad_combinations_are_refused(configs, flags, message):
 
 
 def test_gen_sp_mode_choices_are_the_engines():
-    """u1serve up lists the modes without importing torch; they are sequence_parallel.MODES."""
+    """u1serve up lists the modes without importing torch; they are generation config.SP_MODES."""
     import argparse
 
     from services.stack import add_stack_flags
-    from services.generation.sequence_parallel import MODES
+    from services.generation.config import SP_MODES as MODES
     p = argparse.ArgumentParser()
     add_stack_flags(p, "tiny")
     assert tuple(next(a for a in p._actions if a.dest == "gen_sp_mode").choices) == MODES

@@ -17,7 +17,8 @@ import queue
 import pytest
 import torch
 
-from services.generation.sequence_parallel import MODES, RowLayout, split
+from services.generation.config import SP_MODES as MODES
+from services.generation.sequence_parallel import RowLayout, split
 from services.netutil import free_port
 
 from .genhelp import photo, prefixes
