@@ -22,6 +22,7 @@ from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
+from services.model.choices import torch_dtype
 from services.model.oom import out_of_memory
 
 from .config import GenerationConfig
@@ -32,8 +33,6 @@ from .scheduler import Scheduler
 from .weights import RankWeights
 
 log = logging.getLogger("u1serve.generation.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _admit(engine, comm, specs: list) -> tuple[dict[str, dict], list[KvImportStats]]:
@@ -170,7 +169,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     from .warmup import parse_sizes, run_warmup
     comm = CfgComm.init(rank, world, port, device, sp=cfg.sp, sp_mode=cfg.sp_mode) if world > 1 \
         else CfgComm.single()
-    dtype = _DTYPES[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     phase(EnginePhase.LOADING_WEIGHTS)
     model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
                        quantization=cfg.quantization)

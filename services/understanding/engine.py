@@ -18,6 +18,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
 from services.contract.health import EnginePhase
+from services.model.choices import torch_dtype
 from services.model.oom import out_of_memory
 from services.model.weights_io import POLL_S
 
@@ -33,10 +34,6 @@ from .weights import EngineWeights, WeightsOp
 
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _setup_tp(cfg: EngineConfig, rank: int):
@@ -90,7 +87,7 @@ class Engine:
         self.device = rank_device(cfg.device, cfg.tp, rank, lambda: torch.cuda.current_device())
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
-        self.dtype = _dtype(cfg.dtype)
+        self.dtype = torch_dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
                                 quantization=cfg.quantization)
         attach_lora(self.model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
