@@ -268,7 +268,7 @@ def _parts(text: str) -> str:
 
 
 def _dtype(args) -> torch.dtype:
-    from services.model.choices import torch_dtype
+    from services.model.constants import torch_dtype
     return torch_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 from services import knobs, timeouts
 from services.kit import flags
 from services.kit.flags import flag
-from services.model.choices import DTYPES, QUANTIZATIONS
+from services.model.constants import DTYPES, QUANTIZATIONS
 from services.model.lora_spec import parse_lora_spec
 
 # Image tokens per forward beyond which jobs run in turns (scheduler.py's module doc: the evidence).

@@ -22,7 +22,7 @@ from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.proc import die_with_parent, ignore_stop_signals
-from services.model.choices import torch_dtype
+from services.model.constants import torch_dtype
 from services.model.oom import out_of_memory
 
 from .config import GenerationConfig

@@ -6,8 +6,16 @@ shows every default; `from_args` builds the config back from the parsed namespac
     class Config:
         model: str = field(metadata=flag("checkpoint directory"))          # no default: a required flag
         max_jobs: int = field(default=16, metadata=flag("jobs per step"))
+        prefix_cache: bool = field(default=True, metadata=flag("the prefix cache"))
+        public_docs: bool = field(default=False, metadata=flag("serve /docs"))
 
-    add_flags(parser, Config)   ->   --model (required), --max-jobs N (default: 16)
+    add_flags(parser, Config)   ->   --model (required), --max-jobs N (default: 16), --no-prefix-cache,
+                                     --public-docs
+
+A bool field is a switch: default False -> `--name` turns it on; default True -> `--no-name` turns it off;
+`Optional[bool]` with default None -> `--name` / `--no-name`, None when neither is given. With `env` (a family
+of environment knobs, services/knobs.py FlagFamily), each flag's default is its knob's value when set: the
+field's own knob (`flag(knob=...)`) or the family's member named after the flag (`flag(env=False)`: none).
 """
 from __future__ import annotations
 
@@ -20,41 +28,73 @@ C = TypeVar("C")
 
 
 def flag(help: str, *, choices: Optional[Sequence] = None, metavar: Optional[str] = None,
-         parse: Optional[Callable[[str], Any]] = None, repeat: bool = False) -> dict:
+         parse: Optional[Callable[[str], Any]] = None, repeat: bool = False, env: bool = True,
+         knob: Any = None) -> dict:
     """A field's flag: `parse` turns one command-line string into the field's value (default: the field's
-    type); `repeat`: the flag may be given several times and the field is the tuple of the values."""
-    return {"flag": {"help": help, "choices": choices, "metavar": metavar, "parse": parse, "repeat": repeat}}
+    type); `repeat`: the flag may be given several times and the field is the tuple of the values; `knob`: the
+    environment knob of its default (else, with add_flags' `env`, the family's; `env=False`: none)."""
+    return {"flag": {"help": help, "choices": choices, "metavar": metavar, "parse": parse, "repeat": repeat,
+                     "env": env, "knob": knob}}
+
+
+def _base(annotation) -> Any:
+    """int of `int`, `Optional[int]`, `int | None` (the field's type without None)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
 
 
 def _scalar(annotation) -> Callable[[str], Any]:
     """int / float / str of `int`, `Optional[float]`, `str | None` (the field's type as a parser)."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if args else annotation
+    base = _base(annotation)
     return base if base in (int, float, str) else str
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, env: Any = None) -> None:
     """One `--field-name` flag per field of `cls` that declares one (`flag(...)` in its metadata)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         spec = f.metadata.get("flag")
         if spec is None:
             continue
+        name = "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else _default(f)
+        switch = _base(hints[f.name]) is bool
+        knob = spec["knob"] or (env.knob(name, bool if switch else _scalar(hints[f.name]), default)
+                                if env is not None and spec["env"] else None)
         kw: dict[str, Any] = {"dest": f.name, "help": spec["help"]}
+        if switch:
+            if knob is not None:
+                default = knob.get()
+            kw["action"] = (argparse.BooleanOptionalAction if f.default is None
+                            else "store_false" if f.default else "store_true")
+            if f.default is True:
+                name = "--no-" + f.name.replace("_", "-")
+            kw["default"] = default
+            if knob is not None:
+                kw["help"] += f" (env {knob.name}=1)" if f.default is False else f" (env {knob.name})"
+            parser.add_argument(name, **kw)
+            continue
         if spec["choices"] is not None:
             kw["choices"] = list(spec["choices"])
         if spec["metavar"] is not None:
             kw["metavar"] = spec["metavar"]
         kw["type"] = spec["parse"] or (str if spec["repeat"] else _scalar(hints[f.name]))
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        if required:
             kw["required"] = True
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kw["default"] = list(default) if spec["repeat"] else default
+            raw = knob.raw() if knob is not None else None
+            kw["default"] = raw if raw is not None else list(default) if spec["repeat"] else default
             kw["help"] += " (default: %(default)s)"
+        if knob is not None:
+            kw["help"] += f" (env {knob.name})"
         if spec["repeat"]:
             kw["action"] = "append"
-        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+        parser.add_argument(name, **kw)
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides) -> C:

@@ -18,7 +18,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
 from services.contract.health import EnginePhase
-from services.model.choices import torch_dtype
+from services.model.constants import torch_dtype
 from services.model.oom import out_of_memory
 from services.model.weights_io import POLL_S
 
