@@ -69,10 +69,10 @@ def sync(device):
 
 
 def make_engine(model_dir, args, pool_name=None, max_running=128, prefix_cache=False) -> Engine:
-    cfg = EngineConfig(model_dir=model_dir, device=args.device, dtype=args.dtype, tp=1,
-                       kv_cache_tokens=args.kv_cache_tokens, max_running=max_running,
+    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, tp=1,
+                       kv_cache_tokens=args.kv_cache_tokens, max_running_requests=max_running,
                        max_model_len=min(args.kv_cache_tokens, 8192), chunked_prefill_size=8192,
-                       enable_prefix_cache=prefix_cache, kv_pool_name=pool_name,
+                       prefix_cache=prefix_cache, kv_pool_name=pool_name,
                        in_addr=f"inproc://bench-und-{uuid.uuid4().hex}",
                        cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0)
     return Engine(0, cfg, None, _NullSock())

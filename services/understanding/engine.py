@@ -88,15 +88,15 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = torch_dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
+        self.model = load_model(cfg.model, branch="und", dtype=self.dtype, device=self.device, tp=tp,
                                 quantization=cfg.quantization)
         attach_lora(self.model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
         self.weights = EngineWeights(self.model, tp)
-        tok = NeoTokenizer.from_dir(cfg.model_dir)
+        tok = NeoTokenizer.from_dir(cfg.model)
         # the config is the request; what fits GPU memory may be less
         self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running, self.max_model_len,
+        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running_requests, self.max_model_len,
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs, on_phase=phase)
         self.out = out_sock
         self.pool = None
@@ -109,8 +109,8 @@ class Engine:
             from services.kit.yield_signal import YieldSignal
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
         if rank == 0:
-            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running, self.max_model_len,
-                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
+            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running_requests, self.max_model_len,
+                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.prefix_cache,
                                    max_queue_wait_s=cfg.max_queue_wait_s)
             self.sched.model = self.model
             ctx = zmq.Context.instance()

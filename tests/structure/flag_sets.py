@@ -27,12 +27,14 @@ def describe(parser: argparse.ArgumentParser) -> dict:
     for a in parser._actions:
         if not a.option_strings or a.dest == "help":
             continue
-        default = a.default
+        default, action = a.default, type(a).__name__
+        if action == "_StoreFalseAction":     # `--no-x` storing False into x is the command line of a store_true
+            default, action = not default, "_StoreTrueAction"
         out[a.option_strings[-1]] = {
             "options": sorted(a.option_strings), "default": default if default is None or isinstance(
                 default, (int, float, str, bool)) else repr(default),
             "choices": list(a.choices) if a.choices is not None else None,
-            "action": type(a).__name__, "required": a.required, "nargs": a.nargs,
+            "action": action, "required": a.required, "nargs": a.nargs,
             "type": getattr(a.type, "__name__", None) or ("str" if a.nargs != 0 else None)}   # None parses as str
     return out
 
