@@ -13,7 +13,7 @@ from services import timeouts as T
 from services.contract import limits as L
 from services.contract.image import SamplerParams, default
 from services.kit.config import read_secret, read_secrets
-from services.kit.streaming import DEFAULT_WRITE_TIMEOUT_S
+from services.kit.stream_settings import DEFAULT_WRITE_TIMEOUT_S
 
 MiB = 1024 * 1024
 DEFAULT_UND_URL = "http://127.0.0.1:8100"

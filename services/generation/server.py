@@ -19,7 +19,8 @@ from services import knobs
 from services.kit import errors, live
 from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
-from services.kit.streaming import add_stream_flags, guard
+from services.kit.stream_settings import add_stream_flags
+from services.kit.streaming import guard
 
 from .config import GenerationConfig, ServerConfig, add_config_flags, config_from_args, server_config_from_args
 from .perf_options import add_perf_flags, cache_defaults

@@ -24,17 +24,15 @@ import struct
 import sys
 import termios
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import anyio
 from fastapi.responses import StreamingResponse
 
 from . import sse
-from .flags import add_flags, flag
 
 log = logging.getLogger("u1serve.streams")
-DEFAULT_WRITE_TIMEOUT_S = 30.0
 
 
 class OwnedStream(StreamingResponse):
@@ -200,27 +198,7 @@ class SlowReaderGuard:
         return watch
 
 
-@dataclass(frozen=True)
-class StreamSettings:
-    """The slow-reader settings every service takes, as flags (kit.flags; a service config may inherit them)."""
-    stream_write_timeout_s: float = field(default=DEFAULT_WRITE_TIMEOUT_S, metadata=flag(
-        "a client that takes no byte of its (streamed) response for this long while a chunk waits is cut off and "
-        "its work cancelled (slow reader); 0 = never"))
-    stream_send_buffer_kb: int = field(default=0, metadata=flag(
-        "cap each connection's kernel send buffer (SO_SNDBUF) at this many KiB: how much a client that reads "
-        "nothing absorbs before --stream-write-timeout-s counts; 0 = kernel default"))
-
-    def __post_init__(self) -> None:
-        if self.stream_write_timeout_s < 0 or self.stream_send_buffer_kb < 0:
-            raise ValueError("--stream-write-timeout-s and --stream-send-buffer-kb must be >= 0 (0 = off)")
-
-
-def add_stream_flags(p) -> None:
-    """The slow-reader flags of a service whose config does not inherit StreamSettings."""
-    add_flags(p, StreamSettings)
-
-
 def guard(app, args, on_cut: Callable[[], None] = lambda: None) -> SlowReaderGuard:
-    """`app` behind the SlowReaderGuard its service's flags (add_stream_flags) ask for."""
+    """`app` behind the SlowReaderGuard its service's slow-reader settings (kit.stream_settings) ask for."""
     return SlowReaderGuard(app, write_timeout_s=args.stream_write_timeout_s,
                            send_buffer_bytes=args.stream_send_buffer_kb * 1024, on_cut=on_cut)

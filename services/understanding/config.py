@@ -17,7 +17,7 @@ from services import knobs, timeouts
 from services.contract import limits as CL
 from services.kit import flags
 from services.kit.flags import flag
-from services.kit.streaming import StreamSettings
+from services.kit.stream_settings import StreamSettings
 from services.model.constants import DTYPES, QUANTIZATIONS, VQA_MAX_PIXELS, VQA_MIN_PIXELS
 
 KV_TRANSPORTS = ("shm", "nixl")
