@@ -53,48 +53,69 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+def _argument(f: dataclasses.Field, annotation, env: Any) -> tuple[str, dict[str, Any]]:
+    """The flag name and argparse settings of a field with a flag."""
+    spec = f.metadata["flag"]
+    name = "--" + f.name.replace("_", "-")
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    default = None if required else _default(f)
+    switch = _base(annotation) is bool
+    knob = spec["knob"] or (env.knob(name, bool if switch else _scalar(annotation), default)
+                            if env is not None and spec["env"] else None)
+    kw: dict[str, Any] = {"dest": f.name, "help": spec["help"]}
+    if switch:
+        kw["action"] = (argparse.BooleanOptionalAction if f.default is None
+                        else "store_false" if f.default else "store_true")
+        if f.default is True:
+            name = "--no-" + f.name.replace("_", "-")
+        kw["default"] = knob.get() if knob is not None else default
+        if knob is not None:
+            kw["help"] += f" (env {knob.name}=1)" if f.default is False else f" (env {knob.name})"
+        return name, kw
+    if spec["choices"] is not None:
+        kw["choices"] = list(spec["choices"])
+    if spec["metavar"] is not None:
+        kw["metavar"] = spec["metavar"]
+    kw["type"] = spec["parse"] or (str if spec["repeat"] else _scalar(annotation))
+    if required:
+        kw["required"] = True
+    else:
+        raw = knob.raw() if knob is not None else None
+        kw["default"] = raw if raw is not None else list(default) if spec["repeat"] else default
+        kw["help"] += " (default: %(default)s)"
+    if knob is not None:
+        kw["help"] += f" (env {knob.name})"
+    if spec["repeat"]:
+        kw["action"] = "append"
+    return name, kw
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, env: Any = None) -> None:
     """One `--field-name` flag per field of `cls` that declares one (`flag(...)` in its metadata)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        spec = f.metadata.get("flag")
-        if spec is None:
-            continue
-        name = "--" + f.name.replace("_", "-")
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        default = None if required else _default(f)
-        switch = _base(hints[f.name]) is bool
-        knob = spec["knob"] or (env.knob(name, bool if switch else _scalar(hints[f.name]), default)
-                                if env is not None and spec["env"] else None)
-        kw: dict[str, Any] = {"dest": f.name, "help": spec["help"]}
-        if switch:
-            if knob is not None:
-                default = knob.get()
-            kw["action"] = (argparse.BooleanOptionalAction if f.default is None
-                            else "store_false" if f.default else "store_true")
-            if f.default is True:
-                name = "--no-" + f.name.replace("_", "-")
-            kw["default"] = default
-            if knob is not None:
-                kw["help"] += f" (env {knob.name}=1)" if f.default is False else f" (env {knob.name})"
+        if "flag" in f.metadata:
+            name, kw = _argument(f, hints[f.name], env)
             parser.add_argument(name, **kw)
-            continue
-        if spec["choices"] is not None:
-            kw["choices"] = list(spec["choices"])
-        if spec["metavar"] is not None:
-            kw["metavar"] = spec["metavar"]
-        kw["type"] = spec["parse"] or (str if spec["repeat"] else _scalar(hints[f.name]))
-        if required:
-            kw["required"] = True
-        else:
-            raw = knob.raw() if knob is not None else None
-            kw["default"] = raw if raw is not None else list(default) if spec["repeat"] else default
-            kw["help"] += " (default: %(default)s)"
-        if knob is not None:
-            kw["help"] += f" (env {knob.name})"
-        if spec["repeat"]:
-            kw["action"] = "append"
-        parser.add_argument(name, **kw)
+
+
+def add_flag_of(parser: argparse.ArgumentParser, cls: type, field: str, *, prefix: str = "", about: str = "",
+                **overrides) -> None:
+    """The flag of another program's config field, under `--<prefix><field-name>` (the launcher's --gen-sp is the
+    generation server's --sp): its type, default, choices and help come from the field, the help led by `about`
+    (which program); `overrides` replace argparse settings (a default the launcher resolves itself, a choice it
+    adds). The value lands in `args.<prefix><field>`, underscored."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == field)
+    name, kw = _argument(f, typing.get_type_hints(cls)[field], None)
+    kw["dest"] = (prefix + field).replace("-", "_")
+    kw["help"] = f"{about}: {kw['help']}" if about else kw["help"]
+    kw.update(overrides)
+    parser.add_argument("--" + prefix + name[2:], **kw)
+
+
+def choices_of(cls: type, field: str) -> tuple:
+    """The choices a config field's flag declares."""
+    return tuple(next(f for f in dataclasses.fields(cls) if f.name == field).metadata["flag"]["choices"])
 
 
 def from_args(cls: type[C], args: argparse.Namespace, **overrides) -> C:
