@@ -81,7 +81,8 @@ def _argument(f: dataclasses.Field, annotation, env: Any) -> tuple[str, dict[str
         kw["required"] = True
     else:
         raw = knob.raw() if knob is not None else None
-        kw["default"] = raw if raw is not None else list(default) if spec["repeat"] else default
+        kw["default"] = raw if raw is not None else list(default) if spec["repeat"] and default is not None \
+            else default
         kw["help"] += " (default: %(default)s)"
     if knob is not None:
         kw["help"] += f" (env {knob.name})"
