@@ -98,6 +98,17 @@ class GenerationConfig:
         "RL scoring against a frozen copy of the start weights (loaded on first use: one more copy of the gen "
         "branch in device memory)", choices=("on", "off")))
 
+    def __post_init__(self) -> None:
+        flags.check_choices(self)
+        if self.cfg_parallel < 1 or self.sp < 1:
+            raise ValueError("--cfg-parallel and --sp must be >= 1")
+        if self.graph_segment_layers < 1:
+            raise ValueError("--graph-segment-layers must be >= 1")
+        if self.kv_pool_wait_s is not None and self.kv_pool_wait_s < 0:
+            raise ValueError("--kv-pool-wait-s must be >= 0")
+        if not 0 < self.yield_share <= 1:
+            raise ValueError(f"--yield-share must be in (0, 1], got {self.yield_share}")
+
     @property
     def world(self) -> int:
         """Engine ranks: CFG ranks x sequence-parallel ranks."""
@@ -154,18 +165,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def config_from_args(args: argparse.Namespace) -> GenerationConfig:
     """The engine config of the parsed flags (SystemExit naming the flag for a value that cannot run)."""
-    if args.cfg_parallel < 1:
-        raise SystemExit("--cfg-parallel must be >= 1")
-    if args.graph_segment_layers < 1:
-        raise SystemExit("--graph-segment-layers must be >= 1")
     try:
         graphs = resolve_mode(args.cuda_graphs)
     except ValueError as e:
         raise SystemExit(f"--cuda-graphs: {e}")
     table = args.warmup_table if args.warmup_table != "auto" else ("on" if args.device == "cuda" else "off")
     if args.kv_pool_wait_s is not None and args.kv_pool_wait_s < 0:
-        raise SystemExit("--kv-pool-wait-s must be >= 0")
+        raise SystemExit("--kv-pool-wait-s must be >= 0")     # (before the default below replaces it)
     pool_wait = args.kv_pool_wait_s if args.kv_pool_wait_s is not None else (
         KV_POOL_WAIT_S if args.device == "cuda" and args.kv_pool_follow_handles == "off" else 0.0)
-    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table, kv_pool_wait_s=pool_wait,
-                           default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))
+    try:
+        return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table,
+                               kv_pool_wait_s=pool_wait,
+                               default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None

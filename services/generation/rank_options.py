@@ -16,10 +16,8 @@ from .sequence_parallel import check_heads
 
 
 def check_rank_flags(args) -> None:
-    """A SystemExit naming the flag for a value the engine cannot run (before any weights load); `args`: the
-    parsed flags or a GenerationConfig."""
-    if args.sp < 1:
-        raise SystemExit("--sp must be >= 1")
+    """A SystemExit naming the flag for a value the engine cannot run here (before any weights load): the checks
+    that need the checkpoint or the host (the config checks its values itself)."""
     if args.sp > 1:
         from services.model.config import ConfigError, load_config
         try:
@@ -31,8 +29,6 @@ def check_rank_flags(args) -> None:
                 check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp, args.sp_mode)
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
-    if not 0 < args.yield_share <= 1:
-        raise SystemExit(f"--yield-share must be in (0, 1], got {args.yield_share}")
     if args.yield_to:
         from services.kit.yield_signal import page_path
         try:

@@ -114,6 +114,16 @@ def add_flag_of(parser: argparse.ArgumentParser, cls: type, field: str, *, prefi
     parser.add_argument("--" + prefix + name[2:], **kw)
 
 
+def check_choices(config: Any) -> None:
+    """ValueError naming the flag for a field whose value is not among its flag's choices (a config's
+    `__post_init__` calls it, so a config built in process is checked as a parsed one)."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("flag", {}).get("choices")
+        if choices is not None and getattr(config, f.name) not in choices:
+            raise ValueError(f"--{f.name.replace('_', '-')} must be one of {', '.join(map(str, choices))}, got "
+                             f"{getattr(config, f.name)!r}")
+
+
 def choices_of(cls: type, field: str) -> tuple:
     """The choices a config field's flag declares."""
     return tuple(next(f for f in dataclasses.fields(cls) if f.name == field).metadata["flag"]["choices"])

@@ -57,6 +57,7 @@ class EngineConfig:
     out_addr: str = ""                  # engine -> HTTP (PUSH here)
 
     def __post_init__(self) -> None:
+        flags.check_choices(self)
         if self.tp < 1:
             raise ValueError("--tp must be >= 1")
         if self.kv_cache_tokens < 1 or self.max_running_requests < 1:

@@ -84,9 +84,10 @@ def test_sp_placement(configs, name):
     assert flag(gen, "--sp-mode") == (mode or ["ulysses"])[0]
     assert len(gen_gpus.split(",")) >= cfg * sp                    # one GPU per generation rank
     # the generation server accepts the command line it is given (flags and their combination)
+    from services.generation.config import config_from_args
     from services.generation.rank_options import check_rank_flags
     from services.generation.server import build_parser
-    check_rank_flags(build_parser().parse_args(gen[2:]))
+    check_rank_flags(config_from_args(build_parser().parse_args(gen[2:])))
 
 
 def test_qos_wires_both_engines_to_one_page(configs):
