@@ -17,6 +17,7 @@ from typing import Callable
 
 from services import knobs
 from services import hub
+from services.gateway.config import GatewayConfig
 from services.generation.config import GenerationConfig
 from services.kit.flags import add_flag_of, choices_of
 from services.lora_flags import add_lora_flags, lora_env, lora_sources
@@ -150,13 +151,13 @@ def build_gen(args, ctx) -> "ServiceSpec":
             "--sp-mode", args.gen_sp_mode, "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
     if ctx.get("yield_page"):
         argv += ["--yield-to", ctx["yield_page"], "--yield-share", f"{ctx['yield_share']:g}"]
-    if args.quantization != "none":
+    if args.quantization != GenerationConfig.quantization:      # (the server's own defaults: no flag)
         argv += ["--quantization", args.quantization]
-    if args.cuda_graphs != "auto":     # the generation server's own default is auto
+    if args.cuda_graphs != GenerationConfig.cuda_graphs:
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
-    argv += ["--rl-reference", getattr(args, "rl_reference", "on")]
+    argv += ["--rl-reference", getattr(args, "rl_reference", GenerationConfig.rl_reference)]
     argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
@@ -532,9 +533,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--admin-api-key-file", default=None,
                    help="file with the operator keys (one per line): weight updates and adapter load / unload need "
                         "one, tenant routes refuse them (default: U1SERVE_ADMIN_API_KEY, else no operator)")
-    p.add_argument("--enable-rl", action="store_true", help="serve the RL routes /v1/rl/* (off by default)")
-    p.add_argument("--enable-runtime-lora", action="store_true",
-                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    for field in ("enable_rl", "enable_runtime_lora"):
+        add_flag_of(p, GatewayConfig, field, about="gateway")
     p.add_argument("--allowed-local-dirs", action="append", default=[], metavar="DIR[,DIR]",
                    help="directories the engines load runtime adapters and weight updates from (default: none)")
     p.add_argument("--lora-allowed-dirs", action="append", default=[], metavar="DIR[,DIR]",
