@@ -19,3 +19,15 @@ def test_bad_values_refused_in_process_and_parsed(fields, why):
     argv = ["--model", "m"] + [a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]
     with pytest.raises(SystemExit):
         config_from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("fields", [{"cache_threshold": -1.0}, {"cache_warmup_steps": -1}, {"cfg_truncation": 2.0}])
+def test_step_caching_defaults_checked_as_a_requests_cache(fields):
+    from services.generation.perf_options import CacheDefaults, add_perf_flags, cache_defaults
+    with pytest.raises(ValueError):
+        CacheDefaults(**fields)
+    p = argparse.ArgumentParser()
+    add_perf_flags(p)
+    with pytest.raises(SystemExit):
+        cache_defaults(p.parse_args([a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]))
+    assert cache_defaults(p.parse_args([])) == CacheDefaults().options()
