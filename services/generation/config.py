@@ -100,8 +100,9 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         flags.check_choices(self)
-        if self.cfg_parallel < 1 or self.sp < 1:
-            raise ValueError("--cfg-parallel and --sp must be >= 1")
+        for name, value in (("--cfg-parallel", self.cfg_parallel), ("--sp", self.sp)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.graph_segment_layers < 1:
             raise ValueError("--graph-segment-layers must be >= 1")
         if self.kv_pool_wait_s is not None and self.kv_pool_wait_s < 0:
