@@ -4,7 +4,7 @@ Each field is a flag of `services.generation.server` (kit.flags generates them: 
 `config_from_args` builds it after parsing, resolving what depends on other flags or the environment (the
 warm-up size on cpu, the CUDA-graph override). `ServerConfig` is the HTTP process's own settings (listen
 address, queue, streams, encoder, RL store), declared the same way; the step-caching defaults for requests are
-perf_options.py's `--cache-*` flags and the slow-reader ones kit.streaming's.
+perf_options.py's `--cache-*` flags (CacheDefaults) and the slow-reader ones kit.stream_settings'.
 
 A leaf: the constants the flags offer (batch budget, SP and CUDA-graph modes, the yield share) are declared here
 and the modules that use them import them from here, so reading the config imports no torch
