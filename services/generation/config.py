@@ -3,8 +3,8 @@
 Each field is a flag of `services.generation.server` (kit.flags generates them: `--help` shows the defaults);
 `config_from_args` builds it after parsing, resolving what depends on other flags or the environment (the
 warm-up size on cpu, the CUDA-graph override). `ServerConfig` is the HTTP process's own settings (listen
-address, queue, streams, encoder, RL store), declared the same way; the step-caching defaults for requests are
-perf_options.py's `--cache-*` flags (CacheDefaults) and the slow-reader ones kit.stream_settings'.
+address, queue, streams, encoder, RL store, and the slow-reader settings of kit.stream_settings), declared the
+same way; the step-caching defaults for requests are perf_options.py's `--cache-*` flags (CacheDefaults).
 
 A leaf: the constants the flags offer (batch budget, SP and CUDA-graph modes, the yield share) are declared here
 and the modules that use them import them from here, so reading the config imports no torch
@@ -19,6 +19,7 @@ from typing import Optional
 from services import knobs, timeouts
 from services.kit import flags
 from services.kit.flags import flag
+from services.kit.stream_settings import StreamSettings
 from services.model.constants import DTYPES, QUANTIZATIONS
 from services.model.lora_spec import parse_lora_spec
 
@@ -117,7 +118,7 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(StreamSettings):
     host: str = field(default="127.0.0.1", metadata=flag("listen address"))
     port: int = field(default=8200, metadata=flag("listen port"))
     internal_token: Optional[str] = field(default=None, metadata=flag(

@@ -19,7 +19,6 @@ from services import knobs
 from services.kit import errors, live
 from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
-from services.kit.stream_settings import add_stream_flags
 from services.kit.streaming import guard
 
 from .config import GenerationConfig, ServerConfig, add_config_flags, config_from_args, server_config_from_args
@@ -62,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="services.generation.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p)
-    add_stream_flags(p)
     add_perf_flags(p)
     return p
 

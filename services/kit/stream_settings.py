@@ -1,11 +1,11 @@
 """The slow-reader settings every service takes (kit/streaming.py's SlowReaderGuard enforces them), declared once
-as flags (kit.flags): a service config inherits StreamSettings, or a parser takes `add_stream_flags`. Light (no
-web framework), so a config that inherits it stays a leaf."""
+as flags (kit.flags): each service's config inherits StreamSettings. Light (no web framework), so a config that
+inherits it stays a leaf."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .flags import add_flags, flag
+from .flags import flag
 
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 
@@ -23,8 +23,3 @@ class StreamSettings:
     def __post_init__(self) -> None:
         if self.stream_write_timeout_s < 0 or self.stream_send_buffer_kb < 0:
             raise ValueError("--stream-write-timeout-s and --stream-send-buffer-kb must be >= 0 (0 = off)")
-
-
-def add_stream_flags(p) -> None:
-    """The slow-reader flags of a service whose config does not inherit StreamSettings."""
-    add_flags(p, StreamSettings)
