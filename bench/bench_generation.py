@@ -255,8 +255,8 @@ def _parts(text: str) -> str:
 
 
 def _dtype(args) -> torch.dtype:
-    name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    return getattr(torch, name)
+    from services.model.constants import torch_dtype
+    return torch_dtype(args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
 
 
 def main():

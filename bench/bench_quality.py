@@ -38,6 +38,7 @@ import torch
 from bench.image_quality import psnr, ssim
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest, SamplerParams
+from services.model.constants import torch_dtype
 from services.model import reference as R
 from services.model import sampler as S
 
@@ -168,7 +169,7 @@ def main():
     from services.model.presets import PRESETS
     from services.model.tokenizer import NeoTokenizer
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     path = model_dir(args.model)
     tok = NeoTokenizer.from_dir(path)
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]

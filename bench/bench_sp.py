@@ -23,14 +23,15 @@ import time
 
 import torch
 
+from services.generation.config import SP_MODES
+
 
 PREFIX = {"cond": 365, "uncond": 9}
 SP_LAYOUTS = ("sp", "cfgxsp")
 
 
 def sp_modes(flag: str) -> list[str]:
-    from services.generation.sequence_parallel import MODES
-    return list(MODES) if flag == "both" else [flag]
+    return list(SP_MODES) if flag == "both" else [flag]
 
 
 def with_modes(cases: list[dict], modes: list[str]) -> list[dict]:
@@ -250,7 +251,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", default="sp", choices=["sp", "4k", "comm"])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny geometry")
-    p.add_argument("--sp-mode", default="both", choices=["ulysses", "kv-gather", "both"],
+    p.add_argument("--sp-mode", default="both", choices=[*SP_MODES, "both"],
                    help="the SP mode(s) of the SP cases and of the comm part")
     p.add_argument("--cuda-graphs", default="off", choices=["off", "on", "both"],
                    help="the engine's step graphs: off, on, or each case both ways")

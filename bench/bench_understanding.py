@@ -29,6 +29,7 @@ import uuid
 import torch
 
 from services.model import prompts as PR
+from services.model.constants import DTYPES
 from services.model import reference as R
 from services.understanding.config import EngineConfig
 from services.understanding.engine import Engine
@@ -39,7 +40,7 @@ from services.understanding.sampling import SamplingParams
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--variant", default="u1-8b", help="full config of services.model.tiny.write_full_config "
                    "(u1-8b, u1.5-8b, a3b-full); with --tiny a tiny variant (u1, u1.5, a3b)")
     p.add_argument("--tiny", action="store_true", help="use the tiny checkpoint instead (CPU smoke run)")
@@ -69,10 +70,10 @@ def sync(device):
 
 
 def make_engine(model_dir, args, pool_name=None, max_running=128, prefix_cache=False) -> Engine:
-    cfg = EngineConfig(model_dir=model_dir, device=args.device, dtype=args.dtype, tp=1,
-                       kv_cache_tokens=args.kv_cache_tokens, max_running=max_running,
+    cfg = EngineConfig(model=model_dir, device=args.device, dtype=args.dtype, tp=1,
+                       kv_cache_tokens=args.kv_cache_tokens, max_running_requests=max_running,
                        max_model_len=min(args.kv_cache_tokens, 8192), chunked_prefill_size=8192,
-                       enable_prefix_cache=prefix_cache, kv_pool_name=pool_name,
+                       prefix_cache=prefix_cache, kv_pool_name=pool_name,
                        in_addr=f"inproc://bench-und-{uuid.uuid4().hex}",
                        cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0)
     return Engine(0, cfg, None, _NullSock())

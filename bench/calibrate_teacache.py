@@ -28,6 +28,7 @@ import torch
 
 from services.contract.image import SamplerParams
 from bench.bench_quality import DEFAULT_PROMPTS, model_dir, prompts_of
+from services.model.constants import torch_dtype
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import relative_change
@@ -102,7 +103,7 @@ def main() -> int:
     from services.model.loader import load_model
     from services.model.tokenizer import NeoTokenizer
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = torch_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     path = model_dir(args.model)
     model = load_model(path, "both", dtype=dtype, device=device)
     tok = NeoTokenizer.from_dir(path)

@@ -13,9 +13,11 @@ import sys
 import time
 
 from services import knobs
+from services.kit.flags import add_flag_of
 from services.netutil import free_port
 from services.stack import (SECRET_ENV, TINY_ALIASES, add_stack_flags, build_stack, cache_dir,
                             ensure_tiny_checkpoint, tiny_variant)
+from services.understanding.config import EngineConfig
 
 def add_up(sub) -> None:
     p = sub.add_parser("up", help="start understanding, generation and the gateway")
@@ -218,7 +220,7 @@ def add_plan(sub) -> None:
     p.add_argument("--max-image-size", type=int, default=None,
                    help="largest image side allowed (default: the checkpoint's trained maximum)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="understanding's --kv-cache-tokens")
+    add_flag_of(p, EngineConfig, "kv_cache_tokens", about="understanding's --kv-cache-tokens")
     p.add_argument("--kv-pool-gb", type=float, default=16.0, help="the shared KV pool (host memory)")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.set_defaults(func=cmd_plan)

@@ -1,6 +1,8 @@
 """How `u1serve up` (and `u1serve ray`, `u1serve rl-train`, the benches) build a stack: the tiny checkpoints, the
 GPU placement, one ServiceSpec per service, ports, secrets, the KV pool, MPS, and the stack's flags. Light at
-module level (no torch): `u1serve --help` stays instant.
+module level (no torch): `u1serve --help` stays instant. The `--und-*` / `--gen-*` flags (and the engines' shared
+--device, --dtype, --quantization, ...) are the engines' config fields (kit.flags.add_flag_of): their defaults and
+choices are declared once, in the engines' configs.
 To add a service to the stack, add a builder to SERVICE_BUILDERS (started in that order).
 """
 from __future__ import annotations
@@ -15,7 +17,11 @@ from typing import Callable
 
 from services import knobs
 from services import hub
+from services.gateway.config import GatewayConfig
+from services.generation.config import GenerationConfig
+from services.kit.flags import add_flag_of, choices_of
 from services.lora_flags import add_lora_flags, lora_env, lora_sources
+from services.understanding.config import EngineConfig
 from services.netutil import free_port
 
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
@@ -145,13 +151,13 @@ def build_gen(args, ctx) -> "ServiceSpec":
             "--sp-mode", args.gen_sp_mode, "--kv-pool-name", ctx["pool"], "--default-size", ctx["default_size"]]
     if ctx.get("yield_page"):
         argv += ["--yield-to", ctx["yield_page"], "--yield-share", f"{ctx['yield_share']:g}"]
-    if args.quantization != "none":
+    if args.quantization != GenerationConfig.quantization:      # (the server's own defaults: no flag)
         argv += ["--quantization", args.quantization]
-    if args.cuda_graphs != "auto":     # the generation server's own default is auto
+    if args.cuda_graphs != GenerationConfig.cuda_graphs:
         argv += ["--cuda-graphs", args.cuda_graphs]
     for spec in lora_specs(args):
         argv += ["--lora", spec]
-    argv += ["--rl-reference", getattr(args, "rl_reference", "on")]
+    argv += ["--rl-reference", getattr(args, "rl_reference", GenerationConfig.rl_reference)]
     argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
@@ -497,20 +503,16 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                         "cache; HF_HUB_OFFLINE, HF_TOKEN honoured), or 'tiny' (a small random checkpoint, CPU friendly)")
     p.add_argument("--mode", choices=["colocate", "separate"], default="colocate",
                    help="colocate: both engines on the same GPUs; separate: disjoint GPU groups")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: bfloat16 on cuda, float32 on cpu")
+    add_flag_of(p, GenerationConfig, "device", default="auto", choices=["auto", *choices_of(GenerationConfig, "device")],
+                help="where both engines run (auto: cuda when GPUs are asked for or an NVIDIA driver is there, else "
+                     "cpu)")
+    add_flag_of(p, GenerationConfig, "dtype", default=None,
+                help="both engines' weights and KV (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--und-gpus", default=None, help="GPU ids for understanding, e.g. 0,1")
     p.add_argument("--gen-gpus", default=None, help="GPU ids for generation, e.g. 2,3")
-    p.add_argument("--und-tp", type=int, default=1, help="understanding tensor parallel size")
-    p.add_argument("--gen-cfg-parallel", type=int, default=1, help="generation CFG-parallel ranks")
-    p.add_argument("--gen-sp", type=int, default=1,
-                   help="generation sequence-parallel ranks per CFG rank (one image's tokens over N GPUs; "
-                        "generation uses --gen-cfg-parallel x --gen-sp GPUs)")
-    p.add_argument("--gen-sp-mode", choices=["ulysses", "kv-gather"], default="ulysses",   # sequence_parallel.MODES
-                   help="how the --gen-sp ranks attend: ulysses (two all-to-alls a layer; N must divide the "
-                        "head counts) or kv-gather (one all-gather of K/V a layer, every rank holds every KV "
-                        "head; any N). Allowed with --gen-sp 1, where it changes nothing")
+    add_flag_of(p, EngineConfig, "tp", prefix="und-", about="understanding")
+    for field in ("cfg_parallel", "sp", "sp_mode"):
+        add_flag_of(p, GenerationConfig, field, prefix="gen-", about="generation")
     p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
                    help="colocate QoS: generation yields the shared GPUs to understanding's decode steps between its "
                         "layers, at most F of its time (0 <= F <= 1; 0: no gate). Default: 0.05 in colocate with one "
@@ -568,9 +570,8 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--admin-api-key-file", default=None,
                    help="file with the operator keys (one per line): weight updates and adapter load / unload need "
                         "one, tenant routes refuse them (default: U1SERVE_ADMIN_API_KEY, else no operator)")
-    p.add_argument("--enable-rl", action="store_true", help="serve the RL routes /v1/rl/* (off by default)")
-    p.add_argument("--enable-runtime-lora", action="store_true",
-                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    for field in ("enable_rl", "enable_runtime_lora"):
+        add_flag_of(p, GatewayConfig, field, about="gateway")
     p.add_argument("--allowed-local-dirs", action="append", default=[], metavar="DIR[,DIR]",
                    help="directories the engines load runtime adapters and weight updates from (default: none)")
     p.add_argument("--lora-allowed-dirs", action="append", default=[], metavar="DIR[,DIR]",
@@ -581,21 +582,17 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="name served in /v1/models and echoed in responses (default sensenova-u1, as in the examples)")
     p.add_argument("--default-size", default=None, help="default image size WxH")
     p.add_argument("--default-steps", type=int, default=None, help="default denoising steps")
-    p.add_argument("--quantization", choices=["none", "fp8", "int8"], default="none",
-                   help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 "
-                        "(GPUs without fp8); none serves a converted checkpoint in its own format")
-    p.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="generation: replay each job's denoise layer stack from CUDA graphs where the step allows "
-                        "it (CUDA, no LoRA adapter rows; step caching and the colocate yield gate keep graphs). "
-                        "auto (default) = on = on wherever the device is CUDA; off: eager")
+    add_flag_of(p, GenerationConfig, "quantization", about="generation",
+                help="fp8: the generation branch's Linear layers in fp8 (Ada/Hopper GPUs); int8: W8A8 int8 (GPUs "
+                     "without fp8); none serves a converted checkpoint in its own format")
+    add_flag_of(p, GenerationConfig, "cuda_graphs", about="generation")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
     add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")
-    p.add_argument("--rl-reference", choices=["on", "off"], default="on",
-                   help="RL scoring against a frozen copy of the start weights (docs/rl.md; built on first use)")
+    add_flag_of(p, GenerationConfig, "rl_reference", about="generation (docs/rl.md)")
     p.add_argument("--und-args", default="", help="extra flags for the understanding server")
     p.add_argument("--gen-args", default="", help="extra flags for the generation server")
     p.add_argument("--gateway-args", default="", help="extra flags for the gateway")

@@ -9,23 +9,16 @@ import torch
 # Bump when the page layout or the handle schema changes incompatibly.
 LAYOUT_VERSION = 2  # 2: claimer columns + slot table in the page table; handle transport fields
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+# The dtypes a pool page may hold, by torch's own names (torch.<name>): the engines' DTYPES
+# (services/model/choices.py, which this package does not import: it sits below services/) and float64 for tests.
+KV_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported KV dtype {dtype!r}; one of {sorted(_DTYPES)}")
-        return dtype
-    for name, dt in _DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}; one of {sorted(_DTYPES)}")
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in KV_DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; one of {sorted(KV_DTYPES)}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +43,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def element_size(self) -> int:

@@ -76,7 +76,7 @@ class GatewayState:
 
     def deadline(self) -> Deadline:
         """The time limits of one request, starting now."""
-        return Deadline(self.config.idle_timeout_s, self.config.request_timeout_s)
+        return Deadline(self.config.upstream_idle_timeout_s, self.config.request_timeout_s)
 
     async def close(self) -> None:
         await self.monitor.close()

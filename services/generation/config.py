@@ -3,8 +3,12 @@
 Each field is a flag of `services.generation.server` (kit.flags generates them: `--help` shows the defaults);
 `config_from_args` builds it after parsing, resolving what depends on other flags or the environment (the
 warm-up size on cpu, the CUDA-graph override). `ServerConfig` is the HTTP process's own settings (listen
-address, queue, streams, encoder, RL store), declared the same way; the step-caching defaults for requests are
-perf_options.py's `--cache-*` flags and the slow-reader ones kit.streaming's.
+address, queue, streams, encoder, RL store, and the slow-reader settings of kit.stream_settings), declared the
+same way; the step-caching defaults for requests are perf_options.py's `--cache-*` flags (CacheDefaults).
+
+A leaf: the constants the flags offer (batch budget, SP and CUDA-graph modes, the yield share) are declared here
+and the modules that use them import them from here, so reading the config imports no torch
+(tests/structure/test_config_leaves.py).
 """
 from __future__ import annotations
 
@@ -12,20 +16,20 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services import timeouts
+from services import knobs, timeouts
 from services.kit import flags
 from services.kit.flags import flag
+from services.kit.stream_settings import StreamSettings
+from services.model.constants import DTYPES, QUANTIZATIONS
 from services.model.lora_spec import parse_lora_spec
-from services.model.quant import QUANTIZATIONS
 
-from .qos import YieldPolicy
-from .scheduler import BATCH_TOKENS
-from .sequence_parallel import MODES as SP_MODES
-from .step_graph import ENV as CUDA_GRAPHS_ENV
-from .step_graph import MODES as CUDA_GRAPH_MODES
-from .step_graph import resolve_mode
-
-DTYPES = ("float32", "bfloat16", "float16")
+# Image tokens per forward beyond which jobs run in turns (scheduler.py's module doc: the evidence).
+BATCH_TOKENS = 8192
+SP_MODES = ("ulysses", "kv-gather")        # how sequence-parallel ranks attend (sequence_parallel.py)
+CUDA_GRAPH_MODES = ("auto", "on", "off")   # step_graph.py
+CUDA_GRAPHS_ENV = knobs.CUDA_GRAPHS.name   # 0 | 1: overrides --cuda-graphs (off | on)
+YIELD_SHARE = 0.5                          # colocate QoS: at most this fraction of wall time yielding (qos.py)
+YIELD_MAX_WAIT_S = 0.03                    # one wait for the colocated engine's decode step (~10 ms) (qos.py)
 # How long the engine ranks wait for the shm KV pool before ready by default on CUDA (the understanding service
 # creates it early in its start, so in `u1serve up` it is there long before generation's warm-up ends).
 KV_POOL_WAIT_S = 30.0
@@ -57,9 +61,9 @@ class GenerationConfig:
     yield_to: str = field(default="", metadata=flag(
         "colocate QoS: the shm page the understanding engine on these GPUs raises while it decodes (its "
         "--yield-signal); the ranks yield the GPU between layers", metavar="NAME"))
-    yield_share: float = field(default=YieldPolicy.share, metadata=flag(
+    yield_share: float = field(default=YIELD_SHARE, metadata=flag(
         "with --yield-to: at most this fraction of wall time spent yielding (0 < F <= 1)"))
-    yield_max_wait_ms: float = field(default=1e3 * YieldPolicy.max_wait_s, metadata=flag(
+    yield_max_wait_ms: float = field(default=1e3 * YIELD_MAX_WAIT_S, metadata=flag(
         "with --yield-to: the longest one wait for a decode step at a layer (or graph segment) boundary"))
     engine_unit: str = field(default="process", metadata=flag(
         "process: the engine ranks run as processes; thread: rank 0 as a thread of this server (one rank; the fused "
@@ -108,6 +112,27 @@ class GenerationConfig:
         "RL scoring against a frozen copy of the start weights (loaded on first use: one more copy of the gen "
         "branch in device memory)", choices=("on", "off")))
 
+    def __post_init__(self) -> None:
+        flags.check_choices(self)
+        for name, value in (("--cfg-parallel", self.cfg_parallel), ("--sp", self.sp)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.graph_segment_layers < 1:
+            raise ValueError("--graph-segment-layers must be >= 1")
+        if self.kv_pool_wait_s is not None and self.kv_pool_wait_s < 0:
+            raise ValueError("--kv-pool-wait-s must be >= 0")
+        if not 0 < self.yield_share <= 1:
+            raise ValueError(f"--yield-share must be in (0, 1], got {self.yield_share}")
+        if self.yield_max_wait_ms <= 0:
+            raise ValueError(f"--yield-max-wait-ms must be > 0, got {self.yield_max_wait_ms}")
+        if self.engine_unit == "thread" and self.cfg_parallel * self.sp != 1:
+            raise ValueError("--engine-unit thread runs one engine rank: it needs --cfg-parallel 1 and --sp 1")
+        if not 0 <= self.green_sm_percent < 100:
+            raise ValueError(f"--green-sm-percent must be in [0, 100), got {self.green_sm_percent}")
+        if self.green_sm_percent and self.engine_unit != "thread":
+            raise ValueError("--green-sm-percent is for the fused mode (--engine-unit thread): a process of its own "
+                             "shares the GPU through MPS's --gen-sm-percent instead")
+
     @property
     def world(self) -> int:
         """Engine ranks: CFG ranks x sequence-parallel ranks."""
@@ -115,7 +140,7 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(StreamSettings):
     host: str = field(default="127.0.0.1", metadata=flag("listen address"))
     port: int = field(default=8200, metadata=flag("listen port"))
     internal_token: Optional[str] = field(default=None, metadata=flag(
@@ -141,6 +166,18 @@ class ServerConfig:
         "trajectories make room first; 0: the whole store"))
 
 
+def resolve_mode(flag: str, env: dict | None = None) -> str:
+    """The --cuda-graphs value after the environment override (U1SERVE_CUDA_GRAPHS=0|1)."""
+    if flag not in CUDA_GRAPH_MODES:
+        raise ValueError(f"--cuda-graphs must be one of {CUDA_GRAPH_MODES}, got {flag!r}")
+    value = knobs.CUDA_GRAPHS.text(env)
+    if not value:
+        return flag
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDA_GRAPHS_ENV} must be 0 or 1, got {value!r}")
+    return "on" if value == "1" else "off"
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p, GenerationConfig)
     flags.add_flags(p, ServerConfig)
@@ -152,18 +189,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def config_from_args(args: argparse.Namespace) -> GenerationConfig:
     """The engine config of the parsed flags (SystemExit naming the flag for a value that cannot run)."""
-    if args.cfg_parallel < 1:
-        raise SystemExit("--cfg-parallel must be >= 1")
-    if args.graph_segment_layers < 1:
-        raise SystemExit("--graph-segment-layers must be >= 1")
     try:
         graphs = resolve_mode(args.cuda_graphs)
     except ValueError as e:
         raise SystemExit(f"--cuda-graphs: {e}")
     table = args.warmup_table if args.warmup_table != "auto" else ("on" if args.device == "cuda" else "off")
     if args.kv_pool_wait_s is not None and args.kv_pool_wait_s < 0:
-        raise SystemExit("--kv-pool-wait-s must be >= 0")
+        raise SystemExit("--kv-pool-wait-s must be >= 0")     # (before the default below replaces it)
     pool_wait = args.kv_pool_wait_s if args.kv_pool_wait_s is not None else (
         KV_POOL_WAIT_S if args.device == "cuda" and args.kv_pool_follow_handles == "off" else 0.0)
-    return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table, kv_pool_wait_s=pool_wait,
-                           default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))
+    try:
+        return flags.from_args(GenerationConfig, args, cuda_graphs=graphs, warmup_table=table,
+                               kv_pool_wait_s=pool_wait,
+                               default_size=args.default_size or ("2048x2048" if args.device == "cuda" else ""))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None

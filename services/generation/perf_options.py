@@ -5,34 +5,49 @@ engine-side options (fp8, LoRA, warm-up sizes, CUDA graphs) are fields of config
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+from typing import Optional
 
 from prometheus_client import Counter, Gauge
 
 from services.contract.image import CacheOptions
+from services.kit import flags
+from services.kit.flags import flag
 from services.model.step_cache import CACHE_MODES
 
 from .protocol import BranchSteps, KvPoolStats, StepStats, WarmupStats
 
 
+@dataclass(frozen=True)
+class CacheDefaults:
+    """The step-caching defaults (HTTP side: they fill `cache` of requests that do not set it), as flags; checked
+    as the request's `cache` object is (CacheOptions)."""
+    cache_mode: str = field(default="off", metadata=flag(
+        "step caching for requests without a 'cache' object", choices=CACHE_MODES))
+    cache_threshold: float = field(default=0.0, metadata=flag(
+        "first_block: relative change below which a branch reuses its residual; teacache: the accumulated rescaled "
+        "input change below which it does"))
+    cache_warmup_steps: int = field(default=1, metadata=flag("steps always computed first"))
+    cache_max_consecutive: int = field(default=0, metadata=flag(
+        "reused steps in a row before one is computed (0: no limit)"))
+    cfg_truncation: Optional[float] = field(default=None, metadata=flag(
+        "CFG only while t <= this (t = 1 is the clean image); unset: off"))
+
+    def __post_init__(self) -> None:
+        self.options()
+
+    def options(self) -> CacheOptions:
+        return CacheOptions(mode=self.cache_mode, threshold=self.cache_threshold, warmup_steps=self.cache_warmup_steps,
+                            max_consecutive=self.cache_max_consecutive, cfg_truncation=self.cfg_truncation)
+
+
 def add_perf_flags(p: argparse.ArgumentParser) -> None:
-    """The step-caching defaults (HTTP side: they fill `cache` of requests that do not set it)."""
-    p.add_argument("--cache-mode", default="off", choices=list(CACHE_MODES),
-                   help="step caching for requests without a 'cache' object")
-    p.add_argument("--cache-threshold", type=float, default=0.0,
-                   help="first_block: relative change below which a branch reuses its residual; "
-                        "teacache: the accumulated rescaled input change below which it does")
-    p.add_argument("--cache-warmup-steps", type=int, default=1, help="steps always computed first")
-    p.add_argument("--cache-max-consecutive", type=int, default=0,
-                   help="reused steps in a row before one is computed (0: no limit)")
-    p.add_argument("--cfg-truncation", type=float, default=None,
-                   help="CFG only while t <= this (t = 1 is the clean image); default: off")
+    flags.add_flags(p, CacheDefaults)
 
 
 def cache_defaults(args: argparse.Namespace) -> CacheOptions:
     try:
-        return CacheOptions(mode=args.cache_mode, threshold=args.cache_threshold,
-                            warmup_steps=args.cache_warmup_steps,
-                            max_consecutive=args.cache_max_consecutive, cfg_truncation=args.cfg_truncation)
+        return flags.from_args(CacheDefaults, args).options()
     except ValueError as e:
         raise SystemExit(f"step-caching defaults (--cache-*, --cfg-truncation): {e}")
 

@@ -20,13 +20,16 @@ import torch
 
 from services.kit.yield_signal import ThreadSignal, YieldSignal
 
+from .config import YIELD_MAX_WAIT_S, YIELD_SHARE
+
+_POLL_S = 50e-6
 _REOPEN_EVERY_S = 1.0
 
 
 @dataclass
 class YieldPolicy:
-    max_wait_s: float = 0.03      # one wait (a decode step of the colocated engine takes ~10 ms)
-    share: float = 0.5            # at most this fraction of wall time spent yielding
+    max_wait_s: float = YIELD_MAX_WAIT_S   # one wait (a decode step of the colocated engine takes ~10 ms)
+    share: float = YIELD_SHARE    # at most this fraction of wall time spent yielding
     burst_s: float = 0.1          # ... with bursts up to this long
     stale_s: float = 1.0          # a flag raised longer ago than this is a dead or hung writer
 

@@ -16,12 +16,8 @@ from .sequence_parallel import check_heads
 
 
 def check_rank_flags(args) -> None:
-    """A SystemExit naming the flag for a value the engine cannot run (before any weights load); `args`: the
-    parsed flags or a GenerationConfig."""
-    if args.sp < 1:
-        raise SystemExit("--sp must be >= 1")
-    if args.engine_unit == "thread" and args.cfg_parallel * args.sp != 1:
-        raise SystemExit("--engine-unit thread runs one engine rank: it needs --cfg-parallel 1 and --sp 1")
+    """A SystemExit naming the flag for a value the engine cannot run here (before any weights load): the checks
+    that need the checkpoint or the host (the config checks its values itself)."""
     if args.sp > 1:
         from services.model.config import ConfigError, load_config
         try:
@@ -33,15 +29,6 @@ def check_rank_flags(args) -> None:
                 check_heads(llm.num_attention_heads, llm.num_key_value_heads, args.sp, args.sp_mode)
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
-    if not 0 <= args.green_sm_percent < 100:
-        raise SystemExit(f"--green-sm-percent must be in [0, 100), got {args.green_sm_percent}")
-    if args.green_sm_percent and args.engine_unit != "thread":
-        raise SystemExit("--green-sm-percent is for the fused mode (--engine-unit thread): a process of its own "
-                         "shares the GPU through MPS's --gen-sm-percent instead")
-    if args.yield_max_wait_ms <= 0:
-        raise SystemExit(f"--yield-max-wait-ms must be > 0, got {args.yield_max_wait_ms}")
-    if not 0 < args.yield_share <= 1:
-        raise SystemExit(f"--yield-share must be in (0, 1], got {args.yield_share}")
     if args.yield_to:
         from services.kit.yield_signal import page_path
         try:

@@ -14,7 +14,7 @@ when enough of the batch has finished (a single job above the budget runs alone)
 a step is launch- or latency-bound: once one forward holds ~8k rows the GEMMs are saturated, so packing more
 rows gains nothing and costs (H200, fp8 + graphs, 2026-12-01: two concurrent 2048² CFG jobs, 16,384 rows a
 step, took 21.0 s together vs 9.1 s alone: 0.87x of running them one after the other, and both finish last;
-1024² jobs, 2,048 rows each, batch well). BATCH_TOKENS = 8,192 rows, one 2048² CFG job, is the default:
+1024² jobs, 2,048 rows each, batch well). config.BATCH_TOKENS = 8,192 rows, one 2048² CFG job, is the default:
 2048² CFG jobs run in turns, up to four 1024² CFG jobs (or eight guidance-1 ones) batch. bench/gpu_defaults.sh
 measures the pair under the old budget (16,384) and this one.
 """
@@ -31,7 +31,6 @@ from .inputs import busiest_rank_tokens
 from .protocol import AbortJob, StepPlan, Stop, SubmitJob, WeightsOp
 
 IDLE_WAIT_S = 0.5          # an idle rank 0 wakes this often (a stop, a weights op)
-BATCH_TOKENS = 8192        # rows per forward beyond which jobs run in turns (module doc: the evidence)
 
 
 class Scheduler:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-MODES = ("ulysses", "kv-gather")
+from .config import SP_MODES
+
 # one tensor out, every rank's equal-size input in rank order (newer torch calls it all_gather_single)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -38,8 +39,8 @@ def split(n: int, world: int) -> list[int]:
 
 
 def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"sequence-parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in SP_MODES:
+        raise ValueError(f"sequence-parallel mode must be one of {', '.join(SP_MODES)}, got {mode!r}")
     return mode
 
 

@@ -19,7 +19,7 @@ from services import knobs
 from services.kit import errors, live
 from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware
-from services.kit.streaming import add_stream_flags, guard
+from services.kit.streaming import guard
 
 from .config import GenerationConfig, ServerConfig, add_config_flags, config_from_args, server_config_from_args
 from .perf_options import add_perf_flags, cache_defaults
@@ -61,7 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="services.generation.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p)
-    add_stream_flags(p)
     add_perf_flags(p)
     return p
 

@@ -47,27 +47,13 @@ from typing import Callable
 
 import torch
 
-from services import knobs
+from .config import CUDA_GRAPH_MODES
 
 log = logging.getLogger("u1serve.generation.engine")
 
-MODES = ("auto", "on", "off")
-ENV = knobs.CUDA_GRAPHS.name       # 0 | 1: overrides --cuda-graphs (off | on)
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 MAX_OOM_CAPTURES = 3              # captures that ran out of memory before graphs are off for the engine's life
-
-
-def resolve_mode(flag: str, env: dict | None = None) -> str:
-    """The --cuda-graphs value after the environment override (U1SERVE_CUDA_GRAPHS=0|1)."""
-    if flag not in MODES:
-        raise ValueError(f"--cuda-graphs must be one of {MODES}, got {flag!r}")
-    value = knobs.CUDA_GRAPHS.text(env)
-    if not value:
-        return flag
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return "on" if value == "1" else "off"
 
 
 def graphable(device: torch.device, lora_rows: bool) -> bool:
@@ -170,8 +156,8 @@ class StepGraphs:
     `forget(job)` before a job's KV is freed; `not_graphable()` when a step runs outside."""
 
     def __init__(self, device: torch.device, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"cuda graphs mode must be one of {MODES}, got {mode!r}")
+        if mode not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda graphs mode must be one of {CUDA_GRAPH_MODES}, got {mode!r}")
         self.device = device
         self.enabled = mode != "off" and device.type == "cuda"
         if mode == "on" and device.type != "cuda":

@@ -24,6 +24,7 @@ from services.kit import timeline
 from services.kit.errors import APIError
 from services.kit.loop_clock import loop_clock
 from services.kit.proc import die_with_parent, ignore_stop_signals
+from services.model.constants import torch_dtype
 from services.model.oom import out_of_memory
 
 from .config import GenerationConfig
@@ -34,8 +35,6 @@ from .scheduler import Scheduler
 from .weights import RankWeights
 
 log = logging.getLogger("u1serve.generation.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _admit(engine, comm, specs: list) -> tuple[dict[str, dict], list[KvImportStats]]:
@@ -179,7 +178,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     from .warmup import parse_sizes, run_warmup
     comm = CfgComm.init(rank, world, port, device, sp=cfg.sp, sp_mode=cfg.sp_mode) if world > 1 \
         else CfgComm.single()
-    dtype = _DTYPES[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     phase(EnginePhase.LOADING_WEIGHTS)
     model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
                        quantization=cfg.quantization)

@@ -33,7 +33,6 @@ from fastapi.responses import StreamingResponse
 from . import sse
 
 log = logging.getLogger("u1serve.streams")
-DEFAULT_WRITE_TIMEOUT_S = 30.0
 
 
 class OwnedStream(StreamingResponse):
@@ -199,17 +198,7 @@ class SlowReaderGuard:
         return watch
 
 
-def add_stream_flags(p, *, default_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
-    """The slow-reader flags every service takes (argparse)."""
-    p.add_argument("--stream-write-timeout-s", type=float, default=default_timeout_s,
-                   help="a client that takes no byte of its (streamed) response for this long while a chunk "
-                        "waits is cut off and its work cancelled (slow reader); 0 = never")
-    p.add_argument("--stream-send-buffer-kb", type=int, default=0,
-                   help="cap each connection's kernel send buffer (SO_SNDBUF) at this many KiB: how much a client "
-                        "that reads nothing absorbs before --stream-write-timeout-s counts; 0 = kernel default")
-
-
 def guard(app, args, on_cut: Callable[[], None] = lambda: None) -> SlowReaderGuard:
-    """`app` behind the SlowReaderGuard its service's flags (add_stream_flags) ask for."""
+    """`app` behind the SlowReaderGuard its service's slow-reader settings (kit.stream_settings) ask for."""
     return SlowReaderGuard(app, write_timeout_s=args.stream_write_timeout_s,
                            send_buffer_bytes=args.stream_send_buffer_kb * 1024, on_cut=on_cut)

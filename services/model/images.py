@@ -9,11 +9,12 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from .constants import VQA_MAX_PIXELS, VQA_MIN_PIXELS
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PATCH = 16
 FACTOR = 32  # patch 16 x merge 2: one LLM token per 32x32 block
-VQA_MIN_PIXELS, VQA_MAX_PIXELS = 65536, 4194304
 EDIT_MIN_PIXELS = 512 * 512
 MAX_ASPECT_RATIO = 200
 

@@ -55,7 +55,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     with its own scales when `quantization` is None / "none" (or names the same scheme): nothing is
     requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
     (services/model/gguf_io.py)."""
-    from .quant import QUANTIZATIONS, quantize_model
+    from .constants import QUANTIZATIONS
+    from .quant import quantize_model
     from .quant_schemes import scheme
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:

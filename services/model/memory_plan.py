@@ -154,7 +154,7 @@ class Settings:
     max_model_len: int = 32768
     kv_pool_gb: float = 16.0
     kv_page_tokens: int = 64
-    max_batch_tokens: int = 8192          # generation's --max-batch-tokens (scheduler.BATCH_TOKENS)
+    max_batch_tokens: int = 8192          # generation's --max-batch-tokens (generation config.BATCH_TOKENS)
     context_bytes: int = CUDA_CONTEXT_BYTES
 
 

@@ -8,7 +8,8 @@ from importlib import resources
 
 from services.base.content import text_runs
 
-from .images import (EDIT_MIN_PIXELS, VQA_MAX_PIXELS, VQA_MIN_PIXELS, ImageTensor, edit_max_pixels,
+from .constants import VQA_MAX_PIXELS, VQA_MIN_PIXELS
+from .images import (EDIT_MIN_PIXELS, ImageTensor, edit_max_pixels,
                      generation_input, preprocess)
 from .tokenizer import IM_END, IM_START, IMG_CONTEXT, IMG_START, NeoTokenizer
 

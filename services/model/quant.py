@@ -55,7 +55,6 @@ from services import knobs
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 
-QUANTIZATIONS = ("none", "fp8", "int8")   # the schemes by name: services/model/quant_schemes.py
 MIN_CAPABILITY = (8, 9)           # fp8 tensor cores: Ada (8.9) and Hopper (9.0)
 CUDA_MIN_TOKENS = 2048            # H200 run 1: fp8 lost at 1,024 rows (see module doc)
 GRAPHED_MIN_TOKENS = 1024         # ... where the steps replay CUDA graphs (no launch gaps): 1024² single-branch

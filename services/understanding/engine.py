@@ -19,6 +19,7 @@ from services.kit.proc import die_with_parent, ignore_stop_signals
 from services.model.lora_registry import attach_lora
 from services.model.memory_plan import UND_MIN_KV_TOKENS, kv_bytes_per_token, und_runtime_reserve
 from services.contract.health import EnginePhase
+from services.model.constants import torch_dtype
 from services.model.oom import out_of_memory
 from services.model.weights_io import POLL_S
 
@@ -35,10 +36,6 @@ from .weights import EngineWeights, WeightsOp
 log = logging.getLogger("u1serve.understanding.engine")
 _HEARTBEAT_S = 2.0
 _CRASH_MARKER = knobs.FAULT_UND_STEP_CRASH.get()     # tests only (a fault)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _setup_tp(cfg: EngineConfig, rank: int):
@@ -110,16 +107,16 @@ class Engine:
         self.device = rank_device(cfg.device, cfg.tp, rank, lambda: torch.cuda.current_device())
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
-        self.dtype = _dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, branch="und", dtype=self.dtype, device=self.device, tp=tp,
+        self.dtype = torch_dtype(cfg.dtype)
+        self.model = load_model(cfg.model, branch="und", dtype=self.dtype, device=self.device, tp=tp,
                                 quantization=cfg.quantization)
         attach_lora(self.model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
         self.weights = EngineWeights(self.model, tp)
-        tok = NeoTokenizer.from_dir(cfg.model_dir)
+        tok = NeoTokenizer.from_dir(cfg.model)
         # the config is the request; what fits GPU memory may be less
         self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running, self.max_model_len,
+        self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running_requests, self.max_model_len,
                                   self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs, on_phase=phase)
         self.out = out_sock
         self.pool = None
@@ -133,8 +130,8 @@ class Engine:
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
         self.clock = loop_clock("understanding")    # step time and the loop thread's CPU share (kit/loop_clock)
         if rank == 0:
-            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running, self.max_model_len,
-                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.enable_prefix_cache,
+            self.sched = Scheduler(self.kv_cache_tokens, cfg.max_running_requests, self.max_model_len,
+                                   cfg.chunked_prefill_size, tok.img_context_id, cfg.prefix_cache,
                                    max_queue_wait_s=cfg.max_queue_wait_s)
             self.sched.model = self.model
             ctx = zmq.Context.instance()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, ValidationError
 from services.contract.chat import ChatMessage, ImagePart, TextSampling
 from services.contract.types import PUBLIC, CacheSalt
 from services.kit.errors import APIError, bad_request, from_validation
-from services.model import images as IM
+from services.model.constants import VQA_MAX_PIXELS, VQA_MIN_PIXELS
 
 from .sampling import SamplingParams
 
@@ -20,8 +20,8 @@ from .sampling import SamplingParams
 class Limits:
     max_model_len: int
     vocab_size: int
-    min_pixels: int = IM.VQA_MIN_PIXELS
-    max_pixels: int = IM.VQA_MAX_PIXELS
+    min_pixels: int = VQA_MIN_PIXELS
+    max_pixels: int = VQA_MAX_PIXELS
 
 
 def image_refs(messages: list[ChatMessage]) -> list[tuple[str, str]]:

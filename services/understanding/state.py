@@ -7,7 +7,6 @@ import logging
 import os
 import time
 import uuid
-from argparse import Namespace
 from typing import Callable, Optional
 
 from fastapi import Request
@@ -19,7 +18,7 @@ from services.model.config import load_config
 from services.model.loader import model_fingerprint
 from services.model.tokenizer import NeoTokenizer
 
-from .config import EngineConfig
+from .config import ServerConfig
 from .engine_client import EngineClient
 from .image_inputs import ImageBudget, ImageDecoder
 from .image_prefix import ImagePrefixService
@@ -39,7 +38,7 @@ def default_queue_limit(kv_cache_tokens: int) -> int:
 
 
 class AppState:
-    def __init__(self, args: Namespace):
+    def __init__(self, args: ServerConfig):
         self.args = args
         self.tok = NeoTokenizer.from_dir(args.model)
         self.cfg = load_config(args.model)
@@ -71,10 +70,9 @@ class AppState:
         a = self.args
         if a.kv_pool_name:
             self.pool = self._create_transport()
-        ecfg = EngineConfig.from_args(a)
         policy = RestartPolicy(max_failures=a.engine_max_failures, window_s=a.engine_failure_window_s)
         # a dead engine is replaced by a fresh one; the shm pool (ours) keeps its name and generation
-        self.engine = EngineClient(ecfg, policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
+        self.engine = EngineClient(a.engine(), policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
         self.weights.bind(self.engine)
         self.engine.start()
 

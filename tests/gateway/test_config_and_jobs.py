@@ -47,7 +47,7 @@ def test_flags_and_env_override_defaults(monkeypatch):
                  env={"U1SERVE_MAX_STEPS": "100", "U1SERVE_UPSTREAM_IDLE_TIMEOUT_S": "7",
                       "U1SERVE_MAX_CONCURRENT_REQUESTS": "3"}, monkeypatch=monkeypatch)
     assert (cfg.sampler.num_inference_steps, cfg.sampler.guidance_scale, cfg.sampler.timestep_shift) == (8, 2.5, 2.0)
-    assert (cfg.max_steps, cfg.idle_timeout_s, cfg.max_concurrent_requests) == (100, 7.0, 3)
+    assert (cfg.max_steps, cfg.upstream_idle_timeout_s, cfg.max_concurrent_requests) == (100, 7.0, 3)
     j = job({}, cfg)
     assert (j.width, j.height, j.prefix.max_think_tokens) == (512, 256, 64)
     assert j.generate_body({"cond": {}, "uncond": {}})["num_inference_steps"] == 8

@@ -84,9 +84,10 @@ def test_sp_placement(configs, name):
     assert flag(gen, "--sp-mode") == (mode or ["ulysses"])[0]
     assert len(gen_gpus.split(",")) >= cfg * sp                    # one GPU per generation rank
     # the generation server accepts the command line it is given (flags and their combination)
+    from services.generation.config import config_from_args
     from services.generation.rank_options import check_rank_flags
     from services.generation.server import build_parser
-    check_rank_flags(build_parser().parse_args(gen[2:]))
+    check_rank_flags(config_from_args(build_parser().parse_args(gen[2:])))
 
 
 def test_qos_wires_both_engines_to_one_page(configs):
@@ -140,11 +141,11 @@ def test_bad_combinations_are_refused(configs, flags, message):
 
 
 def test_gen_sp_mode_choices_are_the_engines():
-    """u1serve up lists the modes without importing torch; they are sequence_parallel.MODES."""
+    """u1serve up lists the modes without importing torch; they are generation config.SP_MODES."""
     import argparse
 
     from services.stack import add_stack_flags
-    from services.generation.sequence_parallel import MODES
+    from services.generation.config import SP_MODES as MODES
     p = argparse.ArgumentParser()
     add_stack_flags(p, "tiny")
     assert tuple(next(a for a in p._actions if a.dest == "gen_sp_mode").choices) == MODES

@@ -19,7 +19,8 @@ from services.generation.config import GenerationConfig
 from services.generation import engine as engine_mod
 from services.generation.engine import Engine
 from services.generation.qos import YieldGate
-from services.generation.scheduler import BATCH_TOKENS, Scheduler
+from services.generation.config import BATCH_TOKENS
+from services.generation.scheduler import Scheduler
 from services.generation.step_graph import REPLAY, StepGraphs
 from services.generation.warmup import run_warmup, warmup_plan
 from services.model.quant import CUDA_MIN_TOKENS, GRAPHED_MIN_TOKENS, GemmPolicy

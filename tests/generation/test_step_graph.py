@@ -21,9 +21,10 @@ import torch
 from services.generation import engine as engine_mod
 from services.generation.engine import Engine
 from services.contract.image import GenerateRequest, SamplerParams
-from services.generation.step_graph import (CAPTURE, EAGER, ENV, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
-                                            composition_key, graphable, layer_segments, out_of_memory,
-                                            resolve_mode)
+from services.generation.config import CUDA_GRAPHS_ENV as ENV
+from services.generation.config import resolve_mode
+from services.generation.step_graph import (CAPTURE, EAGER, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
+                                            composition_key, graphable, layer_segments, out_of_memory)
 
 from .genhelp import (REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels,
                       run_jobs)

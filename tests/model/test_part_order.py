@@ -12,6 +12,7 @@ from PIL import Image
 from services.contract.chat import ChatCompletionRequest, ChatMessage, content_runs
 from services.contract.image import PrefixRequest, SamplerParams
 from services.gateway.routers.chat import last_user_turn
+from services.model import constants as C
 from services.model import images as IM
 from services.model import prompts as P
 from services.model.tokenizer import NeoTokenizer
@@ -40,7 +41,7 @@ def _served_chat(tok, content: list[dict], pils: list, **kw) -> P.PromptInput:
     return P.chat_input(tok, prompt_messages(msgs, pils), **kw)
 
 
-def _official(tok, user_text: str, pils: list, min_px=IM.VQA_MIN_PIXELS, max_px=IM.VQA_MAX_PIXELS,
+def _official(tok, user_text: str, pils: list, min_px=C.VQA_MIN_PIXELS, max_px=C.VQA_MAX_PIXELS,
               system: str = "", tail: str = "") -> P.PromptInput:
     return P.expand_images(tok, P.neo1_0([("user", user_text)], system) + tail,
                            [IM.preprocess(p, min_px, max_px) for p in pils])

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from services.contract.image import SamplerParams
+from services.model import constants as C
 from services.model import images as IM
 from services.model import prompts as P
 from services.model import reference as R
@@ -104,7 +105,7 @@ def test_interleaved_answer_with_the_image_mid_text_is_the_official_one(client, 
 
 def test_chat_with_the_image_mid_text_is_the_official_prompt(client, ref):
     model, tok = ref
-    vqa = IM.preprocess(IM.load_image(PNG), IM.VQA_MIN_PIXELS, IM.VQA_MAX_PIXELS)
+    vqa = IM.preprocess(IM.load_image(PNG), C.VQA_MIN_PIXELS, C.VQA_MAX_PIXELS)
     official = P.expand_images(tok, P.neo1_0([("user", OFFICIAL)]), [vqa])
     want = R.generate_text(model, tok, official, max_new_tokens=8, keep_stop=True)
     r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, temperature=0,

@@ -20,7 +20,7 @@ from services.understanding.sampling import SamplingParams
 
 class _Loop:
     def __init__(self, tiny_dir: str, tmp_path):
-        cfg = EngineConfig(model_dir=tiny_dir, device="cpu", dtype="float32", kv_cache_tokens=2048, max_running=4,
+        cfg = EngineConfig(model=tiny_dir, device="cpu", dtype="float32", kv_cache_tokens=2048, max_running_requests=4,
                            max_model_len=1024, chunked_prefill_size=0, in_addr=f"ipc://{tmp_path}/in",
                            out_addr=f"ipc://{tmp_path}/out")
         self.ctx = zmq.Context()

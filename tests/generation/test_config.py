@@ -1,0 +1,33 @@
+"""The generation config checks itself: a config built in process is refused as the same parsed flags are."""
+import argparse
+
+import pytest
+
+from services.generation.config import GenerationConfig, add_config_flags, config_from_args
+
+
+@pytest.mark.parametrize("fields, why", [({"cfg_parallel": 0}, "--cfg-parallel"), ({"sp": 0}, "--sp"),
+                                         ({"graph_segment_layers": 0}, "--graph-segment-layers"),
+                                         ({"yield_share": 0.0}, "--yield-share"),
+                                         ({"kv_pool_wait_s": -1.0}, "--kv-pool-wait-s"),
+                                         ({"sp_mode": "ring"}, "--sp-mode must be one of")])
+def test_bad_values_refused_in_process_and_parsed(fields, why):
+    with pytest.raises(ValueError, match=why):
+        GenerationConfig(model="m", **fields)
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    argv = ["--model", "m"] + [a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    with pytest.raises(SystemExit):
+        config_from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("fields", [{"cache_threshold": -1.0}, {"cache_warmup_steps": -1}, {"cfg_truncation": 2.0}])
+def test_step_caching_defaults_checked_as_a_requests_cache(fields):
+    from services.generation.perf_options import CacheDefaults, add_perf_flags, cache_defaults
+    with pytest.raises(ValueError):
+        CacheDefaults(**fields)
+    p = argparse.ArgumentParser()
+    add_perf_flags(p)
+    with pytest.raises(SystemExit):
+        cache_defaults(p.parse_args([a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]))
+    assert cache_defaults(p.parse_args([])) == CacheDefaults().options()
