@@ -1,6 +1,7 @@
-"""Shared fixtures: tiny checkpoints are written once per test session."""
+"""Shared fixtures: tiny checkpoints written once per test session, the one shared stack, side gateways."""
 import os
 import random
+import signal
 import zlib
 
 import pytest
@@ -33,6 +34,44 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_dir(tiny_checkpoint):
     """The tiny u1 checkpoint's directory (read-only: copy it to change it)."""
     return tiny_checkpoint("u1")
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_checkpoint, tmp_path_factory):
+    """The one shared `u1serve up --mode colocate` stack on the tiny checkpoint (CPU) for every test that needs
+    only a plain stack: started once for the session. RL routes and runtime LoRA loading are on (gateway routes
+    only: the engines serve as without them) and /tmp is an allowed local directory. A test may SIGSTOP an
+    engine or SIGKILL one (the launcher restarts it; the test then updates `stack.pids`), but never changes
+    the weights or leaves an adapter loaded: tests after it compare with the checkpoint."""
+    from tests.system.stackproc import RunningStack
+    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("stack-colocate")),
+                     extra=["--enable-rl", "--enable-runtime-lora", "--allowed-local-dirs", "/tmp"])
+    s.wait_ready()
+    yield s
+    for pid in s.service_pids().values():      # never leave an engine stopped
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    s.stop_clean()
+
+
+@pytest.fixture()
+def side_gateway(tmp_path):
+    """start(und_url, gen_url, *flags, env=...) -> a started gateway process (tests/system/stackproc.py
+    GatewayProc) with its own flags; all are stopped after the test, and none may have logged a traceback."""
+    from tests.system.stackproc import GatewayProc
+    procs = []
+
+    def start(und_url: str, gen_url: str, *flags: str, env: dict | None = None,
+              host: str | None = "127.0.0.1") -> GatewayProc:
+        procs.append(GatewayProc(und_url, gen_url, *flags, env=env, log_dir=str(tmp_path), host=host))
+        return procs[-1].wait_up()
+
+    yield start
+    for p in procs:
+        out = p.stop()
+        assert "Traceback" not in out, out
 
 
 def pytest_report_header(config):

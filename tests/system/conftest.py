@@ -1,20 +1,10 @@
-"""One `u1serve up --mode colocate` stack on CPU for the whole session (tiny checkpoint)."""
+"""The system tests' clients of the shared stack (`stack`: tests/conftest.py) and the in-process reference."""
 import pytest
-
-from .stackproc import RunningStack
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
     return tiny_checkpoint("u1")
-
-
-@pytest.fixture(scope="session")
-def stack(tiny_model, tmp_path_factory):
-    s = RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-colocate")))
-    s.wait_ready()
-    yield s
-    s.stop_clean()
 
 
 @pytest.fixture(scope="session")
