@@ -1,7 +1,8 @@
 """The gateway's own tests:
 
 - `gateway`: a gateway process with NO engines behind it (validation must answer on its own, valid requests get
-  503);
+  503), and `client`: the same gateway in this process over an ASGI transport, for the tests that need no
+  socket;
 - `peer`: a scripted HTTP peer in this process, standing in for an engine where the gateway's outgoing bodies
   or an engine answer the real engines do not give (a 429) are what is under test;
 - `side_gateway(und_url, gen_url, *flags)` (tests/conftest.py): extra gateway processes with their own flags.
@@ -9,9 +10,9 @@
 Tests against a real `u1serve up` stack live in tests/system (its shared `stack`, tests/conftest.py).
 """
 import inspect
+import logging
 import threading
 
-import httpx
 import pytest
 from services.netutil import free_port
 
@@ -27,22 +28,63 @@ MAX_STEPS = 200                  # tighter than the contract's, to test operator
 
 
 @pytest.fixture(scope="session")
-def gateway(tmp_path_factory):
+def dead_gateway_argv(tmp_path_factory) -> list[str]:
+    """The flags of the engine-less gateway (`gateway`, `client`): two API keys, small limits, dead engine URLs."""
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# two keys: rotation\n{API_KEY}\n\n{API_KEY_2}\n")
-    dead = f"http://127.0.0.1:{free_port()}"
-    g = GatewayProc(dead, f"http://127.0.0.1:{free_port()}", "--api-key-file", str(keys), "--max-body-mb", "8",
-                    "--max-steps", str(MAX_STEPS), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-                    "--max-request-pixels", str(MAX_REQUEST_PIXELS)).wait_up()
+    return ["--und-url", f"http://127.0.0.1:{free_port()}", "--gen-url", f"http://127.0.0.1:{free_port()}",
+            "--api-key-file", str(keys), "--max-body-mb", "8", "--max-steps", str(MAX_STEPS),
+            "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-request-pixels", str(MAX_REQUEST_PIXELS)]
+
+
+@pytest.fixture(scope="package")
+def gateway(dead_gateway_argv, tmp_path_factory):
+    """The engine-less gateway as a real process (its base URL): for the tests that need its socket (raw
+    headers, the openai SDK, the served pages)."""
+    und, gen = dead_gateway_argv[1], dead_gateway_argv[3]
+    g = GatewayProc(und, gen, *dead_gateway_argv[4:], log_dir=str(tmp_path_factory.mktemp("gateway"))).wait_up()
     yield g.base
     out = g.stop()
     assert "Traceback" not in out, out
 
 
+class LoggedTracebacks(logging.Handler):
+    """Every gateway log record that carries a traceback (the in-process twin of "no Traceback in its log")."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
+
+
+@pytest.fixture(scope="package")
+def gateway_in_process(dead_gateway_argv):
+    """The same engine-less gateway in this process, over an ASGI transport (no socket, no process): the
+    app `services.gateway.server` serves, built from the same flags; a server error raises in the test."""
+    from starlette.testclient import TestClient
+
+    from services.gateway.app import create_app
+    from services.gateway.config import build_arg_parser, config_from_args
+    app = create_app(config_from_args(build_arg_parser().parse_args(
+        [*dead_gateway_argv, "--default-size", "64x64"])))
+    logged = LoggedTracebacks()
+    logger = logging.getLogger("u1serve")
+    logger.addHandler(logged)
+    try:
+        with TestClient(app, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            yield c
+    finally:
+        logger.removeHandler(logged)
+    assert not logged.records, [r.getMessage() for r in logged.records]
+
+
 @pytest.fixture()
-def client(gateway):
-    with httpx.Client(base_url=gateway, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        yield c
+def client(gateway_in_process):
+    """An API-key client of the in-process engine-less gateway (httpx's client API)."""
+    return gateway_in_process
 
 
 # ------------------------------------------------------------------------------------------ scripted peer
