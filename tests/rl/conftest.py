@@ -5,7 +5,7 @@ import os
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rl_stack(tiny_checkpoint, tmp_path_factory):
     from tests.system.stackproc import RunningStack
     # four processes (und, gen, gateway, trainer) share the CI machine's two cores: one thread each avoids
