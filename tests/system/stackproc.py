@@ -203,11 +203,23 @@ def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, 
     return p.returncode, term.shown(), out
 
 
+# One CPU thread per process of a stack (OMP_NUM_THREADS reaches every engine rank): a stack's engines and the test
+# share CI's two cores, and their OpenMP threads spinning against each other slow the tiny forwards several-fold
+# (measured on a loaded 2-core machine: four 96x64 8-step images 3-4 s pinned, 16 s not; four 32-token chats
+# 0.8 s, 13 s). Only for stacks whose outputs are compared with nothing computed at another thread count: the
+# thread count changes float bits (a 96x64 text-to-image differs at 1 and 2 threads), and the golden checks
+# demand the golden host's bits at its default thread count (tests/golden_cases.py kernel_fingerprint). So the
+# shared `stack`, compared with the reference in the test process, keeps the default.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 class RunningStack:
     """`u1serve up` on the CPU; with `terminal`, its stderr is a pseudo-terminal (where progress lines are drawn:
-    `terminal_output()`), its stdout the log as always."""
+    `terminal_output()`), its stdout the log as always; `env` is added to the launcher's environment (which its
+    services inherit)."""
 
-    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None, terminal: bool = False):
+    def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None,
+                 terminal: bool = False, env: dict | None = None):
         self.port, self.und_port, self.gen_port = free_port(), free_port(), free_port()
         self.run_dir = run_dir
         self.state_file = os.path.join(run_dir, "stack.json")
@@ -223,7 +235,8 @@ class RunningStack:
         self.terminal = Terminal() if terminal else None
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log,
                                      stderr=self.terminal.slave if terminal else subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": ROOT}, preexec_fn=preexec_die_with_parent)
+                                     env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                                     preexec_fn=preexec_die_with_parent)
         if self.terminal:
             self.terminal.started()
         self.base = f"http://127.0.0.1:{self.port}"
