@@ -70,21 +70,22 @@ def gateway_in_process(dead_gateway_argv):
     from services.gateway.config import build_arg_parser, config_from_args
     app = create_app(config_from_args(build_arg_parser().parse_args(
         [*dead_gateway_argv, "--default-size", "64x64"])))
-    logged = LoggedTracebacks()
-    logger = logging.getLogger("u1serve")
-    logger.addHandler(logged)
-    try:
-        with TestClient(app, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-            yield c
-    finally:
-        logger.removeHandler(logged)
-    assert not logged.records, [r.getMessage() for r in logged.records]
+    with TestClient(app, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
 
 
 @pytest.fixture()
 def client(gateway_in_process):
-    """An API-key client of the in-process engine-less gateway (httpx's client API)."""
-    return gateway_in_process
+    """An API-key client of the in-process engine-less gateway (httpx's client API); the test fails if the
+    gateway logged a traceback meanwhile (as the process's log is checked)."""
+    logged = LoggedTracebacks()
+    logger = logging.getLogger("u1serve")
+    logger.addHandler(logged)
+    try:
+        yield gateway_in_process
+    finally:
+        logger.removeHandler(logged)
+    assert not logged.records, [r.getMessage() for r in logged.records]
 
 
 # ------------------------------------------------------------------------------------------ scripted peer
