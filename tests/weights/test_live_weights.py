@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from services.model import weights_io as W
 from services.model.loader import load_model
-from tests.system.stackproc import ONE_THREAD, RunningStack
+from tests.system.stackproc import RunningStack
 from tests.waiting import wait_until
 
 API_KEY = "sk-weights-test"
@@ -40,8 +40,7 @@ def start_stack(model: str, run_dir: str) -> RunningStack:
         f.write(ADMIN_KEY + "\n")
     return RunningStack(model, "colocate", run_dir, extra=[
         "--api-key-file", keys, "--admin-api-key-file", admin, "--enable-rl", "--allowed-local-dirs",
-        os.path.dirname(os.path.abspath(run_dir)), *STACK_FLAGS],
-        env=ONE_THREAD).wait_ready()            # compared only with stacks started here
+        os.path.dirname(os.path.abspath(run_dir)), *STACK_FLAGS]).wait_ready()
 
 
 class RoleClient(httpx.Client):
