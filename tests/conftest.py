@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny checkpoints are written once per test session."""
+"""Shared fixtures: tiny checkpoints written once per test session, the one shared stack, side gateways."""
 import os
 import random
+import re
+import signal
 import zlib
 
 import pytest
@@ -35,6 +37,44 @@ def tiny_dir(tiny_checkpoint):
     return tiny_checkpoint("u1")
 
 
+@pytest.fixture(scope="session")
+def stack(tiny_checkpoint, tmp_path_factory):
+    """The one shared `u1serve up --mode colocate` stack on the tiny checkpoint (CPU) for every test that needs
+    only a plain stack: started once for the session. RL routes and runtime LoRA loading are on (gateway routes
+    only: the engines serve as without them) and /tmp is an allowed local directory. A test may SIGSTOP an
+    engine or SIGKILL one (the launcher restarts it; the test then updates `stack.pids`), but never changes
+    the weights or leaves an adapter loaded: tests after it compare with the checkpoint."""
+    from tests.system.stackproc import RunningStack
+    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("stack-colocate")),
+                     extra=["--enable-rl", "--enable-runtime-lora", "--allowed-local-dirs", "/tmp"])
+    s.wait_ready()
+    yield s
+    for pid in s.service_pids().values():      # never leave an engine stopped
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    s.stop_clean()
+
+
+@pytest.fixture()
+def side_gateway(tmp_path):
+    """start(und_url, gen_url, *flags, env=...) -> a started gateway process (tests/system/stackproc.py
+    GatewayProc) with its own flags; all are stopped after the test, and none may have logged a traceback."""
+    from tests.system.stackproc import GatewayProc
+    procs = []
+
+    def start(und_url: str, gen_url: str, *flags: str, env: dict | None = None,
+              host: str | None = "127.0.0.1") -> GatewayProc:
+        procs.append(GatewayProc(und_url, gen_url, *flags, env=env, log_dir=str(tmp_path), host=host))
+        return procs[-1].wait_up()
+
+    yield start
+    for p in procs:
+        out = p.stop()
+        assert "Traceback" not in out, out
+
+
 def pytest_report_header(config):
     return f"u1serve test seed: U1SERVE_TEST_SEED={BASE_SEED}"
 
@@ -53,3 +93,58 @@ def test_seed(request):
     import torch
     torch.manual_seed(seed)
     return seed
+
+
+# ------------------------------------------------------------------------------------------------ tiers
+# Every test is in one tier (pyproject.toml registers the markers): `unit` runs in this process alone and runs no
+# model (the fast tier: `python -m pytest -m unit`), `service` starts real processes (an engine server, a gateway,
+# engine ranks, a CLI, a script) or runs the tiny model end to end in this process, `stack` needs a whole
+# `u1serve up` stack or a Ray cluster. A test or module may name its tier itself (`pytestmark =
+# pytest.mark.service`); otherwise it is read from what the test uses: its directory, its fixtures, and what its
+# module calls (for `service`, also a test helper module it imports).
+TIERS = ("unit", "service", "stack")
+STACK_DIRS = {"system", "ray", "weights"}          # every test there drives a whole stack or cluster
+STACK_FIXTURES = {"stack", "rl_stack"}
+SERVICE_FIXTURES = {"gateway", "side_gateway", "peer", "gen_server", "server", "server_plain", "server_tp2",
+                    "tiny_checkpoint", "tiny_dir", "tiny_model", "ref_model", "ref", "reference", "pool"}
+STACK_CALLS = re.compile(r"\bRunningStack\b|\bUpStack\b")
+SERVICE_CALLS = re.compile(r"\bsubprocess\b|\bPopen\b|\bmultiprocessing\b|\bmp\.spawn\b|\bsys\.executable\b|"
+                           r"\bGenServer\b|\bUndServer\b|\bGatewayProc\b|\bService\(|\bin_terminal\(|"
+                           r"\bload_model\(|\bwrite_tiny_checkpoint\(|\bmodel_tok\(")
+HELPER_IMPORT = re.compile(r"^\s*from\s+(\.\w+|tests(?:\.\w+)+)\s+import", re.M)
+
+
+def module_text(path: str, cache: dict) -> tuple[str, str]:
+    """(a test module's source, that of the test helper modules it imports: one level, tests/conftest.py -- the
+    tiny checkpoint's writer -- is no helper)."""
+    if path not in cache:
+        with open(path) as f:
+            own = f.read()
+        helpers = ""
+        for name in HELPER_IMPORT.findall(own):
+            rel = (name[1:] if name.startswith(".") else name.replace(".", os.sep)) + ".py"
+            helper = os.path.join(os.path.dirname(path) if name.startswith(".") else ROOT, rel)
+            if os.path.isfile(helper) and os.path.abspath(helper) != os.path.abspath(__file__):
+                with open(helper) as f:
+                    helpers += f.read()
+        cache[path] = own, helpers
+    return cache[path]
+
+
+def tier_of(item, own: str, helpers: str) -> str:
+    named = [m.name for m in item.iter_markers() if m.name in TIERS]
+    if named:
+        return named[0]
+    used = set(item.fixturenames)
+    directory = os.path.relpath(str(item.path), os.path.join(ROOT, "tests")).split(os.sep)[0]
+    if directory in STACK_DIRS or used & STACK_FIXTURES or STACK_CALLS.search(own):
+        return "stack"
+    if used & SERVICE_FIXTURES or SERVICE_CALLS.search(own) or SERVICE_CALLS.search(helpers):
+        return "service"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    sources: dict[str, tuple[str, str]] = {}
+    for item in items:
+        item.add_marker(tier_of(item, *module_text(str(item.path), sources)))

@@ -1,26 +1,24 @@
-"""Real gateway processes for the gateway tests:
+"""The gateway's own tests:
 
-- `gateway`: a gateway with NO engines behind it (validation must answer on its own, valid requests get 503);
-- `stack`: a real `u1serve up` stack on the tiny checkpoint (CPU), for timeouts, admission and KV cleanup;
-- `side_gateway(und_url, gen_url, *flags)`: extra gateway processes with their own flags;
+- `gateway`: a gateway process with NO engines behind it (validation must answer on its own, valid requests get
+  503), and `client`: the same gateway in this process over an ASGI transport, for the tests that need no
+  socket;
 - `peer`: a scripted HTTP peer in this process, standing in for an engine where the gateway's outgoing bodies
-  or an engine answer the real engines do not give (a 429) are what is under test.
+  or an engine answer the real engines do not give (a 429) are what is under test;
+- `side_gateway(und_url, gen_url, *flags)` (tests/conftest.py): extra gateway processes with their own flags.
+
+Tests against a real `u1serve up` stack live in tests/system (its shared `stack`, tests/conftest.py).
 """
 import inspect
-import os
-import signal
-import subprocess
-import sys
+import logging
 import threading
 
-import httpx
 import pytest
 from services.netutil import free_port
-from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 
+from tests.system.stackproc import GatewayProc
 from tests.waiting import wait_until
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "sk-gateway-test"
 API_KEY_2 = "sk-gateway-test-second"
 # input image limits of the `gateway` fixture (small, so the tests' images stay small)
@@ -29,105 +27,65 @@ MAX_REQUEST_PIXELS = 1_500_000
 MAX_STEPS = 200                  # tighter than the contract's, to test operator limits
 
 
-class GatewayProc:
-    """`python -m services.gateway.server` on loopback; its output is kept for assertions."""
-
-    def __init__(self, und_urls: str, gen_urls: str, *flags: str, env: dict | None = None, log_dir: str = "/tmp",
-                 host: str | None = "127.0.0.1"):
-        """host None: no --host flag (the gateway's own default)."""
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "services.gateway.server", *(["--host", host] if host else []),
-                "--port", str(self.port),
-                "--und-url", und_urls, "--gen-url", gen_urls, "--default-size", "64x64", *flags]
-        self.log_path = os.path.join(log_dir, f"gateway-{self.port}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
-                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent)
-
-    def wait_up(self, timeout: float = 60.0) -> "GatewayProc":
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                return httpx.get(self.base + "/health/live", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-        try:
-            wait_until(up, timeout, interval=0.1)
-        except TimeoutError:
-            raise RuntimeError("gateway did not start:\n" + self.stop()) from None
-        return self
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.output()
-
-
 @pytest.fixture(scope="session")
-def gateway(tmp_path_factory):
+def dead_gateway_argv(tmp_path_factory) -> list[str]:
+    """The flags of the engine-less gateway (`gateway`, `client`): two API keys, small limits, dead engine URLs."""
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# two keys: rotation\n{API_KEY}\n\n{API_KEY_2}\n")
-    dead = f"http://127.0.0.1:{free_port()}"
-    g = GatewayProc(dead, f"http://127.0.0.1:{free_port()}", "--api-key-file", str(keys), "--max-body-mb", "8",
-                    "--max-steps", str(MAX_STEPS), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-                    "--max-request-pixels", str(MAX_REQUEST_PIXELS)).wait_up()
+    return ["--und-url", f"http://127.0.0.1:{free_port()}", "--gen-url", f"http://127.0.0.1:{free_port()}",
+            "--api-key-file", str(keys), "--max-body-mb", "8", "--max-steps", str(MAX_STEPS),
+            "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-request-pixels", str(MAX_REQUEST_PIXELS)]
+
+
+@pytest.fixture(scope="package")
+def gateway(dead_gateway_argv, tmp_path_factory):
+    """The engine-less gateway as a real process (its base URL): for the tests that need its socket (raw
+    headers, the openai SDK, the served pages)."""
+    und, gen = dead_gateway_argv[1], dead_gateway_argv[3]
+    g = GatewayProc(und, gen, *dead_gateway_argv[4:], log_dir=str(tmp_path_factory.mktemp("gateway"))).wait_up()
     yield g.base
     out = g.stop()
     assert "Traceback" not in out, out
 
 
-@pytest.fixture()
-def client(gateway):
-    with httpx.Client(base_url=gateway, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+class LoggedTracebacks(logging.Handler):
+    """Every gateway log record that carries a traceback (the in-process twin of "no Traceback in its log")."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
+
+
+@pytest.fixture(scope="package")
+def gateway_in_process(dead_gateway_argv):
+    """The same engine-less gateway in this process, over an ASGI transport (no socket, no process): the
+    app `services.gateway.server` serves, built from the same flags; a server error raises in the test."""
+    from starlette.testclient import TestClient
+
+    from services.gateway.app import create_app
+    from services.gateway.config import build_arg_parser, config_from_args
+    app = create_app(config_from_args(build_arg_parser().parse_args(
+        [*dead_gateway_argv, "--default-size", "64x64"])))
+    with TestClient(app, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
 
-# ------------------------------------------------------------------------------------------ real engines
-@pytest.fixture(scope="package")
-def stack(tiny_checkpoint, tmp_path_factory):
-    from tests.system.stackproc import RunningStack
-    s = RunningStack(tiny_checkpoint("u1"), "colocate", str(tmp_path_factory.mktemp("gw-stack")),
-                     extra=["--enable-rl", "--enable-runtime-lora", "--allowed-local-dirs", "/tmp"])
-    s.wait_ready()
-    s.und = f"http://127.0.0.1:{s.und_port}"
-    s.gen = f"http://127.0.0.1:{s.gen_port}"
-    yield s
-    for pid in s.service_pids().values():      # never leave an engine stopped
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    s.stop_clean()
-
-
 @pytest.fixture()
-def side_gateway(tmp_path):
-    """start(und_url, gen_url, *flags, env=...) -> a started GatewayProc; all are stopped after the test."""
-    procs = []
-
-    def start(und_url: str, gen_url: str, *flags: str, env: dict | None = None,
-              host: str | None = "127.0.0.1") -> GatewayProc:
-        procs.append(GatewayProc(und_url, gen_url, *flags, env=env, log_dir=str(tmp_path), host=host))
-        return procs[-1].wait_up()
-
-    yield start
-    for p in procs:
-        out = p.stop()
-        assert "Traceback" not in out, out
+def client(gateway_in_process):
+    """An API-key client of the in-process engine-less gateway (httpx's client API); the test fails if the
+    gateway logged a traceback meanwhile (as the process's log is checked)."""
+    logged = LoggedTracebacks()
+    logger = logging.getLogger("u1serve")
+    logger.addHandler(logged)
+    try:
+        yield gateway_in_process
+    finally:
+        logger.removeHandler(logged)
+    assert not logged.records, [r.getMessage() for r in logged.records]
 
 
 # ------------------------------------------------------------------------------------------ scripted peer

@@ -16,7 +16,9 @@ from PIL import Image
 
 from services.contract import limits as L
 
-from .conftest import API_KEY, GatewayProc
+from tests.system.stackproc import GatewayProc
+
+from .conftest import API_KEY
 
 CHAT = "/v1/chat/completions"
 GEN = "/v1/images/generations"

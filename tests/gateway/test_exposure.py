@@ -9,7 +9,9 @@ import pytest
 
 from services.netutil import free_port
 
-from .conftest import API_KEY, GatewayProc
+from tests.system.stackproc import GatewayProc
+
+from .conftest import API_KEY
 
 GEN = "/v1/images/generations"
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: one reference model, one pool, one generation server (on tests/conftest.py's `tiny_dir`)."""
+"""Shared fixtures: one reference model, one pool and one generation server for this package (on
+tests/conftest.py's `tiny_dir`; the pool and the server stop with the package)."""
 from __future__ import annotations
 
 import uuid
@@ -23,14 +24,14 @@ def make_pool(model, size_mb: int = 16, name: str | None = None, page_tokens: in
                             model.fingerprint, pin=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool(ref_model):
     p = make_pool(ref_model[0])
     yield p
     p.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gen_server(tiny_dir, pool):
     s = GenServer(tiny_dir, pool.name).start()
     yield s

@@ -1,6 +1,6 @@
 """`u1serve up` refuses what cannot work before it starts anything (issue 30): GPUs asked for that CUDA cannot
 reach (this CPU machine has none), timeouts out of order; `--device auto` with no GPU asked for runs on the CPU
-and says so. A dry run plans GPU profiles anywhere (tests/gateway/test_dry_run*.py) and checks no device."""
+and says so. A dry run plans GPU profiles anywhere (tests/launcher/test_dry_run*.py) and checks no device."""
 from __future__ import annotations
 
 import os

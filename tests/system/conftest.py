@@ -1,7 +1,7 @@
-"""One `u1serve up --mode colocate` stack on CPU for the whole session (tiny checkpoint)."""
+"""The system tests' clients of the shared stack (`stack`: tests/conftest.py) and the in-process reference."""
 import pytest
 
-from .stackproc import RunningStack
+from tests.system.stackproc import RunningStack
 
 
 @pytest.fixture(scope="session")
@@ -19,11 +19,6 @@ def serve(stack: RunningStack):
 def sdk_client(stack: RunningStack):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="session")
-def stack(tiny_model, tmp_path_factory):
-    yield from serve(RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-colocate"))))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Real service processes for the system tests: one service (`Service`: its own process group, its log, its
-health) or a whole `u1serve up` tree (`RunningStack`), started and taken down again."""
+health), a gateway alone (`GatewayProc`) or a whole `u1serve up` tree (`RunningStack`), started and taken down
+again."""
 from __future__ import annotations
 
 import fcntl
@@ -17,7 +18,7 @@ import time
 import httpx
 from services.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
-from tests.waiting import wait_ok
+from tests.waiting import wait_ok, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,6 +107,54 @@ class Service:
         return self.proc.returncode
 
 
+class GatewayProc:
+    """`python -m services.gateway.server` on loopback; its output is kept for assertions."""
+
+    def __init__(self, und_urls: str, gen_urls: str, *flags: str, env: dict | None = None, log_dir: str = "/tmp",
+                 host: str | None = "127.0.0.1"):
+        """host None: no --host flag (the gateway's own default)."""
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "services.gateway.server", *(["--host", host] if host else []),
+                "--port", str(self.port),
+                "--und-url", und_urls, "--gen-url", gen_urls, "--default-size", "64x64", *flags]
+        self.log_path = os.path.join(log_dir, f"gateway-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                                     stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_die_with_parent)
+
+    def wait_up(self, timeout: float = 60.0) -> "GatewayProc":
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                return httpx.get(self.base + "/health/live", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        try:
+            wait_until(up, timeout, interval=0.1)
+        except TimeoutError:
+            raise RuntimeError("gateway did not start:\n" + self.stop()) from None
+        return self
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.output()
+
+
 class Terminal:
     """A pseudo-terminal for a child's output, read by a thread into memory until the child closes it."""
 
@@ -154,9 +203,22 @@ def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, 
     return p.returncode, term.shown(), out
 
 
+# One CPU thread per process of a stack (OMP_NUM_THREADS reaches every engine rank): when the two cores are busy,
+# a stack's OpenMP threads spinning against each other slow the tiny forwards several-fold (measured on a loaded
+# 2-core machine: four 96x64 8-step images 3-4 s pinned, 16 s not; four 32-token chats 0.8 s, 13 s; idle, the
+# LoRA stack's tests took 27 s either way). Only for stacks whose outputs are compared with nothing computed at
+# another thread count: the thread count changes float bits (a 96x64 text-to-image differs at 1 and 2 threads),
+# and the golden checks demand the golden host's bits at its default thread count (tests/golden_cases.py
+# kernel_fingerprint). So the shared `stack`, compared with the reference in the test process, keeps the
+# default; so does the live-weights stack, whose test must catch a 48-token chat in flight (pinned, it ends
+# before the test's poll sees it).
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 class RunningStack:
     """`u1serve up` on the CPU; with `terminal`, its stderr is a pseudo-terminal (where progress lines are drawn:
-    `terminal_output()`), its stdout the log as always."""
+    `terminal_output()`), its stdout the log as always; `env` is added to the launcher's environment (which its
+    services inherit)."""
 
     def __init__(self, model: str, mode: str, run_dir: str, extra: list[str] | None = None, terminal: bool = False,
                  env: dict[str, str] | None = None):
@@ -180,6 +242,7 @@ class RunningStack:
         if self.terminal:
             self.terminal.started()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.und, self.gen = f"http://127.0.0.1:{self.und_port}", f"http://127.0.0.1:{self.gen_port}"
         self.pids: dict[str, int] = {}
 
     def wait_ready(self, timeout: float = 240.0) -> "RunningStack":

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from services.netutil import free_port
-from tests.gateway.conftest import GatewayProc
+from tests.system.stackproc import GatewayProc
 from tests.system.stackproc import ROOT, RunningStack, group_alive, pid_alive, shm_entries
 from tests.metrics import metric
 from tests.waiting import wait_until

@@ -12,7 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.gateway.conftest import GatewayProc
+from tests.system.stackproc import GatewayProc
 
 STEPS = 3
 M = "sensenova-u1"

@@ -1,6 +1,7 @@
 """Understanding-service fixtures: real server processes on loopback over a tiny fp32 checkpoint.
 
-Servers are module/session scoped and shared, so the whole directory runs in a few minutes on 2 cores.
+Servers are module/package scoped and shared, so the whole directory runs in a few minutes on 2 cores; they stop
+with the package (an idle server left up for the rest of the session only takes memory and CPU from later tests).
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def _start(tiny_dir, tmp_path_factory, *extra, **kw):
     return UndServer(tiny_dir, *extra, log_dir=str(tmp_path_factory.mktemp("und-logs")), **kw)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(tiny_dir, tmp_path_factory):
     """Main server: chunked prefill (64 tokens), prefix cache on."""
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "64").wait_ready()
@@ -96,7 +97,7 @@ def server(tiny_dir, tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_plain(tiny_dir, tmp_path_factory):
     """No chunking, no prefix cache, and a small shm pool (for the pool-full case)."""
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "0", "--no-prefix-cache",
@@ -105,7 +106,7 @@ def server_plain(tiny_dir, tmp_path_factory):
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_tp2(tiny_dir, tmp_path_factory):
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "48", tp=2).wait_ready(240)
     yield s

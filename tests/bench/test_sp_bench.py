@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 
-from .genhelp import REPO
+from tests.conftest import ROOT as REPO
 
 
 def test_gpu_sp_qos_smoke(tmp_path):

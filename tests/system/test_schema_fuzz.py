@@ -21,7 +21,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                 status_code_conformance)
 
-from .conftest import GatewayProc
+from tests.system.stackproc import GatewayProc
 
 EXAMPLES = 8                      # per operation: about a minute on a 2-core CI runner
 MAX_TOKENS = 4

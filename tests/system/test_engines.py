@@ -17,7 +17,8 @@ from services.kit import sse
 from tests.metrics import metric
 from tests.waiting import wait_until
 
-from .conftest import API_KEY, GatewayProc
+from tests.gateway.conftest import API_KEY
+from tests.system.stackproc import GatewayProc
 
 IDLE_S = 4                    # the test gateways' --upstream-idle-timeout-s
 SLACK_S = 10                  # CPU CI: the answer comes within IDLE_S + this

@@ -23,7 +23,7 @@ MAX_PIXEL_STEPS = 64 * 64 * 2 * 8           # 8 samples of BODY's size and steps
 
 @pytest.fixture(scope="module")
 def tenancy_stack(tiny_checkpoint, tmp_path_factory):
-    from tests.system.stackproc import RunningStack
+    from tests.system.stackproc import ONE_THREAD, RunningStack
     d = tmp_path_factory.mktemp("tenancy")
     allowed = d / "allowed"
     allowed.mkdir()
@@ -33,7 +33,8 @@ def tenancy_stack(tiny_checkpoint, tmp_path_factory):
     s = RunningStack(tiny, "colocate", str(d), extra=[
         "--api-key-file", str(d / "keys"), "--admin-api-key-file", str(d / "admin"), "--enable-rl",
         "--enable-runtime-lora", "--max-loras", "1", "--max-lora-rank", "8", "--allowed-local-dirs", str(allowed),
-        "--gateway-args", f"--rl-max-pixel-steps {MAX_PIXEL_STEPS} --rl-max-trajectory-mb 1"]).wait_ready()
+        "--gateway-args", f"--rl-max-pixel-steps {MAX_PIXEL_STEPS} --rl-max-trajectory-mb 1"],
+        env=ONE_THREAD).wait_ready()                     # compared only with itself
     s.allowed, s.outside, s.tiny = allowed, d, tiny
     yield s
     s.stop_clean()

@@ -10,7 +10,7 @@ import pytest
 
 from services.kit import sse
 from services.model.tiny_lora import write_tiny_lora
-from tests.system.stackproc import RunningStack
+from tests.system.stackproc import ONE_THREAD, RunningStack
 from tests.waiting import wait_until
 
 KEY = "sk-lora-test"
@@ -30,7 +30,7 @@ def lora_stack(tiny_checkpoint, tmp_path_factory):
     s = RunningStack(tiny, "colocate", str(d), extra=[
         "--api-key-file", str(d / "keys"), "--admin-api-key-file", str(d / "admin-keys"), "--enable-runtime-lora",
         "--allowed-local-dirs", str(d), "--lora-modules", f"a={paths['a']}", f"b={paths['b']}",
-        "--max-loras", "2", "--max-lora-rank", "8"]).wait_ready()
+        "--max-loras", "2", "--max-lora-rank", "8"], env=ONE_THREAD).wait_ready()   # compared only with itself
     s.paths = paths
     yield s
     s.stop_clean()

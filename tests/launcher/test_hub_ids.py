@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from tests.gateway.conftest import GatewayProc
+from tests.system.stackproc import GatewayProc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHA = "0123456789abcdef0123456789abcdef01234567"
