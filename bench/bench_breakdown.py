@@ -204,10 +204,10 @@ def part_services(args) -> dict:
 
     import httpx
 
-    from services.stack import add_stack_flags, build_stack
-    from services import knobs
+    from services.launch.stack import add_stack_flags, build_stack
+    from services.base import knobs
     from services.kit import timeline
-    from services.netutil import free_port
+    from services.base.netutil import free_port
     os.environ[knobs.TIMELINE.name] = "1"           # the services inherit it
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")

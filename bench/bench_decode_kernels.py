@@ -176,7 +176,7 @@ def part_profile(args) -> dict:
     import tempfile
 
     from bench import bench_understanding as bu
-    from services import knobs
+    from services.base import knobs
     from services.model import tiny
     from services.model.tokenizer import NeoTokenizer
     saved = sys.argv

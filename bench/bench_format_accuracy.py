@@ -39,7 +39,7 @@ MIX_SHARE = 18 / 42                       # q8_0 up to here, q4_k after
 def load(args, device, dtype) -> tuple[NeoModel, object]:
     from services.model.loader import load_model
     from services.model.tokenizer import NeoTokenizer
-    from services.stack import ensure_tiny_checkpoint
+    from services.launch.stack import ensure_tiny_checkpoint
     if args.tiny:
         path = ensure_tiny_checkpoint("u1")
         model = load_model(path, branch="both", dtype=dtype, device=device)

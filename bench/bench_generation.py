@@ -218,7 +218,7 @@ def _cfgp_rank(rank, world, port, args, pool_name, handles, fingerprint, q):
 
 def cfg_parallel(args, dtype) -> dict:
     import multiprocessing as mp
-    from services.netutil import free_port
+    from services.base.netutil import free_port
     config = tiny_config("u1") if args.tiny else full_config(args.variant)
     from services.model.config import parse_config
     cfg = parse_config(config)

@@ -613,7 +613,7 @@ def roles_supported() -> bool:
     """Whether `u1serve up` (so the gateway) of this checkout takes an operator key file."""
     import argparse
 
-    from services.stack import add_stack_flags
+    from services.launch.stack import add_stack_flags
     p = argparse.ArgumentParser()
     add_stack_flags(p, model_default=None)
     return any("--admin-api-key-file" in a.option_strings for a in p._actions)
@@ -639,7 +639,7 @@ def _write(args, summary: dict, outcomes: list[Outcome]) -> None:
 
 
 def main(argv=None) -> int:
-    from services import knobs
+    from services.base import knobs
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=knobs.API_KEY.get())

@@ -35,7 +35,7 @@ from bench.stack import exit_status, prepare_model, run_profile, stack_args, wri
 from services.kit import sse
 from services.model import memory_plan as M
 from services.model.config import load_config
-from services.mps import descendants
+from services.launch.mps import descendants
 
 PAIRS = (("int8", "int8"), ("bf16", "int8"), ("bf16", "bf16"), ("fp8-only", "fp8-only"))
 

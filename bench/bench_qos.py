@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Colocate QoS, side by side (issue 25): the same mixed load (bench/bench_load.py) against a stack with the QoS
 defaults off (`--gpu-sharing time-slice --qos-yield-share 0`: the behaviour before them) and one with the defaults
-(`u1serve up --mode colocate` and nothing else: services/colocate_qos.py), then one markdown table.
+(`u1serve up --mode colocate` and nothing else: services/launch/colocate_qos.py), then one markdown table.
 
     python -m bench.bench_qos                      # one H200: colocate-1-timeslice vs colocate-1, 64 clients x 120 s
     python -m bench.bench_qos --tiny --profiles cpu-colocate-timeslice,cpu-colocate --clients 6 --duration 4  # CPU
@@ -29,7 +29,7 @@ import httpx
 
 from bench.bench_load import LoadConfig, _pct, run_load_async, summarize
 from bench.stack import prepare_model, run_profile, stack_args, write_json
-from services import knobs
+from services.base import knobs
 
 TARGETS = {"chat_p50_s": 0.6, "chat_p99_s": 1.5, "images_share": 0.95}
 

@@ -86,7 +86,7 @@ def prompts_of(args) -> list[str]:
 
 def model_dir(name: str) -> str:
     if name.startswith("tiny"):
-        from services.stack import ensure_tiny_checkpoint, tiny_variant
+        from services.launch.stack import ensure_tiny_checkpoint, tiny_variant
         return ensure_tiny_checkpoint(tiny_variant(name), out=sys.stderr)
     return name
 

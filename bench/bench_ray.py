@@ -29,7 +29,7 @@ import httpx
 from bench.bench_deployment import has_token, image_request
 from bench.stack import PROFILES, ROOT, exit_status, prepare_model, profile_table, run_profile, write_json
 from services.kit import sse
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 
 async def first_token_s(client: httpx.AsyncClient, i: int, tokens: int) -> float:
@@ -57,7 +57,7 @@ async def measure(base: str, args) -> dict:
 
 def run_ray(model_dir: str, args) -> dict:
     """A one-node Ray cluster (the head; its GPUs found by Ray), the application deployed on it, measured."""
-    from services import knobs
+    from services.base import knobs
     from services.ray_serve.local_cluster import LocalCluster
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1", knobs.INTERNAL_TOKEN.name: "bench-ray-token"})
@@ -66,7 +66,7 @@ def run_ray(model_dir: str, args) -> dict:
     t0 = time.time()
     try:
         cluster.start([])
-        cmd = [sys.executable, "-m", "services.cli", "ray", "up", "--address", cluster.address, "--http-port",
+        cmd = [sys.executable, "-m", "services.launch.cli", "ray", "up", "--address", cluster.address, "--http-port",
                str(port), "--kv-transport", "shm", "--engine-cpus", "0", "--engine-host", "127.0.0.1", "--",
                "--model", model_dir, "--host", "127.0.0.1", *PROFILES[args.profile].split()]
         r = subprocess.run(cmd, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=args.startup_timeout)

@@ -188,7 +188,7 @@ def _rank_main(rank: int, world: int, port: int, cases: list[dict], args, q) -> 
 def spawn(world: int, target, args, *extra) -> dict:
     """target(rank, world, port, *extra, args, q) in `world` processes; rank 0's result."""
     import multiprocessing as mp
-    from services.netutil import free_port
+    from services.base.netutil import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

@@ -215,7 +215,7 @@ def hbm_bound_ms(model, args) -> tuple[float, float]:
 
 def main():
     args = parse_args()
-    from services import knobs
+    from services.base import knobs
     from services.model import tiny
     tmp = tempfile.mkdtemp(prefix="bench-und-")
     if args.tiny:

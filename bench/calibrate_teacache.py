@@ -99,7 +99,7 @@ def parse_args():
 
 def main() -> int:
     args = parse_args()
-    from services import knobs
+    from services.base import knobs
     from services.model.loader import load_model
     from services.model.tokenizer import NeoTokenizer
     device = torch.device(args.device)

@@ -601,7 +601,7 @@ def addnorm_switch(on: bool):
     """The model's residual adds fused into the next RMSNorm (on) or run apart (U1SERVE_FUSED_ADD_NORM=0);
     read by every forward, so an engine's next eager step or capture follows it (a held graph keeps what
     it captured: each timed run below admits a new job, i.e. a new capture)."""
-    from services.knobs import FUSED_ADD_NORM
+    from services.base.knobs import FUSED_ADD_NORM
     old = FUSED_ADD_NORM.raw()
     os.environ[FUSED_ADD_NORM.name] = "1" if on else "0"
     try:

@@ -35,9 +35,9 @@ else
   ACC=(--device cuda --variant u1-8b --formats int8,fp8)
   CAP=(--sizes 1024,2048 --steps "${STEPS:-8}"); C24=24; C48=48
   LACC=120; L24=160; L48=200
-  python -m services.cli tiny-checkpoint "$OUT/u1-8b" --variant u1-8b >/dev/null
+  python -m services.launch.cli tiny-checkpoint "$OUT/u1-8b" --variant u1-8b >/dev/null
   for cap in 24 48; do   # what the plan predicts, before anything runs
-    python -m services.cli plan --model "$OUT/u1-8b" --gpu-memory "${cap}GiB" --gpu-total "$(nvidia-smi \
+    python -m services.launch.cli plan --model "$OUT/u1-8b" --gpu-memory "${cap}GiB" --gpu-total "$(nvidia-smi \
       --query-gpu=memory.total --format=csv,noheader,nounits -i 0)MiB" > "$OUT/plan-$cap.txt" || true
   done
 fi

@@ -3,7 +3,7 @@
 #   the same mixed load (bench/bench_load.py: 64 clients x 120 s, 1024² 8 steps, chats of exactly 64 tokens)
 #   against `u1serve up --mode colocate --und-gpus 0 --gpu-sharing time-slice --qos-yield-share 0` (the behaviour
 #   before the QoS defaults) and `u1serve up --mode colocate --und-gpus 0` (the defaults: time slicing, MPS being
-#   opt-in for now, the yield gate at 0.05; services/colocate_qos.py), then per side one 1024² 50-step image with
+#   opt-in for now, the yield gate at 0.05; services/launch/colocate_qos.py), then per side one 1024² 50-step image with
 #   the step cache and the same one exact (the steps each CFG branch reused). One markdown table: chat p50 / p99,
 #   images/min and its share of the first side's, 5xx, the sharing and gate in force, the cache, the targets.
 #

@@ -16,7 +16,7 @@ from typing import Optional
 
 import httpx
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,12 +91,12 @@ class Stack:
         model = os.path.join(self.dir, "model")
         variant = ["u1"] if self.gpus == 0 else ["u1-8b"]
         if not os.path.exists(os.path.join(model, "config.json")):
-            subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", model, "--variant", *variant],
+            subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", model, "--variant", *variant],
                            cwd=ROOT, check=True, capture_output=True, env=self._env())
         key_file = self._secret_file("api-key", [self.api_key] + ([self.tenant_b] if self.tenants else []))
         roles = ["--admin-api-key-file", self._secret_file("admin-api-key", [self.operator_key]), "--enable-rl",
                  "--enable-runtime-lora"] if self.tenants else []
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, *self.flags, *roles, "--host",
+        argv = [sys.executable, "-m", "services.launch.cli", "up", "--model", model, *self.flags, *roles, "--host",
                 "127.0.0.1", "--port", str(self.port), "--api-key-file", key_file, "--run-dir", self.run_dir,
                 "--kv-pool-gb", "0.25" if self.gpus == 0 else "8", "--grace", "10",
                 "--default-size", "64x64" if self.gpus == 0 else "1024x1024"]
@@ -141,7 +141,7 @@ class Stack:
             self.log.close()
 
     def _env(self) -> dict:
-        from services import knobs
+        from services.base import knobs
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.pop(knobs.API_KEY.name, None)
         env[knobs.INTERNAL_TOKEN.name] = self.internal_token     # the engines' token: to read generation's /metrics

@@ -17,8 +17,8 @@ from typing import Callable
 
 import httpx
 
-from services import knobs
-from services.netutil import free_port
+from services.base import knobs
+from services.base.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,7 +99,7 @@ def run_profile(name: str, model_dir: str, args, measure: Callable, label: str |
     its run directory and log name (default: the profile's name)."""
     port = args.port or free_port()
     label = (label or name).replace("/", "-")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", model_dir, "--port", str(port),
+    cmd = [sys.executable, "-m", "services.launch.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(free_port()), "--gen-port", str(free_port()), "--host", "127.0.0.1",
            "--no-restart", "--run-dir", os.path.join(args.log_dir, label), *PROFILES[name].split(),
            *shlex.split(args.up_args)]

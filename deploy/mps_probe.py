@@ -4,7 +4,7 @@
 On an H200 every text-to-image of a `u1serve up --gpu-sharing mps` stack (generation at 85 % of the SMs) came out
 NaN, edits did not, time-sliced stacks and one stack at 60 % were finite. This probe takes the stack away: per
 setting (no MPS, then MPS with generation capped at each `--sm-percents` value, under this probe's own daemon,
-services/mps.py) one child process builds the random-weight gen branch, publishes random prefix KV of a short
+services/launch/mps.py) one child process builds the random-weight gen branch, publishes random prefix KV of a short
 (t2i-like) and a long (edit-like) prompt into its own shm pool, runs CFG jobs through the real engine
 (services/generation/engine.py: the import kernel, CUDA graphs as served, the step cache off) and checks, step by
 step, that the state stays finite; on the first non-finite step it reruns that step eagerly with a forward hook on
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     results: dict = {}
     run_variants("no MPS", env, baseline)
     for pct in [int(v) for v in args.sm_percents.split(",") if v.strip()]:
-        from services.mps import MpsDaemon
+        from services.launch.mps import MpsDaemon
         with tempfile.TemporaryDirectory(prefix="u1-mps-probe-") as run_dir:
             daemon = MpsDaemon(run_dir, ["0"], pct)
             daemon.start(print)

@@ -52,7 +52,7 @@ esac
 is_gateway="" prev=""
 for arg in "$@"; do
     case "$arg" in services.gateway.server) is_gateway=1 ;; esac
-    case "$prev:$arg" in u1serve:up | */u1serve:up | services.cli:up) is_gateway=1 ;; esac
+    case "$prev:$arg" in u1serve:up | */u1serve:up | services.launch.cli:up) is_gateway=1 ;; esac
     prev=$arg
 done
 key_flags=()

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import copy as kvcopy
-from services.knobs import KV_SAME_HOST_SHM
+from services.base.knobs import KV_SAME_HOST_SHM
 
 from .errors import HandleError, PoolError
 from .handle import KVHandle, check_static

@@ -20,12 +20,12 @@ import traceback
 
 import httpx
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.ray_serve.local_cluster import LocalCluster
 
 # u1serve's Ray application and what its replicas import (the gateway, the stack launcher): no engine code
 APP_MODULES = ("services.ray_serve.app", "services.ray_serve.ingress", "services.ray_serve.engine",
-               "services.ray_serve.command", "services.gateway.server", "services.stack")
+               "services.ray_serve.command", "services.gateway.server", "services.launch.stack")
 
 
 def versions() -> str:

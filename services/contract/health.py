@@ -1,6 +1,6 @@
 """What an engine's /health says of its start-up, declared once: `phase`, where the engine is on its way to ready.
 Both engines report it (understanding: ops router, generation: supervisor status); `u1serve up` draws each engine's
-progress line from it (services/progress.py). Engine-free: the launcher and the gateway may import it."""
+progress line from it (services/launch/progress.py). Engine-free: the launcher and the gateway may import it."""
 from __future__ import annotations
 
 from enum import Enum

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from services import knobs
+from services.base import knobs
 
 ENGINES = ("processes", "fused")
 DEFAULT_ENGINES = "processes"       # fused becomes the 1-GPU default only once it measures better on a GPU

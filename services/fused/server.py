@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Optional
 
-from services import knobs
+from services.base import knobs
 from services.kit import flags
 from services.kit.config import read_secret
 from services.kit.loop_clock import GilProbe, clocks

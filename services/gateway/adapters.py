@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from services import knobs
+from services.base import knobs
 from services.kit.errors import APIError, bad_request
 
 from .fanout import Fanout, Replica, first_failure

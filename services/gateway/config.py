@@ -1,5 +1,5 @@
 """Gateway settings: the frozen GatewayConfig, whose fields are the command line's flags (kit.flags generates them,
-each with a `U1SERVE_*` environment fallback: services/knobs.py), and `CommandLine`, the flags that are inputs the
+each with a `U1SERVE_*` environment fallback: services/base/knobs.py), and `CommandLine`, the flags that are inputs the
 config is resolved from (secrets from a flag, a file or the environment; MB and KiB units; comma lists; the sampler
 defaults). A config built in process is checked as a parsed one (`__post_init__`).
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services import knobs
-from services import timeouts as T
+from services.base import knobs
+from services.base import timeouts as T
 from services.contract import limits as L
 from services.contract.image import SamplerParams, default
 from services.kit import flags

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Request
 
-from services import knobs
+from services.base import knobs
 from services.kit.errors import APIError
 
 UPLOAD_MAX_BYTES = 64 << 30          # a whole 8B checkpoint; the route's own limit (the gateway's table: bodies.py)

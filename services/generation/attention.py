@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from services import knobs
+from services.base import knobs
 
 CUDNN_BUCKETED_PLANS = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from services import knobs
+from services.base import knobs
 from services.model.memory_plan import REFERENCE_PREFIX_TOKENS, kv_bytes_per_token
 
 REFERENCE_IMAGE_TOKENS = (1024 // 32) ** 2

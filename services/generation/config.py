@@ -16,7 +16,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services import knobs, timeouts
+from services.base import knobs, timeouts
 from services.kit import flags
 from services.kit.flags import flag
 from services.kit.stream_settings import StreamSettings

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from PIL import Image
 
-from services import knobs
+from services.base import knobs
 
 _SAVE_ARGS = {
     "jpeg": {"format": "JPEG", "quality": 90},

@@ -1,4 +1,4 @@
-"""Faults a test injects into a real engine (test-only knobs of services/knobs.py; off unless set).
+"""Faults a test injects into a real engine (test-only knobs of services/base/knobs.py; off unless set).
 
 U1SERVE_FAULT_STEP_OOM: a job whose request id contains the knob's text raises torch.OutOfMemoryError in its 2nd
 denoise step (after one step that worked), where a real allocation would fail: inside Engine.step, before the
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from services import knobs
+from services.base import knobs
 
 _OOM_MARKER = knobs.FAULT_STEP_OOM.get()
 _OOM_STEP = 1     # the job's flow index when it fails: its 2nd step

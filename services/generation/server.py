@@ -15,7 +15,7 @@ import sys
 
 from fastapi import FastAPI
 
-from services import knobs
+from services.base import knobs
 from services.kit import errors, live
 from services.kit.config import read_secret
 from services.kit.middleware import InternalTokenAuth, RequestIdFilter, ServiceMiddleware

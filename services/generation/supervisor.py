@@ -20,7 +20,7 @@ from services.kit.engine_thread import EngineThread
 from services.kit.errors import APIError, overloaded, unavailable
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from .capacity import queue_limit
 from .config import GenerationConfig

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from services import knobs
+from services.base import knobs
 from services.contract.health import EnginePhase
 from services.kit import timeline
 from services.kit.errors import APIError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from services.knobs import Knob
+from services.base.knobs import Knob
 
 
 def read_secret(value: Optional[str], file: Optional[str], env: Knob) -> Optional[str]:

@@ -14,7 +14,7 @@ shows every default; `from_args` builds the config back from the parsed namespac
 
 A bool field is a switch: default False -> `--name` turns it on; default True -> `--no-name` turns it off;
 `Optional[bool]` with default None -> `--name` / `--no-name`, None when neither is given. With `env` (a family
-of environment knobs, services/knobs.py FlagFamily), each flag's default is its knob's value when set: the
+of environment knobs, services/base/knobs.py FlagFamily), each flag's default is its knob's value when set: the
 field's own knob (`flag(knob=...)`) or the family's member named after the flag (`flag(env=False)`: none).
 """
 from __future__ import annotations

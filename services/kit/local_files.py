@@ -23,7 +23,7 @@ import shutil
 import stat
 import tempfile
 
-from services import knobs
+from services.base import knobs
 
 from .errors import APIError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from services import knobs
+from services.base import knobs
 
 PREFIX = "u1-timeline"
 ENABLED = knobs.TIMELINE.get()

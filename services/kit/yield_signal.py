@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 
-from services import knobs
+from services.base import knobs
 from shm_transfer.segment import Segment, owner_of, take_name
 
 MAGIC = 0x55315949454C4400      # "U1YIELD"

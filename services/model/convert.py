@@ -85,7 +85,7 @@ def _write_quantized(wm: dict[str, str], dst: str, scheme: str) -> list[str]:
     from .quant_schemes import scheme as quant_scheme
     quantize_rows = quant_scheme(scheme).linear.quantize_rows
     new_map, ignore = {}, []
-    from services.progress import bar
+    from services.launch.progress import bar
     for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to {scheme}", unit="shard"):
         out = {}
         with safe_open(path, framework="pt", device="cpu") as f:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from services import knobs
+from services.base import knobs
 
 FUSED_PROJ_VALUES = ("auto", "0", "1")
 

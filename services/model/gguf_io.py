@@ -228,7 +228,7 @@ def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYP
     w.add_string(CONFIG_KEY, config_text)
     w.add_string(TYPE_KEY, types.text)
     wm = weight_map(src_dir)
-    from services.progress import bar
+    from services.launch.progress import bar
     for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to gguf:{types.text}", unit="shard"):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in sorted(f.keys()):

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from services import knobs
+from services.base import knobs
 
 from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from services import knobs
+from services.base import knobs
 
 from kernels.lora import padded_rank
 

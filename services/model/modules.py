@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from services import knobs
+from services.base import knobs
 
 from .fused_rows import RowFusion, hooked   # q|k|v and gate|up as one weight (decode on CUDA)
 from .moe import SparseMoE   # the A3B MLP (its own module: stacked experts, the fused kernel)

@@ -51,7 +51,7 @@ from torch import nn
 
 from kernels.fp8_quant import FP8_DTYPE, quant_fp8_rowwise
 from kernels.norm_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul, silu_mul_fp8
-from services import knobs
+from services.base import knobs
 
 from .modules import BRANCH_SUFFIX, RMSNorm, SwiGLU
 

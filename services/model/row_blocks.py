@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from services import knobs
+from services.base import knobs
 
 
 def enabled(device: torch.device) -> bool:

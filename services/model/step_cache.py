@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services import knobs
+from services.base import knobs
 
 from .lora_batched import lora_subset
 

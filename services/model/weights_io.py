@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services import knobs
+from services.base import knobs
 
 from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, weight_map
 from .loader import FP8_DTYPE, lora_deltas, name_list

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from services import knobs
+from services.base import knobs
 
 from .settings import RayAppSettings, Scaling
 
@@ -86,7 +86,7 @@ def token_file(args, stack: list[str]) -> list[str]:
     cache, or pass --internal-token-file of a file every node has (a Kubernetes Secret's mount)."""
     if any(a.split("=", 1)[0] == "--internal-token-file" for a in stack):
         return stack
-    from services.stack import cache_dir
+    from services.launch.stack import cache_dir
     folder = os.path.join(cache_dir(), "ray", args.name)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "internal_token")

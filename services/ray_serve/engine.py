@@ -1,7 +1,7 @@
 """One engine replica (understanding or generation) as a Serve deployment: the real engine server as a child
 process on the replica's node, bound to the node's address, on the replica's GPUs (Ray's CUDA_VISIBLE_DEVICES).
 
-The command line is the one `u1serve up` builds for that service (services/stack.py, a dry run of the stack with
+The command line is the one `u1serve up` builds for that service (services/launch/stack.py, a dry run of the stack with
 the same flags); only the address, the port, the KV pool name and the KV transport are the replica's own.
 Serve's health check asks the process (any answer of /health counts, a 503 while the engine loads or restarts
 itself too); a dead or silent process fails it and Serve replaces the replica. The engine's load (/health) is this replica's autoscaling
@@ -17,9 +17,9 @@ import sys
 import time
 import uuid
 
-from services import knobs
-from services.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
-from services.netutil import free_port
+from services.base import knobs
+from services.launch.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
+from services.base.netutil import free_port
 
 from .autoscale import load_signals
 from .settings import RayAppSettings, parse_stack_args
@@ -31,7 +31,7 @@ GRACE_S = 20.0
 
 def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
     """The ServiceSpec `u1serve up` would start for service `name` (und, gen, gateway) with these flags."""
-    from services.stack import build_stack
+    from services.launch.stack import build_stack
     args = parse_stack_args(settings.stack_args)
     if args.internal_token_file and not os.path.isfile(args.internal_token_file):
         raise RuntimeError(f"--internal-token-file {args.internal_token_file} is not a file on this node: every "
@@ -46,7 +46,7 @@ def stack_spec(settings: RayAppSettings, name: str) -> ServiceSpec:
 
 
 def engine_spec(kind: str, settings: RayAppSettings, host: str, port: int, pool: str) -> ServiceSpec:
-    from services.stack_replicas import _with
+    from services.launch.stack_replicas import _with
     spec = stack_spec(settings, kind)
     argv = _with(_with(_with(spec.argv, "--host", host), "--port", str(port)), "--kv-pool-name", pool)
     if kind == "und":

@@ -22,7 +22,7 @@ def gateway_config(settings: RayAppSettings, und_urls: list[str], gen_urls: list
     """The GatewayConfig of `u1serve up` with these flags, pointed at these replicas, no DNS refresh (the registry
     is the discovery)."""
     from services.gateway.config import build_arg_parser, config_from_args
-    from services.stack import SECRET_ENV
+    from services.launch.stack import SECRET_ENV
     spec = stack_spec(settings, "gateway")
     # the environment `u1serve up` gives the gateway, less the secrets: the token is read from its file (or the
     # node's own environment), the API keys from --api-key-file (in the argv) -- this replica's environment is

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024      # Ray's minimum is 75 MiB
 NODE_SHM = "1g"                            # a worker node's /dev/shm (tmpfs: only what is written uses memory)

@@ -103,12 +103,12 @@ def check_no_secrets(stack_args: list[str], env: dict) -> None:
 
 
 def _has_cuda() -> bool:
-    from services.stack import has_cuda
+    from services.launch.stack import has_cuda
     return has_cuda()
 
 
 def stack_parser() -> argparse.ArgumentParser:
-    from services.stack import add_stack_flags
+    from services.launch.stack import add_stack_flags
     p = argparse.ArgumentParser(prog="u1serve up flags", add_help=False)
     add_stack_flags(p, model_default=None)
     return p

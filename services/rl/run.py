@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from .flags import config_from_args
 
@@ -43,7 +43,7 @@ def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str
         out.write(json.dumps({"event": "start", "algo": cfg.algo, "weights_version": start["weights_version"],
                               "config": {k: v for k, v in vars(cfg).items() if k != "prompts"}}) + "\n")
         out.flush()
-        from services.progress import bar
+        from services.launch.progress import bar
         with bar(total=iterations, desc=f"[u1serve] rl-train {cfg.algo}", unit="iteration") as line:
             for _ in range(iterations):
                 rec = trainer.step()
@@ -58,7 +58,7 @@ def train(cfg, base: str, model_dir: str, iterations: int, api_key: Optional[str
 def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False, admin_key_file: Optional[str] = None):
     """A stack on this machine (CPU for the tiny checkpoint), started, with the RL routes on and the engines
     allowed to read the trainer's pushes (the temp directory); the caller stops it."""
-    from services.stack import add_stack_flags, build_stack
+    from services.launch.stack import add_stack_flags, build_stack
     ns = argparse.ArgumentParser()
     add_stack_flags(ns, model_default="tiny")
     argv = ["--model", model, "--host", "127.0.0.1", "--port", str(free_port()), "--und-port", str(free_port()),
@@ -77,8 +77,8 @@ def local_stack(model: str, api_key: Optional[str], echo_logs: bool = False, adm
 
 
 def main(args: argparse.Namespace) -> int:
-    from services import knobs
-    from services.stack import ensure_tiny_checkpoint
+    from services.base import knobs
+    from services.launch.stack import ensure_tiny_checkpoint
     cfg = config_from_args(args)
     api_key = args.api_key or knobs.API_KEY.get()
     admin_key = args.admin_api_key or knobs.ADMIN_API_KEY.get()

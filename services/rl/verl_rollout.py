@@ -39,7 +39,7 @@ from verl import DataProto
 from verl.workers.rollout import base as verl_rollout_base
 from verl.workers.rollout.base import BaseRollout
 
-from services import knobs
+from services.base import knobs
 from services.model.weights_io import write_tensors
 
 from .client import RLClient

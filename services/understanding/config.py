@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from services import knobs, timeouts
+from services.base import knobs, timeouts
 from services.contract import limits as CL
 from services.kit import flags
 from services.kit.flags import flag

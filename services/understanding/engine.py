@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from services import knobs
+from services.base import knobs
 from shm_transfer.errors import HandleError
 from services.kit.loop_clock import loop_clock
 from services.kit.proc import die_with_parent, ignore_stop_signals

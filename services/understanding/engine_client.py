@@ -29,7 +29,7 @@ from services.kit.engine_thread import EngineThread
 from services.kit.restart import RestartPolicy
 from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from .config import EngineConfig
 from .engine import run_engine, run_engine_thread

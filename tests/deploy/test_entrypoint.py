@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from services.kit.proc import preexec_die_with_parent
-from services.netutil import free_port
+from services.base.netutil import free_port
 from tests.waiting import wait_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

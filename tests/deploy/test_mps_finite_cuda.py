@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from services.mps import CONTROL, DEFAULT_GEN_SM_PERCENT
+from services.launch.mps import CONTROL, DEFAULT_GEN_SM_PERCENT
 from tests.system.stackproc import ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or shutil.which(CONTROL) is None,

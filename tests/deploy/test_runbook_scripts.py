@@ -15,9 +15,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent
-from services.stack import default_pool_name
+from services.launch.stack import default_pool_name
 from tests.system.stackproc import ROOT, group_alive, pid_alive, shm_entries
 from tests.waiting import wait_ok
 

@@ -14,7 +14,7 @@ import logging
 import threading
 
 import pytest
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from tests.system.stackproc import GatewayProc
 from tests.waiting import wait_until

@@ -27,7 +27,7 @@ MB = 1000 * 1000
 
 
 def dead_url() -> str:
-    from services.netutil import free_port
+    from services.base.netutil import free_port
     return f"http://127.0.0.1:{free_port()}"
 
 

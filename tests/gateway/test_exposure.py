@@ -7,7 +7,7 @@ import socket
 import httpx
 import pytest
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from tests.system.stackproc import GatewayProc
 

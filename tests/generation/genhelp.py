@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from services.contract.image import SamplerParams
 from services.kit import sse
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import stop_group, wait_ok
 

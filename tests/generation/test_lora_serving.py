@@ -78,7 +78,7 @@ def test_preset_and_flags_reach_the_services(tmp_path, lora_file):
     from services.model.presets import PRESETS
     p = PRESETS["8step"]   # OpenSenseNova/SenseNova-U1 docs/base_vs_distill.md
     assert (p.num_inference_steps, p.guidance_scale, p.timestep_shift, p.cfg_norm) == (8, 1.0, 3.0, "none")
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+    out = subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--device", "cpu",
                           "--preset", "8step", "--lora", f"{lora_file}:0.5", "--quantization", "fp8",
                           "--dry-run"], check=True, capture_output=True, text=True).stdout
     lines = {ln.split(":", 1)[0]: ln for ln in out.splitlines() if ln.startswith(("und:", "gen:", "gateway:"))}
@@ -86,7 +86,7 @@ def test_preset_and_flags_reach_the_services(tmp_path, lora_file):
     assert f"--lora {lora_file}:0.5" in lines["gen"] and "--quantization fp8" in lines["gen"]
     assert "--default-size 64x64" in lines["gen"]
     assert "--default-steps 8 --default-guidance 1.0 --default-timestep-shift 3.0" in lines["gateway"]
-    bad = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+    bad = subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--device", "cpu",
                           "--lora", str(tmp_path / "missing.safetensors"), "--dry-run"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "no such file" in bad.stderr + bad.stdout

@@ -1,5 +1,5 @@
 """`u1serve up` in colocate on CPU with no QoS flag (tiny checkpoint, the real process tree): the default colocate
-QoS (services/colocate_qos.py) is wired — both engines get the one page named after the KV pool with the default
+QoS (services/launch/colocate_qos.py) is wired — both engines get the one page named after the KV pool with the default
 share, generation's /health names its gate, stack.json and the ready line report the GPU-sharing choice (time
 slicing: MPS is opt-in) — chat decode steps raise the page, images still run with their step cache taking effect,
 the gateway refuses sizes above the checkpoint's trained limit, and the page is gone after stop even when the
@@ -12,7 +12,7 @@ import signal
 
 import httpx
 
-from services.colocate_qos import DEFAULT_YIELD_SHARE
+from services.launch.colocate_qos import DEFAULT_YIELD_SHARE
 
 from services.kit.yield_signal import YieldSignal, signal_name
 from tests.step_cache_probe import assert_cache_took_effect

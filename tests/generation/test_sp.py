@@ -20,7 +20,7 @@ import torch
 from services.contract.image import SamplerParams
 from services.generation.config import SP_MODES as MODES
 from services.generation.sequence_parallel import RowLayout, split
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 from .genhelp import photo, prefixes
 

@@ -191,7 +191,7 @@ def test_bad_environment_value_stops_the_server_at_start(tiny_dir, pool):
 
 def test_u1serve_up_passes_the_flag_only_when_not_the_default():
     def gen_line(*extra):
-        out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+        out = subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--device", "cpu",
                               "--dry-run", *extra], cwd=REPO, check=True, capture_output=True, text=True).stdout
         return next(ln for ln in out.splitlines() if ln.startswith("gen:"))
     assert "--cuda-graphs on" in gen_line("--cuda-graphs", "on")

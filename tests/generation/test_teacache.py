@@ -19,7 +19,7 @@ import torch
 from services.contract.image import CacheOptions, SamplerParams
 from services.generation.engine import Engine
 from services.generation.inputs import parse_job
-from services.knobs import TEACACHE_COEFFICIENTS
+from services.base.knobs import TEACACHE_COEFFICIENTS
 from services.model import reference as R
 from services.model import sampler as S
 from services.model.step_cache import (BranchState, CacheGroup, StepCache, StepCacheOptions,

@@ -7,7 +7,7 @@ from typing import Optional
 
 import pytest
 
-from services import knobs
+from services.base import knobs
 from services.kit import flags
 from services.kit.flags import flag
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from services import cli, stack
+from services.launch import cli, stack
 
 
 def up_args(*extra):

@@ -1,11 +1,11 @@
-"""services/colocate_qos.py, the decision alone (no GPU needed): what `--gpu-sharing auto` and the default yield
+"""services/launch/colocate_qos.py, the decision alone (no GPU needed): what `--gpu-sharing auto` and the default yield
 gate choose; the whole launch path is tests/launcher/test_mps.py and
 tests/generation/test_qos_up.py."""
 from __future__ import annotations
 
 import pytest
 
-from services.colocate_qos import DEFAULT_YIELD_SHARE, Qos, Sharing, choose_sharing, default_yield_share
+from services.launch.colocate_qos import DEFAULT_YIELD_SHARE, Qos, Sharing, choose_sharing, default_yield_share
 
 @pytest.mark.parametrize("mode,why", [("colocate", "MPS is opt-in"), ("separate", "separate mode")])
 def test_auto_time_slices_and_says_why(mode, why):

@@ -13,14 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("u1-8b")
-    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
+    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
                    check=True, capture_output=True, cwd=ROOT)
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     return str(d)
 
 
 def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model, "--device", "cuda",
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
                            *flags, "--dry-run"], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
@@ -83,7 +83,7 @@ def test_every_documented_deploy_script_profile(model, tmp_path):
     import re
     shim = tmp_path / "bin" / "u1serve"
     shim.parent.mkdir()
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m services.cli \"$@\" --device cuda --dry-run\n")
+    shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m services.launch.cli \"$@\" --device cuda --dry-run\n")
     shim.chmod(0o755)
     table = open(os.path.join(ROOT, "docs", "deployment.md")).read()
     rows = re.findall(r"`((?:[A-Z_]+=\S+ )*)MODEL=\.\.\. (deploy/start_\w+\.sh)`", table)
@@ -106,7 +106,7 @@ def test_the_launcher_plans_without_torch(model, tmp_path):
     code = ("import runpy, sys\n"
             "sys.argv = ['u1serve', 'up', '--model', sys.argv[1], '--device', 'cuda', '--und-gpus', '0,1', "
             "'--und-tp', '2', '--gen-cfg-parallel', '2', '--lora', sys.argv[2] + ':0.5', '--dry-run']\n"
-            "try:\n    runpy.run_module('services.cli', run_name='__main__')\n"
+            "try:\n    runpy.run_module('services.launch.cli', run_name='__main__')\n"
             "except SystemExit as e:\n    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'the launcher imported torch'\n")
     r = subprocess.run([sys.executable, "-c", code, model, lora], capture_output=True, text=True, cwd=ROOT,

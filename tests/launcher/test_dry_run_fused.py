@@ -60,7 +60,7 @@ def test_what_cannot_run_fused_is_refused(configs, flags, why):
 def test_ray_places_engines_itself_no_fused_there():
     import argparse
 
-    from services import stack
+    from services.launch import stack
     p = argparse.ArgumentParser()
     stack.add_stack_flags(p, model_default=None)
     args = p.parse_args(["--model", "/m", "--colocate-engines", "fused"])

@@ -17,14 +17,14 @@ def configs(tmp_path_factory):
     out = {}
     for variant in ("u1-8b", "u1.5-8b"):
         d = tmp_path_factory.mktemp(variant)
-        subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(d), "--variant", variant],
+        subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", variant],
                        check=True, capture_output=True, cwd=ROOT)
         out[variant] = str(d)
     return out
 
 
 def dry_run(model: str, flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model, "--device", "cuda",
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
                            "--kv-pool-name", "pool-x", *shlex.split(flags), "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
 
@@ -103,7 +103,7 @@ def test_qos_wires_both_engines_to_one_page(configs):
     from services.understanding.server import build_parser as und_parser
     assert und_parser().parse_args(und[2:]).yield_signal == "pool-x-yield"
     assert gen_parser().parse_args(gen[2:]).yield_to == "pool-x-yield"
-    # without the flag: the default gate (services/colocate_qos.py); with 0: neither engine yields
+    # without the flag: the default gate (services/launch/colocate_qos.py); with 0: neither engine yields
     p = plan(dry_run(configs["u1-8b"], "--mode colocate --und-gpus 0,1 --und-tp 2").stdout)
     assert flag(p["und"][1], "--yield-signal") == flag(p["gen"][1], "--yield-to") == "pool-x-yield"
     assert float(flag(p["gen"][1], "--yield-share")) == 0.05
@@ -144,7 +144,7 @@ def test_gen_sp_mode_choices_are_the_engines():
     """u1serve up lists the modes without importing torch; they are generation config.SP_MODES."""
     import argparse
 
-    from services.stack import add_stack_flags
+    from services.launch.stack import add_stack_flags
     from services.generation.config import SP_MODES as MODES
     p = argparse.ArgumentParser()
     add_stack_flags(p, "tiny")

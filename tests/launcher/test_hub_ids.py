@@ -44,7 +44,7 @@ def run(hub_cache: str, *argv: str, offline: bool = True, **extra_env: str) -> s
 
 
 def dry_run(hub_cache: str, model: str, *flags: str) -> subprocess.CompletedProcess:
-    return run(hub_cache, "-m", "services.cli", "up", "--model", model, "--device", "cpu", "--port", "9000",
+    return run(hub_cache, "-m", "services.launch.cli", "up", "--model", model, "--device", "cpu", "--port", "9000",
                *flags, "--dry-run")
 
 
@@ -64,7 +64,7 @@ def test_hub_id_resolves_from_the_cache(hub_cache, ref, sha):
 @pytest.mark.parametrize("ref, sha", [("org/tiny", SHA), (f"org/tiny@{OLD_SHA}", OLD_SHA)])
 def test_an_unreachable_hub_falls_back_on_the_cache(hub_cache, ref, sha):
     """Online, but the hub refuses connections (a closed port): the cached snapshot is used."""
-    r = run(hub_cache, "-m", "services.cli", "up", "--model", ref, "--device", "cpu", "--port", "9000", "--dry-run",
+    r = run(hub_cache, "-m", "services.launch.cli", "up", "--model", ref, "--device", "cpu", "--port", "9000", "--dry-run",
             offline=False, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
     snapshot = os.path.join(hub_cache, "models--org--tiny", "snapshots", sha)
     assert f"--model {snapshot}" in lines(r)["und"]
@@ -77,7 +77,7 @@ def test_lora_module_by_hub_id(hub_cache):
 
 
 def test_stack_records_where_the_weights_came_from(hub_cache):
-    code = ("import argparse, json, sys; from services.cli import add_up; from services.stack import build_stack; "
+    code = ("import argparse, json, sys; from services.launch.cli import add_up; from services.launch.stack import build_stack; "
             "p = argparse.ArgumentParser(); add_up(p.add_subparsers()); "
             "args = p.parse_args(sys.argv[1:]); s = build_stack(args, dry_run=True); "
             "print(json.dumps({k: s.info[k] for k in ('model', 'lora_modules')}))")
@@ -106,7 +106,7 @@ def test_a_local_directory_wins(hub_cache, tmp_path, tiny_dir):
     local = tmp_path / "org" / "tiny"
     shutil.copytree(tiny_dir, local)
     env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_CACHE": hub_cache, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "org/tiny", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "org/tiny", "--device", "cpu",
                         "--port", "9000", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, env=env,
                        timeout=120)
     got = lines(r)

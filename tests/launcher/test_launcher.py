@@ -9,8 +9,8 @@ import time
 import pytest
 
 from services.kit.restart import RestartPolicy
-from services.launcher import ServiceSpec, Stack, StartupError
-from services.netutil import free_port
+from services.launch.launcher import ServiceSpec, Stack, StartupError
+from services.base.netutil import free_port
 from tests.system.stackproc import pid_alive
 
 # A stand-in service: answers /health, then behaves as `mode` says.

@@ -18,7 +18,7 @@ import tempfile
 import httpx
 import pytest
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from tests.launcher.test_up import _free, _ok, _Output, _tree, _up
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import ROOT, group_alive, pid_alive
@@ -31,7 +31,7 @@ STANDIN = os.path.join(ROOT, "tests", "launcher", "mps_standin.py")
 def config_model(tmp_path_factory):
     """The 8B config without weights: enough to plan (and to fail before any service starts)."""
     d = tmp_path_factory.mktemp("u1-8b")
-    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
+    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
                    check=True, capture_output=True, cwd=ROOT)
     return str(d)
 
@@ -97,7 +97,7 @@ def cpu_stack(model: str, run: str, *extra: str) -> list[str]:
 
 
 def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model, "--device", "cuda",
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
                            "--port", "9000", "--run-dir", "/tmp/u1mps-plan", *flags, "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
@@ -168,7 +168,7 @@ def test_normal_gen_priority_sets_no_priority(config_model):
 
 
 def test_exclusive_process_is_fine_prohibited_is_not(tmp_path, monkeypatch):
-    from services.mps import MpsError, check_compute_modes
+    from services.launch.mps import MpsError, check_compute_modes
     monkeypatch.setenv("PATH", standin_env(standin_bin(tmp_path, "0, Exclusive_Process\n1, Prohibited\n2, Default\n"))
                        ["PATH"])
     check_compute_modes(["0", "2"])

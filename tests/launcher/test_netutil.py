@@ -2,7 +2,7 @@
 between the pick and the listener's bind), bindable, never twice."""
 import socket
 
-from services.netutil import _ephemeral_low, free_port
+from services.base.netutil import _ephemeral_low, free_port
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range():

@@ -1,4 +1,4 @@
-"""Progress where people wait (services/progress.py), drawn only on a terminal: `u1serve up`'s line per engine
+"""Progress where people wait (services/launch/progress.py), drawn only on a terminal: `u1serve up`'s line per engine
 (a stack of stand-in services, and a CPU stack whose engines report their phase in /health, under a
 pseudo-terminal), `u1serve convert`'s shards; nothing on a pipe or with U1SERVE_PROGRESS=0. And a CPU start says
 nothing of GPU sharing or MPS."""
@@ -13,12 +13,12 @@ import time
 import httpx
 
 from services.contract.health import EnginePhase
-from services.progress import Phase, starting_line
+from services.launch.progress import Phase, starting_line
 from tests.system.stackproc import ROOT, RunningStack, in_terminal
 
 STACK = """
 import io, sys
-from services.launcher import Stack
+from services.launch.launcher import Stack
 from tests.launcher.test_launcher import spec
 stack = Stack([spec("alpha", "ok"), spec("beta", "ok")], out=io.StringIO(), grace_s=2, startup_timeout_s=30)
 stack.start()
@@ -38,14 +38,14 @@ def test_up_shows_each_engine_on_a_terminal_only():
 
 
 def test_convert_shows_its_shards(tiny_dir, tmp_path):
-    code, shown, _ = in_terminal([sys.executable, "-m", "services.cli", "convert", tiny_dir, str(tmp_path / "q"),
+    code, shown, _ = in_terminal([sys.executable, "-m", "services.launch.cli", "convert", tiny_dir, str(tmp_path / "q"),
                                "--to", "int8"])
     assert code == 0, shown
     assert "[u1serve] convert to int8" in shown and "shard" in shown, shown
 
 
 def test_a_cpu_start_says_nothing_of_gpu_sharing():
-    r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--device", "cpu",
                         "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr

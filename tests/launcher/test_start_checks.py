@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from tests.system.stackproc import ROOT
 
 NO_GPU = not os.path.exists("/dev/nvidiactl")
 
 
 def up(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--host", "127.0.0.1",
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--host", "127.0.0.1",
                            "--port", str(free_port()), *flags], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
 

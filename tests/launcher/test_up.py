@@ -13,12 +13,12 @@ import time
 
 import httpx
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from tests.system.stackproc import ROOT
 
 
 def _up(*args: str, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "services.launch.cli", "up", *args], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
@@ -82,7 +82,7 @@ class _Output:
 
 
 def _free(port: int) -> bool:
-    from services.launcher import port_free
+    from services.launch.launcher import port_free
     return port_free("127.0.0.1", port)
 
 
@@ -97,7 +97,7 @@ def test_demo_writes_its_image_to_the_cache_dir_and_exits_quietly(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     cache = tmp_path / "cache"
-    r = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--steps", "1"], cwd=work, timeout=300,
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", "demo", "--steps", "1"], cwd=work, timeout=300,
                        env={**os.environ, "PYTHONPATH": ROOT, "U1SERVE_CACHE": str(cache)},
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

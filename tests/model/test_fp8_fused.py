@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.fp8_quant import AUTO_PIECES_MIN_ROWS, fp8_launch
-from services.knobs import FP8_FUSED
+from services.base.knobs import FP8_FUSED
 from services.model.quant import Fp8Linear, Fp8RMSNorm, GemmPolicy
 from tests.model.fused_add_norm_forwards import inputs
 

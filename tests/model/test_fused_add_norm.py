@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.knobs import FUSED_ADD_NORM
+from services.base.knobs import FUSED_ADD_NORM
 from services.model.loader import load_model
 from services.model.modules import RMSNorm, fused_add_norm
 from services.model.quant import Fp8RMSNorm, GemmPolicy, quantize_model

@@ -39,7 +39,7 @@ def test_bad_mix_is_refused(to, says):
 
 
 def test_range_past_the_last_layer_is_refused(tiny_checkpoint, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "convert", tiny_checkpoint("u1"), str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "convert", tiny_checkpoint("u1"), str(tmp_path / "o"),
                            "--to", "gguf:q8_0:0-1,q4_k:5-"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 2 and "layers 0-1" in proc.stderr

@@ -132,7 +132,7 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
     assert not any(n.endswith((".safetensors", ".gguf")) for n in os.listdir(d))
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "plan", "--model", d, "--gpu-memory", "24GiB",
+    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d, "--gpu-memory", "24GiB",
                            "--gpu-total", "80GiB", "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -159,7 +159,7 @@ def test_a_format_quantised_at_load_says_when_the_float_load_is_over_the_cap(tmp
     from services.model.tiny import write_full_config
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    run = lambda cap: subprocess.run([sys.executable, "-m", "services.cli", "plan", "--model", d,  # noqa: E731
+    run = lambda cap: subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d,  # noqa: E731
                                       "--gpu-memory", cap], capture_output=True, text=True, env=env, timeout=120)
     out24, out48 = run("24GiB"), run("48GiB")
     assert out24.returncode == 0 and out48.returncode == 0, out24.stderr + out48.stderr

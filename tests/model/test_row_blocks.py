@@ -3,7 +3,7 @@ block's row count below ~12 rows), whatever else the pack holds; other ops and o
 import torch
 import torch.nn.functional as F
 
-from services import knobs
+from services.base import knobs
 from services.model import row_blocks
 
 CPU = torch.device("cpu")

@@ -163,7 +163,7 @@ def test_q4_k_blocks_read_back_by_gguf():
 def test_unsupported_gguf_type_is_refused(tiny_checkpoint, tmp_path):
     with pytest.raises(ConvertError, match="unsupported GGUF type 'q2_k'.*q4_k, q8_0"):
         convert_checkpoint(tiny_checkpoint("u1"), str(tmp_path / "x"), "gguf:q2_k")
-    r = subprocess.run([sys.executable, "-m", "services.cli", "convert", tiny_checkpoint("u1"), str(tmp_path / "y"),
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", "convert", tiny_checkpoint("u1"), str(tmp_path / "y"),
                         "--to", "int4"], capture_output=True, text=True)
     assert r.returncode == 2 and "--to must be fp8, int8, gguf[:TYPE] or gguf:TYPE:LAYERS" in r.stderr
 

@@ -17,7 +17,7 @@ from tests.ray.harness import SEEDS, RayApp, UpStack, chat_text, image_digest  #
 def cache(tmp_path_factory):
     """A U1SERVE_CACHE with the tiny checkpoint written once (every node reads the same path)."""
     import os
-    from services.stack import ensure_tiny_checkpoint
+    from services.launch.stack import ensure_tiny_checkpoint
     path = str(tmp_path_factory.mktemp("u1cache"))
     old = os.environ.get("U1SERVE_CACHE")
     os.environ["U1SERVE_CACHE"] = path

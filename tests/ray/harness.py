@@ -16,7 +16,7 @@ import sys
 
 import httpx
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.ray_serve.local_cluster import LocalCluster, NodeSpec
 from tests.waiting import wait_ok
 
@@ -49,7 +49,7 @@ class RayApp:
 
     def start(self, timeout_s: float = 600.0) -> "RayApp":
         self.cluster.start(NODES)
-        argv = [sys.executable, "-m", "services.cli", "ray", "up", "--address", self.cluster.address,
+        argv = [sys.executable, "-m", "services.launch.cli", "ray", "up", "--address", self.cluster.address,
                 "--http-port", str(self.port), *RAY_FLAGS, "--", *STACK]
         r = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0 or "ready:" not in r.stdout:
@@ -97,7 +97,7 @@ class UpStack:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *STACK, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.launch.cli", "up", *STACK, "--port", str(self.port),
                                       "--grace", "5"], cwd=ROOT, env=env(cache), stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 

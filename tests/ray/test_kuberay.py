@@ -55,7 +55,7 @@ def documented_command() -> list[str]:
 def test_serve_config_is_what_u1serve_ray_config_prints(rayservice):
     argv = documented_command()
     assert argv[:3] == ["u1serve", "ray", "config"]
-    r = subprocess.run([sys.executable, "-m", "services.cli", *argv[1:]], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", *argv[1:]], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(rayservice["service"]["spec"]["serveConfigV2"]) == yaml.safe_load(r.stdout)

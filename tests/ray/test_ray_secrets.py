@@ -16,7 +16,7 @@ pytest.importorskip("ray.serve", reason="the Ray tests need the [ray] extra (in 
 
 from openai import OpenAI  # noqa: E402
 
-from services.netutil import free_port  # noqa: E402
+from services.base.netutil import free_port  # noqa: E402
 from services.ray_serve.local_cluster import LocalCluster, NodeSpec  # noqa: E402
 from tests.ray.harness import ROOT, STACK  # noqa: E402
 
@@ -38,7 +38,7 @@ def deployed(cache, tmp_path_factory):
     port = free_port()
     try:
         cluster.start([NodeSpec("a", 2, {"u1_und": 1, "u1_gen": 1}, private_shm=False)])
-        argv = [sys.executable, "-m", "services.cli", "ray", "up", "--address", cluster.address, "--http-port",
+        argv = [sys.executable, "-m", "services.launch.cli", "ray", "up", "--address", cluster.address, "--http-port",
                 str(port), *FLAGS, "--", *STACK, "--api-key-file", str(keys)]
         # `ray up`'s own environment has the token (as an operator's shell would); the nodes' have none
         r = subprocess.run(argv, cwd=ROOT, env={**cluster.env, "U1SERVE_INTERNAL_TOKEN": TOKEN},

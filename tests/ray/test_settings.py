@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "ray", "config", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "ray", "config", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
 
 
@@ -87,7 +87,7 @@ def test_scaling_bounds_are_checked():
 ])
 def test_no_secret_goes_into_a_serve_config(argv, env, message):
     """`ray config` used to print U1SERVE_API_KEY into the config's env; a secret flag or --env would too."""
-    r = subprocess.run([sys.executable, "-m", "services.cli", "ray", "config", *argv], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "services.launch.cli", "ray", "config", *argv], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
     assert r.returncode != 0 and message in r.stderr, r.stderr
     assert "sk-" not in r.stdout and "tok" not in r.stdout

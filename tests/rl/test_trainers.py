@@ -23,7 +23,7 @@ SAMPLES = 2 * 4                     # the tiny defaults: 2 prompts x group 4 (se
 
 def run_rl_train(base: str, *flags: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "rl-train", "--base", base, *flags], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "rl-train", "--base", base, *flags], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -65,7 +65,7 @@ def test_reward_rises(rl_stack, algo):
 
 
 def test_a_terminal_shows_the_iterations_and_their_reward(rl_stack):
-    code, shown, out = in_terminal([sys.executable, "-m", "services.cli", "rl-train", "--base", rl_stack.base,
+    code, shown, out = in_terminal([sys.executable, "-m", "services.launch.cli", "rl-train", "--base", rl_stack.base,
                                     "--algo", "flow-grpo", "--iterations", "2", "--seed", "1"],
                                    timeout=600, OMP_NUM_THREADS="1")
     assert code == 0, shown[-6000:]

@@ -16,7 +16,7 @@ PARSERS = {
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    from services.cli import add_up
+    from services.launch.cli import add_up
     sub = argparse.ArgumentParser().add_subparsers()
     add_up(sub)
     return sub.choices["up"]

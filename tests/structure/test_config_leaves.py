@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-LEAVES = ["services.generation.config", "services.understanding.config", "services.stack"]
+LEAVES = ["services.generation.config", "services.understanding.config", "services.launch.stack"]
 PROBE = ("import sys, importlib; importlib.import_module({mod!r}); "
          "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'kernels', 'fastapi'))))")
 

@@ -1,4 +1,4 @@
-"""The environment knobs are declared once (services/knobs.py): every U1SERVE_* name anywhere in the tree is one of
+"""The environment knobs are declared once (services/base/knobs.py): every U1SERVE_* name anywhere in the tree is one of
 them, the code outside kernels/ reads none behind the registry's back, and docs/configuration.md lists them all."""
 import ast
 import os
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from services import knobs
+from services.base import knobs
 from services.gateway.config import flag_knobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +32,7 @@ def test_every_name_in_the_tree_is_declared():
         with open(path, encoding="utf-8", errors="ignore") as f:
             for name in set(NAME.findall(f.read())) - declared:
                 unknown.setdefault(name, os.path.relpath(path, ROOT))
-    assert not unknown, f"U1SERVE_* names not declared in services/knobs.py: {unknown}"
+    assert not unknown, f"U1SERVE_* names not declared in services/base/knobs.py: {unknown}"
 
 
 def _env_reads(tree: ast.AST):
@@ -53,11 +53,11 @@ def _env_reads(tree: ast.AST):
 def test_code_reads_knobs_through_the_registry():
     found = []
     for path in _files(READERS, (".py",)):
-        if path.endswith(os.path.join("services", "knobs.py")):
+        if path.endswith(os.path.join("services", "base", "knobs.py")):
             continue
         with open(path, encoding="utf-8") as f:
             found += [f"{os.path.relpath(path, ROOT)}:{line}" for line in _env_reads(ast.parse(f.read(), path))]
-    assert not found, f"read these through services/knobs.py: {found}"
+    assert not found, f"read these through services/base/knobs.py: {found}"
 
 
 def test_the_reader_finds_a_direct_read():
@@ -89,7 +89,7 @@ def test_typed_reads(monkeypatch):
 
 
 def test_u1serve_knobs_lists_them(capsys):
-    from services.cli import main
+    from services.launch.cli import main
     with pytest.raises(SystemExit) as done:
         main(["knobs"])
     assert done.value.code == 0

@@ -16,7 +16,7 @@ import threading
 import time
 
 import httpx
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import wait_ok, wait_until
 
@@ -228,7 +228,7 @@ class RunningStack:
         self.pool = f"u1serve-test-{os.getpid()}-{self.port}"
         self.token = f"token-{self.port}"
         self.shm_before = shm_entries()
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--mode", mode,
+        argv = [sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--mode", mode,
                 "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
                 "--und-port", str(self.und_port), "--gen-port", str(self.gen_port),
                 "--kv-pool-name", self.pool, "--kv-pool-gb", "0.1", "--internal-token", self.token, "--run-dir", run_dir,

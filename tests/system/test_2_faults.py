@@ -9,7 +9,7 @@ from services.kit import sse
 from tests.metrics import metric
 from tests.waiting import wait_until
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from .stackproc import Service
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from services.kit import sse
-from services.netutil import free_port
+from services.base.netutil import free_port
 from .stackproc import Service
 
 

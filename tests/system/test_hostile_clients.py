@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from services.netutil import free_port
+from services.base.netutil import free_port
 from tests.system.stackproc import GatewayProc
 from tests.system.stackproc import ROOT, RunningStack, group_alive, pid_alive, shm_entries
 from tests.metrics import metric
@@ -146,7 +146,7 @@ def _queued_job_gets_429(stack, base: str, openai) -> None:
 
 
 def _up(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--device", "cpu",
+    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", "tiny", "--device", "cpu",
                            "--host", "127.0.0.1", *flags], capture_output=True, text=True, cwd=ROOT, timeout=240,
                           env={**os.environ, "PYTHONPATH": ROOT})
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_dry_run_places_each_replica_on_its_own_gpus_ports_and_pool(tmp_path):
     model = tmp_path / "u1-8b"
-    subprocess.run([sys.executable, "-m", "services.cli", "tiny-checkpoint", str(model), "--variant", "u1-8b"],
+    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(model), "--variant", "u1-8b"],
                    check=True, capture_output=True, cwd=ROOT)
-    base = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--mode", "separate", "--device", "cuda",
+    base = [sys.executable, "-m", "services.launch.cli", "up", "--model", str(model), "--mode", "separate", "--device", "cuda",
             "--und-replicas", "2", "--gen-replicas", "2", "--kv-pool-name", "kvp", "--dry-run"]
     out = subprocess.run(base + ["--und-gpus", "0,1", "--gen-gpus", "2,3"], check=True, capture_output=True,
                          text=True, cwd=ROOT).stdout

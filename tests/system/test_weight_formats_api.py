@@ -16,7 +16,7 @@ from .stackproc import ROOT, RunningStack
 @pytest.fixture(scope="module")
 def int8_stack(tiny_model, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("int8") / "ckpt")
-    subprocess.run([sys.executable, "-m", "services.cli", "convert", tiny_model, out, "--to", "int8"], check=True,
+    subprocess.run([sys.executable, "-m", "services.launch.cli", "convert", tiny_model, out, "--to", "int8"], check=True,
                    cwd=ROOT, capture_output=True)
     s = RunningStack(out, "colocate", str(tmp_path_factory.mktemp("stack-int8")))
     s.wait_ready()

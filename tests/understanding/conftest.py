@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 import torch
-from services.netutil import free_port
+from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import stop_group, wait_ok
 

@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from services.model.loader import load_model
-from services.knobs import FUSED_ADD_NORM
+from services.base.knobs import FUSED_ADD_NORM
 from tests.model.fused_add_norm_forwards import forwards
 
 

@@ -1,4 +1,4 @@
-"""`u1serve up --gpu-sharing mps` (and `auto`, the default, where MPS can run: services/colocate_qos.py): the
+"""`u1serve up --gpu-sharing mps` (and `auto`, the default, where MPS can run: services/launch/colocate_qos.py): the
 deployment's own CUDA MPS control daemon and its GPU services' environment.
 
 Two engines on one GPU are time-sliced by the driver, so a chat decode step waits behind an image step. Under
@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Callable, Optional
 
-from services.launcher import StartupError
+from services.launch.launcher import StartupError
 
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_GEN_SM_PERCENT = 85        # measured: 2 H200 TP2 + CFG2 (priority low) chat p90 1.82x alone, image +5-7 %

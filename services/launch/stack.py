@@ -15,14 +15,14 @@ import shutil
 import sys
 from typing import Callable
 
-from services import knobs
-from services import hub
+from services.base import knobs
+from services.launch import hub
 from services.gateway.config import GatewayConfig
 from services.generation.config import GenerationConfig
 from services.kit.flags import add_flag_of, choices_of
-from services.lora_flags import add_lora_flags, lora_env, lora_sources
+from services.launch.lora_flags import add_lora_flags, lora_env, lora_sources
 from services.understanding.config import EngineConfig
-from services.netutil import free_port
+from services.base.netutil import free_port
 
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
 
@@ -308,7 +308,7 @@ def check_gen_sp(args, model: str) -> None:
 
 
 def resolve_qos(args, placement: Placement, qos_defaults: bool = True):
-    """The stack's colocate QoS (services/colocate_qos.py): the GPU sharing in force and the yield gate's share.
+    """The stack's colocate QoS (services/launch/colocate_qos.py): the GPU sharing in force and the yield gate's share.
     Explicit values that cannot run are usage errors; `qos_defaults` False (Ray places the engines itself): auto
     means time slicing and no gate, as before."""
     from .colocate_qos import Qos, choose_sharing, default_yield_share
@@ -334,7 +334,7 @@ def colocate_engines(args, placed_elsewhere: bool = False) -> dict:
     """How the colocated engines run (stack.json `colocate_engines`): `processes` (each its own server process) or
     `fused` (one process, each engine loop a thread: services/fused/); what cannot run fused is a usage error.
     `placed_elsewhere`: Ray places each engine replica itself (no fused mode there)."""
-    from .fused.launch import DEFAULT_ENGINES, DEFAULT_WHY, refusal
+    from services.fused.launch import DEFAULT_ENGINES, DEFAULT_WHY, refusal
     asked = getattr(args, "colocate_engines", None)
     if asked == "fused" and placed_elsewhere:
         usage_error("--colocate-engines fused is for u1serve up: Ray places each engine replica itself")
@@ -384,7 +384,7 @@ def sm_percent(text: str) -> int:
 
 
 def mps_daemon(args: argparse.Namespace, placement: Placement, run_dir: str, sharing):
-    """The deployment's MPS control daemon (services/mps.py) when the sharing in force is mps, else None (time
+    """The deployment's MPS control daemon (services/launch/mps.py) when the sharing in force is mps, else None (time
     slicing). --gpu-sharing mps is refused (exit 2) where nothing is shared or nothing is CUDA."""
     from .mps import DEFAULT_GEN_PRIORITY, DEFAULT_GEN_SM_PERCENT, PRIORITY_ENV, SM_PERCENT_ENV, MpsDaemon
     if sharing.mode != "mps":
@@ -420,16 +420,16 @@ def under_mps(specs: list, mps) -> list:
 def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True, dry_run: bool = False,
                 qos_defaults: bool = True):
     """The Stack of these flags (not started). `qos_defaults` False: no automatic colocate QoS (Ray, which places
-    the engines itself; services/colocate_qos.py)."""
+    the engines itself; services/launch/colocate_qos.py)."""
     from services.contract.limits import IMAGE_BLOCK
     from services.generation.image_limits import checkpoint_max_tokens
-    from services.timeouts import stack_problems
+    from services.base.timeouts import stack_problems
 
     from .launcher import Stack
     placement = Placement(args)
     run_dir = args.run_dir or os.path.join(cache_dir(), f"run-{args.port}")
     for problem in stack_problems(args.und_args, args.gen_args, args.gateway_args):
-        usage_error(f"timeouts out of order: {problem} (services/timeouts.py)")
+        usage_error(f"timeouts out of order: {problem} (services/base/timeouts.py)")
     if not dry_run:
         placement = check_devices(args, placement)
     if placement.note:
@@ -451,7 +451,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     resolve_ports(args, probe=not dry_run)
     token, api_key = resolve_secrets(args)
     pool = args.kv_pool_name or default_pool_name(args.port)
-    from .fused.launch import DEVICE_POOL_GB
+    from services.fused.launch import DEVICE_POOL_GB
     pool_gb = args.kv_pool_gb or (0.25 if placement.device == "cpu" else
                                   DEVICE_POOL_GB if engines["engines"] == "fused" else 16.0)
     stack_id = secrets.token_hex(8)       # recorded in the shm segments this stack creates: only it removes them
@@ -471,7 +471,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
     if mps is not None:
         specs = under_mps(specs, mps)
     if engines["engines"] == "fused":
-        from .fused.launch import fuse
+        from services.fused.launch import fuse
         specs = fuse(specs, placement, shlex.split(args.fused_args or ""), args.gen_sm_percent)
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
     stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,
@@ -516,7 +516,7 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     p.add_argument("--qos-yield-share", type=float, default=None, metavar="F",
                    help="colocate QoS: generation yields the shared GPUs to understanding's decode steps between its "
                         "layers, at most F of its time (0 <= F <= 1; 0: no gate). Default: 0.05 in colocate with one "
-                        "replica each, none otherwise (services/colocate_qos.py)")
+                        "replica each, none otherwise (services/launch/colocate_qos.py)")
     p.add_argument("--gpu-sharing", choices=["auto", "time-slice", "mps"], default="auto",
                    help="colocate on CUDA: how the engines share a GPU. mps: their kernels run side by side under a "
                         "CUDA MPS control daemon that u1serve up starts for this stack (nvidia-cuda-mps-control), "
@@ -588,7 +588,7 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
     add_flag_of(p, GenerationConfig, "cuda_graphs", about="generation")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="merge a LoRA at load into the branch(es) it names (repeatable)")
-    add_lora_flags(p)       # multi-LoRA served unmerged (services/lora_flags.py)
+    add_lora_flags(p)       # multi-LoRA served unmerged (services/launch/lora_flags.py)
     p.add_argument("--preset", choices=["8step"], default=None,
                    help="sampling defaults of a released recipe; 8step: 8 steps, guidance 1.0, "
                         "shift 3.0 (the official 8-step LoRA / 8step-preview checkpoint)")

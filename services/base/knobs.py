@@ -133,7 +133,7 @@ MAX_LORA_RANK = _knob("U1SERVE_MAX_LORA_RANK", int, 16, "the largest LoRA rank t
 MPS_ON_CPU = _knob("U1SERVE_MPS_ON_CPU", bool, False, "tests only: run the CUDA MPS launch path with a stand-in "
                    "daemon on a GPU-less machine", "u1serve up")
 PROGRESS = _knob("U1SERVE_PROGRESS", bool, True, "progress bars on stderr when it is a terminal (0: never)",
-                 "u1serve up, convert, rl-train (services/progress.py)")
+                 "u1serve up, convert, rl-train (services/launch/progress.py)")
 
 # ---- model and engines ------------------------------------------------------------------------------------------
 RANDOM_WEIGHTS = _knob("U1SERVE_RANDOM_WEIGHTS", bool, False, "load a config-only checkpoint with random weights "

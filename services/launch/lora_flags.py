@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from services import hub, knobs
+from services.base import knobs
+from services.launch import hub
 
 MODULES_ENV, MAX_LORAS_ENV, MAX_RANK_ENV = knobs.LORA_MODULES.name, knobs.MAX_LORAS.name, knobs.MAX_LORA_RANK.name
 

@@ -11,7 +11,7 @@ the KV pool segment (/dev/shm/<pool name>). Every shm segment records the stack 
 segment: shm_transfer/segment.py): at start the launcher refuses names a live stack holds and reclaims those of
 dead ones; after shutdown it unlinks only the segments its own stack made (in case a service was killed), never
 another stack's, and removes private directories (`u1und-*`) that dead processes left.
-Daemons the services need (the deployment's CUDA MPS control daemon, services/mps.py) are started before the
+Daemons the services need (the deployment's CUDA MPS control daemon, services/launch/mps.py) are started before the
 first service and stopped after the last one, on every exit path.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable, Optional, TextIO
 from services.kit.proc import preexec_die_with_parent
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
-from services.progress import Phase, starting_line
+from services.launch.progress import Phase, starting_line
 
 SHM_DIR = "/dev/shm"
 TAIL_LINES = 20
@@ -190,7 +190,7 @@ class Service:
         self.on_change = on_change
         self.sup = Supervisor(spec.name, self._spawn, policy=policy,
                               on_give_up=lambda why: on_give_up(self, why))
-        self.phase = "waiting"                  # for the progress line of `u1serve up` (services/progress.py)
+        self.phase = "waiting"                  # for the progress line of `u1serve up` (services/launch/progress.py)
 
     @property
     def unit(self) -> Optional[ServiceProcess]:

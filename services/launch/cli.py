@@ -2,7 +2,7 @@
 
 Imports stay light at module level so `u1serve --help` is instant; subcommands import what they
 need. To add a subcommand, write `cmd_x(args)` and `add_x(subparsers)` and list it in COMMANDS.
-How a stack is built (placement, services, ports, secrets): services/stack.py.
+How a stack is built (placement, services, ports, secrets): services/launch/stack.py.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import shlex
 import sys
 import time
 
-from services import knobs
+from services.base import knobs
 from services.kit.flags import add_flag_of
-from services.netutil import free_port
-from services.stack import (SECRET_ENV, TINY_ALIASES, add_stack_flags, build_stack, cache_dir,
+from services.base.netutil import free_port
+from services.launch.stack import (SECRET_ENV, TINY_ALIASES, add_stack_flags, build_stack, cache_dir,
                             ensure_tiny_checkpoint, tiny_variant)
 from services.understanding.config import EngineConfig
 
@@ -257,7 +257,7 @@ def cmd_plan(args) -> int:
 
 
 def add_knobs(sub) -> None:
-    p = sub.add_parser("knobs", help="every U1SERVE_* environment variable: type, default, what it does (services/knobs.py)")
+    p = sub.add_parser("knobs", help="every U1SERVE_* environment variable: type, default, what it does (services/base/knobs.py)")
     p.add_argument("--markdown", action="store_true", help="the table of docs/configuration.md")
     p.set_defaults(func=cmd_knobs)
 

@@ -4,7 +4,7 @@ A chat decode step reads the whole understanding branch (~16 GB at 8B: HBM-bound
 is compute-bound (tens of ms at 1024²). Time-sliced by the driver, a decode step waits for the image engine's
 slices (64-token chats took 3.8 s under image load on one H200, 0.58 s alone). Under CUDA MPS their kernels run
 side by side: the decode's memory traffic overlaps the image's math, and with generation capped at a share of
-the SMs and dispatched at below-normal priority (services/mps.py) decode blocks find SMs. So the default is:
+the SMs and dispatched at below-normal priority (services/launch/mps.py) decode blocks find SMs. So the default is:
 
 - `--gpu-sharing auto` (the default) time-slices, for now: MPS (`--gpu-sharing mps`) gave the chat numbers above, but
   on an H200 (driver 580.159.04, torch 2.11, 2026-12-02) every text-to-image under it with generation at its
@@ -44,7 +44,7 @@ class Sharing:
 
 
 def choose_sharing(asked: str, *, mode: str) -> Sharing:
-    """The GPU sharing of a stack. `asked`: --gpu-sharing. An explicit mode is returned as asked (services/stack.py
+    """The GPU sharing of a stack. `asked`: --gpu-sharing. An explicit mode is returned as asked (services/launch/stack.py
     refuses what cannot run); `auto` time-slices (module doc: why not MPS, for now)."""
     if asked not in SHARING_MODES:
         raise ValueError(f"--gpu-sharing must be one of {SHARING_MODES}, got {asked!r}")
@@ -59,7 +59,7 @@ def default_yield_share(asked: Optional[float], *, mode: str, replicas: tuple[in
                         enabled: bool = True) -> tuple[Optional[float], str]:
     """(the yield gate's share, None: no gate; why). `asked`: --qos-yield-share (None: the default; 0: off).
     `enabled` False (Ray, which places the engines itself): no default gate. Explicit values are checked by
-    services/stack.py."""
+    services/launch/stack.py."""
     if asked is not None:
         return (asked or None), ("--qos-yield-share 0" if not asked else "asked for")
     if not enabled:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Iterable, Optional, TextIO, TypeVar
 
-from services import knobs
+from services.base import knobs
 from services.contract.health import PHASE_FIELD, describe
 
 T = TypeVar("T")

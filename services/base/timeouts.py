@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from services.knobs import GATEWAY_FLAGS
+from services.base.knobs import GATEWAY_FLAGS
 
 GATEWAY_IDLE_TIMEOUT_S = 300.0        # gateway --upstream-idle-timeout-s
 GATEWAY_REQUEST_TIMEOUT_S = 3600.0    # gateway --request-timeout-s

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.launcher import port_free
-from services.netutil import free_port
+from services.launch.launcher import port_free
+from services.base.netutil import free_port
 
 
 def _with(argv: list[str], flag: str, value: str) -> list[str]:
