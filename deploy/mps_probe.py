@@ -110,7 +110,7 @@ def child(args) -> dict:
     from services.contract.image import GenerateRequest
     from services.generation.engine import Engine
     from services.generation.kv_source import PrefixSource
-    from services.generation.step_graph import resolve_mode
+    from services.generation.config import resolve_mode
     from services.kit.errors import APIError
     from services.model.tiny import build_random_model, full_config, tiny_config
 
