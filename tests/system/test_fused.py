@@ -41,7 +41,7 @@ def twin(tiny_model, tmp_path_factory):
     """A two-process colocate stack with the same history as `fused` when compared (fresh, the same requests in the
     same order). Not the session's shared stack: a prompt prefilled after other traffic reuses the radix cache's
     prefix KV and computes only the rest, at another GEMM row count, so its pixels differ from a fresh stack's in
-    the low bits (the same request twice on one stack differs too: measured 2026-12-06, cause not yet confirmed)."""
+    the low bits (the same request twice on one stack differs too; with --no-prefix-cache it does not: 2026-12-06)."""
     yield from serve(RunningStack(tiny_model, "colocate", str(tmp_path_factory.mktemp("stack-twin"))))
 
 
