@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import json
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -80,6 +82,23 @@ def chat(c: httpx.Client, text: str = CHAT, max_tokens: int = 12, salt: str | No
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"].get("cached_tokens", 0)
+
+
+def streamed_chat(c: httpx.Client, text: str, max_tokens: int, started: threading.Event | None = None) -> str:
+    """A greedy streamed chat's text; `started` is set when its first token arrives (the job is then running)."""
+    body = {"model": "sensenova-u1", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "cache_salt": fresh_salt(), "stream": True}
+    out = []
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[len("data: "):])["choices"][0]["delta"].get("content") or ""
+            if delta and started is not None:
+                started.set()
+            out.append(delta)
+    return "".join(out)
 
 
 def outputs(c: httpx.Client) -> tuple:
@@ -199,10 +218,12 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
         assert got2 == new[1] != old[1]
         assert outputs(c) == RECORD["v0"]           # the base weights again, bit for bit
 
-        first = lambda: chat(c, "one fox", 48)[0]   # noqa: E731
+        # A streamed chat is in flight once its first token has come (polling /health for it can miss a short job).
+        first = lambda started=None: streamed_chat(c, "one fox", 120, started)   # noqa: E731
         old = first()
-        f1 = pool.submit(first)
-        wait_until(lambda: _health(stack.und_port)["running"] >= 1, 60, interval=0.02)
+        started = threading.Event()
+        f1 = pool.submit(first, started)
+        assert started.wait(60)
         r = c.post("/v1/rl/weights", json={"path": files["new"]})
         assert r.status_code == 200 and r.json()["weights_version"] == "v3", r.text
         assert f1.result() == old != first()
