@@ -24,6 +24,7 @@ import stat
 import tempfile
 
 from services.base import knobs
+from services.base.checkpoint_names import INDEX_FILE
 
 from .errors import APIError
 
@@ -57,7 +58,6 @@ def _refused(path: str, kind: str, dirs: list[str]) -> APIError:
 def _index_shards(directory: str) -> list[str]:
     """The files a directory's safetensors index names (any name, any place: each is checked as the directory's
     own files are); none when there is no index or it does not parse (the loader then says so)."""
-    from services.model.checkpoint_files import INDEX_FILE   # the engines' HTTP processes only check paths
     index = os.path.join(directory, INDEX_FILE)
     if not os.path.isfile(index) or os.path.getsize(index) > MAX_INDEX_BYTES:
         return []

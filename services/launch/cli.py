@@ -194,9 +194,13 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
+    from services.launch.progress import bar
     from services.model.convert import ConvertError, convert_checkpoint  # lazy: pulls in torch
+
+    def shards(paths, desc):
+        return bar(paths, desc=f"[u1serve] {desc}", unit="shard")
     try:
-        print(convert_checkpoint(args.src, args.dst, args.to))
+        print(convert_checkpoint(args.src, args.dst, args.to, progress=shards))
     except ConvertError as e:
         print(f"u1serve convert: {e}", file=sys.stderr)
         return 2

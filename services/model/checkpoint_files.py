@@ -7,9 +7,9 @@ import os
 
 from safetensors import safe_open
 
+from services.base.checkpoint_names import INDEX_FILE, SINGLE_FILE
+
 FP8_SCALE_SUFFIX = ".weight_scale"   # fp8 / int8 checkpoints: per-output-channel fp32 scale of `X.weight`
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 class LoadError(ValueError):

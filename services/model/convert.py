@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Callable, Iterable
+
+from services.base.checkpoint_names import INDEX_FILE
 
 from .quant_checkpoint import SCALE_SUFFIX, is_target, quantization_config
 
@@ -23,6 +26,16 @@ FORMATS = ("fp8", "int8", "gguf")
 
 class ConvertError(ValueError):
     """The source cannot be converted as asked; the message says why."""
+
+
+# How a conversion reports its progress: it hands over the shard paths it will write and a description, and
+# iterates what it gets back. The model layer draws nothing; `u1serve convert` passes its progress bar.
+Progress = Callable[[Iterable[str], str], Iterable[str]]
+
+
+def quietly(shards: Iterable[str], desc: str) -> Iterable[str]:
+    """The default Progress: the shards as they are, nothing shown."""
+    return shards
 
 
 def parse_target(to: str):
@@ -40,9 +53,9 @@ def parse_target(to: str):
     return fmt, None
 
 
-def convert_checkpoint(src: str, dst: str, to: str) -> str:
+def convert_checkpoint(src: str, dst: str, to: str, progress: Progress = quietly) -> str:
     fmt, gguf_type = parse_target(to)
-    from .checkpoint_files import INDEX_FILE, LoadError, weight_map
+    from .checkpoint_files import LoadError, weight_map
     try:
         wm = weight_map(src)
     except LoadError as e:
@@ -58,11 +71,11 @@ def convert_checkpoint(src: str, dst: str, to: str) -> str:
     if fmt == "gguf":
         from .gguf_io import GGUFError, write_gguf
         try:
-            write_gguf(src, dst, gguf_type)
+            write_gguf(src, dst, gguf_type, progress)
         except GGUFError as e:
             raise ConvertError(str(e)) from None
     else:
-        ignore = _write_quantized(wm, dst, fmt)
+        ignore = _write_quantized(wm, dst, fmt, progress)
         config["quantization_config"] = quantization_config(fmt, ignore)
         with open(os.path.join(dst, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
@@ -74,19 +87,17 @@ def convert_checkpoint(src: str, dst: str, to: str) -> str:
     return dst
 
 
-def _write_quantized(wm: dict[str, str], dst: str, scheme: str) -> list[str]:
+def _write_quantized(wm: dict[str, str], dst: str, scheme: str, progress: Progress) -> list[str]:
     """Each shard of `wm` rewritten into `dst` with its targets quantised. Returns the targets left in float
     (dims not multiples of 16, as the loader's policy leaves them)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .checkpoint_files import INDEX_FILE
     from .loader import QUANT_DTYPES
     from .quant_schemes import scheme as quant_scheme
     quantize_rows = quant_scheme(scheme).linear.quantize_rows
     new_map, ignore = {}, []
-    from services.launch.progress import bar
-    for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to {scheme}", unit="shard"):
+    for path in progress(sorted(set(wm.values())), f"convert to {scheme}"):
         out = {}
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():

@@ -204,9 +204,10 @@ def _encode(t: torch.Tensor, qtype) -> tuple[np.ndarray, object]:
     return t.numpy(), typ
 
 
-def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYPE) -> str:
+def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYPE, progress=None) -> str:
     """The checkpoint at `src_dir` (safetensors, official schema) as `out_dir/model.gguf` (+ config.json and the
-    tokenizer files copied), its targets in `types` (a LayerTypes or its text). Returns out_dir."""
+    tokenizer files copied), its targets in `types` (a LayerTypes or its text); `progress` as convert.Progress
+    (None: nothing shown). Returns out_dir."""
     from safetensors import safe_open
 
     from .checkpoint_files import weight_map
@@ -228,8 +229,8 @@ def write_gguf(src_dir: str, out_dir: str, types: LayerTypes | str = DEFAULT_TYP
     w.add_string(CONFIG_KEY, config_text)
     w.add_string(TYPE_KEY, types.text)
     wm = weight_map(src_dir)
-    from services.launch.progress import bar
-    for path in bar(sorted(set(wm.values())), desc=f"[u1serve] convert to gguf:{types.text}", unit="shard"):
+    shards = sorted(set(wm.values()))
+    for path in progress(shards, f"convert to gguf:{types.text}") if progress else shards:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key)

@@ -9,6 +9,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from services.base.checkpoint_names import INDEX_FILE
+
 from .config import parse_config
 from .model import NeoModel
 from .moe import checkpoint_views
@@ -170,7 +172,7 @@ def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_
         save_file({k: state[k] for k in shard_keys}, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard_keys})
     total = sum(t.numel() * t.element_size() for t in state.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -28,8 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.base import knobs
+from services.base.checkpoint_names import INDEX_FILE
 
-from .checkpoint_files import FP8_SCALE_SUFFIX, INDEX_FILE, LoadError, weight_map
+from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, weight_map
 from .loader import FP8_DTYPE, lora_deltas, name_list
 from .model import NeoModel
 from .moe import checkpoint_views
