@@ -31,7 +31,7 @@ import threading
 import time
 
 from services.base import knobs
-from shm_transfer.segment import Segment, owner_of, take_name
+from .segment import Segment, owner_of, take_name
 
 MAGIC = 0x55315949454C4400      # "U1YIELD"
 VERSION = 1

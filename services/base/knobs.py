@@ -102,7 +102,8 @@ WEIGHTS_UPLOAD_DIR = _knob("U1SERVE_WEIGHTS_UPLOAD_DIR", str, "", "where the gat
                            "engines to read (u1serve up: RUN_DIR/uploads; unset: the system temp directory, which "
                            "the engines then do not read from)", "gateway, engines (kit.local_files)")
 STACK_ID = _knob("U1SERVE_STACK_ID", str, "", "the stack that owns the shm segments a service creates (u1serve up "
-                 "sets it): only that stack's launcher removes them", "understanding, generation, kit.yield_signal")
+                 "sets it): only that stack's launcher removes them",
+                 "understanding, generation, shm_transfer.yield_signal")
 
 # ---- gateway ----------------------------------------------------------------------------------------------------
 GATEWAY_HOST = _knob("U1SERVE_GATEWAY_HOST", str, None, "the gateway's --host", "gateway")

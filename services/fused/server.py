@@ -32,7 +32,7 @@ from services.kit.config import read_secret
 from services.kit.loop_clock import GilProbe, clocks
 from services.kit.streaming import guard
 from services.kit.supervisor import Supervisor
-from services.kit.yield_signal import in_process
+from shm_transfer.yield_signal import in_process
 
 from .config import FusedConfig
 from .launch import GEN_MARK, UND_MARK

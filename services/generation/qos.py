@@ -1,7 +1,7 @@
 """Colocate QoS, the generation side: between decoder layers, give the GPU to a waiting decode step.
 
 The understanding engine raises a shared-memory flag while a step with decode rows runs
-(services/kit/yield_signal.py). At every layer boundary (the engine's `attend` callback) this gate:
+(shm_transfer/yield_signal.py). At every layer boundary (the engine's `attend` callback) this gate:
   1. keeps this process at most about one layer ahead of its GPU (CUDA events), so stopping to launch
      actually frees the GPU within one layer instead of after a whole queued step;
   2. if the flag is up, fresh, and the budget allows: waits for its own queued work to finish, then
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.kit.yield_signal import ThreadSignal, YieldSignal
+from shm_transfer.yield_signal import ThreadSignal, YieldSignal
 
 from .config import YIELD_MAX_WAIT_S, YIELD_SHARE
 

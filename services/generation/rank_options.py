@@ -30,7 +30,7 @@ def check_rank_flags(args) -> None:
             except ValueError as e:
                 raise SystemExit(f"--sp {args.sp}: {e}") from None
     if args.yield_to:
-        from services.kit.yield_signal import page_path
+        from shm_transfer.yield_signal import page_path
         try:
             page_path(args.yield_to)
         except ValueError as e:

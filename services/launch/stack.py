@@ -353,7 +353,7 @@ def qos_page(qos, pool: str) -> str | None:
     generation yields to it), named after the KV pool; None without a gate."""
     if not qos.yield_share:
         return None
-    from services.kit.yield_signal import signal_name
+    from shm_transfer.yield_signal import signal_name
     return signal_name(pool)
 
 

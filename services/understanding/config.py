@@ -36,7 +36,7 @@ class EngineConfig:
         "shared-memory KV pool to create for image prefixes"))
     yield_signal: str = field(default="", metadata=flag(
         "colocate QoS: shm page to raise while a decode step runs, so a generation engine on the same GPUs yields "
-        "(services/kit/yield_signal.py)"))
+        "(shm_transfer/yield_signal.py)"))
     kv_cache_tokens: int = field(default=65536, metadata=flag(
         "token slots of the paged KV cache (the engine may lower it to fit)"))
     max_model_len: int = field(default=32768, metadata=flag(

@@ -126,7 +126,7 @@ class Engine:
             self.pool = attach_exporter(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
         self.yield_signal = None
         if rank == 0 and cfg.yield_signal:
-            from services.kit.yield_signal import YieldSignal
+            from shm_transfer.yield_signal import YieldSignal
             self.yield_signal = YieldSignal.create(cfg.yield_signal)
         self.clock = loop_clock("understanding")    # step time and the loop thread's CPU share (kit/loop_clock)
         if rank == 0:

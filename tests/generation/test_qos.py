@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from services.generation.qos import YieldGate, YieldPolicy
-from services.kit.yield_signal import YieldSignal, signal_name
+from shm_transfer.yield_signal import YieldSignal, signal_name
 
 from .genhelp import REPO, prefixes
 
 WRITER = r"""
 import sys, time
-from services.kit.yield_signal import YieldSignal
+from shm_transfer.yield_signal import YieldSignal
 sig = YieldSignal.create(sys.argv[1])
 print("ready", flush=True)
 for line in sys.stdin:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.generation.qos import YieldGate, YieldPolicy
-from services.kit.yield_signal import ThreadSignal, YieldSignal, in_process
+from shm_transfer.yield_signal import ThreadSignal, YieldSignal, in_process
 
 
 @pytest.fixture

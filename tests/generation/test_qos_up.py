@@ -14,7 +14,7 @@ import httpx
 
 from services.launch.colocate_qos import DEFAULT_YIELD_SHARE
 
-from services.kit.yield_signal import YieldSignal, signal_name
+from shm_transfer.yield_signal import YieldSignal, signal_name
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import RunningStack, group_alive
 from tests.waiting import wait_until
