@@ -22,6 +22,7 @@ from services.kit.streaming import OwnedStream
 
 from .encode import encode_image
 from .job_table import End
+from .leases import JobLease
 from .previews import preview_format
 from .protocol import Image, JobFailed, Preview, Progress, RlResult
 from .state import GenerationState
@@ -39,16 +40,15 @@ class JobStream:
     def __init__(self, state: GenerationState, job):
         self.state, self.job = state, job
         self.loop = asyncio.get_running_loop()
-        self.events = StreamQueue(self.loop, int(state.server.max_stream_backlog_mb * MiB), self._overflow,
-                                  state.keeper.release)
+        self.events = StreamQueue(self.loop, int(state.server.max_stream_backlog_mb * MiB), self._overflow)
+        self.lease: Optional[JobLease] = None      # the job's pages, once it is accepted
         self.outcome = "disconnected"          # until the stream ends otherwise
         self.delivered = False                 # the client read [DONE]
-        self.exported: list[dict] = []         # float image handles sent to the client
         self.started = time.monotonic()
 
     def respond(self) -> OwnedStream:
         """Submit the job (APIError 409 / 429 / 503 before any byte: the caller rejects it) and stream it."""
-        self.state.engine.submit(self.job, self.events.deliver)
+        self.lease = self.state.engine.submit(self.job, self.events.deliver)
         return OwnedStream(self.body(), on_close=self.close)
 
     async def body(self):
@@ -94,7 +94,7 @@ class JobStream:
                       seed=job.seed, branch_steps=ev.branch_steps, weights_version=ev.weights_version,
                       applied=ev.applied)
         if ev.image_handle:
-            self.exported.append(ev.image_handle)
+            self.lease.shown(ev.image_handle)
             fields["image_handle"] = ev.image_handle
         data = sse.encode(C.wire(C.ImageEvent.model_construct(**fields)))
         timeline.mark("gen", "sse_event")
@@ -118,10 +118,9 @@ class JobStream:
         st, rid = self.state, self.job.request_id
         if self.outcome == "disconnected":          # the client went away: stop the job at the next step
             st.engine.abort(rid, "client disconnected")
-        exported = self.exported + [e.image_handle for e in self.events.close()
-                                    if isinstance(e, Image) and e.image_handle]
-        if exported and not self.delivered:         # nobody will read the float image back: free it now
-            st.keeper.release(exported)
+        self.events.close()                         # what it never took is dropped
+        if self.lease is not None:                  # the float images its client did not get are freed
+            self.lease.stream_closed(self.delivered)
         if self.counted:
             st.metrics.requests.labels(outcome=self.outcome).inc()
         log.info("%s %s %s in %.2fs", self.kind, safe(rid), self.outcome, time.monotonic() - self.started)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from services.contract.image import GenerateRequest
 
+from .leases import JobLease
 from .protocol import JobFailed
 
 
@@ -29,16 +30,13 @@ class Ticket:
     job: GenerateRequest
     deliver: Deliver
     unit: object                                 # the engine incarnation it was sent to
+    lease: JobLease                              # its pages in the pool: told how the job ends
     submitted: float = field(default_factory=time.monotonic)
     started: Optional[float] = None              # when the engine admitted it (its KV imported)
 
     @property
     def request_id(self) -> str:
         return self.job.request_id
-
-    @property
-    def handles(self) -> list[dict]:
-        return list(self.job.handles.values())
 
 
 class JobTable:

@@ -104,8 +104,8 @@ class GenerationState:
     def reject(self, err: APIError, rid, handles: list[dict]) -> APIError:
         """A request refused before its stream: log it under its id; its KV pages are freed (except on a
         duplicate id, whose handles may be the running job's)."""
-        if handles and err.code != "duplicate":
-            self.keeper.release(handles)
+        if err.code != "duplicate":
+            self.keeper.refuse(handles)
         self.metrics.requests.labels(outcome=str(err.code)).inc()
         log.info("request %s rejected: %d %s", safe(rid), err.status, err.code)
         return err

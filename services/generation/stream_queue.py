@@ -4,8 +4,9 @@ Images and previews arrive as raw pixels (a 2048² image is 12 MiB) and wait her
 writes them; a stream whose reader stalls would hold them for as long as it stalls. So the pixels waiting here
 are bounded by `max_bytes`: an event that would go beyond it while others still wait ends the job instead
 (`on_overflow`: it is aborted in the engine, the stream gets the error and ends) and from then on pixels are
-dropped as they come (an exported float image among them is released at once). The first event is always
-taken: a single image larger than the bound still reaches a reader that keeps up.
+dropped as they come (an exported float image among them is never written to the client, so the job's lease frees
+it when the stream closes). The first event is always taken: a single image larger than the bound still reaches a
+reader that keeps up.
 """
 from __future__ import annotations
 
@@ -21,18 +22,11 @@ def _nbytes(ev) -> int:
     return int(ev.pixels.nbytes) if isinstance(ev, PIXEL_EVENTS) and ev.pixels is not None else 0
 
 
-def _handle(ev) -> Optional[dict]:
-    """The float image handle an event carries (an exported image), else None."""
-    return ev.image_handle if isinstance(ev, Image) else None
-
-
 class StreamQueue:
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_bytes: int, on_overflow: Callable[[int], None],
-                 release: Callable[[list[dict]], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_bytes: int, on_overflow: Callable[[int], None]):
         self.loop = loop
         self.max_bytes = max_bytes
         self.on_overflow = on_overflow        # (bytes waiting) -> None; runs on the loop
-        self.release = release                # frees exported image handles nobody will read
         self.waiting_bytes = 0
         self.overflowed = False
         self.closed = False                   # the stream is over: whatever comes now is dropped
@@ -47,16 +41,12 @@ class StreamQueue:
 
     def _put(self, ev) -> None:
         if self.closed:
-            if _handle(ev):
-                self.release([_handle(ev)])
             return
         size = _nbytes(ev)
         if size and not self.overflowed and self.waiting_bytes and self.waiting_bytes + size > self.max_bytes:
             self.overflowed = True
             self.on_overflow(self.waiting_bytes + size)
         if size and self.overflowed:
-            if _handle(ev):
-                self.release([_handle(ev)])
             return
         self.waiting_bytes += size
         self._q.put_nowait(ev)

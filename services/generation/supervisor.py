@@ -25,7 +25,7 @@ from services.base.netutil import free_port
 from .capacity import queue_limit
 from .config import GenerationConfig
 from .job_table import END, Deliver, JobTable, Ticket
-from .leases import HandleKeeper
+from .leases import HandleKeeper, JobLease
 from .link import Outbox, start_reader
 from .protocol import (AbortJob, Fatal, Image, JobDone, JobFailed, JobStarted, Preview, Progress, Ready, RlResult,
                        Starting, Stop, SubmitJob)
@@ -147,8 +147,8 @@ class EngineSupervisor:
         """Shutting down: every job in flight ends now with a 503 (its stream closes, so the server need not
         wait for long jobs); never blocks."""
         for t in self.table.take_all():
-            self._end(t, unavailable("the generation service is shutting down; retry the request",
-                                     code="shutting_down"), release=True)
+            self._fail(t, unavailable("the generation service is shutting down; retry the request",
+                                      code="shutting_down"))
             t.unit.send(AbortJob(t.request_id))
 
     def stop(self) -> None:
@@ -183,9 +183,9 @@ class EngineSupervisor:
                 "kv_commands": self.keeper.pending()}
 
     # -- jobs (event loop) ---------------------------------------------------------------------
-    def submit(self, job: GenerateRequest, deliver: Deliver) -> None:
-        """Queue a job; `deliver` gets its events, from any thread. Raises APIError 503 / 409 / 429 (the job's
-        KV is then still the caller's)."""
+    def submit(self, job: GenerateRequest, deliver: Deliver) -> JobLease:
+        """Queue a job; `deliver` gets its events, from any thread. Returns its lease (its stream reports its end
+        there). Raises APIError 503 / 409 / 429 (the job's KV is then still the caller's)."""
         unit = self.unit
 
         def admit(queued: int, duplicate: bool) -> None:
@@ -202,9 +202,11 @@ class EngineSupervisor:
                                  f"{self.max_queued}); retry later", self.retry_after_s(),
                                  code="queue_full")
 
-        self.table.add_if(Ticket(job, deliver, unit), admit)
-        self.keeper.hold(job.handles.values())
+        ticket = Ticket(job, deliver, unit, self.keeper.lease(job.handles.values()))
+        self.table.add_if(ticket, admit)
+        ticket.lease.hold()
         unit.send(SubmitJob(job))
+        return ticket.lease
 
     def abort(self, request_id: str, reason: str = "request cancelled") -> bool:
         """End the job now (its stream gets 499 cancelled); the engine aborts it before its next step."""
@@ -224,17 +226,16 @@ class EngineSupervisor:
             self.on_restart()
         return EngineRanks(self._ctx, self.cfg, self._on_message)
 
-    def _end(self, t: Ticket, err: APIError, release: bool) -> None:
+    def _fail(self, t: Ticket, err: APIError) -> None:
+        """A job taken from the table fails with the engine (dead, or the service stopping)."""
         t.deliver(JobFailed(t.request_id, err.event()))
         t.deliver(END)
-        if release:
-            self.keeper.release(t.handles)
+        t.lease.failed()
 
     def _after_end(self, t: Ticket) -> None:
-        """A job ended on this side: stop it in the engine and free its pages if it never imported them."""
+        """A job ended on this side: stop it in the engine (its lease frees its pages if it never imported them)."""
         t.unit.send(AbortJob(t.request_id))
-        if t.started is None:
-            self.keeper.release(t.handles)
+        t.lease.ended()
 
     def _on_message(self, unit: EngineRanks, msg) -> None:
         """The link reader thread: route one engine event (no blocking here)."""
@@ -260,18 +261,22 @@ class EngineSupervisor:
         t = self.table.get(rid)
         if t is None or t.unit is not unit:          # ended already (aborted, timed out) or a stale unit:
             if isinstance(msg, Image) and msg.image_handle:     # a float image nobody will read back
-                self.keeper.release([msg.image_handle])
+                self.keeper.stray_image(msg.image_handle)
             return
         match msg:
             case JobStarted():
                 self.table.mark_started(rid)
+                t.lease.imported()
             case JobDone():
                 if self.table.finish(rid) is not None:
                     self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
+                    t.lease.ended()
             case JobFailed():
                 if self.table.finish(rid, msg) is not None:
-                    self.keeper.release(t.handles)   # the engine freed them too; idempotent
+                    t.lease.failed()
             case _:
+                if isinstance(msg, Image) and msg.image_handle and not t.lease.image(msg.image_handle):
+                    return                           # its stream has closed: the lease freed the image
                 t.deliver(msg)
 
     def _on_death(self, reason: str) -> None:
@@ -283,8 +288,8 @@ class EngineSupervisor:
         if tickets:
             log.error("failing %d job(s) of the dead generation engine", len(tickets))
         for t in tickets:
-            self._end(t, unavailable(f"the generation engine died mid-job ({reason}); retry the request",
-                                     code="engine_failed"), release=True)
+            self._fail(t, unavailable(f"the generation engine died mid-job ({reason}); retry the request",
+                                      code="engine_failed"))
 
     def fail_inflight(self, reason: str) -> None:
         """Every job in flight fails now (503 engine_failed, its pages freed): the fused process is exiting."""
