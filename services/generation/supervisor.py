@@ -264,9 +264,9 @@ class EngineSupervisor:
                 self.keeper.stray_image(msg.image_handle)
             return
         match msg:
-            case JobStarted():
-                self.table.mark_started(rid)
+            case JobStarted():                       # its KV imported: the engine frees it
                 t.lease.imported()
+                self.table.mark_started(rid)
             case JobDone():
                 if self.table.finish(rid) is not None:
                     self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.monotonic() - t.submitted)
