@@ -13,7 +13,6 @@ import signal
 import httpx
 
 from services.launch.colocate_qos import DEFAULT_YIELD_SHARE
-
 from shm_transfer.yield_signal import YieldSignal, signal_name
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import RunningStack, group_alive

@@ -13,9 +13,9 @@ import pytest
 
 from services.kit import rundirs
 from services.base.knobs import STACK_ID
-from shm_transfer.yield_signal import PAGE, YieldSignal
 from shm_transfer.errors import PoolError
 from shm_transfer.segment import owner_of, unlink_exact, unlink_if_owned
+from shm_transfer.yield_signal import PAGE, YieldSignal
 
 
 @pytest.fixture()
