@@ -429,7 +429,12 @@ def load_peak(e: EnginePlan, w: BranchWeights, itemsize: int = 2) -> int | None:
     layer's float weights (CPU-measured: tests/model/test_layerwise_load.py). None: nothing is quantised at load."""
     if e.fmt == "bf16" or e.fmt in FILE_FORMATS:
         return None
-    return w.gpu_bytes(e.fmt, itemsize) + max(w.layer_bytes("bf16", itemsize).values(), default=0)
+    return quantized_load_peak(w, e.fmt, itemsize)
+
+
+def quantized_load_peak(w: BranchWeights, fmt: str, itemsize: int = 2) -> int:
+    """`fmt`'s weights plus the largest decoder layer's float weights (what a layer-by-layer load holds at most)."""
+    return w.gpu_bytes(fmt, itemsize) + max(w.layer_bytes("bf16", itemsize).values(), default=0)
 
 
 def load_peak_line(p: Plan, e: EnginePlan) -> str | None:

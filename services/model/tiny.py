@@ -178,11 +178,17 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
 def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_shards: int = 2,
                           **llm_config) -> str:
     """`llm_config`: tiny_config's changes to the geometry."""
-    os.makedirs(out_dir, exist_ok=True)
     config = tiny_config(variant, **llm_config)
     cfg = parse_config(config)
     model = random_init_(NeoModel(cfg, "both"), seed)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in checkpoint_views(model.named_parameters())}
+    return write_checkpoint(out_dir, config, state, num_shards)
+
+
+def write_checkpoint(out_dir: str, config: dict, state: dict, num_shards: int = 2) -> str:
+    """`state` {checkpoint key: tensor} as `num_shards` safetensors files with their index, config.json and the
+    tiny tokenizer, in `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
     keys = sorted(state)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}
