@@ -443,8 +443,8 @@ def load_peak_line(p: Plan, e: EnginePlan) -> str | None:
         return None
     pool = p.process.get("kv_pool", 0) if e.name == "understanding" else 0   # fused: made before the load
     cap = e.total - e.parts.get("cuda_context", 0) + pool
-    over = "" if peak + pool <= cap else (f": OVER this engine's {gib(cap)} GiB share: serve a checkpoint converted with "
-                                   f"`u1serve convert MODEL OUT --to {e.fmt.replace('-only', '')}`")
+    # a converted checkpoint loads the same way (its tensors dequantised one at a time): no convert step helps here
+    over = "" if peak + pool <= cap else f": OVER this engine's {gib(cap)} GiB share (give it a larger share)"
     return (f"  {e.name}: load peak {gib(peak)} GiB from a float checkpoint (the {e.fmt} weights + one layer's float "
             f"weights: each layer is quantised as it loads){over}")
 
