@@ -35,6 +35,7 @@ from bench.stack import exit_status, prepare_model, run_profile, stack_args, wri
 from services.kit import sse
 from services.model import memory_plan as M
 from services.model.config import load_config
+from services.launch.cli import plan_image_limits
 from services.launch.mps import descendants
 
 PAIRS = (("int8", "int8"), ("bf16", "int8"), ("bf16", "bf16"), ("fp8-only", "fp8-only"))
@@ -207,7 +208,8 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
     for cap in args.caps:
         budget = int(cap * M.GiB)
         for und_f, gen_f in args.pairs:
-            s = M.Settings(und_format=und_f, gen_format=gen_f, max_image_side=top, itemsize=itemsize,
+            s = M.Settings(images=plan_image_limits(), und_format=und_f, gen_format=gen_f, max_image_side=top,
+                           itemsize=itemsize,
                            kv_pool_gb=0.25 if args.tiny else 16.0,
                            context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES)
             found = M.plan(cfg, s, budget, "colocate", weights)

@@ -7,6 +7,9 @@
 #             process's allocator cap): every format pair `u1serve plan` says fits; chat, 1024² and 2048² images, an
 #             edit, a short interleaved answer, the over-budget requests; peak memory per engine next to the plan
 #   cap48     the same at 48 GiB (bf16 / bf16; PAIRS48=bf16/bf16,int8/int8 adds int8 if there is time)
+#   loadpeak  (not in the default parts: --only loadpeak, ~5 minutes) int8 from a FLOAT 8B checkpoint per branch,
+#             loaded layer by layer under that engine's 24 GiB share: the measured load peak next to the plan's
+#             (bench/bench_load_peak.py; writes ~35 GB of checkpoints under $OUT/loadpeak-ckpt, removed after)
 # GGUF (Q8_0, Q4_K, a per-layer mix) is not run here: it is dequantised to bf16 at load, so its memory and speed on
 # the GPU are bf16's by construction (docs/model.md); its accuracy is bench_format_accuracy's tiny-CPU table.
 # PAIRS24 / PAIRS48 (und/gen,...) and STEPS override the defaults.
@@ -28,13 +31,13 @@ python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', t
 
 if [ "$SMOKE" = 1 ]; then
   ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2 --up-args "--default-size 64x64"); C24=4; C48=6
-  LACC=300; L24=500; L48=500
+  LP=(--tiny); LACC=300; L24=500; L48=500; LLP=120
   ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24" || echo "$ONLY")   # CI: one stack
 else
   nvidia-smi -L | tee "$OUT/gpus.txt" || true
   ACC=(--device cuda --variant u1-8b --formats int8,fp8)
   CAP=(--sizes 1024,2048 --steps "${STEPS:-8}"); C24=24; C48=48
-  LACC=120; L24=160; L48=200
+  LP=(--dir "$OUT/loadpeak-ckpt"); LACC=120; L24=160; L48=200; LLP=480
   python -m services.launch.cli tiny-checkpoint "$OUT/u1-8b" --variant u1-8b >/dev/null
   for cap in 24 48; do   # what the plan predicts, before anything runs
     python -m services.launch.cli plan --model "$OUT/u1-8b" --gpu-memory "${cap}GiB" --gpu-total "$(nvidia-smi \
@@ -45,6 +48,7 @@ fi
 run accuracy accuracy "$LACC" python -m bench.bench_format_accuracy "${ACC[@]}"
 run cap24 cap24 "$L24" python -m bench.bench_memcap "${CAP[@]}" --caps "$C24" \
   --pairs "${PAIRS24:-int8/int8}" --log-dir "$OUT/logs-cap24"
+run loadpeak loadpeak "$LLP" python -m bench.bench_load_peak "${LP[@]}"
 run cap48 cap48 "$L48" python -m bench.bench_memcap "${CAP[@]}" --caps "$C48" \
   --pairs "${PAIRS48:-bf16/bf16}" --log-dir "$OUT/logs-cap48"
 finish memcap

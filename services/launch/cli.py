@@ -221,22 +221,37 @@ def add_plan(sub) -> None:
     p.add_argument("--gpu-total", default=None, help="the card's real size when the budget is a cap on a larger "
                                                      "card (for the memory fractions; default: --gpu-memory)")
     p.add_argument("--mode", choices=["colocate", "separate"], default="colocate")
+    p.add_argument("--colocate-engines", choices=["processes", "fused"], default="processes",
+                   help="colocate: each engine its own process, or fused (one process, both engines, the KV pool's "
+                        "pages on the device: services/fused/)")
     p.add_argument("--max-image-size", type=int, default=None,
                    help="largest image side allowed (default: the checkpoint's trained maximum)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
     add_flag_of(p, EngineConfig, "kv_cache_tokens", about="understanding's --kv-cache-tokens")
-    p.add_argument("--kv-pool-gb", type=float, default=16.0, help="the shared KV pool (host memory)")
+    p.add_argument("--kv-pool-gb", type=float, default=None,
+                   help="the KV pool (default as `u1serve up` on cuda: 16, host memory; fused: 2, device memory)")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.set_defaults(func=cmd_plan)
+
+
+def plan_image_limits():
+    """The API's image limits the memory plan sizes generation by (the model layer takes them, never imports them)."""
+    from services.contract.limits import IMAGE_BLOCK, SIZE_TABLE
+    from services.model.memory_plan import ImageLimits
+    return ImageLimits(IMAGE_BLOCK, SIZE_TABLE)
 
 
 def cmd_plan(args) -> int:
     import json
 
     from services.contract.limits import IMAGE_BLOCK
+    from services.fused.launch import DEVICE_POOL_GB
     from services.generation.image_limits import checkpoint_max_tokens
     from services.model import memory_plan as M
     from services.model.config import ConfigError, load_config
+    if args.colocate_engines == "fused" and args.mode != "colocate":
+        print("u1serve plan: --colocate-engines fused is for --mode colocate", file=sys.stderr)
+        return 2
     model = ensure_tiny_checkpoint(tiny_variant(args.model)) if args.model in TINY_ALIASES else args.model
     try:
         cfg = load_config(model)
@@ -247,9 +262,10 @@ def cmd_plan(args) -> int:
         return 2
     fmt = lambda q: "bf16" if q == "none" else q   # noqa: E731
     side = args.max_image_size or int(checkpoint_max_tokens(model) ** 0.5) * IMAGE_BLOCK
-    s = M.Settings(und_format=fmt(args.und_quantization), gen_format=fmt(args.quantization), max_image_side=side,
-                   cuda_graphs=args.cuda_graphs == "on", kv_cache_tokens=args.kv_cache_tokens,
-                   kv_pool_gb=args.kv_pool_gb)
+    fused = args.colocate_engines == "fused"
+    s = M.Settings(images=plan_image_limits(), und_format=fmt(args.und_quantization), gen_format=fmt(args.quantization),
+                   max_image_side=side, cuda_graphs=args.cuda_graphs == "on", kv_cache_tokens=args.kv_cache_tokens,
+                   kv_pool_gb=args.kv_pool_gb or (DEVICE_POOL_GB if fused else 16.0), engines=args.colocate_engines)
     result = M.plan(cfg, s, budget, args.mode)
     if args.json:
         out = {k: (v.as_dict(total) if v is not None else None) for k, v in result.items() if k != "weights"}

@@ -17,6 +17,7 @@ from services.base import knobs
 from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, open_safetensors, weight_map
 from .config import NeoConfig, load_config
 from .fused_rows import fuse_projections
+from .layerwise_load import LayerwiseQuantizer, layer_of
 from .lora_spec import parse_lora_spec
 from .model import BRANCHES, NeoModel
 from .moe import checkpoint_views, expert_view, stacked_slot
@@ -56,8 +57,6 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
     (services/model/gguf_io.py)."""
     from .constants import QUANTIZATIONS
-    from .quant import quantize_model
-    from .quant_schemes import scheme
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -66,9 +65,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     if random_weights if random_weights is not None else knobs.RANDOM_WEIGHTS.get():   # full-size benchmarks
         from .tiny import build_random_model
         _check_quant_device(quantization, device, dtype)
-        model = build_random_model(cfg.raw, branch, dtype, device, tp=tp)
-        if quantization != "none":
-            quantize_model(model, quant_branches, scheme=scheme(quantization))
+        model = build_random_model(cfg.raw, branch, dtype, device, tp=tp, quantization=quantization,
+                                   quant_branches=quant_branches)
         fuse_projections(model)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
@@ -84,7 +82,8 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         for key, t in read_gguf_state(gguf_file, dict(checkpoint_views(params.items())), _expected_shapes(cfg),
                                       tp, device, dtype).items():
             _place(state, params, key, t, device, dtype)
-        return _finish_load(model, state, {}, quantization, quant_branches, lora, lora_strength, tp, model_dir, cfg)
+        return _finish_load(model, state, None, LoraMerges(model, lora, lora_strength, tp), quantization,
+                            quant_branches, model_dir, cfg)
     wm = weight_map(model_dir)
     ckpt_scheme = _checkpoint_scheme(cfg, wm)
     if quantization == "none" and ckpt_scheme is not None:
@@ -110,6 +109,12 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     handles: dict[str, object] = {}
     state = {}
     prequantized = {}   # fp8 checkpoint: name -> (q, scale) of this rank's shard
+    loras = LoraMerges(model, lora, lora_strength, tp)
+    layerwise = None    # quantised: each decoder layer as soon as its weights are read (layerwise_load.py)
+    if quantization != "none":
+        # merged adapters change the weights: those are quantised from the merged values, not the checkpoint's
+        layerwise = LayerwiseQuantizer(model, needed, quant_branches, quantization, device,
+                                       {} if loras.adapters else prequantized, loras.merge)
     for key in needed:
         path = wm[key]
         if path not in handles:
@@ -138,8 +143,10 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
                 prequantized[key[: -len(".weight")]] = (q.to(device), s.to(device))
             t = q.float() * s.view(-1, 1)
         _place(state, params, key, t, device, dtype)
-    return _finish_load(model, state, prequantized, quantization, quant_branches, lora, lora_strength, tp,
-                        model_dir, cfg)
+        del t
+        if layerwise is not None:
+            layerwise.placed(key, state)
+    return _finish_load(model, state, layerwise, loras, quantization, quant_branches, model_dir, cfg)
 
 
 def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) -> None:
@@ -155,25 +162,52 @@ def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) 
     expert_view(state[name], e, proj).copy_(t)
 
 
-def _finish_load(model: NeoModel, state: dict, prequantized: dict, quantization: str, quant_branches, lora,
-                 lora_strength: float, tp, model_dir: str, cfg: NeoConfig) -> NeoModel:
-    """Assign the weights, merge the LoRAs, quantise (from `prequantized` where the checkpoint had them)."""
+def _finish_load(model: NeoModel, state: dict, layerwise: LayerwiseQuantizer | None, loras: "LoraMerges",
+                 quantization: str, quant_branches, model_dir: str, cfg: NeoConfig) -> NeoModel:
+    """Assign the weights, merge the LoRAs, quantise. `layerwise`: the decoder layers are already merged and
+    quantised (a safetensors checkpoint); None: all of it here (GGUF, read whole by gguf_io)."""
     from .quant import quantize_model
     from .quant_schemes import scheme
-    model.load_state_dict(state, strict=True, assign=True)
-    state.clear()          # the model holds the tensors now: fusing below frees each one as it is copied
-    loras = lora_list(lora, lora_strength)
-    for path, strength in loras:
-        if lora_branches(path) & set(BRANCHES[model.branch]):
-            merge_lora(model, path, strength=strength, tp=tp)
-    if quantization != "none":
-        # merged adapters changed the weights: quantise those from the merged values
-        quantize_model(model, quant_branches, {} if loras else prequantized, scheme=scheme(quantization))
+    if layerwise is not None:
+        layerwise.finish(state)      # the weights outside the decoder layers
+        loras.merge(dict(w for w in checkpoint_views(model.named_parameters()) if layer_of(w[0]) is None))
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
+        state.clear()      # the model holds the tensors now: fusing below frees each one as it is copied
+        loras.merge(dict(checkpoint_views(model.named_parameters())))
+        if quantization != "none":
+            quantize_model(model, quant_branches, scheme=scheme(quantization))
+    loras.finish()
     fuse_projections(model)    # q|k|v, gate|up as one weight where wanted (CUDA), after every layout change
     _attach_tokenizer(model, model_dir)
     model.fingerprint = model_fingerprint(model_dir, cfg)
     model.requires_grad_(False)
     return model.eval()
+
+
+class LoraMerges:
+    """The adapters (`lora`, `lora_strength`: load_model's) that name weights of the model's branch, each read once,
+    merged into the weights handed to `merge` (all at once, or a decoder layer at a time as they load: each weight
+    gets every adapter, in order, exactly once); `finish` refuses an adapter that matched no weight."""
+
+    def __init__(self, model: NeoModel, lora, lora_strength: float, tp):
+        self.tp, self.branch, self.adapters = tp, model.branch, []
+        for path, strength in lora_list(lora, lora_strength):
+            if lora_branches(path) & set(BRANCHES[model.branch]):
+                factors = read_lora(path)
+                check_bound(path, factors, model.cfg)
+                self.adapters.append([path, strength, factors, 0])
+
+    def merge(self, params: dict) -> None:
+        """W += strength * scale * up @ down (fp32) for every weight of `params` {checkpoint key: tensor}."""
+        for a in self.adapters:
+            path, strength, factors, _ = a
+            a[3] += add_deltas(params, lora_deltas(path, params, strength, self.tp, factors=factors))
+
+    def finish(self) -> None:
+        for path, _, _, merged in self.adapters:
+            if merged == 0:
+                raise LoadError(f"LoRA file {path} matched no weight of this model (branch {self.branch!r})")
 
 
 def _check_quant_device(quantization: str, device, dtype: torch.dtype) -> None:
@@ -210,29 +244,40 @@ def _attach_tokenizer(model: NeoModel, model_dir: str) -> None:
 
 def merge_lora(model: NeoModel, path: str, strength: float = 1.0, tp: TPContext | None = None) -> int:
     """W += strength * scale * up @ down, in fp32 (`read_lora`: official or PEFT layout). Returns modules merged."""
-    merged = 0
     params = dict(checkpoint_views(model.named_parameters()))   # experts: views into the stacked tensors
-    for name, delta in lora_deltas(path, params, strength, tp, cfg=model.cfg):
-        param = params[name]
-        param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
-        merged += 1
+    merged = add_deltas(params, lora_deltas(path, params, strength, tp, cfg=model.cfg))
     if merged == 0:
         raise LoadError(f"LoRA file {path} matched no weight of this model (branch {model.branch!r})")
     return merged
 
 
+def add_deltas(params: dict, deltas) -> int:
+    """W += delta in fp32, rounded once to W's dtype, for each (name, delta) of `deltas`; returns how many."""
+    n = 0
+    for name, delta in deltas:
+        param = params[name]
+        param.data.copy_((param.data.float() + delta.to(param.device)).to(param.dtype))
+        n += 1
+    return n
+
+
+def check_bound(path: str, factors: dict, cfg: NeoConfig) -> None:
+    """Refuse an adapter any module of which is no weight of the checkpoint, either branch (the list of names: an
+    adapter that binds to nothing, or only in part, is refused rather than half applied)."""
+    unbound = unbound_modules(factors, cfg)
+    if unbound:
+        raise LoadError(f"LoRA file {path}: {len(unbound)} of its {len(factors)} modules do not bind to this "
+                        f"model: {name_list(unbound)}")
+
+
 def lora_deltas(path: str, weights: dict, strength: float = 1.0, tp: TPContext | None = None,
-                cfg: NeoConfig | None = None):
+                cfg: NeoConfig | None = None, factors: dict | None = None):
     """(name, fp32 delta of this TP rank's shard) for every `X.weight` in `weights` ({name: tensor of this rank's
-    shape}) that the adapter at `path` names. Raises LoadError on a shape mismatch, and (given the model's `cfg`)
-    when any module it names is no weight of the checkpoint, either branch (the list of names: an adapter that binds
-    to nothing, or only in part, is refused rather than half applied)."""
-    factors = read_lora(path)
+    shape}) that the adapter at `path` names (`factors`: its read_lora when already read). Raises LoadError on a
+    shape mismatch, and (given the model's `cfg`) when it does not bind (check_bound)."""
+    factors = read_lora(path) if factors is None else factors
     if cfg is not None:
-        unbound = unbound_modules(factors, cfg)
-        if unbound:
-            raise LoadError(f"LoRA file {path}: {len(unbound)} of its {len(factors)} modules do not bind to this "
-                            f"model: {name_list(unbound)}")
+        check_bound(path, factors, cfg)
     for module, (down, up, scale) in factors.items():
         name = module + ".weight"
         if name not in weights:

@@ -13,14 +13,20 @@ Every figure is derived from the code's own layout, not from a table:
 - understanding KV: ModelRunner's pool, layers x 2 x (slots + 1) x kv heads x head_dim x itemsize, the page table
   (max_running + 1) x (max_model_len + 1) int32, and the engine's own reserve for activations / CUDA graphs /
   sampling (`und_runtime_reserve`, what engine._fit_kv_cache subtracts before it sizes the KV cache);
-- the shared KV pool: host shared memory, not GPU (shm_transfer.pool.segment_bytes);
+- the shared KV pool: host shared memory, not GPU (shm_transfer.pool.segment_bytes); in the fused colocate mode
+  (`--colocate-engines fused`: one process, both engines, `--kv-transport device`) its pages are device memory,
+  allocated in understanding's share before it fits its KV cache, and the process has ONE runtime overhead;
 - generation: one job's KV buffer at the largest allowed image (capacity.py's layout: layers x 2 x (prefix +
   image tokens) x kv heads x head_dim, per CFG branch), the activations of one denoise step of that job (rows =
   image tokens x CFG branches, at most --max-batch-tokens: the widest live tensors of one decoder layer),
   the CUDA graphs' private pool (one more copy of those activations when graphs are on);
 - runtime overhead: the CUDA context + library workspaces of each process, outside torch's allocator and so
   outside `set_per_process_memory_fraction` (CUDA_CONTEXT_BYTES, an estimate the GPU run checks:
-  bench/gpu_memcap.sh).
+  bench/gpu_memcap.sh);
+- the load peak of a format quantised at load (int8 / fp8 from a float checkpoint): the quantised weights plus one
+  decoder layer's float weights (the loader quantises each layer as it reads it: layerwise_load.py).
+The API's image limits (the token block, the size table generation warms) come in from the caller (ImageLimits:
+the launcher passes services.contract.limits' values), so this model-layer module does not import the contract.
 The activation and context figures are the only estimates; weights and KV are exact (tests/model/test_memory_plan.py
 checks them against what the tiny checkpoint allocates in each format).
 """
@@ -40,6 +46,7 @@ REFERENCE_PREFIX_TOKENS = 512           # a job's text prefix (generation/capaci
 RUNTIME_FORMATS = ("bf16", "fp8", "fp8-only", "int8")   # what a GPU holds
 FILE_FORMATS = ("q8_0", "q4_k")                          # GGUF: dequantised at load
 GGUF_BYTES_PER_WEIGHT = {"q8_0": 34 / 32, "q4_k": 144 / 256}
+FUSED_POOL_GB = (1.0, 0.5)               # smaller device KV pools the fused plan tries (fewer prefixes in flight)
 IMAGE_SIDES = (4096, 3072, 2048, 1792, 1536, 1280, 1024, 768, 512)   # fallbacks the plan tries, largest first
 
 
@@ -138,9 +145,17 @@ def branch_weights(cfg, branch: str) -> BranchWeights:
 
 
 # ----------------------------------------------------------------------------------------------- engines
+@dataclass(frozen=True)
+class ImageLimits:
+    """The API's image limits the plan sizes generation by (services/contract/limits.py, passed in by the launcher)."""
+    block: int                            # pixels per image-token side (IMAGE_BLOCK)
+    sizes: tuple                          # the size table generation warms at start ((w, h), ...: SIZE_TABLE)
+
+
 @dataclass
 class Settings:
     """What a deployment runs with (the `u1serve up` flags the plan reads)."""
+    images: ImageLimits
     und_format: str = "bf16"
     gen_format: str = "bf16"
     itemsize: int = 2                     # model dtype
@@ -154,6 +169,7 @@ class Settings:
     max_model_len: int = 32768
     kv_pool_gb: float = 16.0
     kv_page_tokens: int = 64
+    engines: str = "processes"            # colocate: --colocate-engines (fused: one process, the pool on the device)
     max_batch_tokens: int = 8192          # generation's --max-batch-tokens (generation config.BATCH_TOKENS)
     context_bytes: int = CUDA_CONTEXT_BYTES
 
@@ -172,9 +188,9 @@ class EnginePlan:
         return sum(self.parts.values())
 
 
-def image_tokens(side: int) -> int:
-    from services.contract.limits import IMAGE_BLOCK
-    return (side // IMAGE_BLOCK) ** 2
+def image_tokens(side: int, block: int) -> int:
+    """Image tokens of a `side`² image with `block`-pixel tokens."""
+    return (side // block) ** 2
 
 
 def und_plan(cfg, w: BranchWeights, s: Settings, kv_tokens: int | None = None) -> EnginePlan:
@@ -192,15 +208,16 @@ def und_plan(cfg, w: BranchWeights, s: Settings, kv_tokens: int | None = None) -
     return e
 
 
-def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True) -> EnginePlan:
+def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True, pool: int = 0) -> EnginePlan:
     """What engine._fit_kv_cache does under a memory share (`capped`: colocate, U1SERVE_GPU_MEMORY_FRACTION): the
     reserve, then as many KV tokens as fit (at least UND_MIN_KV_TOKENS, at most --kv-cache-tokens). Uncapped
     (separate) the engine takes --kv-cache-tokens as given: the tokens that fit, page table included, are what
-    `--kv-cache-tokens` must say (up_flags)."""
+    `--kv-cache-tokens` must say (up_flags). `pool`: device KV pool pages allocated in this share before the fit
+    (fused: the understanding service creates the pool before its engine loads)."""
     llm = cfg.llm
     per_token = kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, s.itemsize)
     alloc_share = share - s.context_bytes           # the fraction caps torch's allocator, not the context
-    budget = alloc_share - w.gpu_bytes(s.und_format, s.itemsize)
+    budget = alloc_share - w.gpu_bytes(s.und_format, s.itemsize) - pool
     reserve = und_runtime_reserve(budget)
     fit = int((budget - reserve) // per_token)
     if not capped:      # the plan picks the flag: leave room for the page table and the scratch slot too
@@ -218,7 +235,7 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     full batch of --max-running-jobs small CFG jobs sharing --max-batch-tokens rows, each with its prefix), one
     step's activations (a job larger than --max-batch-tokens runs alone with all its rows), the CUDA graphs' pool."""
     llm = cfg.llm
-    tokens = image_tokens(side)
+    tokens = image_tokens(side, s.images.block)
     rows = max(tokens * s.edit_branches, s.max_batch_tokens)
     edit_kv = job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + 2 * tokens, s.edit_branches)
     small = max(1, s.max_batch_tokens // (s.cfg_branches * s.max_running_jobs))
@@ -253,36 +270,71 @@ class Plan:
     settings: Settings
     host_pool_bytes: int
     why: str = ""
+    process: dict[str, int] = field(default_factory=dict)   # fused: the one process's device bytes beside the engines
+    load_peaks: dict[str, int] = field(default_factory=dict)  # engine name -> its load peak (quantised at load)
+
+    @property
+    def device_total(self) -> int:
+        """What the card holds (colocate: both engines and the fused process's parts; separate: the larger card)."""
+        if self.mode != "colocate":
+            return max(self.und.total, self.gen.total)
+        return self.und.total + self.gen.total + sum(self.process.values())
 
     def as_dict(self, total: int | None = None) -> dict:
         """JSON-able; `total`: the card's bytes for the memory fractions (default: the budget)."""
-        eng = lambda e: {"format": e.fmt, "total_bytes": e.total, "parts": e.parts, "notes": e.notes}  # noqa: E731
+        eng = lambda e: {"format": e.fmt, "total_bytes": e.total, "parts": e.parts, "notes": e.notes,  # noqa: E731
+                         "load_peak_bytes": self.load_peaks.get(e.name)}
         env, argv = up_flags(self, total)
-        return {"mode": self.mode, "budget_bytes": self.budget, "max_image_side": self.side, "fits": self.fits,
-                "why": self.why, "env": env, "flags": argv, "host_kv_pool_bytes": self.host_pool_bytes,
-                "understanding": eng(self.und), "generation": eng(self.gen)}
+        return {"mode": self.mode, "colocate_engines": self.settings.engines, "budget_bytes": self.budget,
+                "max_image_side": self.side, "fits": self.fits, "why": self.why, "env": env, "flags": argv,
+                "device_total_bytes": self.device_total, "host_kv_pool_bytes": self.host_pool_bytes,
+                "process": self.process, "understanding": eng(self.und), "generation": eng(self.gen)}
 
 
-def host_pool_bytes(cfg, s: Settings) -> int:
+def fused(s: Settings, mode: str) -> bool:
+    return mode == "colocate" and s.engines == "fused"
+
+
+def pool_bytes(cfg, s: Settings, on_device: bool = False) -> tuple[int, int]:
+    """(host shared memory, device) bytes of the KV pool: its segment in host shared memory, and with
+    `on_device` (the fused mode's device transport) its pages in device memory and only the header and page table
+    in the segment (shm_transfer.pool.segment_bytes)."""
     from shm_transfer import KVLayout
     from shm_transfer.pool import segment_bytes
     llm = cfg.llm
     dtype = {2: "bfloat16", 4: "float32"}[s.itemsize]
     layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads,
                       head_dim=llm.head_dim, dtype=dtype, page_tokens=s.kv_page_tokens)
-    return segment_bytes(layout, int(s.kv_pool_gb * GiB))
+    size = int(s.kv_pool_gb * GiB)
+    host = segment_bytes(layout, size, device_pages=on_device)
+    return host, (segment_bytes(layout, size) - host if on_device else 0)
+
+
+def host_pool_bytes(cfg, s: Settings) -> int:
+    return pool_bytes(cfg, s)[0]
 
 
 def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, mode: str) -> Plan:
-    """One setting on one budget (colocate: both engines share `budget`; separate: each has a card of it)."""
+    """One setting on one budget (colocate: both engines share `budget`; separate: each has a card of it). Fused:
+    one process holds both engines, the device KV pool (in understanding's share, before its KV fit) and one
+    runtime overhead; the engines' own parts carry no context then."""
+    import dataclasses
     side = s.max_image_side
-    gen = gen_plan(cfg, weights["gen"], s, side)
+    one = fused(s, mode)
+    host, device_pool = pool_bytes(cfg, s, on_device=one)
+    process = {"kv_pool": device_pool, "cuda_context": s.context_bytes} if one else {}
+    es = dataclasses.replace(s, context_bytes=0) if one else s
+    gen = gen_plan(cfg, weights["gen"], es, side)
     colocate = mode == "colocate"
-    und = und_fit(cfg, weights["und"], s, budget - gen.total if colocate else budget, capped=colocate)
-    fits = und.fits and gen.total <= budget
-    need = gen.total + und.total if mode == "colocate" else max(gen.total, und.total)
-    why = "" if fits else f"needs {gib(need)} GiB with the smallest KV cache, for {gib(budget)} GiB"
-    return Plan(mode, budget, side, und, gen, fits, s, host_pool_bytes(cfg, s), why)
+    share = budget - gen.total - sum(process.values()) if colocate else budget
+    und = und_fit(cfg, weights["und"], es, share + device_pool, capped=colocate, pool=device_pool)
+    p = Plan(mode, budget, side, und, gen, False, s, host, process=process)
+    p.fits = und.fits and gen.total + sum(process.values()) <= budget
+    if not p.fits:
+        p.why = f"needs {gib(p.device_total)} GiB with the smallest KV cache, for {gib(budget)} GiB"
+    p.load_peaks = {e.name: peak for e, w in ((und, weights["und"]), (gen, weights["gen"]))
+                    if (peak := load_peak(e, w, s.itemsize)) is not None}
+    return p
 
 
 def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[str]]:
@@ -291,6 +343,8 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     default size is the largest), and in colocate the memory fractions on a card of `total` bytes (default: the budget): each
     engine's share of the budget less the CUDA context, which the fraction (torch's allocator cap) does not cover."""
     s, env, argv = p.settings, {}, []
+    if fused(s, p.mode):
+        argv += ["--colocate-engines", "fused", "--kv-pool-gb", f"{s.kv_pool_gb:g}"]
     if "fp8-only" in (s.gen_format, s.und_format):
         env["U1SERVE_FP8_MIN_TOKENS"] = "0"
     name = lambda f: f.replace("-only", "")   # noqa: E731
@@ -304,8 +358,7 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     if not s.cuda_graphs:
         argv += ["--cuda-graphs", "off"]
     gen_args = [f"--max-running-jobs {s.max_running_jobs}"] if s.max_running_jobs != Settings.max_running_jobs else []
-    from services.contract.limits import SIZE_TABLE
-    if any(w * h > p.side * p.side for w, h in SIZE_TABLE):    # generation warms the table at start (CUDA)
+    if any(w * h > p.side * p.side for w, h in s.images.sizes):    # generation warms the table at start (CUDA)
         gen_args.append("--warmup-table off")
         argv += ["--default-size", f"{p.side}x{p.side}"]
     if gen_args:
@@ -313,27 +366,33 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
     if p.mode == "colocate":
         total = total or p.budget
+        # each engine's share less the runtime overhead (fused: one, the process's; understanding's share holds
+        # the device pool, created before its KV fit)
         gen = (p.gen.total - p.gen.parts["cuda_context"]) / total
-        und = (p.budget - p.gen.total - p.und.parts["cuda_context"]) / total
+        und = (p.budget - p.gen.total - p.process.get("cuda_context", 0) - p.und.parts["cuda_context"]) / total
         argv += ["--gen-memory-fraction", f"{gen:.3f}", "--und-memory-fraction", f"{und:.3f}"]
     return env, argv
 
 
 def candidates(s: Settings):
     """Settings to try when the asked one does not fit, best first: the formats (each engine int8 alone, then both;
-    fp8 without its bf16 copy), CUDA graphs off, fewer running generation jobs, then smaller images."""
+    fp8 without its bf16 copy), CUDA graphs off, fewer running generation jobs, (fused: a smaller device KV pool,
+    FUSED_POOL_GB), then smaller images."""
     import dataclasses
     top = s.max_image_side
     formats = [(s.und_format, s.gen_format)]
     for pair in (("bf16", "int8"), ("int8", "bf16"), ("int8", "int8"), ("fp8-only", "fp8-only")):
         if pair not in formats:
             formats.append(pair)
+    pools = dict.fromkeys((s.kv_pool_gb,) + tuple(g for g in FUSED_POOL_GB if g < s.kv_pool_gb)
+                          if s.engines == "fused" else (s.kv_pool_gb,))
     for side in [top] + [x for x in IMAGE_SIDES if x < top]:
         for und_f, gen_f in formats:
             for graphs in dict.fromkeys((s.cuda_graphs, False)):
                 for jobs in dict.fromkeys((s.max_running_jobs, 8, 4, 2)):
-                    yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
-                                              max_image_side=side, max_running_jobs=jobs)
+                    for pool in pools:
+                        yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
+                                                  max_image_side=side, max_running_jobs=jobs, kv_pool_gb=pool)
 
 
 def plan(cfg, s: Settings, budget: int, mode: str = "colocate", weights: dict | None = None) -> dict:
@@ -364,21 +423,30 @@ def weight_table(weights: dict[str, BranchWeights], itemsize: int = 2, groups: i
     return rows
 
 
-def load_peak_note(e: EnginePlan, w: BranchWeights, itemsize: int = 2) -> str | None:
-    """A format quantised at load from a float checkpoint: the engine holds the float weights on the GPU before it
-    quantises them (services/model/loader.py), so its load peaks at those. Where that is over the engine's cap the
-    checkpoint must be converted first (measured: int8 / int8 under a 24 GiB cap on an H100 ran out of memory at
-    load, 2026-12-06)."""
+def load_peak(e: EnginePlan, w: BranchWeights, itemsize: int = 2) -> int | None:
+    """A format quantised at load from a float checkpoint: the loader quantises each decoder layer as soon as its
+    weights are read (services/model/layerwise_load.py), so the load peaks at the quantised weights plus the largest
+    layer's float weights (CPU-measured: tests/model/test_layerwise_load.py). None: nothing is quantised at load."""
     if e.fmt == "bf16" or e.fmt in FILE_FORMATS:
         return None
-    float_bytes = w.gpu_bytes("bf16", itemsize)
-    cap = e.total - e.parts.get("cuda_context", 0)
-    if float_bytes <= cap:
+    return quantized_load_peak(w, e.fmt, itemsize)
+
+
+def quantized_load_peak(w: BranchWeights, fmt: str, itemsize: int = 2) -> int:
+    """`fmt`'s weights plus the largest decoder layer's float weights (what a layer-by-layer load holds at most)."""
+    return w.gpu_bytes(fmt, itemsize) + max(w.layer_bytes("bf16", itemsize).values(), default=0)
+
+
+def load_peak_line(p: Plan, e: EnginePlan) -> str | None:
+    peak = p.load_peaks.get(e.name)
+    if peak is None:
         return None
-    scheme = e.fmt.replace("-only", "")
-    return (f"  {e.name}: loading a float checkpoint peaks at its {gib(float_bytes)} GiB of float weights, over "
-            f"this engine's {gib(cap)} GiB: convert it first (`u1serve convert MODEL OUT --to {scheme}`) and "
-            f"serve OUT")
+    pool = p.process.get("kv_pool", 0) if e.name == "understanding" else 0   # fused: made before the load
+    cap = e.total - e.parts.get("cuda_context", 0) + pool
+    # a converted checkpoint loads the same way (its tensors dequantised one at a time): no convert step helps here
+    over = "" if peak + pool <= cap else f": OVER this engine's {gib(cap)} GiB share (give it a larger share)"
+    return (f"  {e.name}: load peak {gib(peak)} GiB from a float checkpoint (the {e.fmt} weights + one layer's float "
+            f"weights: each layer is quantised as it loads){over}")
 
 
 def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
@@ -400,9 +468,15 @@ def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
         for e in (p.und, p.gen):
             parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items())
             lines.append(f"  {e.name:13} {e.fmt:8} {gib(e.total):>6} GiB = {parts}; {'; '.join(e.notes)}")
-        lines.append(f"  host shared memory: KV pool {gib(p.host_pool_bytes)} GiB (not GPU)")
-        lines += [n for n in (load_peak_note(p.und, result["weights"]["und"], itemsize),
-                              load_peak_note(p.gen, result["weights"]["gen"], itemsize)) if n]
+        if p.process:
+            lines.append(f"  fused process {gib(sum(p.process.values())):>15} GiB = KV pool pages on the device "
+                         f"{gib(p.process['kv_pool'])} (in understanding's share), cuda_context "
+                         f"{gib(p.process['cuda_context'])} (one process)")
+            lines.append(f"  device total {gib(p.device_total)} GiB; host shared memory: the KV pool's page table "
+                         f"{gib(p.host_pool_bytes)} GiB")
+        else:
+            lines.append(f"  host shared memory: KV pool {gib(p.host_pool_bytes)} GiB (not GPU)")
+        lines += [n for n in (load_peak_line(p, p.und), load_peak_line(p, p.gen)) if n]
         env, argv = up_flags(p, total)
         lines.append("  flags: " + " ".join([f"{k}={v}" for k, v in env.items()] + ["u1serve up", shlex.join(argv)]))
     return "\n".join(lines) + "\n"

@@ -387,34 +387,40 @@ def quantize_model(model, branches=("gen",), prequantized: dict | None = None,
     quantised."""
     sch = scheme or FP8_SCHEME
     policy = policy or sch.policy(model.device)
+    return sum(quantize_layer(layer, i, branches, prequantized, policy, sch)
+               for i, layer in enumerate(model.language_model.model.layers))
+
+
+def quantize_layer(layer, i: int, branches, prequantized: dict | None, policy: GemmPolicy, sch: Scheme) -> int:
+    """quantize_model's swap for decoder layer `i` alone (the loader quantises each layer as soon as its weights
+    are in place: services/model/layerwise_load.py). Returns the Linear layers now running quantised."""
     pre = prequantized or {}
     n = 0
-    for i, layer in enumerate(model.language_model.model.layers):
-        prefix = f"language_model.model.layers.{i}."
-        for b in branches:
-            sfx = BRANCH_SUFFIX[b]
-            attn, mlp = layer.self_attn, getattr(layer, "mlp" + sfx, None)
-            qkv = [x + sfx for x in ("q_proj", "k_proj", "v_proj")]
-            if hasattr(attn, qkv[0]) and all(fp8_eligible(getattr(attn, x)) for x in qkv):
-                attn_pre = prefix + "self_attn."
-                setattr(attn, "qkv_proj" + sfx, sch.qkv(_fp8_layer(sch, attn, qkv[:1], attn_pre, pre, policy),
-                                                        _fp8_layer(sch, attn, qkv[1:], attn_pre, pre, policy)))
-                for x in qkv:
-                    delattr(attn, x)
-                attn.fused.pop(sfx, None)        # a bf16 q|k|v fused at load (model/fused_rows.py) goes with them
-                _quantize_norm(sch, layer, "input_layernorm" + sfx, policy)
-                n += 3
-            o = "o_proj" + sfx
-            if hasattr(attn, o) and fp8_eligible(getattr(attn, o)):
-                setattr(attn, o, _fp8_layer(sch, attn, [o], prefix + "self_attn.", pre, policy))
-                n += 1
-            if isinstance(mlp, SwiGLU) and all(fp8_eligible(getattr(mlp, x)) for x in _MLP):
-                mlp_pre = f"{prefix}mlp{sfx}."
-                gate_up = _fp8_layer(sch, mlp, ["gate_proj", "up_proj"], mlp_pre, pre, policy)
-                down = _fp8_layer(sch, mlp, ["down_proj"], mlp_pre, pre, policy)
-                setattr(layer, "mlp" + sfx, sch.swiglu(gate_up, down))
-                _quantize_norm(sch, layer, "post_attention_layernorm" + sfx, policy)
-                n += 3
+    prefix = f"language_model.model.layers.{i}."
+    for b in branches:
+        sfx = BRANCH_SUFFIX[b]
+        attn, mlp = layer.self_attn, getattr(layer, "mlp" + sfx, None)
+        qkv = [x + sfx for x in ("q_proj", "k_proj", "v_proj")]
+        if hasattr(attn, qkv[0]) and all(fp8_eligible(getattr(attn, x)) for x in qkv):
+            attn_pre = prefix + "self_attn."
+            setattr(attn, "qkv_proj" + sfx, sch.qkv(_fp8_layer(sch, attn, qkv[:1], attn_pre, pre, policy),
+                                                    _fp8_layer(sch, attn, qkv[1:], attn_pre, pre, policy)))
+            for x in qkv:
+                delattr(attn, x)
+            attn.fused.pop(sfx, None)        # a bf16 q|k|v fused at load (model/fused_rows.py) goes with them
+            _quantize_norm(sch, layer, "input_layernorm" + sfx, policy)
+            n += 3
+        o = "o_proj" + sfx
+        if hasattr(attn, o) and fp8_eligible(getattr(attn, o)):
+            setattr(attn, o, _fp8_layer(sch, attn, [o], prefix + "self_attn.", pre, policy))
+            n += 1
+        if isinstance(mlp, SwiGLU) and all(fp8_eligible(getattr(mlp, x)) for x in _MLP):
+            mlp_pre = f"{prefix}mlp{sfx}."
+            gate_up = _fp8_layer(sch, mlp, ["gate_proj", "up_proj"], mlp_pre, pre, policy)
+            down = _fp8_layer(sch, mlp, ["down_proj"], mlp_pre, pre, policy)
+            setattr(layer, "mlp" + sfx, sch.swiglu(gate_up, down))
+            _quantize_norm(sch, layer, "post_attention_layernorm" + sfx, policy)
+            n += 3
     return n
 
 

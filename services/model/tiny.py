@@ -75,7 +75,8 @@ def full_config(variant: str) -> dict:
     return _finish(top, llm, vision)
 
 
-def tiny_config(variant: str) -> dict:
+def tiny_config(variant: str, **llm_config) -> dict:
+    """The tiny geometry of `variant`; `llm_config`: values of llm_config to change (a test's own geometry)."""
     top, llm, vision = copy.deepcopy(_TOP), copy.deepcopy(_LLM_8B), copy.deepcopy(_VISION)
     llm.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=len(SPECIAL_TOKENS) + 256,
@@ -88,6 +89,7 @@ def tiny_config(variant: str) -> dict:
                    gen_num_experts_per_tok=2, gen_moe_intermediate_size=32, rope_theta=10000000.0)
     elif variant != "u1":
         raise ValueError(f"variant must be one of {VARIANTS}")
+    llm.update(llm_config)
     return _finish(top, llm, vision)
 
 
@@ -140,30 +142,55 @@ def random_init_(model: NeoModel, seed: int = 0, std: float = 0.02) -> NeoModel:
 
 
 def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16, device="cpu", seed: int = 0,
-                       tp=None) -> NeoModel:
-    """A model of any geometry with random weights, built directly on `device` (for benchmarks)."""
+                       tp=None, quantization: str = "none", quant_branches=("gen",)) -> NeoModel:
+    """A model of any geometry with random weights, built directly on `device` (for benchmarks). `quantization`
+    ("fp8" / "int8"): the layers of `quant_branches` quantised one decoder layer at a time as they are made
+    (layerwise_load.py: the device never holds all of their float weights), the same values as quantising after."""
     cfg = parse_config(config)
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
-    model = model.to(dtype).to_empty(device=device)   # dtype on meta: no fp32 copy (A3B und is 61 GB in bf16)
+    model = model.to(dtype)     # dtype on meta: no fp32 copy (A3B und is 61 GB in bf16)
     g = torch.Generator(device=device).manual_seed(seed)
+    names = [n for n, _ in model.named_parameters()]
+    layerwise = None
+    if quantization != "none":
+        from .layerwise_load import LayerwiseQuantizer
+        layerwise = LayerwiseQuantizer(model, names, quant_branches, quantization, device)
+    state = {}
     with torch.no_grad():
-        for p in model.parameters():  # fast on-device init; values are irrelevant for timing
-            if p.dim() > 1:
-                p.normal_(0, 0.02, generator=g)
+        for name, p in list(model.named_parameters()):  # fast on-device init; values are irrelevant for timing
+            t = torch.empty(p.shape, dtype=dtype, device=device)
+            if t.dim() > 1:
+                t.normal_(0, 0.02, generator=g)
             else:
-                p.fill_(1.0)
+                t.fill_(1.0)
+            state[name] = t
+            del t
+            if layerwise is not None:
+                layerwise.placed(name, state)
+    if layerwise is not None:
+        layerwise.finish(state)
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
     model.fingerprint = cfg.fingerprint
     model.requires_grad_(False)
     return model.eval()
 
 
-def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_shards: int = 2) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    config = tiny_config(variant)
+def write_tiny_checkpoint(out_dir: str, variant: str = "u1", seed: int = 0, num_shards: int = 2,
+                          **llm_config) -> str:
+    """`llm_config`: tiny_config's changes to the geometry."""
+    config = tiny_config(variant, **llm_config)
     cfg = parse_config(config)
     model = random_init_(NeoModel(cfg, "both"), seed)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in checkpoint_views(model.named_parameters())}
+    return write_checkpoint(out_dir, config, state, num_shards)
+
+
+def write_checkpoint(out_dir: str, config: dict, state: dict, num_shards: int = 2) -> str:
+    """`state` {checkpoint key: tensor} as `num_shards` safetensors files with their index, config.json and the
+    tiny tokenizer, in `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
     keys = sorted(state)
     shards = [keys[i::num_shards] for i in range(num_shards)]
     weight_map = {}

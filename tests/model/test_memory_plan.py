@@ -1,7 +1,8 @@
 """The memory plan's exact figures (services/model/memory_plan.py) against what the code really allocates on the tiny
 checkpoint: each engine's weights loaded in every format (float, fp8 with and without its model-dtype copy, int8,
 GGUF Q8_0 / Q4_K and a per-layer GGUF mix), the understanding KV pool and page table, generation's job KV buffer,
-the shared KV pool's segment; and `u1serve plan` on the 8B config alone (no weights)."""
+the shared KV pool's segment (host shared memory, or the fused mode's pages on the device); and `u1serve plan` on the
+8B config alone (no weights), in the two-process and the fused colocate mode."""
 import json
 import os
 import subprocess
@@ -11,12 +12,14 @@ import uuid
 import pytest
 import torch
 
+from services.launch.cli import plan_image_limits
 from services.model import memory_plan as M
 from services.model.config import load_config
 from services.model.convert import convert_checkpoint
 from services.model.loader import load_model
 
 ITEMSIZE = 4      # float32 on the CPU
+LIMITS = plan_image_limits()      # the API's image limits, as the launcher passes them
 
 
 def _device_bytes(model) -> int:
@@ -87,7 +90,7 @@ def test_understanding_kv_pool_and_page_table(tiny):
     from services.understanding.model_runner import ModelRunner
     path, cfg, weights = tiny
     model = load_model(path, branch="und", dtype=torch.float32)
-    s = M.Settings(itemsize=ITEMSIZE, kv_cache_tokens=300, max_running=5, max_model_len=200)
+    s = M.Settings(images=LIMITS, itemsize=ITEMSIZE, kv_cache_tokens=300, max_running=5, max_model_len=200)
     runner = ModelRunner(model, s.kv_cache_tokens, s.max_running, s.max_model_len, "cpu", torch.float32, warmup=False)
     plan = M.und_plan(cfg, weights["und"], s)
     assert runner.kv_pool.nbytes == plan.parts["kv_cache"]
@@ -102,27 +105,38 @@ def test_generation_job_kv_is_capacity_s_reference_job(tiny):
     model = load_model(path, branch="gen", dtype=torch.float32)
     measured = capacity.measure(model, torch.device("cpu"), world=1)
     assert M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 1024, 2) == measured["job_kv_bytes"]
-    s = M.Settings(itemsize=ITEMSIZE)
+    s = M.Settings(images=LIMITS, itemsize=ITEMSIZE)
     edit = M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 2 * 4096, 3)
     assert M.gen_plan(cfg, weights["gen"], s, side=2048).parts["job_kv"] == edit
     small = M.gen_plan(cfg, weights["gen"], s, side=256).parts["job_kv"]     # 16 jobs of 256 rows
     assert small == 16 * M.job_kv_bytes(cfg.llm, ITEMSIZE, M.REFERENCE_PREFIX_TOKENS + 64, 2)
 
 
-def test_shared_pool_segment(tiny):
+@pytest.mark.parametrize("transport", ["shm", "device"])
+def test_shared_pool_segment(tiny, transport):
+    """The pool as the understanding service creates it: with the shm transport all of it in the host segment; with
+    the fused mode's device transport the pages are a tensor on the device (here the CPU) and the segment keeps the
+    header and page table: the plan's host and device figures."""
     from shm_transfer import KVLayout
-    from shm_transfer.pool import ShmKVPool
+    from shm_transfer import device_pages
+    from shm_transfer.producer import create_producer
     _, cfg, _ = tiny
-    s = M.Settings(itemsize=ITEMSIZE, kv_pool_gb=0.01)
+    s = M.Settings(images=LIMITS, itemsize=ITEMSIZE, kv_pool_gb=0.01)
     llm = cfg.llm
     layout = KVLayout(num_layers=llm.num_hidden_layers, num_kv_heads=llm.num_key_value_heads, head_dim=llm.head_dim,
                       dtype="float32", page_tokens=s.kv_page_tokens)
     name = f"u1kv-test-plan-{uuid.uuid4().hex[:10]}"
-    with ShmKVPool.create(name, layout, int(s.kv_pool_gb * M.GiB), "fp") as pool:
-        try:
-            assert os.fstat(pool._seg.fd).st_size == M.host_pool_bytes(cfg, s)
-        finally:
-            pool.unlink()
+    host, device = M.pool_bytes(cfg, s, on_device=transport == "device")
+    t = create_producer(transport, name, layout, int(s.kv_pool_gb * M.GiB), "fp",
+                        **({"device": "cpu"} if transport == "device" else {}))
+    try:
+        assert os.fstat(t.pool._seg.fd).st_size == host
+        pages = device_pages.lookup(name, t.pool.generation)
+        assert (0 if pages is None else pages.nbytes) == device
+        assert (device > 0) == (transport == "device")
+    finally:
+        t.pool.unlink()
+        t.close()
 
 
 def test_plan_of_the_8b_config_alone(tmp_path):
@@ -152,18 +166,72 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     assert sum(e["total_bytes"] for e in eng) <= 24 * M.GiB
 
 
-def test_a_format_quantised_at_load_says_when_the_float_load_is_over_the_cap(tmp_path):
-    """int8 from a float checkpoint loads the float weights first: under a 24 GiB colocated cap that is over each
-    engine's share (an H100 run ran out of memory there at load), so the plan says to convert first; bf16 at 48 GiB
-    needs no such step."""
+def _plan_8b(tmp_path, *args) -> dict:
     from services.model.tiny import write_full_config
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    run = lambda cap: subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d,  # noqa: E731
-                                      "--gpu-memory", cap], capture_output=True, text=True, env=env, timeout=120)
-    out24, out48 = run("24GiB"), run("48GiB")
-    assert out24.returncode == 0 and out48.returncode == 0, out24.stderr + out48.stderr
+    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d, *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout) if "--json" in args else proc.stdout
+
+
+def test_int8_from_a_float_checkpoint_loads_within_its_share(tmp_path):
+    """The loader quantises each layer as it reads it (layerwise_load.py), so int8 from a float checkpoint peaks at
+    the int8 weights + one layer's float weights: within each engine's 24 GiB colocated share, no convert step."""
+    out = _plan_8b(tmp_path, "--gpu-memory", "24GiB", "--json")
+    fix = out["fix"]
+    for engine, branch in (("understanding", "und"), ("generation", "gen")):
+        e = fix[engine]
+        assert e["format"] == "int8"
+        sizes = {(r["branch"], r["format"]): r for r in out["weights"]}
+        layer = max(sizes[(branch, "bf16")]["layer_groups"].values())     # a group is >= one layer
+        int8 = sizes[(branch, "int8")]["gpu_bytes"]
+        assert int8 < e["load_peak_bytes"] < int8 + layer
+        assert e["load_peak_bytes"] < e["total_bytes"] - e["parts"]["cuda_context"]
+    text = _plan_8b(tmp_path, "--gpu-memory", "24GiB")
+    assert "understanding: load peak" in text and "generation: load peak" in text, text
+    assert "convert" not in text and "OVER" not in text, text
+
+
+def test_load_peak_is_the_quantised_weights_and_one_float_layer(tiny):
+    _, cfg, weights = tiny
+    w = weights["gen"]
+    e = M.gen_plan(cfg, w, M.Settings(images=LIMITS, itemsize=ITEMSIZE, gen_format="int8"), side=256)
+    per_layer = w.layer_bytes("bf16", ITEMSIZE)
+    assert M.load_peak(e, w, ITEMSIZE) == w.gpu_bytes("int8", ITEMSIZE) + max(per_layer.values())
+    bf16 = M.gen_plan(cfg, w, M.Settings(images=LIMITS, itemsize=ITEMSIZE), side=256)
+    assert M.load_peak(bf16, w, ITEMSIZE) is None
+
+
+def test_fused_plan_puts_the_pool_on_the_device_and_one_context(tmp_path):
+    """--colocate-engines fused: the engines' lines stay (without a context each), the device KV pool (2 GiB, in
+    understanding's share: it is made before understanding fits its KV cache) and ONE runtime overhead are the
+    process's; the fractions and that one context sum to the cap."""
+    two = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--json")["asked"]
+    one = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--colocate-engines", "fused",
+                   "--json")["asked"]
+    assert two["fits"] and one["fits"] and one["colocate_engines"] == "fused"
+    assert two["process"] == {} and "--colocate-engines" not in two["flags"]
+    assert one["process"]["cuda_context"] == M.CUDA_CONTEXT_BYTES
+    pool = one["process"]["kv_pool"]
+    assert 1.99 * M.GiB < pool <= 2 * M.GiB                               # DEVICE_POOL_GB's whole pages
+    assert one["host_kv_pool_bytes"] < 16 * M.MiB < two["host_kv_pool_bytes"]   # the page table only
     for engine in ("understanding", "generation"):
-        assert f"{engine}: loading a float checkpoint peaks at" in out24.stdout, out24.stdout
-    assert "u1serve convert MODEL OUT --to int8" in out24.stdout
-    assert "loading a float checkpoint" not in out48.stdout, out48.stdout
+        assert one[engine]["parts"]["cuda_context"] == 0
+        assert one[engine]["parts"]["weights"] == two[engine]["parts"]["weights"]
+    assert one["generation"]["total_bytes"] == two["generation"]["total_bytes"] - M.CUDA_CONTEXT_BYTES
+    total = one["understanding"]["total_bytes"] + one["generation"]["total_bytes"] + pool + M.CUDA_CONTEXT_BYTES
+    assert one["device_total_bytes"] == total <= 48 * M.GiB
+    # one context less and the pool more than two processes: understanding's KV differs by the difference
+    kv = lambda p: p["understanding"]["parts"]["kv_cache"]   # noqa: E731
+    assert abs((kv(one) - kv(two)) - (M.CUDA_CONTEXT_BYTES - pool)) < 64 * M.MiB
+    flags = one["flags"]
+    value = lambda name: flags[flags.index(name) + 1]   # noqa: E731
+    assert value("--colocate-engines") == "fused" and value("--kv-pool-gb") == "2"
+    fractions = float(value("--gen-memory-fraction")) + float(value("--und-memory-fraction"))
+    assert abs(fractions * 80 + M.CUDA_CONTEXT_BYTES / M.GiB - 48) <= 0.08        # two 3-digit fractions of 80
+    und_share = float(value("--und-memory-fraction")) * 80 * M.GiB
+    assert und_share >= one["understanding"]["total_bytes"] + pool - 0.001 * 80 * M.GiB   # the pool is in its share
+    text = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--colocate-engines", "fused")
+    assert "fused process" in text and "(one process)" in text, text
