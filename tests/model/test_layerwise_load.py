@@ -69,6 +69,15 @@ def test_layerwise_equals_quantize_after_load(tiny_dir, fmt):
         _same(load_model(tiny_dir, branch, quantization=fmt), _after_load(tiny_dir, branch, fmt))
 
 
+def test_layerwise_equals_quantize_after_load_with_experts(tmp_path):
+    """A3B: several checkpoint keys (one per expert) fill one stacked parameter of a layer."""
+    from services.model.tiny import write_tiny_checkpoint
+    d = write_tiny_checkpoint(str(tmp_path), "a3b", seed=0)
+    for fmt in ("int8", "fp8"):
+        for branch in ("gen", "und"):
+            _same(load_model(d, branch, quantization=fmt), _after_load(d, branch, fmt))
+
+
 def test_layerwise_outputs_identical(tiny_dir):
     from services.contract.image import SamplerParams
     from services.model import reference as R
