@@ -197,7 +197,7 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
     it never mixes an old prefix with new denoising weights, or the reverse. Each compared with the same request
     run alone (batching changes the bits on CPU, so the in-flight ones run alone too)."""
     with client(stack) as c, cf.ThreadPoolExecutor(3) as pool:
-        first, second = (lambda: image(c, 21, steps=16, size="128x128")), (lambda: image(c, 22, steps=4))
+        first, second = (lambda: image(c, 21, steps=40, size="128x128")), (lambda: image(c, 22, steps=4))
         old = (first(), second())
 
         def upload():
@@ -205,7 +205,7 @@ def test_requests_in_flight_see_one_version_and_upload_reverts(stack, files):
                 return c.post("/v1/rl/weights/upload", params={"version": "v2"}, content=f.read(),
                               headers={"content-type": "application/octet-stream"})
         f1 = pool.submit(first)
-        wait_until(lambda: _health(stack.gen_port)["running"] >= 1, 60, interval=0.02)
+        wait_until(lambda: _health(stack.gen_port)["running"] >= 1, 60, interval=0.02)   # 40 steps: a wide window
         fu = pool.submit(upload)
         wait_until(lambda: _health(stack.und_port)["weights_version"] == "v2", 60, interval=0.02)
         f2 = pool.submit(second)        # understanding has committed, generation may still drain
