@@ -37,6 +37,10 @@ TARGETS = {"chat_p50_s": 0.6, "chat_p99_s": 1.5, "images_share": 0.95}
 async def _image(http: httpx.AsyncClient, args, cache: dict | None) -> dict:
     body = {"prompt": "a lighthouse at dusk", "size": args.cache_size, "num_inference_steps": args.cache_steps,
             "seed": 7, **({"cache": cache} if cache else {})}
+    return await _timed_image(http, body)
+
+
+async def _timed_image(http: httpx.AsyncClient, body: dict) -> dict:
     t0 = time.monotonic()
     r = await http.post("/v1/images/generations", json=body)
     r.raise_for_status()
@@ -60,15 +64,32 @@ def measure_for(name: str, args):
         async with httpx.AsyncClient(base_url=base, timeout=600) as http:
             cached = await _image(http, args, {"mode": "first_block", "threshold": args.cache_threshold})
             exact = await _image(http, args, None)
+            alone = await _alone(http, args)
         return {"chat_p50_s": summary["chat_p50_s"], "chat_p99_s": summary["chat_p99_s"],
                 "chat_steady_p50_s": steady[0], "chat_steady_p99_s": steady[1],
                 "chat_tokens_mean": summary["chat_tokens_mean"], "images_per_min": summary["images_per_min"],
                 "requests": summary["requests"], "count_5xx": summary["count_5xx"], "codes_5xx": summary["codes_5xx"],
-                "by_kind": summary["by_kind"], "qos": qos, "gil": gil,
+                "by_kind": summary["by_kind"], "qos": qos, "gil": gil, "alone": alone,
                 "engines": (state.get("colocate_engines") or {}).get("engines", "processes"),
                 "cache": {"cached_s": cached["seconds"], "exact_s": exact["seconds"], "reused_steps": cached["reused"],
                           "branch_steps": cached["branch_steps"]}}
     return measure
+
+
+async def _alone(http: httpx.AsyncClient, args, runs: int = 3) -> dict:
+    """The load's image (its size and steps) and one chat of --max-tokens tokens, each alone on the idle stack,
+    median of `runs`: the floors the loaded figures are read against (issue 38: the image alone <= 0.30 s)."""
+    images, chats = [], []
+    for i in range(runs):
+        body = {"prompt": "a red kite over hills", "size": args.size, "num_inference_steps": args.steps, "seed": i}
+        images.append((await _timed_image(http, body))["seconds"])
+        t0 = time.monotonic()
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": f"count to ten, {i}"}],
+            "max_tokens": args.max_tokens, "ignore_eos": True})
+        r.raise_for_status()
+        chats.append(time.monotonic() - t0)
+    return {"image_s": sorted(images)[runs // 2], "chat_s": sorted(chats)[runs // 2]}
 
 
 def fused_stats(state: dict) -> dict | None:
@@ -137,8 +158,8 @@ def table(results: dict, args) -> str:
              "", "| profile | GPU sharing | yield gate | chat p50 / p99 s | after the first "
              f"{args.settle_s:g} s | images/min (vs first) | 5xx | "
              "step cache: reused steps, s cached / exact | targets (p50 <= 0.6, p99 <= 1.5, images >= 95 %) | "
-             "engines | fused: engine loops under load, GIL probe |",
-             "|---|---|---|---|---|---|---:|---|---|---|---|"]
+             "alone: image / chat s | engines | fused: engine loops under load, GIL probe |",
+             "|---|---|---|---|---|---|---:|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | | |")
@@ -150,6 +171,7 @@ def table(results: dict, args) -> str:
                      f"{fmt(r.get('chat_steady_p50_s'))} / {fmt(r.get('chat_steady_p99_s'))} | {fmt(r['images_per_min'], '.1f')} "
                      f"({fmt(100 * r['images_share'] if r['images_share'] is not None else None, '.0f')} %) | "
                      f"{r['count_5xx']} | {c['reused_steps']}, {fmt(c['cached_s'])} / {fmt(c['exact_s'])} | {met} | "
+                     f"{fmt((r.get('alone') or {}).get('image_s'))} / {fmt((r.get('alone') or {}).get('chat_s'))} | "
                      f"{r.get('engines', 'processes')} | {gil_cell(r.get('gil'))} |")
     return "\n".join(lines) + "\n"
 

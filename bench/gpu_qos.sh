@@ -11,6 +11,7 @@
 #   QOS_PROFILES=colocate-1-mps-nogate,colocate-1 bash bench/gpu_qos.sh   # other sides (bench/stack.py PROFILES)
 #   QOS_UP_ARGS="--gen-sm-percent 70" QOS_PROFILES=colocate-1 bash bench/gpu_qos.sh   # one side, other flags
 #   QOS_PROFILES=colocate-1,colocate-1-fused bash bench/gpu_qos.sh   # fused engines (issue 38): + GIL under load
+#   QOS_DURATION=90 QOS_TIMEOUT=540 bash bench/gpu_qos.sh                  # a shorter load, another limit
 #   bash bench/gpu_qos.sh --smoke                                    # CPU, tiny checkpoint: checks the script
 #
 # Writes $OUT/qos.md, $OUT/qos.json and the stacks' logs under $OUT/qos-logs; OUT defaults to ./out.
@@ -31,7 +32,7 @@ fi
 nvidia-smi -L | tee "$OUT/gpus.txt" || true
 python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" | tee "$OUT/env.txt"
 # the load's size warmed up too (the default warm-up covers 2048² only), so no side pays a cold first request
-timeout 570 python -m bench.bench_qos --profiles "${QOS_PROFILES:-colocate-1-timeslice,colocate-1}" \
-  --clients 64 --duration 120 --startup-timeout 150 \
+timeout "${QOS_TIMEOUT:-570}" python -m bench.bench_qos --profiles "${QOS_PROFILES:-colocate-1-timeslice,colocate-1}" \
+  --clients 64 --duration "${QOS_DURATION:-120}" --startup-timeout 150 \
   --up-args "--gen-args '--warmup-sizes 1024x1024' ${QOS_UP_ARGS:-}" \
   --log-dir "$OUT/qos-logs" --json "$OUT/qos.json" --markdown "$OUT/qos.md"

@@ -34,6 +34,7 @@ PROFILES = {  # name -> u1serve up flags
     "colocate-1-fused": "--mode colocate --und-gpus 0 --colocate-engines fused",
     # and generation's stream in a CUDA green context of 75 % of the SMs (services/model/streams.py)
     "colocate-1-fused-green75": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 75",
+    "colocate-1-fused-green50": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 50",
     "colocate-1-mps-nogate": "--mode colocate --und-gpus 0 --gpu-sharing mps --qos-yield-share 0",
     "colocate-1-mps": "--mode colocate --und-gpus 0 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing mps",
