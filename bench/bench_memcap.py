@@ -166,7 +166,9 @@ def measure_fn(args, setting: dict):
         with open(os.path.join(run_dir, "stack.json")) as f:
             state = json.load(f)
         pids = {k: v["pid"] for k, v in state["services"].items() if k != "gateway"}
-        urls = {k: v["health_url"].rsplit("/health", 1)[0] for k, v in state["services"].items()}
+        urls = {k: v.rsplit("/health", 1)[0] for k, v in {   # fused: the engines' servers inside the one process
+            **{k: v["health_url"] for k, v in state["services"].items()},
+            **(state.get("colocate_engines") or {}).get("health_urls", {})}.items()}
         sampler = PeakSampler(pids, gpu=not args.tiny)
         sampler.start()
         side, steps, (a, b) = setting["side"], args.steps, args.sizes
@@ -204,17 +206,19 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
     from services.generation.image_limits import max_image_tokens
     top = int(max_image_tokens(cfg) ** 0.5) * IMAGE_BLOCK
     itemsize = 4 if args.tiny else 2
+    from services.fused.launch import DEVICE_POOL_GB
     out = []
     for cap in args.caps:
         budget = int(cap * M.GiB)
         for und_f, gen_f in args.pairs:
             s = M.Settings(images=plan_image_limits(), und_format=und_f, gen_format=gen_f, max_image_side=top,
                            itemsize=itemsize,
-                           kv_pool_gb=0.25 if args.tiny else 16.0,
+                           kv_pool_gb=(0.25 if args.tiny else DEVICE_POOL_GB if args.engines == "fused"
+                                       else 16.0), engines=args.engines,
                            context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES)
             found = M.plan(cfg, s, budget, "colocate", weights)
             p = found["asked"] if found["asked"].fits else found["fix"]
-            label = f"cap{cap:g}-{und_f}-{gen_f}"
+            label = f"cap{cap:g}-{und_f}-{gen_f}" + ("-fused" if args.engines == "fused" else "")
             if p is None or (p.settings.und_format, p.settings.gen_format) != (und_f, gen_f):
                 out.append({"label": label, "cap_gib": cap, "pair": [und_f, gen_f], "fits": False,
                             "why": found["asked"].why})
@@ -224,7 +228,7 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
                 argv = argv[:argv.index("--gen-memory-fraction")] if "--gen-memory-fraction" in argv else argv
             out.append({"label": label, "cap_gib": cap, "pair": [und_f, gen_f], "fits": True, "side": p.side,
                         "graphs": p.settings.cuda_graphs, "env": env, "argv": argv,
-                        "plan_bytes": {"und": p.und.total, "gen": p.gen.total}})
+                        "plan_bytes": {"und": p.und.total, "gen": p.gen.total, "process": sum(p.process.values())}})
     return out
 
 
@@ -252,8 +256,10 @@ def table(results: dict) -> str:
         pk, pl = r["peak_bytes"], r["plan_bytes"]
         a, b = (k for k in r if k.startswith("image-"))
         over = ", ".join(f"{k} {v.get('status')}" for k, v in r["over_budget"].items())
-        lines.append(head + f"| {st['side']} | {M.gib(pk.get('und', 0))} ({M.gib(pl['und'])}) | "
-                     f"{M.gib(pk.get('gen', 0))} ({M.gib(pl['gen'])}) | {r['chat'].get('tokens_per_s', '-')} | "
+        und_cell = (f"{M.gib(pk.get('und', 0))} ({M.gib(pl['und'])})" if "fused" not in pk else
+                    f"fused process {M.gib(pk['fused'])} ({M.gib(pl['und'] + pl['gen'] + pl.get('process', 0))})")
+        gen_cell = f"{M.gib(pk.get('gen', 0))} ({M.gib(pl['gen'])})" if "fused" not in pk else "(in the fused process)"
+        lines.append(head + f"| {st['side']} | {und_cell} | {gen_cell} | {r['chat'].get('tokens_per_s', '-')} | "
                      f"{r[a]['s_per_step'] if r[a].get('status') == 200 else r[a].get('status')} | "
                      f"{r[b]['s_per_step'] if r[b].get('status') == 200 else r[b].get('status')} | "
                      f"{r['edit']['s']} ({r['edit'].get('status')}) | {r['interleave']['s']} "
@@ -269,6 +275,9 @@ def main() -> None:
     p.add_argument("--sizes", default="1024,2048")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument("--engines", choices=["processes", "fused"], default="processes",
+                   help="colocate: two processes, or both engines in one (--colocate-engines fused: the KV pool in "
+                        "device memory, peak memory per process: the fused column holds both engines)")
     args = p.parse_args()
     args.caps = [float(x) for x in args.caps.split(",")]
     args.pairs = [tuple(x.split("/")) for x in args.pairs.split(",")]

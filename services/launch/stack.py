@@ -472,6 +472,8 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         specs = under_mps(specs, mps)
     if engines["engines"] == "fused":
         from services.fused.launch import fuse
+        # both engines keep their own servers (ports) inside the one process: stack.json names them
+        engines = {**engines, "health_urls": {s.name: s.health_url for s in specs if s.name in ("und", "gen")}}
         specs = fuse(specs, placement, shlex.split(args.fused_args or ""), args.gen_sm_percent)
     shm = pools + ([ctx["yield_page"]] if ctx["yield_page"] else [])   # ours unlinked at stop, whoever died how
     stack = Stack(specs, out=out, log_dir=None if dry_run else os.path.join(run_dir, "logs"), shm_names=shm,

@@ -1,4 +1,5 @@
-"""bench/gpu_memcap.sh's CPU smoke (tiny checkpoint): the accuracy part and one capped colocated stack fill every
+"""bench/gpu_memcap.sh's CPU smoke (tiny checkpoint): the accuracy part and one capped colocated stack (and the same
+with both engines in one process, `--colocate-engines fused`) fill every
 figure the GPU run reports: per request kind a result, the over-budget requests refused with a clear 4xx (a size over
 the plan's limit, a prompt over the context) or served, the engines still up afterwards, the peak memory of each
 engine next to the plan's prediction."""
@@ -31,3 +32,9 @@ def test_gpu_memcap_smoke_fills_every_part(tmp_path):
     assert over["four-largest"]["status"] == 200
     assert r["engines_up_after"] is True
     assert (tmp_path / "cap24.md").read_text().count("| 4 GiB | int8 / int8 |") == 1
+    fused = data["cap24fused"]["results"][LABEL + "-fused"]
+    for kind in ("chat", "image-64", "image-128", "edit", "interleave"):
+        assert fused[kind]["status"] == 200, (kind, fused[kind])
+    assert fused["over_budget"]["prompt-over-kv"]["status"] == 400 and fused["engines_up_after"] is True
+    assert set(fused["peak_bytes"]) == {"fused"} and fused["peak_bytes"]["fused"] > 0
+    assert "fused process" in (tmp_path / "cap24fused.md").read_text()
