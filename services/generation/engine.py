@@ -26,6 +26,7 @@ from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
 from services.model import row_blocks, sampler
 from services.model.lora_batched import lora_rows
+from services.model.moe import SparseMoE
 from services.model.quant import fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
@@ -113,6 +114,7 @@ class Engine:
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
+        self._dense = not any(isinstance(m, SparseMoE) for m in model.modules())
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[KvImportStats]]:
@@ -192,17 +194,27 @@ class Engine:
             job.free()
 
     # -- one step --------------------------------------------------------------------------------
+    def shares_forward_exactly(self, job: JobState) -> bool:
+        """Whether `job` (an RL job) may share a forward with other such jobs and keep the bits it has alone
+        (reference.py): every GEMM of the stack is a linear layer run per job (`exact` steps), the rest is
+        row-wise or per job. Not with fp8 GEMMs (their row-count policy and quantiser see the whole forward), MoE
+        (the expert kernels group every row), LoRA rows, a step cache (its groups decide per step) or sequence
+        parallelism (the row layout splits each job over ranks)."""
+        return (fp8_policy(self.model) is None and self._dense and job.lora is None and job.cache.mode == "off"
+                and self.sp.world == 1)
+
     @torch.inference_mode()
-    def step(self, jobs: list[JobState] | None = None) -> tuple[list[JobState], int]:
+    def step(self, jobs: list[JobState] | None = None, exact: bool = False) -> tuple[list[JobState], int]:
         """Advance every running job (or those of `jobs`) by one step. Returns (finished jobs, rows in the
         forward). Pack the rows, run the layer stack, heads -> velocities, then (after the CFG gather)
-        combine and step each job."""
+        combine and step each job. `exact`: every job's linear layers run on its rows alone (as when it
+        steps alone: RL jobs sharing a forward, `shares_forward_exactly`)."""
         jobs = list(self.running) if jobs is None else jobs
         faults.inject_step_faults(jobs)
         pack = self._pack(jobs)
         local_v: list[torch.Tensor] = []
         if pack.rows:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
-            hidden, layout, cache = self._forward(jobs, pack)
+            hidden, layout, cache = self._forward(jobs, pack, exact)
             self._count_applied(pack, cache)
             local_v = self._velocities(pack.plan, hidden, layout)
         finished = self._advance(pack.plan, self.comm.gather_velocities(jobs, local_v))
@@ -239,7 +251,7 @@ class Engine:
             c += meta.write_idx.numel()
         return _Pack(plan, inputs, positions, groups, segments, runs, r, c)
 
-    def _forward(self, jobs: list[JobState], pack: _Pack):
+    def _forward(self, jobs: list[JobState], pack: _Pack, exact: bool = False):
         """The layer stack over the packed rows -> (hidden, SP row layout or None, step cache or None):
         replayed from the step graphs where graphable (no LoRA rows), eager otherwise."""
         sp = self.sp
@@ -251,14 +263,24 @@ class Engine:
         if any(j.cache.mode != "off" for j in jobs):
             cache = StepCache(pack.groups, self._attend_for_groups, reduce=sp.sum_over_ranks if sp.world > 1 else None)
         slots = step_slots(pack.runs)
+        blocks = self._row_blocks(pack, cache, layout, exact)
         if self.graphs.enabled and graphable(self.device, slots is not None):
-            return self._graphed_forward(spans, packed, pos, layout, cache), layout, cache
+            with row_blocks.per_sequence(blocks, self.device, force=exact):
+                return self._graphed_forward(spans, packed, pos, layout, cache), layout, cache
         self.graphs.not_graphable()
-        # each (job, branch) block's rows as the reference's per-branch forward (row_blocks)
-        blocks = [] if cache is not None or layout is not None else [g.stop - g.start for g in pack.groups]
-        with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device):
+        with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device, force=exact):
             hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout), cache)
         return hidden, layout, cache
+
+    def _row_blocks(self, pack: _Pack, cache, layout, exact: bool) -> list[int]:
+        """The row blocks the linear layers run on one by one (row_blocks): each (job, branch) as the reference's
+        per-branch forward where exact rows are on (CPU); for an `exact` step elsewhere each job's rows, as its
+        forward alone runs them; none with a step cache or SP."""
+        if cache is not None or layout is not None:
+            return []
+        if exact and not row_blocks.enabled(self.device):
+            return [p.lb - p.la for p in pack.plan if p.act]
+        return [g.stop - g.start for g in pack.groups]
 
     def _count_applied(self, pack: _Pack, cache: StepCache | None) -> None:
         """What this step's forward applied, per job (graphs, fp8) and, without a step cache deciding it,
