@@ -98,7 +98,7 @@ def receive(conn):
 
 
 def _widen(conn) -> None:
-    """Raise the pipe's buffer to PIPE_BYTES where the OS lets us (Linux pipes; a socket or another OS keeps its own)."""
+    """Raise the pipe buffer to PIPE_BYTES where the OS lets us (Linux pipes; a socket or another OS keeps its own)."""
     try:
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     except (AttributeError, OSError):
