@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+import kernels
 from kernels import kv_write_
 from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
@@ -198,10 +199,12 @@ class Engine:
         """Whether `job` (an RL job) may share a forward with other such jobs and keep the bits it has alone
         (reference.py): every GEMM of the stack is a linear layer run per job (`exact` steps), the rest is
         row-wise or per job. Not with fp8 GEMMs (their row-count policy and quantiser see the whole forward), MoE
-        (the expert kernels group every row), LoRA rows, a step cache (its groups decide per step) or sequence
-        parallelism (the row layout splits each job over ranks)."""
+        (the expert kernels group every row), LoRA rows, a step cache (its groups decide per step), sequence
+        parallelism (the row layout splits each job over ranks), nor on CUDA for a job that may have at most
+        SKINNY_MAX_ROWS rows (alone, its linear layers would take the skinny kernel, which sees the whole forward)."""
+        skinny = self.device.type == "cuda" and job.n * job.N <= kernels.SKINNY_MAX_ROWS
         return (fp8_policy(self.model) is None and self._dense and job.lora is None and job.cache.mode == "off"
-                and self.sp.world == 1)
+                and self.sp.world == 1 and not skinny)
 
     @torch.inference_mode()
     def step(self, jobs: list[JobState] | None = None, exact: bool = False) -> tuple[list[JobState], int]:
