@@ -28,7 +28,7 @@ from services.kit.errors import APIError
 from services.model import row_blocks, sampler
 from services.model.lora_batched import lora_rows
 from services.model.moe import SparseMoE
-from services.model.quant import fp8_policy
+from services.model.quant import Fp8Linear, fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
 from . import faults, previews, rollout
@@ -77,6 +77,13 @@ class _Pack(NamedTuple):
     rows: int               # rows of the whole forward (canonical)
 
 
+def linear_gemms(model) -> bool:
+    """Whether every GEMM of the model's stack is a plain linear layer (what row_blocks splits by rows): no 8-bit
+    layers (their row-count policy and quantiser see the whole forward) and no MoE (its expert kernels group every
+    row)."""
+    return not any(isinstance(m, (Fp8Linear, SparseMoE)) for m in model.modules())
+
+
 def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
     """A prefix KV [L, 2, P, Hkv, D] holding NaN/Inf makes every image of the job NaN: refuse the job at admission with
     where the bad values are (layer, K or V, token), which says whether understanding's prefill or the transport made
@@ -115,7 +122,7 @@ class Engine:
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
-        self._dense = not any(isinstance(m, SparseMoE) for m in model.modules())
+        self._linear_gemms = linear_gemms(model)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[KvImportStats]]:
@@ -198,13 +205,13 @@ class Engine:
     def shares_forward_exactly(self, job: JobState) -> bool:
         """Whether `job` (an RL job) may share a forward with other such jobs and keep the bits it has alone
         (reference.py): every GEMM of the stack is a linear layer run per job (`exact` steps), the rest is
-        row-wise or per job. Not with fp8 GEMMs (their row-count policy and quantiser see the whole forward), MoE
-        (the expert kernels group every row), LoRA rows, a step cache (its groups decide per step), sequence
-        parallelism (the row layout splits each job over ranks), nor on CUDA for a job that may have at most
-        SKINNY_MAX_ROWS rows (alone, its linear layers would take the skinny kernel, which sees the whole forward)."""
+        row-wise or per job. Not where some GEMM is not a plain linear layer (`linear_gemms`), nor with LoRA rows, a
+        step cache (its groups decide per step), sequence parallelism (the row layout splits each job over ranks),
+        nor on CUDA for a job that may have at most SKINNY_MAX_ROWS rows (alone, its linear layers would take the
+        skinny kernel, which sees the whole forward)."""
         skinny = self.device.type == "cuda" and job.n * job.N <= kernels.SKINNY_MAX_ROWS
-        return (fp8_policy(self.model) is None and self._dense and job.lora is None and job.cache.mode == "off"
-                and self.sp.world == 1 and not skinny)
+        return (self._linear_gemms and job.lora is None and job.cache.mode == "off" and self.sp.world == 1
+                and not skinny)
 
     @torch.inference_mode()
     def step(self, jobs: list[JobState] | None = None, exact: bool = False) -> tuple[list[JobState], int]:

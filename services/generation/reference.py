@@ -65,7 +65,7 @@ class EngineSet:
     def step(self):
         finished, rows, self.forwards = [], 0, []
         for e in self._engines():
-            for group, exact in _forwards(e):
+            for group, exact in _forward_groups(e):
                 f, r = e.step(group, exact=exact)
                 finished += f
                 rows += r
@@ -83,7 +83,7 @@ class EngineSet:
             setattr(self.primary, name, value)
 
 
-def _forwards(engine) -> list[tuple[list, bool]]:
+def _forward_groups(engine) -> list[tuple[list, bool]]:
     """One step's forwards on `engine` as (jobs, exact): the image jobs together, the RL jobs that share a forward
     exactly together, each other RL job alone."""
     plain = [j for j in engine.running if j.rl is None]
