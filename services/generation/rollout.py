@@ -10,8 +10,8 @@ computes mean and std in fp32, rounds z' to the state dtype and evaluates the lo
 scoring the stored trajectory reproduces it exactly.
 
 Nothing of a step waits on the host: the log-probs stay on the device, and each recorded state is copied as it is
-made into the job's trajectory buffer on the host (pinned on CUDA: an asynchronous copy queued behind the step,
-overlapping the next ones); the job waits once, when it finishes, for the last copies (`HostTrajectory`).
+made into the job's trajectory buffer on the host (pinned on CUDA: an asynchronous copy on a side stream, overlapping
+the next step's kernels); the job waits once, when it finishes, for the last copies (`HostTrajectory`).
 """
 from __future__ import annotations
 
@@ -33,25 +33,40 @@ def weights_version(engine) -> str:
     return str(getattr(engine, "weights_version", DEFAULT_WEIGHTS_VERSION))
 
 
+_COPY_STREAMS: dict = {}        # device -> the side stream the trajectories' device -> host copies run on
+
+
+def _copy_stream(device: torch.device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 class HostTrajectory:
     """A rollout's states z_0..z_N f32 [n, N+1, 3, H, W] in host memory, filled a state at a time by copies that do
-    not wait (pinned memory on CUDA, each sample's slot a contiguous destination, queued on the step's stream; the
-    states they read stay alive as the stream orders the allocator's reuse after them), waited for once by `take`.
-    `waits` counts the host's waits on the device (the rollout's one, at the end)."""
+    not wait: on CUDA into pinned memory (each sample's slot a contiguous destination) on a side stream that starts
+    each copy once the step made the state, the state held for that stream (`record_stream`); waited for once by
+    `take`. `waits` counts the host's waits on the device (the rollout's one, at the end)."""
 
     def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device):
         cuda = device.type == "cuda"
         self.buf = torch.empty((n, steps + 1, 3, height, width), dtype=torch.float32, pin_memory=cuda)
+        self.stream = _copy_stream(device) if cuda else None
         self.done = torch.cuda.Event() if cuda else None
         self.waits = 0
 
     def put(self, k: int, x: torch.Tensor) -> None:
-        """State k, x [n, 3, H, W] on the device."""
+        """State k, x [n, 3, H, W] on the device (made by the current stream)."""
         x = x.float().contiguous()
-        for i in range(x.shape[0]):
-            self.buf[i, k].copy_(x[i], non_blocking=True)
-        if self.done is not None:
-            self.done.record()
+        if self.stream is None:
+            self.buf[:, k].copy_(x)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.stream):
+            for i in range(x.shape[0]):
+                self.buf[i, k].copy_(x[i], non_blocking=True)
+            self.done.record(self.stream)
+        x.record_stream(self.stream)
 
     def take(self) -> np.ndarray:
         if self.done is not None:
@@ -113,7 +128,7 @@ class RolloutState(_Sde):
 
     def results(self, job) -> RlResult:
         """The job's result (log-probs, grid, version) with the trajectory as its raw frame (the host's one wait for
-        the trajectory's copies; the log-probs' copy comes after them on the stream)."""
+        the trajectory's copies; the log-probs are read after the step, the engine stream's work, is done)."""
         frame = None
         if self.trajectory is not None:
             frame = self.trajectory.take()
