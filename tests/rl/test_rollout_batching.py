@@ -8,8 +8,8 @@
   recorded states go to the host trajectory buffer by copies that do not wait, and the job waits once, when
   its result is taken.
 
-CPU by default; the same test runs on a CUDA device where one is present (the batched GEMMs are then per job,
-the shapes each job has alone)."""
+CPU by default; the same test runs on a CUDA device where one is present (bf16, CUDA graphs on as served; the
+batched GEMMs are then per job, the shapes each job has alone)."""
 from __future__ import annotations
 
 import traceback
@@ -42,6 +42,11 @@ def setup(request, tiny_dir):
     model = load_model(tiny_dir, branch="gen", dtype=dtype, device=device)
     model.eval()
     return model, pre
+
+
+def engines_of(model) -> EngineSet:
+    """The worker's engine set; on CUDA its steps replay CUDA graphs as served (eager on the CPU)."""
+    return EngineSet(Engine(model, prefix_source=None, cuda_graphs="auto"))
 
 
 def _common(prompt_pre) -> dict:
@@ -87,7 +92,7 @@ def run(engines: EngineSet, joining: dict | None = None) -> tuple[dict, list[lis
 
 
 def alone(model, pre, rid: str):
-    engines = EngineSet(Engine(model, prefix_source=None))
+    engines = engines_of(model)
     admit(engines, rollout_spec(rid, pre), pre)
     got, forwards = run(engines)
     assert all(len(f) == 1 for f in forwards)
@@ -102,7 +107,7 @@ def same(a, b) -> None:
 def test_groups_share_one_forward_with_the_bits_they_have_alone(setup):
     model, pre = setup
     want = {rid: alone(model, pre, rid) for rid in GROUPS}
-    engines = EngineSet(Engine(model, prefix_source=None))
+    engines = engines_of(model)
     for rid in GROUPS:
         admit(engines, rollout_spec(rid, pre), pre)
     together, forwards = run(engines)
@@ -112,7 +117,7 @@ def test_groups_share_one_forward_with_the_bits_they_have_alone(setup):
     for rid in GROUPS:
         same(together[rid], want[rid])
     # a group that joins the others' forward two steps late (a later prefix) has the same bits too
-    engines = EngineSet(Engine(model, prefix_source=None))
+    engines = engines_of(model)
     admit(engines, rollout_spec("g1", pre), pre)
     late, forwards = run(engines, {2: [(rollout_spec("g2", pre), pre), (rollout_spec("g3", pre), pre)]})
     assert [len(f) for f in forwards] == [1] * (STEPS + 2)
@@ -123,7 +128,7 @@ def test_groups_share_one_forward_with_the_bits_they_have_alone(setup):
 def test_score_sharing_a_forward_reproduces_the_stored_logprobs(setup):
     model, pre = setup
     want = alone(model, pre, "g2")
-    engines = EngineSet(Engine(model, prefix_source=None))
+    engines = engines_of(model)
     admit(engines, score_spec("g2", pre, want[1]), pre)
     admit(engines, rollout_spec("g1", pre), pre)
     got, forwards = run(engines)
@@ -157,7 +162,7 @@ class HostReads(TorchFunctionMode):
 
 def test_rollout_steps_read_nothing_back_from_the_device(setup):
     model, pre = setup
-    engines = EngineSet(Engine(model, prefix_source=None))
+    engines = engines_of(model)
     jobs = [admit(engines, rollout_spec(rid, pre), pre) for rid in GROUPS]
     reads = HostReads()
     with reads:
