@@ -4,7 +4,8 @@
    last, per-step log-probs and the stored trajectory (plus fetching that trajectory, timed apart), against plain
    image generation of the same work in the same run: the same prompts, sizes and steps through
    `/v1/images/generations`, one request per prompt with n = G, the P requests concurrent; images/min each, for
-   every size x steps case;
+   every size x steps case; and the same rollout without a stored trajectory (log-probs only), which tells the
+   trajectory's cost (its host copies, the engine -> HTTP process crossing, the store) from the denoising's;
 2. the shared group prefill: the same P x G rollout with the group's prefix prefilled once (group_size G) vs once
    per sample (each prompt listed G times, group_size 1): prefix count, prefill seconds and total seconds;
 3. weight-update latency: a whole generation-branch update at the checkpoint's geometry (rl-weights'
@@ -47,10 +48,11 @@ def _ok(r: httpx.Response) -> dict:
     return r.json()
 
 
-def rollout_body(prompts: list[str], group: int, size: int, steps: int, seed: int, args) -> dict:
+def rollout_body(prompts: list[str], group: int, size: int, steps: int, seed: int, args,
+                 trajectory: bool = True) -> dict:
     return {"prompts": [{"prompt": p} for p in prompts], "group_size": group, "size": f"{size}x{size}",
             "num_inference_steps": steps, "guidance_scale": args.guidance, "seed": seed,
-            "sde": {"kind": "flow", "noise_level": 0.7}, "return_trajectory": True, "return_images": True}
+            "sde": {"kind": "flow", "noise_level": 0.7}, "return_trajectory": trajectory, "return_images": True}
 
 
 async def rollout_once(c: httpx.AsyncClient, body: dict) -> dict:
@@ -58,9 +60,11 @@ async def rollout_once(c: httpx.AsyncClient, body: dict) -> dict:
     resp = _ok(await c.post("/v1/rl/rollout", json=body))
     t_roll = time.perf_counter() - t0
     t1 = time.perf_counter()
-    nbytes = await asyncio.to_thread(fetch_raw, str(c.base_url).rstrip("/"), resp["trajectory_id"])   # streamed
+    nbytes = 0
+    if body["return_trajectory"]:
+        nbytes = await asyncio.to_thread(fetch_raw, str(c.base_url).rstrip("/"), resp["trajectory_id"])  # streamed
+        await c.delete(f"/v1/rl/trajectories/{resp['trajectory_id']}")
     t_traj = time.perf_counter() - t1
-    await c.delete(f"/v1/rl/trajectories/{resp['trajectory_id']}")
     images = len(resp["samples"])
     assert all(s["image"] for s in resp["samples"]) and all(
         any(lp is not None for lp in s["logprobs"]) for s in resp["samples"])
@@ -98,13 +102,17 @@ async def measure(base: str, args) -> dict:
                 roll = [await rollout_once(c, rollout_body(prompts, G, size, steps, 100 + k, args))
                         for k in range(args.repeat)]
                 plain = [await plain_once(c, prompts, G, size, steps, 100 + k, args) for k in range(args.repeat)]
+                bare = [await rollout_once(c, rollout_body(prompts, G, size, steps, 100 + k, args, trajectory=False))
+                        for k in range(args.repeat)]
                 n = len(prompts) * G
                 row = {"size": size, "steps": steps, "images": n,
                        "rollout_s": _median(roll, "seconds"), "plain_s": _median(plain, "seconds"),
+                       "rollout_no_trajectory_s": _median(bare, "seconds"),
                        "trajectory_s": _median(roll, "trajectory_s"), "trajectory_mb": roll[0]["trajectory_mb"]}
-                row["rollout_img_per_min"] = 60 * n / row["rollout_s"]
-                row["plain_img_per_min"] = 60 * n / row["plain_s"]
+                for key in ("rollout", "plain", "rollout_no_trajectory"):
+                    row[f"{key}_img_per_min"] = 60 * n / row[f"{key}_s"]
                 row["rollout_vs_plain"] = row["rollout_img_per_min"] / row["plain_img_per_min"]
+                row["no_trajectory_vs_plain"] = row["rollout_no_trajectory_img_per_min"] / row["plain_img_per_min"]
                 out["throughput"].append(row)
                 print("throughput", json.dumps(row), flush=True)
         size, steps = args.size_list[0], args.step_list[0]
@@ -143,15 +151,16 @@ def table(results: dict, args) -> str:
         rows += [f"### {name} (`{r.get('command', '')}`)", "",
                  f"Rollout throughput: {args.prompts} prompts x G = {args.group_size}, guidance {args.guidance}, "
                  f"Flow-GRPO SDE on every step but the last, log-probs + stored trajectory; plain = the same prompts "
-                 f"through /v1/images/generations (n = G per prompt, the prompts concurrent); median of "
-                 f"{args.repeat}.", "",
+                 f"through /v1/images/generations (n = G per prompt, the prompts concurrent); without trajectory = the "
+                 f"rollout with log-probs only; median of {args.repeat}.", "",
                  "| size | steps | images | rollout s | rollout img/min | plain s | plain img/min | rollout / plain "
-                 "| trajectory fetch s (MB) |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| without trajectory s | without trajectory / plain | trajectory fetch s (MB) |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for t in r["throughput"]:
             rows.append(f"| {t['size']}² | {t['steps']} | {t['images']} | {t['rollout_s']:.2f} | "
                         f"{t['rollout_img_per_min']:.1f} | {t['plain_s']:.2f} | {t['plain_img_per_min']:.1f} | "
-                        f"{t['rollout_vs_plain']:.2f} | {t['trajectory_s']:.2f} ({t['trajectory_mb']:.1f}) |")
+                        f"{t['rollout_vs_plain']:.2f} | {t['rollout_no_trajectory_s']:.2f} | "
+                        f"{t['no_trajectory_vs_plain']:.2f} | {t['trajectory_s']:.2f} ({t['trajectory_mb']:.1f}) |")
         rows += ["", "Group prefix prefill (the same rollout):", "",
                  "| case | size | steps | images | prefixes | prefill s (summed over prefixes) | slowest prefix s | "
                  "rollout s |", "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -57,9 +57,10 @@ class Emitter:
                 for i in range(job.n):
                     self.out.send(Preview(job.request_id, i, k, job.flow.index, pixels=frames[i]))
         # the step's stats before its images: a client that got its last image finds the step in /metrics
+        forwards = len(getattr(self.engine, "forwards", [rows]))      # an EngineSet's (reference.py); else one
         self.out.send(StepStats(seconds=seconds, tokens=rows, jobs=len(running) + len(finished),
                                 running=len(running), queued=queued, peak_memory=self.engine.peak_memory(),
-                                graph=self.engine.graphs.last))
+                                graph=self.engine.graphs.last, forwards=forwards))
         for job in finished:
             self._results(job)
 

@@ -21,12 +21,14 @@ from typing import NamedTuple
 
 import torch
 
+import kernels
 from kernels import kv_write_
 from services.contract.image import GenerateRequest
 from services.kit.errors import APIError
 from services.model import row_blocks, sampler
 from services.model.lora_batched import lora_rows
-from services.model.quant import fp8_policy
+from services.model.moe import SparseMoE
+from services.model.quant import Fp8Linear, fp8_policy
 from services.model.step_cache import CacheGroup, StepCache
 
 from . import faults, previews, rollout
@@ -75,6 +77,13 @@ class _Pack(NamedTuple):
     rows: int               # rows of the whole forward (canonical)
 
 
+def linear_gemms(model) -> bool:
+    """Whether every GEMM of the model's stack is a plain linear layer (what row_blocks splits by rows): no 8-bit
+    layers (their row-count policy and quantiser see the whole forward) and no MoE (its expert kernels group every
+    row)."""
+    return not any(isinstance(m, (Fp8Linear, SparseMoE)) for m in model.modules())
+
+
 def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
     """A prefix KV [L, 2, P, Hkv, D] holding NaN/Inf makes every image of the job NaN: refuse the job at admission with
     where the bad values are (layer, K or V, token), which says whether understanding's prefill or the transport made
@@ -113,6 +122,7 @@ class Engine:
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
+        self._linear_gemms = linear_gemms(model)
 
     # -- admission -----------------------------------------------------------------------------
     def admit(self, spec: GenerateRequest) -> tuple[JobState, list[KvImportStats]]:
@@ -192,17 +202,29 @@ class Engine:
             job.free()
 
     # -- one step --------------------------------------------------------------------------------
+    def shares_forward_exactly(self, job: JobState) -> bool:
+        """Whether `job` (an RL job) may share a forward with other such jobs and keep the bits it has alone
+        (reference.py): every GEMM of the stack is a linear layer run per job (`exact` steps), the rest is
+        row-wise or per job. Not where some GEMM is not a plain linear layer (`linear_gemms`), nor with LoRA rows, a
+        step cache (its groups decide per step), sequence parallelism (the row layout splits each job over ranks),
+        nor on CUDA for a job that may have at most SKINNY_MAX_ROWS rows (alone, its linear layers would take the
+        skinny kernel, which sees the whole forward)."""
+        skinny = self.device.type == "cuda" and job.n * job.N <= kernels.SKINNY_MAX_ROWS
+        return (self._linear_gemms and job.lora is None and job.cache.mode == "off" and self.sp.world == 1
+                and not skinny)
+
     @torch.inference_mode()
-    def step(self, jobs: list[JobState] | None = None) -> tuple[list[JobState], int]:
+    def step(self, jobs: list[JobState] | None = None, exact: bool = False) -> tuple[list[JobState], int]:
         """Advance every running job (or those of `jobs`) by one step. Returns (finished jobs, rows in the
         forward). Pack the rows, run the layer stack, heads -> velocities, then (after the CFG gather)
-        combine and step each job."""
+        combine and step each job. `exact`: every job's linear layers run on its rows alone (as when it
+        steps alone: RL jobs sharing a forward, `shares_forward_exactly`)."""
         jobs = list(self.running) if jobs is None else jobs
         faults.inject_step_faults(jobs)
         pack = self._pack(jobs)
         local_v: list[torch.Tensor] = []
         if pack.rows:   # the same on every SP rank (a rank may hold no rows of tiny images: it still joins)
-            hidden, layout, cache = self._forward(jobs, pack)
+            hidden, layout, cache = self._forward(jobs, pack, exact)
             self._count_applied(pack, cache)
             local_v = self._velocities(pack.plan, hidden, layout)
         finished = self._advance(pack.plan, self.comm.gather_velocities(jobs, local_v))
@@ -239,7 +261,7 @@ class Engine:
             c += meta.write_idx.numel()
         return _Pack(plan, inputs, positions, groups, segments, runs, r, c)
 
-    def _forward(self, jobs: list[JobState], pack: _Pack):
+    def _forward(self, jobs: list[JobState], pack: _Pack, exact: bool = False):
         """The layer stack over the packed rows -> (hidden, SP row layout or None, step cache or None):
         replayed from the step graphs where graphable (no LoRA rows), eager otherwise."""
         sp = self.sp
@@ -251,14 +273,24 @@ class Engine:
         if any(j.cache.mode != "off" for j in jobs):
             cache = StepCache(pack.groups, self._attend_for_groups, reduce=sp.sum_over_ranks if sp.world > 1 else None)
         slots = step_slots(pack.runs)
+        blocks = self._row_blocks(pack, cache, layout, exact)
         if self.graphs.enabled and graphable(self.device, slots is not None):
-            return self._graphed_forward(spans, packed, pos, layout, cache), layout, cache
+            with row_blocks.per_sequence(blocks, self.device, force=exact):
+                return self._graphed_forward(spans, packed, pos, layout, cache), layout, cache
         self.graphs.not_graphable()
-        # each (job, branch) block's rows as the reference's per-branch forward (row_blocks)
-        blocks = [] if cache is not None or layout is not None else [g.stop - g.start for g in pack.groups]
-        with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device):
+        with lora_rows(self.model, slots), row_blocks.per_sequence(blocks, self.device, force=exact):
             hidden = self.model.gen_forward(packed, self.model.rope(pos), self._attend(spans, layout), cache)
         return hidden, layout, cache
+
+    def _row_blocks(self, pack: _Pack, cache, layout, exact: bool) -> list[int]:
+        """The row blocks the linear layers run on one by one (row_blocks): each (job, branch) as the reference's
+        per-branch forward where exact rows are on (CPU); for an `exact` step elsewhere each job's rows, as its
+        forward alone runs them; none with a step cache or SP."""
+        if cache is not None or layout is not None:
+            return []
+        if exact and not row_blocks.enabled(self.device):
+            return [p.lb - p.la for p in pack.plan if p.act]
+        return [g.stop - g.start for g in pack.groups]
 
     def _count_applied(self, pack: _Pack, cache: StepCache | None) -> None:
         """What this step's forward applied, per job (graphs, fp8) and, without a step cache deciding it,

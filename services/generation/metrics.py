@@ -25,6 +25,8 @@ class GenerationMetrics:
                                  registry=r)
         self.running_jobs = Gauge("u1_gen_running_jobs", "jobs in the running batch", registry=r)
         self.steps = Counter("u1_gen_steps", "denoising steps (batched forwards) run", registry=r)
+        self.forwards = Counter("u1_gen_forwards", "layer-stack forwards those steps ran (image jobs in one, RL jobs "
+                                "in one where they keep their bits, generation/reference.py)", registry=r)
         self.job_steps = Counter("u1_gen_job_steps", "per-job denoising steps completed",
                                  registry=r)
         self.steps_per_second = Gauge("u1_gen_steps_per_second",
@@ -55,6 +57,7 @@ class GenerationMetrics:
         """Apply one stats message from the engine (protocol.py)."""
         if isinstance(msg, StepStats):
             self.steps.inc()
+            self.forwards.inc(msg.forwards)
             self.job_steps.inc(msg.jobs)
             self.step_seconds.observe(msg.seconds)
             self.batch_rows.set(msg.tokens)

@@ -86,6 +86,7 @@ class StepStats:
     queued: int
     peak_memory: Optional[int]
     graph: Optional[str]                  # step_graph: eager | capture | replay
+    forwards: int = 1                     # layer-stack forwards the step ran (reference.py: image jobs, RL jobs)
 
 
 @dataclass

@@ -1,8 +1,13 @@
 """The engines of one rank as the worker loops see them (`EngineSet`, standing where they expect one Engine):
 
-- RL jobs step in a forward of their own (their G samples batched together), image jobs together as before: a
-  rollout's numbers then do not depend on what else runs (GEMM results depend on the batch's shape), so the same
-  seeds and weights give the same trajectory bit for bit, and scoring recomputes exactly the rollout's velocity;
+- RL jobs step apart from image jobs: together in one forward where each keeps the bits it has alone
+  (`Engine.shares_forward_exactly`: every job's linear layers then run on its own rows, the shapes it has alone;
+  attention, heads and the transition are per job, the other ops row-wise), each in a forward of its own otherwise;
+  image jobs together as before. A rollout's numbers then do not depend on what else runs (GEMM results depend on
+  the GEMM's shape), so the same seeds and weights give the same trajectory bit for bit, and scoring recomputes
+  exactly the rollout's velocity. One forward for all the groups of a rollout (and for concurrent rollouts) is one
+  launch sequence and one step-graph composition instead of one per group (each group alone alternated the
+  engine's one held composition, so no step of a multi-group rollout ever replayed a graph);
 - the frozen reference policy for RL scoring (`--rl-reference on`, docs/rl.md): a second copy of the generation
   branch as the stack started, loaded from the checkpoint on the first reference score job (so it costs nothing
   until used, then one more copy of the gen-branch weights: ~16 GB for the 8B model in bf16), served by a second
@@ -25,6 +30,7 @@ class EngineSet:
         self.primary = primary
         self._make_reference = make_reference
         self.reference: Optional[object] = None
+        self.forwards: list[int] = []      # the rows of each forward of the last step (one entry per forward)
 
     def _engines(self) -> list:
         return [self.primary] + ([self.reference] if self.reference is not None else [])
@@ -57,13 +63,13 @@ class EngineSet:
         return None
 
     def step(self):
-        finished, rows = [], 0
+        finished, rows, self.forwards = [], 0, []
         for e in self._engines():
-            plain = [j for j in e.running if j.rl is None]
-            for group in ([plain] if plain else []) + [[j] for j in e.running if j.rl is not None]:
-                f, r = e.step(group)
+            for group, exact in _forward_groups(e):
+                f, r = e.step(group, exact=exact)
                 finished += f
                 rows += r
+                self.forwards.append(r)
         return finished, rows
 
     def __getattr__(self, name: str):
@@ -71,10 +77,20 @@ class EngineSet:
 
     def __setattr__(self, name: str, value) -> None:
         """Attributes the worker sets (e.g. the live weights version) are the primary engine's."""
-        if name in ("primary", "_make_reference", "reference"):
+        if name in ("primary", "_make_reference", "reference", "forwards"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.primary, name, value)
+
+
+def _forward_groups(engine) -> list[tuple[list, bool]]:
+    """One step's forwards on `engine` as (jobs, exact): the image jobs together, the RL jobs that share a forward
+    exactly together, each other RL job alone."""
+    plain = [j for j in engine.running if j.rl is None]
+    rl = [j for j in engine.running if j.rl is not None]
+    shared = [j for j in rl if engine.shares_forward_exactly(j)]
+    alone = [[j] for j in rl if not engine.shares_forward_exactly(j)]
+    return [(g, False) for g in [plain] if g] + [(g, True) for g in [shared] if g] + [(g, False) for g in alone]
 
 
 def reference_factory(cfg, device, dtype, source, comm, yield_gate) -> Callable[[], object]:

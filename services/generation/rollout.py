@@ -8,6 +8,10 @@ CFG-combined velocity); every CFG / SP rank computes the same transition from th
 The state z stays in the engine's dtype as on the image path (ODE steps are the exact Euler step); an SDE step
 computes mean and std in fp32, rounds z' to the state dtype and evaluates the log-prob on the rounded z', so
 scoring the stored trajectory reproduces it exactly.
+
+Nothing of a step waits on the host: the log-probs stay on the device, and each recorded state is copied as it is
+made into the job's trajectory buffer on the host (pinned on CUDA: an asynchronous copy on a side stream, overlapping
+the next step's kernels); the job waits once, when it finishes, for the last copies (`HostTrajectory`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,48 @@ def weights_version(engine) -> str:
     """The version of the weights a job is admitted under: the engine's `weights_version` (set by live weight
     updates, which apply between jobs)."""
     return str(getattr(engine, "weights_version", DEFAULT_WEIGHTS_VERSION))
+
+
+_COPY_STREAMS: dict = {}        # device -> the side stream the trajectories' device -> host copies run on
+
+
+def _copy_stream(device: torch.device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+class HostTrajectory:
+    """A rollout's states z_0..z_N f32 [n, N+1, 3, H, W] in host memory, filled a state at a time by copies that do
+    not wait: on CUDA into pinned memory (each sample's slot a contiguous destination) on a side stream that starts
+    each copy once the step made the state, the state held for that stream (`record_stream`); waited for once by
+    `take`. `waits` counts the host's waits on the device (the rollout's one, at the end)."""
+
+    def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.buf = torch.empty((n, steps + 1, 3, height, width), dtype=torch.float32, pin_memory=cuda)
+        self.stream = _copy_stream(device) if cuda else None
+        self.done = torch.cuda.Event() if cuda else None
+        self.waits = 0
+
+    def put(self, k: int, x: torch.Tensor) -> None:
+        """State k, x [n, 3, H, W] on the device (made by the current stream)."""
+        x = x.float().contiguous()
+        if self.stream is None:
+            self.buf[:, k].copy_(x)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.stream):
+            for i in range(x.shape[0]):
+                self.buf[i, k].copy_(x[i], non_blocking=True)
+            self.done.record(self.stream)
+        x.record_stream(self.stream)
+
+    def take(self) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
+            self.waits += 1
+        return self.buf.numpy()
 
 
 class _Sde:
@@ -61,7 +107,10 @@ class RolloutState(_Sde):
         job.x = job.noise_scale * x
         self.logprobs = torch.full((job.n, spec.num_inference_steps), float("nan"), dtype=torch.float32,
                                    device=job.device)
-        self.latents: Optional[list[torch.Tensor]] = [job.x.float()] if record else None
+        self.trajectory: Optional[HostTrajectory] = None
+        if record:
+            self.trajectory = HostTrajectory(job.n, spec.num_inference_steps, spec.height, spec.width, job.device)
+            self.trajectory.put(0, job.x)
         self._sde = set(self.steps)
 
     def transition(self, job, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,16 +122,17 @@ class RolloutState(_Sde):
             self.logprobs[:, k] = flow_sde.transition_logprob(self.kind, z_next, mean, std)
         else:
             z_next = sampler.euler(z, v, job.flow.t, job.flow.t_next)
-        if self.latents is not None:
-            self.latents.append(sampler.unpatchify(z_next, job.th, job.tw).float())
+        if self.trajectory is not None:
+            self.trajectory.put(k + 1, sampler.unpatchify(z_next, job.th, job.tw))
         return z_next
 
     def results(self, job) -> RlResult:
-        """The job's result (log-probs, grid, version) with the trajectory as its raw frame."""
+        """The job's result (log-probs, grid, version) with the trajectory as its raw frame (the host's one wait for
+        the trajectory's copies; the log-probs are read after the step, the engine stream's work, is done)."""
         frame = None
-        if self.latents is not None:
-            frame = sampler.to_host(torch.stack(self.latents, dim=1)).numpy()
-            self.latents = None
+        if self.trajectory is not None:
+            frame = self.trajectory.take()
+            self.trajectory = None
         return self.result(job, self.logprobs.cpu().tolist(), frame)
 
 

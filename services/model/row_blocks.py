@@ -35,9 +35,10 @@ class _PerBlockLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def per_sequence(sizes: list[int], device: torch.device):
-    """Context: linear layers over sum(sizes) packed rows run once per block of `sizes` (when `enabled`)."""
+def per_sequence(sizes: list[int], device: torch.device, force: bool = False):
+    """Context: linear layers over sum(sizes) packed rows run once per block of `sizes` (when `enabled`, or
+    `force`d: RL jobs sharing a forward keep the bits each had alone, generation/reference.py)."""
     sizes = [int(s) for s in sizes if s]
-    if len(sizes) < 2 or not enabled(device):
+    if len(sizes) < 2 or not (force or enabled(device)):
         return contextlib.nullcontext()
     return _PerBlockLinear(sizes)

@@ -151,6 +151,7 @@ def test_bench_rl_smoke_produces_every_figure(tmp_path):
     r = data["results"]["cpu-colocate"]
     (t,) = r["throughput"]
     assert t["images"] == 4 and t["rollout_img_per_min"] > 0 and t["plain_img_per_min"] > 0
+    assert t["rollout_no_trajectory_img_per_min"] > 0
     shared, separate = r["prefill"]
     assert (shared["prefixes"], separate["prefixes"]) == (2, 4)
     assert r["weights"]["tensors"] > 0

@@ -81,7 +81,7 @@ def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) ->
                 noise_level=job.rl.sde.noise_level, guidance_scale=job.guidance_scale,
                 timestep_shift=job.timestep_shift, t_eps=job.t_eps, cfg_norm=job.cfg_norm,
                 width=job.width, height=job.height)
-    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.array(ev.pixels, dtype=np.float32), lp, meta),
+    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.asarray(ev.pixels, dtype=np.float32), lp, meta),
                         job.rl.owner)
 
 
