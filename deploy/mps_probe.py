@@ -59,6 +59,7 @@ PROMPTS = {"short (t2i)": (12, 8), "long (edit)": (320, 300)}     # (cond, uncon
 # not only the biased ones; "check1024": "check" at 1024² (the stack's shapes: 16x the rows, other GEMM algorithms;
 # a stack with DISABLE_ADDMM_CUDA_LT=1 still made NaN; the check's copies take ~13 GB there, twice while a step is
 # captured: MPS_PROBE_JOBS=2 in the environment batches two jobs per prompt, as the stack does, at twice that);
+# "checklt": "check" with every GEMM on cuBLASLt (is the wrong GEMM cuBLAS's alone?);
 # "ref": none of our Triton kernels (torch reference ops instead); "ltlog": "default" with cuBLASLt's API trace
 # (every matmul's layouts, epilogue and algorithm) in cublaslt-<pid>.log at the repository root (copy it out).
 POISON = "MPS_PROBE_POISON"
@@ -76,6 +77,7 @@ VARIANTS = {"default": {}, "nobucket": {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "0"}
             "nows": {"CUBLASLT_WORKSPACE_SIZE": "1", "CUBLAS_WORKSPACE_CONFIG": ":1:1"},
             "preferlt": {"TORCH_BLAS_PREFER_CUBLASLT": "1"},
             "check1024": {CHECK: "1", SIZE: "1024"},
+            "checklt": {CHECK: "1", "TORCH_BLAS_PREFER_CUBLASLT": "1"},
             "ref": {"U1SERVE_KERNELS": "ref"},
             "ltlog": {"CUBLASLT_LOG_LEVEL": "5", "CUBLASLT_LOG_FILE": "cublaslt-%i.log"}}
 
