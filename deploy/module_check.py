@@ -19,14 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TOL = 0.05          # of the fp32 output's largest value: bf16 rounding of a 12k-long dot product is ~1e-2
+from services.model.gemm_check import TOL, fp32_linear, rel_err   # noqa: F401  (the engine's start-up check)
+
 RERUNS = 20         # the offending module's op again, back to back: always wrong (the shape's algorithm) or sometimes
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| over max |ref| (inf when out is not finite where ref is)."""
-    diff = (out.float() - ref).abs().max()
-    return float(diff / ref.abs().max().clamp_min(1e-12))
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -35,11 +30,11 @@ def finite(t: torch.Tensor) -> bool:
 
 def _fp32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The module's op in fp32 on the same device (the reference)."""
-    w = module.weight.float()
-    b = None if module.bias is None else module.bias.float()
     if isinstance(module, nn.Conv2d):
-        return F.conv2d(x.float(), w, b, module.stride, module.padding, module.dilation, module.groups)
-    return F.linear(x.float(), w, b)
+        b = None if module.bias is None else module.bias.float()
+        return F.conv2d(x.float(), module.weight.float(), b, module.stride, module.padding, module.dilation,
+                        module.groups)
+    return fp32_linear(module, x)
 
 
 def _as_mm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,9 @@ FAULT_STEP_CRASH = _job_fault("U1SERVE_FAULT_STEP_CRASH", "makes its 2nd denoise
                               "cannot handle (the engine dies)")
 FAULT_STEP_HANG = _job_fault("U1SERVE_FAULT_STEP_HANG", "makes its 2nd denoise step hang (an hour)")
 FAULT_STEP_NAN = _job_fault("U1SERVE_FAULT_STEP_NAN", "has its latents turned NaN in its 2nd denoise step")
+FAULT_WRONG_GEMM = _knob("U1SERVE_FAULT_WRONG_GEMM", str, "", "tests only (a fault): the generation branch's Linear of "
+                         "this name returns finite but wrong values (3x + 1), as cuBLAS did under an MPS SM cap "
+                         "(unset: never)", "generation engine (faults.py)")
 FAULT_UND_STEP_CRASH = _knob("U1SERVE_FAULT_UND_STEP_CRASH", str, "", "tests only (a fault): an understanding step "
                              "with a request whose id contains this text raises a CUDA-style fatal device error "
                              "(the engine dies)", "understanding engine (engine.py)")

@@ -71,6 +71,11 @@ class GenerationConfig:
     stream_priority: str = field(default="default", metadata=flag(
         "the CUDA stream priority of the engine loop (the fused mode: low, so decode blocks go first)",
         choices=("default", "high", "low")))
+    gemm_check: str = field(default="auto", metadata=flag(
+        "before serving, every distinct GEMM shape of the model at the warm-up sizes' row counts against fp32 on "
+        "this device; a wrong one stops the start with its shape named (services/model/gemm_check.py: cuBLAS "
+        "returned wrong values under an MPS SM cap). auto: on CUDA under an MPS cap or in a green context",
+        choices=("auto", "on", "off")))
     green_sm_percent: int = field(default=0, metadata=flag(
         "the fused mode on CUDA: the engine loop's stream belongs to a CUDA green context holding this share of the "
         "SMs (rounded down to the device's granularity), so the rest are always free for understanding's decode "

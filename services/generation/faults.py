@@ -6,6 +6,8 @@ forward. The engine's handling of it (worker._step_or_fail) is what the fault te
 U1SERVE_FAULT_STEP_CRASH / _HANG / _NAN: the same job's 2nd step raises an error no engine handles (the engine dies),
 hangs (an hour), or has its latents turned NaN (its image is answered 500 nonfinite_output). The fused mode's fault
 tests use them (tests/system/test_fused.py).
+U1SERVE_FAULT_WRONG_GEMM: the generation branch's Linear of that name returns finite but wrong values (3x + 1), as
+cuBLAS did under an MPS SM cap (services/model/gemm_check.py): the start-up GEMM check must name it.
 """
 from __future__ import annotations
 
@@ -36,3 +38,10 @@ def inject_step_faults(jobs) -> None:
             time.sleep(3600)
         if _NAN and _NAN in rid:
             job.x.fill_(float("nan"))
+
+
+def inject_wrong_gemm(model: torch.nn.Module) -> None:
+    """U1SERVE_FAULT_WRONG_GEMM's Linear returns 3x + 1 of its right output (module doc)."""
+    name = knobs.FAULT_WRONG_GEMM.get()
+    if name:
+        model.get_submodule(name).register_forward_hook(lambda m, i, o: o * 3 + 1)

@@ -167,10 +167,12 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
     from services.model.loader import load_model
     from services.model.lora_registry import attach_lora
 
-    from services.contract.limits import SIZE_TABLE
+    from services.contract.limits import IMAGE_BLOCK, SIZE_TABLE
+    from services.model import gemm_check
     from services.model.quant import GemmPolicy, use_policy
 
     from .cfg_parallel import CfgComm
+    from .faults import inject_wrong_gemm
     from .engine import Engine, fp8_applies
     from .kv_source import PrefixSource
     from .rank_options import yield_gate
@@ -184,6 +186,13 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                        quantization=cfg.quantization)
     model.eval()
     attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
+    inject_wrong_gemm(model)      # tests only (U1SERVE_FAULT_WRONG_GEMM)
+    sizes = parse_sizes(cfg.default_size, cfg.warmup_sizes)
+    if gemm_check.wanted(cfg.gemm_check, device, cfg.green_sm_percent):
+        found = gemm_check.require_right_gemms(model, gemm_check.rows_for_sizes(sizes, IMAGE_BLOCK),
+                                               f"generation rank {rank}")
+        log.info("GEMM check: %d shape x row counts right against fp32 (%d quantised linears not checked)",
+                 found["checked"], found["skipped"])
     source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
                           geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype),
                           follow_handles=cfg.kv_pool_follow_handles == "on")
@@ -197,7 +206,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                        reference_factory(cfg, device, dtype, source, comm, gate) if cfg.rl_reference == "on"
                        else None)
     phase(EnginePhase.WARMING)
-    warm = run_warmup(engine, parse_sizes(cfg.default_size, cfg.warmup_sizes), cfg.warmup_steps,
+    warm = run_warmup(engine, sizes, cfg.warmup_steps,
                       table=list(SIZE_TABLE) if cfg.warmup_table == "on" else [])
     h0, h1 = comm.sp.kv_heads(model.num_kv_heads)      # this rank's share of each import (engine.admit)
     phase(EnginePhase.ATTACHING_KV_POOL)
