@@ -43,6 +43,10 @@ UND_MIN_RESERVE = 2 * GiB               # understanding: activations, decode CUD
 UND_RESERVE_SHARE = 0.1                 # ... or this share of its budget, whichever is more (engine._fit_kv_cache)
 UND_MIN_KV_TOKENS = 1024                # the engine never sizes its KV cache below this
 REFERENCE_PREFIX_TOKENS = 512           # a job's text prefix (generation/capacity.py's reference job)
+# understanding's context must hold the largest prompt an image request brings at the largest size: an edit (or an
+# interleaved turn) with one side² input image and up to this much text (measured on the 8B tokenizer at 1024²:
+# an edit prefix 1,469 tokens, an interleaved turn 1,824, a thinking text-to-image cond prefix 1,218)
+UND_PROMPT_TEXT_TOKENS = 2 * REFERENCE_PREFIX_TOKENS
 RUNTIME_FORMATS = ("bf16", "fp8", "fp8-only", "int8")   # what a GPU holds
 FILE_FORMATS = ("q8_0", "q4_k")                          # GGUF: dequantised at load
 GGUF_BYTES_PER_WEIGHT = {"q8_0": 34 / 32, "q4_k": 144 / 256}
@@ -208,12 +212,19 @@ def und_plan(cfg, w: BranchWeights, s: Settings, kv_tokens: int | None = None) -
     return e
 
 
-def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True, pool: int = 0) -> EnginePlan:
+def und_prompt_tokens(side: int, block: int) -> int:
+    """The KV tokens understanding needs for the largest image request at `side`² (UND_PROMPT_TEXT_TOKENS)."""
+    return UND_PROMPT_TEXT_TOKENS + image_tokens(side, block)
+
+
+def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True, pool: int = 0,
+            need_tokens: int = UND_MIN_KV_TOKENS) -> EnginePlan:
     """What engine._fit_kv_cache does under a memory share (`capped`: colocate, U1SERVE_GPU_MEMORY_FRACTION): the
     reserve, then as many KV tokens as fit (at least UND_MIN_KV_TOKENS, at most --kv-cache-tokens). Uncapped
     (separate) the engine takes --kv-cache-tokens as given: the tokens that fit, page table included, are what
     `--kv-cache-tokens` must say (up_flags). `pool`: device KV pool pages allocated in this share before the fit
-    (fused: the understanding service creates the pool before its engine loads)."""
+    (fused: the understanding service creates the pool before its engine loads). `need_tokens`: the context the
+    largest image request needs (und_prompt_tokens): a KV cache below it does not fit."""
     llm = cfg.llm
     per_token = kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim, s.itemsize)
     alloc_share = share - s.context_bytes           # the fraction caps torch's allocator, not the context
@@ -225,7 +236,9 @@ def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True,
     e = und_plan(cfg, w, s, int(min(s.kv_cache_tokens, max(UND_MIN_KV_TOKENS, fit))))
     # the page table and the scratch slot are allocated after the engine's fit: they come out of its reserve
     e.parts["activations_graphs"] = reserve - (e.parts["page_table"] + per_token if capped else 0)
-    e.fits = fit >= UND_MIN_KV_TOKENS       # else the engine's smallest KV cache overflows the share
+    e.fits = fit >= max(UND_MIN_KV_TOKENS, need_tokens)   # else the smallest KV cache overflows the share, or
+    if fit >= UND_MIN_KV_TOKENS and not e.fits:              # the context cannot hold the largest image prompt
+        e.notes.append(f"the largest image request's prompt needs {need_tokens} tokens of context")
     return e
 
 
@@ -327,11 +340,15 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
     gen = gen_plan(cfg, weights["gen"], es, side)
     colocate = mode == "colocate"
     share = budget - gen.total - sum(process.values()) if colocate else budget
-    und = und_fit(cfg, weights["und"], es, share + device_pool, capped=colocate, pool=device_pool)
+    und = und_fit(cfg, weights["und"], es, share + device_pool, capped=colocate, pool=device_pool,
+                  need_tokens=und_prompt_tokens(side, s.images.block))
     p = Plan(mode, budget, side, und, gen, False, s, host, process=process)
     p.fits = und.fits and gen.total + sum(process.values()) <= budget
     if not p.fits:
-        p.why = f"needs {gib(p.device_total)} GiB with the smallest KV cache, for {gib(budget)} GiB"
+        p.why = (f"needs {gib(p.device_total)} GiB with the smallest KV cache, for {gib(budget)} GiB"
+                 if p.device_total > budget else
+                 f"understanding's KV cache ({und.kv_tokens} tokens) cannot hold the largest image request's prompt at "
+                 f"{side}x{side} ({und_prompt_tokens(side, s.images.block)} tokens)")
     p.load_peaks = {e.name: peak for e, w in ((und, weights["und"]), (gen, weights["gen"]))
                     if (peak := load_peak(e, w, s.itemsize)) is not None}
     return p

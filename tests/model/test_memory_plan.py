@@ -235,3 +235,16 @@ def test_fused_plan_puts_the_pool_on_the_device_and_one_context(tmp_path):
     assert und_share >= one["understanding"]["total_bytes"] + pool - 0.001 * 80 * M.GiB   # the pool is in its share
     text = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--colocate-engines", "fused")
     assert "fused process" in text and "(one process)" in text, text
+
+
+def test_understanding_context_holds_the_largest_image_prompt(tmp_path):
+    """A plan fits only if understanding's KV cache holds the prompt of the largest image request it allows (an edit
+    with a side² input): on an H100 the fused 24 GiB plan of 2026-12-06 said 1280² fits with 1,460 KV tokens, and
+    every 1024² image, edit and interleaved answer was refused 400 context_length_exceeded (1,218-1,824 tokens)."""
+    for engines in ("processes", "fused"):
+        out = _plan_8b(tmp_path, "--gpu-memory", "24GiB", "--gpu-total", "80GiB", "--quantization", "int8",
+                       "--und-quantization", "int8", "--colocate-engines", engines, "--json")
+        fix = out["fix"]
+        tokens = int(next(n for n in fix["understanding"]["notes"] if n.startswith("KV cache")).split()[2])
+        side = fix["max_image_side"]
+        assert tokens >= M.und_prompt_tokens(side, 32) >= 1824 + (side // 32) ** 2 - 1024, (engines, tokens, side)
