@@ -6,14 +6,14 @@ slices (64-token chats took 3.8 s under image load on one H200, 0.58 s alone). U
 side by side: the decode's memory traffic overlaps the image's math, and with generation capped at a share of
 the SMs and dispatched at below-normal priority (services/launch/mps.py) decode blocks find SMs. So the default is:
 
-- `--gpu-sharing auto` (the default) time-slices, for now: MPS (`--gpu-sharing mps`) gave the chat numbers above, but
-  on an H200 (driver 580.159.04, torch 2.11, 2026-12-02) every text-to-image under it with generation at its
-  default 85 % of the SMs came out NaN (at 60 % they were finite). The cause is narrowed, not fixed: not cuDNN
-  attention, no ordering flaw or reused buffer in our stream code (audited: docs/benchmarks/load.md "The NaN under
-  MPS"), but the GEMM library under the capped SM count (in one process it went with addmm off cuBLASLt, and every
-  run that made NaN there replayed CUDA graphs); `auto` does not choose MPS until the probe's `check` run has named
-  the GEMM and its fix is in. A NaN image is answered
-  500 `nonfinite_output` (services/generation/emitter.py) in any mode, never a black PNG.
+- `--gpu-sharing auto` (the default) time-slices: MPS (`--gpu-sharing mps`) gave the chat numbers above, but every
+  text-to-image under it with generation at 85 % of the SMs came out NaN. Found (one H100, 2026-12-06,
+  deploy/mps_probe.py "check"): cuBLAS and cuBLASLt return wrong values for plain bf16 GEMMs of the generation
+  branch in an MPS client capped at 60-85 % of the SMs (the same op rerun alone is wrong every time: no ordering
+  flaw of ours); at 50 % they were right. So MPS stays opt-in, its default cap is 50 % (services/launch/mps.py), and
+  the generation engine checks its GEMMs against fp32 at start under any cap (`--gemm-check`, on by default under
+  MPS: services/model/gemm_check.py), refusing to start, with the shape named, where they are wrong. A NaN image is
+  answered 500 `nonfinite_output` (services/generation/emitter.py) in any mode, never a black PNG.
 - the yield gate (services/generation/qos.py) on in colocate with one replica each, at `DEFAULT_YIELD_SHARE` of
   generation's time: a decode step that arrives while an image step runs gets the GPU at the next layer
   boundary, and images lose at most that share however busy chat is (chats arrive continuously under load, so
@@ -31,8 +31,8 @@ from typing import Optional
 # the image-goodput allowance of issue 25 (>= 95 % of time-sliced images/min): the gate may take at most this
 DEFAULT_YIELD_SHARE = 0.05
 SHARING_MODES = ("auto", "time-slice", "mps")
-AUTO_WHY = ("MPS is opt-in (--gpu-sharing mps): with generation at 85 % of the SMs its text-to-image outputs came out "
-            "NaN on an H200 (docs/deployment.md, Colocate QoS)")
+AUTO_WHY = ("MPS is opt-in (--gpu-sharing mps): under an MPS cap of 60-85 % of the SMs cuBLAS computed the generation "
+            "branch's GEMMs wrong on an H100, and the images came out NaN (docs/deployment.md, Colocate QoS)")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,10 @@ from typing import Callable, Optional
 from services.launch.launcher import StartupError
 
 CONTROL = "nvidia-cuda-mps-control"
-DEFAULT_GEN_SM_PERCENT = 85        # measured: 2 H200 TP2 + CFG2 (priority low) chat p90 1.82x alone, image +5-7 %
+# 50: the only cap of 85 / 75 / 70 / 60 / 50 % at which cuBLAS computed the generation branch's GEMMs right in an MPS
+# client (one H100, driver 580.159.04, 2026-12-06: deploy/mps_probe.py "check"; at 60-85 % plain bf16 GEMMs came out
+# wrong, then NaN images). Was 85 (2 H200 TP2 + CFG2: chat p90 1.82x alone, image +5-7 %), with NaN images.
+DEFAULT_GEN_SM_PERCENT = 50
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 # 0 NORMAL, 1 BELOW_NORMAL: the GPU's work distributor dispatches a normal client's blocks before a below-normal
 # one's queued blocks (it preempts nothing that runs), so a decode kernel does not queue behind an image GEMM's

@@ -523,11 +523,11 @@ def add_stack_flags(p: argparse.ArgumentParser, model_default: str | None) -> No
                    help="colocate on CUDA: how the engines share a GPU. mps: their kernels run side by side under a "
                         "CUDA MPS control daemon that u1serve up starts for this stack (nvidia-cuda-mps-control), "
                         "generation capped by --gen-sm-percent at --gen-priority; time-slice: the driver alternates "
-                        "them; auto (default): time-slice for now (under MPS at the default 85 %% SM cap text-to-image came out "
-                        "NaN on an H200: docs/deployment.md)")
+                        "them; auto (default): time-slice (under an MPS cap of 60-85 %% of the SMs cuBLAS computed "
+                        "generation's GEMMs wrong, then NaN images: docs/deployment.md)")
     p.add_argument("--gen-sm-percent", type=sm_percent, default=None, metavar="P",
                    help="under MPS: the share of each GPU's SMs generation may use "
-                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 85); with --colocate-engines fused: the "
+                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100, default 50: the cap measured to compute right); with --colocate-engines fused: the "
                         "share of the SMs generation's CUDA green context holds (default: the whole GPU); "
                         "understanding is not capped")
     p.add_argument("--gen-priority", choices=["normal", "low"], default=None,

@@ -152,11 +152,11 @@ def test_dry_run_shows_the_daemon_and_each_services_mps_environment(config_model
     assert f"CUDA_VISIBLE_DEVICES={daemon_gpus} " in _lines(r.stdout)["und"]
 
 
-def test_default_is_85_percent_of_the_sms_at_low_priority_for_generation_only(config_model):
+def test_default_is_50_percent_of_the_sms_at_low_priority_for_generation_only(config_model):
     r = dry_run(config_model, "--gpu-sharing", "mps", "--und-gpus", "0")
     assert r.returncode == 0, r.stderr
     lines = _lines(r.stdout)
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 " in lines["gen"]
     assert "CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]
     assert "CUDA_MPS_CLIENT_PRIORITY" not in lines["und"] + lines["gateway"]
 
@@ -370,7 +370,7 @@ def _port(p: subprocess.Popen) -> int:
     ([], {}, "GPU sharing time-slice (auto: MPS is opt-in"),         # even with the control binary on PATH
     (["--mode", "separate", "--gen-gpus", "1"], {}, ""),           # nothing shared: no QoS line, no daemon
     (["--und-replicas", "2", "--und-gpus", "0,1"], {}, "GPU sharing time-slice (auto: MPS is opt-in"),
-    (["--gpu-sharing", "mps"], {}, "GPU sharing mps, generation at 85 % of the SMs, priority low; yield gate"),
+    (["--gpu-sharing", "mps"], {}, "GPU sharing mps, generation at 50 % of the SMs, priority low; yield gate"),
     (["--gpu-sharing", "time-slice", "--qos-yield-share", "0"], {}, "GPU sharing time-slice; no yield gate"),
 ])
 def test_auto_sharing_plans(config_model, tmp_path, flags, env, says):
@@ -408,5 +408,5 @@ def test_gpu_smoke_and_bench_mps_profiles_plan_an_mps_stack(config_model):
         r = dry_run(config_model, *flags)
         assert r.returncode == 0, (flags, r.stderr)
         lines = _lines(r.stdout)
-        assert "nvidia-cuda-mps-control -d" in lines["mps"] and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=85 " in lines["gen"]
+        assert "nvidia-cuda-mps-control -d" in lines["mps"] and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 " in lines["gen"]
         assert ("CUDA_MPS_CLIENT_PRIORITY=1 " in lines["gen"]) != name.endswith("-normal"), (name, lines["gen"])
