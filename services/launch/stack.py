@@ -45,8 +45,14 @@ def ensure_tiny_checkpoint(variant: str = "u1", seed: int = 0, out=sys.stdout) -
         tmp = path + f".tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tiny.write_tiny_checkpoint(tmp, variant=variant, seed=seed)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        try:
+            os.rename(tmp, path)            # atomic; refused when another process's copy landed first
+        except OSError:
+            if os.path.exists(os.path.join(path, "config.json")):
+                shutil.rmtree(tmp, ignore_errors=True)      # theirs: the same seed, the same checkpoint
+            else:                                           # a broken leftover: replace it
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(tmp, path)
     return path
 
 

@@ -27,6 +27,19 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def mapped_shm() -> set[str]:
+    """The /dev/shm entries some live process has mapped (a named semaphore is mapped by each holder)."""
+    out = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                out.update(line.rsplit("/dev/shm/", 1)[1].rstrip("\n").removesuffix(" (deleted)")
+                           for line in f if "/dev/shm/" in line)
+        except OSError:        # gone meanwhile, or not ours to read
+            pass
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -295,8 +308,11 @@ class RunningStack:
         assert not groups and not shm, (groups, shm)
 
     def leftovers(self) -> tuple[list[int], list[str]]:
-        """(live process groups of the services, new /dev/shm entries) after stop()."""
+        """(live process groups of the services, new /dev/shm entries) after stop(): the stack's pool and
+        multiprocessing semaphores (sem.mp-*) that no live process holds -- a semaphore some live process has
+        mapped belongs to another run (a parallel test worker's stack), not to this stopped one."""
         groups = [p for p in self.pids.values() if group_alive(p) or pid_alive(p)]
-        new_shm = sorted(e for e in shm_entries() - self.shm_before
-                         if e.startswith(self.pool) or e.startswith("sem.mp-"))
+        new = shm_entries() - self.shm_before
+        sems = {e for e in new if e.startswith("sem.mp-")}
+        new_shm = sorted({e for e in new if e.startswith(self.pool)} | (sems - mapped_shm() if sems else set()))
         return groups, new_shm
