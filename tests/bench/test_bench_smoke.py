@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.system.stackproc import ONE_THREAD
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -114,8 +116,11 @@ def assert_every_part_filled(data: dict, smoke: Smoke) -> None:
 
 
 def run_smoke(argv: list[str], tmp_path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """`python -m argv` on one CPU thread a process (ONE_THREAD: a smoke's figures are compared with nothing computed
+    at another thread count; on busy cores, as beside a parallel test worker, decode-kernels took 8-13 s so and
+    43-46 s unpinned, 2026-12-06)."""
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **env)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **ONE_THREAD, **env)
     proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -145,7 +150,7 @@ def test_bench_rl_smoke_produces_every_figure(tmp_path):
     out = tmp_path / "out"
     run_smoke(["bench.bench_rl", "--tiny", "--profiles", "cpu-colocate", "--sizes", "32", "--steps", "2",
                "--group-size", "2", "--prompts", "2", "--repeat", "1", "--out", str(out), "--log-dir", "{tmp}"],
-              tmp_path, OMP_NUM_THREADS="1")
+              tmp_path)
     data = json.loads((out / "bench_rl.json").read_text())
     assert_every_part_filled(data, Smoke((), tuple(PROFILE + p for p in ("throughput", "prefill", "weights"))))
     r = data["results"]["cpu-colocate"]

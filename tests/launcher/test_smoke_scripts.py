@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.system.stackproc import ROOT
+from tests.system.stackproc import ONE_THREAD, ROOT
 
 CHECKS = ["chat", "chat stream", "image stream", "image", "step cache reuses", "edit", "temperature 1e-40", "repetition_penalty 1e-300",
           "seed 2**64", "NaN", "Infinity", "nesting 64 deep", "decompression bomb", "non-ASCII API key",
@@ -18,8 +18,10 @@ CHECKS = ["chat", "chat stream", "image stream", "image", "step cache reuses", "
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-smoke")
+    # its stack on one thread a process: compared with nothing computed at another thread count
     r = subprocess.run([os.path.join(ROOT, "deploy", "gpu_smoke.sh"), "--cpu", "--out", str(out)], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=420)
+                       env={**os.environ, "PYTHONPATH": ROOT, **ONE_THREAD}, capture_output=True, text=True,
+                       timeout=420)
     assert (out / "summary.json").exists(), r.stdout[-3000:] + r.stderr[-3000:]
     assert "| profile | check | result | detail |" in r.stdout
     return json.loads((out / "summary.json").read_text())["profiles"]["cpu"]
@@ -35,8 +37,8 @@ def test_gpu_smoke_cpu_mode(smoke, name):
 def test_bench_load_smoke(tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, "-m", "bench.bench_load", "--smoke", "--json", str(out),
-                        "--hostile-fraction", "0.25", "--out-dir", str(tmp_path / "stack")], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                       capture_output=True, text=True, timeout=300)
+                        "--hostile-fraction", "0.25", "--out-dir", str(tmp_path / "stack")], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT, **ONE_THREAD}, capture_output=True, text=True, timeout=300)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out.read_text())
     summary, outcomes = data["summary"], data["outcomes"]
