@@ -88,7 +88,9 @@ def chat_ok(stack) -> None:
 def test_one_process_serves_both_engines_and_says_so(fused):
     with open(fused.state_file) as f:
         state = json.load(f)
-    assert state["colocate_engines"] == {"engines": "fused", "why": "asked for"}
+    # both engines keep their own servers inside the one process: stack.json names them
+    assert state["colocate_engines"] == {"engines": "fused", "why": "asked for", "health_urls": {
+        "und": f"http://127.0.0.1:{fused.und_port}/health", "gen": f"http://127.0.0.1:{fused.gen_port}/health"}}
     assert sorted(state["services"]) == ["fused", "gateway"]
     # the ready line is written once the launcher has seen every service up: maybe just after the fixture did
     assert wait_until(lambda: "(fused engines)" in fused.output(), 30), fused.output()
