@@ -87,9 +87,10 @@ def _forward_groups(engine) -> list[tuple[list, bool]]:
     """One step's forwards on `engine` as (jobs, exact): the image jobs together, the RL jobs that share a forward
     exactly together, each other RL job alone."""
     plain = [j for j in engine.running if j.rl is None]
-    rl = [j for j in engine.running if j.rl is not None]
-    shared = [j for j in rl if engine.shares_forward_exactly(j)]
-    alone = [[j] for j in rl if not engine.shares_forward_exactly(j)]
+    shared, alone = [], []
+    for j in engine.running:
+        if j.rl is not None:
+            (shared.append(j) if engine.shares_forward_exactly(j) else alone.append([j]))
     return [(g, False) for g in [plain] if g] + [(g, True) for g in [shared] if g] + [(g, False) for g in alone]
 
 

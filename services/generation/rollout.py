@@ -57,10 +57,11 @@ class HostTrajectory:
 
     def put(self, k: int, x: torch.Tensor) -> None:
         """State k, x [n, 3, H, W] on the device (made by the current stream)."""
-        x = x.float().contiguous()
         if self.stream is None:
             self.buf[:, k].copy_(x)
             return
+        # a copy of its own (one cast in bf16, as before): the side stream then reads memory no later step writes
+        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self.stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.stream):
             for i in range(x.shape[0]):
