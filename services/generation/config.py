@@ -112,6 +112,12 @@ class GenerationConfig:
         "before ready: auto = on cuda, off on cpu (no JIT or kernel plans to build)", choices=("auto", "on", "off")))
     warmup_steps: int = field(default=2, metadata=flag(
         "denoising steps per warm-up job of --default-size and --warmup-sizes (0: no warm-up at all)"))
+    weight_streaming_layers: int = field(default=0, metadata=flag(
+        "keep the decoder layers in pinned host memory and only this many on the device, each copied in just "
+        "before its forward and the next ones prefetched on a side stream (services/model/weight_streaming.py): "
+        "the gen branch's weights on the device shrink to the non-layer weights + N layers, for larger images on a "
+        "small card; costs host memory (every layer) and, where a step computes for less time than the copies "
+        "take, speed. 0: off (every layer resident). Turns --cuda-graphs auto off"))
     # RL
     rl_reference: str = field(default="on", metadata=flag(
         "RL scoring against a frozen copy of the start weights (loaded on first use: one more copy of the gen "
@@ -134,9 +140,25 @@ class GenerationConfig:
             raise ValueError("--engine-unit thread runs one engine rank: it needs --cfg-parallel 1 and --sp 1")
         if not 0 <= self.green_sm_percent < 100:
             raise ValueError(f"--green-sm-percent must be in [0, 100), got {self.green_sm_percent}")
+        self._check_weight_streaming()
         if self.green_sm_percent and self.engine_unit != "thread":
             raise ValueError("--green-sm-percent is for the fused mode (--engine-unit thread): a process of its own "
                              "shares the GPU through MPS's --gen-sm-percent instead")
+
+    def _check_weight_streaming(self) -> None:
+        """Where streaming cannot work, say why at start rather than serve wrong or slow."""
+        n = self.weight_streaming_layers
+        if n < 0:
+            raise ValueError(f"--weight-streaming-layers must be >= 0 (0: off), got {n}")
+        if not n:
+            return
+        if self.cuda_graphs == "on":
+            raise ValueError("--weight-streaming-layers needs --cuda-graphs off (or auto): a graph bakes in the "
+                             "device address of every weight it reads, and streamed layers change slots each step")
+        if self.world > 1:
+            raise ValueError("--weight-streaming-layers runs on one engine rank (--cfg-parallel 1 --sp 1): every "
+                             "rank would hold its own pinned host copy of all layers, and a host with several GPUs "
+                             "has the device memory to keep the branch resident (split it with --sp instead)")
 
     @property
     def world(self) -> int:
@@ -198,6 +220,8 @@ def config_from_args(args: argparse.Namespace) -> GenerationConfig:
         graphs = resolve_mode(args.cuda_graphs)
     except ValueError as e:
         raise SystemExit(f"--cuda-graphs: {e}")
+    if args.weight_streaming_layers and graphs == "auto":
+        graphs = "off"      # graphs cannot replay streamed weights (GenerationConfig._check_weight_streaming)
     table = args.warmup_table if args.warmup_table != "auto" else ("on" if args.device == "cuda" else "off")
     if args.kv_pool_wait_s is not None and args.kv_pool_wait_s < 0:
         raise SystemExit("--kv-pool-wait-s must be >= 0")     # (before the default below replaces it)

@@ -114,7 +114,10 @@ class GenerationState:
         return {**self.engine.status(), "cfg_parallel": self.cfg.cfg_parallel, "sp": self.cfg.sp,
                 "sp_mode": self.cfg.sp_mode, "max_image_tokens": self.max_tokens, "warmup": self.perf.warmup,
                 "kv_pool": self.perf.kv_pool,
-                "weights_version": self.weights.version, "rl_trajectories": self.trajectories.stats(),
+                "weights_version": self.weights.version,
+                # decoder layers on the device with weight streaming (the rest in pinned host memory), null: off
+                "weight_streaming": ({"device_layers": self.cfg.weight_streaming_layers}
+                                     if self.cfg.weight_streaming_layers else None), "rl_trajectories": self.trajectories.stats(),
                 # colocate QoS: the page the ranks yield to (services/generation/qos.py), null without a gate
                 "yield_gate": {"page": self.cfg.yield_to, "share": self.cfg.yield_share} if self.cfg.yield_to else None}
 

@@ -193,6 +193,10 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                                                f"generation rank {rank}")
         log.info("GEMM check: %d shape x row counts right against fp32 (%d quantised linears not checked)",
                  found["checked"], found["skipped"])
+    if cfg.weight_streaming_layers:     # after the load's quantisation: the host holds the served format
+        from services.model.weight_streaming import stream_decoder_layers
+        streamer = stream_decoder_layers(model, cfg.weight_streaming_layers)
+        log.info("weight streaming: %s", streamer.report())
     source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
                           geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype),
                           follow_handles=cfg.kv_pool_follow_handles == "on")
