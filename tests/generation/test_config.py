@@ -31,3 +31,29 @@ def test_step_caching_defaults_checked_as_a_requests_cache(fields):
     with pytest.raises(SystemExit):
         cache_defaults(p.parse_args([a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]))
     assert cache_defaults(p.parse_args([])) == CacheDefaults().options()
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"weight_streaming_layers": -1}, "must be >= 0"),
+    ({"weight_streaming_layers": 2, "cuda_graphs": "on"}, "needs --cuda-graphs off .* device address"),
+    ({"weight_streaming_layers": 2, "cfg_parallel": 2}, "one engine rank .* pinned host copy"),
+    ({"weight_streaming_layers": 2, "sp": 2}, "one engine rank")])
+def test_weight_streaming_refused_where_it_cannot_work(fields, why):
+    with pytest.raises(ValueError, match=why):
+        GenerationConfig(model="m", **fields)
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    argv = ["--model", "m"] + [a for k, v in fields.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    with pytest.raises(SystemExit, match=why.split(" .*")[0]):
+        config_from_args(p.parse_args(argv))
+
+
+def test_weight_streaming_turns_auto_graphs_off(monkeypatch):
+    monkeypatch.delenv("U1SERVE_CUDA_GRAPHS", raising=False)
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    cfg = config_from_args(p.parse_args(["--model", "m", "--weight-streaming-layers", "2"]))
+    assert cfg.weight_streaming_layers == 2 and cfg.cuda_graphs == "off"
+    monkeypatch.setenv("U1SERVE_CUDA_GRAPHS", "1")      # the override asks for graphs: refused, not ignored
+    with pytest.raises(SystemExit, match="--cuda-graphs off"):
+        config_from_args(p.parse_args(["--model", "m", "--weight-streaming-layers", "2"]))
