@@ -182,21 +182,26 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
         else CfgComm.single()
     dtype = torch_dtype(cfg.dtype)
     phase(EnginePhase.LOADING_WEIGHTS)
+    # weight streaming: each decoder layer goes to host memory as soon as it is loaded and quantised (the host holds
+    # the served format), then only --weight-streaming-layers of them come back, into the streamer's device slots
     model = load_model(cfg.model, branch="gen", dtype=dtype, device=device, lora=list(cfg.lora),
-                       quantization=cfg.quantization)
+                       quantization=cfg.quantization, layers_to_host=cfg.weight_streaming_layers > 0)
     model.eval()
+    streaming = contextlib.nullcontext()
+    if cfg.weight_streaming_layers:
+        from services.model.weight_streaming import stream_decoder_layers
+        streamer = stream_decoder_layers(model, cfg.weight_streaming_layers)
+        log.info("weight streaming: %s", streamer.report())
+        streaming = streamer.holding(0)      # layer 0 stands for every layer's shapes in the GEMM check
     attach_lora(model)     # resident LoRA adapters ($U1SERVE_LORA_MODULES etc.; lora_registry.py)
     inject_wrong_gemm(model)      # tests only (U1SERVE_FAULT_WRONG_GEMM)
     sizes = parse_sizes(cfg.default_size, cfg.warmup_sizes)
     if gemm_check.wanted(cfg.gemm_check, device, cfg.green_sm_percent):
-        found = gemm_check.require_right_gemms(model, gemm_check.rows_for_sizes(sizes, IMAGE_BLOCK),
-                                               f"generation rank {rank}")
+        with streaming:
+            found = gemm_check.require_right_gemms(model, gemm_check.rows_for_sizes(sizes, IMAGE_BLOCK),
+                                                   f"generation rank {rank}")
         log.info("GEMM check: %d shape x row counts right against fp32 (%d quantised linears not checked)",
                  found["checked"], found["skipped"])
-    if cfg.weight_streaming_layers:     # after the load's quantisation: the host holds the served format
-        from services.model.weight_streaming import stream_decoder_layers
-        streamer = stream_decoder_layers(model, cfg.weight_streaming_layers)
-        log.info("weight streaming: %s", streamer.report())
     source = PrefixSource(cfg.kv_pool_name, model.fingerprint, device,
                           geometry=(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype),
                           follow_handles=cfg.kv_pool_follow_handles == "on")

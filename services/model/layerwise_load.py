@@ -26,14 +26,15 @@ def layer_of(name: str) -> int | None:
 class LayerwiseQuantizer:
     """Told each weight as it is placed (`placed(name, state)`: `state` {param name: tensor} holds the placed weights
     not yet in the model), it moves a complete layer's weights into the model, merges the LoRAs into them (`merge`:
-    {checkpoint key: tensor} -> None) and quantises it. `names`: every name that will be placed."""
+    {checkpoint key: tensor} -> None) and quantises it (`scheme` None: keeps it as it is), then hands it to `done(layer)`
+    (weight streaming: moves it to host memory). `names`: every name that will be placed."""
 
     def __init__(self, model, names, branches, scheme, device, prequantized: dict | None = None,
-                 merge: Callable[[dict], None] | None = None):
+                 merge: Callable[[dict], None] | None = None, done: Callable | None = None):
         from .quant_schemes import scheme as scheme_by_name
-        self.model, self.branches = model, branches
+        self.model, self.branches, self.done = model, branches, done
         self.scheme = scheme_by_name(scheme) if isinstance(scheme, str) else scheme
-        self.policy = self.scheme.policy(torch.device(device))
+        self.policy = self.scheme.policy(torch.device(device)) if self.scheme is not None else None
         self.prequantized, self.merge = {} if prequantized is None else prequantized, merge
         self.pending = Counter(i for i in map(layer_of, names) if i is not None)
         self.quantized = 0          # Linear layers now running quantised
@@ -59,9 +60,12 @@ class LayerwiseQuantizer:
             raise RuntimeError(f"layer {i} is complete but {prefix}{unset[0]} was never placed")
         if self.merge is not None:
             self.merge(dict(checkpoint_views((prefix + n, p) for n, p in layer.named_parameters())))
-        self.quantized += quantize_layer(layer, i, self.branches, self.prequantized, self.policy, self.scheme)
+        if self.scheme is not None:
+            self.quantized += quantize_layer(layer, i, self.branches, self.prequantized, self.policy, self.scheme)
         for k in [k for k in self.prequantized if k.startswith(prefix)]:
             del self.prequantized[k]     # now the layer's own buffers
+        if self.done is not None:
+            self.done(layer)
 
     def finish(self, state: dict) -> None:
         """Assign the weights outside the decoder layers; every parameter of the model must be placed by now."""

@@ -47,7 +47,8 @@ def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
 
 def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.float32, device="cpu",
                lora: str | list | None = None, lora_strength: float = 1.0, tp: TPContext | None = None,
-               random_weights: bool | None = None, quantization: str | None = None) -> NeoModel:
+               random_weights: bool | None = None, quantization: str | None = None,
+               layers_to_host: bool = False) -> NeoModel:
     """`lora`: one path (with `lora_strength`) or a list of (path, strength); each adapter is merged
     into the loaded branch if it names weights of it (None: the adapters in $U1SERVE_LORA).
     `quantization="fp8"` / `"int8"`: the dense Linear layers of the gen branch (or of the und branch when only
@@ -55,7 +56,10 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     converted to fp8 / int8 (`u1serve convert`, services/model/quant_checkpoint.py) is served in its format
     with its own scales when `quantization` is None / "none" (or names the same scheme): nothing is
     requantised. A GGUF checkpoint (a directory with one *.gguf) is dequantised to `dtype` at load
-    (services/model/gguf_io.py)."""
+    (services/model/gguf_io.py).
+    `layers_to_host` (weight streaming, services/model/weight_streaming.py): the decoder layers end in host memory
+    (pinned where `device` is CUDA), each moved there as soon as it is complete and quantised, so the device holds at
+    most one of them during the load (a GGUF checkpoint or random weights: all of them, until the end)."""
     from .constants import QUANTIZATIONS
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
@@ -70,7 +74,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         fuse_projections(model)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
-        return model
+        return _layers_to_host(model, device) if layers_to_host else model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
     from .gguf_io import find_gguf, read_gguf_state
@@ -82,8 +86,9 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         for key, t in read_gguf_state(gguf_file, dict(checkpoint_views(params.items())), _expected_shapes(cfg),
                                       tp, device, dtype).items():
             _place(state, params, key, t, device, dtype)
-        return _finish_load(model, state, None, LoraMerges(model, lora, lora_strength, tp), quantization,
-                            quant_branches, model_dir, cfg)
+        model = _finish_load(model, state, None, LoraMerges(model, lora, lora_strength, tp), quantization,
+                             quant_branches, model_dir, cfg)
+        return _layers_to_host(model, device) if layers_to_host else model
     wm = weight_map(model_dir)
     ckpt_scheme = _checkpoint_scheme(cfg, wm)
     if quantization == "none" and ckpt_scheme is not None:
@@ -111,10 +116,11 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     prequantized = {}   # fp8 checkpoint: name -> (q, scale) of this rank's shard
     loras = LoraMerges(model, lora, lora_strength, tp)
     layerwise = None    # quantised: each decoder layer as soon as its weights are read (layerwise_load.py)
-    if quantization != "none":
+    if quantization != "none" or layers_to_host:
         # merged adapters change the weights: those are quantised from the merged values, not the checkpoint's
-        layerwise = LayerwiseQuantizer(model, needed, quant_branches, quantization, device,
-                                       {} if loras.adapters else prequantized, loras.merge)
+        layerwise = LayerwiseQuantizer(model, needed, quant_branches, None if quantization == "none" else quantization,
+                                       device, {} if loras.adapters else prequantized, loras.merge,
+                                       done=_to_host_fn(device) if layers_to_host else None)
     for key in needed:
         path = wm[key]
         if path not in handles:
@@ -147,6 +153,19 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         if layerwise is not None:
             layerwise.placed(key, state)
     return _finish_load(model, state, layerwise, loras, quantization, quant_branches, model_dir, cfg)
+
+
+def _to_host_fn(device):
+    from .weight_streaming import layer_to_host
+    pin = torch.device(device).type == "cuda"
+    return lambda layer: layer_to_host(layer, pin)
+
+
+def _layers_to_host(model: NeoModel, device) -> NeoModel:
+    move = _to_host_fn(device)
+    for layer in model.language_model.model.layers:
+        move(layer)
+    return model
 
 
 def _place(state: dict, params: dict, key: str, t: torch.Tensor, device, dtype) -> None:

@@ -26,6 +26,7 @@ keeps a fixed slot ring filled ahead on a side stream, nor survives the step cac
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,6 +60,27 @@ def layer_refs(layer: nn.Module) -> list[_Ref]:
     return refs
 
 
+def host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`t` in host memory (pinned with `pin`, so copies from it run asynchronously); itself where it already is."""
+    t = t.detach()
+    if t.device.type == "cpu" and (t.is_pinned() or not pin):
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    h.copy_(t)
+    return h
+
+
+def layer_to_host(layer: nn.Module, pin: bool) -> list[torch.Tensor]:
+    """Point every tensor of the layer at a host copy (the loader calls it as each layer completes, so the device
+    never holds more than one layer of the streamed ones). Returns the host tensors in layer_refs' order."""
+    out = []
+    for r in layer_refs(layer):
+        h = host_copy(r.get(), pin)
+        r.point(h)
+        out.append(h)
+    return out
+
+
 def layout(refs: list[_Ref]) -> list[tuple]:
     return [(r.name, tuple(r.get().shape), r.get().dtype) for r in refs]
 
@@ -81,7 +103,7 @@ class WeightStreamer:
                 raise ValueError(f"weight streaming needs every decoder layer in one layout (one format): layer {i} "
                                  f"differs from layer 0 (a per-layer format mix cannot share device slots)")
         self.slots_n = min(slots, len(self.layers))
-        self.host = [self._to_host(refs) for refs in self.refs]       # the layers now point at these
+        self.host = [layer_to_host(layer, self.cuda) for layer in self.layers]   # the layers now point at these
         if self.cuda:
             torch.cuda.empty_cache()             # the device copies are gone: give their memory back
         first = self.host[0]
@@ -98,17 +120,6 @@ class WeightStreamer:
         for i, layer in enumerate(self.layers):
             self.handles.append(layer.register_forward_pre_hook(lambda m, args, i=i: self.before(i)))
             self.handles.append(layer.register_forward_hook(lambda m, args, out, i=i: self.after(i)))
-
-    def _to_host(self, refs: list[_Ref]) -> list[torch.Tensor]:
-        pin = self.cuda
-        out = []
-        for r in refs:
-            t = r.get().detach()
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            h.copy_(t)
-            r.point(h)
-            out.append(h)
-        return out
 
     # -- the hooks -------------------------------------------------------------------------------
     def before(self, i: int) -> None:
@@ -173,6 +184,15 @@ class WeightStreamer:
         return slot
 
     # -- outside the forwards --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def holding(self, i: int):
+        """Layer i on the device for work outside a forward (the start-up GEMM check of its shapes)."""
+        self.before(i)
+        try:
+            yield self.layers[i]
+        finally:
+            self.after(i)
+
     def invalidate(self) -> None:
         """The host copies changed (a weight update): every layer is copied again when next wanted. The side stream
         copies in order, so a stale copy still in flight finishes before any new one into its slot."""
@@ -197,8 +217,9 @@ class WeightStreamer:
 
 
 def stream_decoder_layers(model, slots: int) -> WeightStreamer:
-    """Stream the model's decoder layers through `slots` device slots; embeddings, norms and heads stay resident. The
-    streamer is kept on the model (`model.weight_streamer`) for the weight-update path and /health."""
+    """Stream the model's decoder layers through `slots` device slots; embeddings, norms and heads stay resident
+    (their device is the model's). The layers may be on the host already (load_model(layers_to_host=True)). The
+    streamer is kept on the model (`model.weight_streamer`) for the weight-update path."""
     streamer = WeightStreamer(model.language_model.model.layers, slots, model.device)
     model.weight_streamer = streamer
     return streamer

@@ -21,8 +21,9 @@ def deep_dir(tmp_path_factory):
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-deep")), "u1", seed=0, num_hidden_layers=5)
 
 
-def _gen(path, quantization="none"):
-    return load_model(path, branch="gen", dtype=torch.float32, quantization=quantization)
+def _gen(path, quantization="none", layers_to_host=False):
+    return load_model(path, branch="gen", dtype=torch.float32, quantization=quantization,
+                      layers_to_host=layers_to_host)
 
 
 def _partial(model, start, stop, rows=5, seed=1):
@@ -44,6 +45,8 @@ def test_streamed_stack_is_the_resident_one(deep_dir, quantization, slots):
     want = [stack_forward(model, "gen", seed=s) for s in (0, 1)]
     n = model.num_layers
     want_parts = [_partial(model, 0, 1), _partial(model, 1, n), _partial(model, 2, 3)]
+    # the streaming load (each layer handed to the host as it completes) gives the resident load's bits
+    model = _gen(deep_dir, quantization, layers_to_host=True)
     streamer = stream_decoder_layers(model, slots)
     for _ in range(2):      # the second round starts from whatever the first left in the slots
         assert [torch.equal(a, b) for a, b in zip(want, [stack_forward(model, "gen", seed=s) for s in (0, 1)])] \
