@@ -227,6 +227,9 @@ def add_plan(sub) -> None:
     p.add_argument("--max-image-size", type=int, default=None,
                    help="largest image side allowed (default: the checkpoint's trained maximum)")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on")
+    p.add_argument("--weight-streaming-layers", type=int, default=None, metavar="K",
+                   help="generation's --weight-streaming-layers (decoder layers in pinned host memory, K on the GPU). "
+                        "Unset: off, and the fit search tries K=2 where the largest size fits no other way; 0: never")
     add_flag_of(p, EngineConfig, "kv_cache_tokens", about="understanding's --kv-cache-tokens")
     p.add_argument("--kv-pool-gb", type=float, default=None,
                    help="the KV pool (default as `u1serve up` on cuda: 16, host memory; fused: 2, device memory)")
@@ -253,6 +256,9 @@ def cmd_plan(args) -> int:
         print("u1serve plan: --colocate-engines fused is for --mode colocate", file=sys.stderr)
         return 2
     model = ensure_tiny_checkpoint(tiny_variant(args.model)) if args.model in TINY_ALIASES else args.model
+    if (args.weight_streaming_layers or 0) < 0:
+        print("u1serve plan: --weight-streaming-layers must be >= 0", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(model)
         budget = M.parse_bytes(args.gpu_memory)
@@ -265,7 +271,9 @@ def cmd_plan(args) -> int:
     fused = args.colocate_engines == "fused"
     s = M.Settings(images=plan_image_limits(), und_format=fmt(args.und_quantization), gen_format=fmt(args.quantization),
                    max_image_side=side, cuda_graphs=args.cuda_graphs == "on", kv_cache_tokens=args.kv_cache_tokens,
-                   kv_pool_gb=args.kv_pool_gb or (DEVICE_POOL_GB if fused else 16.0), engines=args.colocate_engines)
+                   kv_pool_gb=args.kv_pool_gb or (DEVICE_POOL_GB if fused else 16.0), engines=args.colocate_engines,
+                   weight_streaming_layers=args.weight_streaming_layers or 0,
+                   streaming_fallback=M.STREAMING_LAYERS if args.weight_streaming_layers is None else 0)
     result = M.plan(cfg, s, budget, args.mode)
     if args.json:
         out = {k: (v.as_dict(total) if v is not None else None) for k, v in result.items() if k != "weights"}

@@ -24,7 +24,11 @@ Every figure is derived from the code's own layout, not from a table:
   outside `set_per_process_memory_fraction` (CUDA_CONTEXT_BYTES, an estimate the GPU run checks:
   bench/gpu_memcap.sh);
 - the load peak of a format quantised at load (int8 / fp8 from a float checkpoint): the quantised weights plus one
-  decoder layer's float weights (the loader quantises each layer as it reads it: layerwise_load.py).
+  decoder layer's float weights (the loader quantises each layer as it reads it: layerwise_load.py);
+- generation with weight streaming (--weight-streaming-layers K, services/model/weight_streaming.py): on the device
+  the weights outside the decoder layers + K layers' slots (no CUDA graphs: streaming turns them off), every layer in
+  pinned host memory (not GPU); the fit search tries K = STREAMING_LAYERS only where the largest size asked fits in
+  no other format, graph or batch setting, before it tries a smaller size.
 The API's image limits (the token block, the size table generation warms) come in from the caller (ImageLimits:
 the launcher passes services.contract.limits' values), so this model-layer module does not import the contract.
 The activation and context figures are the only estimates; weights and KV are exact (tests/model/test_memory_plan.py
@@ -52,6 +56,7 @@ FILE_FORMATS = ("q8_0", "q4_k")                          # GGUF: dequantised at 
 GGUF_BYTES_PER_WEIGHT = {"q8_0": 34 / 32, "q4_k": 144 / 256}
 FUSED_POOL_GB = (1.0, 0.5)               # smaller device KV pools the fused plan tries (fewer prefixes in flight)
 IMAGE_SIDES = (4096, 3072, 2048, 1792, 1536, 1280, 1024, 768, 512)   # fallbacks the plan tries, largest first
+STREAMING_LAYERS = 2    # device slots the fit search tries for generation's weight streaming (one computing, one ahead)
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -89,6 +94,22 @@ class BranchWeights:
     branch: str
     plain_numel: int
     targets: list[tuple[int, int, int]]            # (layer, out_features, in_features)
+    layer_plain_numel: int = 0                     # of plain_numel: inside the decoder layers (their norms)
+    num_layers: int = 0
+
+    def one_layer_bytes(self, fmt: str, itemsize: int = 2) -> int:
+        """One decoder layer in `fmt` (every layer has the same layout): what a weight-streaming slot holds."""
+        plain = self.layer_plain_numel // max(self.num_layers, 1) * itemsize
+        return plain + max(self.layer_bytes(fmt, itemsize).values(), default=0)
+
+    def streamed_gpu_bytes(self, fmt: str, slots: int, itemsize: int = 2) -> int:
+        """Device bytes with weight streaming: everything outside the decoder layers + `slots` layers."""
+        one = self.one_layer_bytes(fmt, itemsize)
+        return self.gpu_bytes(fmt, itemsize) - self.num_layers * one + min(slots, self.num_layers) * one
+
+    def host_layer_bytes(self, fmt: str, itemsize: int = 2) -> int:
+        """Pinned host bytes with weight streaming: every decoder layer."""
+        return self.num_layers * self.one_layer_bytes(fmt, itemsize)
 
     def gpu_bytes(self, fmt: str, itemsize: int = 2) -> int:
         """Bytes on the device when served as `fmt` (RUNTIME_FORMATS, or a GGUF type: bf16's)."""
@@ -145,7 +166,10 @@ def branch_weights(cfg, branch: str) -> BranchWeights:
         target_ids.add(id(lin.weight))
     plain = sum(p.numel() for p in model.parameters() if id(p) not in target_ids)
     plain += sum(b.numel() for b in model.buffers())
-    return BranchWeights(branch, plain, targets)
+    layers = model.language_model.model.layers
+    in_layers = sum(p.numel() for p in layers.parameters() if id(p) not in target_ids)
+    in_layers += sum(b.numel() for b in layers.buffers())
+    return BranchWeights(branch, plain, targets, in_layers, len(layers))
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -175,6 +199,8 @@ class Settings:
     kv_page_tokens: int = 64
     engines: str = "processes"            # colocate: --colocate-engines (fused: one process, the pool on the device)
     max_batch_tokens: int = 8192          # generation's --max-batch-tokens (generation config.BATCH_TOKENS)
+    weight_streaming_layers: int = 0      # generation's --weight-streaming-layers (0: every layer resident)
+    streaming_fallback: int = STREAMING_LAYERS   # what the fit search may try for it (0: never)
     context_bytes: int = CUDA_CONTEXT_BYTES
 
 
@@ -262,13 +288,23 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     head = tokens * 3 * cfg.token_pixels ** 2 * 4 * 2
     acts = rows * per_row + head
     e = EnginePlan("generation", s.gen_format)
-    e.parts = {"weights": w.gpu_bytes(s.gen_format, s.itemsize),
+    k = s.weight_streaming_layers
+    e.parts = {"weights": w.streamed_gpu_bytes(s.gen_format, k, s.itemsize) if k else w.gpu_bytes(s.gen_format, s.itemsize),
                "job_kv": max(edit_kv, batch_kv),
-               "activations": acts, "cuda_graphs": acts if s.cuda_graphs else 0, "cuda_context": s.context_bytes}
+               "activations": acts, "cuda_graphs": acts if s.cuda_graphs and not k else 0,
+               "cuda_context": s.context_bytes}
     e.notes.append(f"{side}x{side}: {tokens} image tokens, {rows} rows a step; KV: "
                    + ("an edit with a same-size input" if edit_kv >= batch_kv else
                       f"{s.max_running_jobs} small jobs x {s.cfg_branches} branches"))
+    if k:
+        e.notes.append(f"weight streaming: {min(k, w.num_layers)} of {w.num_layers} decoder layers on the device, "
+                       f"all in pinned host memory, no CUDA graphs")
     return e
+
+
+def host_pinned_bytes(w: BranchWeights, s: Settings) -> int:
+    """Generation's pinned host memory: its decoder layers with weight streaming, else none."""
+    return w.host_layer_bytes(s.gen_format, s.itemsize) if s.weight_streaming_layers else 0
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -285,6 +321,7 @@ class Plan:
     why: str = ""
     process: dict[str, int] = field(default_factory=dict)   # fused: the one process's device bytes beside the engines
     load_peaks: dict[str, int] = field(default_factory=dict)  # engine name -> its load peak (quantised at load)
+    host_pinned: int = 0      # generation's decoder layers in pinned host memory (weight streaming)
 
     @property
     def device_total(self) -> int:
@@ -301,6 +338,7 @@ class Plan:
         return {"mode": self.mode, "colocate_engines": self.settings.engines, "budget_bytes": self.budget,
                 "max_image_side": self.side, "fits": self.fits, "why": self.why, "env": env, "flags": argv,
                 "device_total_bytes": self.device_total, "host_kv_pool_bytes": self.host_pool_bytes,
+                "host_pinned_bytes": self.host_pinned, "weight_streaming_layers": self.settings.weight_streaming_layers,
                 "process": self.process, "understanding": eng(self.und), "generation": eng(self.gen)}
 
 
@@ -349,8 +387,10 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
                  if p.device_total > budget else
                  f"understanding's KV cache ({und.kv_tokens} tokens) cannot hold the largest image request's prompt at "
                  f"{side}x{side} ({und_prompt_tokens(side, s.images.block)} tokens)")
-    p.load_peaks = {e.name: peak for e, w in ((und, weights["und"]), (gen, weights["gen"]))
-                    if (peak := load_peak(e, w, s.itemsize)) is not None}
+    p.load_peaks = {e.name: peak for e, w, k in ((und, weights["und"], 0),
+                                                 (gen, weights["gen"], s.weight_streaming_layers))
+                    if (peak := load_peak(e, w, s.itemsize, k)) is not None}
+    p.host_pinned = host_pinned_bytes(weights["gen"], s)
     return p
 
 
@@ -375,6 +415,8 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     if not s.cuda_graphs:
         argv += ["--cuda-graphs", "off"]
     gen_args = [f"--max-running-jobs {s.max_running_jobs}"] if s.max_running_jobs != Settings.max_running_jobs else []
+    if s.weight_streaming_layers:
+        gen_args.append(f"--weight-streaming-layers {s.weight_streaming_layers}")
     if any(w * h > p.side * p.side for w, h in s.images.sizes):    # generation warms the table at start (CUDA)
         gen_args.append("--warmup-table off")
         argv += ["--default-size", f"{p.side}x{p.side}"]
@@ -394,7 +436,8 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
 def candidates(s: Settings):
     """Settings to try when the asked one does not fit, best first: the formats (each engine int8 alone, then both;
     fp8 without its bf16 copy), CUDA graphs off, fewer running generation jobs, (fused: a smaller device KV pool,
-    FUSED_POOL_GB), then smaller images."""
+    FUSED_POOL_GB), then all of those again with generation's weight streaming (`streaming_fallback` layers; graphs
+    off anyway), then smaller images."""
     import dataclasses
     top = s.max_image_side
     formats = [(s.und_format, s.gen_format)]
@@ -403,18 +446,21 @@ def candidates(s: Settings):
             formats.append(pair)
     pools = dict.fromkeys((s.kv_pool_gb,) + tuple(g for g in FUSED_POOL_GB if g < s.kv_pool_gb)
                           if s.engines == "fused" else (s.kv_pool_gb,))
+    streams = dict.fromkeys((s.weight_streaming_layers,) + ((s.streaming_fallback,) if s.streaming_fallback else ()))
     for side in [top] + [x for x in IMAGE_SIDES if x < top]:
-        for und_f, gen_f in formats:
-            for graphs in dict.fromkeys((s.cuda_graphs, False)):
-                for jobs in dict.fromkeys((s.max_running_jobs, 8, 4, 2)):
-                    for pool in pools:
-                        yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
-                                                  max_image_side=side, max_running_jobs=jobs, kv_pool_gb=pool)
+        for k in streams:
+            for und_f, gen_f in formats:
+                for graphs in dict.fromkeys((s.cuda_graphs, False) if not k else (s.cuda_graphs,)):
+                    for jobs in dict.fromkeys((s.max_running_jobs, 8, 4, 2)):
+                        for pool in pools:
+                            yield dataclasses.replace(s, und_format=und_f, gen_format=gen_f, cuda_graphs=graphs,
+                                                      max_image_side=side, max_running_jobs=jobs, kv_pool_gb=pool,
+                                                      weight_streaming_layers=k)
 
 
 def plan(cfg, s: Settings, budget: int, mode: str = "colocate", weights: dict | None = None) -> dict:
     """The plan of `s` on `budget` and, when it does not fit, the first setting of `candidates` that does (None:
-    nothing fits: weight streaming would be needed, out of scope here)."""
+    nothing fits, not even with weight streaming)."""
     weights = weights or {b: branch_weights(cfg, b) for b in ("und", "gen")}
     asked = evaluate(cfg, weights, s, budget, mode)
     fix = None
@@ -440,12 +486,17 @@ def weight_table(weights: dict[str, BranchWeights], itemsize: int = 2, groups: i
     return rows
 
 
-def load_peak(e: EnginePlan, w: BranchWeights, itemsize: int = 2) -> int | None:
+def load_peak(e: EnginePlan, w: BranchWeights, itemsize: int = 2, streaming: int = 0) -> int | None:
     """A format quantised at load from a float checkpoint: the loader quantises each decoder layer as soon as its
     weights are read (services/model/layerwise_load.py), so the load peaks at the quantised weights plus the largest
-    layer's float weights (CPU-measured: tests/model/test_layerwise_load.py). None: nothing is quantised at load."""
+    layer's float weights (CPU-measured: tests/model/test_layerwise_load.py). With weight `streaming` each layer
+    leaves for host memory once quantised: the weights outside the layers + one layer float and quantised. None:
+    nothing is quantised at load."""
     if e.fmt == "bf16" or e.fmt in FILE_FORMATS:
         return None
+    if streaming:
+        return w.streamed_gpu_bytes(e.fmt, 0, itemsize) + w.one_layer_bytes("bf16", itemsize) + \
+            w.one_layer_bytes(e.fmt, itemsize)
     return quantized_load_peak(w, e.fmt, itemsize)
 
 
@@ -462,8 +513,12 @@ def load_peak_line(p: Plan, e: EnginePlan) -> str | None:
     cap = e.total - e.parts.get("cuda_context", 0) + pool
     # a converted checkpoint loads the same way (its tensors dequantised one at a time): no convert step helps here
     over = "" if peak + pool <= cap else f": OVER this engine's {gib(cap)} GiB share (give it a larger share)"
-    return (f"  {e.name}: load peak {gib(peak)} GiB from a float checkpoint (the {e.fmt} weights + one layer's float "
-            f"weights: each layer is quantised as it loads){over}")
+    if e.name == "generation" and p.settings.weight_streaming_layers:
+        how = (f"the weights outside the decoder layers + one layer in float and {e.fmt}: each layer is quantised as "
+               f"it loads, then leaves for host memory")
+    else:
+        how = f"the {e.fmt} weights + one layer's float weights: each layer is quantised as it loads"
+    return f"  {e.name}: load peak {gib(peak)} GiB from a float checkpoint ({how}){over}"
 
 
 def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
@@ -477,8 +532,8 @@ def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
     for title, p in (("asked", result["asked"]), ("fits with", result["fix"])):
         if p is None:
             if not result["asked"].fits:
-                lines.append("\nnothing fits this budget in any format, size or graph setting: the branches' weights "
-                             "alone exceed it (weight streaming is not implemented)")
+                lines.append("\nnothing fits this budget in any format, size or graph setting, not even with "
+                             "generation's weight streaming")
             continue
         lines.append(f"\n{title}: mode {p.mode}, budget {gib(p.budget)} GiB, largest image {p.side}x{p.side}: "
                      f"{'FITS' if p.fits else 'DOES NOT FIT (' + p.why + ')'}")
@@ -493,6 +548,9 @@ def render(result: dict, total: int | None = None, itemsize: int = 2) -> str:
                          f"{gib(p.host_pool_bytes)} GiB")
         else:
             lines.append(f"  host shared memory: KV pool {gib(p.host_pool_bytes)} GiB (not GPU)")
+        if p.host_pinned:
+            lines.append(f"  pinned host memory: generation's decoder layers {gib(p.host_pinned)} GiB (weight "
+                         f"streaming; not GPU)")
         lines += [n for n in (load_peak_line(p, p.und), load_peak_line(p, p.gen)) if n]
         env, argv = up_flags(p, total)
         lines.append("  flags: " + " ".join([f"{k}={v}" for k, v in env.items()] + ["u1serve up", shlex.join(argv)]))

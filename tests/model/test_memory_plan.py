@@ -147,7 +147,8 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     assert not any(n.endswith((".safetensors", ".gguf")) for n in os.listdir(d))
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d, "--gpu-memory", "24GiB",
-                           "--gpu-total", "80GiB", "--json"], capture_output=True, text=True, env=env, timeout=120)
+                           "--gpu-total", "80GiB", "--json", "--weight-streaming-layers", "0"],   # every layer resident
+                          capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     sizes = {(r["branch"], r["format"]): r["gpu_bytes"] for r in out["weights"]}
@@ -179,7 +180,7 @@ def _plan_8b(tmp_path, *args) -> dict:
 def test_int8_from_a_float_checkpoint_loads_within_its_share(tmp_path):
     """The loader quantises each layer as it reads it (layerwise_load.py), so int8 from a float checkpoint peaks at
     the int8 weights + one layer's float weights: within each engine's 24 GiB colocated share, no convert step."""
-    out = _plan_8b(tmp_path, "--gpu-memory", "24GiB", "--json")
+    out = _plan_8b(tmp_path, "--gpu-memory", "24GiB", "--json", "--weight-streaming-layers", "0")
     fix = out["fix"]
     for engine, branch in (("understanding", "und"), ("generation", "gen")):
         e = fix[engine]
@@ -189,9 +190,49 @@ def test_int8_from_a_float_checkpoint_loads_within_its_share(tmp_path):
         int8 = sizes[(branch, "int8")]["gpu_bytes"]
         assert int8 < e["load_peak_bytes"] < int8 + layer
         assert e["load_peak_bytes"] < e["total_bytes"] - e["parts"]["cuda_context"]
-    text = _plan_8b(tmp_path, "--gpu-memory", "24GiB")
+    text = _plan_8b(tmp_path, "--gpu-memory", "24GiB", "--weight-streaming-layers", "0")
     assert "understanding: load peak" in text and "generation: load peak" in text, text
     assert "convert" not in text and "OVER" not in text, text
+
+
+@pytest.mark.parametrize("fmt,quantization", [("bf16", "none"), ("int8", "int8")])
+def test_streamed_weights_match_the_loaded_model(tiny, fmt, quantization):
+    """With weight streaming generation's device holds the weights outside the decoder layers and K slots of one
+    layer each (services/model/weight_streaming.py), the host every layer: the plan's figures, as allocated."""
+    from services.model.weight_streaming import stream_decoder_layers
+    path, _, weights = tiny
+    w = weights["gen"]
+    model = load_model(path, branch="gen", dtype=torch.float32, quantization=quantization, layers_to_host=True)
+    streamer = stream_decoder_layers(model, 1)
+    outside = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+               if not n.startswith("language_model.model.layers.")}
+    device = sum(t.numel() * t.element_size() for t in outside.values())
+    device += sum(t.numel() * t.element_size() for slot in streamer.slots for t in slot)
+    assert device == w.streamed_gpu_bytes(fmt, 1, ITEMSIZE) < w.gpu_bytes(fmt, ITEMSIZE)
+    assert streamer.report()["host_bytes"] == w.host_layer_bytes(fmt, ITEMSIZE)
+    assert w.streamed_gpu_bytes(fmt, 1, ITEMSIZE) + w.host_layer_bytes(fmt, ITEMSIZE) - \
+        w.one_layer_bytes(fmt, ITEMSIZE) == w.gpu_bytes(fmt, ITEMSIZE)
+
+
+def test_weight_streaming_fits_2048_on_24_gib_in_int8(tmp_path):
+    """Both engines int8 on a 24 GiB colocated card: resident, 2048² does not fit; the fit search keeps 2048² with
+    generation's weight streaming (2 layers on the GPU, the rest pinned on the host) rather than shrinking the image,
+    and says so in its flags; with streaming ruled out (0) it falls back to a smaller size."""
+    args = ("--gpu-memory", "24GiB", "--quantization", "int8", "--und-quantization", "int8", "--json")
+    out = _plan_8b(tmp_path, *args)
+    assert out["asked"]["fits"] is False and out["asked"]["max_image_side"] == 2048
+    fix = out["fix"]
+    assert fix["max_image_side"] == 2048 and fix["weight_streaming_layers"] == M.STREAMING_LAYERS
+    assert "--weight-streaming-layers 2" in fix["flags"][fix["flags"].index("--gen-args") + 1]
+    gen = fix["generation"]
+    assert gen["parts"]["cuda_graphs"] == 0 and gen["parts"]["weights"] < 1 * M.GiB
+    assert 7 * M.GiB < fix["host_pinned_bytes"] < 8 * M.GiB           # the int8 decoder layers
+    assert gen["load_peak_bytes"] < gen["total_bytes"] - gen["parts"]["cuda_context"]
+    assert fix["device_total_bytes"] <= 24 * M.GiB
+    resident = _plan_8b(tmp_path, *args, "--weight-streaming-layers", "0")["fix"]
+    assert resident["max_image_side"] < 2048 and resident["host_pinned_bytes"] == 0
+    text = _plan_8b(tmp_path, *args[:-1])
+    assert "pinned host memory: generation's decoder layers" in text and "OVER" not in text, text
 
 
 def test_load_peak_is_the_quantised_weights_and_one_float_layer(tiny):
