@@ -215,7 +215,8 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
                            itemsize=itemsize,
                            kv_pool_gb=(0.25 if args.tiny else DEVICE_POOL_GB if args.engines == "fused"
                                        else 16.0), engines=args.engines,
-                           context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES)
+                           context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES,
+                           streaming_fallback=0)    # resident plans here; bench_weight_streaming.py measures streaming
             found = M.plan(cfg, s, budget, "colocate", weights)
             p = found["asked"] if found["asked"].fits else found["fix"]
             label = f"cap{cap:g}-{und_f}-{gen_f}" + ("-fused" if args.engines == "fused" else "")

@@ -86,6 +86,10 @@ SMOKES = {
                   "--log-dir", "{tmp}", "--json", "{tmp}/out.json"),
                  tuple(f"results/cpu-colocate/{k}" for k in ("chat_p50_s", "chat_p99_s", "chat_steady_p50_s", "images_per_min",
                                                              "images_share", "qos", "cache"))),
+    # resident vs streamed decoder layers (1 slot, 4 layers): the run fails itself where a streamed step differs
+    "weight-streaming": Smoke(("bench.bench_weight_streaming", "--smoke", "--json", "{tmp}/out.json"),
+                              ("formats/bf16/rows", "formats/bf16/bandwidth", "formats/int8/rows", "formats/int8/streamer"),
+                              cpu_gaps=("formats/*/rows/*/*_peak_gib", "formats/*/bandwidth/memcpy_gb_s")),
     "weight-update": Smoke(("bench.bench_weight_update", *STACK, "--repeat", "1"),
                            tuple(PROFILE + p for p in ("runs", "image_before_s", "upload", "final_version"))),
     "interleave": Smoke(("bench.bench_interleave", *STACK, "--size", "64x64", "--steps", "2", "--requests", "1"),
