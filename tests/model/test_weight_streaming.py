@@ -101,3 +101,30 @@ def test_layers_of_different_layouts_are_refused():
         WeightStreamer(layers, 2, "cpu")
     with pytest.raises(ValueError, match="at least 1"):
         WeightStreamer(layers[:1], 0, "cpu")
+
+
+def test_the_streaming_load_hands_each_layer_over_before_the_next_completes(deep_dir, monkeypatch):
+    """load_model(layers_to_host=True): when a layer is handed to the host, no other layer is complete and still
+    unhanded (the device holds at most one decoder layer during the load), and every layer is handed once."""
+    import services.model.weight_streaming as ws
+    handed, real = [], ws.layer_to_host
+
+    def spy(layer, pin):
+        layers = list(layer_list[0])
+        for j, other in enumerate(layers):
+            if other is not layer and j not in handed:
+                assert any(p.is_meta for p in other.parameters()), f"layer {j} complete and still on the device"
+        handed.append(layers.index(layer))
+        return real(layer, pin)
+
+    layer_list = []
+    from services.model import layerwise_load
+    init = layerwise_load.LayerwiseQuantizer.__init__
+
+    def remember(self, model, *a, **kw):
+        layer_list.append(model.language_model.model.layers)
+        init(self, model, *a, **kw)
+    monkeypatch.setattr(layerwise_load.LayerwiseQuantizer, "__init__", remember)
+    monkeypatch.setattr(ws, "layer_to_host", spy)
+    model = _gen(deep_dir, "int8", layers_to_host=True)
+    assert sorted(handed) == list(range(model.num_layers))
