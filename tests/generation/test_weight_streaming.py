@@ -81,3 +81,29 @@ def test_server_with_streaming_serves_the_same_image(tiny_dir, pool, ref_model, 
         assert len(images[0]) == 1 and np.array_equal(images[0][0], images[1][0])
     finally:
         streamed.stop()
+
+
+def test_a_weight_update_reaches_the_streamed_layers(deep, tmp_path):
+    """A live update commits into the layers' host copies (they hold them at rest); the commit through the rank's
+    weights op forgets what the slots held, so the next forward runs the new weights: as a resident model updated
+    the same way."""
+    from services.generation.cfg_parallel import CfgComm
+    from services.generation.weights import RankWeights
+    from services.model import weights_io as W
+    from tests.model.stack_forward import stack_forward
+    path, _ = deep
+    keys = ("language_model.model.layers.0.self_attn.k_proj_mot_gen.weight",
+            "language_model.model.layers.3.mlp_mot_gen.up_proj.weight")
+    resident = load_model(path, branch="gen", dtype=torch.float32)
+    shapes = W.checkpoint_shapes(resident)
+    g = torch.Generator().manual_seed(5)
+    update = W.write_tensors({k: 0.05 * torch.randn(shapes[k], generator=g) for k in keys}, str(tmp_path / "update"))
+    W.stage_update(resident, update).commit()
+    model = load_model(path, branch="gen", dtype=torch.float32, layers_to_host=True)
+    stream_decoder_layers(model, 2)
+    before = stack_forward(model, "gen")          # the slots now hold the old weights of some layers
+    weights = RankWeights(Engine(model, prefix_source=None), CfgComm.single())
+    weights.live.stage("1", update)
+    assert weights.run({"op": "commit", "id": "c"})["ok"]
+    after = stack_forward(model, "gen")
+    assert not torch.equal(before, after) and torch.equal(after, stack_forward(resident, "gen"))
