@@ -18,11 +18,16 @@ How (every parameter and buffer of a layer, whatever its format: bf16 Linear, in
   slot, so a slot is reused only after the kernels that read it; the layer's tensors point back at the host copies.
 On the CPU the same code runs with plain host memory and synchronous copies into the slot tensors.
 
-Why our own: accelerate's `cpu_offload` (AlignDevicesHook) copies each module's weights to the device in its
-pre-forward hook on the current stream and frees them after: no prefetch, no side stream, a fresh allocation per
-forward; its `cpu_offload_with_hook` moves whole models. torch has no module-weight offloader outside FSDP2's
-CPUOffloadPolicy (sharded training, all-gathers per module) and `save_on_cpu` (activations, not weights). Neither
-keeps a fixed slot ring filled ahead on a side stream, nor survives the step cache's early stop and restart.
+Why our own (checked 2026-12-06; none of these is a dependency here): accelerate's `cpu_offload` (AlignDevicesHook)
+copies a module's weights to the device in its pre-forward hook on the current stream (non_blocking since its PR 607)
+and drops them after: no prefetch, no side stream. diffusers' group offloading (`apply_group_offloading`, block level,
+`use_stream=True`) does prefetch the next group on a side stream, but into fresh allocations each onload (kept alive
+with `record_stream`), chained in the order its first forward ran the groups (as we read it): a forward that stops
+after layer 0 (our step cache) does not follow one fixed order. vLLM's prefetch offloader (static buffers, event-forked copy stream) lives inside
+vLLM's model executor. torch itself offloads weights only in FSDP2 (CPUOffloadPolicy: sharded, all-gathers per
+module); `save_on_cpu` is for activations. What we need is small: a fixed ring of K slots (no allocation per step,
+so the memory plan's K x one layer is exact), prefetch driven by the layer index (any order, early stops, restarts),
+and the layers pointing at their host copies at rest (live weight updates copy into them).
 """
 from __future__ import annotations
 
