@@ -59,7 +59,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
     (services/model/gguf_io.py).
     `layers_to_host` (weight streaming, services/model/weight_streaming.py): the decoder layers end in host memory
     (pinned where `device` is CUDA), each moved there as soon as it is complete and quantised, so the device holds at
-    most one of them during the load (a GGUF checkpoint or random weights: all of them, until the end)."""
+    most one of them during the load (a GGUF checkpoint: all of them, until the end)."""
     from .constants import QUANTIZATIONS
     quantization = quantization or "none"
     if quantization not in QUANTIZATIONS:
@@ -70,11 +70,12 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         from .tiny import build_random_model
         _check_quant_device(quantization, device, dtype)
         model = build_random_model(cfg.raw, branch, dtype, device, tp=tp, quantization=quantization,
-                                   quant_branches=quant_branches)
+                                   quant_branches=quant_branches,
+                                   layer_done=_to_host_fn(device) if layers_to_host else None)
         fuse_projections(model)
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
-        return _layers_to_host(model, device) if layers_to_host else model
+        return model
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
     from .gguf_io import find_gguf, read_gguf_state

@@ -142,10 +142,13 @@ def random_init_(model: NeoModel, seed: int = 0, std: float = 0.02) -> NeoModel:
 
 
 def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16, device="cpu", seed: int = 0,
-                       tp=None, quantization: str = "none", quant_branches=("gen",)) -> NeoModel:
+                       tp=None, quantization: str = "none", quant_branches=("gen",),
+                       layer_done=None) -> NeoModel:
     """A model of any geometry with random weights, built directly on `device` (for benchmarks). `quantization`
     ("fp8" / "int8"): the layers of `quant_branches` quantised one decoder layer at a time as they are made
-    (layerwise_load.py: the device never holds all of their float weights), the same values as quantising after."""
+    (layerwise_load.py: the device never holds all of their float weights), the same values as quantising after.
+    `layer_done(layer)`: called as each decoder layer is complete (weight streaming moves it to host memory, so the
+    device never holds every layer: a streamed 24 GiB plan would not fit them)."""
     cfg = parse_config(config)
     with torch.device("meta"):
         model = NeoModel(cfg, branch, tp)
@@ -153,9 +156,10 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
     g = torch.Generator(device=device).manual_seed(seed)
     names = [n for n, _ in model.named_parameters()]
     layerwise = None
-    if quantization != "none":
+    if quantization != "none" or layer_done is not None:
         from .layerwise_load import LayerwiseQuantizer
-        layerwise = LayerwiseQuantizer(model, names, quant_branches, quantization, device)
+        layerwise = LayerwiseQuantizer(model, names, quant_branches, None if quantization == "none" else quantization,
+                                       device, done=layer_done)
     state = {}
     with torch.no_grad():
         for name, p in list(model.named_parameters()):  # fast on-device init; values are irrelevant for timing

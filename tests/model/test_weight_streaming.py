@@ -103,9 +103,13 @@ def test_layers_of_different_layouts_are_refused():
         WeightStreamer(layers[:1], 0, "cpu")
 
 
-def test_the_streaming_load_hands_each_layer_over_before_the_next_completes(deep_dir, monkeypatch):
+@pytest.mark.parametrize("random_weights,quantization", [(False, "int8"), (True, "none"), (True, "int8")])
+def test_the_streaming_load_hands_each_layer_over_before_the_next_completes(deep_dir, monkeypatch, random_weights,
+                                                                           quantization):
     """load_model(layers_to_host=True): when a layer is handed to the host, no other layer is complete and still
-    unhanded (the device holds at most one decoder layer during the load), and every layer is handed once."""
+    unhanded (the device holds at most one decoder layer during the load), and every layer is handed once; from a
+    checkpoint and with random weights (the GPU benchmarks' load: built whole on the device, a streamed 24 GiB
+    plan ran out of memory at load)."""
     import services.model.weight_streaming as ws
     handed, real = [], ws.layer_to_host
 
@@ -126,5 +130,6 @@ def test_the_streaming_load_hands_each_layer_over_before_the_next_completes(deep
         init(self, model, *a, **kw)
     monkeypatch.setattr(layerwise_load.LayerwiseQuantizer, "__init__", remember)
     monkeypatch.setattr(ws, "layer_to_host", spy)
-    model = _gen(deep_dir, "int8", layers_to_host=True)
+    model = load_model(deep_dir, branch="gen", dtype=torch.float32, quantization=quantization, layers_to_host=True,
+                       random_weights=random_weights)
     assert sorted(handed) == list(range(model.num_layers))
