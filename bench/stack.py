@@ -36,14 +36,13 @@ PROFILES = {  # name -> u1serve up flags
     "colocate-1-fused-green75": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 75",
     "colocate-1-fused-green50": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 50",
     # the A/B at equal offered load: the device pool as deep as the load's image requests (64 clients x two 365-token
-    # prefixes ~ 4.5 GiB), so image requests queue as they do behind the two-process side's 16 GiB host pool
+    # prefixes ~ 4.5 GiB), so image requests queue as they do behind the two-process side's 16 GiB host pool; the
+    # pool is made inside understanding's memory share, so that share grows by the pool and generation's shrinks
+    # (with 0.35 understanding kept 1,666 KV tokens: docs/benchmarks/load.md)
     "colocate-1-fused-green75-pool8": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 75 "
-                                      "--kv-pool-gb 8",
+                                      "--kv-pool-gb 8 --und-memory-fraction 0.45 --gen-memory-fraction 0.45",
     "colocate-1-fused-green50-pool8": "--mode colocate --und-gpus 0 --colocate-engines fused --gen-sm-percent 50 "
-                                      "--kv-pool-gb 8",
-    # and the yield gate giving decode up to a quarter of the wall time (generation pauses between its segments)
-    "colocate-1-fused-green50-pool8-yield25": "--mode colocate --und-gpus 0 --colocate-engines fused "
-                                              "--gen-sm-percent 50 --kv-pool-gb 8 --qos-yield-share 0.25",
+                                      "--kv-pool-gb 8 --und-memory-fraction 0.45 --gen-memory-fraction 0.45",
     "colocate-1-mps-nogate": "--mode colocate --und-gpus 0 --gpu-sharing mps --qos-yield-share 0",
     "colocate-1-mps": "--mode colocate --und-gpus 0 --gpu-sharing mps",
     "colocate-tp2-cfg2-mps": "--mode colocate --und-gpus 0,1 --und-tp 2 --gen-cfg-parallel 2 --gpu-sharing mps",

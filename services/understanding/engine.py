@@ -161,7 +161,10 @@ class Engine:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             n = int(t.item())
         if n < want:
-            log.warning("KV cache lowered from %d to %d tokens to fit GPU memory fraction %.3f", want, n, frac)
+            log.warning("KV cache lowered from %d to %d tokens to fit GPU memory fraction %.3f: what this process "
+                        "already holds (%.2f GiB: the weights and, in the fused colocate mode, the device KV pool of "
+                        "--kv-pool-gb) takes the rest; raise --und-memory-fraction for a larger cache", want, n, frac,
+                        torch.cuda.memory_allocated(dev) / 2**30)
         return n
 
     # ---- rank 0 --------------------------------------------------------------------------------
