@@ -10,7 +10,8 @@ Reports goodput (images/min, chat tokens/s), p50/p99 latency per kind and of eve
 --ignore-eos each runs to --max-tokens), the 429 rate and every 5xx by code. bench/bench_qos.py runs it against
 stacks with and without the colocate QoS defaults.
 Client i starts with kind i (so every kind runs when clients >= kinds); a client that gets a 429 waits its
-Retry-After (at most 2 s) before its next request.
+Retry-After (at most 2 s) before its next request. `--rate R` is an open loop instead: requests arrive at R a second
+(Poisson, seeded) whatever the answers' latency, at most --clients in flight, so two stacks get the same work.
 
 A hostile mix (`--hostile-fraction 0.1`: that share of all clients, added to the --clients honest ones) runs
 clients that send 40 MB bodies (declared and chunked) and 32 MB `[{},{},...]` bodies, read their streams
@@ -82,6 +83,8 @@ class LoadConfig:
     slow_hold_s: float = 20.0    # a slow reader holds its stream this long without reading
     ignore_eos: bool = False     # chats run to max_tokens (a latency figure for exactly that many tokens)
     tenants: Optional[TenantKeys] = None   # with hostile clients: one more, tenant B against tenant A's trajectory
+    rate: Optional[float] = None  # open loop: honest requests arrive at this many a second (Poisson), each on its own,
+    #                               up to `clients` in flight; None: `clients` closed loops (each waits for its answer)
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -401,9 +404,32 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
                 if out.status == 429:
                     await asyncio.sleep(min(2.0, out.retry_after_s or 1.0))
 
+        async def open_loop() -> None:
+            """Arrivals at cfg.rate a second whatever the answers' latency: closed-loop clients send a side that
+            answers chats fast more chats, so two stacks under them do not get the same work (docs/benchmarks/load.md).
+            The first arrivals cover every kind, then the weighted mix; at most `clients` in flight (an arrival
+            beyond waits for one: its latency includes that wait, as a user's would)."""
+            rng = random.Random(cfg.seed * 1000 + 999)
+            room = asyncio.Semaphore(clients)
+
+            async def one(kind: str, seed: float) -> None:
+                async with room:
+                    outcomes.append(await client.run(kind, random.Random(seed)))
+
+            tasks, due, i = [], time.monotonic(), 0
+            while True:
+                due += rng.expovariate(cfg.rate)
+                if due >= deadline:
+                    break
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                kind = kinds[i] if i < len(kinds) else rng.choices(kinds, weights)[0]
+                i += 1
+                tasks.append(asyncio.create_task(one(kind, rng.random())))
+            await asyncio.gather(*tasks)
+
+        honest = [open_loop()] if cfg.rate else [one_client(i) for i in range(clients)]
         tenant = [one_tenant()] if hostile and cfg.tenants else []
-        await asyncio.gather(*(one_client(i) for i in range(clients)), *(one_hostile(i) for i in range(hostile)),
-                             *tenant)
+        await asyncio.gather(*honest, *(one_hostile(i) for i in range(hostile)), *tenant)
     return outcomes
 
 
@@ -650,6 +676,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="chats run to --max-tokens (latency for that many tokens)")
     p.add_argument("--mix", default=None, help="weights, e.g. chat=3,image=1,bad=0 (default: every kind)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: honest requests arrive at this many a second (Poisson, kinds from --mix), at most "
+                        "--clients in flight; default: --clients closed loops")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="summary + every outcome")
     p.add_argument("--markdown", default=None, help="append the result table here")
@@ -689,7 +718,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--mix: unknown kind {k!r} (kinds: {', '.join(KINDS)})")
             mix[k] = float(v)
     cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, api_key=args.api_key, mix=mix,
-                     seed=args.seed, ignore_eos=args.ignore_eos, slow_hold_s=args.slow_hold_s)
+                     seed=args.seed, ignore_eos=args.ignore_eos, slow_hold_s=args.slow_hold_s, rate=args.rate)
     if args.tenant_keys:
         a, _, b = args.tenant_keys.partition(",")
         if not (a and b and args.operator_key):

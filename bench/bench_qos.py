@@ -52,7 +52,7 @@ async def _timed_image(http: httpx.AsyncClient, body: dict) -> dict:
 def measure_for(name: str, args):
     async def measure(base: str, _args) -> dict:
         cfg = LoadConfig(size=args.size, steps=args.steps, max_tokens=args.max_tokens, ignore_eos=True,
-                         seed=args.seed)
+                         seed=args.seed, rate=args.rate)
         with open(os.path.join(args.log_dir, name, "stack.json")) as f:
             state = json.load(f)
         qos = state.get("qos") or {}
@@ -153,7 +153,9 @@ def table(results: dict, args) -> str:
     fmt = (lambda v, spec=".2f": format(v, spec) if v is not None else "-")
     first = args.profiles.split(",")[0]
     checks = verdicts(results, first)
-    lines = [f"colocate QoS, {args.clients} clients x {args.duration:g} s, {args.size} {args.steps} steps, chats of "
+    load = (f"open loop {args.rate:g} requests/s (at most {args.clients} in flight)" if args.rate
+            else f"{args.clients} clients")
+    lines = [f"colocate QoS, {load} x {args.duration:g} s, {args.size} {args.steps} steps, chats of "
              f"{args.max_tokens} tokens; step cache: {args.cache_size} {args.cache_steps} steps",
              "", "| profile | GPU sharing | yield gate | chat p50 / p99 s | after the first "
              f"{args.settle_s:g} s | images/min (vs first) | 5xx | "
@@ -181,6 +183,9 @@ def main(argv=None) -> int:
     stack_args(p, "colocate-1-timeslice,colocate-1")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load per profile")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: requests arrive at this many a second on every profile (the same offered work; "
+                        "--clients caps those in flight); default: --clients closed loops")
     p.add_argument("--size", default="1024x1024")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -1,6 +1,7 @@
 """Sustained mixed load on its own CPU stack (tiny checkpoint): 32 clients for 60 s of chat, streamed chat,
 images, streamed images, edits, cancelled streams and hostile inputs (bench/bench_load.py), against a gateway
-that admits 12 requests at a time, so the clients are over capacity all along.
+that admits 12 requests at a time, so the clients are over capacity all along: the first half 32 closed loops, the
+second half the open loop (`--rate`: arrivals at a fixed rate whatever the latency, at most 32 in flight).
 
 What must hold: no 5xx at all (the stack is healthy: a 503 would be a bug here), no transport errors, every
 kind of request completes, hostile inputs are 4xx, the excess gets 429 with Retry-After; afterwards the stack
@@ -21,6 +22,7 @@ from bench.profile_stack import Stack
 CLIENTS = 32
 HALF_S = 30.0
 GATEWAY_LIMIT = 12                   # requests in flight at the gateway; the rest get 429
+OPEN_RATE = 6.0                      # the second half's arrivals a second (open loop)
 RSS_GROWTH_MB = 48.0                 # allowed growth of one process between the two halves (allocator noise)
 
 
@@ -71,7 +73,7 @@ def test_sustained_mixed_load_over_capacity(tmp_path):
         first = run_load(stack.base, CLIENTS, HALF_S, cfg)
         pids = _service_pids(stack)
         rss_mid = {name: _rss_mb(pid) for name, pid in pids.items()}
-        second = run_load(stack.base, CLIENTS, HALF_S, dataclasses.replace(cfg, seed=8))
+        second = run_load(stack.base, CLIENTS, HALF_S, dataclasses.replace(cfg, seed=8, rate=OPEN_RATE))
         rss_end = {name: _rss_mb(pid) for name, pid in pids.items()}
         problems = stack.settle_problems()
         log_problems = stack.log_problems()
@@ -91,6 +93,9 @@ def test_sustained_mixed_load_over_capacity(tmp_path):
             assert row.get("n"), row
         else:
             assert row.get("ok"), (kind, row)
+    offered = OPEN_RATE * HALF_S        # Poisson: 180 arrivals, sd ~13; the open loop sends them whatever the latency
+    assert 0.7 * offered <= len(second) <= 1.3 * offered, len(second)
+    assert {o.kind for o in second} == set(KINDS), "the open loop's first arrivals cover every kind"
     rejected = [o for o in first + second if o.status == 429]
     assert rejected, "32 clients over a gateway limit of 12 got no 429"
     assert all(o.retry_after_s >= 1 for o in rejected)
