@@ -35,6 +35,10 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
                                        "--gen-sp", "2", "--gen-sp-mode", "kv-gather", "--cuda-graphs", "on"]),
     "colocate-tp2-cfg2-qos": (2, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0,1", "--und-tp", "2",
                                   "--gen-cfg-parallel", "2", "--qos-yield-share", "0.5"]),
+    # generation's decoder layers streamed from pinned host memory through 2 device slots (the 24 GB plan's choice
+    # at 2048²; docs/deployment.md "Weight streaming"): CUDA graphs off with it
+    "colocate-1-streaming": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--gen-args",
+                                 "--weight-streaming-layers 2"]),
     "colocate-1-fused": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0", "--colocate-engines",
                              "fused"]),
     "colocate-1-fused-green75": (1, ["--device", "cuda", "--mode", "colocate", "--und-gpus", "0",
@@ -183,7 +187,8 @@ class Stack:
         SP stacks and the QoS yield gate too: it runs between graph segments)."""
         f = self.flags
         mode = f[f.index("--cuda-graphs") + 1] if "--cuda-graphs" in f else "auto"
-        return bool(self.gpus) and mode != "off"
+        streamed = any("--weight-streaming-layers" in x for x in f)     # turns graphs off (auto)
+        return bool(self.gpus) and mode != "off" and not streamed
 
     def graph_problems(self) -> list[str]:
         """Rank 0's graph counters from generation's /metrics: some step replayed a graph."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Smoke test of every deployment profile this machine can hold, through the public API (deploy/gpu_smoke.py
-# has the checks): 1 GPU: colocate; 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and
-# colocate TP2 + CFG2 with QoS (--qos-yield-share). On request only (--profiles): colocate-1-mps,
+# has the checks): 1 GPU: colocate, and colocate with generation's weight streaming (--weight-streaming-layers 2);
+# 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and colocate TP2 + CFG2 with QoS
+# (--qos-yield-share). On request only (--profiles): colocate-1-mps,
 # colocate-1-mps-normal (--gen-priority normal) and colocate-tp2-cfg2-mps (--gpu-sharing mps; they need
 # nvidia-cuda-mps-control), colocate-tp2-sp2-kv (colocate-tp2-sp2 with --gen-sp-mode kv-gather),
 # colocate-tp2-sp2-kv-graphs (that with --cuda-graphs on: checks that steps replayed graphs).
