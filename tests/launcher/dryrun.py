@@ -5,15 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import traceback
 
 
-def dry_run(model: str, *flags: str) -> subprocess.CompletedProcess:
+@contextlib.contextmanager
+def environment(env: dict[str, str] | None):
+    """`env` added to os.environ for the block (the CLI reads its U1SERVE_* knobs from there), then restored."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def dry_run(model: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`u1serve up --model MODEL --device cuda FLAGS --dry-run` with `env` added to the environment."""
     from services.launch.cli import main
     argv = ["up", "--model", model, "--device", "cuda", *flags, "--dry-run"]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main(argv)
             code = 0                        # (main always exits; kept for a main that returns)
