@@ -8,7 +8,7 @@ try:
 except ModuleNotFoundError:          # Python 3.10
     from pip._vendor import tomli as tomllib
 
-TOOLS = {"pytest", "pytest-timeout", "hypothesis", "schemathesis", "openai", "pyyaml", "kubernetes-validate",
+TOOLS = {"pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "schemathesis", "openai", "pyyaml", "kubernetes-validate",
          "selenium"}
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pyproject.toml"), "rb") as f:

@@ -7,6 +7,8 @@ import zlib
 
 import pytest
 
+from tests.schedule import slowest_first
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every test runs with a seed derived from this one and its own id: reproducible, yet tests do not share
@@ -148,3 +150,22 @@ def pytest_collection_modifyitems(config, items):
     sources: dict[str, tuple[str, str]] = {}
     for item in items:
         item.add_marker(tier_of(item, *module_text(str(item.path), sources)))
+    if hasattr(config, "workerinput"):                 # a parallel run's worker: every worker sorts alike
+        items[:] = slowest_first(items)
+
+
+# ------------------------------------------------------------------------------------------------ parallel runs
+# pyproject's addopts run the suite on pytest-xdist workers (`-n auto --dist loadfile`): each worker has its own
+# session fixtures (its own shared stack), a file runs whole on one worker (its module fixtures start once), the
+# slowest files first (tests/schedule.py). `-n 0` runs in this process alone.
+MAX_WORKERS = 4             # each worker may run a stack of several processes beside its own
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per CPU this process may use (at most MAX_WORKERS), none when the command names test
+    files only -- one file pays no worker start-up. PYTEST_XDIST_AUTO_NUM_WORKERS=N decides, as in xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if config.args and all(os.path.isfile(arg.split("::")[0]) for arg in config.args):
+        return 0
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)

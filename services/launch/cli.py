@@ -27,9 +27,10 @@ def add_up(sub) -> None:
     p.set_defaults(func=cmd_up)
 
 
-def print_plan(stack, out=sys.stdout) -> None:
+def print_plan(stack, out=None) -> None:
     """The placement of `u1serve up` without starting it (checks a multi-GPU profile anywhere): the daemons it
-    starts first, then each service."""
+    starts first, then each service; on `out`, else on the sys.stdout of the moment."""
+    out = out or sys.stdout
     for d in stack.daemons:
         out.write(f"{d.name}: {' '.join(f'{k}={v}' for k, v in sorted(d.env().items()))} {shlex.join(d.argv)}\n")
     for spec in (s.spec for s in stack.services):

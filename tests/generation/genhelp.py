@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from services.contract.image import SamplerParams
 from services.kit import sse
+from services.kit.live import LIVE_PATH
 from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
 from tests.waiting import stop_group, wait_ok
@@ -53,8 +54,12 @@ class GenServer:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> dict:
-        """/health's answer once the server is up (its output goes to the test run's)."""
-        return wait_ok(self.url + "/health", self.proc, lambda: "", timeout, self.argv[2], interval=0.1).json()
+        """/health's answer once the server is up (its output goes to the test run's), checked to come from this
+        process: a process that bound the port first would answer for a server that then fails to bind."""
+        health = wait_ok(self.url + "/health", self.proc, lambda: "", timeout, self.argv[2], interval=0.1).json()
+        pid = httpx.get(self.url + LIVE_PATH, timeout=5).json()["pid"]
+        assert pid == self.proc.pid, f"{self.url} is served by pid {pid}, not by {self.argv[2]} (pid {self.proc.pid})"
+        return health
 
     def health(self) -> tuple[int, dict]:
         r = httpx.get(self.url + "/health", timeout=5)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from .dryrun import dry_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -17,12 +19,6 @@ def model(tmp_path_factory):
                    check=True, capture_output=True, cwd=ROOT)
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     return str(d)
-
-
-def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
-                           *flags, "--dry-run"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
 
 
 # (flags of the documented command, und GPUs, gen GPUs, und TP, gen CFG ranks, memory fractions?)

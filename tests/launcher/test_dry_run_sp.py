@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from .dryrun import dry_run as in_process_dry_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -24,9 +26,7 @@ def configs(tmp_path_factory):
 
 
 def dry_run(model: str, flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
-                           "--kv-pool-name", "pool-x", *shlex.split(flags), "--dry-run"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    return in_process_dry_run(model, "--kv-pool-name", "pool-x", *shlex.split(flags))
 
 
 def plan(stdout: str) -> dict:

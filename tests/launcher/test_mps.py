@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from services.base.netutil import free_port
+from tests.launcher.dryrun import dry_run as in_process_dry_run
 from tests.launcher.test_up import _free, _ok, _Output, _tree, _up
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import ROOT, group_alive, pid_alive
@@ -97,10 +98,7 @@ def cpu_stack(model: str, run: str, *extra: str) -> list[str]:
 
 
 def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.launch.cli", "up", "--model", model, "--device", "cuda",
-                           "--port", "9000", "--run-dir", "/tmp/u1mps-plan", *flags, "--dry-run"],
-                          capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    return in_process_dry_run(model, "--port", "9000", "--run-dir", "/tmp/u1mps-plan", *flags, env=env)
 
 
 # ------------------------------------------------------------------------------------------- flags, plan
