@@ -36,6 +36,8 @@ checks them against what the tiny checkpoint allocates in each format).
 """
 from __future__ import annotations
 
+import math
+
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 CUDA_CONTEXT_BYTES = 768 * MiB          # per engine process: CUDA context, cuBLAS / cuDNN workspaces (estimate)
 UND_MIN_RESERVE = 2 * GiB               # understanding: activations, decode CUDA graphs, sampling ...
+INT8_PRODUCT_BYTES = 4                   # an int8 GEMM's int32 product, made fp32 in place (kernels/int8_gemm.py)
 UND_RESERVE_SHARE = 0.1                 # ... or this share of its budget, whichever is more (engine._fit_kv_cache)
 UND_MIN_KV_TOKENS = 1024                # the engine never sizes its KV cache below this
 REFERENCE_PREFIX_TOKENS = 512           # a job's text prefix (generation/capacity.py's reference job)
@@ -275,7 +278,9 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     step's activations (a job larger than --max-batch-tokens runs alone with all its rows), the CUDA graphs' pool."""
     llm = cfg.llm
     tokens = image_tokens(side, s.images.block)
-    rows = max(tokens * s.edit_branches, s.max_batch_tokens)
+    # a forward's rows: jobs batch up to --max-batch-tokens, but no more than the running jobs bring (a job larger
+    # than that budget runs alone with all its rows)
+    rows = max(tokens * s.edit_branches, min(s.max_batch_tokens, s.max_running_jobs * s.edit_branches * tokens))
     edit_kv = job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + 2 * tokens, s.edit_branches)
     small = max(1, s.max_batch_tokens // (s.cfg_branches * s.max_running_jobs))
     batch_kv = s.max_running_jobs * job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + min(small, tokens),
@@ -285,6 +290,8 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     # live at a layer's widest point: residual, its norm, q|k|v, attention out, gate|up, silu*up, MLP out;
     # plus the fm head's pixels (3 x 32² per token, fp32) and the latent in fp32
     per_row = (3 * h + qkv + llm.num_attention_heads * llm.head_dim + 3 * inter) * s.itemsize
+    if s.gen_format == "int8":   # W8A8's widest GEMM (gate|up) also holds its int32 product beside the output
+        per_row += max(2 * inter, qkv) * INT8_PRODUCT_BYTES
     head = tokens * 3 * cfg.token_pixels ** 2 * 4 * 2
     acts = rows * per_row + head
     e = EnginePlan("generation", s.gen_format)
@@ -429,7 +436,11 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
         # the device pool, created before its KV fit)
         gen = (p.gen.total - p.gen.parts["cuda_context"]) / total
         und = (p.budget - p.gen.total - p.process.get("cuda_context", 0) - p.und.parts["cuda_context"]) / total
-        argv += ["--gen-memory-fraction", f"{gen:.3f}", "--und-memory-fraction", f"{und:.3f}"]
+        # printed to 3 places: generation's share rounded up (its plan is what it needs), understanding's (the rest,
+        # its KV cache fits itself to it) down, so the two never add up to more than the budget
+        gen_up = math.ceil(gen * 1000) / 1000
+        und_down = math.floor((und - (gen_up - gen)) * 1000) / 1000
+        argv += ["--gen-memory-fraction", f"{gen_up:.3f}", "--und-memory-fraction", f"{und_down:.3f}"]
     return env, argv
 
 

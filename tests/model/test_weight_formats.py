@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.int8_gemm import INV_INT8_MAX, int8_mm, int8_mm_ref, quant_int8_rowwise
+from kernels.int8_gemm import INV_INT8_MAX, float_in_place, int8_mm, int8_mm_ref, quant_int8_rowwise
 from services.model.convert import ConvertError, convert_checkpoint
 from services.model.loader import LoadError, load_model
 from services.model.modules import SwiGLU
@@ -51,6 +51,21 @@ def test_int8_rowwise_definition_and_exact_gemm():
     (qx, sx), (qw, sw) = quant_int8_rowwise(xs), quant_int8_rowwise(ws)
     rel = (int8_mm_ref(qx, qw, sx, sw.t(), torch.float32) - xs @ ws.t()).norm() / (xs @ ws.t()).norm()
     assert 0 < rel < 0.03, rel
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_int32_product_becomes_fp32_in_its_own_buffer(device):
+    """int8_mm's epilogue converts the int32 product in place (4 bytes an element beside the output, not 8): the
+    same values as a fresh `.to(torch.float32)`, from extremes through rounding (|x| > 2**24), also for the row
+    prefix of a padded product (int8_mm pads short M), and no new buffer."""
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randint(-2**31, 2**31 - 1, (24, 40), generator=g, dtype=torch.int32)
+    acc[0, :4] = torch.tensor([-2**31, 2**31 - 1, 2**24 + 1, -(2**24 + 3)], dtype=torch.int32)
+    acc = acc.to(device)
+    for part in (acc.clone(), acc.clone()[:17]):
+        want = part.to(torch.float32)
+        got = float_in_place(part)
+        assert got.data_ptr() == part.data_ptr() and torch.equal(got, want)
 
 
 def test_int8_layers_are_the_fp8_structure_in_int8():
