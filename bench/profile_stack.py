@@ -102,7 +102,7 @@ class Stack:
                  "--enable-runtime-lora"] if self.tenants else []
         argv = [sys.executable, "-m", "services.launch.cli", "up", "--model", model, *self.flags, *roles, "--host",
                 "127.0.0.1", "--port", str(self.port), "--api-key-file", key_file, "--run-dir", self.run_dir,
-                "--kv-pool-gb", "0.25" if self.gpus == 0 else "8", "--grace", "10",
+                *self._pool_flags(), "--grace", "10",
                 "--default-size", "64x64" if self.gpus == 0 else "1024x1024"]
         from services.kit.proc import preexec_die_with_parent
         self.log = open(os.path.join(self.dir, f"launcher-{self.profile}.out"), "w")
@@ -181,6 +181,14 @@ class Stack:
             if not problems or time.monotonic() > deadline:
                 return problems
             time.sleep(0.5)
+
+    def _pool_flags(self) -> list[str]:
+        """The KV pool: small on the CPU; 8 GiB of host shared memory on a GPU, except in the fused mode, whose pool is
+        device memory inside understanding's share (8 GiB there left it 1,666 KV tokens: docs/benchmarks/load.md), so
+        it keeps that mode's default."""
+        if self.gpus == 0:
+            return ["--kv-pool-gb", "0.25"]
+        return [] if "fused" in self.flags else ["--kv-pool-gb", "8"]
 
     def graphs_expected(self) -> bool:
         """On a GPU, unless --cuda-graphs off: generation's steps replay CUDA graphs (step_graph.py; on by default,
