@@ -413,8 +413,12 @@ async def run_load_async(base_url: str, clients: int, duration_s: float, cfg: Lo
             room = asyncio.Semaphore(clients)
 
             async def one(kind: str, seed: float) -> None:
+                arrived = time.monotonic()
                 async with room:
-                    outcomes.append(await client.run(kind, random.Random(seed)))
+                    waited = time.monotonic() - arrived
+                    out = await client.run(kind, random.Random(seed))
+                out.latency_s += waited          # from its arrival, as a user would count it
+                outcomes.append(out)
 
             tasks, due, i = [], time.monotonic(), 0
             while True:
