@@ -53,6 +53,8 @@ def parse_args():
     p.add_argument("--model", default="tiny", help="--part services: checkpoint dir or 'tiny'")
     p.add_argument("--size", type=int, default=2048, help="--part services")
     p.add_argument("--steps", type=int, default=8, help="--part services")
+    p.add_argument("--guidance", type=float, default=4.0,
+                   help="--part services: 4 = CFG (two prefixes); 1 = one branch, as issue 39's 8-step targets")
     p.add_argument("--up-args", default="", help="--part services: extra `u1serve up` flags (shell quoting), "
                    "e.g. '--quantization fp8'")
     p.add_argument("--prefix-tokens", default="365,24",
@@ -221,7 +223,7 @@ def part_services(args) -> dict:
     stack = build_stack(stack_args, echo_logs=False)
     stack.start()
     body = {"prompt": "a lighthouse at dusk", "size": f"{args.size}x{args.size}", "seed": 1,
-            "num_inference_steps": args.steps, "guidance_scale": 4.0}
+            "num_inference_steps": args.steps, "guidance_scale": args.guidance}
     windows = []   # (client start, client done, response bytes)
     try:
         with httpx.Client(timeout=600) as c:
