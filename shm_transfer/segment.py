@@ -190,6 +190,23 @@ def unlink_if_owned(name: str, owner: str) -> bool:
     return unlink_exact(name, inode)
 
 
+def reclaim_dead(prefix: str) -> list[str]:
+    """Remove every /dev/shm/<prefix>* segment whose creator is gone (take_name's rule, for owners that have no
+    launcher to clean up after them: a Ray replica killed with its node). A live creator's segment stays, and so
+    does what is not ours (another user's file, a link). Returns the names removed."""
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else ():
+        if not name.startswith(prefix):
+            continue
+        try:
+            found = probe(name)
+        except (PoolError, ValueError):
+            continue
+        if found is not None and not found[1] and unlink_exact(name, found[0]):
+            removed.append(name)
+    return removed
+
+
 def unlink_exact(name: str, inode: int | None = None) -> bool:
     """Remove /dev/shm/<name> and nothing else (no prefix matching: other stacks' segments may share a
     prefix). With `inode`, only if the name still refers to that file. Returns whether it removed it."""

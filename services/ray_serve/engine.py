@@ -20,11 +20,13 @@ import uuid
 from services.base import knobs
 from services.launch.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
 from services.base.netutil import free_port
+from shm_transfer.segment import reclaim_dead, unlink_if_owned
 
 from .autoscale import load_signals
 from .settings import RayAppSettings, parse_stack_args
 
 log = logging.getLogger("u1serve.ray")
+POOL_PREFIX = "u1kv-ray-"     # understanding replicas' KV pools: one per replica, named by a fresh id
 NAMES = {"und": "understanding", "gen": "generation"}
 GRACE_S = 20.0
 
@@ -74,20 +76,31 @@ class EngineReplica:
         port = free_port()
         self.url = f"http://{host}:{port}"
         # understanding creates it, so it is unique per replica; generation attaches pools named by handles
-        pool = f"u1kv-ray-{uuid.uuid4().hex[:12]}"
-        self.spec = engine_spec(kind, self.settings, host, port, pool)
+        self.pool = f"{POOL_PREFIX}{uuid.uuid4().hex[:12]}"
+        if kind == "und":      # pools of replicas that died with their node (SIGKILL: nobody unlinked them)
+            gone = await asyncio.to_thread(reclaim_dead, POOL_PREFIX)
+            if gone:
+                log.info("removed %d KV pool(s) of dead understanding replicas: %s", len(gone), ", ".join(gone))
+        self.spec = engine_spec(kind, self.settings, host, port, self.pool)
         self.log = ServiceLog(self.spec.name, sys.stderr, None)
         self.proc = ServiceProcess(self.spec, self.log, GRACE_S)
         self._closing = False
         try:
             await self._until_healthy(self.settings.engine_start_timeout_s)
         except BaseException:
-            await asyncio.to_thread(self.proc.stop)
+            await asyncio.to_thread(self._stop_engine)
             raise
         await self._register()
         self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
         log.info("%s replica on node %s: engine pid %d at %s", NAMES[kind], self.node_id[:8], self.proc.pid,
                  self.url)
+
+    def _stop_engine(self) -> None:
+        """Stop the engine, then remove its KV pool if it could not (killed at the end of the grace): only a
+        segment whose owner record names this replica's stack id and whose creator is gone."""
+        self.proc.stop()
+        if self.kind == "und":
+            unlink_if_owned(self.pool, self.spec.env.get(knobs.STACK_ID.name, ""))
 
     async def _until_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -132,9 +145,10 @@ class EngineReplica:
 
     async def __del__(self):
         self._closing = True
-        try:
-            await self.registry.unregister.remote(self.url)
+        try:   # bounded: when the whole application is deleted the registry may be gone first, and an unbounded
+            # call would wait until Serve kills this replica, its engine and pool never stopped and removed
+            await asyncio.wait_for(self.registry.unregister.remote(self.url), timeout=2.0)
             await asyncio.sleep(self.settings.heartbeat_s + 0.5)     # the gateways stop routing here first
         except Exception:
             pass
-        await asyncio.to_thread(self.proc.stop)
+        await asyncio.to_thread(self._stop_engine)

@@ -17,7 +17,9 @@ pytest.importorskip("ray.serve", reason="the Ray tests need the [ray] extra (in 
 from openai import OpenAI  # noqa: E402
 
 from services.base.netutil import free_port  # noqa: E402
+from services.ray_serve.engine import POOL_PREFIX  # noqa: E402
 from services.ray_serve.local_cluster import LocalCluster, NodeSpec  # noqa: E402
+from shm_transfer.segment import probe  # noqa: E402
 from tests.ray.harness import ROOT, STACK  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,6 +38,7 @@ def deployed(cache, tmp_path_factory):
     node_env.update({"PYTHONPATH": ROOT, "U1SERVE_CACHE": cache, "UCX_TLS": "tcp"})
     cluster = LocalCluster(str(work / "cluster"), env=node_env)
     port = free_port()
+    pools_before = set(ray_pools())
     try:
         cluster.start([NodeSpec("a", 2, {"u1_und": 1, "u1_gen": 1}, private_shm=False)])
         argv = [sys.executable, "-m", "services.launch.cli", "ray", "up", "--address", cluster.address, "--http-port",
@@ -45,8 +48,19 @@ def deployed(cache, tmp_path_factory):
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "ready:" in r.stdout, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
         yield cluster, f"http://127.0.0.1:{port}"
+        # as an operator ends it: the replicas stop their engines and remove understanding's KV pool (this node
+        # shares the host's /dev/shm, so a pool left behind is visible here)
+        down = subprocess.run([sys.executable, "-m", "services.launch.cli", "ray", "down", "--address",
+                               cluster.address], cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0, down.stderr[-3000:]
     finally:
         cluster.stop()
+    left = [n for n in set(ray_pools()) - pools_before if not (probe(n) or (0, False))[1]]
+    assert not left, f"understanding KV pools left in /dev/shm after `u1serve ray down`: {left}"
+
+
+def ray_pools() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(POOL_PREFIX)]
 
 
 def test_every_key_of_the_file_and_no_other(deployed):
