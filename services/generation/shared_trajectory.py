@@ -8,7 +8,7 @@ copies of the states write straight into it (rollout.HostTrajectory). The result
 segment's name, shape and dtype (protocol.TrajectorySegment); the HTTP process maps it, takes the holder lock and
 the store keeps the mapping as the trajectory's latents.
 
-Exactly one side unlinks each segment:
+Exactly one side unlinks each segment (the naming and liveness rule: trajectory_names.py):
 - the engine, while the result has not been handed over (a job aborted, failed or stopped before its result);
 - the HTTP process from the moment the result is queued on the link: the store once the trajectory has left it
   and its last stream ended, the stream when the result is refused or dropped, the server at shutdown.
@@ -35,29 +35,18 @@ import torch
 from services.kit.errors import APIError
 from shm_transfer import locks, pinning
 from shm_transfer.errors import PoolError
-from shm_transfer.segment import CREATOR_SLOT, SHM_DIR, Segment, reclaim_orphans, unlink_exact
+from shm_transfer.segment import SHM_DIR, Segment, unlink_exact
 
 from .protocol import JobFailed, RlResult, TrajectorySegment
+from .trajectory_names import HOLDER_SLOT, SLOTS, reclaim, segment_prefix
+
+__all__ = ["MappedTrajectory", "SharedBuffer", "TrajectorySegments", "SLOTS", "adopt", "reclaim", "release",
+           "segment_prefix"]
 
 log = logging.getLogger("u1serve.generation.trajectory")
 
 DATA_OFF = 4096            # the array starts after the header words and owner record (page-aligned: pinned as is)
-HOLDER_SLOT = 1            # the HTTP process's liveness lock (shm_transfer.locks); the engine's is CREATOR_SLOT
-SLOTS = (CREATOR_SLOT, HOLDER_SLOT)
 MiB = 1 << 20
-
-
-def segment_prefix(kv_pool_name: str) -> str:
-    """Every trajectory segment of the servers on this KV pool starts with this (the stack's leak check sees it)."""
-    return f"{kv_pool_name}-rl-"
-
-
-def reclaim(kv_pool_name: str) -> list[str]:
-    """Unlink the trajectory segments no live process holds (left by a killed server or engine)."""
-    removed = reclaim_orphans(segment_prefix(kv_pool_name), SLOTS)
-    if removed:
-        log.warning("reclaimed %d RL trajectory segment(s) of dead processes in %s", len(removed), SHM_DIR)
-    return removed
 
 
 # -- engine side (rank 0) -----------------------------------------------------------------------------------
