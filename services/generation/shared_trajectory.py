@@ -99,7 +99,10 @@ class TrajectorySegments:
         """The engine is leaving: unlink what it never handed over (after the copies into it landed); close the rest
         (the HTTP process owns them: its store, or its reclaim once nobody holds them)."""
         if self._live and torch.cuda.is_available():
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception:       # a device fault ends the engine: the process exit unmaps everything anyway
+                log.exception("waiting for the trajectory copies before unlinking them failed")
         for buf in list(self._live):
             buf.discard()
         with self._lock:
