@@ -5,8 +5,8 @@ writes them; a stream whose reader stalls would hold them for as long as it stal
 are bounded by `max_bytes`: an event that would go beyond it while others still wait ends the job instead
 (`on_overflow`: it is aborted in the engine, the stream gets the error and ends) and from then on pixels are
 dropped as they come (an exported float image among them is never written to the client, so the job's lease frees
-it when the stream closes). An RL result dropped here (the stream over) unlinks its trajectory segment. The first event is always taken: a single image larger than the bound still reaches a
-reader that keeps up.
+it when the stream closes). The first event is always taken: a single image larger than the bound still reaches a
+reader that keeps up. An RL result dropped here (its stream is over) unlinks its trajectory segment.
 """
 from __future__ import annotations
 
