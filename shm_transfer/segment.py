@@ -50,16 +50,18 @@ class Segment:
         self.size = len(mm)
 
     @classmethod
-    def create(cls, name: str, size: int, owner: str = "") -> "Segment":
+    def create(cls, name: str, size: int, owner: str = "", what: str = "KV pool",
+               reserve: bool = False) -> "Segment":
         """Create /dev/shm/<name> (it must not exist: see take_name), hold the creator lock and record `owner` (a
-        stack id) in the segment."""
+        stack id) in the segment. `reserve`: allocate every page now (posix_fallocate), so a full /dev/shm is an
+        OSError (ENOSPC) here rather than a SIGBUS at the first write of a page that tmpfs cannot back."""
         path = shm_path(name)
         if not os.path.isdir(SHM_DIR):
-            raise PoolError(f"{SHM_DIR} does not exist: POSIX shared memory is required for the KV pool")
+            raise PoolError(f"{SHM_DIR} does not exist: POSIX shared memory is required for the {what}")
         free = _shm_free_bytes()
         if free is not None and size > free:
             raise PoolError(
-                f"KV pool needs {size / 2**30:.2f} GiB but {SHM_DIR} has {free / 2**30:.2f} GiB free "
+                f"{what} needs {size / 2**30:.2f} GiB but {SHM_DIR} has {free / 2**30:.2f} GiB free "
                 "(in Docker use --ipc=host or a larger --shm-size)")
         try:
             fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
@@ -68,7 +70,10 @@ class Segment:
                             "creating a pool of that name)") from None
         try:
             locks.try_hold(fd, CREATOR_SLOT)  # first: from now on a concurrent create sees a live owner
-            os.ftruncate(fd, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
             os.pwrite(fd, owner_record(owner), OWNER_OFF)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -107,14 +112,19 @@ class Segment:
             return _unlink_quiet(shm_path(self.name))
         return False
 
-    def close(self) -> None:
-        """Unmap and close. If tensors still view the mapping, the unmap happens when they die."""
+    def unmap(self) -> None:
+        """Unmap but keep the fd (and the locks it holds). If tensors still view the mapping, the unmap happens
+        when they die."""
         mm, self.mm = self.mm, None
         if mm is not None:
             try:
                 mm.close()
             except BufferError:
                 pass  # exported views alive; the mapping goes away with the last of them
+
+    def close(self) -> None:
+        """Unmap and close. If tensors still view the mapping, the unmap happens when they die."""
+        self.unmap()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -138,9 +148,10 @@ def owner_of(head: bytes) -> dict | None:
     return {"stack": stack.rstrip(b"\0").decode("ascii", "replace"), "pid": pid}
 
 
-def probe(name: str, head: int = 4096) -> tuple[int, bool, bytes] | None:
-    """(inode, creator alive, first `head` bytes) of an existing segment, or None if there is none. PoolError
-    for something at that name that is not ours: another user's file, a link, not a regular file."""
+def probe(name: str, head: int = 4096, slots: tuple[int, ...] = (CREATOR_SLOT,)) -> tuple[int, bool, bytes] | None:
+    """(inode, alive: a live process holds one of `slots` (the creator's by default), first `head` bytes) of an
+    existing segment, or None if there is none. PoolError for something at that name that is not ours: another
+    user's file, a link, not a regular file."""
     path = shm_path(name)
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -154,7 +165,7 @@ def probe(name: str, head: int = 4096) -> tuple[int, bool, bytes] | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise PoolError(f"{path} belongs to uid {st.st_uid} or is not a regular file; refusing to use or "
                             "remove it: pick another name")
-        return st.st_ino, locks.held_by_other(fd, CREATOR_SLOT), os.pread(fd, head, 0)
+        return st.st_ino, any(locks.held_by_other(fd, s) for s in slots), os.pread(fd, head, 0)
     finally:
         os.close(fd)
 
@@ -190,17 +201,20 @@ def unlink_if_owned(name: str, owner: str) -> bool:
     return unlink_exact(name, inode)
 
 
-def reclaim_dead(prefix: str) -> list[str]:
-    """Remove every /dev/shm/<prefix>* segment whose creator is gone (take_name's rule, for owners that have no
-    launcher to clean up after them: a Ray replica killed with its node). A live creator's segment stays, and so
-    does what is not ours (another user's file, a link). Returns the names removed."""
+def reclaim_orphans(prefix: str, slots: tuple[int, ...] = (CREATOR_SLOT,)) -> list[str]:
+    """Unlink this user's /dev/shm/<prefix>* segments that no live process holds (none of `slots` locked, by
+    default the creator's: their holders died, e.g. SIGKILL); returns their names. A segment some live process
+    holds is never touched, so servers that share the prefix may all run this (take_name's rule, for owners with
+    no launcher to clean up after them: a Ray replica killed with its node, a rollout's trajectory)."""
+    try:
+        names = [e for e in os.listdir(SHM_DIR) if e.startswith(prefix)]
+    except OSError:
+        return []
     removed = []
-    for name in sorted(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else ():
-        if not name.startswith(prefix):
-            continue
+    for name in names:
         try:
-            found = probe(name)
-        except (PoolError, ValueError):
+            found = probe(name, head=0, slots=slots)
+        except (PoolError, ValueError, OSError):
             continue
         if found is not None and not found[1] and unlink_exact(name, found[0]):
             removed.append(name)

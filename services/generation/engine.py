@@ -122,6 +122,7 @@ class Engine:
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
+        self.trajectory_segments = None     # rank 0 of a served engine: where rollouts record (shared_trajectory.py)
         self._linear_gemms = linear_gemms(model)
 
     # -- admission -----------------------------------------------------------------------------
@@ -181,7 +182,11 @@ class Engine:
         h0, h1 = self._kv_heads
         job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
         rollout.attach(job, spec, self)           # RL jobs: the SDE transition and what it records
-        job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+        try:
+            job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+        except BaseException:
+            job.free()                            # its trajectory segment, if it made one
+            raise
         return job
 
     def add(self, job: JobState) -> None:

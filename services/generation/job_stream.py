@@ -25,6 +25,7 @@ from .job_table import End
 from .leases import JobLease
 from .previews import preview_format
 from .protocol import Image, JobFailed, Preview, Progress, RlResult
+from .shared_trajectory import release
 from .state import GenerationState
 from .stream_queue import StreamQueue
 
@@ -147,6 +148,7 @@ class RlJobStream(JobStream):
                 try:
                     self.on_result(job, ev)
                 except APIError as err:
+                    release(ev)                  # not stored (the store released it too: release is idempotent)
                     self.state.engine.abort(job.request_id, "trajectory refused")
                     return self.failed(err.event())
                 return sse.encode(C.wire(C.RlResultEvent.model_construct(**ev.result())))

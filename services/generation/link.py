@@ -4,10 +4,11 @@ Why threads: a pipe holds ~64 KiB. If the side that writes also had to wait for 
 reader needs (a lock, the event loop, the engine loop), a burst of submissions against a stream of finished
 images would block both processes for good. So nobody writes to a pipe except its `Outbox` thread (`send`
 only queues), and nobody reads except one reader thread per pipe that hands each message on without
-blocking. The messages are protocol.py's dataclasses; the `pixels` of one (an image, a preview, a trajectory)
-cross as raw bytes right after it (no pickling of 12 MB arrays), written from the array and read straight into
-the receiver's array (`_write_all` / `_read_into`: one kernel copy each way, no per-chunk Python objects; an RL
-trajectory is GBs, and `Connection.recv_bytes` assembled it 64 KiB at a time in a BytesIO, ~0.3 GiB/s here).
+blocking. The messages are protocol.py's dataclasses; the `pixels` of one (an image, a preview) cross as raw bytes
+right after it (no pickling of 12 MB arrays), written from the array and read straight into the receiver's array
+(`_write_all` / `_read_into`: one kernel copy each way, no per-chunk Python objects). A served rollout's trajectory
+(GBs) does not cross here at all: its message names the shared-memory segment that holds it
+(shared_trajectory.py); only an engine without segments (in-process tests) would frame one.
 """
 from __future__ import annotations
 

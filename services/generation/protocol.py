@@ -2,7 +2,8 @@
 link (link.py). Commands go down, events come back; both sides dispatch with isinstance / match.
 
 A message with a `pixels` field (an image, a preview, an RL trajectory) crosses with the array as a raw byte frame
-right after it (link.py), never pickled.
+right after it (link.py), never pickled. A served rollout's trajectory does not cross at all: it lies in a shared-memory
+segment the message names (TrajectorySegment; shared_trajectory.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ class Stop:
     pass
 
 
-Command = Union[SubmitJob, AbortJob, WeightsOp, Stop]
+@dataclass
+class TrajectoryHeld:
+    """The HTTP process holds (or has dropped) the trajectory segment of a result: rank 0 lets its lock go."""
+    name: str
+
+
+Command = Union[SubmitJob, AbortJob, WeightsOp, Stop, TrajectoryHeld]
 
 
 # -- engine events: rank 0 -> HTTP process --------------------------------------------------------------------
@@ -144,6 +151,15 @@ class Image:
 
 
 @dataclass
+class TrajectorySegment:
+    """Where a rollout's trajectory lies: /dev/shm/<name>, an array of `shape` and `dtype` from byte `offset`."""
+    name: str
+    shape: tuple
+    dtype: str
+    offset: int
+
+
+@dataclass
 class RlResult:
     request_id: str
     logprobs: list[list[Optional[float]]]
@@ -152,6 +168,8 @@ class RlResult:
     noise_scale: float
     weights_version: str
     pixels: Optional[np.ndarray] = None   # a rollout's trajectory z_0..z_N (float32), when one is stored
+    segment: Optional[TrajectorySegment] = None   # rank 0's segment holding it (the message carries no bytes)
+    mapping: Any = None                   # the HTTP process's hold on that segment (shared_trajectory.adopt)
 
     def result(self) -> dict[str, Any]:
         """What the `rl_result` event carries (everything but the trajectory)."""

@@ -96,6 +96,8 @@ class JobState:
                 self.kv[:, :, seg.start:seg.start + seg.prefix_len].copy_(kv)
 
     def free(self) -> None:
+        if self.rl is not None:                 # a trajectory whose result never went is unlinked
+            self.rl.free()
         if self.lora is not None:
             self.lora.release()
             self.lora = None

@@ -11,12 +11,14 @@ scoring the stored trajectory reproduces it exactly.
 
 Nothing of a step waits on the host: the log-probs stay on the device, and each recorded state is copied as it is
 made into the job's trajectory buffer on the host (pinned on CUDA: an asynchronous copy on a side stream, overlapping
-the next step's kernels); the job waits once, when it finishes, for the last copies (`HostTrajectory`).
+the next step's kernels); the job waits once, when it finishes, for the last copies (`HostTrajectory`). On a served
+engine's rank 0 that buffer is a shared-memory segment the HTTP process then maps (shared_trajectory.py): the result
+names it, no byte crosses the pipe. Only rank 0 records (the other ranks' results are never read).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ import torch
 from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, ScoreJobRequest
 from services.model import flow_sde, sampler
 
-from .protocol import RlResult
+from .protocol import RlResult, TrajectorySegment
 
 
 def weights_version(engine) -> str:
@@ -46,11 +48,17 @@ class HostTrajectory:
     """A rollout's states z_0..z_N f32 [n, N+1, 3, H, W] in host memory, filled a state at a time by copies that do
     not wait: on CUDA into pinned memory (each sample's slot a contiguous destination) on a side stream that starts
     each copy once the step made the state, the state held for that stream (`record_stream`); waited for once by
-    `take`. `waits` counts the host's waits on the device (the rollout's one, at the end)."""
+    `take`. With `segments` (rank 0 of a served engine) the memory is a shared-memory segment (shared_trajectory.py)
+    and `take` hands over its reference; else a pinned buffer and `take` gives the array. `discard` frees a
+    trajectory whose result never went. `waits` counts the host's waits on the device (the rollout's one, at the
+    end)."""
 
-    def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device):
+    def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device, segments=None):
         cuda = device.type == "cuda"
-        self.buf = torch.empty((n, steps + 1, 3, height, width), dtype=torch.float32, pin_memory=cuda)
+        shape = (n, steps + 1, 3, height, width)
+        self.shared = segments.make(shape, pin=cuda) if segments is not None else None
+        self.buf = self.shared.tensor if self.shared is not None else \
+            torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
         self.stream = _copy_stream(device) if cuda else None
         self.done = torch.cuda.Event() if cuda else None
         self.waits = 0
@@ -69,11 +77,25 @@ class HostTrajectory:
             self.done.record(self.stream)
         x.record_stream(self.stream)
 
-    def take(self) -> np.ndarray:
+    def _landed(self) -> None:
         if self.done is not None:
             self.done.synchronize()
             self.waits += 1
-        return self.buf.numpy()
+
+    def take(self) -> Union[np.ndarray, TrajectorySegment]:
+        """Once the copies landed: the array, or the segment's reference (the HTTP process owns it from here)."""
+        self._landed()
+        if self.shared is None:
+            return self.buf.numpy()
+        shared, self.shared, self.buf = self.shared, None, None
+        return shared.hand_over()
+
+    def discard(self) -> None:
+        """The job ended without its result (aborted, failed): unlink the segment once no copy writes into it."""
+        if self.shared is not None:
+            self._landed()
+            shared, self.shared, self.buf = self.shared, None, None
+            shared.discard()
 
 
 class _Sde:
@@ -86,17 +108,22 @@ class _Sde:
         return flow_sde.sde_mean_std(self.kind, z, v, job.flow.t, job.flow.t_next, self.t1, self.a, job.noise_scale,
                                      job.spec.t_eps)
 
-    def result(self, job, logprobs: list, trajectory: Optional[np.ndarray] = None) -> RlResult:
+    def result(self, job, logprobs: list, trajectory: Union[np.ndarray, TrajectorySegment, None] = None) -> RlResult:
+        segment = trajectory if isinstance(trajectory, TrajectorySegment) else None
         return RlResult(request_id=job.request_id, logprobs=_nulls(logprobs),
                         timesteps=[float(t) for t in job.flow.grid.float().cpu().tolist()], sde_steps=self.steps,
-                        noise_scale=float(job.noise_scale), weights_version=self.version, pixels=trajectory)
+                        noise_scale=float(job.noise_scale), weights_version=self.version,
+                        pixels=None if segment is not None else trajectory, segment=segment)
+
+    def free(self) -> None:
+        """The job is over (JobState.free)."""
 
 
 class RolloutState(_Sde):
     """One rollout job: per-sample generators (initial noise, then one N(0, I) draw per SDE step), log-probs
     [n, N] (NaN on ODE steps), the trajectory z_0..z_N when asked."""
 
-    def __init__(self, job, spec: RolloutJobRequest, version: str, record: bool):
+    def __init__(self, job, spec: RolloutJobRequest, version: str, record: bool, segments=None):
         super().__init__(job, spec.rl.sde, spec.num_inference_steps)
         rl = spec.rl
         self.version = version
@@ -110,7 +137,8 @@ class RolloutState(_Sde):
                                    device=job.device)
         self.trajectory: Optional[HostTrajectory] = None
         if record:
-            self.trajectory = HostTrajectory(job.n, spec.num_inference_steps, spec.height, spec.width, job.device)
+            self.trajectory = HostTrajectory(job.n, spec.num_inference_steps, spec.height, spec.width, job.device,
+                                             segments)
             self.trajectory.put(0, job.x)
         self._sde = set(self.steps)
 
@@ -130,11 +158,17 @@ class RolloutState(_Sde):
     def results(self, job) -> RlResult:
         """The job's result (log-probs, grid, version) with the trajectory as its raw frame (the host's one wait for
         the trajectory's copies; the log-probs are read after the step, the engine stream's work, is done)."""
+        logprobs = self.logprobs.cpu().tolist()
         frame = None
         if self.trajectory is not None:
             frame = self.trajectory.take()
             self.trajectory = None
-        return self.result(job, self.logprobs.cpu().tolist(), frame)
+        return self.result(job, logprobs, frame)
+
+    def free(self) -> None:
+        if self.trajectory is not None:          # no result went: the trajectory is nobody's
+            self.trajectory.discard()
+            self.trajectory = None
 
 
 class ScoreState(_Sde):
@@ -176,6 +210,8 @@ def _nulls(rows: list[list[float]]) -> list[list[Optional[float]]]:
 def attach(job, spec, engine) -> None:
     """Give a rollout / score job its RL state (an image job keeps `job.rl = None`)."""
     if isinstance(spec, RolloutJobRequest):
-        job.rl = RolloutState(job, spec, weights_version(engine), record=spec.rl.trajectory_id is not None)
+        segments = getattr(engine, "trajectory_segments", None)      # rank 0 of a served engine
+        record = spec.rl.trajectory_id is not None and engine.comm.rank == 0
+        job.rl = RolloutState(job, spec, weights_version(engine), record, segments)
     elif isinstance(spec, ScoreJobRequest):
         job.rl = ScoreState(job, spec, spec.latents(), weights_version(engine))

@@ -17,7 +17,7 @@ from services.kit.errors import APIError, bad_request
 from services.kit.logsafe import safe
 from services.kit.weights_api import WeightsEndpoint
 
-from . import encode
+from . import encode, shared_trajectory
 from .config import GenerationConfig, ServerConfig
 from .image_limits import checkpoint_max_tokens, size_error
 from .leases import HandleKeeper
@@ -75,12 +75,15 @@ class GenerationState:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
+        shared_trajectory.reclaim(self.cfg.kv_pool_name)   # segments a killed server of this pool left
         self.engine.start()
         warm = self.encoder.submit(encode.warm)     # the encoders' first-use costs, while the engine loads
         warm.add_done_callback(lambda f: f.exception() and log.warning("encoder warm-up failed: %r", f.exception()))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.stop)
+        self.trajectories.close()                          # their segments unlinked
+        shared_trajectory.reclaim(self.cfg.kv_pool_name)   # and what the engine made but never handed over
         self.encoder.shutdown(wait=False)
 
     # -- engine callbacks (the link reader thread) ---------------------------------------------------
@@ -92,6 +95,7 @@ class GenerationState:
             self.perf.on_stats(msg)
 
     def on_restart(self) -> None:
+        shared_trajectory.reclaim(self.cfg.kv_pool_name)   # the dead engine's unfinished rollouts
         self.metrics.engine_restarts.inc()
         self.weights.engine_restarted()
 

@@ -6,7 +6,7 @@ are bounded by `max_bytes`: an event that would go beyond it while others still 
 (`on_overflow`: it is aborted in the engine, the stream gets the error and ends) and from then on pixels are
 dropped as they come (an exported float image among them is never written to the client, so the job's lease frees
 it when the stream closes). The first event is always taken: a single image larger than the bound still reaches a
-reader that keeps up.
+reader that keeps up. An RL result dropped here (its stream is over) unlinks its trajectory segment.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import asyncio
 from typing import Callable, Optional
 
 from .protocol import Image, Preview
+from .shared_trajectory import release
 
 PIXEL_EVENTS = (Preview, Image)
 
@@ -37,10 +38,11 @@ class StreamQueue:
         try:
             self.loop.call_soon_threadsafe(self._put, ev)
         except RuntimeError:           # the loop is closed: the server is gone
-            pass
+            release(ev)
 
     def _put(self, ev) -> None:
         if self.closed:
+            release(ev)                # an RL result's trajectory segment nobody will store
             return
         size = _nbytes(ev)
         if size and not self.overflowed and self.waiting_bytes and self.waiting_bytes + size > self.max_bytes:
@@ -66,5 +68,6 @@ class StreamQueue:
         left = []
         while not self._q.empty():
             left.append(self._q.get_nowait())
+            release(left[-1])
         self.waiting_bytes = 0
         return left

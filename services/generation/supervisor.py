@@ -22,13 +22,14 @@ from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
 from services.base.netutil import free_port
 
+from . import shared_trajectory
 from .capacity import queue_limit
 from .config import GenerationConfig
 from .job_table import END, Deliver, JobTable, Ticket
 from .leases import HandleKeeper, JobLease
 from .link import Outbox, start_reader
 from .protocol import (AbortJob, Fatal, Image, JobDone, JobFailed, JobStarted, Preview, Progress, Ready, RlResult,
-                       Starting, Stop, SubmitJob)
+                       Starting, Stop, SubmitJob, TrajectoryHeld)
 
 log = logging.getLogger("u1serve.generation")
 
@@ -259,6 +260,12 @@ class EngineSupervisor:
     def _on_job_event(self, unit: EngineRanks, msg) -> None:
         rid = msg.request_id
         t = self.table.get(rid)
+        if isinstance(msg, RlResult) and msg.segment is not None:   # from here this process owns the segment
+            name = msg.segment.name
+            msg = shared_trajectory.adopt(msg, wanted=t is not None and t.unit is unit)
+            unit.send(TrajectoryHeld(name))          # rank 0 lets its lock go: held here now, or unlinked
+            if msg is None:
+                return
         if t is None or t.unit is not unit:          # ended already (aborted, timed out) or a stale unit:
             if isinstance(msg, Image) and msg.image_handle:     # a float image nobody will read back
                 self.keeper.stray_image(msg.image_handle)

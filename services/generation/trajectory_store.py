@@ -13,6 +13,10 @@ those bytes as views of the stored arrays (streamed by range, never joined: a tr
 GET's hold on them. A trajectory deleted or evicted while it is streamed leaves the store at once (404 for any new
 request), but its arrays live until the last open stream of it ends; `stats()` counts those bytes as
 `draining_bytes` (outside the store's bound) until then.
+A rollout's latents are the mapping of the shared-memory segment the engine recorded them in (shared_trajectory.py;
+the bound counts those bytes as any others: shm is RAM too). The store owns each part it was given: it releases
+(unlinks) the segment when the part is refused, replaced, or leaves the store with no stream reading it (else when
+the last such stream ends), and at `close()`.
 """
 from __future__ import annotations
 
@@ -83,18 +87,30 @@ class Part:
     latents: np.ndarray                # f32 [n, N+1, 3, H, W]
     logprobs: np.ndarray               # f32 [n, N], NaN on ODE steps
     meta: dict                         # timesteps, sde_steps, noise_scale, weights_version, params
+    shared: Optional[object] = None    # the hold on the segment `latents` maps (shared_trajectory.MappedTrajectory)
 
     @property
     def nbytes(self) -> int:
         return self.latents.nbytes + self.logprobs.nbytes
 
+    def release(self) -> None:
+        if self.shared is not None:
+            self.shared.release()
 
-@dataclass
+
+@dataclass(eq=False)                  # identity: a set of them (the store's `_leaving`)
 class Trajectory:
     parts: dict[int, Part] = field(default_factory=dict)     # first sample index -> part
     owner: str = OPEN_OWNER            # who made it (only they read, score or delete it)
     readers: int = 0                   # open streams of it (Reader)
     draining: int = 0                  # its bytes, once it left the store while readers held it
+    retired: list[Part] = field(default_factory=list)   # parts replaced while readers held it
+
+    def release(self, retired_only: bool = False) -> None:
+        """Free its parts' segments (once no stream reads them)."""
+        parts, self.retired = self.retired, []
+        for p in parts + ([] if retired_only else list(self.parts.values())):
+            p.release()
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +157,21 @@ class TrajectoryStore:
         self._owned: collections.Counter[str] = collections.Counter()   # owner -> bytes in the store
         self._draining = 0                   # bytes of trajectories gone from the store that streams still read
         self._streams = 0                    # open Readers
+        self._leaving: set[Trajectory] = set()   # left the store, still streamed (their `draining` bytes)
+        self._closed = False
+
+    def close(self) -> None:
+        """The server is stopping: every segment the store holds is released (open streams keep their mappings
+        until they end; the names go now)."""
+        with self._lock:
+            self._closed = True
+            trajs = list(self._items.values()) + list(self._leaving)
+            self._items.clear()
+            self._leaving.clear()
+            self._owned.clear()
+            self._bytes = 0
+        for traj in trajs:
+            traj.release()
 
     def check_fits(self, nbytes: int) -> None:
         """413 before any work when a part of `nbytes` could never be stored (the rollout's pre-check)."""
@@ -153,9 +184,19 @@ class TrajectoryStore:
 
     def put(self, tid: str, first_sample: int, part: Part, owner: str = OPEN_OWNER) -> None:
         """Add a part; evicts least recently used trajectories (never the one being filled; the owner's own
-        first, then the biggest owner's) to stay in bounds. A part that cannot fit is refused (413)."""
+        first, then the biggest owner's) to stay in bounds. A part that cannot fit is refused (413). The store owns
+        the part from here, refused or not."""
+        try:
+            self._put(tid, first_sample, part, owner)
+        except BaseException:
+            part.release()
+            raise
+
+    def _put(self, tid: str, first_sample: int, part: Part, owner: str) -> None:
         self.check_fits(part.nbytes)
         with self._lock:
+            if self._closed:
+                raise APIError(503, "the server is stopping", code="service_unavailable")
             traj = self._items.pop(tid, None)
             if traj is not None and traj.owner != owner:
                 self._items[tid] = traj
@@ -164,6 +205,9 @@ class TrajectoryStore:
             old = traj.parts.get(first_sample)
             if old is not None:
                 self._take(traj, -old.nbytes)
+                traj.retired.append(old)
+                if not traj.readers:
+                    traj.release(retired_only=True)
             traj.parts[first_sample] = part
             self._take(traj, part.nbytes)
             while self._owned[owner] > self.owner_max_bytes and self._evict_of(owner):
@@ -223,6 +267,9 @@ class TrajectoryStore:
         if traj.readers:
             traj.draining = traj.nbytes
             self._draining += traj.draining
+            self._leaving.add(traj)
+        else:
+            traj.release()
 
     def reader(self, tid: str, owner: str = OPEN_OWNER) -> Reader:
         """A hold on the trajectory's bytes for one stream (404 when it is not stored or not `owner`'s); close it
@@ -238,9 +285,15 @@ class TrajectoryStore:
         with self._lock:
             traj.readers -= 1
             self._streams -= 1
-            if not traj.readers and traj.draining:
+            if traj.readers:
+                return
+            if traj.draining:                    # it left the store: its last stream ended
                 self._draining -= traj.draining
                 traj.draining = 0
+                self._leaving.discard(traj)
+                traj.release()
+            else:
+                traj.release(retired_only=True)
 
     def stats(self) -> dict:
         with self._lock:

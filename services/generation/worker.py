@@ -30,7 +30,8 @@ from services.model.oom import out_of_memory
 from .config import GenerationConfig
 from .emitter import Emitter
 from .protocol import Fatal, KvImportStats, KvPoolStats, Ready, StepPlan, Stop, WarmupStats
-from .protocol import Starting
+from .protocol import Starting, TrajectoryHeld
+from .shared_trajectory import TrajectorySegments
 from .scheduler import Scheduler
 from .weights import RankWeights
 
@@ -133,6 +134,17 @@ def _leader_loop(engine, comm, source, inbox: queue.SimpleQueue, out, cfg: Gener
                 emit.stepped(*stepped, len(sched.pending))
             finally:
                 engine.free(stepped[0])
+
+
+def _commands(inbox: queue.SimpleQueue, segments: TrajectorySegments) -> Callable[[object], None]:
+    """The command reader's handler: a TrajectoryHeld is settled at once (it closes a file, never waits on the
+    loop), every other command goes to the loop's inbox."""
+    def handle(msg) -> None:
+        if isinstance(msg, TrajectoryHeld):
+            segments.held(msg.name)
+        else:
+            inbox.put(msg)
+    return handle
 
 
 def _follower_loop(engine, comm, source) -> None:
@@ -263,7 +275,11 @@ def _serve_rank(rank: int, world: int, port: int, cfg: GenerationConfig, inbox_c
             out.send(KvPoolStats(source.report))
             source.on_change = lambda report: out.send(KvPoolStats(report))     # opened on a job, dropped
             inbox: queue.SimpleQueue = queue.SimpleQueue()
-            start_reader(inbox_conn, inbox.put, "u1-gen-commands", on_close=lambda: inbox.put(Stop()))
+            segments = TrajectorySegments(cfg.kv_pool_name, knobs.STACK_ID.get())
+            engine.primary.trajectory_segments = segments      # rollouts record into shared memory
+            scope.callback(segments.close)     # what was never handed over is unlinked, however the loop ends
+            start_reader(inbox_conn, _commands(inbox, segments), "u1-gen-commands",
+                         on_close=lambda: inbox.put(Stop()))
             h0, h1 = comm.sp.kv_heads(engine.model.num_kv_heads)
             out.send(Ready(measure(engine.model, device, comm.cfg_world, h1 - h0)))
             _leader_loop(engine, comm, source, inbox, out, cfg)

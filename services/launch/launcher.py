@@ -368,12 +368,15 @@ class Stack:
 
     def release_shm(self) -> None:
         """After the services stopped: the segments this stack made that a killed service left (never another
-        stack's: the owner recorded in each decides), and private directories of dead processes."""
+        stack's: the owner recorded in each decides), the RL trajectory segments under its pools' names that no live
+        process holds, and private directories of dead processes."""
+        from services.generation.trajectory_names import reclaim
         from services.kit.rundirs import reclaim_stale
         from shm_transfer.segment import unlink_if_owned
         for name in self.shm_names:
             try:
                 unlink_if_owned(name, self.stack_id)
+                reclaim(name)       # RL trajectory segments a killed generation server of this pool left
             except (ValueError, OSError):
                 pass
         for prefix in self.private_dirs:

@@ -20,7 +20,7 @@ import uuid
 from services.base import knobs
 from services.launch.launcher import ServiceLog, ServiceProcess, ServiceSpec, health
 from services.base.netutil import free_port
-from shm_transfer.segment import reclaim_dead, unlink_if_owned
+from shm_transfer.segment import reclaim_orphans, unlink_if_owned
 
 from .autoscale import load_signals
 from .settings import RayAppSettings, parse_stack_args
@@ -78,7 +78,7 @@ class EngineReplica:
         # understanding creates it, so it is unique per replica; generation attaches pools named by handles
         self.pool = f"{POOL_PREFIX}{uuid.uuid4().hex[:12]}"
         if kind == "und":      # pools of replicas that died with their node (SIGKILL: nobody unlinked them)
-            gone = await asyncio.to_thread(reclaim_dead, POOL_PREFIX)
+            gone = await asyncio.to_thread(reclaim_orphans, POOL_PREFIX)
             if gone:
                 log.info("removed %d KV pool(s) of dead understanding replicas: %s", len(gone), ", ".join(gone))
         self.spec = engine_spec(kind, self.settings, host, port, self.pool)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shm_transfer import HandleError, KVLayout, PoolError, PoolFull, ShmKVPool, read_kv, unlink_exact, write_kv
-from shm_transfer.segment import reclaim_dead
+from shm_transfer.segment import reclaim_orphans
 from tests.shm_transfer.shm_peer import make_pool, new_peer, wire
 from tests.waiting import wait_until
 
@@ -36,7 +36,7 @@ def test_create_refuses_a_live_creators_pool_and_reclaims_a_killed_ones(pages, s
         other.stop()
 
 
-def test_reclaim_dead_removes_only_dead_creators_segments_of_the_prefix(pages, shm_name):
+def test_reclaim_orphans_removes_only_dead_creators_segments_of_the_prefix(pages, shm_name):
     """What a Ray replica sweeps at start (services/ray_serve/engine.py): pools of replicas killed with their node."""
     dead, live = f"{shm_name}-dead", f"{shm_name}-live"
     killed, alive = new_peer("shm"), new_peer("shm")       # two processes, whatever `pages` is
@@ -44,10 +44,10 @@ def test_reclaim_dead_removes_only_dead_creators_segments_of_the_prefix(pages, s
         killed.call("create", dead, LAY.to_dict(), 2 * LAY.page_bytes, FP, "shm")
         alive.call("create", live, LAY.to_dict(), 2 * LAY.page_bytes, FP, "shm")
         killed.kill()
-        removed = reclaim_dead(f"{shm_name}-")
+        removed = reclaim_orphans(f"{shm_name}-")
         assert dead in removed and not os.path.exists(f"/dev/shm/{dead}")
         assert os.path.exists(f"/dev/shm/{live}")           # its creator lives
-        assert reclaim_dead(f"{shm_name}-dead") == []       # idempotent
+        assert reclaim_orphans(f"{shm_name}-dead") == []       # idempotent
     finally:
         alive.stop()
         killed.stop()

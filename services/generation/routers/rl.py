@@ -9,8 +9,9 @@
     DELETE /internal/rl/trajectories/{id}
 
 The jobs are ordinary engine jobs (one batch of n samples over one set of prefix handles), streamed by
-job_stream.RlJobStream; the rollout's trajectory arrives as the raw frame of its RlResult and goes into the
-store (state.trajectories) under (trajectory_id, part).
+job_stream.RlJobStream; the rollout's trajectory arrives as the shared-memory segment its RlResult names, mapped by
+this process (shared_trajectory.py), and goes into the store (state.trajectories) under (trajectory_id, part): the
+mapping is the stored array, no copy.
 Step caching is off for RL jobs (a reused residual is not the policy's velocity).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from services.kit.web import json_body
 from ..inputs import check_handles, handles_of
 from ..job_stream import RlJobStream
 from ..protocol import RlResult
+from ..shared_trajectory import release
 from ..state import GenerationState, app_state
 from ..trajectory_store import Part, not_found
 
@@ -71,8 +73,9 @@ def _respond(st: GenerationState, job, on_result):
 
 
 def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) -> None:
-    """The rollout's trajectory into the store, when it asked for one."""
+    """The rollout's trajectory into the store, when it asked for one (the store then owns its segment)."""
     if job.rl.trajectory_id is None or ev.pixels is None:
+        release(ev)
         return
     lp = np.array([[np.nan if x is None else x for x in row] for row in ev.logprobs], dtype=np.float32)
     meta = {"timesteps": ev.timesteps, "sde_steps": ev.sde_steps, "noise_scale": ev.noise_scale,
@@ -81,8 +84,8 @@ def _store_rollout(st: GenerationState, job: RolloutJobRequest, ev: RlResult) ->
                 noise_level=job.rl.sde.noise_level, guidance_scale=job.guidance_scale,
                 timestep_shift=job.timestep_shift, t_eps=job.t_eps, cfg_norm=job.cfg_norm,
                 width=job.width, height=job.height)
-    st.trajectories.put(job.rl.trajectory_id, job.rl.part, Part(np.asarray(ev.pixels, dtype=np.float32), lp, meta),
-                        job.rl.owner)
+    st.trajectories.put(job.rl.trajectory_id, job.rl.part,
+                        Part(np.asarray(ev.pixels, dtype=np.float32), lp, meta, shared=ev.mapping), job.rl.owner)
 
 
 def trajectory_bytes(n: int, steps: int, width: int, height: int) -> int:
