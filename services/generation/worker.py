@@ -77,8 +77,9 @@ def _apply(engine, comm, weights: RankWeights, plan: StepPlan):
 
 
 def _step_or_fail(engine, emit: Emitter, alone: bool) -> Optional[tuple[list, int, float]]:
-    """_step; on one rank alone, an out-of-memory fails the jobs of that step (500 engine_oom, their buffers
-    freed) instead of the engine: None then. With several ranks it stays fatal (the others are inside the
+    """_step; on one rank alone, an out-of-memory fails the jobs of that step (503 engine_oom, their buffers
+    freed: the same answer as a KV buffer that does not fit at admission, a capacity refusal the client may retry
+    smaller or later, not a fault) instead of the engine: None then. With several ranks it stays fatal (the others are inside the
     step's collectives; the supervisor restarts the engine)."""
     try:
         return _step(engine)
@@ -89,7 +90,7 @@ def _step_or_fail(engine, emit: Emitter, alone: bool) -> Optional[tuple[list, in
         log.error("out of memory in a denoise step of %s: those jobs fail, the engine goes on (%s)", jobs, exc)
         for rid in jobs:
             engine.abort(rid)
-            emit.failed(rid, APIError(500, "the engine ran out of memory in a denoise step of this job (with "
+            emit.failed(rid, APIError(503, "the engine ran out of memory in a denoise step of this job (with "
                                       f"{len(jobs)} job(s) in that step); a smaller size, fewer samples or a "
                                       "retry later may fit", code="engine_oom").event())
         if torch.cuda.is_available():

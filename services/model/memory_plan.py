@@ -200,6 +200,7 @@ class Settings:
     max_model_len: int = 32768
     kv_pool_gb: float = 16.0
     kv_page_tokens: int = 64
+    max_prefix_pool_share: float = 0.5   # understanding's --max-prefix-pool-share: one request's share of the pool
     engines: str = "processes"            # colocate: --colocate-engines (fused: one process, the pool on the device)
     max_batch_tokens: int = 8192          # generation's --max-batch-tokens (generation config.BATCH_TOKENS)
     weight_streaming_layers: int = 0      # generation's --weight-streaming-layers (0: every layer resident)
@@ -246,6 +247,27 @@ def und_prompt_tokens(side: int, block: int) -> int:
     return UND_PROMPT_TEXT_TOKENS + image_tokens(side, block)
 
 
+def prefix_pool_pages(side: int, block: int, page_tokens: int) -> int:
+    """KV pool pages the largest image request's prefixes take at `side`²: an edit with a `side`² input over its
+    three branches (cond: the image and up to UND_PROMPT_TEXT_TOKENS of text; img_cond: the image; uncond: a
+    page of template). A smaller device pool refuses that request 400 kv_request_too_large."""
+    pages = lambda t: -(-t // page_tokens)   # noqa: E731
+    img = image_tokens(side, block)
+    return pages(img + UND_PROMPT_TEXT_TOKENS) + pages(img + page_tokens) + 1
+
+
+def page_bytes(cfg, s: Settings) -> int:
+    llm = cfg.llm
+    return s.kv_page_tokens * kv_bytes_per_token(llm.num_hidden_layers, llm.num_key_value_heads, llm.head_dim,
+                                                 s.itemsize)
+
+
+def pool_gb_for_prefixes(cfg, s: Settings, side: int) -> float:
+    """The smallest KV pool (in steps of 0.5 GiB) where one request's share holds the largest prefixes at side²."""
+    need = prefix_pool_pages(side, s.images.block, s.kv_page_tokens) / s.max_prefix_pool_share
+    return math.ceil(need * page_bytes(cfg, s) / (GiB / 2)) / 2
+
+
 def und_fit(cfg, w: BranchWeights, s: Settings, share: int, capped: bool = True, pool: int = 0,
             need_tokens: int = UND_MIN_KV_TOKENS) -> EnginePlan:
     """What engine._fit_kv_cache does under a memory share (`capped`: colocate, U1SERVE_GPU_MEMORY_FRACTION): the
@@ -279,7 +301,9 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     llm = cfg.llm
     tokens = image_tokens(side, s.images.block)
     # a forward's rows: jobs batch up to --max-batch-tokens, but no more than the running jobs bring (a job larger
-    # than that budget runs alone with all its rows)
+    # than that budget runs alone with all its rows). Not counted: one request of n > 1 images at the largest size
+    # (n x branches x tokens rows in one forward); where it does not fit, its step fails 503 engine_oom, the engine
+    # goes on (counting it would take 2048² off a 48 GiB card for the rare n = 4 request)
     rows = max(tokens * s.edit_branches, min(s.max_batch_tokens, s.max_running_jobs * s.edit_branches * tokens))
     edit_kv = job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + 2 * tokens, s.edit_branches)
     small = max(1, s.max_batch_tokens // (s.cfg_branches * s.max_running_jobs))
@@ -290,10 +314,12 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     # live at a layer's widest point: residual, its norm, q|k|v, attention out, gate|up, silu*up, MLP out;
     # plus the fm head's pixels (3 x 32² per token, fp32) and the latent in fp32
     per_row = (3 * h + qkv + llm.num_attention_heads * llm.head_dim + 3 * inter) * s.itemsize
-    if s.gen_format == "int8":   # W8A8's widest GEMM (gate|up) also holds its int32 product beside the output
-        per_row += max(2 * inter, qkv) * INT8_PRODUCT_BYTES
+    from kernels.int8_gemm import PRODUCT_BLOCK_ROWS
+    product = 0
+    if s.gen_format == "int8":   # W8A8's widest GEMM (gate|up) also holds its int32 product beside the output,
+        product = min(rows, PRODUCT_BLOCK_ROWS) * max(2 * inter, qkv) * INT8_PRODUCT_BYTES   # made in row blocks
     head = tokens * 3 * cfg.token_pixels ** 2 * 4 * 2
-    acts = rows * per_row + head
+    acts = rows * per_row + product + head
     e = EnginePlan("generation", s.gen_format)
     k = s.weight_streaming_layers
     e.parts = {"weights": w.streamed_gpu_bytes(s.gen_format, k, s.itemsize) if k else w.gpu_bytes(s.gen_format, s.itemsize),
@@ -388,12 +414,18 @@ def evaluate(cfg, weights: dict[str, BranchWeights], s: Settings, budget: int, m
     und = und_fit(cfg, weights["und"], es, share + device_pool, capped=colocate, pool=device_pool,
                   need_tokens=und_prompt_tokens(side, s.images.block))
     p = Plan(mode, budget, side, und, gen, False, s, host, process=process)
-    p.fits = und.fits and gen.total + sum(process.values()) <= budget
+    need_pages = prefix_pool_pages(side, s.images.block, s.kv_page_tokens)
+    pool_pages = int(s.kv_pool_gb * GiB) // page_bytes(cfg, s)
+    pool_ok = need_pages <= max(1, int(s.max_prefix_pool_share * pool_pages))
+    p.fits = und.fits and pool_ok and gen.total + sum(process.values()) <= budget
     if not p.fits:
         p.why = (f"needs {gib(p.device_total)} GiB with the smallest KV cache, for {gib(budget)} GiB"
                  if p.device_total > budget else
                  f"understanding's KV cache ({und.kv_tokens} tokens) cannot hold the largest image request's prompt at "
-                 f"{side}x{side} ({und_prompt_tokens(side, s.images.block)} tokens)")
+                 f"{side}x{side} ({und_prompt_tokens(side, s.images.block)} tokens)" if not und.fits else
+                 f"the KV pool ({pool_pages} pages of {s.kv_page_tokens} tokens; one request may take "
+                 f"{s.max_prefix_pool_share:g} of it) cannot hold the largest image request's prefixes at "
+                 f"{side}x{side} ({need_pages} pages)")
     p.load_peaks = {e.name: peak for e, w, k in ((und, weights["und"], 0),
                                                  (gen, weights["gen"], s.weight_streaming_layers))
                     if (peak := load_peak(e, w, s.itemsize, k)) is not None}
@@ -444,7 +476,7 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
     return env, argv
 
 
-def candidates(s: Settings):
+def candidates(s: Settings, cfg=None):
     """Settings to try when the asked one does not fit, best first: the formats (each engine int8 alone, then both;
     fp8 without its bf16 copy), CUDA graphs off, fewer running generation jobs, (fused: a smaller device KV pool,
     FUSED_POOL_GB), then all of those again with generation's weight streaming (`streaming_fallback` layers; graphs
@@ -455,10 +487,12 @@ def candidates(s: Settings):
     for pair in (("bf16", "int8"), ("int8", "bf16"), ("int8", "int8"), ("fp8-only", "fp8-only")):
         if pair not in formats:
             formats.append(pair)
-    pools = dict.fromkeys((s.kv_pool_gb,) + tuple(g for g in FUSED_POOL_GB if g < s.kv_pool_gb)
-                          if s.engines == "fused" else (s.kv_pool_gb,))
     streams = dict.fromkeys((s.weight_streaming_layers,) + ((s.streaming_fallback,) if s.streaming_fallback else ()))
     for side in [top] + [x for x in IMAGE_SIDES if x < top]:
+        # fused: the pool the largest request's prefixes need at this size, then the asked one and smaller ones
+        pools = dict.fromkeys(((pool_gb_for_prefixes(cfg, s, side),) if cfg is not None else ()) + (s.kv_pool_gb,)
+                              + tuple(g for g in FUSED_POOL_GB if g < s.kv_pool_gb)
+                              if s.engines == "fused" else (s.kv_pool_gb,))
         for k in streams:
             for und_f, gen_f in formats:
                 for graphs in dict.fromkeys((s.cuda_graphs, False) if not k else (s.cuda_graphs,)):
@@ -476,7 +510,7 @@ def plan(cfg, s: Settings, budget: int, mode: str = "colocate", weights: dict | 
     asked = evaluate(cfg, weights, s, budget, mode)
     fix = None
     if not asked.fits:
-        fix = next((p for p in (evaluate(cfg, weights, c, budget, mode) for c in candidates(s)) if p.fits), None)
+        fix = next((p for p in (evaluate(cfg, weights, c, budget, mode) for c in candidates(s, cfg)) if p.fits), None)
     return {"asked": asked, "fix": fix, "weights": weights}
 
 

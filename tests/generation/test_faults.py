@@ -183,7 +183,7 @@ def test_nonfinite_prefix_and_image_are_500s_not_a_black_png(fault_env, ref_mode
 
 def test_out_of_memory_in_a_step_fails_that_job_not_the_engine(fault_env, ref_model):
     """An out-of-memory inside a denoise step (injected: U1SERVE_FAULT_STEP_OOM) fails the job of that step with
-    500 engine_oom naming it; a request queued behind it and a later one are served by the same engine (no
+    503 engine_oom naming it (a capacity refusal, as at admission); a request queued behind it and a later one are served by the same engine (no
     restart), and no page of the pool is left held."""
     server, pool = fault_env["server"], fault_env["pool"]
     before = server.health()[1]
@@ -195,7 +195,7 @@ def test_out_of_memory_in_a_step_fails_that_job_not_the_engine(fault_env, ref_mo
         s.join(120)
         assert s.status == 200 and s.events[-1] == "[DONE]", s.events
     (err,) = errors_of(doomed.events)
-    assert err["status"] == 500 and err["error"]["code"] == "engine_oom", err
+    assert err["status"] == 503 and err["error"]["code"] == "engine_oom", err
     assert "out of memory in a denoise step of this job" in err["error"]["message"]
     assert not images_of(doomed.events) and any(isinstance(e, dict) and e.get("type") == "progress" for e in doomed.events)
     assert not errors_of(behind.events) and len(images_of(behind.events)) == 1

@@ -114,10 +114,13 @@ def test_generation_job_kv_is_capacity_s_reference_job(tiny):
 
 @pytest.mark.parametrize("jobs", [2, 16])
 def test_generation_rows_and_the_int8_product(tiny, jobs):
-    """A step's rows are what the running jobs can bring, at most --max-batch-tokens (2 jobs of 1024²: 6,144, not
-    8,192), and int8 W8A8 adds its widest GEMM's int32 product (gate|up, 4 bytes an element) to the activations: the
-    fused 24 GiB stack ran out of memory allocating it (768 MiB at 8,192 rows, docs/deployment.md)."""
+    """A step's rows are what the running jobs can bring, at most --max-batch-tokens (2 jobs of 1024² edits: 6,144,
+    not 8,192), and int8 W8A8 adds its widest GEMM's int32 product (gate|up, 4 bytes an element), made at most
+    PRODUCT_BLOCK_ROWS rows at a time (kernels/int8_gemm.py: the fused 24 GiB stack ran out of memory allocating
+    the 768 MiB product of an n = 4 request's 8,192 rows in one piece)."""
     import dataclasses
+
+    from kernels.int8_gemm import PRODUCT_BLOCK_ROWS
     path, cfg, weights = tiny
     s = M.Settings(images=LIMITS, itemsize=ITEMSIZE, max_running_jobs=jobs)
     tokens = M.image_tokens(1024, s.images.block)
@@ -129,7 +132,22 @@ def test_generation_rows_and_the_int8_product(tiny, jobs):
     llm = cfg.llm
     qkv = (llm.num_attention_heads + 2 * llm.num_key_value_heads) * llm.head_dim
     widest = max(2 * llm.intermediate_size, qkv)
-    assert int8.parts["activations"] - bf16.parts["activations"] == rows * widest * M.INT8_PRODUCT_BYTES
+    assert int8.parts["activations"] - bf16.parts["activations"] == \
+        min(rows, PRODUCT_BLOCK_ROWS) * widest * M.INT8_PRODUCT_BYTES
+
+
+def test_int8_product_in_row_blocks_is_the_same_bits():
+    """int8_mm in row blocks (bounded int32 buffer) == in one piece, bit for bit."""
+    import torch
+
+    from kernels.int8_gemm import int8_mm, quant_int8_rowwise_ref
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 64, generator=g), torch.randn(48, 64, generator=g)
+    qx, sx = quant_int8_rowwise_ref(x)
+    qw, sw = quant_int8_rowwise_ref(w)
+    whole = int8_mm(qx, qw, sx, sw.t(), torch.float32, block_rows=1 << 20)
+    for block in (1, 8, 16, 36):
+        assert torch.equal(int8_mm(qx, qw, sx, sw.t(), torch.float32, block_rows=block), whole)
 
 
 @pytest.mark.parametrize("transport", ["shm", "device"])
@@ -266,17 +284,23 @@ def test_load_peak_is_the_quantised_weights_and_one_float_layer(tiny):
 
 
 def test_fused_plan_puts_the_pool_on_the_device_and_one_context(tmp_path):
-    """--colocate-engines fused: the engines' lines stay (without a context each), the device KV pool (2 GiB, in
+    """--colocate-engines fused: the engines' lines stay (without a context each), the device KV pool (3 GiB, in
     understanding's share: it is made before understanding fits its KV cache) and ONE runtime overhead are the
     process's; the fractions and that one context sum to the cap."""
     two = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--json")["asked"]
+    small = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--colocate-engines", "fused",
+                     "--kv-pool-gb", "2", "--json")
+    # a 2 GiB device pool cannot hold a 2048² edit's prefixes (146 pages) in one request's half: the fix is 3 GiB
+    assert not small["asked"]["fits"] and "cannot hold the largest image request's prefixes" in small["asked"]["why"]
+    assert "--kv-pool-gb" in small["fix"]["flags"] and small["fix"]["flags"][small["fix"]["flags"].index(
+        "--kv-pool-gb") + 1] == "3"
     one = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--colocate-engines", "fused",
-                   "--json")["asked"]
+                   "--kv-pool-gb", "3", "--json")["asked"]
     assert two["fits"] and one["fits"] and one["colocate_engines"] == "fused"
     assert two["process"] == {} and "--colocate-engines" not in two["flags"]
     assert one["process"]["cuda_context"] == M.CUDA_CONTEXT_BYTES
     pool = one["process"]["kv_pool"]
-    assert 1.99 * M.GiB < pool <= 2 * M.GiB                               # DEVICE_POOL_GB's whole pages
+    assert 2.99 * M.GiB < pool <= 3 * M.GiB                               # the asked pool's whole pages
     assert one["host_kv_pool_bytes"] < 16 * M.MiB < two["host_kv_pool_bytes"]   # the page table only
     for engine in ("understanding", "generation"):
         assert one[engine]["parts"]["cuda_context"] == 0
@@ -289,7 +313,7 @@ def test_fused_plan_puts_the_pool_on_the_device_and_one_context(tmp_path):
     assert abs((kv(one) - kv(two)) - (M.CUDA_CONTEXT_BYTES - pool)) < 64 * M.MiB
     flags = one["flags"]
     value = lambda name: flags[flags.index(name) + 1]   # noqa: E731
-    assert value("--colocate-engines") == "fused" and value("--kv-pool-gb") == "2"
+    assert value("--colocate-engines") == "fused" and value("--kv-pool-gb") == "3"
     fractions = float(value("--gen-memory-fraction")) + float(value("--und-memory-fraction"))
     assert abs(fractions * 80 + M.CUDA_CONTEXT_BYTES / M.GiB - 48) <= 0.08        # two 3-digit fractions of 80
     und_share = float(value("--und-memory-fraction")) * 80 * M.GiB
