@@ -15,9 +15,11 @@ DEFAULT_WHY = "the default (fused is opt-in until measured better on a GPU: docs
 UND_FLAGS = ("--engine-unit", "thread", "--stream-priority", "high", "--kv-transport", "device")
 GEN_FLAGS = ("--engine-unit", "thread", "--stream-priority", "low")
 # the device pool's default size (--kv-pool-gb): its pages take GPU memory from understanding's share, and they
-# hold only in-flight prefixes (8B: ~172 KB a token, so 2 GiB is ~12k tokens: ~17 T2I requests of two 365-token
-# branches waiting for import at once; more get a fast 429 kv_pool_full)
-DEVICE_POOL_GB = 2.0
+# hold only in-flight prefixes (8B: ~172 KB a token). One request may take half of it (--max-prefix-pool-share):
+# 3 GiB is the smallest whose half holds a 2048² edit's prefixes (146 pages of 64 tokens,
+# memory_plan.prefix_pool_pages; at 2 GiB such an edit was 400 kv_request_too_large), and ~26 T2I requests of two
+# 365-token branches waiting for import at once (more get a fast 429 kv_pool_full)
+DEVICE_POOL_GB = 3.0
 UND_MARK, GEN_MARK = "--und", "--gen"
 SERVICE = "fused"
 

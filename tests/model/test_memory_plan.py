@@ -295,12 +295,12 @@ def test_fused_plan_puts_the_pool_on_the_device_and_one_context(tmp_path):
     assert "--kv-pool-gb" in small["fix"]["flags"] and small["fix"]["flags"][small["fix"]["flags"].index(
         "--kv-pool-gb") + 1] == "3"
     one = _plan_8b(tmp_path, "--gpu-memory", "48GiB", "--gpu-total", "80GiB", "--colocate-engines", "fused",
-                   "--kv-pool-gb", "3", "--json")["asked"]
+                   "--json")["asked"]                                  # the fused mode's default pool holds them
     assert two["fits"] and one["fits"] and one["colocate_engines"] == "fused"
     assert two["process"] == {} and "--colocate-engines" not in two["flags"]
     assert one["process"]["cuda_context"] == M.CUDA_CONTEXT_BYTES
     pool = one["process"]["kv_pool"]
-    assert 2.99 * M.GiB < pool <= 3 * M.GiB                               # the asked pool's whole pages
+    assert 2.99 * M.GiB < pool <= 3 * M.GiB                               # DEVICE_POOL_GB's whole pages
     assert one["host_kv_pool_bytes"] < 16 * M.MiB < two["host_kv_pool_bytes"]   # the page table only
     for engine in ("understanding", "generation"):
         assert one[engine]["parts"]["cuda_context"] == 0
