@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from services.model import weights_io as W
 from services.model.loader import load_model
 from tests.system.stackproc import RunningStack
-from tests.threads import default_threads_env
 from tests.waiting import wait_until
 
 API_KEY = "sk-weights-test"
@@ -43,8 +42,7 @@ def start_stack(model: str, run_dir: str) -> RunningStack:
         f.write(ADMIN_KEY + "\n")
     return RunningStack(model, "colocate", run_dir, extra=[
         "--api-key-file", keys, "--admin-api-key-file", admin, "--enable-rl", "--allowed-local-dirs",
-        os.path.dirname(os.path.abspath(run_dir)), *STACK_FLAGS],
-        env=default_threads_env()).wait_ready()     # torch's own threads: pinned, the 48-token chat ends too soon
+        os.path.dirname(os.path.abspath(run_dir)), *STACK_FLAGS]).wait_ready()
 
 
 class RoleClient(httpx.Client):
