@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 
+from services.base.knobs import TEST_DEFAULT_THREADS
+
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 ONE_THREAD = {name: "1" for name in THREAD_VARS}
-# torch's own count in the run's first process (before the pin), for the processes of a parallel run after it
-DEFAULT_COUNT_VAR = "U1SERVE_TEST_DEFAULT_THREADS"
 
 
 def pin_run_threads() -> None:
     """Called once per test process (tests/conftest.py): the first one records torch's own count and pins the
     environment every later process inherits (xdist workers, servers, stacks); each pins its own torch."""
     import torch
-    if DEFAULT_COUNT_VAR not in os.environ:
-        os.environ[DEFAULT_COUNT_VAR] = str(torch.get_num_threads())
+    if not TEST_DEFAULT_THREADS.get():       # the run's first process: the count before the pin, for those after it
+        os.environ[TEST_DEFAULT_THREADS.name] = str(torch.get_num_threads())
         if not any(name in os.environ for name in THREAD_VARS):
             os.environ.update(ONE_THREAD)
     if os.environ.get("OMP_NUM_THREADS") == "1":
@@ -33,7 +33,7 @@ def pin_run_threads() -> None:
 def default_count() -> int:
     """torch's own thread count on this host (what the run would have had unpinned)."""
     import torch
-    return int(os.environ.get(DEFAULT_COUNT_VAR) or torch.get_num_threads())
+    return TEST_DEFAULT_THREADS.get() or torch.get_num_threads()
 
 
 def default_threads_env() -> dict[str, str]:
