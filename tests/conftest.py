@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from tests.schedule import slowest_first
+from tests.threads import default_count, default_threads_env, pin_run_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,6 +17,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_SEED = int(os.environ.get("U1SERVE_TEST_SEED", "20261130"))
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")   # official outputs, with their provenance (README there)
+
+pin_run_threads()       # one CPU thread per process of the run (tests/threads.py says why and the exception)
+
+
+@pytest.fixture(scope="module")
+def default_threads():
+    """For a module that checks the official goldens' bits (tests/golden_cases.py `assert_official`): the test
+    process computes at torch's own thread count meanwhile; the value is the environment its stack needs for
+    the same."""
+    import torch
+    pinned = torch.get_num_threads()
+    torch.set_num_threads(default_count())
+    yield default_threads_env()
+    torch.set_num_threads(pinned)
 
 
 @pytest.fixture(scope="session")

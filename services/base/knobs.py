@@ -213,6 +213,9 @@ FAULT_WEIGHTS_READ_S = _knob("U1SERVE_FAULT_WEIGHTS_READ_S", float, 0.0, "tests 
                               "read of a weight update waits this many seconds first, as on a slow mount",
                               "engines' weight staging (model/weights_io.py)")
 TEST_SEED = _knob("U1SERVE_TEST_SEED", int, 20261130, "the seed every test's own seed derives from", "tests")
+TEST_DEFAULT_THREADS = _knob("U1SERVE_TEST_DEFAULT_THREADS", int, 0, "torch's own CPU thread count, recorded by a "
+                             "test run's first process before it pins every process to one thread (0: not "
+                             "recorded yet)", "tests (tests/threads.py)")
 
 
 def rows(flag_knobs: Iterable[Knob] = ()) -> list[tuple[str, str, str, str, str]]:

@@ -3,7 +3,11 @@ the case issue 26 found off by a uint8 level: an input image and three-branch CF
 per-image size list (two sizes, three images: the last size repeats). Bit for bit where this host's kernels give
 the golden host's bits, else within the measured cross-host error (tests/golden_cases.py, docs/model.md "Bits").
 How the golden was made: tests/golden/cases/interleave_edit_cfg3_sizes.json."""
+import pytest
+
 from tests import golden_cases as G
+
+pytestmark = pytest.mark.usefixtures("default_threads")     # the golden host's bits are at torch's own count
 
 
 def test_input_image_three_branch_cfg_and_size_list_bit_exact():

@@ -18,6 +18,7 @@ import time
 import httpx
 from services.base.netutil import free_port
 from services.kit.proc import preexec_die_with_parent  # a killed test run leaves no server behind
+from tests.threads import ONE_THREAD  # noqa: F401  (the stacks that pin themselves import it from here)
 from tests.waiting import wait_ok, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -216,16 +217,14 @@ def in_terminal(argv: list[str], timeout: float = 60, **env: str) -> tuple[int, 
     return p.returncode, term.shown(), out
 
 
-# One CPU thread per process of a stack (OMP_NUM_THREADS reaches every engine rank): when the two cores are busy,
-# a stack's OpenMP threads spinning against each other slow the tiny forwards several-fold (measured on a loaded
-# 2-core machine: four 96x64 8-step images 3-4 s pinned, 16 s not; four 32-token chats 0.8 s, 13 s; idle, the
-# LoRA stack's tests took 27 s either way). Only for stacks whose outputs are compared with nothing computed at
-# another thread count: the thread count changes float bits (a 96x64 text-to-image differs at 1 and 2 threads),
-# and the golden checks demand the golden host's bits at its default thread count (tests/golden_cases.py
-# kernel_fingerprint). So the shared `stack`, compared with the reference in the test process, keeps the
-# default; so does the live-weights stack, whose test must catch a 48-token chat in flight (pinned, it ends
-# before the test's poll sees it).
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# ONE_THREAD (tests/threads.py): one CPU thread per process of a stack (OMP_NUM_THREADS reaches every engine
+# rank). When the two cores are busy, a stack's OpenMP threads spinning against each other slow the tiny forwards
+# several-fold (measured on a loaded 2-core machine: four 96x64 8-step images 3-4 s pinned, 16 s not; four
+# 32-token chats 0.8 s, 13 s; idle, the LoRA stack's tests took 27 s either way). The whole run is pinned so
+# (tests/threads.py: the test process too, so the shared stack's outputs still equal the reference computed in the
+# test process); a stack given ONE_THREAD keeps one thread also in a run started with OMP_NUM_THREADS set. The
+# thread count changes float bits: the golden checks (tests/golden_cases.py) take torch's own count
+# (`default_threads`, tests/conftest.py).
 
 
 class RunningStack:

@@ -25,8 +25,10 @@ from .stackproc import RunningStack
 
 
 @pytest.fixture(scope="module")
-def golden_client(tmp_path_factory):
-    stack = RunningStack(G.CKPT, "colocate", str(tmp_path_factory.mktemp("stack-golden"))).wait_ready()
+def golden_client(tmp_path_factory, default_threads):
+    # the test process and the stack at torch's own thread count: the golden host's bits are at that count
+    stack = RunningStack(G.CKPT, "colocate", str(tmp_path_factory.mktemp("stack-golden")),
+                         env=default_threads).wait_ready()
     yield openai.OpenAI(base_url=stack.base + "/v1", api_key="unused", max_retries=0, timeout=300)
     stack.stop_clean()
 

@@ -30,9 +30,10 @@ from tests.waiting import wait_until
 
 WRITE_TIMEOUT_S = 2
 GATEWAY = f"--stream-write-timeout-s {WRITE_TIMEOUT_S} --stream-send-buffer-kb 1"
-GEN = "--max-running-jobs 1 --max-queue-wait-s 15 --stream-heartbeat-s 1"
+QUEUE_S = 9          # generation's queue limit (its heartbeats: every 1 s)
+GEN = f"--max-running-jobs 1 --max-queue-wait-s {QUEUE_S} --stream-heartbeat-s 1"
 UND = "--max-queue-wait-s 8"
-IDLE_S = 10          # the idle limit of a second gateway in front of the same engines: below the queue limit
+IDLE_S = 6           # the idle limit of a second gateway in front of the same engines: below the queue limit
 HOSTILE_CHATS, HOSTILE_IMAGES = 252, 4
 
 
@@ -101,7 +102,7 @@ def test_256_clients_that_never_read_give_their_slots_back(stack):
 
 
 def test_a_queued_image_ends_as_429_queue_timeout_not_504(stack, tmp_path):
-    """Behind a gateway whose idle limit (10 s) is below generation's queue limit (15 s): generation's heartbeats
+    """Behind a gateway whose idle limit (6 s) is below generation's queue limit (9 s): generation's heartbeats
     (1 s) keep the queued job's stream alive, so its own 429 answers, not the gateway's 504."""
     openai = pytest.importorskip("openai")
     gw = GatewayProc(f"http://127.0.0.1:{stack.und_port}", f"http://127.0.0.1:{stack.gen_port}",
@@ -138,7 +139,7 @@ def _queued_job_gets_429(stack, base: str, openai) -> None:
         err = info.value
         assert err.status_code == 429 and err.code == "queue_timeout", err
         assert err.response.headers.get("retry-after")
-        assert waited >= 14, waited        # generation's 15 s queue limit, not the gateway's idle limit
+        assert waited >= QUEUE_S - 1, waited        # generation's queue limit, not the gateway's idle limit
     finally:
         stop.set()
         t.join(60)
