@@ -250,6 +250,7 @@ class EngineSupervisor:
                          time.monotonic() - unit.started_at, self.max_queued)
             case Starting(phase=phase):
                 unit.phase = EnginePhase(phase)
+                log.info("generation engine start: %s", phase)    # in the log too: /health shows only the latest
             case Fatal(message=message):     # the rank logged it with its traceback; the supervisor reports it
                 unit.fatal = message
             case JobStarted() | Progress() | Preview() | Image() | RlResult() | JobDone() | JobFailed():
