@@ -177,12 +177,10 @@ MAX_WORKERS = 4             # each worker may run a stack of several processes b
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per CPU this process may use and one more (at most MAX_WORKERS: with one thread a process
-    (tests/threads.py) a worker often waits on a stack's start or an HTTP answer, and the extra one fills those
-    gaps), none when the command names test files only -- one file pays no worker start-up.
-    PYTEST_XDIST_AUTO_NUM_WORKERS=N decides, as in xdist."""
+    """`-n auto`: a worker per CPU this process may use (at most MAX_WORKERS), none when the command names test
+    files only -- one file pays no worker start-up. PYTEST_XDIST_AUTO_NUM_WORKERS=N decides, as in xdist."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     if config.args and all(os.path.isfile(arg.split("::")[0]) for arg in config.args):
         return 0
-    return min(len(os.sched_getaffinity(0)) + 1, MAX_WORKERS)
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
