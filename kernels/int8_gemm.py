@@ -102,21 +102,23 @@ def int8_mm(q_x: torch.Tensor, q_w: torch.Tensor, scale_x: torch.Tensor, scale_w
     out = torch.empty(m, q_w.shape[0], dtype=out_dtype, device=q_x.device)
     for a in range(0, m, block_rows):
         b = min(m, a + block_rows)
-        out[a:b] = _int8_mm_block(q_x[a:b], q_w, scale_x[a:b], scale_w, out_dtype)
+        _int8_mm_block(q_x[a:b], q_w, scale_x[a:b], scale_w, out_dtype, out=out[a:b])
     return out
 
 
 def _int8_mm_block(q_x: torch.Tensor, q_w: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One block's product and epilogue, rounded straight into `out` when given (no block-sized temporary)."""
     if not q_x.is_cuda:
-        return int8_mm_ref(q_x, q_w, scale_x, scale_w, out_dtype)
+        y = int8_mm_ref(q_x, q_w, scale_x, scale_w, out_dtype)
+        return y if out is None else out.copy_(y)
     m = q_x.shape[0]
     a = q_x.contiguous()
     if m < _INT_MM_MIN_ROWS or m % 8:
         a = torch.zeros(max(_PAD_ROWS, (m + 7) // 8 * 8), q_x.shape[1], dtype=torch.int8, device=q_x.device)
         a[:m] = q_x
     acc = torch._int_mm(a, q_w.t())
-    return _epilogue(float_in_place(acc[:m]), scale_x, scale_w, out_dtype)
+    return _epilogue(float_in_place(acc[:m]), scale_x, scale_w, out_dtype, out)
 
 
 def float_in_place(acc: torch.Tensor) -> torch.Tensor:
@@ -129,7 +131,9 @@ def float_in_place(acc: torch.Tensor) -> torch.Tensor:
     return f
 
 
-def _epilogue(acc: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype):
+def _epilogue(acc: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None):
     """(acc * scale_x) * scale_w on the fp32 product `acc`, in place, rounded once to out_dtype (the output is
-    the big tensor of a GEMM: no temporary per product)."""
-    return acc.mul_(scale_x).mul_(scale_w).to(out_dtype)
+    the big tensor of a GEMM: no temporary per product); into `out` when given (copy_ rounds as .to does)."""
+    acc.mul_(scale_x).mul_(scale_w)
+    return acc.to(out_dtype) if out is None else out.copy_(acc)
