@@ -15,7 +15,9 @@ Every figure is derived from the code's own layout, not from a table:
   sampling (`und_runtime_reserve`, what engine._fit_kv_cache subtracts before it sizes the KV cache);
 - the shared KV pool: host shared memory, not GPU (shm_transfer.pool.segment_bytes); in the fused colocate mode
   (`--colocate-engines fused`: one process, both engines, `--kv-transport device`) its pages are device memory,
-  allocated in understanding's share before it fits its KV cache, and the process has ONE runtime overhead;
+  allocated in understanding's share before it fits its KV cache, and the process has ONE runtime overhead; a
+  plan fits only where one request's share of the pool holds the largest image request's prefixes
+  (`prefix_pool_pages`), else that request is 400 kv_request_too_large;
 - generation: one job's KV buffer at the largest allowed image (capacity.py's layout: layers x 2 x (prefix +
   image tokens) x kv heads x head_dim, per CFG branch), the activations of one denoise step of that job (rows =
   image tokens x CFG branches, at most --max-batch-tokens: the widest live tensors of one decoder layer),
