@@ -83,6 +83,9 @@ class GatewayConfig:
     min_side: int = field(default=L.MIN_IMAGE_SIDE, metadata=flag("smallest image side"))
     max_side: int = field(default=L.MAX_IMAGE_SIDE, metadata=flag("largest image side"))
     max_pixels: int = field(default=L.MAX_IMAGE_SIDE ** 2, metadata=flag("largest image (width x height)"))
+    max_step_pixels: int = field(default=0, metadata=flag(
+        "most n x CFG branches x width x height of one request: the rows one denoise step of it takes (0: no "
+        "limit; `u1serve plan` sets it where the card's memory plan counts no more)"))
     max_steps: int = field(default=L.MAX_STEPS, metadata=flag("most num_inference_steps"))
     max_prompt_chars: int = field(default=L.MAX_PROMPT_CHARS, metadata=flag("longest prompt"))
     max_think_tokens: int = field(default=L.MAX_THINK_TOKENS, metadata=flag("most max_think_tokens"))
@@ -189,6 +192,8 @@ class GatewayConfig:
                 self.responses_store_mb, self.responses_ttl_s) <= 0:
             raise ValueError("responses_max_stored, responses_max_background, responses_store_mb and "
                              "responses_ttl_s must be positive")
+        if self.max_step_pixels < 0:
+            raise ValueError("max_step_pixels must be >= 0 (0 = no limit)")
         if self.max_concurrent_requests < 1 or self.image_workers < 1:
             raise ValueError("max_concurrent_requests and image_workers must be >= 1")
 

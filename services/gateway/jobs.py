@@ -144,6 +144,22 @@ def check_options(cfg: GatewayConfig, opts: ImageOptions, mode: str, prompt: str
     return opts.sampler(mode, cfg.sampler)
 
 
+def check_step_pixels(cfg: GatewayConfig, sampler: SamplerParams, n: int, width: int, height: int,
+                      param: str = "n") -> None:
+    """One denoise step of a request holds n x branches x its image's tokens as rows (every image of the request
+    and each CFG branch in one forward): on a card whose memory plan counts fewer (--max-step-pixels), a 400
+    before any work rather than an out-of-memory step."""
+    branches = len(sampler.branches())
+    need = n * branches * width * height
+    if cfg.max_step_pixels and need > cfg.max_step_pixels:
+        fit = cfg.max_step_pixels // (branches * width * height)
+        hint = f"n <= {fit}" if fit >= 1 else "a smaller size"
+        raise bad_request(f"{n} image(s) of {width}x{height} with {branches} guidance branch(es) take "
+                          f"{need} pixels in one denoise step; this server's memory plan allows {cfg.max_step_pixels} "
+                          f"(--max-step-pixels): ask {hint}, or guidance_scale 1", param=param,
+                          code="request_too_large")
+
+
 def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt: str,
                     first_image_wh: tuple[int, int] | None = None, checked: SamplerParams | None = None,
                     **extra: Any) -> dict[str, Any]:
@@ -155,6 +171,7 @@ def generate_fields(cfg: GatewayConfig, opts: ImageOptions, *, mode: str, prompt
     what check_options already answered for these options (a route checks them before decoding input images)."""
     sampler = checked if checked is not None else check_options(cfg, opts, mode, prompt)
     width, height = resolve_size(cfg, opts, first_image_wh)
+    check_step_pixels(cfg, sampler, opts.n, width, height)
     fields = {**sampler.model_dump(), "width": width, "height": height, "n": opts.n,
               "seed": opts.seed if opts.seed is not None else random.randrange(0, 2**31),
               "output_format": opts.output_format, "partial_images": opts.partial_images}

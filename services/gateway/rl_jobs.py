@@ -14,7 +14,7 @@ from services.kit.errors import APIError
 
 from .config import GatewayConfig
 from .inputs import ImageChecker
-from .jobs import ImageJob, check_options, generate_body
+from .jobs import ImageJob, check_options, check_step_pixels, generate_body
 
 ROLLOUT_PATH, SCORE_PATH = "/internal/rl/rollout", "/internal/rl/score"
 
@@ -53,8 +53,11 @@ def check(cfg: GatewayConfig, req: RLSampling, stores_trajectory: bool = False) 
                        f"{cfg.rl_max_trajectory_bytes} (--rl-max-trajectory-mb): fewer samples, steps or pixels, "
                        "or return_trajectory=false", param="return_trajectory", code="trajectory_too_large")
     opts = req.image_options()
-    return [check_options(cfg, opts, "edit" if p.images else "t2i", p.prompt, prompt_param=f"prompts[{i}].prompt")
-            for i, p in enumerate(req.prompts)]
+    samplers = [check_options(cfg, opts, "edit" if p.images else "t2i", p.prompt, prompt_param=f"prompts[{i}].prompt")
+                for i, p in enumerate(req.prompts)]
+    for i, sampler in enumerate(samplers):   # a prompt's group is one job of G samples unless each thinks its own
+        check_step_pixels(cfg, sampler, 1 if req.thinks(i) else req.group_size, w, h, param="group_size")
+    return samplers
 
 
 async def input_images(images: ImageChecker, req: RLSampling) -> list[list[str]]:

@@ -218,6 +218,7 @@ class EnginePlan:
     notes: list[str] = field(default_factory=list)
     fits: bool = True
     kv_tokens: int = 0
+    step_rows: int = 0          # generation: the most rows one denoise step may take (the gateway's --max-step-pixels)
 
     @property
     def total(self) -> int:
@@ -303,9 +304,9 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
     llm = cfg.llm
     tokens = image_tokens(side, s.images.block)
     # a forward's rows: jobs batch up to --max-batch-tokens, but no more than the running jobs bring (a job larger
-    # than that budget runs alone with all its rows). Not counted: one request of n > 1 images at the largest size
-    # (n x branches x tokens rows in one forward); where it does not fit, its step fails 503 engine_oom, the engine
-    # goes on (counting it would take 2048² off a 48 GiB card for the rare n = 4 request)
+    # than that budget runs alone with all its rows). One request of n images x its branches is one job: the plan
+    # counts the larger of one edit at `side`² and that batch, and the gateway refuses a request whose one job
+    # would take more (--max-step-pixels: 400 request_too_large, e.g. n = 4 at the largest size)
     rows = max(tokens * s.edit_branches, min(s.max_batch_tokens, s.max_running_jobs * s.edit_branches * tokens))
     edit_kv = job_kv_bytes(llm, s.itemsize, REFERENCE_PREFIX_TOKENS + 2 * tokens, s.edit_branches)
     small = max(1, s.max_batch_tokens // (s.cfg_branches * s.max_running_jobs))
@@ -322,7 +323,7 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
         product = min(rows, PRODUCT_BLOCK_ROWS) * max(2 * inter, qkv) * INT8_PRODUCT_BYTES   # made in row blocks
     head = tokens * 3 * cfg.token_pixels ** 2 * 4 * 2
     acts = rows * per_row + product + head
-    e = EnginePlan("generation", s.gen_format)
+    e = EnginePlan("generation", s.gen_format, step_rows=rows)
     k = s.weight_streaming_layers
     e.parts = {"weights": w.streamed_gpu_bytes(s.gen_format, k, s.itemsize) if k else w.gpu_bytes(s.gen_format, s.itemsize),
                "job_kv": max(edit_kv, batch_kv),
@@ -368,7 +369,7 @@ class Plan:
     def as_dict(self, total: int | None = None) -> dict:
         """JSON-able; `total`: the card's bytes for the memory fractions (default: the budget)."""
         eng = lambda e: {"format": e.fmt, "total_bytes": e.total, "parts": e.parts, "notes": e.notes,  # noqa: E731
-                         "load_peak_bytes": self.load_peaks.get(e.name)}
+                         "load_peak_bytes": self.load_peaks.get(e.name), "step_rows": e.step_rows}
         env, argv = up_flags(self, total)
         return {"mode": self.mode, "colocate_engines": self.settings.engines, "budget_bytes": self.budget,
                 "max_image_side": self.side, "fits": self.fits, "why": self.why, "env": env, "flags": argv,
@@ -463,7 +464,8 @@ def up_flags(p: "Plan", total: int | None = None) -> tuple[dict[str, str], list[
         argv += ["--default-size", f"{p.side}x{p.side}"]
     if gen_args:
         argv += ["--gen-args", " ".join(gen_args)]
-    argv += ["--gateway-args", f"--max-pixels {p.side * p.side}"]
+    argv += ["--gateway-args", f"--max-pixels {p.side * p.side} "
+             f"--max-step-pixels {p.gen.step_rows * s.images.block ** 2}"]
     if p.mode == "colocate":
         total = total or p.budget
         # each engine's share less the runtime overhead (fused: one, the process's; understanding's share holds

@@ -25,6 +25,7 @@ API_KEY_2 = "sk-gateway-test-second"
 MAX_IMAGE_PIXELS = 1_000_000
 MAX_REQUEST_PIXELS = 1_500_000
 MAX_STEPS = 200                  # tighter than the contract's, to test operator limits
+MAX_STEP_PIXELS = 2 * 2 * 1024 * 1024   # n x branches x pixels of one request: two CFG images of 1024²
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,8 @@ def dead_gateway_argv(tmp_path_factory) -> list[str]:
     keys.write_text(f"# two keys: rotation\n{API_KEY}\n\n{API_KEY_2}\n")
     return ["--und-url", f"http://127.0.0.1:{free_port()}", "--gen-url", f"http://127.0.0.1:{free_port()}",
             "--api-key-file", str(keys), "--max-body-mb", "8", "--max-steps", str(MAX_STEPS),
-            "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-request-pixels", str(MAX_REQUEST_PIXELS)]
+            "--max-image-pixels", str(MAX_IMAGE_PIXELS), "--max-request-pixels", str(MAX_REQUEST_PIXELS),
+            "--max-step-pixels", str(MAX_STEP_PIXELS)]
 
 
 @pytest.fixture(scope="package")

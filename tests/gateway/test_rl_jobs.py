@@ -37,6 +37,12 @@ def test_rl_limits_are_the_image_requests_and_name_the_rl_field():
     tight = dataclasses.replace(cfg, rl_max_trajectory_bytes=1024)
     assert refused(tight, stores=True).code == "trajectory_too_large"
     assert check(tight, RolloutRequest.model_validate(BODY), False)      # no trajectory kept: no bound
+    # a prompt's group is one job: group_size x branches x pixels in one denoise step (--max-step-pixels)
+    rows = dataclasses.replace(cfg, max_step_pixels=2 * 2 * 64 * 64 - 1)
+    e = refused(rows)
+    assert (e.status, e.param, e.code) == (400, "group_size", "request_too_large")
+    assert check(rows, RolloutRequest.model_validate({**BODY, "guidance_scale": 1.0}))   # one branch: fits
+    assert check(rows, RolloutRequest.model_validate({**BODY, "think": {"enabled": True}}))   # a job per sample
 
 
 def test_the_plan_carries_the_checked_sampler_parameters():

@@ -9,7 +9,7 @@ from PIL import Image
 
 from services.contract import limits as L
 
-from .conftest import API_KEY, API_KEY_2, MAX_STEPS
+from .conftest import API_KEY, API_KEY_2, MAX_STEP_PIXELS, MAX_STEPS
 
 GEN = "/v1/images/generations"
 EDIT = "/v1/images/edits"
@@ -126,6 +126,17 @@ def test_steps_out_of_the_contract_range(client, steps):
                  {"prompt": "x", "extra_body": {"num_inference_steps": steps}}):
         err = assert_error(client.post(GEN, json=body), 400, "than or equal to")
         assert err["param"] == "num_inference_steps"
+
+
+def test_more_images_at_once_than_the_memory_plan_counts(client):
+    """--max-step-pixels (what `u1serve plan` counts for one denoise step: n x CFG branches x pixels) refuses a
+    request whose one job would take more, before any engine work; fewer branches or images pass the check."""
+    big = {"prompt": "x", "size": "1024x1024"}
+    assert 3 * 2 * 1024 * 1024 > MAX_STEP_PIXELS >= 2 * 2 * 1024 * 1024
+    err = assert_error(client.post(GEN, json={**big, "n": 3}), 400, "n <= 2", "--max-step-pixels")
+    assert (err["param"], err["code"]) == ("n", "request_too_large")
+    for body in ({**big, "n": 2}, {**big, "n": 3, "guidance_scale": 1}, {"prompt": "x", "n": 4}):
+        assert client.post(GEN, json=body).status_code == 503      # valid: the (dead) engines answer
 
 
 def test_steps_over_the_server_limit(client):

@@ -198,7 +198,10 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     value = lambda name: flags[flags.index(name) + 1]   # noqa: E731
     assert value("--quantization") == "int8" and value("--und-args").startswith("--quantization int8")
     side = out["fix"]["max_image_side"]
-    assert value("--gateway-args") == f"--max-pixels {side * side}" and value("--default-size") == f"{side}x{side}"
+    rows = out["fix"]["generation"]["step_rows"]      # one denoise step's rows the plan counts: the gateway's bound
+    assert rows >= 3 * (side // 32) ** 2                # at least one edit at the largest size (3 branches)
+    assert value("--gateway-args") == f"--max-pixels {side * side} --max-step-pixels {rows * 32 * 32}"
+    assert value("--default-size") == f"{side}x{side}"
     fractions = float(value("--gen-memory-fraction")) + float(value("--und-memory-fraction"))
     assert fractions * 80 + 2 * M.CUDA_CONTEXT_BYTES / M.GiB <= 24 + 1e-6       # the cap, contexts included
     eng = out["fix"]["understanding"], out["fix"]["generation"]
