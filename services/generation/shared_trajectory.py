@@ -164,7 +164,9 @@ class SharedBuffer:
     def __init__(self, owner: TrajectorySegments, name: str, shape: tuple[int, ...], device: Optional[torch.device]):
         self._owner, self.name, self.shape = owner, name, shape
         self.size = DATA_OFF + 4 * math.prod(shape)
-        self.device = device if device is not None and device.type == "cuda" else None   # pin for it
+        self.device = None                         # the CUDA device to pin it for (its side thread's current one)
+        if device is not None and device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.seg: Optional[Segment] = None
         self.tensor: Optional[torch.Tensor] = None
         self.pinned = False
