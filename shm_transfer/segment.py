@@ -58,7 +58,7 @@ class Segment:
         path = shm_path(name)
         if not os.path.isdir(SHM_DIR):
             raise PoolError(f"{SHM_DIR} does not exist: POSIX shared memory is required for the {what}")
-        free = _shm_free_bytes()
+        free = shm_free_bytes()
         if free is not None and size > free:
             raise PoolError(
                 f"{what} needs {size / 2**30:.2f} GiB but {SHM_DIR} has {free / 2**30:.2f} GiB free "
@@ -242,7 +242,8 @@ def _unlink_quiet(path: str) -> bool:
         return False
 
 
-def _shm_free_bytes() -> int | None:
+def shm_free_bytes() -> int | None:
+    """Bytes this user may still allocate in /dev/shm (None when it cannot be read)."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

@@ -13,7 +13,8 @@ Nothing of a step waits on the host: the log-probs stay on the device, and each 
 made into the job's trajectory buffer on the host (pinned on CUDA: an asynchronous copy on a side stream, overlapping
 the next step's kernels); the job waits once, when it finishes, for the last copies (`HostTrajectory`). On a served
 engine's rank 0 that buffer is a shared-memory segment the HTTP process then maps (shared_trajectory.py): the result
-names it, no byte crosses the pipe. Only rank 0 records (the other ranks' results are never read).
+names it, no byte crosses the pipe; a side thread makes and pins it while the first states wait on the device. Only
+rank 0 records (the other ranks' results are never read).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ import numpy as np
 import torch
 
 from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, ScoreJobRequest
+from services.kit.errors import APIError
 from services.model import flow_sde, sampler
 
-from .protocol import RlResult, TrajectorySegment
+from .protocol import JobFailed, RlResult, TrajectorySegment
 
 
 def weights_version(engine) -> str:
@@ -44,6 +46,11 @@ def _copy_stream(device: torch.device):
     return _COPY_STREAMS[device]
 
 
+# The device memory a rollout's states may hold while its segment is still being made (one state at least: 25 MiB
+# at 512², n = 8); past it the engine loop waits for the side thread.
+WAITING_BYTES = 128 << 20
+
+
 class HostTrajectory:
     """A rollout's states z_0..z_N f32 [n, N+1, 3, H, W] in host memory, filled a state at a time by copies that do
     not wait: on CUDA into pinned memory (each sample's slot a contiguous destination) on a side stream that starts
@@ -51,25 +58,54 @@ class HostTrajectory:
     `take`. With `segments` (rank 0 of a served engine) the memory is a shared-memory segment (shared_trajectory.py)
     and `take` hands over its reference; else a pinned buffer and `take` gives the array. `discard` frees a
     trajectory whose result never went. `waits` counts the host's waits on the device (the rollout's one, at the
-    end)."""
+    end).
+
+    The engine loop's part per rollout with segments: at admission, name the segment and check /dev/shm's room
+    (the side thread makes, fallocates, maps and pins it); each step, one f32 copy of the state on the device and,
+    once the segment is made, its device -> host copies issued on the copy stream behind an event (no host wait;
+    until then the copy waits on the device, `WAITING_BYTES` at most); at the end, wait for the segment if the side
+    thread is behind, the one wait for the last copies, and the reference handed over (the side thread unpins and
+    unmaps; on an abort it waits for the copies, unpins, unmaps and unlinks)."""
 
     def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device, segments=None):
         cuda = device.type == "cuda"
         shape = (n, steps + 1, 3, height, width)
-        self.shared = segments.make(shape, pin=cuda) if segments is not None else None
-        self.buf = self.shared.tensor if self.shared is not None else \
+        self.shared = segments.make(shape, device) if segments is not None else None
+        self.buf: Optional[torch.Tensor] = None if self.shared is not None else \
             torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+        self.waiting: list[tuple[int, torch.Tensor]] = []      # states made before their segment: (k, f32 copy)
+        self.lost: Optional[APIError] = None                  # the segment could not be made
         self.stream = _copy_stream(device) if cuda else None
         self.done = torch.cuda.Event() if cuda else None
         self.waits = 0
 
     def put(self, k: int, x: torch.Tensor) -> None:
         """State k, x [n, 3, H, W] on the device (made by the current stream)."""
+        if self.buf is None and self.lost is None:
+            held = sum(w.nbytes for _, w in self.waiting)
+            self._arrive(block=bool(self.waiting) and held + 4 * x.numel() > WAITING_BYTES)
+        if self.buf is not None:
+            self._write(k, x if self.stream is None else _own(x))
+        elif self.lost is None:
+            self.waiting.append((k, _own(x)))
+
+    def _arrive(self, block: bool) -> None:
+        """Once the segment is made (now, or waiting for it when `block`): the states that waited go to it."""
+        if not (block or self.shared.made.done()):
+            return
+        try:
+            self.buf = self.shared.wait()
+        except APIError as err:
+            self.lost = err
+        waiting, self.waiting = self.waiting, []
+        if self.buf is not None:
+            for k, x in waiting:
+                self._write(k, x)
+
+    def _write(self, k: int, x: torch.Tensor) -> None:
         if self.stream is None:
             self.buf[:, k].copy_(x)
             return
-        # a copy of its own (one cast in bf16, as before): the side stream then reads memory no later step writes
-        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self.stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.stream):
             for i in range(x.shape[0]):
@@ -83,19 +119,30 @@ class HostTrajectory:
             self.waits += 1
 
     def take(self) -> Union[np.ndarray, TrajectorySegment]:
-        """Once the copies landed: the array, or the segment's reference (the HTTP process owns it from here)."""
-        self._landed()
+        """Once the copies landed: the array, or the segment's reference (the HTTP process owns it from here).
+        Raises the segment's APIError when it could not be made."""
         if self.shared is None:
+            self._landed()
             return self.buf.numpy()
+        if self.buf is None and self.lost is None:
+            self._arrive(block=True)
+        if self.lost is not None:
+            raise self.lost
+        self._landed()
         shared, self.shared, self.buf = self.shared, None, None
         return shared.hand_over()
 
     def discard(self) -> None:
-        """The job ended without its result (aborted, failed): unlink the segment once no copy writes into it."""
+        """The job ended without its result (aborted, failed): the segment is unlinked once no copy writes into it."""
         if self.shared is not None:
-            self._landed()
-            shared, self.shared, self.buf = self.shared, None, None
-            shared.discard()
+            shared, self.shared, self.buf, self.waiting = self.shared, None, None, []
+            shared.discard(self.done)
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """A f32 copy of its own (one cast in bf16): the copy stream, or a later write, then reads memory no later step
+    writes."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 class _Sde:
@@ -155,14 +202,19 @@ class RolloutState(_Sde):
             self.trajectory.put(k + 1, sampler.unpatchify(z_next, job.th, job.tw))
         return z_next
 
-    def results(self, job) -> RlResult:
+    def results(self, job) -> Union[RlResult, JobFailed]:
         """The job's result (log-probs, grid, version) with the trajectory as its raw frame (the host's one wait for
-        the trajectory's copies; the log-probs are read after the step, the engine stream's work, is done)."""
+        the trajectory's copies; the log-probs are read after the step, the engine stream's work, is done). A
+        trajectory whose segment could not be made fails this job alone (its APIError, as a JobFailed the HTTP
+        process routes in place of the result; what follows for the job is then dropped there)."""
         logprobs = self.logprobs.cpu().tolist()
         frame = None
         if self.trajectory is not None:
-            frame = self.trajectory.take()
-            self.trajectory = None
+            trajectory, self.trajectory = self.trajectory, None
+            try:
+                frame = trajectory.take()
+            except APIError as err:
+                return JobFailed(job.request_id, err.event())
         return self.result(job, logprobs, frame)
 
     def free(self) -> None:

@@ -1,13 +1,15 @@
 """A rollout's trajectory in shared memory (services/generation/shared_trajectory.py), on real /dev/shm segments: the
 engine's buffer is what the HTTP process maps (no copy), exactly one side unlinks each segment and a live process
 holds a lock on it at every moment, the store unlinks what it stops holding (evicted, deleted, refused, replaced,
-after the last stream of a deleted one, at close), a segment /dev/shm cannot hold is a 503, and the segments of a
-process killed with SIGKILL are reclaimed by the next one while a live one's are never touched."""
+after the last stream of a deleted one, at close), a segment /dev/shm cannot hold is a 503 when it is asked for,
+and the segments of a process killed with SIGKILL (made, handed over, or still to be made on its side thread) are
+reclaimed by the next one while a live one's are never touched."""
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -44,8 +46,8 @@ def alive(name: str) -> bool:
 
 def recorded(segs: TrajectorySegments, value: float, shape=SHAPE):
     """An engine-side buffer filled as the copies fill it, then handed over: the result message."""
-    buf = segs.make(shape, pin=False)
-    buf.tensor.copy_(torch.arange(np.prod(shape), dtype=torch.float32).view(shape) + value)
+    buf = segs.make(shape)
+    buf.wait().copy_(torch.arange(np.prod(shape), dtype=torch.float32).view(shape) + value)
     return RlResult("r", [[None]], [1.0, 0.0], [], 1.0, "0", segment=buf.hand_over())
 
 
@@ -58,11 +60,13 @@ def stored_part(segs: TrajectorySegments, value: float) -> Part:
 
 def test_the_engine_buffer_is_the_stored_array_and_a_lock_holds_it_throughout(pool):
     segs = TrajectorySegments(pool)
-    buf = segs.make(SHAPE, pin=False)
+    buf = segs.make(SHAPE)
+    array = buf.wait()                                                    # made on the side thread
     name = buf.seg.name
     assert name.startswith(segment_prefix(pool)) and alive(name)          # the creator's lock
     want = torch.randn(SHAPE)
-    buf.tensor.copy_(want)
+    array.copy_(want)
+    del array
     msg = RlResult("r", [[None]], [1.0, 0.0], [], 1.0, "0", segment=buf.hand_over())
     assert msg.pixels is None and msg.segment.shape == SHAPE             # the message carries no bytes
     assert alive(name) and reclaim(pool) == []                            # handed over, still the engine's lock
@@ -83,9 +87,10 @@ def test_a_result_nobody_wants_and_a_discarded_buffer_are_unlinked(pool):
     msg = recorded(segs, 1.0)
     assert adopt(msg, wanted=False) is None and segments_of(pool) == []   # its job ended meanwhile
     segs.held(msg.segment.name)
-    segs.make(SHAPE, pin=False).discard()                                  # a job aborted before its result
+    segs.make(SHAPE).discard()                                             # a job aborted before its result
+    segs.settle()                                                          # (unlinked on the side thread)
     assert segments_of(pool) == []
-    segs.make(SHAPE, pin=False)                                            # running when the engine stops
+    segs.make(SHAPE)                                                       # running when the engine stops
     recorded(segs, 2.0)                                                    # handed over: the HTTP process's
     segs.close()                          # unlinks the running one's; the handed one is nobody's now: reclaimed
     left = segments_of(pool)
@@ -125,20 +130,44 @@ def test_a_trajectory_shm_cannot_hold_is_a_503_and_leaves_nothing(pool):
     free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
     side = int((free / 4 / 3) ** 0.5) + 64                                 # one state more than /dev/shm holds
     with pytest.raises(APIError) as e:
-        TrajectorySegments(pool).make((1, 1, 3, side, side), pin=False)
+        TrajectorySegments(pool).make((1, 1, 3, side, side))
     assert e.value.status == 503 and e.value.code == "trajectory_shm_full" and "shm_size" in e.value.message
+    assert segments_of(pool) == []
+
+
+def test_the_room_check_counts_the_segments_still_to_be_made_and_an_abort_before_its_make_makes_nothing(pool):
+    segs = TrajectorySegments(pool)
+    gate = threading.Event()
+    segs._side.submit(gate.wait)                                           # the side thread is behind
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    side = int((0.6 * free / 4 / 3) ** 0.5)                                # 60 % of /dev/shm a segment
+    first = segs.make((1, 1, 3, side, side))                               # fits: asked for, not made yet
+    with pytest.raises(APIError) as e:
+        segs.make((1, 1, 3, side, side))                                   # fits /dev/shm alone, not beside it
+    assert e.value.status == 503 and e.value.code == "trajectory_shm_full"
+    first.discard()                                                        # aborted before the side thread got to it
+    gate.set()
+    segs.settle()
+    assert segments_of(pool) == []
+    small = segs.make(SHAPE)                                               # the room is back
+    small.wait()
+    assert len(segments_of(pool)) == 1
+    segs.close()
     assert segments_of(pool) == []
 
 
 def test_segments_of_a_killed_process_are_reclaimed_and_a_live_ones_never(pool):
     segs = TrajectorySegments(pool)
-    mine = segs.make(SHAPE, pin=False)
+    mine = segs.make(SHAPE)
     child = textwrap.dedent(f"""
-        import os, signal, sys
+        import os, signal, sys, threading
         from services.generation.shared_trajectory import TrajectorySegments
         segs = TrajectorySegments({pool!r})
-        bufs = [segs.make((1, 2, 3, 8, 8), pin=False) for _ in range(2)]
+        bufs = [segs.make((1, 2, 3, 8, 8)) for _ in range(2)]
         bufs[1].hand_over()                       # one in flight to the HTTP process, one still recording
+        segs.settle()
+        segs._side.submit(threading.Event().wait)
+        segs.make((1, 2, 3, 8, 8))                # one asked of the side thread, never made
         print("made", flush=True)
         sys.stdin.read()
         """)
@@ -154,3 +183,4 @@ def test_segments_of_a_killed_process_are_reclaimed_and_a_live_ones_never(pool):
     assert len(left) == 2
     assert sorted(reclaim(pool)) == left and segments_of(pool) == [mine.seg.name]
     mine.discard()
+    segs.settle()
