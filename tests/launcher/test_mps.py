@@ -93,8 +93,10 @@ def with_pipe_env(pipe_dir: str) -> list[int]:
 
 
 def cpu_stack(model: str, run: str, *extra: str) -> list[str]:
+    # --default-size: a tiny checkpoint's directory would otherwise warm a 2048x2048 image at every generation start
     return ["--model", model, "--device", "cpu", "--host", "127.0.0.1", "--port", str(free_port()),
-            "--run-dir", run, "--kv-pool-gb", "0.05", "--grace", "5", "--gpu-sharing", "mps", *extra]
+            "--run-dir", run, "--kv-pool-gb", "0.05", "--grace", "5", "--default-size", "64x64", "--gpu-sharing", "mps",
+            *extra]
 
 
 def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
@@ -211,7 +213,7 @@ def test_stack_ports_secrets_restart_and_the_mps_daemon_lifecycle(tiny_checkpoin
     base = f"http://127.0.0.1:{port}"
     p = _up("--model", tiny_checkpoint("u1"), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
             "--api-key-file", str(key_file), "--run-dir", run_dir, "--kv-pool-gb", "0.05", "--grace", "5",
-            "--gen-sm-percent", "70", "--gpu-sharing", "mps",
+            "--default-size", "64x64", "--gen-sm-percent", "70", "--gpu-sharing", "mps",
             env={**standin_env(standin_bin(tmp_path)), "U1SERVE_INTERNAL_TOKEN": "tok-from-env"})
     output = _Output(p)
     state_now = lambda: json.loads(open(os.path.join(run_dir, "stack.json")).read())  # noqa: E731
