@@ -1,6 +1,7 @@
 """The whole-stack benches' common part (bench_deployment, bench_interleave, bench_weight_update, bench_rl,
-bench_ray): a `u1serve up` stack per deployment profile on free loopback ports, a measurement against it, and
-the markdown table with one row a profile (a failed profile is a row saying so, and a non-zero exit)."""
+bench_ray): a `u1serve up` stack per deployment profile on free loopback ports (or the running one of --up-url), a
+measurement against it, and the markdown table with one row a profile (a failed profile is a row saying so, and a
+non-zero exit)."""
 from __future__ import annotations
 
 import argparse
