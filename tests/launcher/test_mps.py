@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.base.netutil import free_port
-from tests.launcher.dryrun import dry_run as in_process_dry_run
+from tests.launcher.dryrun import cli, dry_run as in_process_dry_run
 from tests.launcher.test_up import _free, _ok, _Output, _tree, _up
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import ROOT, group_alive, pid_alive
@@ -32,8 +32,7 @@ STANDIN = os.path.join(ROOT, "tests", "launcher", "mps_standin.py")
 def config_model(tmp_path_factory):
     """The 8B config without weights: enough to plan (and to fail before any service starts)."""
     d = tmp_path_factory.mktemp("u1-8b")
-    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
-                   check=True, capture_output=True, cwd=ROOT)
+    assert cli("tiny-checkpoint", str(d), "--variant", "u1-8b").returncode == 0
     return str(d)
 
 
