@@ -1,6 +1,7 @@
 """The whole-stack benches' common part (bench_deployment, bench_interleave, bench_weight_update, bench_rl,
-bench_ray): a `u1serve up` stack per deployment profile on free loopback ports, a measurement against it, and
-the markdown table with one row a profile (a failed profile is a row saying so, and a non-zero exit)."""
+bench_ray): a `u1serve up` stack per deployment profile on free loopback ports (or the running one of --up-url), a
+measurement against it, and the markdown table with one row a profile (a failed profile is a row saying so, and a
+non-zero exit)."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,8 @@ def stack_args(p: argparse.ArgumentParser, profiles: str) -> None:
                         "--quantization fp8 --gen-args '--cache-mode first_block --cache-threshold 0.1'")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--up-url", default=None, help="measure this running `u1serve up` instead of starting one (one "
+                        "profile: the stack's own flags; an RL bench's needs the RL routes and its update dir allowed)")
 
 
 def enable_rl(args, *update_dirs: str) -> None:
@@ -105,12 +108,18 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def run_profile(name: str, model_dir: str, args, measure: Callable, label: str | None = None) -> dict:
     """Start the profile's stack on free ports, run `measure(base, args)` against it (async), stop it. `label`:
-    its run directory and log name (default: the profile's name)."""
+    its run directory and log name (default: the profile's name). With --up-url: measure that stack (no startup_s)."""
+    if args.up_url:
+        return {**asyncio.run(measure(args.up_url, args)), "command": f"running stack at {args.up_url}"}
+    from services.launch.stack import TINY_DEFAULT_SIZE
     port = args.port or free_port()
     label = (label or name).replace("/", "-")
+    # a tiny checkpoint's directory is no `--model tiny` to the launcher: its default size said here, else the
+    # generation engine warms a 2048x2048 image before ready (14 s of each CPU stack start, 2026-12-07)
+    tiny = ["--default-size", TINY_DEFAULT_SIZE] if args.tiny else []
     cmd = [sys.executable, "-m", "services.launch.cli", "up", "--model", model_dir, "--port", str(port),
            "--und-port", str(free_port()), "--gen-port", str(free_port()), "--host", "127.0.0.1",
-           "--no-restart", "--run-dir", os.path.join(args.log_dir, label), *PROFILES[name].split(),
+           "--no-restart", "--run-dir", os.path.join(args.log_dir, label), *PROFILES[name].split(), *tiny,
            *shlex.split(args.up_args)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{knobs.RANDOM_WEIGHTS.name: "0" if args.tiny else "1"})
     log = open(os.path.join(args.log_dir, f"{label}.log"), "w")

@@ -121,7 +121,7 @@ def test_seed(request):
 # module calls (for `service`, also a test helper module it imports).
 TIERS = ("unit", "service", "stack")
 STACK_DIRS = {"system", "ray", "weights"}          # every test there drives a whole stack or cluster
-STACK_FIXTURES = {"stack", "rl_stack"}
+STACK_FIXTURES = {"stack", "rl_stack", "bench_stack"}
 SERVICE_FIXTURES = {"gateway", "side_gateway", "peer", "gen_server", "server", "server_plain", "server_tp2",
                     "tiny_checkpoint", "tiny_dir", "tiny_model", "ref_model", "ref", "reference", "pool"}
 STACK_CALLS = re.compile(r"\bRunningStack\b|\bUpStack\b")

@@ -25,6 +25,7 @@ from services.understanding.config import EngineConfig
 from services.base.netutil import free_port
 
 TINY_ALIASES = ("tiny", "tiny-u1", "tiny-u1.5", "tiny-a3b")
+TINY_DEFAULT_SIZE = "64x64"      # a tiny checkpoint's default image size (and warm-up): not the 8B's 2048x2048
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -466,7 +467,7 @@ def build_stack(args: argparse.Namespace, out=sys.stdout, echo_logs: bool = True
         "env": {knobs.INTERNAL_TOKEN.name: token, knobs.STACK_ID.name: stack_id, **lora_env(args),
                 **allowed_dirs_env(args), **upload_dir_env(run_dir, dry_run)}, "api_key": api_key,
         "model_name": args.model_name or "sensenova-u1",   # the name the README's examples use
-        "default_size": args.default_size or ("64x64" if tiny else "2048x2048"),
+        "default_size": args.default_size or (TINY_DEFAULT_SIZE if tiny else "2048x2048"),
         "yield_page": qos_page(qos, pool), "yield_share": qos.yield_share,
         # the trained size limit (services/generation/image_limits.py): the gateway refuses larger sizes
         "max_pixels": checkpoint_max_tokens(model) * IMAGE_BLOCK ** 2,

@@ -27,6 +27,9 @@ class Smoke:
 
 
 STACK = ("--tiny", "--profiles", "cpu-colocate", "--log-dir", "{tmp}", "--json", "{tmp}/out.json")
+# the benches that only measure a stack measure the module's one (tests/bench/conftest.py bench_stack; each start
+# costs CI ~30 s); bench_qos starts its own (the stack.json it reports, and a bench's own start stays checked)
+ON_STACK = STACK + ("--up-url", "{up}")
 PROFILE = "results/cpu-colocate/"
 GEN = ("bench.bench_generation", "--device", "cpu", "--tiny", "--size", "128", "--json", "{tmp}/out.json")
 SMOKES = {
@@ -77,7 +80,7 @@ SMOKES = {
                                 ("stages", "total_s", "step_s", "non_steps_s")),
     # image steps while the chats run too: enough steps (40) that the load, starting 0.1 s before the chats,
     # outlasts them on an idle box as well (4 steps at 0.03 s had finished before the chats began)
-    "deployment": Smoke(("bench.bench_deployment", *STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "16",
+    "deployment": Smoke(("bench.bench_deployment", *ON_STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "16",
                          "--requests", "1", "--load-delay", "0.1"),
                         tuple(PROFILE + p for p in ("image", "chat_alone", "chat_with_images"))),
     # colocate QoS A/B (issue 25; on the GPU: the defaults off, then on): one side here (each stack costs CI ~30 s),
@@ -90,9 +93,9 @@ SMOKES = {
     "weight-streaming": Smoke(("bench.bench_weight_streaming", "--smoke", "--json", "{tmp}/out.json"),
                               ("formats/bf16/rows", "formats/bf16/bandwidth", "formats/int8/rows", "formats/int8/streamer"),
                               cpu_gaps=("formats/*/rows/*/*_peak_gib", "formats/*/bandwidth/memcpy_gb_s")),
-    "weight-update": Smoke(("bench.bench_weight_update", *STACK, "--repeat", "1"),
+    "weight-update": Smoke(("bench.bench_weight_update", *ON_STACK, "--repeat", "1"),
                            tuple(PROFILE + p for p in ("runs", "image_before_s", "upload", "final_version"))),
-    "interleave": Smoke(("bench.bench_interleave", *STACK, "--size", "64x64", "--steps", "2", "--requests", "1"),
+    "interleave": Smoke(("bench.bench_interleave", *ON_STACK, "--size", "64x64", "--steps", "2", "--requests", "1"),
                         tuple(PROFILE + p for p in ("t2i_s", "interleave_per_image_s", "overhead_per_image_s",
                                                     "before_denoise_s", "interleave_answer_s", "answers"))),
 }
@@ -119,11 +122,11 @@ def assert_every_part_filled(data: dict, smoke: Smoke) -> None:
         assert not empty, f"part {part!r} ran without figures at {empty}: {json.dumps(value)[:3000]}"
 
 
-def run_smoke(argv: list[str], tmp_path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+def run_smoke(argv: list[str], tmp_path, timeout: float = 300, up: str = "", **env) -> subprocess.CompletedProcess:
     """`python -m argv` on one CPU thread a process (ONE_THREAD: a smoke's figures are compared with nothing computed
     at another thread count; on busy cores, as beside a parallel test worker, decode-kernels took 8-13 s so and
-    43-46 s unpinned, 2026-12-06)."""
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    43-46 s unpinned, 2026-12-06). {tmp} in argv: the test's directory; {up}: the running stack's URL."""
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{up}", up) for a in argv]
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **ONE_THREAD, **env)
     proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -131,11 +134,19 @@ def run_smoke(argv: list[str], tmp_path, timeout: float = 300, **env) -> subproc
     return proc
 
 
-@pytest.mark.parametrize("name", sorted(SMOKES))
-def test_bench_smoke_fills_every_part(name, tmp_path):
-    smoke = SMOKES[name]
-    run_smoke(list(smoke.argv), tmp_path, smoke.timeout)
+def run_and_check(smoke: Smoke, tmp_path, up: str = "") -> None:
+    run_smoke(list(smoke.argv), tmp_path, smoke.timeout, up)
     assert_every_part_filled(json.loads((tmp_path / smoke.out).read_text()), smoke)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in SMOKES.items() if "{up}" not in s.argv))
+def test_bench_smoke_fills_every_part(name, tmp_path):
+    run_and_check(SMOKES[name], tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in SMOKES.items() if "{up}" in s.argv))
+def test_bench_smoke_on_the_running_stack_fills_every_part(name, bench_stack, tmp_path):
+    run_and_check(SMOKES[name], tmp_path, bench_stack.base)
 
 
 def test_holes_finds_what_a_quiet_failure_leaves():
@@ -148,13 +159,13 @@ def test_holes_finds_what_a_quiet_failure_leaves():
     assert_every_part_filled(data, Smoke((), ("a", "b"), cpu_gaps=("a/rows", "b/*/v")))
 
 
-def test_bench_rl_smoke_produces_every_figure(tmp_path):
+def test_bench_rl_smoke_produces_every_figure(bench_stack, tmp_path):
     """bench/bench_rl.py on the tiny checkpoint: rollout vs plain throughput, the group-prefill comparison and the
     weight-update latency all measured (the GPU run fills docs/benchmarks/rl.md from the same script)."""
     out = tmp_path / "out"
     run_smoke(["bench.bench_rl", "--tiny", "--profiles", "cpu-colocate", "--sizes", "32", "--steps", "2",
-               "--group-size", "2", "--prompts", "2", "--repeat", "1", "--out", str(out), "--log-dir", "{tmp}"],
-              tmp_path)
+               "--group-size", "2", "--prompts", "2", "--repeat", "1", "--out", str(out), "--log-dir", "{tmp}",
+               "--up-url", "{up}"], tmp_path, up=bench_stack.base)
     data = json.loads((out / "bench_rl.json").read_text())
     assert_every_part_filled(data, Smoke((), tuple(PROFILE + p for p in ("throughput", "prefill", "weights"))))
     r = data["results"]["cpu-colocate"]

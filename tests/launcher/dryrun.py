@@ -1,6 +1,6 @@
-"""`u1serve up --dry-run` in the test process: the CLI's own parser and planner, its output and exit status as a
-child process would give them, without a child's interpreter start (a dry run starts nothing and reads only its
-flags and the checkpoint's config; tens of them per file)."""
+"""`u1serve up --dry-run` and `u1serve plan` in the test process: the CLI's own parser and planner, its output and
+exit status as a child process would give them, without a child's interpreter start (a dry run or a plan starts
+nothing and reads only its flags and the checkpoint's config; tens of them per file, ~5 s each as a child)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +27,12 @@ def environment(env: dict[str, str] | None):
 
 def dry_run(model: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`u1serve up --model MODEL --device cuda FLAGS --dry-run` with `env` added to the environment."""
+    return cli("up", "--model", model, "--device", "cuda", *flags, "--dry-run", env=env)
+
+
+def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`u1serve ARGV` (a command that starts nothing) with `env` added to the environment."""
     from services.launch.cli import main
-    argv = ["up", "--model", model, "--device", "cuda", *flags, "--dry-run"]
     out, err = io.StringIO(), io.StringIO()
     with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .dryrun import dry_run
+from .dryrun import cli, dry_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,8 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("u1-8b")
-    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
-                   check=True, capture_output=True, cwd=ROOT)
+    assert cli("tiny-checkpoint", str(d), "--variant", "u1-8b").returncode == 0
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
     return str(d)
 

@@ -1,16 +1,12 @@
 """`u1serve up --dry-run` for the profiles of issue 13 (sequence parallelism, colocate QoS, the trained size
 limit): the placement and command lines of profiles that need more GPUs than CI has, and the refusals."""
-import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-from .dryrun import dry_run as in_process_dry_run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .dryrun import cli, dry_run as in_process_dry_run
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +15,7 @@ def configs(tmp_path_factory):
     out = {}
     for variant in ("u1-8b", "u1.5-8b"):
         d = tmp_path_factory.mktemp(variant)
-        subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", variant],
-                       check=True, capture_output=True, cwd=ROOT)
+        assert cli("tiny-checkpoint", str(d), "--variant", variant).returncode == 0
         out[variant] = str(d)
     return out
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.base.netutil import free_port
-from tests.launcher.dryrun import dry_run as in_process_dry_run
+from tests.launcher.dryrun import cli, dry_run as in_process_dry_run
 from tests.launcher.test_up import _free, _ok, _Output, _tree, _up
 from tests.step_cache_probe import assert_cache_took_effect
 from tests.system.stackproc import ROOT, group_alive, pid_alive
@@ -32,8 +32,7 @@ STANDIN = os.path.join(ROOT, "tests", "launcher", "mps_standin.py")
 def config_model(tmp_path_factory):
     """The 8B config without weights: enough to plan (and to fail before any service starts)."""
     d = tmp_path_factory.mktemp("u1-8b")
-    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(d), "--variant", "u1-8b"],
-                   check=True, capture_output=True, cwd=ROOT)
+    assert cli("tiny-checkpoint", str(d), "--variant", "u1-8b").returncode == 0
     return str(d)
 
 
@@ -93,8 +92,10 @@ def with_pipe_env(pipe_dir: str) -> list[int]:
 
 
 def cpu_stack(model: str, run: str, *extra: str) -> list[str]:
+    # --default-size: a tiny checkpoint's directory would otherwise warm a 2048x2048 image at every generation start
     return ["--model", model, "--device", "cpu", "--host", "127.0.0.1", "--port", str(free_port()),
-            "--run-dir", run, "--kv-pool-gb", "0.05", "--grace", "5", "--gpu-sharing", "mps", *extra]
+            "--run-dir", run, "--kv-pool-gb", "0.05", "--grace", "5", "--default-size", "64x64", "--gpu-sharing", "mps",
+            *extra]
 
 
 def dry_run(model: str, *flags: str, env=None) -> subprocess.CompletedProcess:
@@ -211,7 +212,7 @@ def test_stack_ports_secrets_restart_and_the_mps_daemon_lifecycle(tiny_checkpoin
     base = f"http://127.0.0.1:{port}"
     p = _up("--model", tiny_checkpoint("u1"), "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
             "--api-key-file", str(key_file), "--run-dir", run_dir, "--kv-pool-gb", "0.05", "--grace", "5",
-            "--gen-sm-percent", "70", "--gpu-sharing", "mps",
+            "--default-size", "64x64", "--gen-sm-percent", "70", "--gpu-sharing", "mps",
             env={**standin_env(standin_bin(tmp_path)), "U1SERVE_INTERNAL_TOKEN": "tok-from-env"})
     output = _Output(p)
     state_now = lambda: json.loads(open(os.path.join(run_dir, "stack.json")).read())  # noqa: E731

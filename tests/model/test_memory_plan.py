@@ -2,11 +2,10 @@
 checkpoint: each engine's weights loaded in every format (float, fp8 with and without its model-dtype copy, int8,
 GGUF Q8_0 / Q4_K and a per-layer GGUF mix), the understanding KV pool and page table, generation's job KV buffer,
 the shared KV pool's segment (host shared memory, or the fused mode's pages on the device); and `u1serve plan` on the
-8B config alone (no weights), in the two-process and the fused colocate mode."""
+8B config alone (no weights), in the two-process and the fused colocate mode (the CLI in this process: a plan starts
+nothing, tests/launcher/dryrun.py)."""
 import json
 import os
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -17,6 +16,7 @@ from services.model import memory_plan as M
 from services.model.config import load_config
 from services.model.convert import convert_checkpoint
 from services.model.loader import load_model
+from tests.launcher.dryrun import cli
 
 ITEMSIZE = 4      # float32 on the CPU
 LIMITS = plan_image_limits()      # the API's image limits, as the launcher passes them
@@ -183,10 +183,8 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     from services.model.tiny import write_full_config
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
     assert not any(n.endswith((".safetensors", ".gguf")) for n in os.listdir(d))
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d, "--gpu-memory", "24GiB",
-                           "--gpu-total", "80GiB", "--json", "--weight-streaming-layers", "0"],   # every layer resident
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = cli("plan", "--model", d, "--gpu-memory", "24GiB", "--gpu-total", "80GiB", "--json",
+               "--weight-streaming-layers", "0")                                         # every layer resident
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     sizes = {(r["branch"], r["format"]): r["gpu_bytes"] for r in out["weights"]}
@@ -211,9 +209,7 @@ def test_plan_of_the_8b_config_alone(tmp_path):
 def _plan_8b(tmp_path, *args) -> dict:
     from services.model.tiny import write_full_config
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-m", "services.launch.cli", "plan", "--model", d, *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = cli("plan", "--model", d, *args)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout) if "--json" in args else proc.stdout
 

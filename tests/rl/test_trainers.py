@@ -1,6 +1,6 @@
 """`u1serve rl-train` against a real stack (tiny checkpoint, CPU): for each algorithm the reward clearly rises
-within 12 iterations, and every iteration reports its JSON line (iteration, reward_mean, kl, weights_version, ...);
-on a terminal a progress line counts the iterations and shows the last reward.
+within 8 iterations (MixGRPO: 12, for its think term), and every iteration reports its JSON line (iteration,
+reward_mean, kl, weights_version, ...); on a terminal a progress line counts the iterations and shows the last reward.
 
 "Clearly": the mean reward of the last 3 iterations exceeds the first 3's by more than 10 standard errors of that
 difference (the standard error from the samples' own spread: reward_std / sqrt(S) per iteration). Everything is
@@ -17,7 +17,9 @@ import pytest
 from tests.system.stackproc import in_terminal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ITERATIONS = 12
+# seeded runs on the 2-core box (2026-12-07), the rise in standard errors after 8 / 12 iterations: flow-grpo 307 / 532,
+# dance-grpo 132 / 402; mix-grpo's image term 203 / 380 but its think term 6.1 / 11.9 (needs 5): it keeps 12
+ITERATIONS = {"flow-grpo": 8, "dance-grpo": 8, "mix-grpo": 12}
 SAMPLES = 2 * 4                     # the tiny defaults: 2 prompts x group 4 (services/rl/flags.py TINY_DEFAULTS)
 
 
@@ -38,9 +40,9 @@ def assert_clear_rise(means: list[float], stds: list[float], errors: float = 10)
 
 @pytest.mark.parametrize("algo", ["flow-grpo", "dance-grpo", "mix-grpo"])
 def test_reward_rises(rl_stack, algo):
-    out = run_rl_train(rl_stack.base, "--algo", algo, "--iterations", str(ITERATIONS), "--seed", "1")
+    out = run_rl_train(rl_stack.base, "--algo", algo, "--iterations", str(ITERATIONS[algo]), "--seed", "1")
     start, records = out[0], out[1:]
-    assert start["event"] == "start" and len(records) == ITERATIONS
+    assert start["event"] == "start" and len(records) == ITERATIONS[algo]
     versions = [start["weights_version"]] + [r["weights_version"] for r in records]
     assert len(set(versions)) == len(versions)                     # a fresh version per update
     for prev, r in zip(versions, records):

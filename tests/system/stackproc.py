@@ -315,3 +315,11 @@ class RunningStack:
         sems = {e for e in new if e.startswith("sem.mp-")}
         new_shm = sorted({e for e in new if e.startswith(self.pool)} | (sems - mapped_shm() if sems else set()))
         return groups, new_shm
+
+
+def rl_stack(model: str, run_dir: str) -> RunningStack:
+    """A ready colocate stack whose weights its tests change: the RL routes on and /tmp allowed (where the trainers
+    and the RL benches write their weight pushes). One CPU thread a process: und, gen, gateway and a trainer or
+    bench share CI's two cores, and OpenMP oversubscription slows these tiny forwards ten-fold."""
+    return RunningStack(model, "colocate", run_dir, extra=["--enable-rl", "--allowed-local-dirs", "/tmp"],
+                        env=ONE_THREAD).wait_ready()

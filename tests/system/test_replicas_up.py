@@ -1,26 +1,24 @@
 """`u1serve up --und-replicas 2 --gen-replicas 2` on one host: five services, a pool per understanding replica,
-the gateway over all of them; a dry run shows the placement on GPUs."""
+the gateway over all of them; a dry run shows the placement on GPUs (in the test process: tests/launcher/dryrun.py)."""
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from .stackproc import ROOT, RunningStack, shm_entries
+from tests.launcher.dryrun import cli, dry_run
+
+from .stackproc import RunningStack, shm_entries
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def test_dry_run_places_each_replica_on_its_own_gpus_ports_and_pool(tmp_path):
-    model = tmp_path / "u1-8b"
-    subprocess.run([sys.executable, "-m", "services.launch.cli", "tiny-checkpoint", str(model), "--variant", "u1-8b"],
-                   check=True, capture_output=True, cwd=ROOT)
-    base = [sys.executable, "-m", "services.launch.cli", "up", "--model", str(model), "--mode", "separate", "--device", "cuda",
-            "--und-replicas", "2", "--gen-replicas", "2", "--kv-pool-name", "kvp", "--dry-run"]
-    out = subprocess.run(base + ["--und-gpus", "0,1", "--gen-gpus", "2,3"], check=True, capture_output=True,
-                         text=True, cwd=ROOT).stdout
+    model = str(tmp_path / "u1-8b")
+    assert cli("tiny-checkpoint", model, "--variant", "u1-8b").returncode == 0
+    base = ["--mode", "separate", "--und-replicas", "2", "--gen-replicas", "2", "--kv-pool-name", "kvp"]
+    done = dry_run(model, *base, "--und-gpus", "0,1", "--gen-gpus", "2,3")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     lines = {ln.split(":", 1)[0]: ln for ln in out.splitlines()}
     assert set(lines) == {"und", "und1", "gen", "gen1", "gateway"}
     assert "CUDA_VISIBLE_DEVICES=0 " in lines["und"] and "CUDA_VISIBLE_DEVICES=1 " in lines["und1"]
@@ -31,7 +29,7 @@ def test_dry_run_places_each_replica_on_its_own_gpus_ports_and_pool(tmp_path):
     assert len(set(ports.values())) == 5
     for name in ("und", "und1", "gen", "gen1"):
         assert f"http://127.0.0.1:{ports[name]}" in lines["gateway"]
-    bad = subprocess.run(base + ["--und-gpus", "0", "--gen-gpus", "2,3"], capture_output=True, text=True, cwd=ROOT)
+    bad = dry_run(model, *base, "--und-gpus", "0", "--gen-gpus", "2,3")
     assert bad.returncode != 0 and "--und-gpus" in bad.stderr + bad.stdout
 
 
