@@ -79,8 +79,9 @@ SMOKES = {
                                  "--size", "64", "--steps", "4", "--repeat", "2", "--json", "{tmp}/out.json"),
                                 ("stages", "total_s", "step_s", "non_steps_s")),
     # image steps while the chats run too: enough steps (40) that the load, starting 0.1 s before the chats,
-    # outlasts them on an idle box as well (4 steps at 0.03 s had finished before the chats began)
-    "deployment": Smoke(("bench.bench_deployment", *ON_STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "16",
+    # outlasts them on an idle box as well (4 steps at 0.03 s had finished before the chats began), and chats long
+    # enough (64 tokens) that the images' steps start before they end on a loaded box (16 tokens: once none did)
+    "deployment": Smoke(("bench.bench_deployment", *ON_STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "64",
                          "--requests", "1", "--load-delay", "0.1"),
                         tuple(PROFILE + p for p in ("image", "chat_alone", "chat_with_images"))),
     # colocate QoS A/B (issue 25; on the GPU: the defaults off, then on): one side here (each stack costs CI ~30 s),
