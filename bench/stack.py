@@ -108,9 +108,10 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def run_profile(name: str, model_dir: str, args, measure: Callable, label: str | None = None) -> dict:
     """Start the profile's stack on free ports, run `measure(base, args)` against it (async), stop it. `label`:
-    its run directory and log name (default: the profile's name). With --up-url: measure that stack (no startup_s)."""
-    if args.up_url:
-        return {**asyncio.run(measure(args.up_url, args)), "command": f"running stack at {args.up_url}"}
+    its run directory and log name (default: the profile's name). A bench whose settings are the stack's flags (one
+    stack per setting) cannot measure a running stack: --up-url is refused here, not ignored (run_all honours it)."""
+    if getattr(args, "up_url", None):
+        raise SystemExit("--up-url: this bench starts a stack per setting (its flags are what it measures)")
     from services.launch.stack import TINY_DEFAULT_SIZE
     port = args.port or free_port()
     label = (label or name).replace("/", "-")
@@ -149,11 +150,15 @@ def _interrupt(signum, frame):
 
 
 def run_all(args, model_dir: str, measure: Callable, table: Callable) -> dict:
-    """Every profile in turn (a failed one is reported, the others still run); prints the table, writes --json."""
+    """Every profile in turn (a failed one is reported, the others still run); prints the table, writes --json.
+    With --up-url: the running stack, as the one profile named (its own flags, not the profile's or --up-args)."""
+    if args.up_url and "," in args.profiles:
+        raise SystemExit("--up-url measures one running stack: name one profile (the row it is reported as)")
     results = {}
     for name in args.profiles.split(","):
         try:
-            results[name] = run_profile(name, model_dir, args, measure)
+            results[name] = ({**asyncio.run(measure(args.up_url, args)), "command": f"running stack at {args.up_url}"}
+                             if args.up_url else run_profile(name, model_dir, args, measure))
         except Exception as e:
             results[name] = {"error": repr(e)}
         print(name, json.dumps(results[name]), flush=True)

@@ -150,6 +150,24 @@ def test_bench_smoke_on_the_running_stack_fills_every_part(name, bench_stack, tm
     run_and_check(SMOKES[name], tmp_path, bench_stack.base)
 
 
+def test_up_url_is_one_running_stack_never_silently_ignored():
+    """--up-url measures the running stack as the one profile named; more profiles, or a bench that starts a stack
+    per setting (run_profile: qos, memcap, defaults), refuse it instead of measuring something else."""
+    import argparse
+
+    from bench.stack import run_all, run_profile
+
+    async def measure(base, args):
+        return {"base": base}
+    args = argparse.Namespace(up_url="http://127.0.0.1:1", profiles="cpu-colocate", json=None)
+    assert run_all(args, "", measure, lambda r, a: "") == {
+        "cpu-colocate": {"base": "http://127.0.0.1:1", "command": "running stack at http://127.0.0.1:1"}}
+    with pytest.raises(SystemExit, match="one running stack"):
+        run_all(argparse.Namespace(**{**vars(args), "profiles": "a,b"}), "", measure, lambda r, a: "")
+    with pytest.raises(SystemExit, match="a stack per setting"):
+        run_profile("cpu-colocate", "", args, measure)
+
+
 def test_holes_finds_what_a_quiet_failure_leaves():
     data = {"a": {"x": 1.0, "rows": []}, "b": [{"v": None}, {"v": float("nan")}], "c": {"error": "boom"}}
     assert list(holes(data, "")) == ["/a/rows", "/b/0/v", "/b/1/v"]
