@@ -33,6 +33,10 @@ YIELD_MAX_WAIT_S = 0.03                    # one wait for the colocated engine's
 # How long the engine ranks wait for the shm KV pool before ready by default on CUDA (the understanding service
 # creates it early in its start, so in `u1serve up` it is there long before generation's warm-up ends).
 KV_POOL_WAIT_S = 30.0
+# RL rollouts: the device memory the states of every running rollout may hold together while their trajectory
+# segments are still being made on the side thread (rollout.py; one state at least; the memory plan counts it with
+# --enable-rl). Four 512² rollouts of n = 8 wait ~1.3 s before it is reached.
+RL_WAITING_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from services.contract.rl import DEFAULT_WEIGHTS_VERSION, RolloutJobRequest, Sco
 from services.kit.errors import APIError
 from services.model import flow_sde, sampler
 
+from .config import RL_WAITING_BYTES as WAITING_BYTES
 from .protocol import JobFailed, RlResult, TrajectorySegment
 
 
@@ -46,11 +47,6 @@ def _copy_stream(device: torch.device):
     return _COPY_STREAMS[device]
 
 
-# The device memory a rollout's states may hold while its segment is still being made (one state at least: 25 MiB
-# at 512², n = 8); past it the engine loop waits for the side thread.
-WAITING_BYTES = 128 << 20
-
-
 class HostTrajectory:
     """A rollout's states z_0..z_N f32 [n, N+1, 3, H, W] in host memory, filled a state at a time by copies that do
     not wait: on CUDA into pinned memory (each sample's slot a contiguous destination) on a side stream that starts
@@ -63,13 +59,14 @@ class HostTrajectory:
     The engine loop's part per rollout with segments: at admission, name the segment and check /dev/shm's room
     (the side thread makes, fallocates, maps and pins it); each step, one f32 copy of the state on the device and,
     once the segment is made, its device -> host copies issued on the copy stream behind an event (no host wait;
-    until then the copy waits on the device, `WAITING_BYTES` at most); at the end, wait for the segment if the side
-    thread is behind, the one wait for the last copies, and the reference handed over (the side thread unpins and
-    unmaps; on an abort it waits for the copies, unpins, unmaps and unlinks)."""
+    until then the copy waits on the device, `WAITING_BYTES` at most for all rollouts together); at the end, wait
+    for the segment if the side thread is behind, the one wait for the last copies, and the reference handed over
+    (the side thread unpins and unmaps; on an abort it waits for the copies, unpins, unmaps and unlinks)."""
 
     def __init__(self, n: int, steps: int, height: int, width: int, device: torch.device, segments=None):
         cuda = device.type == "cuda"
         shape = (n, steps + 1, 3, height, width)
+        self.segments = segments      # its `waiting_bytes`: every rollout's states on the device, one budget
         self.shared = segments.make(shape, device) if segments is not None else None
         self.buf: Optional[torch.Tensor] = None if self.shared is not None else \
             torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
@@ -82,12 +79,15 @@ class HostTrajectory:
     def put(self, k: int, x: torch.Tensor) -> None:
         """State k, x [n, 3, H, W] on the device (made by the current stream)."""
         if self.buf is None and self.lost is None:
-            held = sum(w.nbytes for _, w in self.waiting)
-            self._arrive(block=bool(self.waiting) and held + 4 * x.numel() > WAITING_BYTES)
+            # past the engine's budget (one state always waits where none does): wait for this rollout's segment
+            held = self.segments.waiting_bytes
+            self._arrive(block=held > 0 and held + 4 * x.numel() > WAITING_BYTES)
         if self.buf is not None:
             self._write(k, x if self.stream is None else _own(x))
         elif self.lost is None:
-            self.waiting.append((k, _own(x)))
+            state = _own(x)
+            self.waiting.append((k, state))
+            self.segments.waiting_bytes += state.nbytes
 
     def _arrive(self, block: bool) -> None:
         """Once the segment is made (now, or waiting for it when `block`): the states that waited go to it."""
@@ -97,10 +97,15 @@ class HostTrajectory:
             self.buf = self.shared.wait()
         except APIError as err:
             self.lost = err
-        waiting, self.waiting = self.waiting, []
+        waiting = self._drop_waiting()
         if self.buf is not None:
             for k, x in waiting:
                 self._write(k, x)
+
+    def _drop_waiting(self) -> list[tuple[int, torch.Tensor]]:
+        waiting, self.waiting = self.waiting, []
+        self.segments.waiting_bytes -= sum(x.nbytes for _, x in waiting)
+        return waiting
 
     def _write(self, k: int, x: torch.Tensor) -> None:
         if self.stream is None:
@@ -135,7 +140,8 @@ class HostTrajectory:
     def discard(self) -> None:
         """The job ended without its result (aborted, failed): the segment is unlinked once no copy writes into it."""
         if self.shared is not None:
-            shared, self.shared, self.buf, self.waiting = self.shared, None, None, []
+            self._drop_waiting()
+            shared, self.shared, self.buf = self.shared, None, None
             shared.discard(self.done)
 
 

@@ -61,7 +61,7 @@ class TrajectorySegments:
     trajectory runs on one side thread, in the order it was asked for: make (posix_fallocate of every page, mmap),
     pin (cudaHostRegister faults in and page-locks the whole array: milliseconds per 100 MB), and after the result
     or an abort unpin, unmap, unlink and close. Until a segment is made its rollout's states wait on the device
-    (rollout.HostTrajectory)."""
+    (rollout.HostTrajectory), all rollouts' together at most rollout.WAITING_BYTES (`waiting_bytes`)."""
 
     def __init__(self, kv_pool_name: str, owner: str = ""):
         self.prefix = segment_prefix(kv_pool_name)
@@ -71,6 +71,7 @@ class TrajectorySegments:
         self._live: set[SharedBuffer] = set()         # asked for, result not handed over (the engine thread's)
         self._handed: dict[str, Segment] = {}         # name -> segment whose fd keeps the creator lock
         self._unmade = 0                              # bytes asked of the side thread, not yet reserved
+        self.waiting_bytes = 0    # states of its rollouts on the device until their segment is made (rollout.py)
         self._side = ThreadPoolExecutor(1, thread_name_prefix="u1-gen-trajectory")
 
     def make(self, shape: tuple[int, ...], device: Optional[torch.device] = None) -> "SharedBuffer":

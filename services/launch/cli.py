@@ -234,6 +234,8 @@ def add_plan(sub) -> None:
     add_flag_of(p, EngineConfig, "kv_cache_tokens", about="understanding's --kv-cache-tokens")
     p.add_argument("--kv-pool-gb", type=float, default=None,
                    help="the KV pool (default as `u1serve up` on cuda: 16, host memory; fused: 2, device memory)")
+    p.add_argument("--enable-rl", action="store_true",
+                   help="as `u1serve up --enable-rl`: count RL rollouts' states waiting on the device")
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -250,6 +252,7 @@ def cmd_plan(args) -> int:
 
     from services.contract.limits import IMAGE_BLOCK
     from services.fused.launch import DEVICE_POOL_GB
+    from services.generation.config import RL_WAITING_BYTES
     from services.generation.image_limits import checkpoint_max_tokens
     from services.model import memory_plan as M
     from services.model.config import ConfigError, load_config
@@ -274,7 +277,8 @@ def cmd_plan(args) -> int:
                    max_image_side=side, cuda_graphs=args.cuda_graphs == "on", kv_cache_tokens=args.kv_cache_tokens,
                    kv_pool_gb=args.kv_pool_gb or (DEVICE_POOL_GB if fused else 16.0), engines=args.colocate_engines,
                    weight_streaming_layers=args.weight_streaming_layers or 0,
-                   streaming_fallback=M.STREAMING_LAYERS if args.weight_streaming_layers is None else 0)
+                   streaming_fallback=M.STREAMING_LAYERS if args.weight_streaming_layers is None else 0,
+                   rl_waiting_bytes=RL_WAITING_BYTES if args.enable_rl else 0)
     result = M.plan(cfg, s, budget, args.mode)
     if args.json:
         out = {k: (v.as_dict(total) if v is not None else None) for k, v in result.items() if k != "weights"}

@@ -207,6 +207,8 @@ class Settings:
     max_batch_tokens: int = 8192          # generation's --max-batch-tokens (generation config.BATCH_TOKENS)
     weight_streaming_layers: int = 0      # generation's --weight-streaming-layers (0: every layer resident)
     streaming_fallback: int = STREAMING_LAYERS   # what the fit search may try for it (0: never)
+    rl_waiting_bytes: int = 0             # with --enable-rl: rollouts' states waiting for their segments (generation
+                                          # config.RL_WAITING_BYTES, passed in by the launcher)
     context_bytes: int = CUDA_CONTEXT_BYTES
 
 
@@ -329,6 +331,10 @@ def gen_plan(cfg, w: BranchWeights, s: Settings, side: int) -> EnginePlan:
                "job_kv": max(edit_kv, batch_kv),
                "activations": acts, "cuda_graphs": acts if s.cuda_graphs and not k else 0,
                "cuda_context": s.context_bytes}
+    if s.rl_waiting_bytes:
+        # RL rollouts' states waiting for their segments: the budget, or one state of a step's largest job alone
+        # (n x 3 f32 a pixel, and a step's rows >= n x pixels / token_pixels²)
+        e.parts["rl_states"] = max(s.rl_waiting_bytes, rows * cfg.token_pixels ** 2 * 3 * 4)
     e.notes.append(f"{side}x{side}: {tokens} image tokens, {rows} rows a step; KV: "
                    + ("an edit with a same-size input" if edit_kv >= batch_kv else
                       f"{s.max_running_jobs} small jobs x {s.cfg_branches} branches"))

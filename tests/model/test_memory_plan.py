@@ -206,6 +206,19 @@ def test_plan_of_the_8b_config_alone(tmp_path):
     assert sum(e["total_bytes"] for e in eng) <= 24 * M.GiB
 
 
+def test_rl_counts_the_states_waiting_for_their_segments(tmp_path):
+    """`--enable-rl` (as `u1serve up --enable-rl`): generation holds RL rollouts' states on the device until the side
+    thread made their trajectory segments, the engine's budget (generation config.RL_WAITING_BYTES, one tally for
+    every rollout: rollout.py) or one state of a step's largest job; counted once, the plan's generation grows by it."""
+    from services.generation.config import RL_WAITING_BYTES
+    plain = _plan_8b(tmp_path, "--gpu-memory", "80GiB", "--json")["asked"]["generation"]
+    rl = _plan_8b(tmp_path, "--gpu-memory", "80GiB", "--json", "--enable-rl")["asked"]["generation"]
+    assert "rl_states" not in plain["parts"]
+    state = rl["step_rows"] * 32 * 32 * 3 * 4          # n x 3 f32 a pixel, n x pixels <= a step's rows x 32²
+    assert rl["parts"]["rl_states"] == max(RL_WAITING_BYTES, state) >= RL_WAITING_BYTES
+    assert rl["total_bytes"] - plain["total_bytes"] == rl["parts"]["rl_states"]
+
+
 def _plan_8b(tmp_path, *args) -> dict:
     from services.model.tiny import write_full_config
     d = write_full_config(str(tmp_path / "u1-8b"), "u1-8b")

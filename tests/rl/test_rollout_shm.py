@@ -4,9 +4,10 @@ carrying the array, and the array the HTTP side maps is bit for bit the one reco
 aborted mid-rollout (and one whose admission fails after its segment was made) leaves no segment behind.
 
 The segments are made (and pinned) on a side thread: while it is behind, the states wait on the device and the loop
-goes on (it waits only past rollout.WAITING_BYTES, or at the end), with the same bits; a segment the side thread
-cannot make fails that rollout alone (503); an abort or a stop while it is behind leaves nothing. CPU by default; on
-a CUDA device too where one is present (the segment pinned, the copies on the copy stream)."""
+goes on (it waits only past rollout.WAITING_BYTES, all rollouts' states together, or at the end), with the same
+bits; a segment the side thread cannot make fails that rollout alone (503); an abort or a stop while it is behind
+leaves nothing. CPU by default; on a CUDA device too where one is present (the segment pinned, the copies on the
+copy stream)."""
 from __future__ import annotations
 
 import os
@@ -124,19 +125,24 @@ def test_states_wait_on_the_device_while_the_side_thread_is_behind_with_the_same
     assert live(segments) == []
 
 
-def test_past_its_device_budget_the_loop_waits_for_the_side_thread(setup, segments, monkeypatch):
+def test_past_the_engines_device_budget_the_loop_waits_for_the_side_thread(setup, segments, monkeypatch):
+    """The budget is the engine's, every rollout's waiting states together (the memory plan counts it once): with
+    it at what the admitted rollouts' first states hold, no rollout alone is over it, yet the next state waits."""
     model, pre = setup
     want = rollouts(model, pre)
-    monkeypatch.setattr(rollout, "WAITING_BYTES", 0)                # one state waits at most
     gate = hold(segments)
     engines, jobs = started(model, pre, segments)
-    assert all(len(job.rl.trajectory.waiting) == 1 for job in jobs)  # state 0, from admission
+    assert all(len(job.rl.trajectory.waiting) == 1 for job in jobs) and len(jobs) > 1  # state 0, from admission
+    held = segments.waiting_bytes
+    assert held == sum(x.nbytes for job in jobs for _, x in job.rl.trajectory.waiting)
+    monkeypatch.setattr(rollout, "WAITING_BYTES", held)
     threading.Timer(0.5, gate.set).start()
     t0 = time.monotonic()
-    engines.step()                                                   # state 1 waits for the segment
+    engines.step()                                                   # a state 1 waits for its segment
     assert time.monotonic() - t0 >= 0.45
-    assert len(live(segments)) == len(GROUPS) and all(not job.rl.trajectory.waiting for job in jobs)
+    assert segments.waiting_bytes <= held
     same_as_recorded(finish(engines), want, segments)
+    assert segments.waiting_bytes == 0
 
 
 def test_a_segment_the_side_thread_cannot_make_fails_that_rollout_alone(setup, segments):
@@ -156,7 +162,7 @@ def test_a_segment_the_side_thread_cannot_make_fails_that_rollout_alone(setup, s
     assert failed.error["error"]["code"] == "trajectory_shm_full"
     same_as_recorded(got, {rid: want[rid] for rid in got}, segments)     # the others are whole
     segments.settle()
-    assert live(segments) == []
+    assert live(segments) == [] and segments.waiting_bytes == 0      # the failed one's states let go too
 
 
 def test_an_abort_and_a_stop_while_the_side_thread_is_behind_leave_nothing(setup, segments):
@@ -164,8 +170,10 @@ def test_an_abort_and_a_stop_while_the_side_thread_is_behind_leave_nothing(setup
     gate = hold(segments)
     engines, jobs = started(model, pre, segments)
     engines.step()
+    held = segments.waiting_bytes
     engines.abort(jobs[0].request_id)                                # its segment is not made yet
     assert live(segments) == []
+    assert segments.waiting_bytes < held                              # its waiting states are let go
     threading.Timer(0.2, gate.set).start()
     segments.close()                       # the engine stops with the others running: made, then unlinked, once
     assert live(segments) == []            # the side thread has done what was asked of it
