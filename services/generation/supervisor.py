@@ -18,6 +18,7 @@ from services.contract.health import PHASE_FIELD, EnginePhase
 from services.contract.image import GenerateRequest
 from services.kit.engine_thread import EngineThread
 from services.kit.errors import APIError, overloaded, unavailable
+from services.kit.proc import start_without_main
 from services.kit.restart import RestartPolicy
 from services.kit.supervisor import Supervisor
 from services.base.netutil import free_port
@@ -54,7 +55,7 @@ class EngineRanks:
         self.started_at = time.monotonic()
         try:
             for p in self.procs:
-                p.start()
+                start_without_main(p)
         finally:
             if not threaded:    # rank 0 holds the only other ends: its death is EOF / EPIPE here
                 cmd_r.close()   # (a thread closes its ends itself when its loop ends)

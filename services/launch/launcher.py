@@ -1,4 +1,8 @@
-"""Process management for `u1serve up`: start the services in order, keep them running, stop them.
+"""Process management for `u1serve up`: start the services in waves, keep them running, stop them.
+
+Start: the services of one wave start together and the next wave waits until all of them are healthy (the engines
+first: understanding and generation load and warm up side by side, since neither needs the other to start:
+generation opens understanding's KV pool when it appears; then the gateway).
 
 Each service runs as its own process group (its engine ranks included) under the one supervisor
 (services.kit.supervisor): a service that dies is restarted with exponential backoff within a restart budget;
@@ -48,6 +52,7 @@ class ServiceSpec:
     argv: list[str]
     health_url: str
     env: dict[str, str] = field(default_factory=dict)
+    wave: int = 0                # started with the other services of its wave, once every earlier wave is healthy
 
 
 class ServiceLog:
@@ -226,7 +231,8 @@ class Service:
 
 
 class Stack:
-    """An ordered set of services: started in order (each healthy before the next), stopped in reverse."""
+    """An ordered set of services: started wave by wave (a wave's services together, the next once they are all
+    healthy), stopped in reverse order."""
 
     def __init__(self, specs: list[ServiceSpec], *, out: TextIO = sys.stdout,
                  log_dir: Optional[str] = None, shm_names: Optional[list[str]] = None,
@@ -284,30 +290,40 @@ class Stack:
         return text
 
     def start(self) -> None:
-        """Start the daemons, then each service and wait until it is healthy. StartupError (the stack still runs:
-        call stop())."""
+        """Start the daemons, then the services wave by wave, each wave's together, until all are healthy.
+        StartupError (the stack still runs: call stop())."""
         self._take_shm_names()
         for d in self.daemons:
             if not self._stopping.is_set():
                 d.start(self.say)
-        for s in self.services:
+        for wave in sorted({s.spec.wave for s in self.services}):
             if self._stopping.is_set():
                 break
-            t0 = time.monotonic()
-            self.say(f"starting {s.spec.name}")
-            line = Phase(f"[u1serve] {s.spec.name}")     # a terminal's live line; nothing in a log
-            s.sup.start()
-            while not s.sup.ready:
-                line(s.phase)
-                if self._stopping.wait(0.1):
-                    break
-            line.close("ready" if s.sup.ready else "stopped")
-            if s.sup.ready:
-                self.say(f"{s.spec.name} healthy in {time.monotonic() - t0:.1f}s (pid {s.unit.pid})")
+            self._start_together([s for s in self.services if s.spec.wave == wave])
         if self.failed is not None:
             raise StartupError(self.failure_report())
         if self._stopping.is_set():
             raise StartupError("stopped during start-up")
+
+    def _start_together(self, wave: list[Service]) -> None:
+        t0 = time.monotonic()
+        lines = {}
+        for i, s in enumerate(wave):
+            self.say(f"starting {s.spec.name}")
+            lines[s.spec.name] = Phase(f"[u1serve] {s.spec.name}", position=i)   # a terminal's live lines
+            s.sup.start()
+        waiting = list(wave)
+        while waiting:
+            for s in list(waiting):
+                lines[s.spec.name](s.phase)
+                if s.sup.ready:
+                    waiting.remove(s)
+                    lines[s.spec.name].close("ready")
+                    self.say(f"{s.spec.name} healthy in {time.monotonic() - t0:.1f}s (pid {s.unit.pid})")
+            if waiting and self._stopping.wait(0.1):
+                break
+        for s in waiting:
+            lines[s.spec.name].close("stopped")
 
     def _take_shm_names(self) -> None:
         """The shm names this stack will create: one a live process holds fails the start now, with its owner

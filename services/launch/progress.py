@@ -42,12 +42,13 @@ class Phase:
     """One line for something with phases and no known length (an engine starting): its name, the phase it is
     in, the time since it began."""
 
-    def __init__(self, name: str, stream: Optional[TextIO] = None):
+    def __init__(self, name: str, stream: Optional[TextIO] = None, position: int = 0):
+        """`position`: its row below the cursor, for lines drawn at once (engines starting together)."""
         from tqdm import tqdm
         stream = stream or sys.stderr
         self.name, self._phase = name, "waiting"
         self._bar = tqdm(total=None, desc=f"{name}: {self._phase}", bar_format="{desc} [{elapsed}]",
-                         file=stream, disable=not wanted(stream), leave=True)
+                         file=stream, disable=not wanted(stream), leave=True, position=position)
 
     def __call__(self, phase: str) -> None:
         if phase != self._phase:

@@ -3,7 +3,7 @@ GPU placement, one ServiceSpec per service, ports, secrets, the KV pool, MPS, an
 module level (no torch): `u1serve --help` stays instant. The `--und-*` / `--gen-*` flags (and the engines' shared
 --device, --dtype, --quantization, ...) are the engines' config fields (kit.flags.add_flag_of): their defaults and
 choices are declared once, in the engines' configs.
-To add a service to the stack, add a builder to SERVICE_BUILDERS (started in that order).
+To add a service to the stack, add a builder to SERVICE_BUILDERS (its spec's `wave` says when it starts).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Callable
 from services.base import knobs
 from services.launch import hub
 from services.gateway.config import GatewayConfig
-from services.generation.config import GenerationConfig
+from services.generation.config import KV_POOL_WAIT_S, GenerationConfig
 from services.kit.flags import add_flag_of, choices_of
 from services.launch.lora_flags import add_lora_flags, lora_env, lora_sources
 from services.understanding.config import EngineConfig
@@ -165,6 +165,8 @@ def build_gen(args, ctx) -> "ServiceSpec":
     for spec in lora_specs(args):
         argv += ["--lora", spec]
     argv += ["--rl-reference", getattr(args, "rl_reference", GenerationConfig.rl_reference)]
+    # started beside understanding (launcher waves), on any device: open its KV pool when it appears, before ready
+    argv += ["--kv-pool-wait-s", f"{KV_POOL_WAIT_S:g}"]
     argv += shlex.split(args.gen_args or "")
     return ServiceSpec("gen", argv, f"http://127.0.0.1:{args.gen_port}/health",
                        {**ctx["env"], **pl.env(pl.gen_gpus, pl.gen_fraction)})
@@ -217,7 +219,8 @@ def build_gateway(args, ctx) -> "ServiceSpec":
     if getattr(args, "api_key_file", None):
         argv += ["--api-key-file", args.api_key_file]      # a path, not a secret
     argv += tenancy_gateway_flags(args)
-    return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env)
+    # the second wave: once the engines it routes to are healthy (they start together: launcher.Stack.start)
+    return ServiceSpec("gateway", argv, f"http://127.0.0.1:{args.port}/health", env, wave=1)
 
 
 def tenancy_gateway_flags(args) -> list[str]:

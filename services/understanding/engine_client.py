@@ -26,6 +26,7 @@ import zmq
 
 from services.contract.health import EnginePhase
 from services.kit.engine_thread import EngineThread
+from services.kit.proc import start_without_main
 from services.kit.restart import RestartPolicy
 from services.kit.rundirs import owned_tempdir
 from services.kit.supervisor import Supervisor
@@ -71,7 +72,7 @@ class EngineIncarnation:
             self.procs = [mpctx.Process(target=run_engine, args=(rank, self.cfg), daemon=True,
                                         name=f"u1-und-engine-{rank}") for rank in range(self.cfg.tp)]
         for p in self.procs:
-            p.start()
+            start_without_main(p)
         self._reader = threading.Thread(target=self._read, name=f"und-engine-reader-{tag}", daemon=True)
         self._reader.start()
 

@@ -1,5 +1,6 @@
-"""The launcher with real processes: restarts through the one supervisor (backoff, budget), a service that
-cannot start stops the stack at once with its last lines, and the stop order (reason, then "stopped")."""
+"""The launcher with real processes: a wave's services start together and the next wave once they are healthy,
+restarts through the one supervisor (backoff, budget), a service that cannot start stops the stack at once with its
+last lines, and the stop order (reason, then "stopped")."""
 from __future__ import annotations
 
 import io
@@ -32,6 +33,8 @@ if mode == "exit" or (mode == "sick" and os.path.exists(sys.argv[3])):
     sys.exit(2)
 if mode == "sick":           # healthy once, then it dies and never comes back
     open(sys.argv[3], "w").close()
+if mode == "slow":           # a start that takes a while (an engine loading its weights)
+    time.sleep(2.0)
 srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
 threading.Thread(target=srv.serve_forever, daemon=True).start()
 print("serving", mode, flush=True)
@@ -43,10 +46,23 @@ time.sleep(3600)
 """
 
 
-def spec(name: str, mode: str, *extra: str) -> ServiceSpec:
+def spec(name: str, mode: str, *extra: str, wave: int = 0) -> ServiceSpec:
     port = free_port()
     return ServiceSpec(name, [sys.executable, "-c", SERVICE, str(port), mode, *extra],
-                       f"http://127.0.0.1:{port}/health")
+                       f"http://127.0.0.1:{port}/health", wave=wave)
+
+
+def test_a_waves_services_start_together_and_the_next_wave_after_them():
+    stack, out = stack_of(spec("und", "slow"), spec("gen", "slow"), spec("gateway", "ok", wave=1))
+    t0 = time.monotonic()
+    stack.start()
+    elapsed = time.monotonic() - t0
+    stack.stop()
+    text = out.getvalue()
+    assert elapsed < 3.9, text                     # the two 2-second starts overlapped (one after the other: >= 4 s)
+    assert text.index("starting gen") < text.index("und healthy") and \
+        text.index("starting und") < text.index("gen healthy"), text
+    assert max(text.index("und healthy"), text.index("gen healthy")) < text.index("starting gateway"), text
 
 
 def stack_of(*specs, policy=RestartPolicy(base_delay_s=0.2, max_failures=3, window_s=60)) -> tuple[Stack, io.StringIO]:
@@ -88,13 +104,13 @@ def test_restarts_back_off_while_a_service_cannot_come_back(tmp_path):
     ("error", "und failed: failed to start: its /health reports error: bad checkpoint"),  # it says it cannot run
 ])
 def test_a_service_that_cannot_start_stops_the_stack_at_once(mode, reason):
-    stack, out = stack_of(spec("und", mode), spec("gen", "ok"))
+    stack, out = stack_of(spec("und", mode), spec("gen", "ok", wave=1))
     t0 = time.monotonic()
     with pytest.raises(StartupError) as e:
         stack.start()
     stack.stop()
     assert time.monotonic() - t0 < 20
     assert reason in str(e.value)
-    assert stack.by_name("und").sup.restarts == 0 and stack.by_name("gen").unit is None   # gen never started
+    assert stack.by_name("und").sup.restarts == 0 and stack.by_name("gen").unit is None   # its wave never started
     if mode == "exit":
         assert "fatal: cannot load the checkpoint" in str(e.value)                     # its last lines

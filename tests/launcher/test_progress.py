@@ -96,7 +96,7 @@ def test_a_cpu_start_shows_each_engines_phases_in_its_health_and_on_the_terminal
             for name, url in urls.items():
                 try:
                     phase = httpx.get(url, timeout=5).json()["phase"]
-                except httpx.HTTPError:      # not listening yet (generation starts once understanding is ready)
+                except httpx.HTTPError:      # not listening yet
                     continue
                 if seen[name][-1:] != [phase]:
                     seen[name].append(phase)
