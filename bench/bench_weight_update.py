@@ -32,10 +32,9 @@ def write_gen_update(model_dir: str, out_dir: str, seed: int = 0) -> tuple[int, 
     from safetensors.torch import save_file
 
     from services.model.config import load_config
-    from services.model.model import NeoModel
+    from services.model.skeleton import skeleton
     from services.model.weights_io import key_branch
-    with torch.device("meta"):
-        meta = NeoModel(load_config(model_dir), "gen")
+    meta = skeleton(load_config(model_dir), "gen")
     shapes = {k: p.shape for k, p in meta.named_parameters() if key_branch(k) == "gen"}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)

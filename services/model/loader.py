@@ -23,6 +23,7 @@ from .model import BRANCHES, NeoModel
 from .moe import checkpoint_views, expert_view, stacked_slot
 from .parallel import TPContext, shard, shard_dim
 from .quant_checkpoint import SCHEME_DTYPES
+from .skeleton import skeleton
 
 FP8_DTYPE = torch.float8_e4m3fn
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
@@ -40,8 +41,7 @@ def model_fingerprint(model_dir: str, cfg: NeoConfig | None = None) -> str:
 
 
 def _expected_shapes(cfg: NeoConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        full = NeoModel(cfg, "both")
+    full = skeleton(cfg, "both")
     return {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
 
 
@@ -76,8 +76,7 @@ def load_model(model_dir: str, branch: str = "both", dtype: torch.dtype = torch.
         _attach_tokenizer(model, model_dir)
         model.fingerprint = model_fingerprint(model_dir, cfg)
         return model
-    with torch.device("meta"):
-        model = NeoModel(cfg, branch, tp)
+    model = skeleton(cfg, branch, tp)
     from .gguf_io import find_gguf, read_gguf_state
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:

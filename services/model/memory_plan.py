@@ -157,10 +157,10 @@ def branch_weights(cfg, branch: str) -> BranchWeights:
     """The weights of an engine's branch ("und" / "gen"), from the model built on the meta device."""
     import torch
 
-    from .model import BRANCHES, NeoModel
+    from .model import BRANCHES
+    from .skeleton import skeleton
     from .quant import fp8_eligible, target_linears
-    with torch.device("meta"):
-        model = NeoModel(cfg, branch)
+    model = skeleton(cfg, branch)
     targets, target_ids = [], set()
     for owner, name, full in target_linears(model, BRANCHES[branch]):
         lin = getattr(owner, name)

@@ -13,6 +13,7 @@ from services.base.checkpoint_names import INDEX_FILE
 
 from .config import parse_config
 from .model import NeoModel
+from .skeleton import skeleton
 from .moe import checkpoint_views
 from .tokenizer import byte_unicode as _byte_unicode
 
@@ -150,8 +151,7 @@ def build_random_model(config: dict, branch: str = "both", dtype=torch.bfloat16,
     `layer_done(layer)`: called as each decoder layer is complete (weight streaming moves it to host memory, so the
     device never holds every layer: a streamed 24 GiB plan would not fit them)."""
     cfg = parse_config(config)
-    with torch.device("meta"):
-        model = NeoModel(cfg, branch, tp)
+    model = skeleton(cfg, branch, tp)
     model = model.to(dtype)     # dtype on meta: no fp32 copy (A3B und is 61 GB in bf16)
     g = torch.Generator(device=device).manual_seed(seed)
     names = [n for n, _ in model.named_parameters()]

@@ -33,6 +33,7 @@ from services.base.checkpoint_names import INDEX_FILE
 from .checkpoint_files import FP8_SCALE_SUFFIX, LoadError, weight_map
 from .loader import FP8_DTYPE, lora_deltas, name_list
 from .model import NeoModel
+from .skeleton import skeleton
 from .moe import checkpoint_views
 from .parallel import shard, shard_dim
 
@@ -57,8 +58,7 @@ def checkpoint_shapes(model: NeoModel) -> dict[str, torch.Size]:
     """Every key of the full checkpoint (both branches) -> its full (unsharded) shape."""
     shapes = getattr(model, "_checkpoint_shapes", None)
     if shapes is None:
-        with torch.device("meta"):
-            full = NeoModel(model.cfg, "both")
+        full = skeleton(model.cfg, "both")
         shapes = {k: p.shape for k, p in checkpoint_views(full.named_parameters())}
         model._checkpoint_shapes = shapes
     return shapes
