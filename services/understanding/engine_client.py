@@ -198,6 +198,7 @@ class EngineClient:
             self.on_weights(msg.result)
         elif isinstance(msg, Starting):
             unit.phase = EnginePhase(msg.phase)
+            log.info("understanding engine start: %s", msg.phase)   # in the log too: /health shows only the latest
         elif isinstance(msg, Ready):
             self.kv_cache_tokens, self.max_model_len = msg.kv_cache_tokens, msg.max_model_len
             self.supervisor.mark_ready(unit)
