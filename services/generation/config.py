@@ -35,7 +35,8 @@ YIELD_MAX_WAIT_S = 0.03                    # one wait for the colocated engine's
 KV_POOL_WAIT_S = 30.0
 # RL rollouts: the device memory the states of every running rollout may hold together while their trajectory
 # segments are still being made on the side thread (rollout.py; one state at least; the memory plan counts it with
-# --enable-rl). Four 512² rollouts of n = 8 wait ~1.3 s before it is reached.
+# --enable-rl). Four 512² rollouts of n = 8 hold five 25 MiB states each before it is reached, as the 128 MiB each
+# of the per-rollout bound before.
 RL_WAITING_BYTES = 512 << 20
 
 
