@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, ClassVar, Optional
 
 from services.contract import limits as L
-from services.contract.control import ReleaseRequest
 from services.contract.interleave import InterleaveSegmentRequest
 from services.kit.errors import APIError
 
 from .jobs import GenerationTarget, generate_body, resolve_size
 from .routing import conversation_key
-from .upstream import CONTROL_TIMEOUT_S, Deadline, engine_headers, tell
+from .upstream import Deadline, engine_headers, release_pages
 
 
 @dataclass
@@ -160,8 +159,7 @@ async def run(state, answer: Answer, deadline: Deadline) -> AsyncIterator[dict]:
         if answer.floats:
             url = pins.get("understanding") or state.und.endpoints[0].url
             hdrs = engine_headers(state.config.internal_token, answer.request_id)
-            state.janitor.later(tell(state.http, url + "/internal/release",
-                                     ReleaseRequest(handles=list(answer.floats)).model_dump(), hdrs, CONTROL_TIMEOUT_S))
+            state.janitor.later(release_pages(state.http, url, list(answer.floats), hdrs))
 
 
 def image_span(span_ids: Optional[list[int]], width: int, height: int) -> list[int]:

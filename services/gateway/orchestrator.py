@@ -18,7 +18,7 @@ from typing import AsyncIterator, Optional
 import httpx
 
 from services.contract.control import (AbortRequest, AnswerDoneEvent, ErrorEvent, HandlesEvent, ImageEvent,
-                                      ProgressEvent, ReleaseRequest, TextEvent, ThinkDeltaEvent)
+                                      ProgressEvent, TextEvent, ThinkDeltaEvent)
 from services.contract.rl_weights import WEIGHTS_VERSION_MISMATCH
 from services.kit import timeline
 from services.kit.errors import APIError, unavailable
@@ -30,7 +30,7 @@ from .jobs import ImageJob
 from .metrics import GatewayMetrics
 from .routing import EndpointPool
 from .upstream import (CONTROL_TIMEOUT_S, Deadline, Janitor, Target, engine_headers, error_from_event,
-                       error_from_response, is_timeout, open_stream, reading, tell)
+                       error_from_response, is_timeout, open_stream, reading, release_pages, tell)
 
 log = logging.getLogger("u1serve.gateway")
 UND, GEN = "understanding", "generation"
@@ -194,5 +194,4 @@ class Orchestrator:
                 handles.returned()       # generation did not confirm it has the job: it may never free them
         release = handles.close()
         if release and und.ep is not None:
-            await tell(self.http, und.ep.url + "/internal/release", ReleaseRequest(handles=release).model_dump(),
-                       hdrs, CONTROL_TIMEOUT_S)
+            await release_pages(self.http, und.ep.url, release, hdrs)

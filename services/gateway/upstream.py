@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 import anyio
 import httpx
 
+from services.contract.control import ReleaseRequest
 from services.kit import sse
 from services.kit.errors import APIError, from_event, from_upstream, unavailable
 from services.kit.middleware import TOKEN_HEADER
@@ -25,6 +26,7 @@ T = TypeVar("T")
 log = logging.getLogger("u1serve.gateway")
 DEFAULT_RETRY_AFTER = "1"
 CONTROL_TIMEOUT_S = 5.0          # abort / cancel / release calls
+RELEASE_TRIES = 3                # a release not answered 200 (busy, restarting, the connection dropped) goes again
 
 
 def engine_headers(internal_token: str | None, request_id: str | None = None) -> dict[str, str]:
@@ -216,3 +218,28 @@ async def tell(http: httpx.AsyncClient, url: str, body: dict, hdrs: dict[str, st
     except (httpx.HTTPError, ValueError) as exc:
         log.warning("%s failed: %s", url, type(exc).__name__)
         return None
+
+
+
+async def release_pages(http: httpx.AsyncClient, und_url: str, handles: list[dict], hdrs: dict[str, str]) -> bool:
+    """Give prefix pages back to understanding. Release frees only pages still the handles' (idempotent), so one
+    not answered 200 (understanding busy past the timeout, restarting, a dropped connection) is sent again with
+    backoff, RELEASE_TRIES times, before the pages are left to their lease (kv_lease_s, 300 s by default); a 4xx
+    (handles it cannot read) is final. True once understanding answered 200."""
+    body = ReleaseRequest(handles=handles).model_dump()
+    for attempt in range(RELEASE_TRIES):
+        try:
+            r = await http.post(und_url + "/internal/release", json=body, headers=hdrs, timeout=CONTROL_TIMEOUT_S)
+            if r.status_code == 200:
+                return True
+            if 400 <= r.status_code < 500 and r.status_code != 429:
+                log.warning("release -> %d: %s", r.status_code, r.text[:200])
+                return False
+            why = str(r.status_code)
+        except httpx.HTTPError as exc:
+            why = type(exc).__name__
+        log.warning("release of %d handle(s) at %s failed (%s), try %d of %d", len(handles), und_url, why,
+                    attempt + 1, RELEASE_TRIES)
+        if attempt + 1 < RELEASE_TRIES:
+            await asyncio.sleep(0.5 * 2 ** attempt)
+    return False

@@ -1,9 +1,11 @@
 """What the gateway sends to the engines and relays back, against a scripted HTTP peer standing in for both
 engines (conftest.Peer): the bodies it sends (cache salt, flow_shift on chat images, extension fields, the
 internal token), engine 429s passed on with Retry-After, unknown event fields relayed, malformed generation and
-prefix-stream events refused, and the prefix handles released on every early end once the gateway owns them."""
+prefix-stream events refused, and the prefix handles released on every early end once the gateway owns them (a
+release not answered 200 sent again)."""
 import asyncio
 import hashlib
+import time
 
 import httpx
 import pytest
@@ -206,3 +208,25 @@ def test_every_early_end_releases_the_handles_the_gateway_owns(side_gateway, pee
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
     assert wait_until(lambda: peer.bodies("/internal/abort")[aborts:], 15)
     assert len(peer.bodies("/internal/release")) == before
+
+
+def test_a_release_understanding_does_not_answer_goes_again(side_gateway, peer, keyfile):
+    """Release frees only the pages still the handles' (idempotent), so the gateway sends one that understanding did
+    not answer 200 (busy, restarting) again with backoff instead of leaving the pages to their 300 s lease; a 4xx
+    (handles it cannot read) is not repeated."""
+    base = gw(side_gateway, peer, keyfile)
+    busy = JSONResponse({"error": {"message": "busy", "type": "server_error", "code": "overloaded"}}, 503)
+    answers = iter([busy, busy])                               # the first two tries, then the default 200
+    peer.replies["/internal/release"] = lambda body: next(answers, {"released_pages": 2})
+    peer.replies["/internal/generate"] = lambda body: JSONResponse({"error": {"message": "full"}}, 429)
+    r = post(base, GEN, {"prompt": "p"})
+    assert r.status_code == 429
+    tries = wait_until(lambda: len(peer.bodies("/internal/release")) >= 3 and peer.bodies("/internal/release"), 15)
+    handles = list(peer.bodies("/internal/generate")[-1]["handles"].values())
+    assert [t["handles"] for t in tries] == [handles] * 3      # the same handles each time
+    peer.replies["/internal/release"] = lambda body: JSONResponse({"error": {"message": "bad handles"}}, 400)
+    before = len(peer.bodies("/internal/release"))
+    assert post(base, GEN, {"prompt": "p"}).status_code == 429
+    wait_until(lambda: len(peer.bodies("/internal/release")) > before, 15)
+    time.sleep(1.0)                                            # longer than the first backoff (0.5 s)
+    assert len(peer.bodies("/internal/release")) == before + 1
