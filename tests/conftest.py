@@ -177,13 +177,10 @@ MAX_WORKERS = 4             # each worker may run a stack of several processes b
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker more than the CPUs this process may use (at most MAX_WORKERS): a worker spends much
-    of its time waiting on the processes it started (a start, a timeout, a hung engine's deadline), and with a
-    worker per CPU a quarter of 2-core CI's CPU time was idle (2026-12-07: 38 CPU-minutes in 25.3 minutes on 2).
-    None when the command names test files only -- one file pays no worker start-up.
-    PYTEST_XDIST_AUTO_NUM_WORKERS=N decides, as in xdist."""
+    """`-n auto`: a worker per CPU this process may use (at most MAX_WORKERS), none when the command names test
+    files only -- one file pays no worker start-up. PYTEST_XDIST_AUTO_NUM_WORKERS=N decides, as in xdist."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     if config.args and all(os.path.isfile(arg.split("::")[0]) for arg in config.args):
         return 0
-    return min(len(os.sched_getaffinity(0)) + 1, MAX_WORKERS)
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
