@@ -112,8 +112,9 @@ def test_a_cpu_start_shows_each_engines_phases_in_its_health_and_on_the_terminal
         # each phase once, in the declared order, from the engine starting to ready
         steps = [order.index(EnginePhase(p)) for p in seq]
         assert steps == sorted(set(steps)), (name, seq)
-        assert seq[0] == "starting" and seq[-1] == "ready" and len(seq) >= 3, (name, seq)
-    # a phase can pass between two polls on a fast start (warming the tiny checkpoint): the log has each one
+        assert seq[0] == "starting" and seq[-1] == "ready", (name, seq)
+    # a phase can pass between two polls on a fast start (the tiny checkpoint loads in ~0.1 s, its warm-up is short:
+    # understanding went from starting to ready between two polls): the log has each one
     assert "loading_weights" in seen["understanding"] or \
         "understanding engine start: loading_weights" in stack.output(), seen
     assert "warming" in seen["generation"] or "generation engine start: warming" in stack.output(), seen
