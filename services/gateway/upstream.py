@@ -220,7 +220,6 @@ async def tell(http: httpx.AsyncClient, url: str, body: dict, hdrs: dict[str, st
         return None
 
 
-
 async def release_pages(http: httpx.AsyncClient, und_url: str, handles: list[dict], hdrs: dict[str, str]) -> bool:
     """Give prefix pages back to understanding. Release frees only pages still the handles' (idempotent), so one
     not answered 200 (understanding busy past the timeout, restarting, a dropped connection) is sent again with
