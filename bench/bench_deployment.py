@@ -5,7 +5,8 @@ Each profile is a `u1serve up` command line; the stack serves a full-size geomet
   - image: N sequential T2I requests (size, steps, CFG 4): end-to-end seconds and seconds per step
     (median gap between consecutive progress events);
   - chat: K concurrent streaming chats, inter-token latency (median / p90 gap between content chunks),
-    alone and while M image requests run (the case for `separate`: image jobs must not slow text).
+    alone and while M image requests run, each client's next one as soon as the last ends, from before the chats
+    start until they end (the case for `separate`: image jobs must not slow text).
 
 GPU (2 H200): python -m bench.bench_deployment --profiles colocate-tp2-cfg2,separate-1+1
 GPU (2 H200), colocate QoS: --profiles colocate-tp2-cfg2-yield (image s/step is also measured
@@ -37,7 +38,8 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-async def image_request(client, size: str, steps: int, seed: int) -> dict:
+async def image_request(client, size: str, steps: int, seed: int, stepping: asyncio.Event | None = None) -> dict:
+    """One streamed T2I request; `stepping` is set at its first progress event (its denoise steps run)."""
     body = {"prompt": f"a lighthouse at dusk, {seed}", "size": size, "num_inference_steps": steps,
             "guidance_scale": 4.0, "seed": seed, "stream": True}
     t0 = time.perf_counter()
@@ -49,6 +51,8 @@ async def image_request(client, size: str, steps: int, seed: int) -> dict:
             kind = ev.get("type", "")
             if kind.endswith("progress"):
                 progress.append(time.perf_counter())
+                if stepping is not None:
+                    stepping.set()
             elif kind == "error" or "error" in ev and kind == "":
                 raise RuntimeError(f"image stream error: {ev}")
     total = time.perf_counter() - t0
@@ -89,19 +93,32 @@ async def chats(client, n: int, tokens: int) -> dict:
     return {"itl_p50_ms": 1e3 * pct(gaps, 0.5), "itl_p90_ms": 1e3 * pct(gaps, 0.9), "chunks": len(gaps)}
 
 
+async def image_load(client, args, seed: int, stepping: asyncio.Event, until: asyncio.Event) -> list[dict]:
+    """Image requests one after another until `until` is set: the load lasts as long as the chats it is measured
+    beside, however fast the host is (a fixed set of requests once finished before the chats began)."""
+    done = []
+    while not until.is_set():
+        done.append(await image_request(client, args.size, args.steps, seed, stepping))
+        seed += 1000
+    return done
+
+
 async def measure(base: str, args) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(1800.0)) as client:
         await image_request(client, "256x256", 2, 0)  # warm-up (kernels, graphs, allocator)
         await chats(client, 2, 8)
         singles = [await image_request(client, args.size, args.steps, 100 + i) for i in range(args.requests)]
         alone = await chats(client, args.chat_streams, args.chat_tokens)
-        load = [asyncio.create_task(image_request(client, args.size, args.steps, 200 + i))
+        stepping, chats_over = asyncio.Event(), asyncio.Event()
+        load = [asyncio.create_task(image_load(client, args, 200 + i, stepping, chats_over))
                 for i in range(args.image_load)]
+        await stepping.wait()                      # the load's steps run: the chats start beside them
         await asyncio.sleep(args.load_delay)
         t0 = time.perf_counter()
         loaded = await chats(client, args.chat_streams, args.chat_tokens)
         t1 = time.perf_counter()
-        during = gaps_within(await asyncio.gather(*load), t0, t1)
+        chats_over.set()
+        during = gaps_within(sum(await asyncio.gather(*load), []), t0, t1)
     return {"image": {"e2e_s": statistics.median(s["e2e_s"] for s in singles),
                       "step_s": statistics.median(s["step_s"] for s in singles if s["step_s"]),
                       "step_s_with_chat": statistics.median(during) if during else None},
@@ -130,7 +147,8 @@ def main() -> None:
     p.add_argument("--chat-streams", type=int, default=8)
     p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--image-load", type=int, default=2)
-    p.add_argument("--load-delay", type=float, default=3.0, help="seconds between image load and chats")
+    p.add_argument("--load-delay", type=float, default=3.0,
+                   help="seconds between the image load's first step and the chats (the load then runs until they end)")
     args = p.parse_args()
     sys.exit(exit_status(run_all(args, prepare_model(args), measure, table)))
 

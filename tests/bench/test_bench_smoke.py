@@ -78,9 +78,9 @@ SMOKES = {
     "breakdown-services": Smoke(("bench.bench_breakdown", "--part", "services", "--model", "tiny", "--device", "cpu",
                                  "--size", "64", "--steps", "4", "--repeat", "2", "--json", "{tmp}/out.json"),
                                 ("stages", "total_s", "step_s", "non_steps_s")),
-    # image steps while the chats run too: enough steps (40) that the load, starting 0.1 s before the chats,
-    # outlasts them on an idle box as well (4 steps at 0.03 s had finished before the chats began), and chats long
-    # enough (64 tokens) that the images' steps start before they end on a loaded box (16 tokens: once none did)
+    # image steps while the chats run too: the chats start once the load's first step is seen and the load goes on
+    # until they end (a fixed load of 40-step images once finished, or had not begun its steps, outside the chats'
+    # window: step_s_with_chat null, 2026-12-07); chats of 64 tokens span several 40-step images' steps
     "deployment": Smoke(("bench.bench_deployment", *ON_STACK, "--size", "64x64", "--steps", "40", "--chat-tokens", "64",
                          "--requests", "1", "--load-delay", "0.1"),
                         tuple(PROFILE + p for p in ("image", "chat_alone", "chat_with_images"))),
