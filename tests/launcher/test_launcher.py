@@ -54,12 +54,11 @@ def spec(name: str, mode: str, *extra: str, wave: int = 0) -> ServiceSpec:
 
 def test_a_waves_services_start_together_and_the_next_wave_after_them():
     stack, out = stack_of(spec("und", "slow"), spec("gen", "slow"), spec("gateway", "ok", wave=1))
-    t0 = time.monotonic()
     stack.start()
-    elapsed = time.monotonic() - t0
     stack.stop()
     text = out.getvalue()
-    assert elapsed < 3.9, text                     # the two 2-second starts overlapped (one after the other: >= 4 s)
+    # the two 2-second starts overlapped: each began before the other was healthy (read from the order of the lines,
+    # not from a wall time, which a loaded host stretches)
     assert text.index("starting gen") < text.index("und healthy") and \
         text.index("starting und") < text.index("gen healthy"), text
     assert max(text.index("und healthy"), text.index("gen healthy")) < text.index("starting gateway"), text
