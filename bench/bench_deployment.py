@@ -112,7 +112,13 @@ async def measure(base: str, args) -> dict:
         stepping, chats_over = asyncio.Event(), asyncio.Event()
         load = [asyncio.create_task(image_load(client, args, 200 + i, stepping, chats_over))
                 for i in range(args.image_load)]
-        await stepping.wait()                      # the load's steps run: the chats start beside them
+        started = asyncio.create_task(stepping.wait())   # the load's steps run: the chats start beside them
+        await asyncio.wait([started, *load], return_when=asyncio.FIRST_COMPLETED)
+        if not stepping.is_set():                  # a load request failed before any step: its error, not a hang
+            started.cancel()
+            for task in load:
+                if task.done():
+                    task.result()
         await asyncio.sleep(args.load_delay)
         t0 = time.perf_counter()
         loaded = await chats(client, args.chat_streams, args.chat_tokens)
