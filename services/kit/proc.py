@@ -7,8 +7,10 @@ import ctypes
 import multiprocessing
 import signal
 import sys
+import threading
 
 _PR_SET_PDEATHSIG = 1
+_MAIN_HIDDEN = threading.Lock()      # two starts at once must not save each other's hidden __main__ as the original
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -39,14 +41,16 @@ def start_without_main(process) -> None:
     if not isinstance(process, multiprocessing.process.BaseProcess):
         process.start()
         return
-    main = sys.modules["__main__"]
-    spec, had_file, file = getattr(main, "__spec__", None), hasattr(main, "__file__"), getattr(main, "__file__", None)
-    main.__spec__ = None
-    if had_file:
-        del main.__file__
-    try:
-        process.start()
-    finally:
-        main.__spec__ = spec
+    with _MAIN_HIDDEN:
+        main = sys.modules["__main__"]
+        spec, had_file = getattr(main, "__spec__", None), hasattr(main, "__file__")
+        file = getattr(main, "__file__", None)
+        main.__spec__ = None
         if had_file:
-            main.__file__ = file
+            del main.__file__
+        try:
+            process.start()
+        finally:
+            main.__spec__ = spec
+            if had_file:
+                main.__file__ = file
