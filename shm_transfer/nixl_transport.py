@@ -12,8 +12,9 @@ buffer on the destination's device (pinned host or GPU), READ the rows again (a 
 means torn data: HandleError pages_freed, as with shm), then the usual import kernel from staging into
 dst. Handle ids are never reused, so "still owned after the read" proves the bytes were not reclaimed.
 release / extend_lease are notifications; claim() renews a short lease from a heartbeat thread for as
-long as this process lives, so a killed consumer's claims lapse within `claim_lease_s` (a remote claimer's
-liveness cannot be tested through a lock as on one host).
+long as this process lives, so a killed consumer's claims stop being renewed within `claim_lease_s` (a remote
+claimer's liveness cannot be tested through a lock as on one host); a lease is never shortened, so its pages then
+wait for the gateway's release or the handle's own lease.
 
 Same host: when the consumer shares the producer's /dev/shm (same host, or the same pod) it maps the
 handle's pool and moves the bytes through shared memory like LocalShmTransport (full speed, lock-based

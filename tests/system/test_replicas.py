@@ -163,7 +163,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests(replicas):
     assert after == [200] * 4                                  # new requests go to the survivor
     health = httpx.get(gw.url + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "degraded"   # still serving
-    # the victim's handles came back (gateway release or claim lapse): no pool holds a page
+    # the victim's handles came back (the gateway released them: their lease is minutes): no pool holds a page
     no_page_held(pools, und + gen + [gw])
 
     # an understanding replica dies too: its in-flight prefixes fail, the survivor serves the rest
