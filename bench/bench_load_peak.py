@@ -45,7 +45,8 @@ def write_branch(out_dir: str, config: dict, branch: str, dtype, device) -> str:
 
 def engine_share(cfg, weights, fmt: str, budget: int, itemsize: int) -> int | None:
     """The allocator share of each engine in the plan for `fmt` / `fmt` on `budget` (None: nothing fits)."""
-    s = M.Settings(images=plan_image_limits(), und_format=fmt, gen_format=fmt, itemsize=itemsize)
+    s = M.Settings(images=plan_image_limits(), und_format=fmt, gen_format=fmt, itemsize=itemsize,
+                   streaming_fallback=0)    # resident: this loads the branch whole (streaming has its own bench)
     found = M.plan(cfg, s, budget, "colocate", weights)
     p = found["asked"] if found["asked"].fits else found["fix"]
     if p is None:
@@ -58,6 +59,7 @@ def peak_of(device, cap: int | None, load) -> dict:
     holds after, seconds; an out-of-memory is the result, not a crash."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
+        device = torch.device("cuda", torch.device(device).index or 0)  # the allocator's cap needs an index
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         total = torch.cuda.get_device_properties(device).total_memory

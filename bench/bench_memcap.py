@@ -172,6 +172,7 @@ def measure_fn(args, setting: dict):
         sampler = PeakSampler(pids, gpu=not args.tiny)
         sampler.start()
         side, steps, (a, b) = setting["side"], args.steps, args.sizes
+        a = min(a, side)    # image A, the edit and the interleave at the plan's largest side when that is smaller
         res = {}
         async with httpx.AsyncClient(base_url=base, timeout=args.request_timeout) as c:
             res["chat"] = await _timed(chat(c))

@@ -153,7 +153,8 @@ def checks(stack: Stack) -> list[tuple[str, Callable[[httpx.Client], str]]]:
         kinds = s["by_kind"]
         assert kinds["cancel"]["n"] >= 4 and kinds["bad"]["ok"] == 0, kinds
         for k in ("chat", "chat_stream", "image", "image_stream", "edit"):
-            assert kinds[k]["ok"] == kinds[k]["n"], (k, kinds[k])
+            assert kinds[k]["ok"] == kinds[k]["n"], (k, kinds[k], [f"{o.status} {o.error_code}" for o in outs
+                                                                  if o.kind == k and o.status != 200])
         return f"{s['requests']} requests, {s['images']} images, statuses " + \
             ", ".join(f"{k} {v['statuses']}" for k, v in kinds.items())
 

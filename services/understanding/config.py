@@ -97,6 +97,9 @@ class ServerConfig(StreamSettings, EngineConfig):
         "lease of exported prefix pages (reclaimed after it if nobody releases them)"))
     max_prefix_pool_share: float = field(default=0.5, metadata=flag(
         "largest share of the KV pool one image-prefix request may reserve (larger: 400)"))
+    prefix_pages_wait_s: float = field(default=10.0, metadata=flag(
+        "how long an image-prefix request waits for KV pool pages that others hold before 429 kv_pool_full "
+        "(0: at once); a burst then queues for the pages instead of being refused"))
     # admission and the engine's restarts
     max_queued_requests: Optional[int] = field(default=None, metadata=flag(
         "requests that may wait beyond the running ones; more get 429 (unset: max(16, KV cache tokens / 256))"))
@@ -129,6 +132,8 @@ class ServerConfig(StreamSettings, EngineConfig):
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         StreamSettings.__post_init__(self)
+        if self.prefix_pages_wait_s < 0:
+            raise ValueError("--prefix-pages-wait-s must be >= 0")
         if not 0 < self.max_prefix_pool_share <= 1:
             raise ValueError("--max-prefix-pool-share must be in (0, 1]")
         if self.kv_transport == "nixl" and not self.kv_pool_name:

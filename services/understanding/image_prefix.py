@@ -31,6 +31,8 @@ from .responses import sse_response, until_done_or_gone
 from .sampling import SamplingParams
 from .textgen import output_error
 
+PAGES_POLL_S = 0.02     # how often a request waiting for pool pages tries again (a try is one lock and a scan)
+
 log = logging.getLogger("u1serve.understanding.prefix")
 
 
@@ -223,14 +225,29 @@ class ImagePrefixService:
         if req.think_token_ids is not None:     # RL scoring: the sampled think block, prefilled as is
             tail = st.tok.encode(PR.THINK_TAIL)
             inputs["cond"].input_ids = list(inputs["cond"].input_ids) + list(req.think_token_ids) + tail
-            return self.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora)
+            return await self._start_when_pages_free(admission, lambda a: self.start_job(
+                req.request_id, inputs, a, req.cache_salt, lora=req.lora))
         sample = None
         if req.think and req.think_temperature is not None:
             sample = SamplingParams(max_tokens=1, temperature=req.think_temperature, top_p=req.think_top_p,
                                     seed=req.think_seed, logprobs=0,
                                     logit_bias={i: float("-inf") for i in PR.think_excluded_ids(st.tok)})
-        return self.start_job(req.request_id, inputs, admission, req.cache_salt, req.think, req.max_think_tokens,
-                              sample, lora=req.lora)
+        return await self._start_when_pages_free(admission, lambda a: self.start_job(
+            req.request_id, inputs, a, req.cache_salt, req.think, req.max_think_tokens, sample, lora=req.lora))
+
+    async def _start_when_pages_free(self, admission, start) -> PrefixJob:
+        """`start(admission)`; while the pool's pages are all held by other requests (429 kv_pool_full), wait for
+        them and try again, up to --prefix-pages-wait-s: a burst queues for pages (they free as generation takes
+        the prefixes) instead of being refused. Each try is admitted anew: a failed start closed its admission."""
+        deadline = time.monotonic() + self.state.args.prefix_pages_wait_s
+        while True:
+            try:
+                return start(admission)
+            except APIError as e:
+                if e.code != "kv_pool_full" or time.monotonic() + PAGES_POLL_S > deadline:
+                    raise
+            await asyncio.sleep(PAGES_POLL_S)
+            admission = self.state.admit()
 
     def start_job(self, request_id: str, inputs: dict, admission, cache_salt: Optional[str] = None,
                   think: bool = False, max_think_tokens: int = 0,

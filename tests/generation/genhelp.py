@@ -186,7 +186,8 @@ class UndServer:
                      "--dtype", "float32", "--kv-pool-name", pool_name, "--kv-pool-gb",
                      str(pool_gb), "--kv-page-tokens", "16", "--kv-lease-s", str(lease_s),
                      "--kv-cache-tokens", "8192", "--max-model-len", "4096",
-                     "--internal-token", TOKEN, "--log-level", "warning"]
+                     "--internal-token", TOKEN, "--log-level", "warning",
+                     "--prefix-pages-wait-s", "0"]    # a full pool answers 429 at once (tests that fill it)
         self.proc = None
         self.knobs: dict[str, str] = {}           # launch()'s extra environment (GenServer's knobs=)
 

@@ -85,6 +85,9 @@ def ref(tiny_dir):
     return load_model(tiny_dir, "und", dtype=torch.float32), NeoTokenizer.from_dir(tiny_dir)
 
 
+PAGES_WAIT_S = 2.0
+
+
 def _start(tiny_dir, tmp_path_factory, *extra, **kw):
     return UndServer(tiny_dir, *extra, log_dir=str(tmp_path_factory.mktemp("und-logs")), **kw)
 
@@ -99,9 +102,10 @@ def server(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def server_plain(tiny_dir, tmp_path_factory):
-    """No chunking, no prefix cache, and a small shm pool (for the pool-full case)."""
+    """No chunking, no prefix cache, and a small shm pool (for the pool-full case: a request waits up to 2 s for
+    pages)."""
     s = _start(tiny_dir, tmp_path_factory, "--chunked-prefill-size", "0", "--no-prefix-cache",
-               "--max-prefix-pool-share", "1", pool_gb=0.0008).wait_ready()
+               "--max-prefix-pool-share", "1", "--prefix-pages-wait-s", str(PAGES_WAIT_S), pool_gb=0.0008).wait_ready()
     yield s
     s.stop()
 

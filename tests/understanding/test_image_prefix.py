@@ -1,7 +1,10 @@
 """POST /internal/image_prefix: the KV read back from the shm pool equals the reference pipeline's prefix KV
-for every branch (T2I, 2- and 3-branch editing, think mode, TP=2); pool full -> fast 503; release frees."""
+for every branch (T2I, 2- and 3-branch editing, think mode, TP=2); a full pool is waited for, then 429; release
+frees."""
 from __future__ import annotations
 
+import threading
+import time
 
 import httpx
 import pytest
@@ -11,7 +14,7 @@ from services.contract.image import SamplerParams
 from services.kit import sse
 from services.model import reference as R
 
-from .conftest import TOKEN
+from .conftest import PAGES_WAIT_S, TOKEN
 from .helpers import make_image
 
 H = {"X-U1-Internal-Token": TOKEN}
@@ -101,17 +104,29 @@ def test_tp2_prefix_export_matches_reference(server_tp2, ref):
     _check_against_reference(server_tp2, ref, body, r.json()["handles"], r.json()["think_text"])
 
 
-def test_pool_full_is_fast_429_and_recovers(server_plain):
+def test_a_full_pool_is_waited_for_then_429_and_recovers(server_plain):
+    """A request finding every page held waits for them (--prefix-pages-wait-s): released meanwhile, it gets them;
+    never released, it gets 429 kv_pool_full with Retry-After once the wait is over."""
     body = {"mode": "t2i", "prompt": "a small house", "guidance_scale": 4.0}
     first = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-1"})
     assert first.status_code == 200, first.text
-    second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=10)
-    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
-    assert second.json()["error"]["code"] == "kv_pool_full"
-    _post(server_plain, "/internal/release", {"handles": list(first.json()["handles"].values())})
-    third = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-3"})
-    assert third.status_code == 200, third.text
-    _post(server_plain, "/internal/release", {"handles": list(third.json()["handles"].values())})
+    release = threading.Timer(0.6, _post, (server_plain, "/internal/release",
+                                           {"handles": list(first.json()["handles"].values())}))
+    t0 = time.monotonic()
+    release.start()
+    second = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-2"}, timeout=30)
+    assert second.status_code == 200 and time.monotonic() - t0 >= 0.5, second.text
+    release.join()
+    t0 = time.monotonic()
+    third = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-3"}, timeout=30)
+    waited = time.monotonic() - t0
+    assert third.status_code == 429 and int(third.headers["retry-after"]) >= 1, third.text
+    assert third.json()["error"]["code"] == "kv_pool_full"
+    assert PAGES_WAIT_S - 0.1 <= waited < PAGES_WAIT_S + 20, waited
+    _post(server_plain, "/internal/release", {"handles": list(second.json()["handles"].values())})
+    fourth = _post(server_plain, "/internal/image_prefix", {**body, "request_id": "full-4"})
+    assert fourth.status_code == 200, fourth.text
+    _post(server_plain, "/internal/release", {"handles": list(fourth.json()["handles"].values())})
     assert server_plain.wait_idle()["shm_pages_used"] == 0
 
 
