@@ -4,8 +4,8 @@
 - A job queued in generation sends a heartbeat every GEN_HEARTBEAT_S (an SSE comment): below the gateway's
   idle limit, so the gateway keeps waiting until generation's queue timeout answers 429 `queue_timeout`.
 - That queue timeout is below the gateway's request deadline (else the deadline's 504 comes first).
-- Understanding sends nothing while a request waits for admission: its queue timeout is below the gateway's
-  idle limit.
+- Understanding sends nothing while a request waits for admission, nor while an image request waits for KV pool
+  pages: its queue timeout and its pages wait are below the gateway's idle limit.
 
 `u1serve up` checks the flags it passes (`problems`) and refuses a stack whose limits are out of order.
 """
@@ -21,10 +21,11 @@ GATEWAY_REQUEST_TIMEOUT_S = 3600.0    # gateway --request-timeout-s
 GEN_MAX_QUEUE_WAIT_S = 600.0          # generation --max-queue-wait-s
 GEN_HEARTBEAT_S = 15.0                # generation --stream-heartbeat-s
 UND_MAX_QUEUE_WAIT_S = 120.0          # understanding --max-queue-wait-s
+UND_PREFIX_PAGES_WAIT_S = 10.0        # understanding --prefix-pages-wait-s
 
 
 def problems(*, gateway_idle_s: float, gateway_request_s: float, gen_queue_wait_s: float, gen_heartbeat_s: float,
-             und_queue_wait_s: float) -> list[str]:
+             und_queue_wait_s: float, und_pages_wait_s: float = UND_PREFIX_PAGES_WAIT_S) -> list[str]:
     """What is out of order, in words naming the flags; [] when the limits agree."""
     out = []
     idle = f"the gateway's --upstream-idle-timeout-s {gateway_idle_s:g}"
@@ -40,6 +41,9 @@ def problems(*, gateway_idle_s: float, gateway_request_s: float, gen_queue_wait_
     if not 0 < und_queue_wait_s < gateway_idle_s:
         out.append(f"understanding's --max-queue-wait-s {und_queue_wait_s:g} must be above 0 and below {idle} "
                    "(a request waiting for admission sends nothing)")
+    if und_pages_wait_s >= gateway_idle_s:
+        out.append(f"understanding's --prefix-pages-wait-s {und_pages_wait_s:g} must be below {idle} (an image "
+                   "request waiting for KV pool pages sends nothing)")
     return out
 
 
@@ -61,7 +65,7 @@ def stack_problems(und_args: str, gen_args: str, gateway_args: str, env=None) ->
                 upstream_idle_timeout_s=_gateway_env("--upstream-idle-timeout-s", env, GATEWAY_IDLE_TIMEOUT_S),
                 request_timeout_s=_gateway_env("--request-timeout-s", env, GATEWAY_REQUEST_TIMEOUT_S))
     gen = _flags(gen_args, max_queue_wait_s=GEN_MAX_QUEUE_WAIT_S, stream_heartbeat_s=GEN_HEARTBEAT_S)
-    und = _flags(und_args, max_queue_wait_s=UND_MAX_QUEUE_WAIT_S)
+    und = _flags(und_args, max_queue_wait_s=UND_MAX_QUEUE_WAIT_S, prefix_pages_wait_s=UND_PREFIX_PAGES_WAIT_S)
     return problems(gateway_idle_s=gw.upstream_idle_timeout_s, gateway_request_s=gw.request_timeout_s,
                     gen_queue_wait_s=gen.max_queue_wait_s, gen_heartbeat_s=gen.stream_heartbeat_s,
-                    und_queue_wait_s=und.max_queue_wait_s)
+                    und_queue_wait_s=und.max_queue_wait_s, und_pages_wait_s=und.prefix_pages_wait_s)

@@ -97,7 +97,7 @@ class ServerConfig(StreamSettings, EngineConfig):
         "lease of exported prefix pages (reclaimed after it if nobody releases them)"))
     max_prefix_pool_share: float = field(default=0.5, metadata=flag(
         "largest share of the KV pool one image-prefix request may reserve (larger: 400)"))
-    prefix_pages_wait_s: float = field(default=10.0, metadata=flag(
+    prefix_pages_wait_s: float = field(default=timeouts.UND_PREFIX_PAGES_WAIT_S, metadata=flag(
         "how long an image-prefix request waits for KV pool pages that others hold before 429 kv_pool_full "
         "(0: at once); a burst then queues for the pages instead of being refused"))
     # admission and the engine's restarts

@@ -225,17 +225,17 @@ class ImagePrefixService:
         if req.think_token_ids is not None:     # RL scoring: the sampled think block, prefilled as is
             tail = st.tok.encode(PR.THINK_TAIL)
             inputs["cond"].input_ids = list(inputs["cond"].input_ids) + list(req.think_token_ids) + tail
-            return await self._start_when_pages_free(admission, lambda a: self.start_job(
+            return await self.start_when_pages_free(admission, lambda a: self.start_job(
                 req.request_id, inputs, a, req.cache_salt, lora=req.lora))
         sample = None
         if req.think and req.think_temperature is not None:
             sample = SamplingParams(max_tokens=1, temperature=req.think_temperature, top_p=req.think_top_p,
                                     seed=req.think_seed, logprobs=0,
                                     logit_bias={i: float("-inf") for i in PR.think_excluded_ids(st.tok)})
-        return await self._start_when_pages_free(admission, lambda a: self.start_job(
+        return await self.start_when_pages_free(admission, lambda a: self.start_job(
             req.request_id, inputs, a, req.cache_salt, req.think, req.max_think_tokens, sample, lora=req.lora))
 
-    async def _start_when_pages_free(self, admission, start) -> PrefixJob:
+    async def start_when_pages_free(self, admission, start) -> PrefixJob:
         """`start(admission)`; while the pool's pages are all held by other requests (429 kv_pool_full), wait for
         them and try again, up to --prefix-pages-wait-s: a burst queues for pages (they free as generation takes
         the prefixes) instead of being refused. Each try is admitted anew: a failed start closed its admission."""

@@ -213,9 +213,10 @@ class InterleaveService:
             salts = None
             if row_blocks.enabled(st.args.device):
                 salts = await self._official_blocks(rid, tu, inputs, req)
-            # the prefix job takes over the segment's admission slot (the text request is done)
-            job = st.prefixes.start_job(req.request_id, inputs, admission, req.cache_salt, lora=req.lora,
-                                        salts=salts)
+            # the prefix job takes over the segment's admission slot (the text request is done); a full pool is
+            # waited for as an image request's is
+            job = await st.prefixes.start_when_pages_free(admission, lambda a: st.prefixes.start_job(
+                req.request_id, inputs, a, req.cache_salt, lora=req.lora, salts=salts))
             async for pev in job.events():
                 if isinstance(pev, APIError):
                     raise pev

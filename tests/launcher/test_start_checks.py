@@ -53,6 +53,7 @@ def test_a_dry_run_plans_named_gpus_without_cuda():
     (["--gateway-args", "--request-timeout-s 300"], "--max-queue-wait-s 600 must be below the gateway's "
                                                     "--request-timeout-s 300"),
     (["--und-args", "--max-queue-wait-s 400"], "understanding's --max-queue-wait-s 400"),
+    (["--und-args", "--prefix-pages-wait-s 300"], "understanding's --prefix-pages-wait-s 300 must be below"),
     (["--gateway-args=--upstream-idle-timeout-s=5"], "must be below the gateway's --upstream-idle-timeout-s 5"),
 ])
 def test_timeouts_out_of_order_are_refused(flags, says):

@@ -32,7 +32,8 @@ def small(tiny_dir, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     s = UndServer(tiny_dir, "--chunked-prefill-size", "0", "--max-running-requests", "1",
                   "--max-queued-requests", "2", "--max-queue-wait-s", str(QUEUE_WAIT_S),
-                  "--max-prefix-pool-share", "0.5", "--prefix-pages-wait-s", "0", "--max-model-len", str(HOG_TOKENS + 64), pool_gb=0.0016,
+                  "--max-prefix-pool-share", "0.5", "--prefix-pages-wait-s", "0", "--max-model-len",
+                  str(HOG_TOKENS + 64), pool_gb=0.0016,
                   log_dir=str(d),
                   token_args=("--internal-token-file", str(token_file))).wait_ready()
     yield s
