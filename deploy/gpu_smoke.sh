@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of every deployment profile this machine can hold, through the public API (deploy/gpu_smoke.py
-# has the checks): 1 GPU: colocate, and colocate with generation's weight streaming (--weight-streaming-layers 2);
+# has the checks): 1 GPU: colocate, colocate with generation's weight streaming (--weight-streaming-layers 2), and
+# both engines in one process (--colocate-engines fused --gen-sm-percent 75);
 # 2+ GPUs: also colocate TP2 + CFG2, separate 1 + 1, colocate TP2 + SP2 and colocate TP2 + CFG2 with QoS
 # (--qos-yield-share). On request only (--profiles): colocate-1-mps,
 # colocate-1-mps-normal (--gen-priority normal) and colocate-tp2-cfg2-mps (--gpu-sharing mps; they need
