@@ -90,6 +90,11 @@ SMOKES = {
                   "--log-dir", "{tmp}", "--json", "{tmp}/out.json"),
                  tuple(f"results/cpu-colocate/{k}" for k in ("chat_p50_s", "chat_p99_s", "chat_steady_p50_s", "images_per_min",
                                                              "images_share", "qos", "cache"))),
+    # the load peak of int8 from a float checkpoint per branch (bench/gpu_memcap.sh loadpeak; the peaks are CUDA's
+    # allocator figures, so on the CPU the load and the plan's peak are what it fills)
+    "load-peak": Smoke(("bench.bench_load_peak", "--tiny", "--json", "{tmp}/out.json"),
+                       tuple(f"results/{b}/{p}" for b in ("gen", "und")
+                             for p in ("plan_load_peak_bytes", "layerwise/load_s", "after_load/load_s"))),
     # resident vs streamed decoder layers (1 slot, 4 layers): the run fails itself where a streamed step differs
     "weight-streaming": Smoke(("bench.bench_weight_streaming", "--smoke", "--json", "{tmp}/out.json"),
                               ("formats/bf16/rows", "formats/bf16/bandwidth", "formats/int8/rows", "formats/int8/streamer"),
