@@ -253,10 +253,13 @@ def test_sigterm_drains_a_streamed_chat_within_the_grace_period(stack, side_gate
             g.proc.send_signal(signal.SIGTERM)
             time.sleep(1.0)
             assert g.proc.poll() is None          # draining, not gone
-    events = _stream_chat(g, 24, sigterm_while_in_flight)
+    # long enough that the engine cannot have decoded it all between the first event and the freeze (24 tokens
+    # could, on a loaded machine: the whole answer then sat in the socket and the gateway had nothing to drain)
+    tokens = 400
+    events = _stream_chat(g, tokens, sigterm_while_in_flight)
     assert events[-1] == "[DONE]"
     assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
-    assert events[-2]["usage"]["completion_tokens"] == 24
+    assert events[-2]["usage"]["completion_tokens"] == tokens
     assert g.proc.wait(30) in (0, -signal.SIGTERM)       # uvicorn re-raises the signal it handled
 
 
