@@ -15,8 +15,8 @@
 #   deploy/gpu_smoke.sh --profiles colocate-tp2-sp2,colocate-tp2-sp2-kv      # both SP modes (2 GPUs)
 #   deploy/gpu_smoke.sh --profiles colocate-tp2-sp2-kv-graphs               # SP with CUDA graphs (2 GPUs)
 #
-# Each profile gets a time limit (PROFILE_LIMIT_S, default 170 s on GPU: the five profiles of a 2-GPU machine
-# finish in about 7 minutes: under a 10-minute limit, run them in two calls with --profiles; 240 s on CPU).
+# Each profile gets a time limit (PROFILE_LIMIT_S, default 170 s on GPU: the seven profiles of a 2-GPU machine
+# finish in about 8 minutes: under a 10-minute limit, run them in two calls with --profiles; 240 s on CPU).
 # Results: a markdown table on stdout, OUT/<profile>.json, OUT/summary.json
 # and OUT/summary.md (OUT defaults to $OUT, else /tmp/u1serve-gpu-smoke). Exit code 0 only if every check passed.
 #
