@@ -8,11 +8,12 @@ block, and for a batch of base rows only, the hook returns at once (the model ru
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels.lora import lora_apply_, slot_groups
+from services.model import row_blocks
 
 
 @dataclass
@@ -20,10 +21,22 @@ class LoraBatch:
     """The slots of one forward's rows: on the device (Triton) and as host groups (torch path)."""
     slots: torch.Tensor                 # [T] int32, model device
     groups: list                        # [(slot, host row indices)]
+    _by_blocks: dict = field(default_factory=dict, repr=False)    # block_groups by sizes, per forward
 
     @property
     def rows(self) -> int:
         return int(self.slots.numel())
+
+    def block_groups(self, sizes: list[int]) -> list:
+        """The groups split at row-block bounds (row_blocks): each block's product its own GEMM, as alone."""
+        key = tuple(sizes)
+        cached = self._by_blocks.get(key)
+        if cached is None:
+            bounds = torch.tensor(sizes).cumsum(0)
+            cached = [(s, part) for s, rows in self.groups
+                      for part in rows.tensor_split(torch.searchsorted(rows, bounds[:-1]).tolist()) if part.numel()]
+            self._by_blocks[key] = cached
+        return cached
 
     def subset(self, rows: torch.Tensor) -> "LoraBatch":
         host = self.slots.cpu().index_select(0, rows.cpu())
@@ -85,5 +98,7 @@ class LoraHook:
         if x2.shape[0] != batch.rows:
             raise RuntimeError(f"LoRA: {self.name} ran on {x2.shape[0]} rows, the batch set {batch.rows} "
                                "(lora_rows / lora_subset around every forward of a LoRA batch)")
-        lora_apply_(output.view(-1, output.shape[-1]), x2, self.a, self.b, batch.slots, batch.groups)
+        blocks = row_blocks.active_blocks(batch.rows)
+        groups = batch.groups if blocks is None else batch.block_groups(blocks)
+        lora_apply_(output.view(-1, output.shape[-1]), x2, self.a, self.b, batch.slots, groups)
         return output

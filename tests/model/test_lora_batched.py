@@ -199,3 +199,22 @@ def test_a_subset_forward_keeps_each_rows_adapter(tiny_dir, adapters):
     with lora_rows(model, slots[rows]):
         want = model.gen_layers(x[rows], model.rope(pos[:, rows]), rowwise_attend, start=1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("branch", ["und", "gen"])
+def test_row_blocks_give_each_sequence_its_bits_alone_with_its_adapter(tiny_dir, adapters, branch):
+    """Where rows are computed per sequence (row_blocks, CPU), the adapters' products are too: two sequences of
+    one adapter packed (a chat beside an image prompt, CI's AVX-512 failure of test_lora_stack) equal each alone
+    bit for bit, as the base GEMMs do. One GEMM over both would round by their joint row count."""
+    from services.model import row_blocks
+    model = load_model(tiny_dir, branch)
+    reg = attach_lora(model, max_loras=2, max_rank=8, modules=[("p", adapters["peft"], 1.0)])
+    s = reg.adapters["p"].slot
+    x = torch.randn(11, model.cfg.llm.hidden_size, generator=torch.Generator().manual_seed(1))
+    sizes = [3, 5, 3]
+    slots = torch.tensor([s] * 3 + [s] * 5 + [-1] * 3, dtype=torch.int32)
+    with row_blocks.per_sequence(sizes, torch.device("cpu"), force=True):
+        packed = forward(model, x, branch, slots)
+    for a, b in ((0, 3), (3, 8)):
+        alone = forward(model, x[a:b], branch, slots[a:b])
+        assert torch.equal(packed[a:b], alone), (a, b)
