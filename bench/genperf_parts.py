@@ -548,6 +548,28 @@ def _cancel_then_new(model, device, size: int, args) -> dict:
             "graphs_counts": counts["graphs"]}
 
 
+def _next_request(model, device, size: int, args) -> dict:
+    """A request after another of its shape (the latency case of the 8-step targets): its whole run (every step,
+    the first included) eager, with graphs keyed by job (it runs an eager and a capturing step) and keyed by shape
+    (--graph-keys shape: it replays from its first step); its final x vs eager's, bit for bit."""
+    steps = max(8, args.steps)
+    out = {"size": size, "steps": steps}
+    xs = {}
+    for name, mode, keys in (("eager", "off", "job"), ("by_job", "on", "job"), ("by_shape", "on", "shape")):
+        engine = Engine(model, None, cuda_graphs=mode, graph_keys=keys)
+        run_to_end(engine, [spec("before", size, steps, 1.0)])
+        t = []
+        for r in range(1 if args.tiny else 3):
+            sync(engine.device)
+            t0 = time.perf_counter()
+            xs[name], _ = run_to_end(engine, [spec("next", size, steps, 1.0).model_copy(update={"seed": 7 + r})])
+            t.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = statistics.median(t)
+        out[f"{name}_counts"] = _graph_counts(engine)
+    out["bits_equal"] = all(torch.equal(xs[k]["next"], xs["eager"]["next"]) for k in ("by_job", "by_shape"))
+    return out
+
+
 @torch.inference_mode()
 def part_graphs(args, device, dtype) -> dict:
     """The denoise step's layer stack replayed from a CUDA graph (services/generation/step_graph.py) vs
@@ -571,6 +593,9 @@ def part_graphs(args, device, dtype) -> dict:
     small = min(sizes)
     out["two_jobs"] = _two_jobs(m16, device, small, args)
     out["cancel"] = _cancel_then_new(m16, device, small, args)
+    out["next_request"] = [_next_request(m, device, small, args) for m in ([m16, m8] if m8 is not None else [m16])]
+    for row, weights in zip(out["next_request"], ("bf16", "fp8")):
+        row["weights"] = weights
     _print_graphs(out)
     return out
 
@@ -593,6 +618,13 @@ def _print_graphs(out: dict) -> None:
     cc = c["graphs_counts"]
     print(f"a {c['size']}² job dropped after 4 steps, then a new one: final x of the new job equal {c['bits_equal']}; "
           f"captures {cc['captures']}, replays {cc['replays']}{'; failure ' + cc['failure'] if cc['failure'] else ''}")
+    print("\n| next request of a shape | weights | steps | eager s | graphs by job s | graphs by shape s | by shape / "
+          "by job | final x equal | captures by job / by shape |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
+    for r in out["next_request"]:
+        print(f"| {r['size']}², guidance 1 | {r['weights']} | {r['steps']} | {r['eager_s']:.4f} | {r['by_job_s']:.4f} | "
+              f"{r['by_shape_s']:.4f} | {r['by_shape_s'] / r['by_job_s']:.3f} | {r['bits_equal']} | "
+              f"{r['by_job_counts']['captures']} / {r['by_shape_counts']['captures']} |")
 
 
 # ----------------------------------------------------------------------------- fused residual add + RMSNorm

@@ -28,6 +28,7 @@ BATCH_TOKENS = 8192
 SP_MODES = ("ulysses", "kv-gather")        # how sequence-parallel ranks attend (sequence_parallel.py)
 CUDA_GRAPH_MODES = ("auto", "on", "off")   # step_graph.py
 CUDA_GRAPHS_ENV = knobs.CUDA_GRAPHS.name   # 0 | 1: overrides --cuda-graphs (off | on)
+GRAPH_KEYS = ("job", "shape")              # what a step's graphs are keyed by (step_graph.py)
 YIELD_SHARE = 0.5                          # colocate QoS: at most this fraction of wall time yielding (qos.py)
 YIELD_MAX_WAIT_S = 0.03                    # one wait for the colocated engine's decode step (~10 ms) (qos.py)
 # How long the engine ranks wait for the shm KV pool before ready by default on CUDA (the understanding service
@@ -104,6 +105,12 @@ class GenerationConfig:
         "the step allows it: CUDA and no LoRA adapter rows (a step cache and --yield-to keep graphs: they run "
         "between graph segments). auto (the default) and on are the same: on wherever the device is CUDA, eager "
         f"on cpu; off: always eager. {CUDA_GRAPHS_ENV}=0|1 overrides the flag", choices=CUDA_GRAPH_MODES))
+    graph_keys: str = field(default="job", metadata=flag(
+        "what the denoise step's CUDA graphs are keyed by. job: the running jobs themselves (a graph bakes in "
+        "their KV buffers; each request runs an eager and a capturing step before it replays). shape: the jobs' "
+        "shapes (size, samples, branches, prefix lengths); the graph and its KV buffer outlive the jobs, and a "
+        "later request of the same shape replays from its first step (one more KV buffer held while idle, let go "
+        "when an admission runs out of memory). Not with --sp > 1 (keyed by job there)", choices=GRAPH_KEYS))
     graph_segment_layers: int = field(default=4, metadata=flag(
         "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
         "them (a decode step waits at most one segment; the segments share one memory pool)"))

@@ -40,7 +40,7 @@ from .protocol import KvImportStats
 from .qos import YieldGate
 from .request import JobState
 from .sequence_parallel import check_heads
-from .step_graph import EAGER, StepGraphs, composition_key, graphable, layer_segments
+from .step_graph import EAGER, StepGraphs, graphable, layer_segments
 
 log = logging.getLogger("u1serve.generation.engine")
 
@@ -101,11 +101,12 @@ def check_prefix_finite(branch: str, kv: torch.Tensor) -> None:
 
 class Engine:
     def __init__(self, model, prefix_source: PrefixSource, comm: CfgComm | None = None,
-                 yield_gate: YieldGate | None = None, cuda_graphs: str = "off", graph_segment_layers: int = 4):
+                 yield_gate: YieldGate | None = None, cuda_graphs: str = "off", graph_segment_layers: int = 4,
+                 graph_keys: str = "job"):
         """yield_gate (colocate QoS, qos.py): before each layer's attention (eager steps) or between graph
         segments of `graph_segment_layers` layers (graphed steps), give the GPU to a waiting decode step of the
         understanding engine. cuda_graphs: auto | on | off (step_graph.py; the server passes --cuda-graphs,
-        default auto = on where the device is CUDA)."""
+        default auto = on where the device is CUDA); graph_keys: job | shape (--graph-keys; job under SP)."""
         self.model = model
         self.gate = yield_gate
         self.device = model.device
@@ -118,7 +119,7 @@ class Engine:
         self.sp = self.comm.sp
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
         self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
-        self.graphs = StepGraphs(self.device, cuda_graphs)
+        self.graphs = StepGraphs(self.device, cuda_graphs, graph_keys if self.sp.world == 1 else "job")
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)
@@ -183,7 +184,13 @@ class Engine:
         job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
         rollout.attach(job, spec, self)           # RL jobs: the SDE transition and what it records
         try:
-            job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+            try:
+                job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+            except torch.OutOfMemoryError:
+                if not self.graphs.holds():
+                    raise
+                self.graphs.release()     # an idle graph's buffers (keyed by shape) give way to a job
+                job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
         except BaseException:
             job.free()                            # its trajectory segment, if it made one
             raise
@@ -347,7 +354,7 @@ class Engine:
         (job.kv, each job's cached StepMeta and its host ints, under SP the row layout and the collectives) is
         fixed by the key; the segment layout too (the gate is the engine's, a job's cache mode is its own)."""
         model, graphs, gate = self.model, self.graphs, self.gate
-        rope = graphs.begin(composition_key(spans, packed.shape[0]), pos, model.rope)
+        rope, spans = graphs.begin(spans, packed.shape[0], pos, model.rope)    # keyed by shape: the stand-ins
         if rope is None:        # the composition's first step (its warm-up), or graphs refused: eager
             hidden = model.gen_forward(packed, model.rope(pos), self._attend(spans, layout), cache)
             graphs.end()

@@ -81,13 +81,19 @@ class JobState:
     # -- KV --------------------------------------------------------------------------------------
     def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
         L, Hkv, D = self._model_geom
-        start = 0
+        start, segments = 0, []
         for b in self.local:
             for i in range(self.n):
-                self.segments.append(_Segment(b, i, start, prefix_lens[b]))
+                segments.append(_Segment(b, i, start, prefix_lens[b]))
                 start += prefix_lens[b] + self.N
-        self.t_offsets = dict(t_offsets)
         self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
+        self.segments, self.t_offsets = segments, dict(t_offsets)   # after the allocation: it may be retried
+
+    def graph_shape(self) -> tuple:
+        """What a CUDA graph keyed by shape bakes in of this job (step_graph.py): its KV buffer's layout (segments,
+        prefix lengths), the image's token grid, its samples, and its step cache's mode (the graph segments)."""
+        return (tuple((s.branch, s.start, s.prefix_len) for s in self.segments), self.th, self.tw, self.n,
+                self.cache.mode)
 
     def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
         """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""

@@ -7,7 +7,12 @@ replayed for the later steps with the same composition, which removes the launch
 On by default (`--cuda-graphs auto`): wherever the device is CUDA; eager on CPU.
 
 Key = the running composition: per job with rows (the job itself, its active local branches), in order,
-plus the packed row count. Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
+plus the packed row count. With `--graph-keys shape` a job enters the key by its shape instead
+(`JobState.graph_shape`: segments, prefix lengths, size, samples): the graph then reads a stand-in's KV
+buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next job of that
+shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the image rows'
+K/V are written by every step before they are read) and the job adopts the stand-in's buffer, letting its
+own go: a running job holds one KV buffer as before, and an idle engine holds one composition's (`release` on an admission that runs out of memory, on a weights update). Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
@@ -43,11 +48,12 @@ to its end and later compositions capture again; only after `MAX_OOM_CAPTURES` s
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 import torch
 
-from .config import CUDA_GRAPH_MODES
+from .config import CUDA_GRAPH_MODES, GRAPH_KEYS
 
 log = logging.getLogger("u1serve.generation.engine")
 
@@ -61,9 +67,10 @@ def graphable(device: torch.device, lora_rows: bool) -> bool:
     return device.type == "cuda" and not lora_rows
 
 
-def composition_key(spans, rows: int) -> tuple:
-    """spans: (job, active local branches, ...) of the jobs with rows in this step, in order."""
-    return tuple((s[0], tuple(s[1])) for s in spans) + (rows,)
+def composition_key(spans, rows: int, by_shape: bool = False) -> tuple:
+    """spans: (job, active local branches, ...) of the jobs with rows in this step, in order; each job by
+    itself, or `by_shape` by its graph shape (module doc)."""
+    return tuple(((s[0].graph_shape() if by_shape else s[0]), tuple(s[1])) for s in spans) + (rows,)
 
 
 def key_jobs(key: tuple) -> list:
@@ -124,16 +131,50 @@ class _Segment:
         self.graph, self.inp, self.out = graph, inp, out
 
 
+class _StandIn:
+    """A job's place in a graph keyed by shape: the KV buffer and step metadata the graph reads, filled from the
+    job that runs there now (`bind`). Its metadata is the first occupant's (equal for every job of the shape)."""
+
+    def __init__(self, job) -> None:
+        self.kv = job.kv                     # adopted: the first occupant's own buffer
+        self.N, self.n = job.N, job.n
+        self._prefixes = [(seg.start, seg.prefix_len) for seg in job.segments]
+        self._meta: dict = {}
+        self._occupant = weakref.ref(job)
+
+    def meta(self, active_local, rows=None):
+        key = (tuple(active_local), rows)
+        m = self._meta.get(key)
+        if m is None:
+            m = self._meta[key] = self._occupant().meta(active_local, rows)
+        return m
+
+    def bind(self, job) -> None:
+        """Make the buffer hold `job`'s prefix KV, and the job adopt it (its own buffer goes: a running job holds
+        one). The buffer's address is what the graph baked in, so it never changes: an occupant still running on
+        it (a job of the same shape stepped apart) moves to a copy first."""
+        held = self._occupant()
+        if held is job:
+            return
+        if held is not None and held.kv is self.kv:
+            held.kv = self.kv.clone()
+        for start, length in self._prefixes:
+            self.kv[:, :, start:start + length].copy_(job.kv[:, :, start:start + length])
+        job.kv = self.kv
+        self._occupant = weakref.ref(job)
+
+
 class _KeyGraphs:
     """The graphs of the held composition: its segments by layer range, the memory pool they share (they
     always replay in layer order, so one segment's scratch is the next one's), the static positions and
     the Rope the segments read (its cos / sin table is built inside the first captured segment)."""
 
-    def __init__(self, positions: torch.Tensor, make_rope) -> None:
+    def __init__(self, positions: torch.Tensor, make_rope, stand_ins: list[_StandIn] | None = None) -> None:
         self.positions = positions.clone()
         self.rope = make_rope(self.positions)
         self.pool = None                    # made by the first capture (it fails there, not here, off CUDA)
         self.segments: dict[tuple[int, int], _Segment] = {}
+        self.stand_ins = stand_ins          # keyed by shape: one per job of the key, in order
 
 
 Layers = Callable[[torch.Tensor, object], torch.Tensor]   # (rows, rope) -> the rows after a segment's layers
@@ -155,10 +196,13 @@ class StepGraphs:
     `begin(key, positions, make_rope)`, then `segment(range, layers, h)` for each layer range in order;
     `forget(job)` before a job's KV is freed; `not_graphable()` when a step runs outside."""
 
-    def __init__(self, device: torch.device, mode: str) -> None:
+    def __init__(self, device: torch.device, mode: str, keys: str = "job") -> None:
         if mode not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda graphs mode must be one of {CUDA_GRAPH_MODES}, got {mode!r}")
+        if keys not in GRAPH_KEYS:
+            raise ValueError(f"graph keys must be one of {GRAPH_KEYS}, got {keys!r}")
         self.device = device
+        self.by_shape = keys == "shape"
         self.enabled = mode != "off" and device.type == "cuda"
         if mode == "on" and device.type != "cuda":
             log.info("--cuda-graphs on: %s is not a CUDA device; steps run eagerly", device)
@@ -175,25 +219,34 @@ class StepGraphs:
         self.last = EAGER                    # how the last step ran (the worker's step stats, the job's `applied`)
 
     # -- the step ----------------------------------------------------------------------------------
-    def begin(self, key: tuple, positions: torch.Tensor, make_rope):
-        """Start a step of composition `key`: the Rope its segments read, or None when the step runs eagerly
-        (graphs off, the first step of a composition: also its warm-up, or a refused one)."""
+    def begin(self, spans, rows: int, positions: torch.Tensor, make_rope):
+        """Start a step of the composition of `spans` (job, active local branches, ...) over `rows` packed rows:
+        (the Rope its segments read, the spans its attention reads: the jobs or, keyed by shape, their stand-ins
+        bound to them), or (None, spans) when the step runs eagerly (graphs off, the first step of a composition:
+        also its warm-up, or a refused one)."""
         self._key, self._ran, self.last = None, set(), EAGER
         if not self.enabled:
-            return None
+            return None, spans
+        key = composition_key(spans, rows, self.by_shape)
         if self.plan.release_needed(key):
             self.release()
         action = self.plan.action(key)
         if action == EAGER:
-            return None
+            return None, spans
         if action == CAPTURE:
-            self._held = _KeyGraphs(positions, make_rope)
+            stand_ins = [_StandIn(sp[0]) for sp in spans] if self.by_shape else None
+            self._held = _KeyGraphs(positions, make_rope, stand_ins)
             self.plan.captured(key)
         else:
             self._held.positions.copy_(positions)
         self._key = key
         self._eager_rope = lambda: make_rope(positions)
-        return self._held.rope
+        stand_ins = self._held.stand_ins
+        if stand_ins is None:
+            return self._held.rope, spans
+        for place, sp in zip(stand_ins, spans):
+            place.bind(sp[0])
+        return self._held.rope, [(place, *sp[1:]) for place, sp in zip(stand_ins, spans)]
 
     def segment(self, layers_range: tuple[int, int], layers: Layers, h: torch.Tensor) -> torch.Tensor:
         """h after the layers of `layers_range`: replayed from its graph (captured on first use), or eagerly when
@@ -312,9 +365,14 @@ class StepGraphs:
 
     # -- invalidation ------------------------------------------------------------------------------
     def forget(self, job) -> None:
-        """`job` leaves the engine: release the graphs if they point at its KV (call before job.free())."""
+        """`job` leaves the engine: release the graphs if they point at its KV (call before job.free()). Graphs
+        keyed by shape stay: they read their stand-ins' buffers."""
         if self.plan.forget(job):
             self.release()
+
+    def holds(self) -> bool:
+        """Whether graphs (and, keyed by shape, their KV buffers) are held."""
+        return self._held is not None
 
     def release(self) -> None:
         """Drop the held graphs and return their pool's memory: torch frees a released graph pool only when an

@@ -111,6 +111,7 @@ class RankWeights:
         """Run `op` here, agree with the other ranks; rank 0 gets the reply (the others None)."""
         reply = self.live.run(op, self.comm.all_gather_objects)
         self.engine.weights_version = self.live.version
+        self.engine.graphs.release()   # graphs kept across jobs were captured on the weights before the op
         streamer = getattr(self.engine.model, "weight_streamer", None)
         if streamer is not None:    # a commit copied into the layers' host copies: the device slots are stale
             streamer.invalidate()

@@ -93,6 +93,7 @@ def _step_or_fail(engine, emit: Emitter, alone: bool) -> Optional[tuple[list, in
             emit.failed(rid, APIError(503, "the engine ran out of memory in a denoise step of this job (with "
                                       f"{len(jobs)} job(s) in that step); a smaller size, fewer samples or a "
                                       "retry later may fit", code="engine_oom").event())
+        engine.graphs.release()          # graphs kept across jobs (keyed by shape) hold memory too
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None
@@ -220,7 +221,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                           follow_handles=cfg.kv_pool_follow_handles == "on")
     gate = yield_gate(cfg, device)
     main = Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs,
-                  graph_segment_layers=cfg.graph_segment_layers)
+                  graph_segment_layers=cfg.graph_segment_layers, graph_keys=cfg.graph_keys)
     if main.graphs.enabled and cfg.quantization == "fp8":   # fp8 pays from fewer rows where steps replay graphs
         use_policy(model, GemmPolicy.for_device(device, graphed=True))
         main.fp8 = fp8_applies(model)

@@ -42,8 +42,8 @@ SMOKES = {
         GEN + ("--part", "fp8,fp8-profile,cache,preset,warmstart,graphs,addnorm,fp8-fused,formats", "--sizes", "128",
                "--steps", "1", "--warmup", "1", "--thresholds", "0,0.1", "--job-steps", "128:3"),
         ("fp8/steps", "fp8/velocity_rel_err", "fp8/gemm_shapes", "fp8/checks", "fp8-profile/models", "cache",
-         "preset/rows", "warmstart", "graphs/rows", "graphs/two_jobs", "graphs/cancel", "addnorm/rows",
-         "addnorm/kernels", "fp8-fused/rows", "formats/rows", "formats/gguf", "formats/int8_checks"),
+         "preset/rows", "warmstart", "graphs/rows", "graphs/two_jobs", "graphs/cancel", "graphs/next_request",
+         "addnorm/rows", "addnorm/kernels", "fp8-fused/rows", "formats/rows", "formats/gguf", "formats/int8_checks"),
         # no mismatch, no capture failure; the cache part's first row runs without a cache (no step counts)
         cpu_gaps=("*/first_mismatches", "*/failure", "cache/rows/0/branch_steps"), timeout=600),
     "lora": Smoke(("bench.bench_lora", "--device", "cpu", "--tiny", "--sizes", "64", "--jobs", "2", "--resident", "1,2",

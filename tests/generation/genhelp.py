@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import torch
 from services.contract.image import SamplerParams
+from services.generation.step_graph import StepGraphs
 from services.kit import sse
 from services.kit.live import LIVE_PATH
 from services.base.netutil import free_port
@@ -248,3 +249,27 @@ def run_jobs(engine, ref_model, specs) -> dict:
         for job in engine.step()[0]:
             job.free()
     return {j.request_id: j for j in jobs}
+
+
+class RecordedGraph:
+    def __init__(self, fn, static, out):
+        self.fn, self.static, self.out = fn, static, out
+
+    def replay(self):
+        self.out.copy_(self.fn(self.static))
+
+
+class RecordingGraphs(StepGraphs):
+    """StepGraphs whose capture records the closure instead of CUDA work: "replay" runs it again on the same
+    buffers (the static input, the stand-ins' KV, the held Rope) into the recorded output. What is under test is
+    everything around the capture — keys, segments, buffers, stand-ins, the cache's and the gate's place between
+    them; whether CUDA's capture and replay match eager is measured on the GPU (bench/gpu_genperf.sh)."""
+
+    def __init__(self, keys: str = "job"):
+        super().__init__(torch.device("cpu"), "off", keys)
+        self.enabled = True
+
+    def _record(self, held, fn, static):
+        out = fn(static).clone()          # a real capture leaves its output unset until the first replay
+        out.zero_()
+        return RecordedGraph(fn, static, out), out

@@ -2,7 +2,7 @@
 
 - graphed steps in segments (step_graph.py): the data flow of captured segments — static inputs, each segment
   reading the previous one's output buffer, a first-block step cache deciding between [0, 1) and the rest, the
-  yield gate running between segments — through a CPU stand-in for CUDA capture (`_RecordingGraphs`: "capture"
+  yield gate running between segments — through a CPU stand-in for CUDA capture (genhelp's `RecordingGraphs`: "capture"
   keeps the segment's closure and output buffer, "replay" recomputes into that buffer). The images must be those
   of the eager engine bit for bit. Whether real capture and replay match on CUDA: bench/gpu_defaults.sh;
 - fp8 from 1024 rows only where graphs run (GemmPolicy.for_device(graphed=True));
@@ -21,33 +21,11 @@ from services.generation.engine import Engine
 from services.generation.qos import YieldGate
 from services.generation.config import BATCH_TOKENS
 from services.generation.scheduler import Scheduler
-from services.generation.step_graph import REPLAY, StepGraphs
+from services.generation.step_graph import REPLAY
 from services.generation.warmup import run_warmup, warmup_plan
 from services.model.quant import CUDA_MIN_TOKENS, GRAPHED_MIN_TOKENS, GemmPolicy
 
-from .genhelp import run_jobs
-
-
-class _RecordedGraph:
-    def __init__(self, fn, static, out):
-        self.fn, self.static, self.out = fn, static, out
-
-    def replay(self):
-        self.out.copy_(self.fn(self.static))
-
-
-class _RecordingGraphs(StepGraphs):
-    """StepGraphs whose capture records the closure instead of CUDA work (module doc): what is under test is
-    everything around the capture — keys, segments, buffers, the cache's and the gate's place between them."""
-
-    def __init__(self):
-        super().__init__(torch.device("cpu"), "off")
-        self.enabled = True
-
-    def _record(self, held, fn, static):
-        out = fn(static).clone()          # a real capture leaves its output unset until the first replay
-        out.zero_()
-        return _RecordedGraph(fn, static, out), out
+from .genhelp import RecordingGraphs, run_jobs
 
 
 class _CountingGate(YieldGate):
@@ -86,7 +64,7 @@ def test_graphed_segments_give_the_eager_images_with_cache_and_gate(ref_model, m
 
     # no gate, no cache: one segment, the whole stack; captured on the 2nd step of a composition, replayed after
     engine = Engine(model, None)
-    engine.graphs = _RecordingGraphs()
+    engine.graphs = RecordingGraphs()
     got = _run(engine, ref_model, specs)
     for rid, (x, _, graph_steps) in got.items():
         assert torch.equal(x, eager_plain[rid][0]), rid
@@ -95,7 +73,7 @@ def test_graphed_segments_give_the_eager_images_with_cache_and_gate(ref_model, m
 
     # a first-block cache: [0, 1) then the rest; reused steps run the computing rows eagerly, same decisions
     engine = Engine(model, None)
-    engine.graphs = _RecordingGraphs()
+    engine.graphs = RecordingGraphs()
     got = _run(engine, ref_model, cached)
     for rid, (x, steps, graph_steps) in got.items():
         assert torch.equal(x, eager_cached[rid][0]) and steps == eager_cached[rid][1], rid
@@ -104,7 +82,7 @@ def test_graphed_segments_give_the_eager_images_with_cache_and_gate(ref_model, m
     # the yield gate: consulted between segments of `graph_segment_layers` layers on graphed steps
     gate = _CountingGate()
     engine = Engine(model, None, yield_gate=gate, graph_segment_layers=1)
-    engine.graphs = _RecordingGraphs()
+    engine.graphs = RecordingGraphs()
     got = _run(engine, ref_model, [_spec("cfg", 4.0, 4)])
     assert torch.equal(got["cfg"][0], eager_plain["cfg"][0])
     layers = model.num_layers

@@ -5,7 +5,11 @@
   composition or a job of the key leaving releases the graph (before its KV is freed);
 - the engine and the real server with `--cuda-graphs on` on CPU run eagerly and give exactly the images of
   `off` (the reference's); a capture that fails falls back to the eager step, bit for bit, and turns graphs
-  off for the engine's life. Whether capture and replay work on CUDA is measured on the GPU
+  off for the engine's life;
+- graphs keyed by shape (`--graph-keys shape`): with the CUDA graph itself stood in for by a recording that
+  replays what it recorded on the same buffers (genhelp's `RecordingGraphs`: no CUDA here; the rest is the
+  engine's own path), a later job of the same shape replays from its first step and every job's image is `off`'s bit for bit,
+  also when two jobs of one shape step apart on the one graph. Whether capture and replay work on CUDA is measured on the GPU
   (bench/gpu_genperf.sh --only graphs: replay vs eager, torch.equal of the final image).
 """
 from __future__ import annotations
@@ -26,8 +30,8 @@ from services.generation.config import resolve_mode
 from services.generation.step_graph import (CAPTURE, EAGER, MAX_OOM_CAPTURES, REPLAY, GraphPlan, StepGraphs,
                                             composition_key, graphable, layer_segments, out_of_memory)
 
-from .genhelp import (REPO, GenServer, body, errors_of, generate, images_of, prefixes, publish, reference_pixels,
-                      run_jobs)
+from .genhelp import (REPO, GenServer, RecordingGraphs, body, errors_of, generate, images_of, prefixes, publish,
+                      reference_pixels, run_jobs)
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -69,6 +73,27 @@ def test_key_is_job_identity_branches_and_rows():
     assert k != composition_key([(b, ["cond", "uncond"]), (a, ["cond"])], 12)     # order
     assert k != composition_key([(a, ["cond", "uncond"]), (_Job(), ["cond"])], 12)  # another job object
     assert k != composition_key([(a, ["cond", "uncond"]), (b, ["cond"])], 16)     # row count
+
+
+class _Shaped(_Job):
+    def __init__(self, shape):
+        self.shape = shape
+
+    def graph_shape(self):
+        return self.shape
+
+
+def test_keyed_by_shape_jobs_of_one_shape_share_a_key_and_leaving_releases_nothing():
+    a, b, c = _Shaped("s"), _Shaped("s"), _Shaped("t")
+    k = composition_key([(a, ["cond"])], 4, by_shape=True)
+    assert k == composition_key([(b, ["cond"])], 4, by_shape=True)
+    assert k != composition_key([(c, ["cond"])], 4, by_shape=True)
+    assert k != composition_key([(b, ["cond", "uncond"])], 4, by_shape=True)
+    plan = GraphPlan()
+    assert plan.action(k) == EAGER and plan.action(k) == CAPTURE
+    plan.captured(k)
+    assert not plan.forget(a) and not plan.forget(b)          # no job in the key: the graph stays
+    assert plan.action(composition_key([(b, ["cond"])], 4, by_shape=True)) == REPLAY
 
 
 def test_plan_eager_then_capture_then_replay_and_invalidation():
@@ -197,3 +222,69 @@ def test_u1serve_up_passes_the_flag_only_when_not_the_default():
     assert "--cuda-graphs on" in gen_line("--cuda-graphs", "on")
     assert "--cuda-graphs off" in gen_line("--cuda-graphs", "off")
     assert "--cuda-graphs" not in gen_line()          # auto: the generation server's own default
+
+
+def _one_by_one(engine: Engine, ref_model, specs, kv_scale: dict) -> dict:
+    """Each job admitted after the previous one finished, its prefix KV scaled by kv_scale[request_id] (another
+    prefix of the same shape): {request_id: (final x, steps from graphs)}."""
+    pre, out = prefixes(ref_model, guidance_scale=4.0), {}
+    for spec in specs:
+        f = kv_scale.get(spec.request_id, 1.0)
+        job = engine.admit_local(spec, {b: pre[b].kv * f for b in spec.handles},
+                                 {b: pre[b].t_offset for b in spec.handles})
+        engine.add(job)
+        while engine.running:
+            for done in engine.step()[0]:
+                done.free()
+        out[spec.request_id] = (job.x, job.graph_steps)
+    return out
+
+
+def test_graphs_keyed_by_shape_replay_a_later_jobs_every_step_bit_for_bit(ref_model, monkeypatch):
+    specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
+             _spec("c", 1.0, steps=3)]
+    scale = {"b": 0.75}                        # b: another prefix (and seed) of a's shape
+    off = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, scale)
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)   # CUDA's rule, here
+    by_job = Engine(ref_model[0], None)
+    by_job.graphs = RecordingGraphs("job")
+    got_job = _one_by_one(by_job, ref_model, specs, scale)
+    shaped = Engine(ref_model[0], None)
+    shaped.graphs = RecordingGraphs("shape")
+    got = _one_by_one(shaped, ref_model, specs, scale)
+    for rid in off:
+        assert torch.equal(got[rid][0], off[rid][0]) and torch.equal(got_job[rid][0], off[rid][0]), rid
+    assert not torch.equal(off["a"][0], off["b"][0])
+    # keyed by job, every request pays an eager and a capturing step; keyed by shape, b (a's shape)
+    # replays all 4 of its steps and captures nothing; c (another shape) starts over
+    assert [got_job[r][1] for r in "abc"] == [3, 3, 2]
+    assert [got[r][1] for r in "abc"] == [3, 4, 2]
+    assert by_job.graphs.captures == 3 and shaped.graphs.captures == 2
+    assert shaped.graphs.holds() and not by_job.graphs.holds()    # kept for the next c, let go by job
+
+
+def test_two_jobs_of_one_shape_stepped_apart_keep_their_own_kv(ref_model, monkeypatch):
+    """RL's exact steps run jobs one by one: both use the one graph; the one running on its buffer moves to a
+    copy when the other binds, so neither reads the other's prefix."""
+    pre_specs = [_spec("x", 4.0, steps=5), _spec("y", 4.0, steps=5).model_copy(update={"seed": 11})]
+    off = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, pre_specs, {"y": 0.75})
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    engine = Engine(ref_model[0], None)
+    engine.graphs = RecordingGraphs("shape")
+    pre = prefixes(ref_model, guidance_scale=4.0)
+    x, y = (engine.admit_local(sp, {b: pre[b].kv * (0.75 if sp.request_id == "y" else 1.0) for b in sp.handles},
+                               {b: pre[b].t_offset for b in sp.handles}) for sp in pre_specs)
+    engine.add(x)
+    engine.add(y)
+    done, rounds = {}, 0
+    while engine.running:
+        for job in list(engine.running):
+            for f in engine.step([job])[0]:
+                done[f.request_id] = f.x
+                f.free()
+        rounds += 1
+        if rounds == 3:      # both have replayed by now: the one that last bound runs on the graph's buffer
+            place = engine.graphs._held.stand_ins[0]
+            assert y.kv is place.kv and x.kv is not place.kv and x.kv.data_ptr() != y.kv.data_ptr()
+    assert all(torch.equal(done[k], off[k][0]) for k in off)
+    assert engine.graphs.replays > 0 and engine.graphs.captures == 1
