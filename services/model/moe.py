@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import kernels
+from services.model import row_blocks
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 _KEY = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -46,6 +47,12 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = row_blocks.active_blocks(x.shape[0]) if x.dim() == 2 else None
+        if blocks:   # per sequence, as its linear layers (row_blocks): the experts' GEMMs round by their row count
+            return torch.cat([self._experts(part) for part in x.split(blocks)])
+        return self._experts(x)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.fused_moe(x, self.gate(x), self.experts.gate_up_proj, self.experts.down_proj, self.top_k,
                                  self.norm_topk_prob)
 

@@ -5,7 +5,7 @@ CPU BLAS (MKL) picks its GEMM kernel by the row count, and below 12 rows (decode
 with other sequences' rows. The official code runs each sequence (prompt, CFG branch) alone, so the engines, on
 CPU, run each linear once per sequence to give its bits (`sizes`: the rows of each sequence in packing order);
 every other op of the layer stack is row-wise already and attention is per sequence; the LoRA hook's products
-follow the same blocks (`active_blocks`, lora_batched.py). Off on GPUs: one GEMM for
+and the A3B experts follow the same blocks (`active_blocks`: lora_batched.py, moe.py). Off on GPUs: one GEMM for
 the whole batch is the point there, and bits are not promised in bf16 (U1SERVE_EXACT_ROWS overrides).
 """
 from __future__ import annotations

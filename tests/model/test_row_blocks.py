@@ -38,3 +38,25 @@ def test_one_block_or_off_is_plain(monkeypatch):
         assert torch.equal(F.linear(x, w), plain)
     monkeypatch.setenv(knobs.EXACT_ROWS.name, "1")
     assert row_blocks.enabled(torch.device("cuda"))
+
+
+def test_the_a3b_experts_follow_the_blocks_and_each_thread_has_its_own():
+    """The experts' GEMMs are not linear layers (one batched GEMM per expert over the rows routed to it): the sparse
+    block runs per block too, and a block in force in one thread (the fused process's other engine) is not another's."""
+    import threading
+
+    from services.model.moe import SparseMoE
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden=64, inter=32, num_experts=4, top_k=2, norm_topk_prob=True).requires_grad_(False)
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) * 0.2)
+    x = torch.randn(3 + 5 + 2, 64)
+    sizes = [3, 5, 2]
+    alone = torch.cat([moe(part) for part in x.split(sizes)])
+    with row_blocks.per_sequence(sizes, CPU):
+        assert torch.equal(moe(x), alone)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(row_blocks.active_blocks(len(x))))
+        t.start()
+        t.join()
+    assert seen == [None] and row_blocks.active_blocks(len(x)) is None
