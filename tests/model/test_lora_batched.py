@@ -204,7 +204,7 @@ def test_a_subset_forward_keeps_each_rows_adapter(tiny_dir, adapters):
 @pytest.mark.parametrize("branch", ["und", "gen"])
 def test_row_blocks_give_each_sequence_its_bits_alone_with_its_adapter(tiny_dir, adapters, branch):
     """Where rows are computed per sequence (row_blocks, CPU), the adapters' products are too: two sequences of
-    one adapter packed (a chat beside an image prompt, CI's AVX-512 failure of test_lora_stack) equal each alone
+    one adapter packed (a chat beside an image prompt: CI's failure of test_lora_stack) equal each alone
     bit for bit, as the base GEMMs do. One GEMM over both would round by their joint row count."""
     from services.model import row_blocks
     model = load_model(tiny_dir, branch)
