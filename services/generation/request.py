@@ -91,9 +91,11 @@ class JobState:
 
     def graph_shape(self) -> tuple:
         """What a CUDA graph keyed by shape bakes in of this job (step_graph.py): its KV buffer's layout (segments,
-        prefix lengths), the image's token grid, its samples, and its step cache's mode (the graph segments)."""
+        prefix lengths), the image's token grid, its samples, its step cache's mode (the graph segments), and the
+        positions' offsets (the graph recomputes the rotary table from the copied positions; equal offsets keep
+        that from being what a replay depends on)."""
         return (tuple((s.branch, s.start, s.prefix_len) for s in self.segments), self.th, self.tw, self.n,
-                self.cache.mode)
+                self.cache.mode, tuple(sorted(self.t_offsets.items())))
 
     def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
         """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""

@@ -8,11 +8,14 @@ On by default (`--cuda-graphs auto`): wherever the device is CUDA; eager on CPU.
 
 Key = the running composition: per job with rows (the job itself, its active local branches), in order,
 plus the packed row count. With `--graph-keys shape` a job enters the key by its shape instead
-(`JobState.graph_shape`: segments, prefix lengths, size, samples): the graph then reads a stand-in's KV
+(`JobState.graph_shape`: segments, prefix lengths, size, samples, position offsets): the graph then reads a stand-in's KV
 buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next job of that
 shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the image rows'
 K/V are written by every step before they are read) and the job adopts the stand-in's buffer, letting its
-own go: a running job holds one KV buffer as before, and an idle engine holds one composition's (`release` on an admission that runs out of memory, on a weights update). Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
+own go: a running job holds one KV buffer as before, and an idle engine holds one composition's (`release`d
+when an admission or a step runs out of memory, and on a weights update). Opt-in until measured on a GPU.
+
+Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
@@ -193,7 +196,7 @@ def layer_segments(num_layers: int, per_segment: int, probe: bool) -> list[tuple
 
 class StepGraphs:
     """The engine's CUDA graphs of the layer stack (one composition at a time, in segments). Per step:
-    `begin(key, positions, make_rope)`, then `segment(range, layers, h)` for each layer range in order;
+    `begin(spans, rows, positions, make_rope)`, then `segment(range, layers, h)` for each layer range in order;
     `forget(job)` before a job's KV is freed; `not_graphable()` when a step runs outside."""
 
     def __init__(self, device: torch.device, mode: str, keys: str = "job") -> None:
