@@ -192,9 +192,9 @@ def test_a_failed_capture_runs_the_step_eagerly_and_turns_graphs_off(ref_model, 
     assert caplog.text.count("CUDA graphs turned off") == 1
 
 
-def test_server_with_graphs_on_gives_the_reference_images_on_cpu(tiny_dir, pool, ref_model):
+def test_server_with_graphs_on_keyed_by_shape_gives_the_reference_images_on_cpu(tiny_dir, pool, ref_model):
     pre = prefixes(ref_model, guidance_scale=4.0)
-    server = GenServer(tiny_dir, pool.name, "--cuda-graphs", "on").start()
+    server = GenServer(tiny_dir, pool.name, "--cuda-graphs", "on", "--graph-keys", "shape").start()
     try:
         b = body("graphs-on", publish(pool, pre), num_inference_steps=3, n=2)
         status, events = generate(server.url, b)
