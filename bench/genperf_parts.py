@@ -556,6 +556,8 @@ def _next_request(model, device, size: int, args) -> dict:
     out = {"size": size, "steps": steps}
     xs = {}
     for name, mode, keys in (("eager", "off", "job"), ("by_job", "on", "job"), ("by_shape", "on", "shape")):
+        sync(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = Engine(model, None, cuda_graphs=mode, graph_keys=keys)
         run_to_end(engine, [spec("before", size, steps, 1.0)])
         t = []
@@ -566,6 +568,9 @@ def _next_request(model, device, size: int, args) -> dict:
             t.append(time.perf_counter() - t0)
         out[f"{name}_s"] = statistics.median(t)
         out[f"{name}_counts"] = _graph_counts(engine)
+        sync(device)      # what the engine holds between requests (keyed by shape: the graph's KV buffer)
+        out[f"{name}_idle_mb"] = ((torch.cuda.memory_allocated(device) - base) / 2**20) if device.type == "cuda" else 0.0
+        del engine
     out["bits_equal"] = all(torch.equal(xs[k]["next"], xs["eager"]["next"]) for k in ("by_job", "by_shape"))
     return out
 
@@ -619,12 +624,13 @@ def _print_graphs(out: dict) -> None:
     print(f"a {c['size']}² job dropped after 4 steps, then a new one: final x of the new job equal {c['bits_equal']}; "
           f"captures {cc['captures']}, replays {cc['replays']}{'; failure ' + cc['failure'] if cc['failure'] else ''}")
     print("\n| next request of a shape | weights | steps | eager s | graphs by job s | graphs by shape s | by shape / "
-          "by job | final x equal | captures by job / by shape |")
-    print("|---|---|---:|---:|---:|---:|---:|---|---|")
+          "by job | final x equal | captures by job / by shape | held between requests MiB, by job / by shape |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|---|")
     for r in out["next_request"]:
         print(f"| {r['size']}², guidance 1 | {r['weights']} | {r['steps']} | {r['eager_s']:.4f} | {r['by_job_s']:.4f} | "
               f"{r['by_shape_s']:.4f} | {r['by_shape_s'] / r['by_job_s']:.3f} | {r['bits_equal']} | "
-              f"{r['by_job_counts']['captures']} / {r['by_shape_counts']['captures']} |")
+              f"{r['by_job_counts']['captures']} / {r['by_shape_counts']['captures']} | "
+              f"{r['by_job_idle_mb']:.0f} / {r['by_shape_idle_mb']:.0f} |")
 
 
 # ----------------------------------------------------------------------------- fused residual add + RMSNorm
