@@ -1,4 +1,6 @@
-"""Both engines colocated on one GPU under a memory cap (`u1serve plan`'s settings), through the public API.
+"""Both engines colocated on one GPU under a memory cap (`u1serve plan`'s settings), through the public API; with
+`--mode separate`, each engine on a card of its own capped at the same size (two 24 GB cards, emulated on larger
+ones by the allocator cap U1SERVE_GPU_MEMORY_FRACTION in both engines).
 
 For each cap (--caps, GiB) and each format pair (understanding / generation) the plan says fits (memory_plan.py:
 the largest image side, graphs on or off, the memory fractions that sum to the cap on this card): a `u1serve up
@@ -15,6 +17,7 @@ The peak memory of each engine is sampled every 0.2 s over the run (nvidia-smi's
 the service's process tree; on a CPU smoke run: resident memory), next to the plan's prediction.
 
     python -m bench.bench_memcap --caps 24,48 --json out.json                     # GPU (bench/gpu_memcap.sh)
+    python -m bench.bench_memcap --mode separate --caps 24 --pairs bf16/bf16 --json out.json   # 2 GPUs
     python -m bench.bench_memcap --tiny --caps 2 --sizes 64,128 --steps 2 --json out.json   # CPU smoke
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import httpx
 from bench.bench_load import data_url, png
 from bench.stack import exit_status, prepare_model, run_profile, stack_args, write_json
 from services.kit import sse
+from services.base import knobs
 from services.model import memory_plan as M
 from services.model.config import load_config
 from services.launch.cli import plan_image_limits
@@ -218,17 +222,21 @@ def settings(args, model_dir: str, total: int) -> list[dict]:
                                        else 16.0), engines=args.engines,
                            context_bytes=0 if args.tiny else M.CUDA_CONTEXT_BYTES,
                            streaming_fallback=0)    # resident plans here; bench_weight_streaming.py measures streaming
-            found = M.plan(cfg, s, budget, "colocate", weights)
+            found = M.plan(cfg, s, budget, args.mode, weights)
             p = found["asked"] if found["asked"].fits else found["fix"]
-            label = f"cap{cap:g}-{und_f}-{gen_f}" + ("-fused" if args.engines == "fused" else "")
+            label = f"cap{cap:g}-{und_f}-{gen_f}" + ("-fused" if args.engines == "fused" else "") + \
+                ("-separate" if args.mode == "separate" else "")
             if p is None or (p.settings.und_format, p.settings.gen_format) != (und_f, gen_f):
                 out.append({"label": label, "cap_gib": cap, "pair": [und_f, gen_f], "fits": False,
                             "why": found["asked"].why})
                 continue
             env, argv = M.up_flags(p, total)
+            if args.mode == "separate" and total:    # each card capped at the budget: both engines' allocator cap
+                env[knobs.GPU_MEMORY_FRACTION.name] = f"{(budget - p.und.parts['cuda_context']) / total:.3f}"
             if args.tiny:    # a CPU stack: no fractions (nothing to cap), the plan's limit on images all the same
                 argv = argv[:argv.index("--gen-memory-fraction")] if "--gen-memory-fraction" in argv else argv
             out.append({"label": label, "cap_gib": cap, "pair": [und_f, gen_f], "fits": True, "side": p.side,
+                        "mode": args.mode,
                         "graphs": p.settings.cuda_graphs, "env": env, "argv": argv,
                         "plan_bytes": {"und": p.und.total, "gen": p.gen.total, "process": sum(p.process.values())}})
     return out
@@ -256,6 +264,8 @@ def table(results: dict) -> str:
             lines.append(head + f"| {st['side']} | FAILED: {r['error'][:120]} |" + " |" * 8)
             continue
         pk, pl = r["peak_bytes"], r["plan_bytes"]
+        if st.get("mode") == "separate":
+            head = f"| {st['cap_gib']:g} GiB per card, separate | {st['pair'][0]} / {st['pair'][1]} "
         a, b = (k for k in r if k.startswith("image-"))
         over = ", ".join(f"{k} {v.get('status')}" for k, v in r["over_budget"].items())
         und_cell = (f"{M.gib(pk.get('und', 0))} ({M.gib(pl['und'])})" if "fused" not in pk else
@@ -277,6 +287,8 @@ def main() -> None:
     p.add_argument("--sizes", default="1024,2048")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=300)
+    p.add_argument("--mode", choices=["colocate", "separate"], default="colocate",
+                   help="separate: each engine on a GPU of its own (2 GPUs), both capped at the cap")
     p.add_argument("--engines", choices=["processes", "fused"], default="processes",
                    help="colocate: two processes, or both engines in one (--colocate-engines fused: the KV pool in "
                         "device memory, peak memory per process: the fused column holds both engines)")
@@ -287,7 +299,10 @@ def main() -> None:
     model_dir = prepare_model(args)
     from services.model.tokenizer import NeoTokenizer
     args.img_token = NeoTokenizer.from_dir(model_dir).img_start_id
-    profile = "cpu-colocate" if args.tiny else "colocate-1"
+    if args.mode == "separate" and args.engines == "fused":
+        p.error("--engines fused is a colocate mode")
+    profile = {("colocate", True): "cpu-colocate", ("colocate", False): "colocate-1",
+               ("separate", True): "cpu-separate", ("separate", False): "separate-1+1"}[(args.mode, args.tiny)]
     base_up = args.up_args
     results = {}
     for st in settings(args, model_dir, card_total(args.tiny)):

@@ -9,6 +9,8 @@
 #   cap24fused  (--only cap24fused) the same at 24 GiB with both engines in one process (`--colocate-engines fused`:
 #             the prefix KV pool in device memory; one peak for the process)
 #   cap48     the same at 48 GiB (bf16 / bf16; PAIRS48=bf16/bf16,int8/int8 adds int8 if there is time)
+#   cap24sep  (--only cap24sep, 2 GPUs) each engine on a card of its own, both capped at 24 GiB (`--mode separate`:
+#             two 24 GB cards; bf16 / bf16, PAIRSSEP overrides)
 #   loadpeak  (not in the default parts: --only loadpeak, ~5 minutes) int8 from a FLOAT 8B checkpoint per branch,
 #             loaded layer by layer under that engine's 24 GiB share: the measured load peak next to the plan's
 #             (bench/bench_load_peak.py; writes ~35 GB of checkpoints under $OUT/loadpeak-ckpt, removed after)
@@ -34,7 +36,7 @@ python -c "import torch, sys; print('python', sys.version.split()[0], 'torch', t
 if [ "$SMOKE" = 1 ]; then
   ACC=(--tiny); CAP=(--tiny --sizes 64,128 --steps 2 --up-args "--default-size 64x64"); C24=4; C48=6
   LP=(--tiny); LACC=300; L24=500; L48=500; LLP=120
-  ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24,cap24fused" || echo "$ONLY")   # CI: 2 stacks
+  ONLY=$([ "$ONLY" = "accuracy,cap24,cap48" ] && echo "accuracy,cap24,cap24fused,cap24sep" || echo "$ONLY")   # CI: 3 stacks
 else
   nvidia-smi -L | tee "$OUT/gpus.txt" || true
   ACC=(--device cuda --variant u1-8b --formats int8,fp8)
@@ -52,6 +54,8 @@ run cap24 cap24 "$L24" python -m bench.bench_memcap "${CAP[@]}" --caps "$C24" \
   --pairs "${PAIRS24:-int8/int8}" --log-dir "$OUT/logs-cap24"
 run cap24fused cap24fused "$L24" python -m bench.bench_memcap "${CAP[@]}" --caps "$C24" --engines fused \
   --pairs "${PAIRS24:-int8/int8}" --log-dir "$OUT/logs-cap24fused"
+run cap24sep cap24sep "$L24" python -m bench.bench_memcap "${CAP[@]}" --caps "$C24" --mode separate \
+  --pairs "${PAIRSSEP:-$([ "$SMOKE" = 1 ] && echo int8/int8 || echo bf16/bf16)}" --log-dir "$OUT/logs-cap24sep"
 run loadpeak loadpeak "$LLP" python -m bench.bench_load_peak "${LP[@]}"
 run cap48 cap48 "$L48" python -m bench.bench_memcap "${CAP[@]}" --caps "$C48" \
   --pairs "${PAIRS48:-bf16/bf16}" --log-dir "$OUT/logs-cap48"

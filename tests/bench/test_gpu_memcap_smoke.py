@@ -1,5 +1,5 @@
 """bench/gpu_memcap.sh's CPU smoke (tiny checkpoint): the accuracy part and one capped colocated stack (and the same
-with both engines in one process, `--colocate-engines fused`) fill every
+with both engines in one process, `--colocate-engines fused`, and the engines on separate cards) fill every
 figure the GPU run reports: per request kind a result, the over-budget requests refused with a clear 4xx (a size over
 the plan's limit, a prompt over the context) or served, the engines still up afterwards, the peak memory of each
 engine next to the plan's prediction."""
@@ -38,3 +38,9 @@ def test_gpu_memcap_smoke_fills_every_part(tmp_path):
     assert fused["over_budget"]["prompt-over-kv"]["status"] == 400 and fused["engines_up_after"] is True
     assert set(fused["peak_bytes"]) == {"fused"} and fused["peak_bytes"]["fused"] > 0
     assert "fused process" in (tmp_path / "cap24fused.md").read_text()
+    sep = data["cap24sep"]["results"][LABEL + "-separate"]
+    for kind in ("chat", "image-64", "image-128", "edit", "interleave"):
+        assert sep[kind]["status"] == 200, (kind, sep[kind])
+    assert sep["over_budget"]["prompt-over-kv"]["status"] == 400 and sep["engines_up_after"] is True
+    assert sep["peak_bytes"]["und"] > 0 and sep["peak_bytes"]["gen"] > 0
+    assert "| 4 GiB per card, separate | int8 / int8 |" in (tmp_path / "cap24sep.md").read_text()
