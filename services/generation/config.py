@@ -110,7 +110,7 @@ class GenerationConfig:
         "their KV buffers; each request runs an eager and a capturing step before it replays). shape: the jobs' "
         "shapes (size, samples, branches, prefix lengths); the graph and its KV buffer outlive the jobs, and a "
         "later request of the same shape replays from its first step (one more KV buffer held while idle, let go "
-        "when an admission runs out of memory). Not with --sp > 1 (keyed by job there)", choices=GRAPH_KEYS))
+        "when an admission runs out of memory). Not with --sp > 1 (refused)", choices=GRAPH_KEYS))
     graph_segment_layers: int = field(default=4, metadata=flag(
         "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
         "them (a decode step waits at most one segment; the segments share one memory pool)"))
@@ -142,6 +142,9 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.graph_segment_layers < 1:
             raise ValueError("--graph-segment-layers must be >= 1")
+        if self.graph_keys == "shape" and self.sp > 1:
+            raise ValueError("--graph-keys shape is for one sequence-parallel rank (--sp 1): under SP the graphs "
+                             "bake in each job's row layout and collectives, so they stay keyed by job")
         if self.kv_pool_wait_s is not None and self.kv_pool_wait_s < 0:
             raise ValueError("--kv-pool-wait-s must be >= 0")
         if not 0 < self.yield_share <= 1:

@@ -17,7 +17,8 @@ from services.generation.config import GenerationConfig, add_config_flags, confi
                                           "needs --cuda-graphs off .* device address"),
                                          ({"weight_streaming_layers": 2, "cfg_parallel": 2},
                                           "one engine rank .* pinned host copy"),
-                                         ({"weight_streaming_layers": 2, "sp": 2}, "one engine rank")])
+                                         ({"weight_streaming_layers": 2, "sp": 2}, "one engine rank"),
+                                         ({"graph_keys": "shape", "sp": 2}, "--graph-keys shape .*--sp 1")])
 def test_bad_values_refused_in_process_and_parsed(fields, why):
     with pytest.raises(ValueError, match=why):
         GenerationConfig(model="m", **fields)
