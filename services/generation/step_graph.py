@@ -19,7 +19,8 @@ Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
 GemmPolicy's choice (a function of the row count). The first step of a key runs eagerly (also the
 warm-up a capture needs: Triton JIT, cuBLAS/cuDNN plans, lazily built constants such as RoPE inverse
-frequencies), the second captures (each segment when it first runs), the later ones replay. One
+frequencies), the second captures (each segment when it first runs), the later ones replay; keyed by shape, a
+key that has run before (`GraphPlan.warm`) captures on its first step. One
 composition's graphs per engine: a new key, or a job of the key leaving (finished or aborted), releases
 them first — BEFORE job.free() frees the KV the graphs point at. Every capture of an engine uses one side
 stream; each composition's segments share a `torch.cuda.graph_pool_handle()` pool, as the understanding
@@ -50,6 +51,7 @@ to its end and later compositions capture again; only after `MAX_OOM_CAPTURES` s
 """
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from typing import Callable
@@ -63,6 +65,7 @@ log = logging.getLogger("u1serve.generation.engine")
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 MAX_OOM_CAPTURES = 3              # captures that ran out of memory before graphs are off for the engine's life
+WARM_KEYS = 64                    # keys by shape remembered as run (GraphPlan.warm): host memory only
 
 
 def graphable(device: torch.device, lora_rows: bool) -> bool:
@@ -82,24 +85,32 @@ def key_jobs(key: tuple) -> list:
 
 class GraphPlan:
     """Which way a step runs, from the keys seen so far (pure: no CUDA). `graph_key` is the key of the
-    graph the engine holds (None: none), `seen` the key of the last eager step."""
+    graph the engine holds (None: none), `seen` the key of the last eager step. With `remember` (keys by
+    shape: no job in them), the keys that have run are kept (`warm`, the last WARM_KEYS): their kernels, plans
+    and lazily built constants exist, so such a key that comes back captures on its first step, skipping the
+    eager one."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember: bool = False) -> None:
         self.graph_key: tuple | None = None
         self.seen: tuple | None = None
         self.refused: tuple | None = None    # a key whose capture ran out of memory: eager while it runs
+        self.warm: collections.OrderedDict | None = collections.OrderedDict() if remember else None
 
     def action(self, key: tuple) -> str:
-        """REPLAY the held graph, CAPTURE one (the second step in a row with this key; the caller then
-        calls `captured`), or run EAGER. A key other than the held graph's means the caller must release
-        it (`release_needed` before calling this)."""
+        """REPLAY the held graph, CAPTURE one (the second step in a row with this key, or the first of a warm
+        key; the caller then calls `captured`), or run EAGER. A key other than the held graph's means the caller
+        must release it (`release_needed` before calling this)."""
         if key == self.graph_key:
             return REPLAY
         if key == self.refused:
             return EAGER
-        if key == self.seen:
+        if key == self.seen or (self.warm is not None and key in self.warm):
             return CAPTURE
         self.seen = key
+        if self.warm is not None:
+            self.warm[key] = None
+            while len(self.warm) > WARM_KEYS:
+                self.warm.popitem(last=False)
         return EAGER
 
     def release_needed(self, key: tuple | None) -> bool:
@@ -209,7 +220,7 @@ class StepGraphs:
         self.enabled = mode != "off" and device.type == "cuda"
         if mode == "on" and device.type != "cuda":
             log.info("--cuda-graphs on: %s is not a CUDA device; steps run eagerly", device)
-        self.plan = GraphPlan()
+        self.plan = GraphPlan(remember=self.by_shape)
         self._held: _KeyGraphs | None = None
         self._side = None                    # the capture stream every capture uses
         self._key: tuple | None = None       # the key of the step in progress (None: it runs eagerly)
@@ -358,7 +369,7 @@ class StepGraphs:
         self.enabled = False
         self.failure = reason
         self._held = None
-        self.plan = GraphPlan()
+        self.plan = GraphPlan(remember=self.by_shape)
         try:   # a failed capture leaves no sticky error; a device fault would show here (and fail eagerly)
             torch.cuda.synchronize(self.device)
         except Exception:

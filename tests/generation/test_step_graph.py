@@ -94,6 +94,17 @@ def test_keyed_by_shape_jobs_of_one_shape_share_a_key_and_leaving_releases_nothi
     plan.captured(k)
     assert not plan.forget(a) and not plan.forget(b)          # no job in the key: the graph stays
     assert plan.action(composition_key([(b, ["cond"])], 4, by_shape=True)) == REPLAY
+    # with `remember` (keys by shape), a key that ran before captures on its first step when it comes back
+    kt = composition_key([(c, ["cond"])], 4, by_shape=True)
+    warm = GraphPlan(remember=True)
+    assert warm.action(k) == EAGER and warm.action(k) == CAPTURE
+    warm.captured(k)
+    warm.released()
+    assert warm.action(kt) == EAGER and warm.action(kt) == CAPTURE
+    warm.captured(kt)
+    warm.released()
+    assert warm.action(k) == CAPTURE                          # warm: no eager step
+    assert plan.action(kt) == EAGER                           # without `remember`: as before
 
 
 def test_plan_eager_then_capture_then_replay_and_invalidation():
@@ -242,8 +253,8 @@ def _one_by_one(engine: Engine, ref_model, specs, kv_scale: dict) -> dict:
 
 def test_graphs_keyed_by_shape_replay_a_later_jobs_every_step_bit_for_bit(ref_model, monkeypatch):
     specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
-             _spec("c", 1.0, steps=3)]
-    scale = {"b": 0.75}                        # b: another prefix (and seed) of a's shape
+             _spec("c", 1.0, steps=3), _spec("d", 4.0, steps=4).model_copy(update={"seed": 13})]
+    scale = {"b": 0.75, "d": 1.25}             # b, d: other prefixes (and seeds) of a's shape
     off = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, scale)
     monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)   # CUDA's rule, here
     by_job = Engine(ref_model[0], None)
@@ -256,10 +267,11 @@ def test_graphs_keyed_by_shape_replay_a_later_jobs_every_step_bit_for_bit(ref_mo
         assert torch.equal(got[rid][0], off[rid][0]) and torch.equal(got_job[rid][0], off[rid][0]), rid
     assert not torch.equal(off["a"][0], off["b"][0])
     # keyed by job, every request pays an eager and a capturing step; keyed by shape, b (a's shape)
-    # replays all 4 of its steps and captures nothing; c (another shape) starts over
-    assert [got_job[r][1] for r in "abc"] == [3, 3, 2]
-    assert [got[r][1] for r in "abc"] == [3, 4, 2]
-    assert by_job.graphs.captures == 3 and shaped.graphs.captures == 2
+    # replays all 4 of its steps and captures nothing; c (another shape) starts over; d (a's shape again, after c's
+    # graph took the place) captures on its first step: the shape is warm, no eager step
+    assert [got_job[r][1] for r in "abcd"] == [3, 3, 2, 3]
+    assert [got[r][1] for r in "abcd"] == [3, 4, 2, 4]
+    assert by_job.graphs.captures == 4 and shaped.graphs.captures == 3
     assert shaped.graphs.holds() and not by_job.graphs.holds()    # kept for the next c, let go by job
 
 
