@@ -300,3 +300,32 @@ def test_two_jobs_of_one_shape_stepped_apart_keep_their_own_kv(ref_model, monkey
             assert y.kv is place.kv and x.kv is not place.kv and x.kv.data_ptr() != y.kv.data_ptr()
     assert all(torch.equal(done[k], off[k][0]) for k in off)
     assert engine.graphs.replays > 0 and engine.graphs.captures == 1
+
+
+def test_an_admission_out_of_memory_lets_the_idle_graphs_go_and_is_retried(ref_model, monkeypatch):
+    """Keyed by shape, an idle engine holds one composition's graphs and KV buffer: a job whose KV buffer does not
+    fit releases them and is allocated again (a second failure is the job's 503 engine_oom, as before)."""
+    from services.generation.request import JobState
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    engine = Engine(ref_model[0], None)
+    engine.graphs = RecordingGraphs("shape")
+    want = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, [_spec("b", 1.0, steps=3)], {})
+    _one_by_one(engine, ref_model, [_spec("a", 4.0, steps=4)], {})
+    assert engine.graphs.holds()
+    real, calls = JobState.allocate_kv, []
+
+    def tight(self, *a, **kw):
+        calls.append(engine.graphs.holds())
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(JobState, "allocate_kv", tight)
+    got = _one_by_one(engine, ref_model, [_spec("b", 1.0, steps=3)], {})
+    assert calls == [True, False]                    # the retry came after the release
+    assert torch.equal(got["b"][0], want["b"][0])
+    calls.clear()
+    monkeypatch.setattr(JobState, "allocate_kv", lambda self, *a, **kw: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory (test)")))
+    engine.graphs.release()
+    with pytest.raises(torch.OutOfMemoryError):      # nothing held: no retry, the caller's engine_oom
+        _one_by_one(engine, ref_model, [_spec("c", 1.0, steps=3)], {})
