@@ -569,7 +569,8 @@ def _next_request(model, device, size: int, args) -> dict:
         out[f"{name}_s"] = statistics.median(t)
         out[f"{name}_counts"] = _graph_counts(engine)
         sync(device)      # what the engine holds between requests (keyed by shape: the graph's KV buffer)
-        out[f"{name}_idle_mb"] = ((torch.cuda.memory_allocated(device) - base) / 2**20) if device.type == "cuda" else 0.0
+        held = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else 0
+        out[f"{name}_idle_mb"] = held / 2**20
         del engine
     out["bits_equal"] = all(torch.equal(xs[k]["next"], xs["eager"]["next"]) for k in ("by_job", "by_shape"))
     return out
@@ -627,9 +628,9 @@ def _print_graphs(out: dict) -> None:
           "by job | final x equal | captures by job / by shape | held between requests MiB, by job / by shape |")
     print("|---|---|---:|---:|---:|---:|---:|---|---|---|")
     for r in out["next_request"]:
-        print(f"| {r['size']}², guidance 1 | {r['weights']} | {r['steps']} | {r['eager_s']:.4f} | {r['by_job_s']:.4f} | "
-              f"{r['by_shape_s']:.4f} | {r['by_shape_s'] / r['by_job_s']:.3f} | {r['bits_equal']} | "
-              f"{r['by_job_counts']['captures']} / {r['by_shape_counts']['captures']} | "
+        print(f"| {r['size']}², guidance 1 | {r['weights']} | {r['steps']} | {r['eager_s']:.4f} | "
+              f"{r['by_job_s']:.4f} | {r['by_shape_s']:.4f} | {r['by_shape_s'] / r['by_job_s']:.3f} | "
+              f"{r['bits_equal']} | {r['by_job_counts']['captures']} / {r['by_shape_counts']['captures']} | "
               f"{r['by_job_idle_mb']:.0f} / {r['by_shape_idle_mb']:.0f} |")
 
 

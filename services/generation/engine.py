@@ -119,7 +119,8 @@ class Engine:
         self.sp = self.comm.sp
         check_heads(model.num_heads, model.num_kv_heads, self.sp.world, self.sp.mode)
         self._kv_heads = self.sp.kv_heads(model.num_kv_heads)   # the KV heads this rank's buffers hold
-        self.graphs = StepGraphs(self.device, cuda_graphs, graph_keys if self.sp.world == 1 else "job")  # config refuses SP
+        # keyed by shape with one SP rank only (the config refuses --graph-keys shape with --sp > 1)
+        self.graphs = StepGraphs(self.device, cuda_graphs, graph_keys if self.sp.world == 1 else "job")
         self.graph_segment_layers = graph_segment_layers
         self.fp8 = fp8_applies(model)
         self.weights_version = "0"      # the version of the weights every running job runs under (weights.py)

@@ -8,12 +8,13 @@ On by default (`--cuda-graphs auto`): wherever the device is CUDA; eager on CPU.
 
 Key = the running composition: per job with rows (the job itself, its active local branches), in order,
 plus the packed row count. With `--graph-keys shape` a job enters the key by its shape instead
-(`JobState.graph_shape`: segments, prefix lengths, size, samples, position offsets): the graph then reads a stand-in's KV
-buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next job of that
-shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the image rows'
-K/V are written by every step before they are read) and the job adopts the stand-in's buffer, letting its
-own go: a running job holds one KV buffer as before, and an idle engine holds one composition's (`release`d
-when an admission or a step runs out of memory, and on a weights update). Opt-in until measured on a GPU.
+(`JobState.graph_shape`: segments, prefix lengths, size, samples, position offsets): the graph then reads
+a stand-in's KV buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next
+job of that shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the
+image rows' K/V are written by every step before they are read) and the job adopts the stand-in's buffer,
+letting its own go: a running job holds one KV buffer as before, and an idle engine holds one composition's
+(`release`d when an admission or a step runs out of memory, and on a weights update). Opt-in until measured
+on a GPU.
 
 Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8

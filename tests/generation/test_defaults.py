@@ -2,9 +2,10 @@
 
 - graphed steps in segments (step_graph.py): the data flow of captured segments — static inputs, each segment
   reading the previous one's output buffer, a first-block step cache deciding between [0, 1) and the rest, the
-  yield gate running between segments — through a CPU stand-in for CUDA capture (genhelp's `RecordingGraphs`:
-  "capture" keeps the segment's closure and output buffer, "replay" recomputes into that buffer). The images must be those
-  of the eager engine bit for bit. Whether real capture and replay match on CUDA: bench/gpu_defaults.sh;
+  yield gate running between segments — through a CPU stand-in for CUDA capture (genhelp's
+  `RecordingGraphs`: "capture" keeps the segment's closure and output buffer, "replay" recomputes into that
+  buffer). The images must be those of the eager engine bit for bit. Whether real capture and replay match on
+  CUDA: bench/gpu_defaults.sh;
 - fp8 from 1024 rows only where graphs run (GemmPolicy.for_device(graphed=True));
 - the batching rule (scheduler.py): jobs batch within BATCH_TOKENS rows a forward, the others wait their turn;
 - the size-table warm-up: one step per branch count for each table size not configured, its time per size.

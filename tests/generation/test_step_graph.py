@@ -8,9 +8,10 @@
   off for the engine's life;
 - graphs keyed by shape (`--graph-keys shape`): with the CUDA graph itself stood in for by a recording that
   replays what it recorded on the same buffers (genhelp's `RecordingGraphs`: no CUDA here; the rest is the
-  engine's own path), a later job of the same shape replays from its first step and every job's image is `off`'s bit for bit,
-  also when two jobs of one shape step apart on the one graph. Whether capture and replay work on CUDA is measured on the GPU
-  (bench/gpu_genperf.sh --only graphs: replay vs eager, torch.equal of the final image).
+  engine's own path), a later job of the same shape replays from its first step and every job's image is
+  `off`'s bit for bit, also when two jobs of one shape step apart on the one graph.
+Whether capture and replay work on CUDA is measured on the GPU (bench/gpu_genperf.sh --only graphs: replay vs
+eager, torch.equal of the final image).
 """
 from __future__ import annotations
 
