@@ -110,7 +110,8 @@ class GenerationConfig:
         "their KV buffers; each request runs an eager and a capturing step before it replays). shape: the jobs' "
         "shapes (size, samples, branches, prefix lengths); the graph and its KV buffer outlive the jobs, and a "
         "later request of the same shape replays from its first step (one more KV buffer held while idle, let go "
-        "when an admission runs out of memory). Not with --sp > 1 (refused)", choices=GRAPH_KEYS))
+        "when an admission runs out of memory). Refused with --sp > 1 and where CUDA graphs are off",
+        choices=GRAPH_KEYS))
     graph_segment_layers: int = field(default=4, metadata=flag(
         "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
         "them (a decode step waits at most one segment; the segments share one memory pool)"))
@@ -145,6 +146,9 @@ class GenerationConfig:
         if self.graph_keys == "shape" and self.sp > 1:
             raise ValueError("--graph-keys shape is for one sequence-parallel rank (--sp 1): under SP the graphs "
                              "bake in each job's row layout and collectives, so they stay keyed by job")
+        if self.graph_keys == "shape" and (self.cuda_graphs == "off" or self.weight_streaming_layers):
+            raise ValueError("--graph-keys shape keys CUDA graphs, which are off here (--cuda-graphs off, "
+                             "U1SERVE_CUDA_GRAPHS=0 or --weight-streaming-layers): it would change nothing")
         if self.kv_pool_wait_s is not None and self.kv_pool_wait_s < 0:
             raise ValueError("--kv-pool-wait-s must be >= 0")
         if not 0 < self.yield_share <= 1:

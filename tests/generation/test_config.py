@@ -18,7 +18,10 @@ from services.generation.config import GenerationConfig, add_config_flags, confi
                                          ({"weight_streaming_layers": 2, "cfg_parallel": 2},
                                           "one engine rank .* pinned host copy"),
                                          ({"weight_streaming_layers": 2, "sp": 2}, "one engine rank"),
-                                         ({"graph_keys": "shape", "sp": 2}, "--graph-keys shape .*--sp 1")])
+                                         ({"graph_keys": "shape", "sp": 2}, "--graph-keys shape .*--sp 1"),
+                                         ({"graph_keys": "shape", "cuda_graphs": "off"}, "CUDA graphs, which are off"),
+                                         ({"graph_keys": "shape", "weight_streaming_layers": 2},
+                                          "CUDA graphs, which are off")])
 def test_bad_values_refused_in_process_and_parsed(fields, why):
     with pytest.raises(ValueError, match=why):
         GenerationConfig(model="m", **fields)

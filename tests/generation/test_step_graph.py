@@ -330,3 +330,20 @@ def test_an_admission_out_of_memory_lets_the_idle_graphs_go_and_is_retried(ref_m
     engine.graphs.release()
     with pytest.raises(torch.OutOfMemoryError):      # nothing held: no retry, the caller's engine_oom
         _one_by_one(engine, ref_model, [_spec("c", 1.0, steps=3)], {})
+
+
+def test_keyed_by_shape_a_first_block_cache_decides_as_eagerly_for_each_request(ref_model, monkeypatch):
+    """A later request replays from its first step, where its step cache has no residual yet: the [0, 1) segment's
+    decision (compute, or the computing rows eagerly) is the request's own, and its image is eager's."""
+    cache = {"mode": "first_block", "threshold": 0.3, "warmup_steps": 1}
+    specs = [_spec(rid, 4.0, steps=5).model_copy(update={"cache": cache, "seed": seed})
+             for rid, seed in (("a", 5), ("b", 9))]
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    eager = Engine(ref_model[0], None, cuda_graphs="off")
+    want = _one_by_one(eager, ref_model, specs, {"b": 0.75})
+    engine = Engine(ref_model[0], None)
+    engine.graphs = RecordingGraphs("shape")
+    got = _one_by_one(engine, ref_model, specs, {"b": 0.75})
+    for rid in want:
+        assert torch.equal(got[rid][0], want[rid][0]), rid
+    assert got["b"][1] == 5 and engine.graphs.captures >= 2     # b: every step from graphs, a's segments reused
