@@ -106,7 +106,7 @@ class Engine:
         """yield_gate (colocate QoS, qos.py): before each layer's attention (eager steps) or between graph
         segments of `graph_segment_layers` layers (graphed steps), give the GPU to a waiting decode step of the
         understanding engine. cuda_graphs: auto | on | off (step_graph.py; the server passes --cuda-graphs,
-        default auto = on where the device is CUDA); graph_keys: job | shape (--graph-keys; job under SP)."""
+        default auto = on where the device is CUDA); graph_keys: job | shape (--graph-keys resolved; job under SP)."""
         self.model = model
         self.gate = yield_gate
         self.device = model.device
@@ -184,14 +184,17 @@ class Engine:
         h0, h1 = self._kv_heads
         job = JobState(spec, self._local(spec), self.model, self.device, self.dtype, kv_heads=h1 - h0)
         rollout.attach(job, spec, self)           # RL jobs: the SDE transition and what it records
+        lens = {b: prefix_lens[b] for b in job.local}
+        if self.graphs.holds() and not self.running and not self.graphs.held_for(job.graph_shape(lens, t_offsets)):
+            self.graphs.release()         # an idle graph of another shape goes before this job's KV: peak as by job
         try:
             try:
-                job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+                job.allocate_kv(lens, t_offsets)
             except torch.OutOfMemoryError:
                 if not self.graphs.holds():
                     raise
                 self.graphs.release()     # an idle graph's buffers (keyed by shape) give way to a job
-                job.allocate_kv({b: prefix_lens[b] for b in job.local}, t_offsets)
+                job.allocate_kv(lens, t_offsets)
         except BaseException:
             job.free()                            # its trajectory segment, if it made one
             raise

@@ -81,21 +81,29 @@ class JobState:
     # -- KV --------------------------------------------------------------------------------------
     def allocate_kv(self, prefix_lens: dict[str, int], t_offsets: dict[str, int]) -> None:
         L, Hkv, D = self._model_geom
+        segments, length = self._layout(prefix_lens)
+        self.kv = torch.empty((L, 2, max(length, 1), Hkv, D), device=self.device, dtype=self.dtype)
+        self.segments, self.t_offsets = segments, dict(t_offsets)   # after the allocation: it may be retried
+
+    def _layout(self, prefix_lens: dict[str, int]) -> tuple[list[_Segment], int]:
+        """The KV buffer's segments (branch x sample: its prefix, then the image's N tokens) and its length."""
         start, segments = 0, []
         for b in self.local:
             for i in range(self.n):
                 segments.append(_Segment(b, i, start, prefix_lens[b]))
                 start += prefix_lens[b] + self.N
-        self.kv = torch.empty((L, 2, max(start, 1), Hkv, D), device=self.device, dtype=self.dtype)
-        self.segments, self.t_offsets = segments, dict(t_offsets)   # after the allocation: it may be retried
+        return segments, start
 
-    def graph_shape(self) -> tuple:
+    def graph_shape(self, prefix_lens: dict[str, int] | None = None, t_offsets: dict[str, int] | None = None) -> tuple:
         """What a CUDA graph keyed by shape bakes in of this job (step_graph.py): its KV buffer's layout (segments,
         prefix lengths), the image's token grid, its samples, its step cache's mode (the graph segments), and the
         positions' offsets (the graph recomputes the rotary table from the copied positions; equal offsets keep
-        that from being what a replay depends on)."""
-        return (tuple((s.branch, s.start, s.prefix_len) for s in self.segments), self.th, self.tw, self.n,
-                self.cache.mode, tuple(sorted(self.t_offsets.items())))
+        that from being what a replay depends on). Given `prefix_lens` and `t_offsets`: the shape the job will have
+        once its KV is allocated with them."""
+        segments = self.segments if prefix_lens is None else self._layout(prefix_lens)[0]
+        offsets = self.t_offsets if t_offsets is None else t_offsets
+        return (tuple((s.branch, s.start, s.prefix_len) for s in segments), self.th, self.tw, self.n,
+                self.cache.mode, tuple(sorted(offsets.items())))
 
     def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
         """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""

@@ -221,7 +221,7 @@ def _build(rank: int, world: int, port: int, cfg: GenerationConfig, device: torc
                           follow_handles=cfg.kv_pool_follow_handles == "on")
     gate = yield_gate(cfg, device)
     main = Engine(model, source, comm, yield_gate=gate, cuda_graphs=cfg.cuda_graphs,
-                  graph_segment_layers=cfg.graph_segment_layers, graph_keys=cfg.graph_keys)
+                  graph_segment_layers=cfg.graph_segment_layers, graph_keys=cfg.step_graph_keys)
     if main.graphs.enabled and cfg.quantization == "fp8":   # fp8 pays from fewer rows where steps replay graphs
         use_policy(model, GemmPolicy.for_device(device, graphed=True))
         main.fp8 = fp8_applies(model)

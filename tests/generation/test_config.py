@@ -53,3 +53,18 @@ def test_weight_streaming_turns_auto_graphs_off(monkeypatch):
     monkeypatch.setenv("U1SERVE_CUDA_GRAPHS", "1")      # the override asks for graphs: refused, not ignored
     with pytest.raises(SystemExit, match="--cuda-graphs off"):
         config_from_args(p.parse_args(["--model", "m", "--weight-streaming-layers", "2"]))
+
+
+@pytest.mark.parametrize("argv, keys", [([], "shape"), (["--graph-keys", "job"], "job"), (["--sp", "2"], "job"),
+                                        (["--cuda-graphs", "off"], "job"), (["--weight-streaming-layers", "2"], "job"),
+                                        (["--graph-keys", "shape"], "shape")])
+def test_graph_keys_auto_is_shape_where_it_applies_and_job_elsewhere(monkeypatch, argv, keys):
+    """The default keys graphs by shape (measured: docs/benchmarks/generation.md); where shape keys cannot apply it
+    is job without a word, where asked for by name it is refused (above)."""
+    monkeypatch.delenv("U1SERVE_CUDA_GRAPHS", raising=False)
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    cfg = config_from_args(p.parse_args(["--model", "m"] + argv))
+    assert cfg.graph_keys == (argv[1] if argv[:1] == ["--graph-keys"] else "auto") and cfg.step_graph_keys == keys
+    monkeypatch.setenv("U1SERVE_CUDA_GRAPHS", "0")
+    assert config_from_args(p.parse_args(["--model", "m"])).step_graph_keys == "job"

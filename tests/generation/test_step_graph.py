@@ -304,14 +304,15 @@ def test_two_jobs_of_one_shape_stepped_apart_keep_their_own_kv(ref_model, monkey
 
 
 def test_an_admission_out_of_memory_lets_the_idle_graphs_go_and_is_retried(ref_model, monkeypatch):
-    """Keyed by shape, an idle engine holds one composition's graphs and KV buffer: a job whose KV buffer does not
-    fit releases them and is allocated again (a second failure is the job's 503 engine_oom, as before)."""
+    """Keyed by shape, an idle engine holds one composition's graphs and KV buffer: a job of that shape whose KV
+    buffer does not fit beside them releases them and is allocated again (a second failure is the job's 503
+    engine_oom, as before)."""
     from services.generation.request import JobState
     monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
     engine = Engine(ref_model[0], None)
     engine.graphs = RecordingGraphs("shape")
     want = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, [_spec("b", 1.0, steps=3)], {})
-    _one_by_one(engine, ref_model, [_spec("a", 4.0, steps=4)], {})
+    _one_by_one(engine, ref_model, [_spec("a", 1.0, steps=4)], {})      # b's shape
     assert engine.graphs.holds()
     real, calls = JobState.allocate_kv, []
 
@@ -330,6 +331,32 @@ def test_an_admission_out_of_memory_lets_the_idle_graphs_go_and_is_retried(ref_m
     engine.graphs.release()
     with pytest.raises(torch.OutOfMemoryError):      # nothing held: no retry, the caller's engine_oom
         _one_by_one(engine, ref_model, [_spec("c", 1.0, steps=3)], {})
+
+
+def test_an_idle_graph_of_another_shape_goes_before_the_jobs_kv_is_allocated(ref_model, monkeypatch):
+    """The memory a job of another shape meets is what it meets keyed by job (the memory plan's peak): the idle
+    graphs are released before its KV buffer is allocated, not at its first step; a job of the held shape finds
+    them kept."""
+    from services.generation.request import JobState
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    engine = Engine(ref_model[0], None)
+    engine.graphs = RecordingGraphs("shape")
+    real, held = JobState.allocate_kv, []
+
+    def watched(self, *a, **kw):
+        held.append(engine.graphs.holds())
+        return real(self, *a, **kw)
+    monkeypatch.setattr(JobState, "allocate_kv", watched)
+    got = _one_by_one(engine, ref_model, [_spec("a", 4.0, steps=3), _spec("b", 1.0, steps=3),
+                                          _spec("c", 1.0, steps=3).model_copy(update={"seed": 9})], {})
+    assert held == [False, False, True]         # a: none yet; b: a's shape went first; c: b's shape kept
+    assert got["c"][1] == 3 and engine.graphs.holds()
+    spec = _spec("d", 1.0, steps=3)
+    (branch,) = spec.handles
+    job = JobState(spec, [branch], ref_model[0], CPU, torch.float32)
+    assert job.graph_shape({branch: 7}, {branch: 3}) != job.graph_shape({branch: 8}, {branch: 3})
+    job.allocate_kv({branch: 7}, {branch: 3})
+    assert job.graph_shape() == job.graph_shape({branch: 7}, {branch: 3})
 
 
 def test_keyed_by_shape_a_first_block_cache_decides_as_eagerly_for_each_request(ref_model, monkeypatch):
