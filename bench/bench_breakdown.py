@@ -172,7 +172,11 @@ def part_engine(args) -> dict:
 # services/kit/timeline.py. "steps" is measured, not estimated: admission -> the last step's end on the device.
 STAGES = [
     ("client -> gateway (HTTP, validation)", ("client", "start"), ("gateway", "request")),
-    ("prefix: understanding prefill + KV export", ("gateway", "request"), ("gateway", "prefix_done")),
+    # the prefix: understanding prefill + KV export, in four
+    ("gateway -> understanding (validation, HTTP)", ("gateway", "request"), ("und", "request")),
+    ("understanding: prompt, pages, submit", ("und", "request"), ("und", "submitted")),
+    ("understanding engine: queue, prefill, KV export", ("und", "submitted"), ("und", "exported")),
+    ("understanding -> gateway (handles, HTTP)", ("und", "exported"), ("gateway", "prefix_done")),
     ("gateway -> generation", ("gateway", "prefix_done"), ("gen", "request")),
     ("admission: queue, KV import, job set-up", ("gen", "request"), ("gen", "admitted")),
     ("denoising steps", ("gen", "admitted"), ("gen", "step_done#last")),

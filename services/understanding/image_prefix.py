@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from services.contract.control import HandlesEvent, ThinkDeltaEvent, wire
 from services.contract.image import PrefixRequest
-from services.kit import sse
+from services.kit import sse, timeline
 from services.kit.errors import APIError, bad_request, overloaded, unavailable
 from services.model import images as IM
 from services.model import prompts as PR
@@ -140,6 +140,7 @@ class PrefixJob:
             if tail:
                 yield ThinkDeltaEvent(text=tail)
             st.metrics.prefix_export.observe(time.monotonic() - self.t0)
+            timeline.mark("und", "exported")
             # from here on the client may hold the handles: never free them under it (a client that vanishes
             # now leaks them only until their lease expires)
             self.pages.hand_out()
@@ -292,7 +293,9 @@ class ImagePrefixService:
 
     # ---- the endpoint -----------------------------------------------------------------------------------
     async def handle(self, request: Request, req: PrefixRequest):
+        timeline.mark("und", "request")
         job = await self._start(req)
+        timeline.mark("und", "submitted")
         log.info("prefix %s: %s, branches %s", req.request_id, req.mode, list(job.queues))
         run = job.events()
 
