@@ -172,10 +172,13 @@ def part_engine(args) -> dict:
 # services/kit/timeline.py. "steps" is measured, not estimated: admission -> the last step's end on the device.
 STAGES = [
     ("client -> gateway (HTTP, validation)", ("client", "start"), ("gateway", "request")),
-    # the prefix: understanding prefill + KV export, in four
+    # the prefix: understanding prefill + KV export, in seven
     ("gateway -> understanding (validation, HTTP)", ("gateway", "request"), ("und", "request")),
     ("understanding: prompt, pages, submit", ("und", "request"), ("und", "submitted")),
-    ("understanding engine: queue, prefill, KV export", ("und", "submitted"), ("und", "exported")),
+    ("understanding engine: socket, queue, schedule", ("und", "submitted"), ("und", "engine_step")),
+    ("understanding engine: prefill forward (device)", ("und", "engine_step"), ("und", "engine_forward")),
+    ("understanding engine: KV export (device)", ("und", "engine_forward"), ("und", "engine_export")),
+    ("understanding engine: sample, outputs back", ("und", "engine_export"), ("und", "exported")),
     ("understanding -> gateway (handles, HTTP)", ("und", "exported"), ("gateway", "prefix_done")),
     ("gateway -> generation", ("gateway", "prefix_done"), ("gen", "request")),
     ("admission: queue, KV import, job set-up", ("gen", "request"), ("gen", "admitted")),

@@ -13,6 +13,7 @@ import zmq
 
 from services.base import knobs
 from shm_transfer.errors import HandleError
+from services.kit import timeline
 from services.kit.loop_clock import loop_clock
 from services.kit.proc import die_with_parent, ignore_stop_signals
 
@@ -176,6 +177,7 @@ class Engine:
             timeout = 0
             msg = self.inp.recv_pyobj()
             if isinstance(msg, SubmitRequest):
+                timeline.mark("und", "engine_recv")
                 self.sched.add(msg)
             elif isinstance(msg, Abort):
                 self.sched.abort(msg.rid)
@@ -239,14 +241,24 @@ class Engine:
         if decode:
             self.yield_signal.set_busy()
         try:
+            timeline.mark("und", "engine_step")
             self._broadcast(plan)
             logits = self.runner.forward(plan)
+            if timeline.ENABLED and plan.exports:
+                self._mark_on_device("engine_forward")   # the prefill's end on the device, not its launch
             exported = self._export(plan)
+            if timeline.ENABLED and plan.exports:
+                self._mark_on_device("engine_export")
             sampled, logprobs = self._sample(logits, entries)
         finally:
             if decode:
                 self.yield_signal.set_idle()
         self.sched.process(entries, sampled, exported, logprobs)
+
+    def _mark_on_device(self, stage: str) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        timeline.mark("und", stage)
 
     def _broadcast(self, obj) -> None:
         if self.tp is not None:
