@@ -112,8 +112,8 @@ class GenerationConfig:
         "its first step (an idle engine holds one composition's graphs and KV buffer, let go before a job of "
         "another shape is admitted; 1024² 8 steps through the API 0.437 -> 0.323 s on an H100). job: the running "
         "jobs themselves (each request runs an eager and a capturing step before it replays). auto (the default): "
-        "shape with one sequence-parallel rank where CUDA graphs are on, job otherwise; shape is refused with "
-        "--sp > 1 and where CUDA graphs are off",
+        "shape with one engine rank (--cfg-parallel 1 --sp 1) where CUDA graphs are on, job otherwise; shape is "
+        "refused with --sp > 1 and where CUDA graphs are off",
         choices=GRAPH_KEY_CHOICES))
     graph_segment_layers: int = field(default=4, metadata=flag(
         "with --yield-to: graphed steps replay the layer stack in graphs of this many layers and yield between "
@@ -184,11 +184,11 @@ class GenerationConfig:
 
     @property
     def step_graph_keys(self) -> str:
-        """--graph-keys resolved (job | shape): auto is shape where it applies (one SP rank, CUDA graphs not off,
-        no weight streaming), job otherwise."""
+        """--graph-keys resolved (job | shape): auto is shape where it applies and was measured (one engine rank,
+        CUDA graphs not off, no weight streaming), job otherwise (CFG-parallel ranks may ask for shape by name)."""
         if self.graph_keys != "auto":
             return self.graph_keys
-        applies = self.sp == 1 and self.cuda_graphs != "off" and not self.weight_streaming_layers
+        applies = self.world == 1 and self.cuda_graphs != "off" and not self.weight_streaming_layers
         return "shape" if applies else "job"
 
     @property

@@ -8,7 +8,7 @@ On by default (`--cuda-graphs auto`): wherever the device is CUDA; eager on CPU.
 
 Key = the running composition: per job with rows (the job itself, its active local branches), in order,
 plus the packed row count (`--graph-keys job`, and always under SP). Keyed by shape (`--graph-keys auto`, the
-default, with one SP rank) a job enters the key by its shape instead (`JobState.graph_shape`: segments, prefix
+default, with one engine rank) a job enters the key by its shape instead (`JobState.graph_shape`: segments, prefix
 lengths, size, samples, position offsets): the graph then reads
 a stand-in's KV buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next
 job of that shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the
