@@ -6,6 +6,9 @@ GPU (the real measurement):
     python -m bench.bench_understanding --json docs/benchmarks/understanding.json
 GPU, A3B (random weights; its fused MoE, decode CUDA graphs on; the batch-1 bound counts the top-k experts only):
     python -m bench.bench_understanding --variant a3b-full --batches 1,64 --iters 3 --json /tmp/und_a3b.json
+GPU, where a T2I prefix export's time goes beyond its prefill (torch.profiler of one export and one first-token
+request of the same length; ~1 minute more):
+    python -m bench.bench_understanding --batches 1 --profile-prefix --json /tmp/und_prefix.json
 CPU smoke run (tiny checkpoint, small sizes; --variant a3b for the tiny MoE):
     python -m bench.bench_understanding --tiny --device cpu --dtype float32 --batches 1,4 \\
         --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
@@ -55,6 +58,9 @@ def parse_args():
     p.add_argument("--cuda-graph-max-bs", type=int, default=128, help="0 = eager decode")
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth for the bound (default: measured D2D copy in this run)")
+    p.add_argument("--profile-prefix", action="store_true",
+                   help="also run one T2I prefix export and one first-token request of --prefix-len tokens under "
+                        "torch.profiler: wall ms, device kernel ms, top kernels and host ops of each")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -154,6 +160,42 @@ def bench_prefix(engine, tok, pool, args, rng):
         copy.append(time.perf_counter() - c0)
         pool.release(hh)
     return 1000 * statistics.median(total), 1000 * statistics.median(copy)
+
+
+def profile_prefix(engine, tok, pool, args, rng, top: int = 8) -> dict:
+    """One first-token request and one T2I prefix export of the same length (--prefix-len), each under
+    torch.profiler: wall ms, the device's kernel ms and launches (CUDA; the CPU's own op time elsewhere), the top
+    kernels and the host ops by their own CPU time, so the export's time beyond its prefill has a name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.genperf_parts import kernel_rows
+    dev = torch.device(engine.runner.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out = {}
+    for kind in ("first_token", "prefix_export"):
+        rid = f"prof-{kind}-{uuid.uuid4().hex[:6]}"
+        handle = pool.allocate(args.prefix_len, 60.0) if kind == "prefix_export" else None
+        msg = (SubmitRequest(rid, rand_ids(rng, args.prefix_len, tok), [], SamplingParams(max_tokens=1), "prefix",
+                             handle=handle.to_dict()) if handle is not None else
+               SubmitRequest(rid, rand_ids(rng, args.prefix_len, tok), [], SamplingParams(max_tokens=1,
+                                                                                           temperature=0.0)))
+        sync(engine.device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            engine.sched.add(msg)
+            _, _, done = drive(engine)
+            wall = time.perf_counter() - t0
+        if handle is not None:
+            from shm_transfer import KVHandle
+            pool.release(KVHandle.from_dict(done[rid][1].handle))
+        kernels = kernel_rows(prof, dev)
+        host = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+                       if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+        out[kind] = {"wall_ms": 1000 * wall, "kernel_ms": sum(ms for _, ms, _ in kernels),
+                     "launches": sum(n for _, _, n in kernels),
+                     "top_kernels": [{"name": k[:90], "ms": ms, "calls": n} for k, ms, n in kernels[:top]],
+                     "top_host_ops": [{"name": k[:90], "ms": ms, "calls": n} for k, ms, n in host[:top]]}
+    return out
 
 
 def reference_numbers(model, tok, args, rng):
@@ -262,6 +304,7 @@ def run(model_dir, args, rng, batches, pool):
 
     bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
     prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
+    prof = profile_prefix(engine, tok_, pool, args, rng) if args.profile_prefix else None
     engine.pool.close()
     ref = reference_numbers(engine.model, tok_, args, rng)
     bound_ms, bw_tbs = hbm_bound_ms(engine.model, args)
@@ -274,6 +317,8 @@ def run(model_dir, args, rng, batches, pool):
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,
            "hbm_bound_ms": bound_ms, "bandwidth_tbs": bw_tbs}
+    if prof is not None:
+        res["prefix_profile"] = prof
     print(f"\n{res['device']}, torch {res['torch']}, {args.dtype}, {res['variant']}, graphs {res['cuda_graphs']}\n")
     print("| batch | ms/step | tokens/s | reference tokens/s | speedup |")
     print("|---:|---:|---:|---:|---:|")
@@ -287,6 +332,14 @@ def run(model_dir, args, rng, batches, pool):
     print(f"TTFT, {args.ttft_len}-token prompt: ours {ttft:.1f} ms, reference {ref['ttft_ms']:.1f} ms")
     print(f"T2I prefix export, {args.prefix_len} tokens: ours {prefix_ms:.1f} ms (copy {copy_ms:.2f} ms), "
           f"reference prefill {ref['prefix_ms']:.1f} ms")
+    if prof is not None:
+        print(f"\nunder torch.profiler, {args.prefix_len} tokens (kernels: device time on CUDA, own CPU time elsewhere)")
+        print("| request | wall ms | kernels ms | launches | top kernels (ms) | top host ops, own CPU ms |")
+        print("|---|---:|---:|---:|---|---|")
+        for kind, r in prof.items():
+            ks = "; ".join(f"{k['name'][:40]} {k['ms']:.2f}" for k in r["top_kernels"][:4])
+            hs = "; ".join(f"{h['name'][:40]} {h['ms']:.2f}" for h in r["top_host_ops"][:4])
+            print(f"| {kind} | {r['wall_ms']:.1f} | {r['kernel_ms']:.1f} | {r['launches']} | {ks} | {hs} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -53,8 +53,9 @@ SMOKES = {
     # the prefix export goes through the engine's own transport, as on the GPU (it once broke there only)
     "understanding": Smoke(("bench.bench_understanding", "--tiny", "--device", "cpu", "--dtype", "float32",
                             "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64", "--prefix-len", "40",
-                            "--ref-tokens", "4", "--iters", "2", "--json", "{tmp}/out.json"),
-                           ("decode", "reference", "ttft_ms", "prefix_export_ms", "prefix_copy_ms")),
+                            "--ref-tokens", "4", "--iters", "2", "--profile-prefix", "--json", "{tmp}/out.json"),
+                           ("decode", "reference", "ttft_ms", "prefix_export_ms", "prefix_copy_ms",
+                            "prefix_profile/first_token/top_kernels", "prefix_profile/prefix_export/top_host_ops")),
     "understanding-a3b": Smoke(("bench.bench_understanding", "--tiny", "--variant", "a3b", "--device", "cpu",
                                 "--dtype", "float32", "--batches", "1,4", "--decode-tokens", "8", "--ttft-len", "64",
                                 "--prefix-len", "40", "--ref-tokens", "4", "--iters", "2", "--json", "{tmp}/out.json"),
