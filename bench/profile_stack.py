@@ -56,8 +56,8 @@ PROFILES = {   # name: (GPUs needed, `u1serve up` placement flags)
 # colocate-tp2-sp2 in the other SP mode (sequence parallelism by K/V all-gather), -graphs adds
 # --cuda-graphs on (the step's collectives captured in the graph), colocate-1-fused is colocate-1 with both engines
 # in one process without a green context (the documented fused profile, colocate-1-fused-green75, is a default: it
-# starts in ~16 s on an H100), colocate-1-graph-job is colocate-1 with --graph-keys job (the keys before shape), and the default
-# 2-GPU profiles already take about 7.5 of the 10 minutes one call may run.
+# starts in ~16 s on an H100), colocate-1-graph-job is colocate-1 with --graph-keys job (the keys before shape), and
+# the default 2-GPU profiles already take about 7.5 of the 10 minutes one call may run.
 ON_REQUEST = ("colocate-1-fused", "colocate-1-graph-job", "colocate-1-mps", "colocate-1-mps-normal",
               "colocate-tp2-cfg2-mps", "colocate-tp2-sp2-kv", "colocate-tp2-sp2-kv-graphs")
 _BAD_LOG = re.compile(r"Traceback|-> 500 |\" 500 |HTTP/1\.1\" 500")

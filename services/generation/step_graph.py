@@ -14,10 +14,11 @@ a stand-in's KV buffer and step metadata (`_StandIn`), not the job's, so it outl
 job of that shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the
 image rows' K/V are written by every step before they are read) and the job adopts the stand-in's buffer,
 letting its own go: a running job holds one KV buffer as before, and an idle engine holds one composition's
-(`release`d before a job of another shape is admitted to the idle engine, so such a job meets the memory it met
-keyed by job; also when an admission or a step runs out of memory, and on a weights update). A job of the held
-shape holds its own KV buffer beside the held one from admission to its first step (then adopts the stand-in's). Measured on an H100: the
-next 1024² 8-step request of a shape 0.437 -> 0.323 s through the API, bits equal (docs/benchmarks/generation.md).
+(`release`d before a job of another shape is admitted to the idle engine, so such a job meets the memory it met keyed
+by job; also when an admission or a step runs out of memory, and on a weights update). A job of the held shape holds
+its own KV buffer beside the held one from admission to its first step (then adopts the stand-in's). Measured on an
+H100: the next 1024² 8-step request of a shape 0.437 -> 0.323 s through the API, bits equal
+(docs/benchmarks/generation.md).
 
 Everything a graph bakes in is constant for a key: tensor addresses (job.kv,
 the job's cached StepMeta), host ints (cu_seqlens on the host, k_start/k_end, max lengths), the fp8
