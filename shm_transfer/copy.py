@@ -195,7 +195,7 @@ def pages_into(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int, dst
     _kernel_import(pages, page_ids, num_tokens, dst)
 
 
-# The import kernel is specialised (Triton) on whether num_tokens is a multiple of 16: one warm copy of each.
+# The copy kernels are specialised (Triton) on whether num_tokens is a multiple of 16: one warm copy of each.
 WARM_IMPORT_TOKENS = (32, 33)
 
 
@@ -220,6 +220,29 @@ def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int]
     return time.perf_counter() - t0
 
 
+def warm_export(pool: ShmKVPool, kv_pool: torch.Tensor, slot: int, *, heads: tuple[int, int] | None = None) -> float:
+    """What a process's first export_kv from `kv_pool` sets up, done now: the export kernel compiled (Triton JIT on
+    CUDA: the EXPORT variant is a kernel of its own) and run, for each of WARM_IMPORT_TOKENS, from row `slot` of
+    kv_pool (a scratch slot: it is only read) into scratch pages of the pool's page shape where the pool keeps its
+    pages (registered host memory, or the device of a device pool). The pool's own pages are not written: any may be
+    a live handle's. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    lay = pool.layout
+    h0, h1 = head_slice(lay, heads)
+    check_kv("kv_pool", kv_pool, lay, 1, exact=False, num_heads=h1 - h0)
+    pool.require_pages()
+    where = pool.pages.device
+    for n in WARM_IMPORT_TOKENS:
+        scratch = torch.zeros((lay.pages_for(n), *lay.page_shape), dtype=lay.torch_dtype, device=where,
+                              pin_memory=where.type == "cpu" and kv_pool.is_cuda)
+        slots = torch.full((n,), slot, dtype=torch.int32, device=kv_pool.device)
+        page_ids = torch.arange(scratch.shape[0], dtype=torch.int32, device=kv_pool.device)
+        _kernel_export(kv_pool, slots, heads_view(scratch, lay, h0, h1), page_ids)
+    if kv_pool.is_cuda:
+        torch.cuda.synchronize(kv_pool.device)
+    return time.perf_counter() - t0
+
+
 def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu",
             expected_fingerprint: str | None = None) -> torch.Tensor:
     """Convenience: a new [L, 2, T, Hkv, D] tensor holding the handle's KV."""
@@ -228,4 +251,4 @@ def read_kv(pool: ShmKVPool, handle: KVHandle, device: torch.device | str = "cpu
     return dst
 
 
-__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "warm_import", "CopyDone", "HandleError"]
+__all__ = ["export_kv", "write_kv", "import_kv", "read_kv", "warm_import", "warm_export", "CopyDone", "HandleError"]

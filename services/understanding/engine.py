@@ -125,6 +125,9 @@ class Engine:
             phase(EnginePhase.ATTACHING_KV_POOL)
             from shm_transfer.producer import attach_exporter     # a device pool: only in its creator's process
             self.pool = attach_exporter(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
+            from shm_transfer.copy import warm_export    # the first prefix's export would compile the kernel
+            secs = warm_export(self.pool.pool, self.runner.kv_pool, self.runner.scratch_slot, heads=self._heads())
+            log.info("KV export kernel warmed in %.3f s", secs)
         self.yield_signal = None
         if rank == 0 and cfg.yield_signal:
             from shm_transfer.yield_signal import YieldSignal
@@ -312,11 +315,7 @@ class Engine:
                 if keep < len(handle.page_ids) and self.rank == 0:   # think ended early: unused pages back
                     self.pool.release(handle.replace(page_ids=handle.page_ids[keep:]))
                 handle = handle.replace(page_ids=handle.page_ids[:keep], num_tokens=n, t_offset=int(t_offset))
-                heads = None
-                if self.tp is not None:
-                    h = self.runner.num_kv_heads
-                    heads = (self.rank * h, (self.rank + 1) * h)
-                self.pool.export_kv(handle, self.runner.kv_pool, slots.to(self.runner.device), heads=heads)
+                self.pool.export_kv(handle, self.runner.kv_pool, slots.to(self.runner.device), heads=self._heads())
             except HandleError as e:      # its pages were freed under it: the request was aborted (client gone)
                 log.warning("export of %s not done: %s", rid, e)
                 err = f"{type(e).__name__}: {e}"
@@ -333,6 +332,13 @@ class Engine:
             if self.rank == 0:   # the handle names the weights that computed it (generation checks it)
                 results[rid] = {**handle.to_dict(), "weights_version": self.weights.version} if err is None else err
         return results
+
+    def _heads(self) -> tuple[int, int] | None:
+        """This rank's global KV heads in the pool's pages (None: all of them, no tensor parallelism)."""
+        if self.tp is None:
+            return None
+        h = self.runner.num_kv_heads
+        return self.rank * h, (self.rank + 1) * h
 
     # ---- ranks > 0 -----------------------------------------------------------------------------
     def _follow(self) -> None:

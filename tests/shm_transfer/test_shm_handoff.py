@@ -282,3 +282,32 @@ def test_tensor_parallel_ranks_export_their_head_slices(pages, peer, shm_name, m
         with pytest.raises(ValueError, match="heads"):
             export_kv(pool, h, kv_pool, slots, heads=(1, 5))
         peer.call("close", shm_name)
+
+
+@pytest.mark.parametrize("mode", ["ref", "triton-interpret"])
+def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages, shm_name, monkeypatch, mode):
+    """What the understanding engine does before ready (shm_transfer.copy.warm_export): the export kernel runs, from a
+    scratch slot into scratch pages, for a full and a tensor-parallel rank's head slice; the pool's pages and page
+    table are as they were, and a live handle's KV reads back unchanged."""
+    from shm_transfer.copy import warm_export
+    if mode == "triton-interpret":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
+    with make_pool(pages, shm_name, lay, 24 * lay.page_bytes, FP) as pool:
+        h = pool.allocate(6, lease_s=30)
+        kv = torch.randn(lay.kv_shape(6))
+        write_kv(pool, h, kv)
+        pool.pages[pool.layout.pages_for(6):] = 7.0        # every free page: a value the warm-up must leave alone
+        before_pages, before = pool.pages.clone(), pool.stats()
+        kv_pool = torch.randn(lay.kv_shape(17))
+        assert warm_export(pool, kv_pool, 16) >= 0
+        assert warm_export(pool, kv_pool[:, :, :, 2:4].contiguous(), 16, heads=(2, 4)) >= 0
+        assert torch.equal(pool.pages, before_pages)
+        after = pool.stats()
+        for k in ("pages_used", "handles_live", "allocations", "pages_released", "bytes_exported_total"):
+            assert after.get(k) == before.get(k), k
+        assert torch.equal(read_kv(pool, h), kv)
+        with pytest.raises(ValueError, match="heads"):
+            warm_export(pool, kv_pool, 16, heads=(3, 5))
