@@ -258,13 +258,18 @@ def test_roundtrip_through_triton_kernels_interpreted(pages, shm_name, monkeypat
         assert not dst[:, :, 7:].any()
 
 
-@pytest.mark.parametrize("mode", ["ref", "triton-interpret"])
-def test_tensor_parallel_ranks_export_their_head_slices(pages, peer, shm_name, monkeypatch, mode):
-    """Two producer ranks (this process and the peer) each write their KV heads into the same pages."""
+def use_kernels(monkeypatch, mode: str) -> None:
+    """mode "ref": the torch copies; "triton-interpret": the GPU code path's Triton kernels, interpreted on the CPU."""
     if mode == "triton-interpret":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+
+
+@pytest.mark.parametrize("mode", ["ref", "triton-interpret"])
+def test_tensor_parallel_ranks_export_their_head_slices(pages, peer, shm_name, monkeypatch, mode):
+    """Two producer ranks (this process and the peer) each write their KV heads into the same pages."""
+    use_kernels(monkeypatch, mode)
     lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
     with make_pool(pages, shm_name, lay, 4 * lay.page_bytes, FP) as pool:
         peer.call("attach", shm_name)
@@ -290,10 +295,7 @@ def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages
     scratch slot into scratch pages, for a full and a tensor-parallel rank's head slice; the pool's pages and page
     table are as they were, and a live handle's KV reads back unchanged."""
     from shm_transfer.copy import warm_export
-    if mode == "triton-interpret":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("U1SERVE_KERNELS", "triton")
+    use_kernels(monkeypatch, mode)
     lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
     with make_pool(pages, shm_name, lay, 24 * lay.page_bytes, FP) as pool:
         h = pool.allocate(6, lease_s=30)
