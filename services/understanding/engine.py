@@ -125,9 +125,7 @@ class Engine:
             phase(EnginePhase.ATTACHING_KV_POOL)
             from shm_transfer.producer import attach_exporter     # a device pool: only in its creator's process
             self.pool = attach_exporter(cfg.kv_pool_name, expected_fingerprint=self.model.fingerprint)
-            from shm_transfer.copy import warm_export    # the first prefix's export would compile the kernel
-            secs = warm_export(self.pool.pool, self.runner.kv_pool, self.runner.scratch_slot, heads=self._heads())
-            log.info("KV export kernel warmed in %.3f s", secs)
+            self._warm_export()
         self.yield_signal = None
         if rank == 0 and cfg.yield_signal:
             from shm_transfer.yield_signal import YieldSignal
@@ -332,6 +330,16 @@ class Engine:
             if self.rank == 0:   # the handle names the weights that computed it (generation checks it)
                 results[rid] = {**handle.to_dict(), "weights_version": self.weights.version} if err is None else err
         return results
+
+    def _warm_export(self) -> None:
+        """Compile and run the export kernel now, not in the first prefix's step; a failure here never stops the
+        start (the first export then compiles it, and fails that request if it must), as generation's import."""
+        from shm_transfer.copy import warm_export
+        try:
+            secs = warm_export(self.pool.pool, self.runner.kv_pool, self.runner.scratch_slot, heads=self._heads())
+            log.info("KV export kernel warmed in %.3f s", secs)
+        except Exception as e:
+            log.warning("KV export warm-up failed, the first image prefix pays it: %r", e)
 
     def _heads(self) -> tuple[int, int] | None:
         """This rank's global KV heads in the pool's pages (None: all of them, no tensor parallelism)."""
