@@ -294,8 +294,20 @@ def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages
     """What the understanding engine does before ready (shm_transfer.copy.warm_export): the export kernel runs, from a
     scratch slot into scratch pages, for a full and a tensor-parallel rank's head slice; the pool's pages and page
     table are as they were, and a live handle's KV reads back unchanged."""
-    from shm_transfer.copy import warm_export
+    import shm_transfer.copy as copy_mod
+    from shm_transfer.copy import WARM_IMPORT_TOKENS, warm_export
     use_kernels(monkeypatch, mode)
+    real, copied = copy_mod._kernel_export, []
+
+    def export_and_check(kv_pool, slots, pages, page_ids):      # the real kernel; then what it wrote, read back
+        out = real(kv_pool, slots, pages, page_ids)
+        n, pt = slots.numel(), pages.shape[3]
+        rows = torch.stack([pages[int(page_ids[t // pt]), :, :, t % pt] for t in range(n)], dim=2)
+        assert torch.equal(rows, kv_pool[:, :, slots.long()])
+        copied.append(n)
+        return out
+
+    monkeypatch.setattr(copy_mod, "_kernel_export", export_and_check)
     lay = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_tokens=4)
     with make_pool(pages, shm_name, lay, 24 * lay.page_bytes, FP) as pool:
         h = pool.allocate(6, lease_s=30)
@@ -304,8 +316,10 @@ def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages
         pool.pages[pool.layout.pages_for(6):] = 7.0        # every free page: a value the warm-up must leave alone
         before_pages, before = pool.pages.clone(), pool.stats()
         kv_pool = torch.randn(lay.kv_shape(17))
+        copied.clear()                                         # write_kv above ran the kernel too
         assert warm_export(pool, kv_pool, 16) >= 0
         assert warm_export(pool, kv_pool[:, :, :, 2:4].contiguous(), 16, heads=(2, 4)) >= 0
+        assert copied == 2 * list(WARM_IMPORT_TOKENS)          # each token-count specialisation, each call
         assert torch.equal(pool.pages, before_pages)
         after = pool.stats()
         for k in ("pages_used", "handles_live", "allocations", "pages_released", "bytes_exported_total"):
