@@ -196,12 +196,12 @@ def pages_into(pages: torch.Tensor, page_ids: torch.Tensor, num_tokens: int, dst
 
 
 # The copy kernels are specialised (Triton) on whether num_tokens is a multiple of 16: one warm copy of each.
-WARM_IMPORT_TOKENS = (32, 33)
+WARM_COPY_TOKENS = (32, 33)
 
 
 def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int] | None = None) -> float:
     """What a process's first import_kv into `device` sets up, done now: the import kernel compiled (Triton JIT on
-    CUDA) and run on the pool's registered memory into a scratch buffer, for each of WARM_IMPORT_TOKENS. The page
+    CUDA) and run on the pool's registered memory into a scratch buffer, for each of WARM_COPY_TOKENS. The page
     table is not touched: the pages read are anyone's (a live handle's or free), the bytes are thrown away.
     Returns the seconds it took."""
     t0 = time.perf_counter()
@@ -211,7 +211,7 @@ def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int]
     pages = heads_view(pool.pages, lay, h0, h1)
     if device.type == "cuda":
         pool.pin()
-    for n in WARM_IMPORT_TOKENS:
+    for n in WARM_COPY_TOKENS:
         page_ids = torch.arange(lay.pages_for(n), dtype=torch.int32) % pool.num_pages
         dst = torch.empty((lay.num_layers, 2, n, h1 - h0, lay.head_dim), dtype=lay.torch_dtype, device=device)
         pages_into(pages, page_ids.to(device), n, dst)
@@ -222,7 +222,7 @@ def warm_import(pool: ShmKVPool, device: torch.device, *, heads: tuple[int, int]
 
 def warm_export(pool: ShmKVPool, kv_pool: torch.Tensor, slot: int, *, heads: tuple[int, int] | None = None) -> float:
     """What a process's first export_kv from `kv_pool` sets up, done now: the export kernel compiled (Triton JIT on
-    CUDA: the EXPORT variant is a kernel of its own) and run, for each of WARM_IMPORT_TOKENS, from row `slot` of
+    CUDA: the EXPORT variant is a kernel of its own) and run, for each of WARM_COPY_TOKENS, from row `slot` of
     kv_pool (a scratch slot: it is only read) into scratch pages of the pool's page shape where the pool keeps its
     pages (registered host memory, or the device of a device pool). The pool's own pages are not written: any may be
     a live handle's. Returns the seconds it took."""
@@ -232,7 +232,7 @@ def warm_export(pool: ShmKVPool, kv_pool: torch.Tensor, slot: int, *, heads: tup
     check_kv("kv_pool", kv_pool, lay, 1, exact=False, num_heads=h1 - h0)
     pool.require_pages()
     where = pool.pages.device
-    for n in WARM_IMPORT_TOKENS:
+    for n in WARM_COPY_TOKENS:
         scratch = torch.zeros((lay.pages_for(n), *lay.page_shape), dtype=lay.torch_dtype, device=where,
                               pin_memory=where.type == "cpu" and kv_pool.is_cuda)
         slots = torch.full((n,), slot, dtype=torch.int32, device=kv_pool.device)

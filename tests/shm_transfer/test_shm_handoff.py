@@ -295,7 +295,7 @@ def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages
     scratch slot into scratch pages, for a full and a tensor-parallel rank's head slice; the pool's pages and page
     table are as they were, and a live handle's KV reads back unchanged."""
     import shm_transfer.copy as copy_mod
-    from shm_transfer.copy import WARM_IMPORT_TOKENS, warm_export
+    from shm_transfer.copy import WARM_COPY_TOKENS, warm_export
     use_kernels(monkeypatch, mode)
     real, copied = copy_mod._kernel_export, []
 
@@ -319,7 +319,7 @@ def test_warm_export_runs_the_export_kernel_and_writes_no_page_of_the_pool(pages
         copied.clear()                                         # write_kv above ran the kernel too
         assert warm_export(pool, kv_pool, 16) >= 0
         assert warm_export(pool, kv_pool[:, :, :, 2:4].contiguous(), 16, heads=(2, 4)) >= 0
-        assert copied == 2 * list(WARM_IMPORT_TOKENS)          # each token-count specialisation, each call
+        assert copied == 2 * list(WARM_COPY_TOKENS)          # each token-count specialisation, each call
         assert torch.equal(pool.pages, before_pages)
         after = pool.stats()
         for k in ("pages_used", "handles_live", "allocations", "pages_released", "bytes_exported_total"):
