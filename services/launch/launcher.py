@@ -257,6 +257,7 @@ class Stack:
         self.failed: Optional[tuple[Service, str]] = None
         self._stopping = threading.Event()
         self._stopped = False
+        self._state_lock = threading.Lock()   # one writer of stack.json at a time: its services' health threads write it
         self._log_handler = _SayHandler(self.say)
         logging.getLogger("u1serve.supervisor").addHandler(self._log_handler)
         logging.getLogger("u1serve.supervisor").propagate = False
@@ -345,9 +346,10 @@ class Stack:
                  "shm": self.shm_names, **{d.name: d.state() for d in self.daemons},
                  **{k: v() if callable(v) else v for k, v in self.info.items()}}
         tmp = self.state_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, self.state_file)
+        with self._state_lock:     # two services turning healthy together once raced on the one tmp file
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.state_file)
 
     def supervise(self) -> int:
         """Until stop is requested (0) or a service is down for good (1; the reason is printed)."""

@@ -64,6 +64,33 @@ def test_a_waves_services_start_together_and_the_next_wave_after_them():
     assert max(text.index("und healthy"), text.index("gen healthy")) < text.index("starting gateway"), text
 
 
+def test_stack_json_written_by_many_threads_at_once_stays_whole(tmp_path):
+    """Services of one wave report healthy from their own threads, each writing stack.json: two writers once shared
+    the tmp file, and the loser's rename failed (FileNotFoundError), killing its health thread, so `u1serve up` never
+    came up (CI, 2026-12-07). Every write must succeed and leave whole JSON."""
+    import json
+    import threading
+    stack = Stack([spec("und", "ok"), spec("gen", "ok")], out=io.StringIO(), state_file=str(tmp_path / "stack.json"))
+    errors, go = [], threading.Barrier(8)
+
+    def writer():
+        go.wait()
+        for _ in range(200):
+            try:
+                stack.write_state()
+            except Exception as e:      # noqa: BLE001 - the race's failure is what this test looks for
+                errors.append(e)
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    state = json.loads((tmp_path / "stack.json").read_text())
+    assert set(state["services"]) == {"und", "gen"} and not (tmp_path / "stack.json.tmp").exists()
+
+
 def stack_of(*specs, policy=RestartPolicy(base_delay_s=0.2, max_failures=3, window_s=60)) -> tuple[Stack, io.StringIO]:
     out = io.StringIO()
     return Stack(list(specs), out=out, grace_s=2, startup_timeout_s=30, policy=policy), out
