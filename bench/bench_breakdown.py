@@ -21,6 +21,8 @@ Three parts, each runs alone:
 
     python -m bench.bench_breakdown --part engine --device cuda --sizes 1024,2048
     python -m bench.bench_breakdown --part services --model DIR_OR_tiny --device cuda --size 2048
+    python -m bench.bench_breakdown --part services --model DIR --device cuda --size 1024 --steps 8 --guidance 1 \
+        --prompts vary --up-args "--quantization fp8"    # each request a prompt of a new length, as users send
     python -m bench.bench_breakdown --part handoff --device cuda --prefix-tokens 365,24
 CPU smoke (seconds):
     python -m bench.bench_breakdown --part engine --device cpu --sizes 256
@@ -55,6 +57,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=8, help="--part services")
     p.add_argument("--guidance", type=float, default=4.0,
                    help="--part services: 4 = CFG (two prefixes); 1 = one branch, as issue 39's 8-step targets")
+    p.add_argument("--prompts", choices=["same", "vary"], default="same",
+                   help="--part services: the same prompt every request, or one of a new length each (users' prompts "
+                        "differ: a prompt length the engine has not run is a new shape for generation's graphs)")
     p.add_argument("--up-args", default="", help="--part services: extra `u1serve up` flags (shell quoting), "
                    "e.g. '--quantization fp8'")
     p.add_argument("--prefix-tokens", default="365,24",
@@ -202,6 +207,7 @@ def stage_times(marks: list[tuple[float, str, str]]) -> dict[str, float]:
     at[("gen", "step_done#last")] = steps[-1]
     out = {label: at[b] - at[a] for label, a, b in STAGES}
     out["steps"] = len(steps)
+    out["step_s_each"] = [b - a for a, b in zip([at[("gen", "admitted")]] + steps, steps)]   # the first from admission
     out["step_s_median"] = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 0.0
     return out
 
@@ -237,7 +243,9 @@ def part_services(args) -> dict:
         with httpx.Client(timeout=600) as c:
             for i in range(args.repeat + 1):             # the first one: what a first request after ready pays
                 t0 = time.time()
-                r = c.post(f"http://127.0.0.1:{port}/v1/images/generations", json={**body, "seed": 1 + i})
+                prompt = body["prompt"] + " and a gull" * (i if args.prompts == "vary" else 0)   # 3 tokens more each
+                r = c.post(f"http://127.0.0.1:{port}/v1/images/generations",
+                           json={**body, "prompt": prompt, "seed": 1 + i})
                 windows.append((t0, time.time(), len(r.content)))
                 assert r.status_code == 200, r.text
                 time.sleep(0.3)                          # no overlap between requests' marks
@@ -252,7 +260,8 @@ def part_services(args) -> dict:
         mine = [(t0, "client", "start")] + [m for m in marks if t0 <= m[0] <= t1] + [(t1, "client", "done")]
         timed.append(stage_times(mine))
     first, per_request = timed[0], timed[1:]
-    res = {"size": args.size, "steps": args.steps, "up_args": args.up_args, "requests": len(per_request),
+    res = {"size": args.size, "steps": args.steps, "up_args": args.up_args, "prompts": args.prompts,
+           "requests": len(per_request),
            "response_bytes": windows[-1][2], "stages": {}, "first_request": first}
     for label, _, _ in STAGES:
         res["stages"][label] = statistics.median(p[label] for p in per_request)
@@ -261,13 +270,16 @@ def part_services(args) -> dict:
     res["step_s"] = statistics.median(p["step_s_median"] for p in per_request)
     res["non_steps_s"] = statistics.median(t1 - t0 - p["denoising steps"]
                                            for (t0, t1, _), p in zip(windows[1:], per_request))
-    print(f"{args.size}² x {args.steps} steps {args.up_args}, median of {len(per_request)} requests, "
+    print(f"{args.size}² x {args.steps} steps {args.up_args}, prompts: {args.prompts}, median of {len(per_request)} "
+          "requests, "
           f"response {res['response_bytes'] / 1e6:.1f} MB; the first request after ready beside them\n")
     print("| stage | seconds | first request s |\n|---|---:|---:|")
     for label, v in res["stages"].items():
         print(f"| {label} | {v:.4f} | {first[label]:.4f} |")
     print(f"| **total** (client) | {res['total_s']:.4f} | {res['first_total_s']:.4f} |")
     print(f"| **everything but the steps** | **{res['non_steps_s']:.4f}** |")
+    print("\nthe first request's steps, s: " + ", ".join(f"{v:.4f}" for v in first["step_s_each"]))
+    print("a later request's steps, s:   " + ", ".join(f"{v:.4f}" for v in per_request[-1]["step_s_each"]))
     print(f"\nmedian step {res['step_s']:.4f} s (device end to device end); target for everything but the "
           f"steps: <= 0.35 s on GPU")
     return res

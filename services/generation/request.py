@@ -105,6 +105,12 @@ class JobState:
         return (tuple((s.branch, s.start, s.prefix_len) for s in segments), self.th, self.tw, self.n,
                 self.cache.mode, tuple(sorted(offsets.items())))
 
+    def graph_family(self) -> tuple:
+        """The shape without what a prompt's length sets (prefix lengths, segment starts, position offsets): jobs of
+        one family run the same kernels on the same image rows, only their attention's key lengths differ
+        (step_graph.py: a warm family's new shape captures on its first step)."""
+        return tuple(s.branch for s in self.segments), self.th, self.tw, self.n, self.cache.mode
+
     def set_prefix(self, branch: str, kv: torch.Tensor) -> None:
         """Copy a branch's prefix KV [L, 2, P, Hkv, D] into each of its image segments."""
         for seg in self.segments:

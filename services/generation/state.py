@@ -26,6 +26,7 @@ from .perf_options import EnginePerfMetrics
 from .protocol import WeightsReply
 from .supervisor import EngineSupervisor
 from .trajectory_store import TrajectoryStore
+from .warmup import parse_sizes
 from .weights import weights_endpoint
 
 log = logging.getLogger("u1serve.generation")
@@ -77,7 +78,9 @@ class GenerationState:
     def start(self) -> None:
         shared_trajectory.reclaim(self.cfg.kv_pool_name)   # segments a killed server of this pool left
         self.engine.start()
-        warm = self.encoder.submit(encode.warm)     # the encoders' first-use costs, while the engine loads
+        sizes = parse_sizes(self.cfg.default_size)
+        # the encoders' first-use costs, while the engine loads
+        warm = self.encoder.submit(encode.warm, sizes[0] if sizes else None)
         warm.add_done_callback(lambda f: f.exception() and log.warning("encoder warm-up failed: %r", f.exception()))
 
     async def close(self) -> None:

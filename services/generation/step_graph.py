@@ -11,7 +11,9 @@ plus the packed row count (`--graph-keys job`, and always under SP). Keyed by sh
 default, with one engine rank) a job enters the key by its shape instead (`JobState.graph_shape`: segments, prefix
 lengths, size, samples, position offsets): the graph then reads
 a stand-in's KV buffer and step metadata (`_StandIn`), not the job's, so it outlives the job, and the next
-job of that shape replays from its first step. Binding a job to a stand-in copies only its prefix KV (the
+job of that shape replays from its first step; a new shape of a family that ran (`JobState.graph_family`: another
+prompt length of a size and branch set) captures on its first step, a guess undone for good by one failure
+(`_unguess`). Binding a job to a stand-in copies only its prefix KV (the
 image rows' K/V are written by every step before they are read) and the job adopts the stand-in's buffer,
 letting its own go: a running job holds one KV buffer as before, and an idle engine holds one composition's
 (`release`d before a job of another shape is admitted to the idle engine, so such a job meets the memory it met keyed
@@ -84,6 +86,12 @@ def composition_key(spans, rows: int, by_shape: bool = False) -> tuple:
     return tuple(((s[0].graph_shape() if by_shape else s[0]), tuple(s[1])) for s in spans) + (rows,)
 
 
+def composition_family(spans, rows: int) -> tuple:
+    """The key by shape without what prompt lengths set (JobState.graph_family): a new prompt length of a family
+    that ran runs the kernels the family's eager step already warmed."""
+    return tuple((s[0].graph_family(), tuple(s[1])) for s in spans) + (rows,)
+
+
 def key_jobs(key: tuple) -> list:
     return [part[0] for part in key[:-1]]
 
@@ -100,22 +108,28 @@ class GraphPlan:
         self.seen: tuple | None = None
         self.refused: tuple | None = None    # a key whose capture ran out of memory: eager while it runs
         self.warm: collections.OrderedDict | None = collections.OrderedDict() if remember else None
+        self.warm_families: collections.OrderedDict = collections.OrderedDict()
+        self.family_captures = remember      # a warm family's new key captures first (off after one such failed)
+        self.guessed: tuple | None = None    # the key of the last such capture: its failure turns that off
 
-    def action(self, key: tuple) -> str:
+    def action(self, key: tuple, family: tuple | None = None) -> str:
         """REPLAY the held graph, CAPTURE one (the second step in a row with this key, or the first of a warm
-        key; the caller then calls `captured`), or run EAGER. A key other than the held graph's means the caller
-        must release it (`release_needed` before calling this)."""
+        key or of a new key of a warm `family`; the caller then calls `captured`), or run EAGER. A key other
+        than the held graph's means the caller must release it (`release_needed` before calling this)."""
         if key == self.graph_key:
             return REPLAY
         if key == self.refused:
             return EAGER
         if key == self.seen or (self.warm is not None and key in self.warm):
             return CAPTURE
-        self.seen = key
         if self.warm is not None:
-            self.warm[key] = None
-            while len(self.warm) > WARM_KEYS:
-                self.warm.popitem(last=False)
+            _remember(self.warm, key)
+            if family is not None and self.family_captures and family in self.warm_families:
+                self.guessed = key
+                return CAPTURE
+            if family is not None:
+                _remember(self.warm_families, family)
+        self.seen = key
         return EAGER
 
     def release_needed(self, key: tuple | None) -> bool:
@@ -140,6 +154,13 @@ class GraphPlan:
         if self.refused is not None and any(j is job for j in key_jobs(self.refused)):
             self.refused = None
         return self.graph_key is not None and any(j is job for j in key_jobs(self.graph_key))
+
+
+def _remember(keys: collections.OrderedDict, key: tuple) -> None:
+    keys[key] = None
+    keys.move_to_end(key)
+    while len(keys) > WARM_KEYS:
+        keys.popitem(last=False)
 
 
 class _Segment:
@@ -249,7 +270,7 @@ class StepGraphs:
         key = composition_key(spans, rows, self.by_shape)
         if self.plan.release_needed(key):
             self.release()
-        action = self.plan.action(key)
+        action = self.plan.action(key, composition_family(spans, rows) if self.by_shape else None)
         if action == EAGER:
             return None, spans
         if action == CAPTURE:
@@ -325,6 +346,8 @@ class StepGraphs:
             self._key = None                  # the rest of this step runs eagerly
             if out_of_memory(error) and self.oom_captures + 1 < MAX_OOM_CAPTURES:
                 self._refuse(key, reason)
+            elif key == self.plan.guessed and not out_of_memory(error):
+                self._unguess(key, reason)
             else:
                 self._disable(reason)
             return None
@@ -369,6 +392,18 @@ class StepGraphs:
         torch.cuda.empty_cache()              # the key's pool
         log.warning("CUDA graph capture of the denoise step ran out of memory (%s); this batch runs eagerly, "
                     "later ones capture again (%d of %d)", reason, self.oom_captures, MAX_OOM_CAPTURES)
+
+    def _unguess(self, key: tuple, reason: str) -> None:
+        """A warm family's new key failed its first-step capture (something of its new lengths was not warm): that
+        key runs eagerly while it runs, and from now on every new key warms up with an eager step first."""
+        self._held = None
+        self.plan.released()
+        self.plan.refuse(key)
+        self.plan.family_captures = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("CUDA graph capture on the first step of a new prompt length failed (%s); this job runs "
+                    "eagerly, and new prompt lengths warm up with an eager step from now on", reason)
 
     def _disable(self, reason: str) -> None:
         self.enabled = False

@@ -14,6 +14,7 @@ from fastapi import Request
 from services.kit.admission import AdmissionGate
 from services.kit.errors import APIError, bad_request, unavailable
 from services.kit.restart import RestartPolicy
+from services.model import prompts as PR
 from services.model.config import load_config
 from services.model.loader import model_fingerprint
 from services.model.tokenizer import NeoTokenizer
@@ -75,6 +76,10 @@ class AppState:
         self.engine = EngineClient(a.engine(), policy, on_ready=self._engine_ready, on_start_failure=self._start_failed)
         self.weights.bind(self.engine)
         self.engine.start()
+        # the first request's hop into the prompt-building pool and its first prompt, paid before ready (a first
+        # image prefix's prompt / pages / submit took 14 ms against 3 on a CPU, bench_breakdown --part services)
+        await self.images.run(PR.t2i_inputs, self.tok, "warm-up", ("cond", "uncond"), False,
+                              PR.gen_system_message(a.model))
 
     def _create_transport(self):
         """The producer side of the KV handoff (shm_transfer.producer.create_producer): the shm pool, served over the

@@ -106,6 +106,15 @@ def test_keyed_by_shape_jobs_of_one_shape_share_a_key_and_leaving_releases_nothi
     warm.released()
     assert warm.action(k) == CAPTURE                          # warm: no eager step
     assert plan.action(kt) == EAGER                           # without `remember`: as before
+    # a family (the shape less what a prompt's length sets) that ran: its new keys capture on their first step
+    fam = GraphPlan(remember=True)
+    k1, k2, k3 = (composition_key([(_Shaped(s), ["cond"])], 4, by_shape=True) for s in ("s1", "s2", "s3"))
+    assert fam.action(k1, "f") == EAGER and fam.action(k1, "f") == CAPTURE
+    fam.captured(k1)
+    assert fam.action(k2, "f") == CAPTURE and fam.guessed == k2
+    assert fam.action(k3, "g") == EAGER                       # another family: warms up first
+    fam.family_captures = False                               # (after a guessed capture failed)
+    assert fam.action(composition_key([(_Shaped("s4"), ["cond"])], 4, by_shape=True), "f") == EAGER
 
 
 def test_plan_eager_then_capture_then_replay_and_invalidation():
@@ -274,6 +283,67 @@ def test_graphs_keyed_by_shape_replay_a_later_jobs_every_step_bit_for_bit(ref_mo
     assert [got[r][1] for r in "abcd"] == [3, 4, 2, 4]
     assert by_job.graphs.captures == 4 and shaped.graphs.captures == 3
     assert shaped.graphs.holds() and not by_job.graphs.holds()    # kept for the next c, let go by job
+
+
+def _by_prompt(engine: Engine, ref_model, specs, prompts: dict) -> dict:
+    """Each job admitted after the previous one finished, with the reference prefix of its prompt (prompts differ
+    in length: each is a shape of its own, of one family): {request_id: (final x, steps from graphs)}."""
+    out = {}
+    for spec in specs:
+        pre = prefixes(ref_model, prompt=prompts[spec.request_id], guidance_scale=4.0)
+        job = engine.admit_local(spec, {b: pre[b].kv for b in spec.handles}, {b: pre[b].t_offset for b in spec.handles})
+        engine.add(job)
+        while engine.running:
+            for done in engine.step()[0]:
+                done.free()
+        out[spec.request_id] = (job.x, job.graph_steps)
+    return out
+
+
+def test_a_new_prompt_length_of_a_warm_family_captures_on_its_first_step_bit_for_bit(ref_model, monkeypatch):
+    """Users' prompts differ in length, and each length is a shape of its own: once a size and branch set ran, a
+    prompt of another length captures on its first step (no eager step) and gives `off`'s image bit for bit."""
+    specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
+             _spec("c", 4.0, steps=4).model_copy(update={"seed": 13})]
+    prompts = {"a": "a red cat", "b": "a red cat on a wall at dusk", "c": "a red cat on a wall at dusk, seen from far"}
+    off = _by_prompt(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, prompts)
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    shaped = Engine(ref_model[0], None)
+    shaped.graphs = RecordingGraphs("shape")
+    got = _by_prompt(shaped, ref_model, specs, prompts)
+    assert len({off[r][0].shape for r in off}) == 1 and not torch.equal(off["a"][0], off["b"][0])
+    for rid in off:
+        assert torch.equal(got[rid][0], off[rid][0]), rid
+    assert [got[r][1] for r in "abc"] == [3, 4, 4]        # a: eager, capture, replays; b and c: capture, replays
+    assert shaped.graphs.captures == 3 and shaped.graphs.plan.family_captures
+
+
+def test_a_failed_first_step_capture_of_a_new_prompt_length_runs_eagerly_and_graphs_stay_on(ref_model, monkeypatch,
+                                                                                             caplog):
+    """Such a capture is a guess (a new length might need something not yet warm): when it fails, that job runs
+    eagerly, bit for bit, graphs stay on, and later new lengths warm up with an eager step again."""
+    specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
+             _spec("c", 4.0, steps=4).model_copy(update={"seed": 13})]
+    prompts = {"a": "a red cat", "b": "a red cat on a wall at dusk", "c": "a red cat on a wall at dusk, seen from far"}
+    off = _by_prompt(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, prompts)
+    monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
+    engine = Engine(ref_model[0], None)
+    engine.graphs = graphs = RecordingGraphs("shape")
+    record = graphs._record
+
+    def fail_guessed(held, fn, static):
+        if graphs._key == graphs.plan.guessed:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return record(held, fn, static)
+    graphs._record = fail_guessed
+    with caplog.at_level(logging.WARNING, logger="u1serve.generation.engine"):
+        got = _by_prompt(engine, ref_model, specs, prompts)
+    for rid in off:
+        assert torch.equal(got[rid][0], off[rid][0]), rid
+    # b's guess failed: b ran eagerly; c then warmed up eagerly and captured on its second step
+    assert [got[r][1] for r in "abc"] == [3, 0, 3]
+    assert graphs.enabled and graphs.failure is None and not graphs.plan.family_captures
+    assert caplog.text.count("first step of a new prompt length failed") == 1
 
 
 def test_two_jobs_of_one_shape_stepped_apart_keep_their_own_kv(ref_model, monkeypatch):
