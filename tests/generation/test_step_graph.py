@@ -245,12 +245,14 @@ def test_u1serve_up_passes_the_flag_only_when_not_the_default():
     assert "--cuda-graphs" not in gen_line()          # auto: the generation server's own default
 
 
-def _one_by_one(engine: Engine, ref_model, specs, kv_scale: dict) -> dict:
+def _one_by_one(engine: Engine, ref_model, specs, kv_scale: dict, prompts: dict | None = None) -> dict:
     """Each job admitted after the previous one finished, its prefix KV scaled by kv_scale[request_id] (another
-    prefix of the same shape): {request_id: (final x, steps from graphs)}."""
-    pre, out = prefixes(ref_model, guidance_scale=4.0), {}
+    prefix of the same shape) or, given `prompts`, the reference prefix of its own prompt (prompts of other lengths:
+    shapes of one family): {request_id: (final x, steps from graphs)}."""
+    out = {}
     for spec in specs:
         f = kv_scale.get(spec.request_id, 1.0)
+        pre = prefixes(ref_model, prompt=(prompts or {}).get(spec.request_id, "a red cat"), guidance_scale=4.0)
         job = engine.admit_local(spec, {b: pre[b].kv * f for b in spec.handles},
                                  {b: pre[b].t_offset for b in spec.handles})
         engine.add(job)
@@ -285,32 +287,23 @@ def test_graphs_keyed_by_shape_replay_a_later_jobs_every_step_bit_for_bit(ref_mo
     assert shaped.graphs.holds() and not by_job.graphs.holds()    # kept for the next c, let go by job
 
 
-def _by_prompt(engine: Engine, ref_model, specs, prompts: dict) -> dict:
-    """Each job admitted after the previous one finished, with the reference prefix of its prompt (prompts differ
-    in length: each is a shape of its own, of one family): {request_id: (final x, steps from graphs)}."""
-    out = {}
-    for spec in specs:
-        pre = prefixes(ref_model, prompt=prompts[spec.request_id], guidance_scale=4.0)
-        job = engine.admit_local(spec, {b: pre[b].kv for b in spec.handles}, {b: pre[b].t_offset for b in spec.handles})
-        engine.add(job)
-        while engine.running:
-            for done in engine.step()[0]:
-                done.free()
-        out[spec.request_id] = (job.x, job.graph_steps)
-    return out
+_FAMILY = {"a": "a red cat", "b": "a red cat on a wall at dusk", "c": "a red cat on a wall at dusk, seen from far"}
+
+
+def _family_specs():
+    return [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
+            _spec("c", 4.0, steps=4).model_copy(update={"seed": 13})]
 
 
 def test_a_new_prompt_length_of_a_warm_family_captures_on_its_first_step_bit_for_bit(ref_model, monkeypatch):
     """Users' prompts differ in length, and each length is a shape of its own: once a size and branch set ran, a
     prompt of another length captures on its first step (no eager step) and gives `off`'s image bit for bit."""
-    specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
-             _spec("c", 4.0, steps=4).model_copy(update={"seed": 13})]
-    prompts = {"a": "a red cat", "b": "a red cat on a wall at dusk", "c": "a red cat on a wall at dusk, seen from far"}
-    off = _by_prompt(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, prompts)
+    specs = _family_specs()
+    off = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, {}, _FAMILY)
     monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
     shaped = Engine(ref_model[0], None)
     shaped.graphs = RecordingGraphs("shape")
-    got = _by_prompt(shaped, ref_model, specs, prompts)
+    got = _one_by_one(shaped, ref_model, specs, {}, _FAMILY)
     assert len({off[r][0].shape for r in off}) == 1 and not torch.equal(off["a"][0], off["b"][0])
     for rid in off:
         assert torch.equal(got[rid][0], off[rid][0]), rid
@@ -322,10 +315,8 @@ def test_a_failed_first_step_capture_of_a_new_prompt_length_runs_eagerly_and_gra
                                                                                              caplog):
     """Such a capture is a guess (a new length might need something not yet warm): when it fails, that job runs
     eagerly, bit for bit, graphs stay on, and later new lengths warm up with an eager step again."""
-    specs = [_spec("a", 4.0, steps=4), _spec("b", 4.0, steps=4).model_copy(update={"seed": 9}),
-             _spec("c", 4.0, steps=4).model_copy(update={"seed": 13})]
-    prompts = {"a": "a red cat", "b": "a red cat on a wall at dusk", "c": "a red cat on a wall at dusk, seen from far"}
-    off = _by_prompt(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, prompts)
+    specs = _family_specs()
+    off = _one_by_one(Engine(ref_model[0], None, cuda_graphs="off"), ref_model, specs, {}, _FAMILY)
     monkeypatch.setattr(engine_mod, "graphable", lambda device, lora_rows: not lora_rows)
     engine = Engine(ref_model[0], None)
     engine.graphs = graphs = RecordingGraphs("shape")
@@ -337,7 +328,7 @@ def test_a_failed_first_step_capture_of_a_new_prompt_length_runs_eagerly_and_gra
         return record(held, fn, static)
     graphs._record = fail_guessed
     with caplog.at_level(logging.WARNING, logger="u1serve.generation.engine"):
-        got = _by_prompt(engine, ref_model, specs, prompts)
+        got = _one_by_one(engine, ref_model, specs, {}, _FAMILY)
     for rid in off:
         assert torch.equal(got[rid][0], off[rid][0]), rid
     # b's guess failed: b ran eagerly; c then warmed up eagerly and captured on its second step
