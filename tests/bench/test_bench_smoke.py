@@ -77,8 +77,10 @@ SMOKES = {
     "breakdown-engine": Smoke(("bench.bench_breakdown", "--part", "engine", "--device", "cpu", "--sizes", "256",
                                "--repeat", "2", "--json", "{tmp}/out.json"), ("rows",)),
     "breakdown-services": Smoke(("bench.bench_breakdown", "--part", "services", "--model", "tiny", "--device", "cpu",
-                                 "--size", "64", "--steps", "4", "--repeat", "2", "--json", "{tmp}/out.json"),
-                                ("stages", "total_s", "step_s", "non_steps_s", "first_request", "first_total_s")),
+                                 "--size", "64", "--steps", "4", "--repeat", "2", "--prompts", "vary",
+                                 "--json", "{tmp}/out.json"),
+                                ("stages", "total_s", "step_s", "non_steps_s", "first_request", "first_total_s",
+                                 "first_request/step_s_each")),
     # image steps while the chats run too: the chats start once the load's first step is seen and the load goes on
     # until they end (a fixed load of 40-step images once finished, or had not begun its steps, outside the chats'
     # window: step_s_with_chat null, 2026-12-07); chats of 64 tokens span several 40-step images' steps
