@@ -243,7 +243,7 @@ def part_services(args) -> dict:
         with httpx.Client(timeout=600) as c:
             for i in range(args.repeat + 1):             # the first one: what a first request after ready pays
                 t0 = time.time()
-                prompt = body["prompt"] + " and a gull" * (i if args.prompts == "vary" else 0)   # 3 tokens more each
+                prompt = body["prompt"] + " and a gull" * (i if args.prompts == "vary" else 0)   # longer each time
                 r = c.post(f"http://127.0.0.1:{port}/v1/images/generations",
                            json={**body, "prompt": prompt, "seed": 1 + i})
                 windows.append((t0, time.time(), len(r.content)))

@@ -112,10 +112,11 @@ class GraphPlan:
         self.family_captures = remember      # a warm family's new key captures first (off after one such failed)
         self.guessed: tuple | None = None    # the key of the last such capture: its failure turns that off
 
-    def action(self, key: tuple, family: tuple | None = None) -> str:
+    def action(self, key: tuple, family: Callable[[], tuple] | None = None) -> str:
         """REPLAY the held graph, CAPTURE one (the second step in a row with this key, or the first of a warm
-        key or of a new key of a warm `family`; the caller then calls `captured`), or run EAGER. A key other
-        than the held graph's means the caller must release it (`release_needed` before calling this)."""
+        key or of a new key of a warm family, `family()` the key's: only asked for a key not run before; the
+        caller then calls `captured`), or run EAGER. A key other than the held graph's means the caller must
+        release it (`release_needed` before calling this)."""
         if key == self.graph_key:
             return REPLAY
         if key == self.refused:
@@ -124,11 +125,12 @@ class GraphPlan:
             return CAPTURE
         if self.warm is not None:
             _remember(self.warm, key)
-            if family is not None and self.family_captures and family in self.warm_families:
+            fam = family() if family is not None else None
+            if fam is not None and self.family_captures and fam in self.warm_families:
                 self.guessed = key
                 return CAPTURE
-            if family is not None:
-                _remember(self.warm_families, family)
+            if fam is not None:
+                _remember(self.warm_families, fam)
         self.seen = key
         return EAGER
 
@@ -270,7 +272,7 @@ class StepGraphs:
         key = composition_key(spans, rows, self.by_shape)
         if self.plan.release_needed(key):
             self.release()
-        action = self.plan.action(key, composition_family(spans, rows) if self.by_shape else None)
+        action = self.plan.action(key, (lambda: composition_family(spans, rows)) if self.by_shape else None)
         if action == EAGER:
             return None, spans
         if action == CAPTURE:
@@ -386,24 +388,25 @@ class StepGraphs:
 
     def _refuse(self, key: tuple, reason: str) -> None:
         self.oom_captures += 1
-        self._held = None
-        self.plan.released()                  # begin() made the key the held one
-        self.plan.refuse(key)
-        torch.cuda.empty_cache()              # the key's pool
+        self._drop(key)
         log.warning("CUDA graph capture of the denoise step ran out of memory (%s); this batch runs eagerly, "
                     "later ones capture again (%d of %d)", reason, self.oom_captures, MAX_OOM_CAPTURES)
 
     def _unguess(self, key: tuple, reason: str) -> None:
         """A warm family's new key failed its first-step capture (something of its new lengths was not warm): that
         key runs eagerly while it runs, and from now on every new key warms up with an eager step first."""
-        self._held = None
-        self.plan.released()
-        self.plan.refuse(key)
         self.plan.family_captures = False
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._drop(key)
         log.warning("CUDA graph capture on the first step of a new prompt length failed (%s); this job runs "
                     "eagerly, and new prompt lengths warm up with an eager step from now on", reason)
+
+    def _drop(self, key: tuple) -> None:
+        """`key`'s capture failed for a passing reason: its graphs (and their pool) go, it runs eagerly while it
+        runs."""
+        self._held = None
+        self.plan.released()                  # begin() made the key the held one
+        self.plan.refuse(key)
+        torch.cuda.empty_cache()              # the key's pool
 
     def _disable(self, reason: str) -> None:
         self.enabled = False

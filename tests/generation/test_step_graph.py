@@ -109,12 +109,13 @@ def test_keyed_by_shape_jobs_of_one_shape_share_a_key_and_leaving_releases_nothi
     # a family (the shape less what a prompt's length sets) that ran: its new keys capture on their first step
     fam = GraphPlan(remember=True)
     k1, k2, k3 = (composition_key([(_Shaped(s), ["cond"])], 4, by_shape=True) for s in ("s1", "s2", "s3"))
-    assert fam.action(k1, "f") == EAGER and fam.action(k1, "f") == CAPTURE
+    f, g = (lambda: "f"), (lambda: "g")
+    assert fam.action(k1, f) == EAGER and fam.action(k1, f) == CAPTURE
     fam.captured(k1)
-    assert fam.action(k2, "f") == CAPTURE and fam.guessed == k2
-    assert fam.action(k3, "g") == EAGER                       # another family: warms up first
+    assert fam.action(k2, f) == CAPTURE and fam.guessed == k2
+    assert fam.action(k3, g) == EAGER                         # another family: warms up first
     fam.family_captures = False                               # (after a guessed capture failed)
-    assert fam.action(composition_key([(_Shaped("s4"), ["cond"])], 4, by_shape=True), "f") == EAGER
+    assert fam.action(composition_key([(_Shaped("s4"), ["cond"])], 4, by_shape=True), f) == EAGER
 
 
 def test_plan_eager_then_capture_then_replay_and_invalidation():
