@@ -20,6 +20,7 @@ weights read once per token, at the device-to-device copy bandwidth measured in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -56,6 +57,10 @@ def parse_args():
     p.add_argument("--iters", type=int, default=5, help="repeats of the TTFT and prefix measurements")
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--cuda-graph-max-bs", type=int, default=128, help="0 = eager decode")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=1024,
+                   help="largest graphed prefill (the engine's flag; 0 = eager). The prefix rows and the "
+                        "prefill-graph table run with graphs and eagerly side by side (a CPU runs the recorded "
+                        "stand-in: the padded forward, no CUDA graphs)")
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth for the bound (default: measured D2D copy in this run)")
     p.add_argument("--profile-prefix", action="store_true",
@@ -81,8 +86,13 @@ def make_engine(model_dir, args, pool_name=None, max_running=128, prefix_cache=F
                        max_model_len=min(args.kv_cache_tokens, 8192), chunked_prefill_size=8192,
                        prefix_cache=prefix_cache, kv_pool_name=pool_name,
                        in_addr=f"inproc://bench-und-{uuid.uuid4().hex}",
-                       cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0)
-    return Engine(0, cfg, None, _NullSock())
+                       cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0,
+                       prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+    engine = Engine(0, cfg, None, _NullSock())
+    if engine.runner.prefill_graphs is None and args.prefill_graph_max_tokens and not args.device.startswith("cuda"):
+        from services.understanding.prefill_graphs import RecordedPrefillGraphs
+        engine.runner.prefill_graphs = RecordedPrefillGraphs(engine.runner, args.prefill_graph_max_tokens)
+    return engine
 
 
 def drive(engine: Engine):
@@ -160,6 +170,83 @@ def bench_prefix(engine, tok, pool, args, rng):
         copy.append(time.perf_counter() - c0)
         pool.release(hh)
     return 1000 * statistics.median(total), 1000 * statistics.median(copy)
+
+
+@contextlib.contextmanager
+def eager_prefill(engine):
+    """The engine's prefill without its graphs, for the side-by-side rows."""
+    held, engine.runner.prefill_graphs = engine.runner.prefill_graphs, None
+    try:
+        yield
+    finally:
+        engine.runner.prefill_graphs = held
+
+
+def bench_prefill_graphs(engine, args, rng) -> list[dict]:
+    """One prefill-only step of a few lengths, run by the runner on free slots (the engine is idle: no request
+    holds one) from its graphs and eagerly in turn: the step's time each way, and what padding the rows to a
+    bucket changes (logits of the last row, the KV written: the prefix an image request exports)."""
+    from services.understanding.prefill_graphs import one_sequence_plan
+    runner, graphs = engine.runner, engine.runner.prefill_graphs
+    rows = []
+    for n in sorted({64, args.prefix_len, args.ttft_len}):
+        if n > graphs.max_tokens:
+            continue
+        ids = torch.tensor([rng.randrange(0, 256) for _ in range(n)])
+        slots = torch.arange(n)
+        runner.req_to_token[0, :n] = slots.to(runner.req_to_token.device, torch.int32)
+        plan = one_sequence_plan(ids, slots, row=0)
+        kv = runner.kv_pool[:, :, :n]
+        res = {}
+        for side, fn in (("graph", graphs.run), ("eager", runner.eager_forward)):
+            times = []
+            for _ in range(args.iters + 1):
+                sync(engine.device)
+                t0 = time.perf_counter()
+                logits = fn(plan)
+                sync(engine.device)
+                times.append(time.perf_counter() - t0)
+            res[side] = (1000 * statistics.median(times[1:]), logits.clone(), kv.float().clone())
+        (g_ms, g_lg, g_kv), (e_ms, e_lg, e_kv) = res["graph"], res["eager"]
+        rows.append({"tokens": n, "bucket": next(b for b in graphs.buckets if b >= n), "graph_ms": g_ms,
+                     "eager_ms": e_ms, "eager_over_graph": e_ms / g_ms,
+                     "logits_max_abs_diff": float((g_lg - e_lg).abs().max()),
+                     "logits_rel_diff": float((g_lg - e_lg).abs().max() / e_lg.abs().max()),
+                     "kv_max_abs_diff": float((g_kv - e_kv).abs().max()),
+                     "kv_rel_diff": float((g_kv - e_kv).abs().max() / e_kv.abs().max()),
+                     "argmax_equal": bool(g_lg.argmax(-1).eq(e_lg.argmax(-1)).all())})
+    runner.req_to_token[0].zero_()
+    return rows
+
+
+def bench_mixed(engine, tok, args, rng, batch: int = 16, new_len: int = 128, arrivals: int = 8) -> dict:
+    """Chat under load: `batch` requests decoding while prompts of `new_len` tokens arrive every third step. The
+    median step with both kinds of rows (a mixed step: prefill graph + decode graph, or eager), and a decode-only
+    one."""
+    for i in range(batch):
+        engine.sched.add(SubmitRequest(f"mx-{i}-{uuid.uuid4().hex[:6]}", rand_ids(rng, args.prompt_len, tok), [],
+                                       SamplingParams(max_tokens=3 * arrivals + 8, temperature=0.0, ignore_eos=True)))
+    mixed, decode, step = [], [], 0
+    while engine.sched.has_work:
+        if step >= 3 and step % 3 == 0 and step <= 3 * arrivals:
+            engine.sched.add(SubmitRequest(f"mx-new-{step}-{uuid.uuid4().hex[:6]}", rand_ids(rng, new_len, tok), [],
+                                           SamplingParams(max_tokens=2, temperature=0.0)))
+        scheduled = engine.sched.schedule()
+        if scheduled is None:
+            break
+        plan = scheduled[0]
+        sync(engine.device)
+        t0 = time.perf_counter()
+        engine.execute(scheduled)
+        sync(engine.device)
+        dt = time.perf_counter() - t0
+        d = int(plan.d_rows.numel())
+        (mixed if plan.num_prefill_rows and d else decode if d == plan.num_tokens else []).append(dt)
+        engine.sched.take_outputs()
+        step += 1
+    return {"batch": batch, "new_prompt_tokens": new_len, "mixed_steps": len(mixed),
+            "mixed_ms": 1000 * statistics.median(mixed) if mixed else None,
+            "decode_ms": 1000 * statistics.median(decode) if decode else None}
 
 
 def profile_prefix(engine, tok, pool, args, rng, top: int = 8) -> dict:
@@ -304,6 +391,16 @@ def run(model_dir, args, rng, batches, pool):
 
     bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
     prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
+    graphs = engine.runner.prefill_graphs
+    prefix_eager_ms = prefill_rows = mixed = None
+    if graphs is not None:
+        with eager_prefill(engine):
+            prefix_eager_ms, _ = bench_prefix(engine, tok_, pool, args, rng)
+        prefill_rows = bench_prefill_graphs(engine, args, rng)
+        bench_mixed(engine, tok_, args, rng)                    # warm-up
+        mixed = {"graphs": bench_mixed(engine, tok_, args, rng)}
+        with eager_prefill(engine):
+            mixed["eager"] = bench_mixed(engine, tok_, args, rng)
     prof = profile_prefix(engine, tok_, pool, args, rng) if args.profile_prefix else None
     engine.pool.close()
     ref = reference_numbers(engine.model, tok_, args, rng)
@@ -316,6 +413,9 @@ def run(model_dir, args, rng, batches, pool):
            "prompt_len": args.prompt_len, "decode": decode, "reference": ref,
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,
+           "prefill_graphs": None if graphs is None else {
+               "buckets": graphs.buckets, "kind": type(graphs).__name__, "pool_mib": graphs.pool_bytes / 2**20, "prefix_export_eager_ms": prefix_eager_ms,
+               "steps": prefill_rows, "mixed": mixed},
            "hbm_bound_ms": bound_ms, "bandwidth_tbs": bw_tbs}
     if prof is not None:
         res["prefix_profile"] = prof
@@ -332,6 +432,22 @@ def run(model_dir, args, rng, batches, pool):
     print(f"TTFT, {args.ttft_len}-token prompt: ours {ttft:.1f} ms, reference {ref['ttft_ms']:.1f} ms")
     print(f"T2I prefix export, {args.prefix_len} tokens: ours {prefix_ms:.1f} ms (copy {copy_ms:.2f} ms), "
           f"reference prefill {ref['prefix_ms']:.1f} ms")
+    if graphs is not None:
+        print(f"the same export with prefill eager: {prefix_eager_ms:.1f} ms ({type(graphs).__name__}: "
+              f"{prefix_eager_ms / prefix_ms:.2f}x the graphed one); graphs for {graphs.buckets} tokens hold "
+              f"{graphs.pool_bytes / 2**20:.0f} MiB")
+        print("\n| prefill tokens (bucket) | graph ms | eager ms | eager / graph | logits max diff (rel) | "
+              "KV max diff (rel) | argmax equal |")
+        print("|---|---:|---:|---:|---|---|---|")
+        for r in prefill_rows:
+            print(f"| {r['tokens']} ({r['bucket']}) | {r['graph_ms']:.2f} | {r['eager_ms']:.2f} | "
+                  f"{r['eager_over_graph']:.2f}x | {r['logits_max_abs_diff']:.3g} ({r['logits_rel_diff']:.2g}) | "
+                  f"{r['kv_max_abs_diff']:.3g} ({r['kv_rel_diff']:.2g}) | {r['argmax_equal']} |")
+        g, e = mixed["graphs"], mixed["eager"]
+        print(f"\n{g['batch']} decoding, a {g['new_prompt_tokens']}-token prompt arriving: a mixed step "
+              f"{g['mixed_ms']:.2f} ms from graphs vs {e['mixed_ms']:.2f} ms with prefill eager "
+              f"({e['mixed_ms'] / g['mixed_ms']:.2f}x; {g['mixed_steps']} / {e['mixed_steps']} steps); "
+              f"decode-only steps {g['decode_ms']:.2f} / {e['decode_ms']:.2f} ms")
     if prof is not None:
         print(f"\nunder torch.profiler, {args.prefix_len} tokens (kernels: device time on CUDA, own CPU time elsewhere)")
         print("| request | wall ms | kernels ms | launches | top kernels (ms) | top host ops, own CPU ms |")

@@ -50,6 +50,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = field(default=128, metadata=flag(
         "largest decode batch replayed from a CUDA graph: on by default on CUDA, dense and MoE (A3B) models alike "
         "(0 = eager; CPU: always eager)"))
+    prefill_graph_max_tokens: int = field(default=1024, metadata=flag(
+        "largest prefill-only step (a few text prompts, e.g. an image's prefix) replayed from a CUDA graph, padded "
+        "to a bucket of tokens (prefill_graphs.py; 0 = eager; CPU: always eager)"))
     log_level: str = field(default="info", metadata=flag("log level of the server and its engine"))
     engine_unit: str = field(default="process", metadata=flag(
         "process: the engine runs in its own rank process(es); thread: as a thread of this server (--tp 1; the "
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError("--tp must be >= 1")
         if self.engine_unit == "thread" and self.tp != 1:
             raise ValueError("--engine-unit thread runs one engine rank: it needs --tp 1")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError("--prefill-graph-max-tokens must be >= 0")
         if self.kv_cache_tokens < 1 or self.max_running_requests < 1:
             raise ValueError("--kv-cache-tokens and --max-running-requests must be >= 1")
         # frozen: the context limit is clamped once, here (a context never exceeds the KV cache)

@@ -118,7 +118,8 @@ class Engine:
         self.kv_cache_tokens = self._fit_kv_cache(cfg.kv_cache_tokens)
         self.max_model_len = min(cfg.max_model_len, self.kv_cache_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache_tokens, cfg.max_running_requests, self.max_model_len,
-                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs, on_phase=phase)
+                                  self.device, self.dtype, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+                                  prefill_graph_max_tokens=cfg.prefill_graph_max_tokens, on_phase=phase)
         self.out = out_sock
         self.pool = None
         if cfg.kv_pool_name:   # every rank writes its KV-head slice of exported prefixes (any transport's handles)

@@ -2,7 +2,9 @@
 
 The model does no attention itself; `attend` writes the new tokens' K/V into `kv_pool[layer]` and runs the
 hybrid-mask prefill kernel for the prefill rows and the decode kernel for the decode rows. On CUDA,
-decode-only steps replay CUDA graphs captured per batch size (see cuda_graphs.py).
+decode-only steps replay CUDA graphs captured per batch size (cuda_graphs.py), and prefill-only steps of a few
+text sequences graphs captured per padded token count (prefill_graphs.py); a step of both kinds runs as the
+two (`split_prefill_decode`) when each part has its graph.
 """
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ from services.contract.health import EnginePhase
 from services.model import row_blocks
 from services.model.lora_batched import lora_rows
 
-from .step_plan import StepPlan
+from .step_plan import StepPlan, split_prefill_decode
 
 log = logging.getLogger("u1serve.understanding.runner")
 
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_running: int, max_model_len: int, device, dtype,
-                 cuda_graph_max_bs: int = 0, warmup: bool | None = None,
+                 cuda_graph_max_bs: int = 0, warmup: bool | None = None, prefill_graph_max_tokens: int = 0,
                  on_phase: Callable[[EnginePhase], None] = lambda phase: None):
         self.model = model
         self.device = torch.device(device)
@@ -44,6 +46,7 @@ class ModelRunner:
         self.req_to_token = torch.zeros(max_running + 1, max_model_len + 1, dtype=torch.int32, device=self.device)
         self.req_to_token[self.scratch_row].fill_(self.scratch_slot)
         self.graphs = None
+        self.prefill_graphs = None
         if warmup if warmup is not None else self.device.type == "cuda":
             on_phase(EnginePhase.WARMING)
             self.warmup()
@@ -55,6 +58,15 @@ class ModelRunner:
             except Exception:
                 log.exception("CUDA graph capture failed; decoding eagerly")
                 self.graphs = None
+        if prefill_graph_max_tokens > 0 and self.device.type == "cuda":
+            from .prefill_graphs import PrefillGraphs
+            try:
+                self.prefill_graphs = PrefillGraphs(self, prefill_graph_max_tokens)
+                log.info("captured prefill CUDA graphs for %s tokens (%.0f MiB)", self.prefill_graphs.buckets,
+                         self.prefill_graphs.pool_bytes / 2**20)
+            except Exception:
+                log.exception("prefill CUDA graph capture failed; prefilling eagerly")
+                self.prefill_graphs = None
 
     @torch.no_grad()
     def warmup(self, lengths=(16, 512)) -> None:
@@ -124,8 +136,28 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the step; returns fp32 logits for plan.logit_rows (or None when no row needs them)."""
         self.apply_table_writes(plan)
-        if self.graphs is not None and plan.lora_slots is None and self.graphs.can_run(plan):
-            return self.graphs.run(plan)
+        if plan.lora_slots is None:
+            for graphs in (self.graphs, self.prefill_graphs):
+                if graphs is not None and graphs.can_run(plan):
+                    return graphs.run(plan)
+            parts = self._graphed_parts(plan)
+            if parts is not None:
+                prefill, decode = parts
+                return torch.cat([self.prefill_graphs.run(prefill), self.graphs.run(decode)])
+        return self.eager_forward(plan)
+
+    def _graphed_parts(self, plan: StepPlan) -> tuple[StepPlan, StepPlan] | None:
+        """A mixed step (new prompts beside decoding ones, the usual step under chat load) as a prefill graph then a
+        decode graph: the weights are read twice, but an eager mixed step is bound by its ~600 launches."""
+        if self.graphs is None or self.prefill_graphs is None:
+            return None
+        parts = split_prefill_decode(plan)
+        if parts is None or not (self.prefill_graphs.can_run(parts[0]) and self.graphs.can_run(parts[1])):
+            return None
+        return parts
+
+    def eager_forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """`forward` without graphs (its table writes already applied)."""
         dev = self.device
         n_p = plan.num_prefill_rows
         has_image = bool((plan.image_end[:n_p] > 0).any()) if n_p else False

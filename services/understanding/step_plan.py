@@ -32,3 +32,25 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+def split_prefill_decode(plan: StepPlan) -> tuple[StepPlan, StepPlan] | None:
+    """A step of prefill and decode rows as two steps, its prefill rows then its decode rows, whose logits in
+    that order are the step's (each row attends to its own sequence alone, so nothing crosses the split); None
+    where the step is not of both kinds, has input images or adapters, or wants logits out of row order. The
+    table writes stay with the step (applied before either part runs)."""
+    n, rows = plan.num_prefill_rows, plan.logit_rows
+    if not 0 < n < plan.num_tokens or plan.images or plan.lora_slots is not None:
+        return None
+    if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        return None
+    none = torch.zeros(0, dtype=torch.long)
+    prefill = StepPlan(input_ids=plan.input_ids[:n], positions=plan.positions[:, :n], image_end=plan.image_end[:n],
+                       images=[], out_slots=plan.out_slots[:n], num_prefill_rows=n, p_rows=plan.p_rows,
+                       p_start=plan.p_start, p_seq_len=plan.p_seq_len, p_cu_q=plan.p_cu_q, d_rows=none,
+                       d_seq_len=none, logit_rows=rows[rows < n])
+    decode = StepPlan(input_ids=plan.input_ids[n:], positions=plan.positions[:, n:], image_end=plan.image_end[n:],
+                      images=[], out_slots=plan.out_slots[n:], num_prefill_rows=0, p_rows=none, p_start=none,
+                      p_seq_len=none, p_cu_q=torch.zeros(1, dtype=torch.long), d_rows=plan.d_rows,
+                      d_seq_len=plan.d_seq_len, logit_rows=rows[rows >= n] - n)
+    return prefill, decode
