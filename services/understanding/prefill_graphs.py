@@ -14,7 +14,8 @@ GEMMs over L rows may round differently from n rows: bits are not promised in bf
 exact-row mode (U1SERVE_EXACT_ROWS, the CPU's default) runs every prefill eagerly.
 
 Captured at start after the decode graphs (largest bucket first, one memory pool: later buckets reuse its memory),
-then checked: the smallest bucket's replay must give the eager step's logits and KV, or prefill stays eager.
+each replayed once (a graph's first launch is slow), then checked: the smallest bucket's replay must give the eager
+step's logits and KV, or prefill stays eager.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class PrefillGraphs(GraphCaptures):
             buf.copy_(self._host(L, _idle_plan()))
             replay, out = self._capture(lambda buf=buf, L=L: self._body(buf, L))
             self.graphs[L] = (buf, replay, out)
+        self._upload(replay for _, replay, _ in self.graphs.values())   # idle buffers: every row is padding
         self._self_check()
         self.pool_bytes = _reserved(runner.device) - before     # what the graphs' memory pool holds (GPU)
 
