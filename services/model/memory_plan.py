@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 GiB = 1 << 30
 MiB = 1 << 20
 CUDA_CONTEXT_BYTES = 768 * MiB          # per engine process: CUDA context, cuBLAS / cuDNN workspaces (estimate)
-UND_MIN_RESERVE = 2 * GiB               # understanding: activations, decode CUDA graphs, sampling ...
+UND_MIN_RESERVE = 2 * GiB               # understanding: activations, decode and prefill CUDA graphs (the prefill
+                                        # graphs up to 1,024 tokens: 584 MiB on an H100, 8B), sampling ...
 INT8_PRODUCT_BYTES = 4                   # an int8 GEMM's int32 product, made fp32 in place (kernels/int8_gemm.py)
 UND_RESERVE_SHARE = 0.1                 # ... or this share of its budget, whichever is more (engine._fit_kv_cache)
 UND_MIN_KV_TOKENS = 1024                # the engine never sizes its KV cache below this
