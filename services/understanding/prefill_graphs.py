@@ -19,16 +19,12 @@ step's logits and KV, or prefill stays eager.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from services.model import row_blocks
 
 from .cuda_graphs import GraphCaptures, Recorded
 from .step_plan import StepPlan
-
-log = logging.getLogger("u1serve.understanding.graphs")
 
 BUCKETS = (32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 MAX_SEQS = 4          # sequences of one graphed step (a CFG pair's two prefixes, a few chats arriving together)
