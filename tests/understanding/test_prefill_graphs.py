@@ -160,3 +160,24 @@ def test_a_replay_that_differs_from_eager_is_refused_at_start(ref, packed_rows):
         WrongPrefillGraphs(runner, 64)
     # the self-check leaves no trace outside the scratch slot (the padding rows write there, as the warm-up does)
     assert int(runner.req_to_token[0].abs().sum()) == 0 and float(runner.kv_pool[:, :, :512].abs().sum()) == 0.0
+
+
+def test_a_mixed_step_splits_into_its_prefill_and_its_decode_rows():
+    from services.understanding.step_plan import StepPlan, split_prefill_decode
+    i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    n, d = 7, 3                                # 7 prefill rows (two prompts: 4 + 3), then 3 decode rows
+    plan = StepPlan(input_ids=torch.arange(n + d), positions=torch.arange(n + d).repeat(3, 1),
+                    image_end=torch.zeros(n + d, dtype=torch.int32), images=[], out_slots=torch.arange(100, 110),
+                    num_prefill_rows=n, p_rows=i64([0, 1]), p_start=i64([0, 5]), p_seq_len=i64([4, 8]),
+                    p_cu_q=i64([0, 4, 7]), d_rows=i64([2, 3, 4]), d_seq_len=i64([9, 9, 9]), logit_rows=i64([6, 7, 8, 9]))
+    prefill, decode = split_prefill_decode(plan)
+    assert prefill.num_tokens == n and prefill.logit_rows.tolist() == [6] and prefill.out_slots[-1] == 106
+    assert decode.num_prefill_rows == 0 and decode.num_tokens == d and decode.logit_rows.tolist() == [0, 1, 2]
+    assert decode.out_slots.tolist() == [107, 108, 109] and decode.d_rows.tolist() == [2, 3, 4]
+    plan.logit_rows = i64([7, 6, 8, 9])        # logits wanted out of row order: not split
+    assert split_prefill_decode(plan) is None
+    plan.logit_rows = i64([6, 7, 8, 9])
+    plan.images = ["an image"]                 # input images: not split (the vision rows are the step's)
+    assert split_prefill_decode(plan) is None
+    plan.images, plan.num_prefill_rows = [], n + d
+    assert split_prefill_decode(plan) is None  # one kind of rows only
