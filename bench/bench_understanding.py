@@ -414,7 +414,8 @@ def run(model_dir, args, rng, batches, pool):
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,
            "prefill_graphs": None if graphs is None else {
-               "buckets": graphs.buckets, "kind": type(graphs).__name__, "pool_mib": graphs.pool_bytes / 2**20, "prefix_export_eager_ms": prefix_eager_ms,
+               "buckets": graphs.buckets, "kind": type(graphs).__name__, "pool_mib": graphs.pool_bytes / 2**20,
+               "prefix_export_eager_ms": prefix_eager_ms,
                "steps": prefill_rows, "mixed": mixed},
            "hbm_bound_ms": bound_ms, "bandwidth_tbs": bw_tbs}
     if prof is not None:

@@ -169,7 +169,8 @@ def test_a_mixed_step_splits_into_its_prefill_and_its_decode_rows():
     plan = StepPlan(input_ids=torch.arange(n + d), positions=torch.arange(n + d).repeat(3, 1),
                     image_end=torch.zeros(n + d, dtype=torch.int32), images=[], out_slots=torch.arange(100, 110),
                     num_prefill_rows=n, p_rows=i64([0, 1]), p_start=i64([0, 5]), p_seq_len=i64([4, 8]),
-                    p_cu_q=i64([0, 4, 7]), d_rows=i64([2, 3, 4]), d_seq_len=i64([9, 9, 9]), logit_rows=i64([6, 7, 8, 9]))
+                    p_cu_q=i64([0, 4, 7]), d_rows=i64([2, 3, 4]), d_seq_len=i64([9, 9, 9]),
+                    logit_rows=i64([6, 7, 8, 9]))
     prefill, decode = split_prefill_decode(plan)
     assert prefill.num_tokens == n and prefill.logit_rows.tolist() == [6] and prefill.out_slots[-1] == 106
     assert decode.num_prefill_rows == 0 and decode.num_tokens == d and decode.logit_rows.tolist() == [0, 1, 2]
