@@ -244,11 +244,15 @@ def use_layout(model, leg: str) -> None:
 
 
 def recapture(engine, change) -> None:
-    """Drop the engine's decode graphs, `change()` the model, capture them again (up to batch 64: the bench's)."""
+    """Drop the engine's graphs, `change()` the model, capture the decode graphs again (up to batch 64: the
+    bench's)."""
     import gc
 
     from services.understanding.cuda_graphs import DecodeGraphs
     runner = engine.runner
+    # the prefill graphs read the old layout's weights too: dropped (this part times decode; its prompts prefill
+    # eagerly), not recaptured
+    runner.prefill_graphs = None
     if not str(runner.device).startswith("cuda"):     # the CPU smoke: no graphs to drop or capture
         change()
         return
@@ -261,11 +265,12 @@ def recapture(engine, change) -> None:
 
 
 def step_calls(engine) -> dict:
-    """One batch-b decode step per batch size, as a closure: the captured graph's replay on CUDA; on the CPU (the
-    smoke, no graphs) the same forward eagerly on the scratch slot, so the smoke runs every line of the part."""
+    """One batch-b decode step per batch size, as a closure: the captured graph's replay on CUDA (on the CPU smoke
+    the recorded stand-in's, bench_understanding.make_engine); without graphs the same forward eagerly on the
+    scratch slot, so the smoke runs every line of the part."""
     runner = engine.runner
     if runner.graphs is not None:
-        return {b: g.replay for b, (g, _) in runner.graphs.graphs.items()}
+        return {b: replay for b, (replay, _) in runner.graphs.graphs.items()}
 
     def eager(b):
         dev = runner.device

@@ -9,7 +9,11 @@ GPU, A3B (random weights; its fused MoE, decode CUDA graphs on; the batch-1 boun
 GPU, where a T2I prefix export's time goes beyond its prefill (torch.profiler of one export and one first-token
 request of the same length; ~1 minute more):
     python -m bench.bench_understanding --batches 1 --profile-prefix --json /tmp/und_prefix.json
-CPU smoke run (tiny checkpoint, small sizes; --variant a3b for the tiny MoE):
+Prefill graphs (services/understanding/prefill_graphs.py): the prefix export again with prefill eager, a prefill
+table (graphs vs eager: time, logit and KV differences) and a mixed step (decoding requests with prompts arriving),
+graphed and eager; a graphed figure counts only steps that replayed graphs.
+CPU smoke run (tiny checkpoint, small sizes; --variant a3b for the tiny MoE; the graphs' recorded stand-ins, rows
+computed whole as on a GPU):
     python -m bench.bench_understanding --tiny --device cpu --dtype float32 --batches 1,4 \\
         --decode-tokens 8 --ttft-len 64 --prefix-len 40 --ref-tokens 4
 
@@ -88,10 +92,19 @@ def make_engine(model_dir, args, pool_name=None, max_running=128, prefix_cache=F
                        in_addr=f"inproc://bench-und-{uuid.uuid4().hex}",
                        cuda_graph_max_bs=args.cuda_graph_max_bs if args.device.startswith("cuda") else 0,
                        prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+    if args.prefill_graph_max_tokens and not args.device.startswith("cuda"):
+        # the CPU smoke runs the graphs' recorded stand-ins where a GPU runs graphs: rows computed whole, as there
+        # (the CPU's exact-row mode prefills eagerly, so no step would take them)
+        from services.base import knobs
+        os.environ[knobs.EXACT_ROWS.name] = "0"
     engine = Engine(0, cfg, None, _NullSock())
-    if engine.runner.prefill_graphs is None and args.prefill_graph_max_tokens and not args.device.startswith("cuda"):
+    runner = engine.runner
+    if runner.prefill_graphs is None and args.prefill_graph_max_tokens and not args.device.startswith("cuda"):
+        from services.understanding.cuda_graphs import RecordedDecodeGraphs
         from services.understanding.prefill_graphs import RecordedPrefillGraphs
-        engine.runner.prefill_graphs = RecordedPrefillGraphs(engine.runner, args.prefill_graph_max_tokens)
+        runner.prefill_graphs = RecordedPrefillGraphs(runner, args.prefill_graph_max_tokens)
+        if args.cuda_graph_max_bs:
+            runner.graphs = RecordedDecodeGraphs(runner, min(args.cuda_graph_max_bs, max_running))
     return engine
 
 
@@ -186,7 +199,7 @@ def bench_prefill_graphs(engine, args, rng) -> list[dict]:
     """One prefill-only step of a few lengths, run by the runner on free slots (the engine is idle: no request
     holds one) from its graphs and eagerly in turn: the step's time each way, and what padding the rows to a
     bucket changes (logits of the last row, the KV written: the prefix an image request exports)."""
-    from services.understanding.prefill_graphs import one_sequence_plan
+    from services.understanding.step_plan import one_sequence_plan
     runner, graphs = engine.runner, engine.runner.prefill_graphs
     rows = []
     for n in sorted({64, args.prefix_len, args.ttft_len}):
@@ -226,6 +239,7 @@ def bench_mixed(engine, tok, args, rng, batch: int = 16, new_len: int = 128, arr
     for i in range(batch):
         engine.sched.add(SubmitRequest(f"mx-{i}-{uuid.uuid4().hex[:6]}", rand_ids(rng, args.prompt_len, tok), [],
                                        SamplingParams(max_tokens=3 * arrivals + 8, temperature=0.0, ignore_eos=True)))
+    graphs = engine.runner.prefill_graphs
     mixed, decode, step = [], [], 0
     while engine.sched.has_work:
         if step >= 3 and step % 3 == 0 and step <= 3 * arrivals:
@@ -235,13 +249,16 @@ def bench_mixed(engine, tok, args, rng, batch: int = 16, new_len: int = 128, arr
         if scheduled is None:
             break
         plan = scheduled[0]
+        replays = graphs.replays if graphs is not None else 0
         sync(engine.device)
         t0 = time.perf_counter()
         engine.execute(scheduled)
         sync(engine.device)
         dt = time.perf_counter() - t0
         d = int(plan.d_rows.numel())
-        (mixed if plan.num_prefill_rows and d else decode if d == plan.num_tokens else []).append(dt)
+        # with graphs, a mixed step counts only when it ran from them (prefill graph then decode graph)
+        graphed = graphs is None or graphs.replays > replays
+        (mixed if plan.num_prefill_rows and d and graphed else decode if d == plan.num_tokens else []).append(dt)
         engine.sched.take_outputs()
         step += 1
     return {"batch": batch, "new_prompt_tokens": new_len, "mixed_steps": len(mixed),
@@ -380,7 +397,8 @@ def handoff_pool(model_dir, args):
 def run(model_dir, args, rng, batches, pool):
     engine = make_engine(model_dir, args, pool_name=pool.pool.name, max_running=max(128, max(batches)))
     tok_ = __import__("services.model.tokenizer", fromlist=["NeoTokenizer"]).NeoTokenizer.from_dir(model_dir)
-    print(f"model loaded on {args.device} ({args.dtype}); graphs: {engine.runner.graphs is not None}", flush=True)
+    print(f"model loaded on {args.device} ({args.dtype}); graphs: {type(engine.runner.graphs).__name__}, "
+          f"{type(engine.runner.prefill_graphs).__name__}", flush=True)
     bench_decode(engine, tok_, min(batches), args, rng)           # warm-up: compile the kernels
     decode = [bench_decode(engine, tok_, b, args, rng) for b in batches]
     ttft = bench_ttft(engine, tok_, args, rng)
@@ -390,8 +408,11 @@ def run(model_dir, args, rng, batches, pool):
     print(f"ours: TTFT {ttft:.1f} ms", flush=True)
 
     bench_prefix(engine, tok_, pool, args, rng)                 # warm-up
-    prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
     graphs = engine.runner.prefill_graphs
+    replays = graphs.replays if graphs is not None else 0
+    prefix_ms, copy_ms = bench_prefix(engine, tok_, pool, args, rng)
+    if graphs is not None and graphs.replays == replays:
+        raise RuntimeError("the prefix exports ran no prefill graph: the graphed figure would be the eager one")
     prefix_eager_ms = prefill_rows = mixed = None
     if graphs is not None:
         with eager_prefill(engine):
@@ -409,7 +430,7 @@ def run(model_dir, args, rng, batches, pool):
     res = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine()),
            "torch": torch.__version__, "dtype": args.dtype, "variant": "tiny" if args.tiny else args.variant,
            "date": time.strftime("%Y-%m-%d"), "moe": engine.model.cfg.llm.is_moe,
-           "cuda_graphs": engine.runner.graphs is not None,
+           "cuda_graphs": engine.runner.graphs is not None and args.device.startswith("cuda"),
            "prompt_len": args.prompt_len, "decode": decode, "reference": ref,
            "ttft_ms": ttft, "ttft_len": args.ttft_len, "prefix_len": args.prefix_len,
            "prefix_export_ms": prefix_ms, "prefix_copy_ms": copy_ms,

@@ -17,11 +17,12 @@ from kernels.decode_attention import decode_attention
 from kernels.kv_copy import kv_write_
 from kernels.prefill_attention import prefill_attention
 
+from services.base import knobs
 from services.contract.health import EnginePhase
 from services.model import row_blocks
 from services.model.lora_batched import lora_rows
 
-from .step_plan import StepPlan, split_prefill_decode
+from .step_plan import StepPlan, one_sequence_plan, split_prefill_decode
 
 log = logging.getLogger("u1serve.understanding.runner")
 
@@ -58,7 +59,9 @@ class ModelRunner:
             except Exception:
                 log.exception("CUDA graph capture failed; decoding eagerly")
                 self.graphs = None
-        if prefill_graph_max_tokens > 0 and self.device.type == "cuda":
+        if prefill_graph_max_tokens > 0 and self.device.type == "cuda" and row_blocks.enabled(self.device):
+            log.info("exact rows (%s): prefill runs eagerly, no prefill CUDA graphs", knobs.EXACT_ROWS.name)
+        elif prefill_graph_max_tokens > 0 and self.device.type == "cuda":
             from .prefill_graphs import PrefillGraphs
             try:
                 self.prefill_graphs = PrefillGraphs(self, prefill_graph_max_tokens)
@@ -77,15 +80,10 @@ class ModelRunner:
         width = self.req_to_token.shape[1] - 1
         for n in sorted({max(2, min(t, width)) for t in lengths}):
             for image in (False, True):
-                iend = torch.zeros(n, dtype=torch.int32)
+                plan = one_sequence_plan(torch.zeros(n, dtype=torch.long),
+                                         torch.full((n,), self.scratch_slot, dtype=torch.long), self.scratch_row)
                 if image and n >= 4:
-                    iend[1:n - 1] = n - 1   # rows 1..n-2: one image span
-                plan = StepPlan(
-                    input_ids=torch.zeros(n, dtype=torch.long),
-                    positions=torch.arange(n).repeat(3, 1), image_end=iend, images=[],
-                    out_slots=torch.full((n,), self.scratch_slot, dtype=torch.long), num_prefill_rows=n,
-                    p_rows=i64([self.scratch_row]), p_start=i64([0]), p_seq_len=i64([n]),
-                    p_cu_q=i64([0, n]), d_rows=i64([]), d_seq_len=i64([]), logit_rows=i64([n - 1]))
+                    plan.image_end[1:n - 1] = n - 1   # rows 1..n-2: one image span
                 self.forward(plan)
         plan = StepPlan(
             input_ids=i64([0]), positions=torch.zeros(3, 1, dtype=torch.long),

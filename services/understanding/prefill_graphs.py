@@ -24,7 +24,7 @@ import torch
 from services.model import row_blocks
 
 from .cuda_graphs import GraphCaptures, Recorded
-from .step_plan import StepPlan
+from .step_plan import StepPlan, one_sequence_plan
 
 BUCKETS = (32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 MAX_SEQS = 4          # sequences of one graphed step (a CFG pair's two prefixes, a few chats arriving together)
@@ -148,16 +148,6 @@ def _views(buf: torch.Tensor, L: int):
     parts = torch.split(buf, [L, 3 * L, L, S, S, S, S + 1, MAX_SEQS])
     ids, pos, slots, rows, start, seq_len, cu, last = parts
     return ids, pos.view(3, L), slots, rows, start, seq_len, cu, last
-
-
-def one_sequence_plan(ids: torch.Tensor, slots: torch.Tensor, row: int) -> StepPlan:
-    """A prefill step of one sequence (`ids` on `slots`, table row `row`), logits of its last row."""
-    n = int(ids.numel())
-    i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    return StepPlan(input_ids=ids.long(), positions=torch.arange(n).repeat(3, 1),
-                    image_end=torch.zeros(n, dtype=torch.int32), images=[], out_slots=slots.long(),
-                    num_prefill_rows=n, p_rows=i64([row]), p_start=i64([0]), p_seq_len=i64([n]), p_cu_q=i64([0, n]),
-                    d_rows=i64([]), d_seq_len=i64([]), logit_rows=i64([n - 1] if n else []))
 
 
 def _idle_plan() -> StepPlan:

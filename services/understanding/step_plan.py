@@ -54,3 +54,13 @@ def split_prefill_decode(plan: StepPlan) -> tuple[StepPlan, StepPlan] | None:
                       p_seq_len=none, p_cu_q=torch.zeros(1, dtype=torch.long), d_rows=plan.d_rows,
                       d_seq_len=plan.d_seq_len, logit_rows=rows[rows >= n] - n)
     return prefill, decode
+
+
+def one_sequence_plan(ids: torch.Tensor, slots: torch.Tensor, row: int) -> StepPlan:
+    """A prefill step of one sequence (`ids` on `slots`, table row `row`), logits of its last row."""
+    n = int(ids.numel())
+    i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return StepPlan(input_ids=ids.long(), positions=torch.arange(n).repeat(3, 1),
+                    image_end=torch.zeros(n, dtype=torch.int32), images=[], out_slots=slots.long(),
+                    num_prefill_rows=n, p_rows=i64([row]), p_start=i64([0]), p_seq_len=i64([n]), p_cu_q=i64([0, n]),
+                    d_rows=i64([]), d_seq_len=i64([]), logit_rows=i64([n - 1] if n else []))

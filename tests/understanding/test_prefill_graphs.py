@@ -13,7 +13,8 @@ import torch
 
 from services.base import knobs
 from services.understanding.cuda_graphs import RecordedDecodeGraphs
-from services.understanding.prefill_graphs import MAX_SEQS, RecordedPrefillGraphs, one_sequence_plan
+from services.understanding.prefill_graphs import MAX_SEQS, RecordedPrefillGraphs
+from services.understanding.step_plan import one_sequence_plan
 
 
 class WrongPrefillGraphs(RecordedPrefillGraphs):
