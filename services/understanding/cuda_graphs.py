@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from services.model import row_blocks
+
 log = logging.getLogger("u1serve.understanding.graphs")
 
 _SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -109,9 +111,11 @@ class DecodeGraphs(GraphCaptures):
             raise RuntimeError("CUDA graph replay differs from the eager forward")
 
     def can_run(self, plan) -> bool:
+        """A decode-only step; of several rows only where they are computed whole (exact-row mode runs each
+        sequence's rows alone: model/row_blocks.py, eagerly)."""
         b = int(plan.d_rows.numel())
         return (plan.num_prefill_rows == 0 and 0 < b <= self.max_bs and not plan.images
-                and int(plan.logit_rows.numel()) == b)
+                and int(plan.logit_rows.numel()) == b and (b == 1 or not row_blocks.enabled(self.runner.device)))
 
     def run(self, plan) -> torch.Tensor:
         b = int(plan.d_rows.numel())

@@ -183,3 +183,25 @@ def test_a_mixed_step_splits_into_its_prefill_and_its_decode_rows():
     assert split_prefill_decode(plan) is None
     plan.images, plan.num_prefill_rows = [], n + d
     assert split_prefill_decode(plan) is None  # one kind of rows only
+
+
+def test_exact_rows_decode_several_rows_eagerly(ref, monkeypatch):
+    """Exact-row mode computes each sequence's rows alone; a graph computes a batch whole, so only a one-row decode
+    step replays there (the prefill graphs take no step at all: test_which_steps_replay)."""
+    from services.understanding.cuda_graphs import RecordedDecodeGraphs
+    from services.understanding.step_plan import StepPlan
+    model, _ = ref
+    runner = _runner(model, 256, 4, 256)
+    monkeypatch.setenv(knobs.EXACT_ROWS.name, "0")
+    graphs = RecordedDecodeGraphs(runner, 4)
+    i64 = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+
+    def decode(b):
+        return StepPlan(input_ids=torch.zeros(b, dtype=torch.long), positions=torch.zeros(3, b, dtype=torch.long),
+                        image_end=torch.zeros(b, dtype=torch.int32), images=[], out_slots=torch.arange(b),
+                        num_prefill_rows=0, p_rows=i64([]), p_start=i64([]), p_seq_len=i64([]), p_cu_q=i64([0]),
+                        d_rows=torch.arange(b), d_seq_len=torch.ones(b, dtype=torch.long), logit_rows=torch.arange(b))
+
+    assert graphs.can_run(decode(1)) and graphs.can_run(decode(3))
+    monkeypatch.setenv(knobs.EXACT_ROWS.name, "1")
+    assert graphs.can_run(decode(1)) and not graphs.can_run(decode(3))
